@@ -1,0 +1,95 @@
+#include "common/chunk_planner.h"
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "common/dtype.h"
+
+namespace weightsync {
+
+absl::StatusOr<int64_t> PayloadBytes(const v1::TensorSpec& tensor) {
+  const std::string what = absl::StrCat("tensor '", tensor.name(), "'");
+  const std::vector<int64_t> shape(tensor.shape().begin(),
+                                   tensor.shape().end());
+  absl::StatusOr<int64_t> numel = NumElements(shape, tensor.dtype(), what);
+  if (!numel.ok()) return numel.status();
+  const int64_t esize = ElementSize(tensor.dtype());
+  const int64_t nnz = tensor.sparse_nnz();
+  if (nnz < 0 || nnz > *numel) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": sparse_nnz ", nnz, " is outside [0, ", *numel,
+                     "] for shape ", ShapeString(shape)));
+  }
+  if (nnz > 0) return nnz * (8 + esize);
+  return *numel * esize;
+}
+
+absl::StatusOr<ChunkPlan> PlanChunks(const Manifest& manifest,
+                                     int64_t chunk_bytes) {
+  if (chunk_bytes <= 0 || chunk_bytes % kChunkAlignment != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk_bytes ", chunk_bytes,
+                     " must be a positive multiple of ", kChunkAlignment));
+  }
+  ChunkPlan plan;
+  plan.chunk_bytes = chunk_bytes;
+  plan.tensor_offsets.reserve(manifest.size());
+  plan.payload_bytes.reserve(manifest.size());
+  absl::flat_hash_set<std::string> names;
+  int64_t next = 0;
+  for (const v1::TensorSpec& t : manifest) {
+    if (t.name().empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor #", plan.payload_bytes.size(), " has an empty name"));
+    }
+    if (!names.insert(t.name()).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", t.name(), "' appears twice in the manifest"));
+    }
+    absl::StatusOr<int64_t> payload = PayloadBytes(t);
+    if (!payload.ok()) return payload.status();
+    const int64_t offset = (next + kChunkAlignment - 1) / kChunkAlignment *
+                           kChunkAlignment;
+    if (*payload > (int64_t{1} << 62) - offset) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor '", t.name(), "' takes the update past 2^62 bytes"));
+    }
+    plan.tensor_offsets.push_back(offset);
+    plan.payload_bytes.push_back(*payload);
+    plan.total_bytes = offset + *payload;
+    next = plan.total_bytes;
+  }
+  const int64_t num_chunks = (plan.total_bytes + chunk_bytes - 1) / chunk_bytes;
+  plan.chunks.resize(num_chunks);
+  // Tensors are in stream order, so one forward sweep assigns every piece.
+  int tensor = 0;
+  for (int64_t k = 0; k < num_chunks; ++k) {
+    Chunk& chunk = plan.chunks[k];
+    chunk.index = k;
+    chunk.offset = k * chunk_bytes;
+    const int64_t end = std::min(chunk.offset + chunk_bytes, plan.total_bytes);
+    chunk.size = end - chunk.offset;
+    for (int t = tensor; t < manifest.size(); ++t) {
+      const int64_t t_begin = plan.tensor_offsets[t];
+      const int64_t t_end = t_begin + plan.payload_bytes[t];
+      if (t_begin >= end) break;
+      if (t_end <= chunk.offset) {
+        if (t == tensor) ++tensor;
+        continue;
+      }
+      const int64_t start = std::max(chunk.offset, t_begin);
+      const int64_t stop = std::min(end, t_end);
+      if (stop > start) {
+        chunk.pieces.push_back(
+            {t, start - t_begin, start - chunk.offset, stop - start});
+      }
+    }
+  }
+  return plan;
+}
+
+}  // namespace weightsync

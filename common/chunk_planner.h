@@ -1,0 +1,56 @@
+// The chunk planner: the one deterministic function of (manifest, chunk
+// size) that cuts an update into packed chunks. The trainer clients and the
+// daemon both call it, so they agree on where every byte travels without
+// sending a layout. Specified in docs/chunk_planner.md and pinned by
+// tests/vectors/chunk_plan.json. Pure functions; safe from any thread.
+#ifndef WEIGHTSYNC_COMMON_CHUNK_PLANNER_H_
+#define WEIGHTSYNC_COMMON_CHUNK_PLANNER_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "google/protobuf/repeated_field.h"
+#include "weightsync/v1/types.pb.h"
+
+namespace weightsync {
+
+inline constexpr int64_t kChunkAlignment = 256;
+
+// A contiguous run of one tensor's payload inside one chunk.
+struct Piece {
+  int32_t tensor = 0;         // index into the manifest
+  int64_t tensor_offset = 0;  // byte offset in the tensor's payload
+  int64_t chunk_offset = 0;   // byte offset in the chunk
+  int64_t length = 0;         // bytes
+};
+
+struct Chunk {
+  int64_t index = 0;
+  int64_t offset = 0;  // in the packed stream
+  int64_t size = 0;
+  std::vector<Piece> pieces;
+};
+
+struct ChunkPlan {
+  int64_t chunk_bytes = 0;
+  int64_t total_bytes = 0;
+  std::vector<int64_t> tensor_offsets;  // in the packed stream
+  std::vector<int64_t> payload_bytes;
+  std::vector<Chunk> chunks;
+};
+
+using Manifest = google::protobuf::RepeatedPtrField<v1::TensorSpec>;
+
+// Bytes a tensor occupies on the wire (dense, or sparse indices + values),
+// or INVALID_ARGUMENT naming the tensor.
+absl::StatusOr<int64_t> PayloadBytes(const v1::TensorSpec& tensor);
+
+// Plans `manifest` into chunks of `chunk_bytes` (a positive multiple of
+// kChunkAlignment). INVALID_ARGUMENT names the offending tensor or field.
+absl::StatusOr<ChunkPlan> PlanChunks(const Manifest& manifest,
+                                     int64_t chunk_bytes);
+
+}  // namespace weightsync
+
+#endif  // WEIGHTSYNC_COMMON_CHUNK_PLANNER_H_

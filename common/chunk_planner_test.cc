@@ -1,0 +1,106 @@
+#include "common/chunk_planner.h"
+
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "google/protobuf/util/json_util.h"
+#include "gtest/gtest.h"
+#include "tests/vectors/vectors.pb.h"
+
+namespace weightsync {
+namespace {
+
+vectors::PlanVectors LoadVectors() {
+  std::ifstream in("tests/vectors/chunk_plan.json");
+  EXPECT_TRUE(in.good()) << "tests/vectors/chunk_plan.json not found";
+  std::stringstream text;
+  text << in.rdbuf();
+  vectors::PlanVectors v;
+  const auto status =
+      google::protobuf::util::JsonStringToMessage(text.str(), &v);
+  EXPECT_TRUE(status.ok()) << status.ToString();
+  return v;
+}
+
+TEST(ChunkPlannerTest, MatchesSharedVectors) {
+  const vectors::PlanVectors v = LoadVectors();
+  ASSERT_EQ(v.alignment(), kChunkAlignment);
+  ASSERT_GE(v.cases_size(), 10);
+  for (const vectors::PlanCase& c : v.cases()) {
+    SCOPED_TRACE(c.name());
+    absl::StatusOr<ChunkPlan> plan = PlanChunks(c.tensors(), c.chunk_bytes());
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_EQ(plan->total_bytes, c.total_bytes());
+    EXPECT_EQ(plan->tensor_offsets,
+              std::vector<int64_t>(c.tensor_offsets().begin(),
+                                   c.tensor_offsets().end()));
+    EXPECT_EQ(plan->payload_bytes,
+              std::vector<int64_t>(c.payload_bytes().begin(),
+                                   c.payload_bytes().end()));
+    ASSERT_EQ(plan->chunks.size(), c.chunks_size());
+    for (int k = 0; k < c.chunks_size(); ++k) {
+      const Chunk& got = plan->chunks[k];
+      const vectors::ChunkVector& want = c.chunks(k);
+      EXPECT_EQ(got.index, want.index());
+      EXPECT_EQ(got.offset, want.offset());
+      EXPECT_EQ(got.size, want.size());
+      ASSERT_EQ(got.pieces.size(), want.pieces_size()) << "chunk " << k;
+      for (int p = 0; p < want.pieces_size(); ++p) {
+        EXPECT_EQ(got.pieces[p].tensor, want.pieces(p).tensor());
+        EXPECT_EQ(got.pieces[p].tensor_offset, want.pieces(p).tensor_offset());
+        EXPECT_EQ(got.pieces[p].chunk_offset, want.pieces(p).chunk_offset());
+        EXPECT_EQ(got.pieces[p].length, want.pieces(p).length());
+      }
+    }
+  }
+}
+
+TEST(ChunkPlannerTest, RejectsSharedErrorVectors) {
+  const vectors::PlanVectors v = LoadVectors();
+  ASSERT_GE(v.errors_size(), 6);
+  for (const vectors::ErrorCase& c : v.errors()) {
+    SCOPED_TRACE(c.name());
+    absl::StatusOr<ChunkPlan> plan = PlanChunks(c.tensors(), c.chunk_bytes());
+    ASSERT_FALSE(plan.ok());
+    EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(plan.status().message().find(c.error_contains()),
+              std::string::npos)
+        << plan.status();
+  }
+}
+
+TEST(ChunkPlannerTest, PiecesTileEveryPayloadOnce) {
+  Manifest m;
+  const int64_t dims[][2] = {{7, 3}, {1000, 33}, {0, 5}, {1, 1}, {257, 129}};
+  for (int i = 0; i < 5; ++i) {
+    v1::TensorSpec* t = m.Add();
+    t->set_name("t" + std::to_string(i));
+    t->set_dtype(i % 2 ? v1::BFLOAT16 : v1::FLOAT32);
+    t->add_shape(dims[i][0]);
+    t->add_shape(dims[i][1]);
+  }
+  for (int64_t chunk : {256, 768, 4096, 1 << 20}) {
+    absl::StatusOr<ChunkPlan> plan = PlanChunks(m, chunk);
+    ASSERT_TRUE(plan.ok());
+    std::vector<int64_t> covered(m.size(), 0);
+    int64_t sum = 0;
+    for (const Chunk& c : plan->chunks) {
+      sum += c.size;
+      EXPECT_LE(c.size, chunk);
+      for (const Piece& p : c.pieces) {
+        EXPECT_EQ(p.tensor_offset, covered[p.tensor]) << "out of order";
+        EXPECT_EQ(c.offset + p.chunk_offset,
+                  plan->tensor_offsets[p.tensor] + p.tensor_offset);
+        covered[p.tensor] += p.length;
+      }
+    }
+    EXPECT_EQ(sum, plan->total_bytes);
+    for (int i = 0; i < m.size(); ++i) {
+      EXPECT_EQ(covered[i], plan->payload_bytes[i]) << "tensor " << i;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace weightsync

@@ -1,0 +1,197 @@
+#include "daemon/core/copy_plan.h"
+
+#include <algorithm>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/dtype.h"
+#include "common/status_macros.h"
+#include "glog/logging.h"
+
+namespace weightsync {
+namespace {
+
+struct Use {
+  int32_t engine;
+  const ParameterLayout* param;
+  const SegmentLayout* segment;
+  int64_t rows, cols;  // the source's matrix view for this use
+};
+
+absl::Status CheckUse(const v1::TensorSpec& t, const std::string& engine,
+                      const ParameterLayout& p, const SegmentLayout& s) {
+  const std::vector<int64_t> shape(t.shape().begin(), t.shape().end());
+  const std::string where = absl::StrCat("tensor '", t.name(), "' -> engine '",
+                                         engine, "' parameter '", p.name, "'");
+  if (!CanConvert(t.dtype(), p.dtype)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": dtype ", DTypeName(t.dtype()),
+                     " can't be converted to ", DTypeName(p.dtype)));
+  }
+  if (p.implicit) {
+    if (shape != p.shape) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": shape ", ShapeString(shape),
+                       " does not match the registered ", ShapeString(p.shape)));
+    }
+    return absl::OkStatus();
+  }
+  if (!s.source_shape.empty() && shape != s.source_shape) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": shape ", ShapeString(shape), " does not match the segment's "
+        "source shape ", ShapeString(s.source_shape)));
+  }
+  int64_t rows, cols;
+  SourceMatrix(shape, &rows, &cols);
+  if (s.row_begin + s.row_count > rows || s.col_begin + s.col_count > cols) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": segment rows [", s.row_begin, ", ", s.row_begin + s.row_count,
+        ") cols [", s.col_begin, ", ", s.col_begin + s.col_count,
+        ") lie outside the tensor's ", rows, "x", cols, " matrix"));
+  }
+  return absl::OkStatus();
+}
+
+// Appends the copies that move source elements [e0, e1), found at chunk byte
+// `chunk_offset`, through `use`. At most three: a partial first row, a block
+// of whole rows, a partial last row.
+void EmitOps(const Use& use, int64_t e0, int64_t e1, int64_t chunk_offset,
+             v1::DType src_dtype, std::vector<CopyOp>& out) {
+  const SegmentLayout& s = *use.segment;
+  const ParameterLayout& p = *use.param;
+  const int64_t ses = ElementSize(src_dtype);
+  const int64_t des = ElementSize(p.dtype);
+  const int64_t C = use.cols;
+  const int64_t r_lo = std::max(s.row_begin, e0 / C);
+  const int64_t r_hi = std::min(s.row_begin + s.row_count - 1, (e1 - 1) / C);
+  auto emit = [&](int64_t r, int64_t a, int64_t b, int64_t nrows) {
+    // Elements [a, b) of source row r (absolute source indices), nrows rows.
+    CopyOp op;
+    op.engine = use.engine;
+    op.region = p.region;
+    op.src_offset = chunk_offset + (a - e0) * ses;
+    op.src_stride = C * ses;
+    const int64_t dst_elem =
+        s.dest_offset + (r - s.row_begin) * s.dest_row_stride +
+        (a - r * C - s.col_begin);
+    op.dst_offset = p.offset + dst_elem * des;
+    op.dst_stride = s.dest_row_stride * des;
+    op.rows = nrows;
+    op.cols = b - a;
+    op.src_dtype = src_dtype;
+    op.dst_dtype = p.dtype;
+    out.push_back(op);
+  };
+  auto row_span = [&](int64_t r, int64_t* a, int64_t* b) {
+    *a = std::max(r * C + s.col_begin, e0);
+    *b = std::min(r * C + s.col_begin + s.col_count, e1);
+    return *b > *a;
+  };
+  // Rows strictly between r_lo and r_hi lie wholly inside [e0, e1); the two
+  // end rows may be cut by the piece (or miss the block's columns).
+  int64_t first_full = r_lo, last_full = r_hi;
+  int64_t a, b;
+  if (r_lo <= r_hi) {
+    if (!row_span(r_lo, &a, &b)) {
+      first_full = r_lo + 1;
+    } else if (b - a < s.col_count) {
+      emit(r_lo, a, b, 1);
+      first_full = r_lo + 1;
+    }
+  }
+  bool tail = false;
+  int64_t ta = 0, tb = 0;
+  if (r_hi >= first_full) {
+    if (!row_span(r_hi, &ta, &tb)) {
+      last_full = r_hi - 1;
+    } else if (tb - ta < s.col_count) {
+      tail = true;
+      last_full = r_hi - 1;
+    }
+  }
+  if (first_full <= last_full) {
+    const int64_t start = first_full * C + s.col_begin;
+    emit(first_full, start, start + s.col_count, last_full - first_full + 1);
+  }
+  if (tail) emit(r_hi, ta, tb, 1);
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<const CopyPlan>> BuildCopyPlan(
+    const Manifest& manifest, int64_t chunk_bytes,
+    std::vector<std::shared_ptr<const EngineLayout>> engines) {
+  auto plan = std::make_shared<CopyPlan>();
+  WS_ASSIGN_OR_RETURN(plan->chunks, PlanChunks(manifest, chunk_bytes));
+  plan->engines = std::move(engines);
+  const int num_engines = plan->engines.size();
+  plan->bytes_by_engine.assign(num_engines, 0);
+  plan->covers_engine.assign(num_engines, false);
+
+  // Resolve and check every use of every manifest tensor first.
+  std::vector<std::vector<Use>> uses(manifest.size());
+  std::vector<int64_t> covered_bytes(num_engines, 0);
+  for (int t = 0; t < manifest.size(); ++t) {
+    const v1::TensorSpec& spec = manifest[t];
+    if (spec.sparse_nnz() > 0) {
+      return absl::UnimplementedError(absl::StrCat(
+          "tensor '", spec.name(),
+          "': sparse patches are not supported yet (issue 5)"));
+    }
+    const std::vector<int64_t> shape(spec.shape().begin(), spec.shape().end());
+    for (int e = 0; e < num_engines; ++e) {
+      const EngineLayout& engine = *plan->engines[e];
+      auto it = engine.uses_by_source.find(spec.name());
+      if (it == engine.uses_by_source.end()) continue;
+      for (const SourceUse& su : it->second) {
+        const ParameterLayout& p = engine.parameters[su.parameter];
+        const SegmentLayout& s = p.segments[su.segment];
+        WS_RETURN_IF_ERROR(CheckUse(spec, engine.engine_id, p, s));
+        Use use{e, &p, &s, 0, 0};
+        if (p.implicit) {
+          use.rows = 1;
+          use.cols = p.numel;
+        } else {
+          SourceMatrix(shape, &use.rows, &use.cols);
+        }
+        uses[t].push_back(use);
+        covered_bytes[e] += s.row_count * s.col_count * ElementSize(p.dtype);
+      }
+    }
+    if (uses[t].empty()) {
+      std::vector<std::string> ids;
+      for (const auto& e : plan->engines) ids.push_back(e->engine_id);
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor '", spec.name(), "' is not a parameter or segment source of "
+          "any engine in the update (", absl::StrJoin(ids, ", "), ")"));
+    }
+  }
+  for (int e = 0; e < num_engines; ++e) {
+    plan->bytes_by_engine[e] = covered_bytes[e];
+    plan->covers_engine[e] = covered_bytes[e] == plan->engines[e]->total_bytes;
+  }
+
+  plan->ops_by_chunk.resize(plan->chunks.chunks.size());
+  for (const Chunk& chunk : plan->chunks.chunks) {
+    std::vector<CopyOp>& ops = plan->ops_by_chunk[chunk.index];
+    for (const Piece& piece : chunk.pieces) {
+      const v1::TensorSpec& spec = manifest[piece.tensor];
+      const int64_t es = ElementSize(spec.dtype());
+      // Tensors start 256-aligned and chunks are multiples of 256, so a
+      // piece never splits an element.
+      CHECK_EQ(piece.tensor_offset % es, 0);
+      CHECK_EQ(piece.length % es, 0);
+      const int64_t e0 = piece.tensor_offset / es;
+      const int64_t e1 = e0 + piece.length / es;
+      for (const Use& use : uses[piece.tensor]) {
+        EmitOps(use, e0, e1, piece.chunk_offset, spec.dtype(), ops);
+      }
+    }
+  }
+  return std::shared_ptr<const CopyPlan>(std::move(plan));
+}
+
+}  // namespace weightsync

@@ -1,0 +1,52 @@
+// The data plane moves an update's bytes into engine memory following a
+// CopyPlan. One implementation per backend (backends/host, later NCCL and
+// IPC); the core drives it and never learns how bytes travel.
+#ifndef WEIGHTSYNC_DAEMON_CORE_DATA_PLANE_H_
+#define WEIGHTSYNC_DAEMON_CORE_DATA_PLANE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "daemon/core/copy_plan.h"
+
+namespace weightsync {
+
+// Thread-safety: Begin/Drain/Abort are called by the coordinator (one at a
+// time); SubmitChunk by one stream thread at a time; MarkEngineLost from any
+// thread. Implementations own their threads and join them on destruction.
+class DataPlane {
+ public:
+  virtual ~DataPlane() = default;
+
+  // Prepares for `plan` (staging, streams). FAILED_PRECONDITION if an
+  // update is still in progress; RESOURCE_EXHAUSTED over the staging budget.
+  virtual absl::Status Begin(std::shared_ptr<const CopyPlan> plan) = 0;
+
+  // Queues chunk `index` (exactly its planned size) for writing. Blocks
+  // while every staging buffer is busy, at most until `deadline`.
+  // UNIMPLEMENTED where bytes arrive some other way (NCCL).
+  virtual absl::Status SubmitChunk(int64_t index, std::string data,
+                                   absl::Time deadline) = 0;
+
+  // Waits until every submitted chunk is in engine memory. Returns the first
+  // copy failure, or DEADLINE_EXCEEDED.
+  virtual absl::Status Drain(absl::Time deadline) = 0;
+
+  // Drops queued chunks and waits for the copy in progress to end.
+  virtual void Abort() = 0;
+
+  // Stops writing into engine `engine` (index into the plan's engines).
+  virtual void MarkEngineLost(int engine) = 0;
+
+  // Chunks fully written into engine memory in the current update.
+  virtual int64_t chunks_written() const = 0;
+
+  virtual std::string name() const = 0;
+};
+
+}  // namespace weightsync
+
+#endif  // WEIGHTSYNC_DAEMON_CORE_DATA_PLANE_H_

@@ -1,0 +1,280 @@
+#include "daemon/core/engine_layout.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "common/dtype.h"
+#include "common/status_macros.h"
+
+namespace weightsync {
+namespace {
+
+absl::Status Invalid(const std::string& engine, const std::string& what) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("engine '", engine, "': ", what));
+}
+
+bool ValidEngineId(const std::string& id) {
+  if (id.empty() || id.size() > 128) return false;
+  return std::all_of(id.begin(), id.end(), [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+           (c >= '0' && c <= '9') || c == '-' || c == '_' || c == '.' ||
+           c == ':';
+  });
+}
+
+// Half-open element interval of a parameter, tagged for error messages.
+struct Interval {
+  int64_t begin, end;
+  int32_t segment;
+};
+
+absl::Status CheckSegments(const std::string& engine, ParameterLayout& p,
+                           const v1::Parameter& proto,
+                           const RegistrationLimits& limits,
+                           int64_t* rows_budget) {
+  const std::string where = absl::StrCat("parameter '", p.name, "'");
+  if (proto.segments_size() > limits.max_segments_per_parameter) {
+    return Invalid(engine, absl::StrCat(where, " has ", proto.segments_size(),
+                                        " segments; the limit is ",
+                                        limits.max_segments_per_parameter));
+  }
+  std::vector<Interval> intervals;
+  for (int i = 0; i < proto.segments_size(); ++i) {
+    const v1::Segment& s = proto.segments(i);
+    const std::string seg = absl::StrCat(where, " segment ", i, " (source '",
+                                         s.source(), "')");
+    if (s.source().empty() || s.source().size() > limits.max_name_length) {
+      return Invalid(engine, absl::StrCat(seg, ": bad source name"));
+    }
+    SegmentLayout l;
+    l.source = s.source();
+    l.source_shape.assign(s.source_shape().begin(), s.source_shape().end());
+    l.row_begin = s.row_begin();
+    l.row_count = s.row_count();
+    l.col_begin = s.col_begin();
+    l.col_count = s.col_count();
+    l.dest_offset = s.dest_offset();
+    l.dest_row_stride = s.dest_row_stride() == 0 ? s.col_count()
+                                                 : s.dest_row_stride();
+    if (l.row_begin < 0 || l.row_count <= 0 || l.col_begin < 0 ||
+        l.col_count <= 0 || l.dest_offset < 0 ||
+        l.dest_row_stride < l.col_count) {
+      return Invalid(engine,
+                     absl::StrCat(seg, ": rows [", l.row_begin, "+",
+                                  l.row_count, "] cols [", l.col_begin, "+",
+                                  l.col_count, "] dest ", l.dest_offset,
+                                  " stride ", l.dest_row_stride,
+                                  " is not a valid block"));
+    }
+    if (!l.source_shape.empty()) {
+      WS_RETURN_IF_ERROR(
+          NumElements(l.source_shape, p.dtype, absl::StrCat("engine '", engine,
+                                                           "': ", seg))
+              .status());
+      int64_t rows, cols;
+      SourceMatrix(l.source_shape, &rows, &cols);
+      if (l.row_begin + l.row_count > rows ||
+          l.col_begin + l.col_count > cols) {
+        return Invalid(engine,
+                       absl::StrCat(seg, ": block rows [", l.row_begin, ", ",
+                                    l.row_begin + l.row_count, ") cols [",
+                                    l.col_begin, ", ", l.col_begin + l.col_count,
+                                    ") lies outside source shape ",
+                                    ShapeString(l.source_shape)));
+      }
+    }
+    // Last element written: dest + (rows-1)*stride + cols, within numel.
+    const int64_t kMax = int64_t{1} << 62;
+    if (l.row_count > kMax / l.dest_row_stride ||
+        l.dest_offset > kMax - l.row_count * l.dest_row_stride ||
+        l.dest_offset + (l.row_count - 1) * l.dest_row_stride + l.col_count >
+            p.numel) {
+      return Invalid(engine, absl::StrCat(seg, ": destination runs past the "
+                                               "parameter's ",
+                                          p.numel, " elements"));
+    }
+    if (l.col_count == l.dest_row_stride) {
+      intervals.push_back({l.dest_offset,
+                           l.dest_offset + l.row_count * l.col_count, i});
+    } else {
+      *rows_budget -= l.row_count;
+      if (*rows_budget < 0) {
+        return Invalid(engine, absl::StrCat(seg, ": too many strided segment "
+                                                 "rows to check"));
+      }
+      for (int64_t r = 0; r < l.row_count; ++r) {
+        const int64_t b = l.dest_offset + r * l.dest_row_stride;
+        intervals.push_back({b, b + l.col_count, i});
+      }
+    }
+    p.segments.push_back(std::move(l));
+  }
+  std::sort(intervals.begin(), intervals.end(),
+            [](const Interval& a, const Interval& b) {
+              return a.begin < b.begin;
+            });
+  for (size_t i = 1; i < intervals.size(); ++i) {
+    if (intervals[i].begin < intervals[i - 1].end) {
+      return Invalid(engine,
+                     absl::StrCat(where, ": segments ",
+                                  intervals[i - 1].segment, " and ",
+                                  intervals[i].segment,
+                                  " write the same elements (at ",
+                                  intervals[i].begin, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+void SourceMatrix(const std::vector<int64_t>& shape, int64_t* rows,
+                  int64_t* cols) {
+  if (shape.empty()) {
+    *rows = 1;
+    *cols = 1;
+    return;
+  }
+  *rows = shape[0];
+  *cols = 1;
+  for (size_t i = 1; i < shape.size(); ++i) *cols *= shape[i];
+}
+
+absl::StatusOr<std::shared_ptr<const EngineLayout>> BuildEngineLayout(
+    const v1::RegisterEngineRequest& request, MemoryMapper& mapper,
+    const RegistrationLimits& limits) {
+  const std::string& engine = request.engine_id();
+  if (!ValidEngineId(engine)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "engine_id '", engine.substr(0, 64),
+        "' must be 1-128 characters of [A-Za-z0-9._:-]"));
+  }
+  if (request.parameters_size() == 0) {
+    return Invalid(engine, "registers no parameters");
+  }
+  if (request.parameters_size() > limits.max_parameters ||
+      request.allocations_size() > limits.max_allocations) {
+    return Invalid(engine, absl::StrCat("registers ",
+                                        request.parameters_size(),
+                                        " parameters in ",
+                                        request.allocations_size(),
+                                        " allocations; over the limit"));
+  }
+  if (request.version() < 0) {
+    return Invalid(engine, "version must not be negative");
+  }
+  for (int a = 0; a < request.allocations_size(); ++a) {
+    const v1::Allocation& alloc = request.allocations(a);
+    if (alloc.kind() == v1::MEMORY_KIND_UNSPECIFIED || alloc.handle().empty() ||
+        alloc.size() <= 0) {
+      return Invalid(engine, absl::StrCat("allocation ", a,
+                                          " needs a kind, a handle and a "
+                                          "positive size"));
+    }
+  }
+  auto layout = std::make_shared<EngineLayout>();
+  layout->engine_id = engine;
+  absl::flat_hash_set<std::string> names;
+  int64_t rows_budget = limits.max_segment_rows;
+  // Per allocation: [begin, end) byte ranges with the parameter index.
+  std::vector<std::vector<std::pair<std::pair<int64_t, int64_t>, int>>> ranges(
+      request.allocations_size());
+  for (int i = 0; i < request.parameters_size(); ++i) {
+    const v1::Parameter& proto = request.parameters(i);
+    if (proto.name().empty() || proto.name().size() > limits.max_name_length) {
+      return Invalid(engine, absl::StrCat("parameter #", i,
+                                          " has an empty or overlong name"));
+    }
+    if (!names.insert(proto.name()).second) {
+      return Invalid(engine, absl::StrCat("parameter '", proto.name(),
+                                          "' is registered twice"));
+    }
+    ParameterLayout p;
+    p.name = proto.name();
+    p.dtype = proto.dtype();
+    p.shape.assign(proto.shape().begin(), proto.shape().end());
+    WS_ASSIGN_OR_RETURN(
+        p.numel, NumElements(p.shape, p.dtype,
+                             absl::StrCat("engine '", engine, "': parameter '",
+                                          p.name, "'")));
+    p.bytes = p.numel * ElementSize(p.dtype);
+    if (proto.allocation() < 0 ||
+        proto.allocation() >= request.allocations_size()) {
+      return Invalid(engine, absl::StrCat("parameter '", p.name,
+                                          "' names allocation ",
+                                          proto.allocation(), " of ",
+                                          request.allocations_size()));
+    }
+    p.region = proto.allocation();
+    p.offset = proto.offset();
+    const int64_t alloc_size = request.allocations(p.region).size();
+    if (p.offset < 0 || p.offset > alloc_size ||
+        p.bytes > alloc_size - p.offset) {
+      return Invalid(engine,
+                     absl::StrCat("parameter '", p.name, "' bytes [", p.offset,
+                                  ", ", p.offset + p.bytes,
+                                  ") lie outside its allocation of ",
+                                  alloc_size, " bytes"));
+    }
+    if (p.bytes > 0) {
+      ranges[p.region].push_back({{p.offset, p.offset + p.bytes}, i});
+    }
+    if (proto.segments_size() == 0) {
+      p.implicit = true;
+      SegmentLayout s;
+      s.source = p.name;
+      s.source_shape = p.shape;
+      SourceMatrix(p.shape, &s.row_count, &s.col_count);
+      // A whole tensor is one contiguous run: view it as a single row.
+      s.col_count *= s.row_count;
+      s.row_count = 1;
+      s.dest_row_stride = s.col_count;
+      if (p.numel > 0) p.segments.push_back(std::move(s));
+    } else {
+      WS_RETURN_IF_ERROR(
+          CheckSegments(engine, p, proto, limits, &rows_budget));
+    }
+    for (int s = 0; s < static_cast<int>(p.segments.size()); ++s) {
+      layout->uses_by_source[p.segments[s].source].push_back({i, s});
+    }
+    layout->total_bytes += p.bytes;
+    layout->parameters.push_back(std::move(p));
+  }
+  for (auto& r : ranges) {
+    std::sort(r.begin(), r.end());
+    for (size_t i = 1; i < r.size(); ++i) {
+      if (r[i].first.first < r[i - 1].first.second) {
+        return Invalid(
+            engine,
+            absl::StrCat("parameters '",
+                         layout->parameters[r[i - 1].second].name, "' and '",
+                         layout->parameters[r[i].second].name,
+                         "' overlap in allocation ",
+                         layout->parameters[r[i].second].region));
+      }
+    }
+  }
+  // Everything checks out: only now open the memory.
+  for (int a = 0; a < request.allocations_size(); ++a) {
+    const v1::Allocation& alloc = request.allocations(a);
+    absl::StatusOr<std::shared_ptr<MappedRegion>> region = mapper.Open(alloc);
+    if (!region.ok()) {
+      return absl::Status(region.status().code(),
+                          absl::StrCat("engine '", engine, "': allocation ", a,
+                                       ": ", region.status().message()));
+    }
+    layout->regions.push_back(*std::move(region));
+    const std::string& uuid = alloc.device_uuid();
+    if (std::find(layout->device_uuids.begin(), layout->device_uuids.end(),
+                  uuid) == layout->device_uuids.end()) {
+      layout->device_uuids.push_back(uuid);
+    }
+  }
+  return std::shared_ptr<const EngineLayout>(std::move(layout));
+}
+
+}  // namespace weightsync

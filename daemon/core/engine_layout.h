@@ -1,0 +1,82 @@
+// An engine's registered memory layout: its parameters, how each is
+// assembled from checkpoint tensors (segments), and the regions the daemon
+// opened for it. Built once from a RegisterEngineRequest after validating
+// every field; immutable afterwards and shared by the registry and any
+// update in flight (which keeps the regions alive).
+#ifndef WEIGHTSYNC_DAEMON_CORE_ENGINE_LAYOUT_H_
+#define WEIGHTSYNC_DAEMON_CORE_ENGINE_LAYOUT_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "daemon/core/memory.h"
+#include "weightsync/v1/engine_service.pb.h"
+
+namespace weightsync {
+
+// Limits on what one registration may hold (untrusted input is bounded).
+struct RegistrationLimits {
+  int64_t max_parameters = 1 << 20;
+  int64_t max_allocations = 1 << 16;
+  int64_t max_segments_per_parameter = 4096;
+  int64_t max_name_length = 1024;
+  // Destination rows enumerated for the segment-overlap check.
+  int64_t max_segment_rows = int64_t{1} << 24;
+};
+
+struct SegmentLayout {
+  std::string source;
+  std::vector<int64_t> source_shape;  // empty: not given at registration
+  int64_t row_begin = 0, row_count = 0, col_begin = 0, col_count = 0;
+  int64_t dest_offset = 0, dest_row_stride = 0;  // elements; stride >= cols
+};
+
+struct ParameterLayout {
+  std::string name;
+  v1::DType dtype = v1::DTYPE_UNSPECIFIED;
+  std::vector<int64_t> shape;
+  int64_t numel = 0;
+  int64_t bytes = 0;
+  int32_t region = 0;   // index into EngineLayout::regions
+  int64_t offset = 0;   // bytes into the region
+  // True when registered without segments: the checkpoint tensor of the
+  // same name and shape is the whole parameter (segments holds that one).
+  bool implicit = false;
+  std::vector<SegmentLayout> segments;
+};
+
+// Where a checkpoint tensor is used: parameter index and segment index.
+struct SourceUse {
+  int32_t parameter = 0;
+  int32_t segment = 0;
+};
+
+struct EngineLayout {
+  std::string engine_id;
+  std::vector<ParameterLayout> parameters;
+  std::vector<std::shared_ptr<MappedRegion>> regions;
+  std::vector<std::string> device_uuids;  // distinct, in registration order
+  int64_t total_bytes = 0;
+  absl::flat_hash_map<std::string, std::vector<SourceUse>> uses_by_source;
+};
+
+// Validates `request` (names, dtypes, shapes, ranges inside allocations, no
+// overlapping parameters, segments inside their parameter and disjoint) and
+// only then opens its allocations through `mapper`. INVALID_ARGUMENT names
+// the engine and the offending parameter or segment; nothing stays open on
+// failure.
+absl::StatusOr<std::shared_ptr<const EngineLayout>> BuildEngineLayout(
+    const v1::RegisterEngineRequest& request, MemoryMapper& mapper,
+    const RegistrationLimits& limits = {});
+
+// The 2-D view [rows, cols] of a checkpoint tensor that segments index.
+void SourceMatrix(const std::vector<int64_t>& shape, int64_t* rows,
+                  int64_t* cols);
+
+}  // namespace weightsync
+
+#endif  // WEIGHTSYNC_DAEMON_CORE_ENGINE_LAYOUT_H_
