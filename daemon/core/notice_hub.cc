@@ -12,10 +12,10 @@ void NoticeHub::Attach(const std::string& engine,
   channels_[engine] = std::move(ch);
 }
 
-void NoticeHub::Detach(const std::string& engine, const ControlChannel* ch) {
+bool NoticeHub::Detach(const std::string& engine, const ControlChannel* ch) {
   absl::MutexLock lock(&mu_);
   auto it = channels_.find(engine);
-  if (it == channels_.end() || it->second.get() != ch) return;
+  if (it == channels_.end() || it->second.get() != ch) return false;
   channels_.erase(it);
   for (auto& [id, p] : pending_) {
     if (p.engine == engine && !p.done) {
@@ -24,6 +24,7 @@ void NoticeHub::Detach(const std::string& engine, const ControlChannel* ch) {
           "engine '", engine, "' closed its control stream"));
     }
   }
+  return true;
 }
 
 bool NoticeHub::Connected(const std::string& engine) const {

@@ -32,7 +32,8 @@ class NoticeHub {
   void Attach(const std::string& engine, std::shared_ptr<ControlChannel> ch);
   // Detaches `ch` if it is still the engine's channel; notices waiting on it
   // fail with UNAVAILABLE.
-  void Detach(const std::string& engine, const ControlChannel* ch);
+  // Returns true if `ch` was the engine's current channel.
+  bool Detach(const std::string& engine, const ControlChannel* ch);
   bool Connected(const std::string& engine) const;
   void OnAck(const std::string& engine, const v1::EngineMessage::Ack& ack);
 

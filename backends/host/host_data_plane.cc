@@ -1,0 +1,140 @@
+#include "backends/host/host_data_plane.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "common/dtype.h"
+#include "glog/logging.h"
+
+namespace weightsync {
+
+void ScatterChunk(const CopyPlan& plan, const std::vector<CopyOp>& ops,
+                  const uint8_t* chunk, const std::atomic<bool>* lost) {
+  for (const CopyOp& op : ops) {
+    if (lost != nullptr && lost[op.engine].load(std::memory_order_relaxed)) {
+      continue;
+    }
+    uint8_t* base = plan.engines[op.engine]->regions[op.region]->data();
+    for (int64_t r = 0; r < op.rows; ++r) {
+      ConvertElements(chunk + op.src_offset + r * op.src_stride, op.src_dtype,
+                      base + op.dst_offset + r * op.dst_stride, op.dst_dtype,
+                      op.cols);
+    }
+  }
+}
+
+HostDataPlane::HostDataPlane(Options options)
+    : options_(std::move(options)), worker_([this] { Run(); }) {}
+
+HostDataPlane::~HostDataPlane() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  worker_.join();
+}
+
+absl::Status HostDataPlane::Begin(std::shared_ptr<const CopyPlan> plan) {
+  const int64_t staging =
+      std::max(2, options_.staging_buffers) * plan->chunks.chunk_bytes;
+  if (staging > options_.staging_budget) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "host staging of ", std::max(2, options_.staging_buffers), " x ",
+        plan->chunks.chunk_bytes, " bytes exceeds the budget of ",
+        options_.staging_budget, "; use a smaller chunk_bytes"));
+  }
+  absl::MutexLock lock(&mu_);
+  if (busy_ || !queue_.empty()) {
+    return absl::FailedPreconditionError("host data plane is still busy");
+  }
+  lost_size_ = plan->engines.size();
+  lost_ = std::make_unique<std::atomic<bool>[]>(lost_size_);
+  for (int i = 0; i < lost_size_; ++i) lost_[i] = false;
+  plan_ = std::move(plan);
+  submitted_ = written_ = 0;
+  return absl::OkStatus();
+}
+
+absl::Status HostDataPlane::SubmitChunk(int64_t index, std::string data,
+                                        absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  if (plan_ == nullptr) {
+    return absl::FailedPreconditionError("no update in progress");
+  }
+  const int in_flight = std::max(2, options_.staging_buffers);
+  auto has_room = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return plan_ == nullptr ||
+           static_cast<int>(queue_.size()) + (busy_ ? 1 : 0) < in_flight;
+  };
+  if (!mu_.AwaitWithDeadline(absl::Condition(&has_room), deadline)) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "chunk ", index, ": no free staging buffer before the deadline"));
+  }
+  if (plan_ == nullptr) return absl::AbortedError("update aborted");
+  queue_.emplace_back(index, std::move(data));
+  ++submitted_;
+  return absl::OkStatus();
+}
+
+absl::Status HostDataPlane::Drain(absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return written_ == submitted_;
+  };
+  if (!mu_.AwaitWithDeadline(absl::Condition(&done), deadline)) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("wrote ", written_, " of ", submitted_,
+                     " chunks before the deadline"));
+  }
+  plan_.reset();
+  return absl::OkStatus();
+}
+
+void HostDataPlane::Abort() {
+  absl::MutexLock lock(&mu_);
+  queue_.clear();
+  plan_.reset();
+  auto idle = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !busy_; };
+  mu_.Await(absl::Condition(&idle));
+}
+
+void HostDataPlane::MarkEngineLost(int engine) {
+  absl::MutexLock lock(&mu_);
+  if (lost_ != nullptr && engine >= 0 && engine < lost_size_) {
+    lost_[engine] = true;
+  }
+}
+
+int64_t HostDataPlane::chunks_written() const {
+  absl::MutexLock lock(&mu_);
+  return written_;
+}
+
+void HostDataPlane::Run() {
+  absl::MutexLock lock(&mu_);
+  while (true) {
+    auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return stop_ || !queue_.empty();
+    };
+    mu_.Await(absl::Condition(&ready));
+    if (stop_) return;
+    auto [index, data] = std::move(queue_.front());
+    queue_.pop_front();
+    std::shared_ptr<const CopyPlan> plan = plan_;
+    const std::atomic<bool>* lost = lost_.get();
+    busy_ = true;
+    mu_.Unlock();
+    // The copy runs unlocked: the stream thread fills the next buffer.
+    ScatterChunk(*plan, plan->ops_by_chunk[index],
+                 reinterpret_cast<const uint8_t*>(data.data()), lost);
+    data.clear();
+    data.shrink_to_fit();
+    mu_.Lock();
+    busy_ = false;
+    ++written_;
+  }
+}
+
+}  // namespace weightsync

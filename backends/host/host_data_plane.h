@@ -1,0 +1,63 @@
+// The host backend's data plane: chunks arrive as gRPC messages whose byte
+// strings become the host staging buffers (no extra copy); one owner thread
+// scatters them into engine shared memory following the CopyPlan, with
+// dtype conversion. While it writes chunk k the stream thread is already
+// receiving chunk k+1 (up to `staging_buffers` chunks in flight).
+#ifndef WEIGHTSYNC_BACKENDS_HOST_HOST_DATA_PLANE_H_
+#define WEIGHTSYNC_BACKENDS_HOST_HOST_DATA_PLANE_H_
+
+#include <atomic>
+#include <deque>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "daemon/core/data_plane.h"
+
+namespace weightsync {
+
+// Writes `ops` of one chunk held at `chunk` into the plan's engine regions,
+// skipping engines flagged in `lost` (may be null). Exposed for tests.
+void ScatterChunk(const CopyPlan& plan, const std::vector<CopyOp>& ops,
+                  const uint8_t* chunk, const std::atomic<bool>* lost);
+
+class HostDataPlane : public DataPlane {
+ public:
+  struct Options {
+    int staging_buffers = 4;              // chunks in flight, at least 2
+    int64_t staging_budget = int64_t{1} << 30;  // bytes of staging, at most
+  };
+  explicit HostDataPlane(Options options);
+  ~HostDataPlane() override;  // joins the worker
+
+  absl::Status Begin(std::shared_ptr<const CopyPlan> plan) override;
+  absl::Status SubmitChunk(int64_t index, std::string data,
+                           absl::Time deadline) override;
+  absl::Status Drain(absl::Time deadline) override;
+  void Abort() override;
+  void MarkEngineLost(int engine) override;
+  int64_t chunks_written() const override;
+  std::string name() const override { return "host"; }
+
+ private:
+  void Run();
+
+  const Options options_;
+  mutable absl::Mutex mu_;
+  std::shared_ptr<const CopyPlan> plan_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::pair<int64_t, std::string>> queue_ ABSL_GUARDED_BY(mu_);
+  int64_t submitted_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t written_ ABSL_GUARDED_BY(mu_) = 0;
+  bool busy_ ABSL_GUARDED_BY(mu_) = false;  // worker is writing a chunk
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::unique_ptr<std::atomic<bool>[]> lost_;  // per plan engine
+  int lost_size_ = 0;
+  std::thread worker_;
+};
+
+}  // namespace weightsync
+
+#endif  // WEIGHTSYNC_BACKENDS_HOST_HOST_DATA_PLANE_H_

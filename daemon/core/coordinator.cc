@@ -1,0 +1,753 @@
+#include "daemon/core/coordinator.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/random/random.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+#include "glog/logging.h"
+
+namespace weightsync {
+namespace {
+
+absl::Time DeadlineFrom(int64_t timeout_ms, absl::Duration fallback) {
+  return absl::Now() +
+         (timeout_ms > 0 ? absl::Milliseconds(timeout_ms) : fallback);
+}
+
+// The first failure of a broadcast, or OK.
+absl::Status FirstError(const std::map<std::string, absl::Status>& results) {
+  for (const auto& [engine, status] : results) {
+    if (!status.ok()) return status;
+  }
+  return absl::OkStatus();
+}
+
+v1::DaemonMessage ResumeNotice() {
+  v1::DaemonMessage m;
+  m.mutable_resume();
+  return m;
+}
+
+v1::DaemonMessage PauseNotice(v1::PauseMode mode) {
+  v1::DaemonMessage m;
+  m.mutable_pause()->set_mode(mode == v1::PAUSE_MODE_UNSPECIFIED
+                                  ? v1::PAUSE_MODE_KEEP
+                                  : mode);
+  return m;
+}
+
+}  // namespace
+
+Coordinator::Coordinator(CoordinatorOptions options,
+                         std::shared_ptr<MemoryMapper> mapper,
+                         std::shared_ptr<DataPlaneFactory> data_planes)
+    : options_(std::move(options)),
+      mapper_(std::move(mapper)),
+      data_planes_(std::move(data_planes)) {}
+
+Coordinator::~Coordinator() { Shutdown(); }
+
+// ---------------------------------------------------------------- engines
+
+absl::StatusOr<v1::RegisterEngineResponse> Coordinator::RegisterEngine(
+    const v1::RegisterEngineRequest& request) {
+  // Validate and open memory without the lock: it touches the OS.
+  WS_ASSIGN_OR_RETURN(std::shared_ptr<const EngineLayout> layout,
+                      BuildEngineLayout(request, *mapper_, options_.limits));
+  absl::MutexLock lock(&mu_);
+  if (shut_down_) return absl::UnavailableError("daemon is shutting down");
+  const std::string& id = request.engine_id();
+  if (engines_.contains(id)) {
+    if (hub_.Connected(id)) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "engine '", id, "' is registered and its control stream is open; "
+          "unregister it first"));
+    }
+    RemoveEngineLocked(id, "re-registered");
+  }
+  EngineRecord& r = engines_[id];
+  r.layout = layout;
+  r.version = request.version();
+  LOG(INFO) << "engine " << id << " registered: "
+            << layout->parameters.size() << " parameters, "
+            << layout->total_bytes << " bytes, version " << r.version;
+  v1::RegisterEngineResponse response;
+  response.set_parameters(layout->parameters.size());
+  response.set_bytes(layout->total_bytes);
+  response.set_version(r.version);
+  return response;
+}
+
+absl::Status Coordinator::UnregisterEngine(const std::string& engine_id) {
+  absl::MutexLock lock(&mu_);
+  if (!engines_.contains(engine_id)) {
+    return absl::NotFoundError(
+        absl::StrCat("engine '", engine_id, "' is not registered"));
+  }
+  RemoveEngineLocked(engine_id, "unregistered");
+  return absl::OkStatus();
+}
+
+void Coordinator::RemoveEngineLocked(const std::string& engine_id,
+                                     const std::string& why) {
+  engines_.erase(engine_id);
+  LOG(INFO) << "engine " << engine_id << " removed: " << why;
+  if (update_ == nullptr) return;
+  for (size_t i = 0; i < update_->engine_ids.size(); ++i) {
+    if (update_->engine_ids[i] == engine_id && !update_->lost[i]) {
+      update_->lost[i] = true;
+      update_->data_plane->MarkEngineLost(i);
+      LOG(WARNING) << "update " << update_->id << ": engine " << engine_id
+                   << " lost (" << why << ")";
+    }
+  }
+  // The update's plan keeps the regions mapped until it ends; then the last
+  // lease closes them.
+}
+
+absl::Status Coordinator::AttachControl(
+    const std::string& engine_id, std::shared_ptr<ControlChannel> channel) {
+  absl::MutexLock lock(&mu_);
+  if (!engines_.contains(engine_id)) {
+    return absl::NotFoundError(absl::StrCat(
+        "engine '", engine_id, "' is not registered; call RegisterEngine "
+        "before opening the control stream"));
+  }
+  hub_.Attach(engine_id, std::move(channel));
+  return absl::OkStatus();
+}
+
+void Coordinator::DetachControl(const std::string& engine_id,
+                                const ControlChannel* ch) {
+  if (!hub_.Detach(engine_id, ch)) return;  // superseded by a newer stream
+  absl::MutexLock lock(&mu_);
+  if (engines_.contains(engine_id)) {
+    RemoveEngineLocked(engine_id, "control stream closed");
+  }
+}
+
+void Coordinator::OnAck(const std::string& engine_id,
+                        const v1::EngineMessage::Ack& ack) {
+  hub_.OnAck(engine_id, ack);
+}
+
+absl::StatusOr<std::vector<std::string>> Coordinator::SelectEngines(
+    const google::protobuf::RepeatedPtrField<std::string>& ids) {
+  std::vector<std::string> out;
+  if (ids.empty()) {
+    for (const auto& [id, r] : engines_) out.push_back(id);
+    std::sort(out.begin(), out.end());
+    if (out.empty()) {
+      return absl::FailedPreconditionError("no engine is registered");
+    }
+    return out;
+  }
+  for (const std::string& id : ids) {
+    if (!engines_.contains(id)) {
+      return absl::NotFoundError(
+          absl::StrCat("engine '", id, "' is not registered"));
+    }
+    if (std::find(out.begin(), out.end(), id) == out.end()) out.push_back(id);
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------- group
+
+absl::StatusOr<v1::InitWeightTransferResponse> Coordinator::InitWeightTransfer(
+    const v1::InitWeightTransferRequest& request) {
+  absl::MutexLock control(&control_mu_);
+  {
+    absl::MutexLock lock(&mu_);
+    if (update_ != nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "update '", update_->id, "' is in progress; finish or abort it "
+          "before InitWeightTransfer"));
+    }
+  }
+  if (request.backend() == v1::BACKEND_UNSPECIFIED) {
+    return absl::InvalidArgumentError(
+        "InitWeightTransfer needs a backend (host, nccl or ipc)");
+  }
+  if (request.world_size() < 0 || request.rank_offset() < 0 ||
+      (request.world_size() > 0 &&
+       request.rank_offset() >= request.world_size())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rank_offset ", request.rank_offset(), " must lie inside world_size ",
+        request.world_size()));
+  }
+  WS_ASSIGN_OR_RETURN(std::shared_ptr<DataPlane> plane,
+                      data_planes_->Create(request));
+  absl::MutexLock lock(&mu_);
+  backend_ = request.backend();
+  data_plane_ = std::move(plane);
+  v1::InitWeightTransferResponse response;
+  response.set_group_id(absl::StrFormat(
+      "%016x", absl::Uniform<uint64_t>(absl::BitGen())));
+  response.set_local_world_size(data_planes_->LocalWorldSize(backend_));
+  response.set_build_info(options_.build_info);
+  LOG(INFO) << "transfer group " << response.group_id() << " on "
+            << data_plane_->name();
+  return response;
+}
+
+v1::GetWorldSizeResponse Coordinator::GetWorldSize() {
+  absl::MutexLock lock(&mu_);
+  v1::GetWorldSizeResponse response;
+  response.set_world_size(backend_ == v1::BACKEND_UNSPECIFIED
+                              ? 0
+                              : data_planes_->LocalWorldSize(backend_));
+  return response;
+}
+
+// ---------------------------------------------------------------- updates
+
+absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
+    const v1::StartWeightUpdateRequest& request) {
+  absl::MutexLock control(&control_mu_);
+  if (request.update_id().empty() || request.update_id().size() > 256) {
+    return absl::InvalidArgumentError("update_id must be 1-256 characters");
+  }
+  if (request.mode() == v1::UPDATE_MODE_STAGED) {
+    return absl::UnimplementedError(
+        "staged updates are not supported yet (issue 5); use streaming");
+  }
+  if (request.verify() == v1::VERIFY_ON) {
+    return absl::UnimplementedError(
+        "receipts (verify) are not supported yet (issue 5)");
+  }
+  if (request.tensors_size() > options_.max_manifest_tensors) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("manifest has ", request.tensors_size(),
+                     " tensors; the limit is ", options_.max_manifest_tensors));
+  }
+  const int64_t chunk_bytes = request.chunk_bytes() == 0
+                                  ? options_.default_chunk_bytes
+                                  : request.chunk_bytes();
+  if (chunk_bytes > options_.max_chunk_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk_bytes ", chunk_bytes, " is above the daemon's "
+                     "limit of ", options_.max_chunk_bytes));
+  }
+  std::vector<std::string> ids;
+  std::vector<std::shared_ptr<const EngineLayout>> layouts;
+  std::vector<std::string> to_pause;
+  std::shared_ptr<DataPlane> plane;
+  {
+    absl::MutexLock lock(&mu_);
+    if (shut_down_) return absl::UnavailableError("daemon is shutting down");
+    if (data_plane_ == nullptr) {
+      return absl::FailedPreconditionError(
+          "no transfer group: call InitWeightTransfer before "
+          "StartWeightUpdate");
+    }
+    if (update_ != nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "update '", update_->id, "' is in progress; finish or abort it "
+          "before starting '", request.update_id(), "'"));
+    }
+    WS_ASSIGN_OR_RETURN(ids, SelectEngines(request.engine_ids()));
+    for (const std::string& id : ids) {
+      const EngineRecord& r = engines_.at(id);
+      if (request.target_version() <= r.version) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "target version ", request.target_version(),
+            " is not above engine '", id, "' version ", r.version,
+            "; versions only go up"));
+      }
+      layouts.push_back(r.layout);
+      if (!r.paused) to_pause.push_back(id);
+    }
+    plane = data_plane_;
+  }
+  // Plan every byte before moving any (invariant 2).
+  WS_ASSIGN_OR_RETURN(std::shared_ptr<const CopyPlan> plan,
+                      BuildCopyPlan(request.tensors(), chunk_bytes, layouts));
+  // Streaming writes into live memory: the engines must be paused first.
+  if (!to_pause.empty()) {
+    const auto acks =
+        hub_.Broadcast(to_pause, PauseNotice(v1::PAUSE_MODE_KEEP),
+                       absl::Now() + options_.notice_timeout);
+    std::vector<std::string> paused;
+    for (const auto& [id, s] : acks) {
+      if (s.ok()) paused.push_back(id);
+    }
+    const absl::Status failed = FirstError(acks);
+    if (!failed.ok()) {
+      hub_.Broadcast(paused, ResumeNotice(),
+                     absl::Now() + options_.notice_timeout);
+      return absl::Status(failed.code(),
+                          absl::StrCat("could not pause for update '",
+                                       request.update_id(),
+                                       "': ", failed.message()));
+    }
+  }
+  WS_RETURN_IF_ERROR(plane->Begin(plan));
+
+  absl::MutexLock lock(&mu_);
+  auto update = std::make_unique<Update>();
+  update->id = request.update_id();
+  update->target_version = request.target_version();
+  update->plan = plan;
+  update->engine_ids = ids;
+  update->lost.assign(ids.size(), false);
+  update->data_plane = plane;
+  update->started = absl::Now();
+  for (size_t i = 0; i < ids.size(); ++i) {
+    auto it = engines_.find(ids[i]);
+    // Gone since the snapshot (or replaced by a new registration).
+    if (it == engines_.end() || it->second.layout != layouts[i]) {
+      update->lost[i] = true;
+      plane->MarkEngineLost(i);
+      continue;
+    }
+    EngineRecord& r = it->second;
+    r.updating = true;
+    if (!r.paused) {
+      r.paused = true;
+      r.paused_by_update = true;
+    }
+  }
+  update_ = std::move(update);
+  RecordUpdateStatusLocked("receiving");
+  v1::StartWeightUpdateResponse response;
+  response.set_update_id(request.update_id());
+  response.set_total_bytes(plan->chunks.total_bytes);
+  response.set_num_chunks(plan->chunks.chunks.size());
+  response.set_chunk_bytes(chunk_bytes);
+  response.set_mode(v1::UPDATE_MODE_STREAMING);
+  for (const std::string& id : ids) response.add_engine_ids(id);
+  LOG(INFO) << "update " << request.update_id() << " started: version "
+            << request.target_version() << ", " << request.tensors_size()
+            << " tensors, " << plan->chunks.total_bytes << " bytes in "
+            << plan->chunks.chunks.size() << " chunks, engines "
+            << absl::StrJoin(ids, ",");
+  return response;
+}
+
+absl::Status Coordinator::BeginPushStream(const std::string& update_id) {
+  absl::MutexLock lock(&mu_);
+  if (update_ == nullptr || update_->id != update_id) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "no update '", update_id, "' in progress; call StartWeightUpdate "
+        "before PushChunks"));
+  }
+  if (update_->stream_open) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "update '", update_id, "' already has a PushChunks stream open"));
+  }
+  update_->stream_open = true;
+  return absl::OkStatus();
+}
+
+absl::Status Coordinator::PushChunk(const std::string& update_id,
+                                    int64_t index, std::string data,
+                                    absl::Time deadline) {
+  std::shared_ptr<DataPlane> plane;
+  {
+    absl::MutexLock lock(&mu_);
+    if (update_ == nullptr || update_->id != update_id) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("no update '", update_id, "' in progress"));
+    }
+    if (update_->phase == Phase::kFailed) {
+      return absl::AbortedError(absl::StrCat(
+          "update '", update_id, "' failed: ", update_->error.message()));
+    }
+    const auto& chunks = update_->plan->chunks.chunks;
+    absl::Status bad;
+    if (index != update_->next_chunk) {
+      bad = absl::InvalidArgumentError(absl::StrCat(
+          "update '", update_id, "': chunk ", index, " arrived, expected ",
+          update_->next_chunk, " of ", chunks.size()));
+    } else if (static_cast<int64_t>(data.size()) != chunks[index].size) {
+      bad = absl::InvalidArgumentError(absl::StrCat(
+          "update '", update_id, "': chunk ", index, " has ", data.size(),
+          " bytes, the plan says ", chunks[index].size));
+    }
+    if (!bad.ok()) {
+      // The stream is out of step with the plan: nothing of this chunk is
+      // written and the update can't complete.
+      FailUpdateLocked(bad);
+      return bad;
+    }
+    ++update_->next_chunk;
+    update_->received_bytes += data.size();
+    plane = update_->data_plane;
+  }
+  absl::Status s = plane->SubmitChunk(index, std::move(data), deadline);
+  if (!s.ok()) {
+    absl::MutexLock lock(&mu_);
+    if (update_ != nullptr && update_->id == update_id) FailUpdateLocked(s);
+  }
+  return s;
+}
+
+void Coordinator::PushStreamEnded(const std::string& update_id,
+                                  bool cancelled) {
+  absl::MutexLock lock(&mu_);
+  if (update_ == nullptr || update_->id != update_id) return;
+  update_->stream_open = false;
+  const int64_t total = update_->plan->chunks.chunks.size();
+  if (cancelled && update_->next_chunk < total) {
+    FailUpdateLocked(absl::AbortedError(absl::StrCat(
+        "trainer disconnected mid-stream after ", update_->next_chunk, " of ",
+        total, " chunks")));
+  }
+}
+
+void Coordinator::FailUpdateLocked(const absl::Status& reason) {
+  if (update_->phase == Phase::kFailed) return;
+  update_->phase = Phase::kFailed;
+  update_->error = reason;
+  // Engines that may hold part of this update are dirty from now on.
+  if (update_->next_chunk > 0) {
+    for (size_t i = 0; i < update_->engine_ids.size(); ++i) {
+      auto it = engines_.find(update_->engine_ids[i]);
+      if (!update_->lost[i] && it != engines_.end()) it->second.dirty = true;
+    }
+  }
+  LOG(WARNING) << "update " << update_->id << " failed: " << reason;
+  RecordUpdateStatusLocked("failed");
+}
+
+std::vector<v1::EngineResult> Coordinator::EndFailedUpdate(
+    const absl::Status& reason) {
+  std::shared_ptr<DataPlane> plane;
+  {
+    absl::MutexLock lock(&mu_);
+    if (update_ == nullptr) return {};
+    FailUpdateLocked(reason);
+    plane = update_->data_plane;
+  }
+  plane->Abort();  // no lock: it waits for the copy in progress
+  std::vector<std::string> dirty, resume;
+  std::vector<v1::EngineResult> results;
+  std::string id;
+  {
+    absl::MutexLock lock(&mu_);
+    id = update_->id;
+    for (size_t i = 0; i < update_->engine_ids.size(); ++i) {
+      const std::string& e = update_->engine_ids[i];
+      v1::EngineResult& result = results.emplace_back();
+      result.set_engine_id(e);
+      result.set_code(static_cast<int>(absl::StatusCode::kAborted));
+      result.set_message(std::string(update_->error.message()));
+      auto it = engines_.find(e);
+      if (update_->lost[i] || it == engines_.end()) {
+        result.set_lost(true);
+        continue;
+      }
+      EngineRecord& r = it->second;
+      r.updating = false;
+      result.set_version(r.version);
+      if (r.dirty) {
+        dirty.push_back(e);
+        result.set_state(v1::ENGINE_DIRTY);
+      } else if (r.paused_by_update) {
+        resume.push_back(e);
+        result.set_state(v1::ENGINE_READY);
+      } else {
+        result.set_state(r.paused ? v1::ENGINE_PAUSED : v1::ENGINE_READY);
+      }
+    }
+    RecordUpdateStatusLocked("failed");
+    update_.reset();
+  }
+  const absl::Time deadline = absl::Now() + options_.notice_timeout;
+  if (!dirty.empty()) {
+    v1::DaemonMessage m;
+    m.mutable_dirty()->set_update_id(id);
+    m.mutable_dirty()->set_reason(std::string(reason.message()));
+    hub_.Broadcast(dirty, m, deadline);
+  }
+  // Dirty engines stay paused: Resume needs allow_dirty.
+  ResumeEngines(resume, deadline).IgnoreError();
+  return results;
+}
+
+absl::Status Coordinator::ResumeEngines(const std::vector<std::string>& engines,
+                                        absl::Time deadline) {
+  if (engines.empty()) return absl::OkStatus();
+  const auto acks = hub_.Broadcast(engines, ResumeNotice(), deadline);
+  absl::MutexLock lock(&mu_);
+  for (const auto& [id, s] : acks) {
+    auto it = engines_.find(id);
+    if (s.ok() && it != engines_.end()) {
+      it->second.paused = false;
+      it->second.paused_by_update = false;
+    }
+    if (!s.ok()) LOG(WARNING) << "resume: " << s;
+  }
+  return FirstError(acks);
+}
+
+absl::StatusOr<v1::FinishWeightUpdateResponse> Coordinator::FinishWeightUpdate(
+    const v1::FinishWeightUpdateRequest& request) {
+  absl::MutexLock control(&control_mu_);
+  const absl::Time deadline =
+      DeadlineFrom(request.timeout_ms(), options_.finish_timeout);
+  std::shared_ptr<DataPlane> plane;
+  {
+    absl::MutexLock lock(&mu_);
+    if (update_ == nullptr || update_->id != request.update_id()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "no update '", request.update_id(), "' in progress; call "
+          "StartWeightUpdate first"));
+    }
+    const int64_t total = update_->plan->chunks.chunks.size();
+    if (update_->phase == Phase::kReceiving && update_->next_chunk < total) {
+      FailUpdateLocked(absl::AbortedError(
+          absl::StrCat("finish after ", update_->next_chunk, " of ", total,
+                       " chunks (", update_->received_bytes, " of ",
+                       update_->plan->chunks.total_bytes, " bytes)")));
+    }
+    plane = update_->data_plane;
+  }
+  absl::Status status;
+  {
+    absl::MutexLock lock(&mu_);
+    status = update_->phase == Phase::kFailed ? update_->error
+                                              : absl::OkStatus();
+  }
+  if (status.ok()) status = plane->Drain(deadline);
+  if (!status.ok()) {
+    const std::vector<v1::EngineResult> results = EndFailedUpdate(status);
+    std::vector<std::string> dirty;
+    for (const auto& r : results) {
+      if (r.state() == v1::ENGINE_DIRTY) dirty.push_back(r.engine_id());
+    }
+    return absl::AbortedError(absl::StrCat(
+        "update '", request.update_id(), "' failed: ", status.message(),
+        dirty.empty() ? "; engines untouched"
+                      : absl::StrCat("; engines left dirty: ",
+                                     absl::StrJoin(dirty, ", "))));
+  }
+
+  // Every byte is in engine memory: commit.
+  v1::FinishWeightUpdateResponse response;
+  std::vector<std::string> committed, resume;
+  std::string id;
+  int64_t version;
+  {
+    absl::MutexLock lock(&mu_);
+    id = update_->id;
+    version = update_->target_version;
+    for (size_t i = 0; i < update_->engine_ids.size(); ++i) {
+      const std::string& e = update_->engine_ids[i];
+      v1::EngineResult* result = response.add_engines();
+      result->set_engine_id(e);
+      auto it = engines_.find(e);
+      if (update_->lost[i] || it == engines_.end()) {
+        result->set_lost(true);
+        result->set_code(static_cast<int>(absl::StatusCode::kUnavailable));
+        result->set_message("engine disconnected during the update");
+        continue;
+      }
+      EngineRecord& r = it->second;
+      r.version = version;
+      r.updating = false;
+      r.dirty = r.dirty && !update_->plan->covers_engine[i];
+      result->set_version(version);
+      result->set_state(r.dirty ? v1::ENGINE_DIRTY : v1::ENGINE_READY);
+      committed.push_back(e);
+      if (r.paused_by_update) resume.push_back(e);
+    }
+    response.set_version(version);
+    response.set_bytes(update_->plan->chunks.total_bytes);
+    response.set_seconds(absl::ToDoubleSeconds(absl::Now() - update_->started));
+    RecordUpdateStatusLocked("committed");
+    update_.reset();
+  }
+  if (committed.empty()) {
+    return absl::AbortedError(absl::StrCat(
+        "update '", id, "': every engine disconnected during the update"));
+  }
+  v1::DaemonMessage notice;
+  notice.mutable_new_version()->set_version(version);
+  notice.mutable_new_version()->set_update_id(id);
+  const absl::Time notice_deadline = absl::Now() + options_.notice_timeout;
+  for (const auto& [e, s] : hub_.Broadcast(committed, notice, notice_deadline)) {
+    if (!s.ok()) LOG(WARNING) << "new-version notice: " << s;
+  }
+  ResumeEngines(resume, notice_deadline).IgnoreError();
+  LOG(INFO) << "update " << id << " committed version " << version << " on "
+            << absl::StrJoin(committed, ",") << " in " << response.seconds()
+            << " s";
+  return response;
+}
+
+absl::StatusOr<v1::AbortWeightUpdateResponse> Coordinator::AbortWeightUpdate(
+    const v1::AbortWeightUpdateRequest& request) {
+  absl::MutexLock control(&control_mu_);
+  {
+    absl::MutexLock lock(&mu_);
+    if (update_ == nullptr || update_->id != request.update_id()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("no update '", request.update_id(), "' in progress"));
+    }
+  }
+  v1::AbortWeightUpdateResponse response;
+  for (v1::EngineResult& r : EndFailedUpdate(absl::AbortedError(
+           absl::StrCat("aborted by the trainer: ", request.reason())))) {
+    *response.add_engines() = std::move(r);
+  }
+  return response;
+}
+
+// ---------------------------------------------------------------- pause
+
+absl::StatusOr<v1::PauseResponse> Coordinator::Pause(
+    const v1::PauseRequest& request) {
+  absl::MutexLock control(&control_mu_);
+  std::vector<std::string> ids, to_pause;
+  {
+    absl::MutexLock lock(&mu_);
+    WS_ASSIGN_OR_RETURN(ids, SelectEngines(request.engine_ids()));
+    for (const std::string& id : ids) {
+      EngineRecord& r = engines_.at(id);
+      if (r.paused) {
+        r.paused_by_update = false;  // the trainer owns this pause now
+      } else {
+        to_pause.push_back(id);
+      }
+    }
+  }
+  const auto acks =
+      hub_.Broadcast(to_pause, PauseNotice(request.mode()),
+                     DeadlineFrom(request.timeout_ms(), options_.notice_timeout));
+  std::vector<std::string> paused, failed;
+  for (const auto& [id, s] : acks) (s.ok() ? paused : failed).push_back(id);
+  if (!failed.empty()) {
+    // All or nothing: undo the pauses that did happen.
+    hub_.Broadcast(paused, ResumeNotice(),
+                   absl::Now() + options_.notice_timeout);
+    const absl::Status first = acks.at(failed.front());
+    return absl::Status(first.code(),
+                        absl::StrCat("pause failed for engine(s) ",
+                                     absl::StrJoin(failed, ", "), ": ",
+                                     first.message(),
+                                     "; no engine was left paused"));
+  }
+  absl::MutexLock lock(&mu_);
+  v1::PauseResponse response;
+  for (const std::string& id : ids) {
+    auto it = engines_.find(id);
+    if (it == engines_.end()) continue;
+    it->second.paused = true;
+    *response.add_engines() = EngineStatusLocked(id, it->second);
+  }
+  return response;
+}
+
+absl::StatusOr<v1::ResumeResponse> Coordinator::Resume(
+    const v1::ResumeRequest& request) {
+  absl::MutexLock control(&control_mu_);
+  std::vector<std::string> ids, to_resume;
+  {
+    absl::MutexLock lock(&mu_);
+    WS_ASSIGN_OR_RETURN(ids, SelectEngines(request.engine_ids()));
+    for (const std::string& id : ids) {
+      const EngineRecord& r = engines_.at(id);
+      if (r.updating) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "engine '", id, "' is receiving update '", update_->id,
+            "'; finish or abort it before Resume"));
+      }
+      if (r.dirty && !request.allow_dirty()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "engine '", id, "' is dirty (an update failed half way); resume "
+            "with allow_dirty or send a full update first"));
+      }
+      if (r.paused) to_resume.push_back(id);
+    }
+  }
+  WS_RETURN_IF_ERROR(ResumeEngines(
+      to_resume, DeadlineFrom(request.timeout_ms(), options_.notice_timeout)));
+  absl::MutexLock lock(&mu_);
+  v1::ResumeResponse response;
+  for (const std::string& id : ids) {
+    auto it = engines_.find(id);
+    if (it != engines_.end()) {
+      *response.add_engines() = EngineStatusLocked(id, it->second);
+    }
+  }
+  return response;
+}
+
+// ---------------------------------------------------------------- status
+
+v1::EngineStatus Coordinator::EngineStatusLocked(const std::string& id,
+                                                 const EngineRecord& r) const {
+  v1::EngineStatus s;
+  s.set_engine_id(id);
+  s.set_version(r.version);
+  s.set_parameters(r.layout->parameters.size());
+  s.set_bytes(r.layout->total_bytes);
+  for (const std::string& u : r.layout->device_uuids) s.add_device_uuids(u);
+  s.set_connected(hub_.Connected(id));
+  s.set_state(r.dirty      ? v1::ENGINE_DIRTY
+              : r.updating ? v1::ENGINE_UPDATING
+              : r.paused   ? v1::ENGINE_PAUSED
+                           : v1::ENGINE_READY);
+  return s;
+}
+
+void Coordinator::RecordUpdateStatusLocked(const std::string& phase) {
+  if (update_ == nullptr) return;
+  v1::UpdateStatus& s = last_update_;
+  s.set_update_id(update_->id);
+  s.set_target_version(update_->target_version);
+  s.set_mode(v1::UPDATE_MODE_STREAMING);
+  s.set_phase(phase);
+  s.set_total_bytes(update_->plan->chunks.total_bytes);
+  s.set_total_chunks(update_->plan->chunks.chunks.size());
+  s.clear_engine_ids();
+  for (const std::string& e : update_->engine_ids) s.add_engine_ids(e);
+  s.set_error(std::string(update_->error.message()));
+}
+
+v1::GetStatusResponse Coordinator::GetStatus() {
+  absl::MutexLock lock(&mu_);
+  v1::GetStatusResponse response;
+  std::vector<std::string> ids;
+  for (const auto& [id, r] : engines_) ids.push_back(id);
+  std::sort(ids.begin(), ids.end());
+  for (const std::string& id : ids) {
+    *response.add_engines() = EngineStatusLocked(id, engines_.at(id));
+  }
+  if (update_ != nullptr || !last_update_.update_id().empty()) {
+    v1::UpdateStatus* u = response.mutable_update();
+    *u = last_update_;
+    if (update_ != nullptr) {
+      u->set_received_bytes(update_->received_bytes);
+      u->set_received_chunks(update_->next_chunk);
+    } else if (u->phase() == "committed") {
+      u->set_received_bytes(u->total_bytes());
+      u->set_received_chunks(u->total_chunks());
+    }
+  }
+  response.set_backend(backend_);
+  response.set_build_info(options_.build_info);
+  return response;
+}
+
+void Coordinator::Shutdown() {
+  absl::MutexLock control(&control_mu_);
+  bool active;
+  {
+    absl::MutexLock lock(&mu_);
+    shut_down_ = true;
+    active = update_ != nullptr;
+  }
+  if (active) EndFailedUpdate(absl::AbortedError("daemon is shutting down"));
+  absl::MutexLock lock(&mu_);
+  engines_.clear();  // closes every mapping (last lease)
+  data_plane_.reset();
+}
+
+}  // namespace weightsync

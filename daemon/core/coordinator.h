@@ -1,0 +1,161 @@
+// The daemon's core: the engine registry, the transfer group, update
+// sessions and versions, pause/resume. It validates and plans every request
+// before anything moves, drives a DataPlane for the bytes, and knows nothing
+// of gRPC or of how a backend moves bytes.
+//
+// Thread-safety: every method may be called from any thread. Control
+// operations (Init, Start, Finish, Abort, Pause, Resume) run one at a time;
+// registration, chunk submission and status run beside them. No method
+// holds a lock while it waits for an engine or the data plane.
+#ifndef WEIGHTSYNC_DAEMON_CORE_COORDINATOR_H_
+#define WEIGHTSYNC_DAEMON_CORE_COORDINATOR_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "daemon/core/copy_plan.h"
+#include "daemon/core/data_plane.h"
+#include "daemon/core/engine_layout.h"
+#include "daemon/core/memory.h"
+#include "daemon/core/notice_hub.h"
+#include "weightsync/v1/engine_service.pb.h"
+#include "weightsync/v1/trainer_service.pb.h"
+
+namespace weightsync {
+
+// Makes the data plane of a transfer group. UNIMPLEMENTED for backends this
+// build does not carry.
+class DataPlaneFactory {
+ public:
+  virtual ~DataPlaneFactory() = default;
+  virtual absl::StatusOr<std::shared_ptr<DataPlane>> Create(
+      const v1::InitWeightTransferRequest& request) = 0;
+  // Ranks this daemon contributes to a group of `backend`.
+  virtual int LocalWorldSize(v1::Backend backend) const = 0;
+};
+
+struct CoordinatorOptions {
+  // Chunk size when Start asks for none, and the largest accepted.
+  int64_t default_chunk_bytes = int64_t{8} << 20;
+  int64_t max_chunk_bytes = int64_t{64} << 20;
+  int64_t max_manifest_tensors = 1 << 20;
+  // Deadline for engine acknowledgements when a request names none.
+  absl::Duration notice_timeout = absl::Seconds(10);
+  // Deadline for Finish to see every byte written when it names none.
+  absl::Duration finish_timeout = absl::Seconds(60);
+  RegistrationLimits limits;
+  std::string build_info;
+};
+
+class Coordinator {
+ public:
+  Coordinator(CoordinatorOptions options, std::shared_ptr<MemoryMapper> mapper,
+              std::shared_ptr<DataPlaneFactory> data_planes);
+  ~Coordinator();
+
+  // Engine side.
+  absl::StatusOr<v1::RegisterEngineResponse> RegisterEngine(
+      const v1::RegisterEngineRequest& request);
+  absl::Status UnregisterEngine(const std::string& engine_id);
+  // A control stream opened (NOT_FOUND for an unregistered engine).
+  absl::Status AttachControl(const std::string& engine_id,
+                             std::shared_ptr<ControlChannel> channel);
+  // A control stream closed: the engine is gone, so it is unregistered.
+  void DetachControl(const std::string& engine_id, const ControlChannel* ch);
+  void OnAck(const std::string& engine_id, const v1::EngineMessage::Ack& ack);
+
+  // Trainer side.
+  absl::StatusOr<v1::InitWeightTransferResponse> InitWeightTransfer(
+      const v1::InitWeightTransferRequest& request);
+  absl::StatusOr<v1::StartWeightUpdateResponse> StartWeightUpdate(
+      const v1::StartWeightUpdateRequest& request);
+  // One chunk of a host-backend update, in order.
+  absl::Status PushChunk(const std::string& update_id, int64_t index,
+                         std::string data, absl::Time deadline);
+  // A PushChunks stream ended; `cancelled`: the trainer went away.
+  void PushStreamEnded(const std::string& update_id, bool cancelled);
+  absl::Status BeginPushStream(const std::string& update_id);
+  absl::StatusOr<v1::FinishWeightUpdateResponse> FinishWeightUpdate(
+      const v1::FinishWeightUpdateRequest& request);
+  absl::StatusOr<v1::AbortWeightUpdateResponse> AbortWeightUpdate(
+      const v1::AbortWeightUpdateRequest& request);
+  absl::StatusOr<v1::PauseResponse> Pause(const v1::PauseRequest& request);
+  absl::StatusOr<v1::ResumeResponse> Resume(const v1::ResumeRequest& request);
+  v1::GetWorldSizeResponse GetWorldSize();
+  v1::GetStatusResponse GetStatus();
+
+  // Aborts an update in flight and releases every mapping (SIGTERM).
+  void Shutdown();
+
+ private:
+  struct EngineRecord {
+    std::shared_ptr<const EngineLayout> layout;
+    int64_t version = 0;
+    bool paused = false;
+    bool paused_by_update = false;  // Finish resumes it
+    bool dirty = false;
+    bool updating = false;
+  };
+  enum class Phase { kReceiving, kFailed };
+  struct Update {
+    std::string id;
+    int64_t target_version = 0;
+    std::shared_ptr<const CopyPlan> plan;
+    std::vector<std::string> engine_ids;  // index = plan engine index
+    std::vector<bool> lost;
+    std::shared_ptr<DataPlane> data_plane;
+    Phase phase = Phase::kReceiving;
+    absl::Status error;
+    int64_t next_chunk = 0;
+    int64_t received_bytes = 0;
+    bool stream_open = false;
+    absl::Time started;
+  };
+
+  // Ends the update in flight as failed: stops the data plane, marks the
+  // engines it wrote into dirty and tells them, resumes engines it paused
+  // that are still clean. Requires control_mu_.
+  std::vector<v1::EngineResult> EndFailedUpdate(const absl::Status& reason);
+  void FailUpdateLocked(const absl::Status& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sends Resume to `engines` and records them resumed where acknowledged.
+  absl::Status ResumeEngines(const std::vector<std::string>& engines,
+                             absl::Time deadline);
+  absl::StatusOr<std::vector<std::string>> SelectEngines(
+      const google::protobuf::RepeatedPtrField<std::string>& ids)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RemoveEngineLocked(const std::string& engine_id,
+                          const std::string& why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  v1::EngineStatus EngineStatusLocked(const std::string& id,
+                                      const EngineRecord& r) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RecordUpdateStatusLocked(const std::string& phase)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const CoordinatorOptions options_;
+  const std::shared_ptr<MemoryMapper> mapper_;
+  const std::shared_ptr<DataPlaneFactory> data_planes_;
+  NoticeHub hub_;
+
+  absl::Mutex control_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, EngineRecord> engines_ ABSL_GUARDED_BY(mu_);
+  v1::Backend backend_ ABSL_GUARDED_BY(mu_) = v1::BACKEND_UNSPECIFIED;
+  std::shared_ptr<DataPlane> data_plane_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<Update> update_ ABSL_GUARDED_BY(mu_);
+  v1::UpdateStatus last_update_ ABSL_GUARDED_BY(mu_);
+  bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace weightsync
+
+#endif  // WEIGHTSYNC_DAEMON_CORE_COORDINATOR_H_

@@ -1,0 +1,105 @@
+// weightsyncd: the per-node weight-sync daemon. See docs/operations.md for
+// every flag; `--flagfile=FILE` reads flags from a config file.
+#include <pthread.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "backends/cuda/cuda_support.h"
+#include "daemon/backends.h"
+#include "daemon/core/coordinator.h"
+#include "daemon/server/server.h"
+#include "gflags/gflags.h"
+#include "glog/logging.h"
+
+DEFINE_string(socket, "",
+              "Unix socket path; default $XDG_RUNTIME_DIR/weightsync/"
+              "weightsyncd.sock, or /tmp/weightsync-$UID/weightsyncd.sock");
+DEFINE_string(tcp, "", "host:port to also listen on TCP (off when empty)");
+DEFINE_int64(chunk_bytes, 8 << 20, "chunk size when a trainer asks for none");
+DEFINE_int64(max_chunk_bytes, 64 << 20, "largest chunk a trainer may ask for");
+DEFINE_int32(staging_buffers, 4, "host staging buffers (chunks in flight)");
+DEFINE_int64(staging_budget_bytes, int64_t{1} << 30,
+             "bytes of host staging the daemon never exceeds");
+DEFINE_int64(notice_timeout_ms, 10000,
+             "default deadline for engines to acknowledge pause/resume");
+DEFINE_int64(finish_timeout_ms, 60000,
+             "default deadline for Finish to see every byte written");
+DEFINE_int64(shutdown_grace_ms, 2000,
+             "on SIGTERM, how long open calls may run before cancellation");
+
+namespace weightsync {
+namespace {
+
+std::string DefaultSocket() {
+  const char* runtime = std::getenv("XDG_RUNTIME_DIR");
+  const std::string dir =
+      runtime != nullptr && *runtime != '\0'
+          ? absl::StrCat(runtime, "/weightsync")
+          : absl::StrCat("/tmp/weightsync-", getuid());
+  mkdir(dir.c_str(), 0700);
+  return dir + "/weightsyncd.sock";
+}
+
+int Main() {
+  // Block the stop signals in every thread gRPC will start; this thread
+  // waits for them with sigwait.
+  sigset_t stop;
+  sigemptyset(&stop);
+  sigaddset(&stop, SIGTERM);
+  sigaddset(&stop, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop, nullptr);
+
+  CoordinatorOptions core_options;
+  core_options.default_chunk_bytes = FLAGS_chunk_bytes;
+  core_options.max_chunk_bytes = FLAGS_max_chunk_bytes;
+  core_options.notice_timeout = absl::Milliseconds(FLAGS_notice_timeout_ms);
+  core_options.finish_timeout = absl::Milliseconds(FLAGS_finish_timeout_ms);
+  core_options.build_info = CudaBuildInfo();
+  HostDataPlane::Options host;
+  host.staging_buffers = FLAGS_staging_buffers;
+  host.staging_budget = FLAGS_staging_budget_bytes;
+  Coordinator core(core_options, MakeMemoryMapper(),
+                   MakeDataPlaneFactory(host));
+
+  ServerOptions server_options;
+  server_options.unix_socket =
+      FLAGS_socket.empty() ? DefaultSocket() : FLAGS_socket;
+  server_options.tcp_address = FLAGS_tcp;
+  server_options.max_message_bytes =
+      static_cast<int>(FLAGS_max_chunk_bytes + (1 << 20));
+  auto server = Server::BuildAndStart(server_options, &core);
+  if (!server.ok()) {
+    LOG(ERROR) << server.status();
+    return 1;
+  }
+  LOG(INFO) << "weightsyncd listening on unix:" << server_options.unix_socket
+            << (FLAGS_tcp.empty() ? "" : " and " + FLAGS_tcp) << " ("
+            << core_options.build_info << ")";
+
+  int sig = 0;
+  sigwait(&stop, &sig);
+  LOG(INFO) << "signal " << sig << ": shutting down";
+  // Abort any update and tell the engines while their streams are open,
+  // then stop the server and release every mapping.
+  core.Shutdown();
+  (*server)->Shutdown(absl::Milliseconds(FLAGS_shutdown_grace_ms));
+  LOG(INFO) << "weightsyncd stopped";
+  return 0;
+}
+
+}  // namespace
+}  // namespace weightsync
+
+int main(int argc, char** argv) {
+  gflags::SetUsageMessage("weightsyncd: moves trained weights into engines");
+  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  FLAGS_logtostderr = true;
+  google::InitGoogleLogging(argv[0]);
+  return weightsync::Main();
+}

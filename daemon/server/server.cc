@@ -1,0 +1,75 @@
+#include "daemon/server/server.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "glog/logging.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server_builder.h"
+
+namespace weightsync {
+
+absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
+    const ServerOptions& options, Coordinator* core) {
+  if (options.unix_socket.empty() && options.tcp_address.empty()) {
+    return absl::InvalidArgumentError("no Unix socket and no TCP address");
+  }
+  std::unique_ptr<Server> server(new Server(core));
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  builder.SetMaxReceiveMessageSize(options.max_message_bytes);
+  builder.SetMaxSendMessageSize(options.max_message_bytes);
+  if (!options.unix_socket.empty()) {
+    struct stat st;
+    if (lstat(options.unix_socket.c_str(), &st) == 0) {
+      if (!S_ISSOCK(st.st_mode)) {
+        return absl::FailedPreconditionError(
+            absl::StrCat(options.unix_socket, " exists and is not a socket"));
+      }
+      unlink(options.unix_socket.c_str());  // stale socket of a dead daemon
+    }
+    builder.AddListeningPort("unix:" + options.unix_socket,
+                             grpc::InsecureServerCredentials());
+    server->unix_socket_ = options.unix_socket;
+  }
+  if (!options.tcp_address.empty()) {
+    builder.AddListeningPort(options.tcp_address,
+                             grpc::InsecureServerCredentials(),
+                             &server->tcp_port_);
+  }
+  builder.RegisterService(&server->trainer_);
+  builder.RegisterService(&server->engine_);
+  server->server_ = builder.BuildAndStart();
+  if (server->server_ == nullptr ||
+      (!options.tcp_address.empty() && server->tcp_port_ == 0)) {
+    return absl::UnavailableError(absl::StrCat(
+        "could not listen on ",
+        options.unix_socket.empty() ? "" : "unix:" + options.unix_socket, " ",
+        options.tcp_address));
+  }
+  server->server_->GetHealthCheckService()->SetServingStatus(true);
+  return server;
+}
+
+Server::~Server() {
+  if (server_ != nullptr) Shutdown(absl::ZeroDuration());
+}
+
+void Server::Wait() { server_->Wait(); }
+
+void Server::Shutdown(absl::Duration grace) {
+  if (server_ == nullptr) return;
+  server_->GetHealthCheckService()->SetServingStatus(false);
+  server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
+  server_->Wait();
+  server_.reset();
+  if (!unix_socket_.empty()) unlink(unix_socket_.c_str());
+}
+
+}  // namespace weightsync

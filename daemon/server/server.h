@@ -1,0 +1,50 @@
+// The daemon's gRPC server: the trainer and engine services plus
+// grpc.health.v1 on a Unix socket and, optionally, a TCP address.
+// Lifecycle: BuildAndStart once, Wait or Shutdown from another thread.
+#ifndef WEIGHTSYNC_DAEMON_SERVER_SERVER_H_
+#define WEIGHTSYNC_DAEMON_SERVER_SERVER_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "daemon/core/coordinator.h"
+#include "daemon/server/services.h"
+#include "grpcpp/server.h"
+
+namespace weightsync {
+
+struct ServerOptions {
+  // Path of the Unix socket; a stale socket file there is replaced. Empty:
+  // no Unix socket.
+  std::string unix_socket;
+  // "host:port" to listen on TCP (insecure until issue 6 adds TLS); empty:
+  // off. Port 0 picks a free port (see Server::tcp_port).
+  std::string tcp_address;
+  // Largest message accepted; must hold one chunk plus framing.
+  int max_message_bytes = (64 << 20) + (1 << 20);
+};
+
+class Server {
+ public:
+  static absl::StatusOr<std::unique_ptr<Server>> BuildAndStart(
+      const ServerOptions& options, Coordinator* core);
+  ~Server();
+
+  void Wait();
+  // Stops accepting, cancels open streams after `grace`, returns when done.
+  void Shutdown(absl::Duration grace);
+  int tcp_port() const { return tcp_port_; }
+
+ private:
+  Server(Coordinator* core) : trainer_(core), engine_(core) {}
+  TrainerServiceImpl trainer_;
+  EngineServiceImpl engine_;
+  std::unique_ptr<grpc::Server> server_;
+  std::string unix_socket_;
+  int tcp_port_ = 0;
+};
+
+}  // namespace weightsync
+
+#endif  // WEIGHTSYNC_DAEMON_SERVER_SERVER_H_

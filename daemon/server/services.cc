@@ -1,0 +1,165 @@
+#include "daemon/server/services.h"
+
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/synchronization/mutex.h"
+#include "common/grpc_status.h"
+#include "glog/logging.h"
+
+namespace weightsync {
+namespace {
+
+// Runs `call` and moves its value into `response`, or converts its error.
+template <typename Response, typename Call>
+grpc::Status Answer(Response* response, Call&& call) {
+  auto result = call();
+  if (!result.ok()) return ToGrpcStatus(result.status());
+  *response = *std::move(result);
+  return grpc::Status::OK;
+}
+
+absl::Time ContextDeadline(grpc::ServerContext* ctx, absl::Duration fallback) {
+  const auto d = ctx->deadline();
+  if (d == std::chrono::system_clock::time_point::max()) {
+    return absl::Now() + fallback;
+  }
+  return absl::FromChrono(d);
+}
+
+// An engine's control stream. Writes are serialised; once the handler
+// returns (Close), sends fail instead of touching a dead stream.
+class StreamChannel : public ControlChannel {
+ public:
+  explicit StreamChannel(
+      grpc::ServerReaderWriter<v1::DaemonMessage, v1::EngineMessage>* stream)
+      : stream_(stream) {}
+  bool Send(const v1::DaemonMessage& message) override {
+    absl::MutexLock lock(&mu_);
+    return stream_ != nullptr && stream_->Write(message);
+  }
+  void Close() {
+    absl::MutexLock lock(&mu_);
+    stream_ = nullptr;
+  }
+
+ private:
+  absl::Mutex mu_;
+  grpc::ServerReaderWriter<v1::DaemonMessage, v1::EngineMessage>* stream_
+      ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+grpc::Status TrainerServiceImpl::InitWeightTransfer(
+    grpc::ServerContext*, const v1::InitWeightTransferRequest* request,
+    v1::InitWeightTransferResponse* response) {
+  return Answer(response, [&] { return core_->InitWeightTransfer(*request); });
+}
+
+grpc::Status TrainerServiceImpl::StartWeightUpdate(
+    grpc::ServerContext*, const v1::StartWeightUpdateRequest* request,
+    v1::StartWeightUpdateResponse* response) {
+  return Answer(response, [&] { return core_->StartWeightUpdate(*request); });
+}
+
+grpc::Status TrainerServiceImpl::PushChunks(
+    grpc::ServerContext* ctx, grpc::ServerReader<v1::PushChunksRequest>* reader,
+    v1::PushChunksResponse* response) {
+  v1::PushChunksRequest request;
+  if (!reader->Read(&request)) return grpc::Status::OK;  // empty stream
+  const std::string update_id = request.update_id();
+  absl::Status status = core_->BeginPushStream(update_id);
+  if (!status.ok()) return ToGrpcStatus(status);
+  const absl::Time deadline = ContextDeadline(ctx, absl::Minutes(10));
+  do {
+    if (!request.update_id().empty() && request.update_id() != update_id) {
+      status = absl::InvalidArgumentError(
+          "every PushChunks message must name the same update");
+      break;
+    }
+    const int64_t bytes = request.data().size();
+    // The message's byte string becomes the staging buffer: no extra copy.
+    status = core_->PushChunk(update_id, request.chunk_index(),
+                              std::move(*request.mutable_data()), deadline);
+    if (!status.ok()) break;
+    response->set_chunks_received(response->chunks_received() + 1);
+    response->set_bytes_received(response->bytes_received() + bytes);
+  } while (reader->Read(&request));
+  core_->PushStreamEnded(update_id, ctx->IsCancelled());
+  return ToGrpcStatus(status);
+}
+
+grpc::Status TrainerServiceImpl::FinishWeightUpdate(
+    grpc::ServerContext*, const v1::FinishWeightUpdateRequest* request,
+    v1::FinishWeightUpdateResponse* response) {
+  return Answer(response, [&] { return core_->FinishWeightUpdate(*request); });
+}
+
+grpc::Status TrainerServiceImpl::AbortWeightUpdate(
+    grpc::ServerContext*, const v1::AbortWeightUpdateRequest* request,
+    v1::AbortWeightUpdateResponse* response) {
+  return Answer(response, [&] { return core_->AbortWeightUpdate(*request); });
+}
+
+grpc::Status TrainerServiceImpl::Pause(grpc::ServerContext*,
+                                       const v1::PauseRequest* request,
+                                       v1::PauseResponse* response) {
+  return Answer(response, [&] { return core_->Pause(*request); });
+}
+
+grpc::Status TrainerServiceImpl::Resume(grpc::ServerContext*,
+                                        const v1::ResumeRequest* request,
+                                        v1::ResumeResponse* response) {
+  return Answer(response, [&] { return core_->Resume(*request); });
+}
+
+grpc::Status TrainerServiceImpl::GetWorldSize(
+    grpc::ServerContext*, const v1::GetWorldSizeRequest*,
+    v1::GetWorldSizeResponse* response) {
+  *response = core_->GetWorldSize();
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainerServiceImpl::GetStatus(grpc::ServerContext*,
+                                           const v1::GetStatusRequest*,
+                                           v1::GetStatusResponse* response) {
+  *response = core_->GetStatus();
+  return grpc::Status::OK;
+}
+
+grpc::Status EngineServiceImpl::RegisterEngine(
+    grpc::ServerContext*, const v1::RegisterEngineRequest* request,
+    v1::RegisterEngineResponse* response) {
+  return Answer(response, [&] { return core_->RegisterEngine(*request); });
+}
+
+grpc::Status EngineServiceImpl::UnregisterEngine(
+    grpc::ServerContext*, const v1::UnregisterEngineRequest* request,
+    v1::UnregisterEngineResponse*) {
+  return ToGrpcStatus(core_->UnregisterEngine(request->engine_id()));
+}
+
+grpc::Status EngineServiceImpl::Control(
+    grpc::ServerContext*,
+    grpc::ServerReaderWriter<v1::DaemonMessage, v1::EngineMessage>* stream) {
+  v1::EngineMessage message;
+  if (!stream->Read(&message) || !message.has_hello()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        "the first Control message must be a Hello");
+  }
+  const std::string engine = message.hello().engine_id();
+  auto channel = std::make_shared<StreamChannel>(stream);
+  absl::Status status = core_->AttachControl(engine, channel);
+  if (!status.ok()) return ToGrpcStatus(status);
+  VLOG(1) << "engine " << engine << " control stream open";
+  while (stream->Read(&message)) {
+    if (message.has_ack()) core_->OnAck(engine, message.ack());
+  }
+  channel->Close();
+  core_->DetachControl(engine, channel.get());
+  return grpc::Status::OK;
+}
+
+}  // namespace weightsync
