@@ -1,0 +1,31 @@
+// Connecting to weightsyncd: a target string ("unix:/path" or "host:port")
+// and deadlines shared by the trainer and engine clients.
+#ifndef WEIGHTSYNC_CLIENT_CHANNEL_H_
+#define WEIGHTSYNC_CLIENT_CHANNEL_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "grpcpp/channel.h"
+
+namespace weightsync {
+
+struct ClientOptions {
+  // "unix:/run/user/1000/weightsync/weightsyncd.sock" or "host:port".
+  std::string target;
+  // Deadline of each unary call that names none of its own.
+  absl::Duration call_timeout = absl::Seconds(30);
+  // How long Connect waits for the daemon to accept.
+  absl::Duration connect_timeout = absl::Seconds(10);
+  int max_message_bytes = (64 << 20) + (1 << 20);
+};
+
+// Opens a channel and waits until it is connected, or UNAVAILABLE.
+absl::StatusOr<std::shared_ptr<grpc::Channel>> ConnectChannel(
+    const ClientOptions& options);
+
+}  // namespace weightsync
+
+#endif  // WEIGHTSYNC_CLIENT_CHANNEL_H_

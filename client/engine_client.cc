@@ -1,0 +1,117 @@
+#include "client/engine_client.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/grpc_status.h"
+#include "common/status_macros.h"
+
+namespace weightsync {
+
+EngineClient::EngineClient(ClientOptions options,
+                           std::shared_ptr<grpc::Channel> channel)
+    : options_(std::move(options)),
+      channel_(std::move(channel)),
+      stub_(v1::EngineService::NewStub(channel_)) {}
+
+absl::StatusOr<std::unique_ptr<EngineClient>> EngineClient::Connect(
+    const ClientOptions& options) {
+  WS_ASSIGN_OR_RETURN(auto channel, ConnectChannel(options));
+  return std::unique_ptr<EngineClient>(
+      new EngineClient(options, std::move(channel)));
+}
+
+EngineClient::~EngineClient() { Close(); }
+
+absl::StatusOr<v1::RegisterEngineResponse> EngineClient::Register(
+    const v1::RegisterEngineRequest& request) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.call_timeout));
+  v1::RegisterEngineResponse response;
+  grpc::Status s = stub_->RegisterEngine(&ctx, request, &response);
+  if (!s.ok()) return FromGrpcStatus(s);
+  engine_id_ = request.engine_id();
+  version_ = response.version();
+  return response;
+}
+
+absl::Status EngineClient::Unregister() {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.call_timeout));
+  v1::UnregisterEngineRequest request;
+  request.set_engine_id(engine_id_);
+  v1::UnregisterEngineResponse response;
+  return FromGrpcStatus(stub_->UnregisterEngine(&ctx, request, &response));
+}
+
+absl::Status EngineClient::StartControl(EngineHooks hooks) {
+  if (engine_id_.empty()) {
+    return absl::FailedPreconditionError("Register before StartControl");
+  }
+  if (thread_.joinable()) {
+    return absl::FailedPreconditionError("control stream already open");
+  }
+  hooks_ = std::move(hooks);
+  control_ctx_ = std::make_unique<grpc::ClientContext>();
+  control_ = stub_->Control(control_ctx_.get());
+  v1::EngineMessage hello;
+  hello.mutable_hello()->set_engine_id(engine_id_);
+  if (!control_->Write(hello)) {
+    return FromGrpcStatus(control_->Finish());
+  }
+  thread_ = std::thread([this] { Run(); });
+  return absl::OkStatus();
+}
+
+void EngineClient::Run() {
+  v1::DaemonMessage m;
+  while (control_->Read(&m)) {
+    absl::Status result;
+    switch (m.kind_case()) {
+      case v1::DaemonMessage::kPause:
+        if (hooks_.on_pause) result = hooks_.on_pause(m.pause().mode());
+        if (result.ok()) paused_ = true;
+        break;
+      case v1::DaemonMessage::kResume:
+        if (hooks_.on_resume) result = hooks_.on_resume();
+        if (result.ok()) paused_ = false;
+        break;
+      case v1::DaemonMessage::kNewVersion: {
+        absl::MutexLock lock(&mu_);
+        version_ = m.new_version().version();
+        dirty_ = false;
+        if (hooks_.on_new_version) hooks_.on_new_version(version_);
+        break;
+      }
+      case v1::DaemonMessage::kDirty:
+        dirty_ = true;
+        if (hooks_.on_dirty) hooks_.on_dirty(m.dirty().reason());
+        break;
+      default:
+        break;
+    }
+    v1::EngineMessage ack;
+    ack.mutable_ack()->set_notice_id(m.notice_id());
+    ack.mutable_ack()->set_ok(result.ok());
+    ack.mutable_ack()->set_message(std::string(result.message()));
+    if (!control_->Write(ack)) break;
+  }
+}
+
+bool EngineClient::WaitForVersion(int64_t version, absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  auto reached = [&] { return version_.load() >= version; };
+  return mu_.AwaitWithDeadline(absl::Condition(&reached), deadline);
+}
+
+void EngineClient::Close() {
+  if (control_ctx_ != nullptr) control_ctx_->TryCancel();
+  if (thread_.joinable()) thread_.join();
+  if (control_ != nullptr) {
+    control_->Finish().ok();
+    control_.reset();
+  }
+  control_ctx_.reset();
+}
+
+}  // namespace weightsync

@@ -1,0 +1,75 @@
+// EngineClient: what an inference engine worker calls to offer its weights
+// to weightsyncd. Register once, then StartControl: a background thread
+// receives pause / resume / new-version / dirty notices, runs the engine's
+// hooks and acknowledges each one. version() is the committed weight version
+// (tag responses with it). Thread-safe; Close (or the destructor) joins.
+#ifndef WEIGHTSYNC_CLIENT_ENGINE_CLIENT_H_
+#define WEIGHTSYNC_CLIENT_ENGINE_CLIENT_H_
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "client/channel.h"
+#include "weightsync/v1/engine_service.grpc.pb.h"
+
+namespace weightsync {
+
+struct EngineHooks {
+  // Stop (or freeze) generation; an error refuses the pause.
+  std::function<absl::Status(v1::PauseMode)> on_pause;
+  std::function<absl::Status()> on_resume;
+  std::function<void(int64_t version)> on_new_version;
+  std::function<void(const std::string& reason)> on_dirty;
+};
+
+class EngineClient {
+ public:
+  static absl::StatusOr<std::unique_ptr<EngineClient>> Connect(
+      const ClientOptions& options);
+  ~EngineClient();
+
+  absl::StatusOr<v1::RegisterEngineResponse> Register(
+      const v1::RegisterEngineRequest& request);
+  absl::Status Unregister();
+  // Opens the control stream and starts the notice thread.
+  absl::Status StartControl(EngineHooks hooks);
+  // Closes the control stream (the daemon then forgets the engine) and
+  // joins the notice thread.
+  void Close();
+
+  int64_t version() const { return version_.load(); }
+  bool paused() const { return paused_.load(); }
+  bool dirty() const { return dirty_.load(); }
+  // Blocks until version() >= `version` or `deadline`; true if reached.
+  bool WaitForVersion(int64_t version, absl::Time deadline);
+  const std::string& engine_id() const { return engine_id_; }
+
+ private:
+  EngineClient(ClientOptions options, std::shared_ptr<grpc::Channel> channel);
+  void Run();
+
+  const ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::EngineService::Stub> stub_;
+  std::string engine_id_;
+  EngineHooks hooks_;
+  std::unique_ptr<grpc::ClientContext> control_ctx_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::EngineMessage,
+                                           v1::DaemonMessage>>
+      control_;
+  std::thread thread_;
+  std::atomic<int64_t> version_{0};
+  std::atomic<bool> paused_{false};
+  std::atomic<bool> dirty_{false};
+  absl::Mutex mu_;
+};
+
+}  // namespace weightsync
+
+#endif  // WEIGHTSYNC_CLIENT_ENGINE_CLIENT_H_

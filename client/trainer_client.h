@@ -1,0 +1,67 @@
+// TrainerClient: what a trainer calls to push weights through weightsyncd.
+// Every call carries a deadline; results are absl::StatusOr with the
+// daemon's code and message. Thread-compatible: one update at a time per
+// client; separate clients may be used from separate threads.
+#ifndef WEIGHTSYNC_CLIENT_TRAINER_CLIENT_H_
+#define WEIGHTSYNC_CLIENT_TRAINER_CLIENT_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "client/channel.h"
+#include "weightsync/v1/trainer_service.grpc.pb.h"
+
+namespace weightsync {
+
+// A tensor the trainer holds in host memory (checkpoint format).
+struct HostTensor {
+  v1::TensorSpec spec;
+  const void* data = nullptr;  // payload_bytes(spec) bytes
+};
+
+class TrainerClient {
+ public:
+  static absl::StatusOr<std::unique_ptr<TrainerClient>> Connect(
+      const ClientOptions& options);
+
+  absl::StatusOr<v1::InitWeightTransferResponse> InitWeightTransfer(
+      const v1::InitWeightTransferRequest& request);
+  absl::StatusOr<v1::StartWeightUpdateResponse> StartWeightUpdate(
+      const v1::StartWeightUpdateRequest& request);
+  // Host backend: packs `tensors` (in manifest order) with the shared chunk
+  // planner and streams every chunk of update `update_id`.
+  absl::Status PushTensors(const std::string& update_id,
+                           const std::vector<HostTensor>& tensors,
+                           int64_t chunk_bytes);
+  absl::StatusOr<v1::FinishWeightUpdateResponse> FinishWeightUpdate(
+      const std::string& update_id);
+  absl::StatusOr<v1::AbortWeightUpdateResponse> AbortWeightUpdate(
+      const std::string& update_id, const std::string& reason);
+  absl::StatusOr<v1::PauseResponse> Pause(const v1::PauseRequest& request);
+  absl::StatusOr<v1::ResumeResponse> Resume(const v1::ResumeRequest& request);
+  absl::StatusOr<int> GetWorldSize();
+  absl::StatusOr<v1::GetStatusResponse> GetStatus();
+
+  // Start, PushTensors and Finish in one call; aborts the update on the
+  // daemon if sending fails. `request` supplies id, version, mode, chunk
+  // size and engine ids; its manifest is filled from `tensors`.
+  absl::StatusOr<v1::FinishWeightUpdateResponse> Update(
+      v1::StartWeightUpdateRequest request,
+      const std::vector<HostTensor>& tensors);
+
+  v1::TrainerService::Stub* stub() { return stub_.get(); }
+
+ private:
+  TrainerClient(ClientOptions options, std::shared_ptr<grpc::Channel> channel);
+  std::unique_ptr<grpc::ClientContext> Context() const;
+
+  const ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::TrainerService::Stub> stub_;
+};
+
+}  // namespace weightsync
+
+#endif  // WEIGHTSYNC_CLIENT_TRAINER_CLIENT_H_
