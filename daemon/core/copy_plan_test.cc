@@ -1,0 +1,133 @@
+#include "daemon/core/copy_plan.h"
+
+#include <cstring>
+
+#include "backends/host/host_data_plane.h"
+#include "client/host_arena.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/heap_memory.h"
+#include "tools/synthetic/synthetic_model.h"
+
+namespace weightsync {
+namespace {
+
+using ::testing::HasSubstr;
+
+struct Engine {
+  std::vector<v1::Parameter> params;
+  std::shared_ptr<const EngineLayout> layout;
+};
+
+Engine MakeEngine(const std::string& id, synthetic::Layout layout, int rank,
+                  int size, v1::DType dtype, testing::HeapMapper& mapper) {
+  const auto model = *synthetic::ModelByName("tiny");
+  Engine e;
+  e.params = synthetic::EngineParameters(model, layout, rank, size, dtype);
+  const int64_t bytes = *HostArena::Layout(&e.params);
+  v1::RegisterEngineRequest r;
+  r.set_engine_id(id);
+  v1::Allocation* a = r.add_allocations();
+  a->set_kind(v1::MEMORY_HOST_SHM);
+  a->set_handle("/heap");
+  a->set_size(bytes);
+  for (const auto& p : e.params) *r.add_parameters() = p;
+  auto built = BuildEngineLayout(r, mapper);
+  EXPECT_TRUE(built.ok()) << built.status();
+  e.layout = *built;
+  return e;
+}
+
+// Packs the manifest's data into chunks exactly as a trainer client does
+// and scatters each through the plan; then every parameter must equal the
+// independent reference installer's answer.
+void RunAndCompare(const std::vector<Engine>& engines, v1::DType ckpt_dtype,
+                   int64_t chunk_bytes) {
+  const auto model = *synthetic::ModelByName("tiny");
+  Manifest manifest;
+  synthetic::CheckpointData data;
+  for (const v1::TensorSpec& t : synthetic::Checkpoint(model, ckpt_dtype)) {
+    *manifest.Add() = t;
+    data[t.name()] = {t, synthetic::Contents(t, 7)};
+  }
+  std::vector<std::shared_ptr<const EngineLayout>> layouts;
+  for (const Engine& e : engines) layouts.push_back(e.layout);
+  auto plan = BuildCopyPlan(manifest, chunk_bytes, layouts);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  for (const Chunk& c : (*plan)->chunks.chunks) {
+    std::vector<uint8_t> buf(c.size, 0);
+    for (const Piece& p : c.pieces) {
+      std::memcpy(buf.data() + p.chunk_offset,
+                  data.at(manifest[p.tensor].name()).second.data() +
+                      p.tensor_offset,
+                  p.length);
+    }
+    ScatterChunk(**plan, (*plan)->ops_by_chunk[c.index], buf.data(), nullptr);
+  }
+  for (const Engine& e : engines) {
+    const uint8_t* base = e.layout->regions[0]->data();
+    for (const v1::Parameter& p : e.params) {
+      const std::vector<uint8_t> want = synthetic::ExpectedParameter(p, data);
+      ASSERT_EQ(std::memcmp(base + p.offset(), want.data(), want.size()), 0)
+          << e.layout->engine_id << " " << p.name() << " chunk " << chunk_bytes;
+    }
+  }
+  for (size_t i = 0; i < engines.size(); ++i) {
+    EXPECT_TRUE((*plan)->covers_engine[i] ||
+                engines[i].layout->engine_id == "tp1")
+        << "engine " << i << " should be fully rewritten";
+  }
+}
+
+TEST(CopyPlanTest, TensorParallelSegmentsMatchReferenceAtEveryChunkSize) {
+  testing::HeapMapper mapper;
+  std::vector<Engine> engines = {
+      MakeEngine("plain", synthetic::Layout::kPlain, 0, 1, v1::BFLOAT16, mapper),
+      MakeEngine("tp0", synthetic::Layout::kTensorParallel, 0, 2, v1::BFLOAT16,
+                 mapper),
+      MakeEngine("tp1", synthetic::Layout::kTensorParallel, 1, 2, v1::FLOAT16,
+                 mapper)};
+  // Odd chunk sizes cut rows and tensors at every possible place.
+  for (int64_t chunk : {256, 768, 4096, 65536, 1 << 24}) {
+    RunAndCompare(engines, v1::FLOAT32, chunk);
+  }
+  RunAndCompare(engines, v1::BFLOAT16, 1280);
+}
+
+TEST(CopyPlanTest, RejectsUnknownTensorShapeAndDtypeMismatches) {
+  testing::HeapMapper mapper;
+  std::vector<std::shared_ptr<const EngineLayout>> layouts = {
+      MakeEngine("tp0", synthetic::Layout::kTensorParallel, 0, 2, v1::BFLOAT16,
+                 mapper)
+          .layout};
+  Manifest m;
+  v1::TensorSpec* t = m.Add();
+  t->set_name("model.layers.9.nope");
+  t->set_dtype(v1::FLOAT32);
+  t->add_shape(4);
+  auto plan = BuildCopyPlan(m, 4096, layouts);
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(plan.status().message(), HasSubstr("'model.layers.9.nope'"));
+
+  t->set_name("model.norm.weight");  // registered as [64]
+  plan = BuildCopyPlan(m, 4096, layouts);
+  EXPECT_THAT(plan.status().message(),
+              HasSubstr("shape [4] does not match the registered [64]"));
+
+  t->set_shape(0, 64);
+  t->set_dtype(v1::INT32);
+  plan = BuildCopyPlan(m, 4096, layouts);
+  EXPECT_THAT(plan.status().message(),
+              HasSubstr("dtype int32 can't be converted to bfloat16"));
+
+  t->set_name("model.layers.0.self_attn.q_proj.weight");  // segment source
+  t->set_dtype(v1::FLOAT32);
+  t->set_shape(0, 32);
+  t->add_shape(64);
+  plan = BuildCopyPlan(m, 4096, layouts);
+  EXPECT_THAT(plan.status().message(),
+              HasSubstr("does not match the segment's source shape"));
+}
+
+}  // namespace
+}  // namespace weightsync

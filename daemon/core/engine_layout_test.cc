@@ -1,0 +1,113 @@
+#include "daemon/core/engine_layout.h"
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/heap_memory.h"
+
+namespace weightsync {
+namespace {
+
+using ::testing::HasSubstr;
+
+v1::RegisterEngineRequest TwoParams() {
+  v1::RegisterEngineRequest r;
+  r.set_engine_id("e0");
+  v1::Allocation* a = r.add_allocations();
+  a->set_kind(v1::MEMORY_HOST_SHM);
+  a->set_handle("/x");
+  a->set_size(4096);
+  v1::Parameter* p = r.add_parameters();
+  p->set_name("w");
+  p->set_dtype(v1::FLOAT32);
+  p->add_shape(16);
+  p->add_shape(8);  // 512 bytes at 0
+  p = r.add_parameters();
+  p->set_name("b");
+  p->set_dtype(v1::BFLOAT16);
+  p->add_shape(8);
+  p->set_offset(1024);
+  return r;
+}
+
+absl::Status Build(const v1::RegisterEngineRequest& r,
+                   testing::HeapMapper* mapper = nullptr) {
+  testing::HeapMapper local;
+  return BuildEngineLayout(r, mapper ? *mapper : local).status();
+}
+
+TEST(EngineLayoutTest, AcceptsAValidRegistration) {
+  testing::HeapMapper mapper;
+  auto layout = BuildEngineLayout(TwoParams(), mapper);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  EXPECT_EQ((*layout)->parameters.size(), 2);
+  EXPECT_EQ((*layout)->total_bytes, 512 + 16);
+  EXPECT_TRUE((*layout)->uses_by_source.contains("w"));
+  EXPECT_EQ(mapper.opened.size(), 1);
+}
+
+TEST(EngineLayoutTest, RejectsOverlappingParametersAndOpensNothing) {
+  v1::RegisterEngineRequest r = TwoParams();
+  r.mutable_parameters(1)->set_offset(500);  // inside w's 512 bytes
+  testing::HeapMapper mapper;
+  absl::Status s = Build(r, &mapper);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("'w' and 'b' overlap"));
+  EXPECT_TRUE(mapper.opened.empty());
+}
+
+TEST(EngineLayoutTest, RejectsParameterOutsideItsAllocation) {
+  v1::RegisterEngineRequest r = TwoParams();
+  r.mutable_parameters(1)->set_offset(4090);
+  absl::Status s = Build(r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("parameter 'b'"));
+  EXPECT_THAT(s.message(), HasSubstr("outside its allocation"));
+}
+
+TEST(EngineLayoutTest, RejectsDuplicateNamesBadDtypeAndBadIds) {
+  v1::RegisterEngineRequest r = TwoParams();
+  r.mutable_parameters(1)->set_name("w");
+  EXPECT_THAT(Build(r).message(), HasSubstr("'w' is registered twice"));
+  r = TwoParams();
+  r.mutable_parameters(0)->set_dtype(v1::DTYPE_UNSPECIFIED);
+  EXPECT_THAT(Build(r).message(), HasSubstr("unknown dtype"));
+  r = TwoParams();
+  r.set_engine_id("bad id/with slash");
+  EXPECT_EQ(Build(r).code(), absl::StatusCode::kInvalidArgument);
+  r = TwoParams();
+  r.mutable_parameters(0)->set_allocation(3);
+  EXPECT_THAT(Build(r).message(), HasSubstr("names allocation 3"));
+}
+
+TEST(EngineLayoutTest, RejectsSegmentsOutsideTheParameterOrSource) {
+  v1::RegisterEngineRequest r = TwoParams();
+  v1::Segment* s = r.mutable_parameters(0)->add_segments();
+  s->set_source("ckpt");
+  s->set_row_count(16);
+  s->set_col_count(9);  // 16 x 9 > 128 elements
+  EXPECT_THAT(Build(r).message(), HasSubstr("runs past the parameter"));
+  s->set_col_count(8);
+  s->add_source_shape(10);
+  s->add_source_shape(8);  // only 10 rows in the source
+  EXPECT_THAT(Build(r).message(), HasSubstr("outside source shape [10, 8]"));
+}
+
+TEST(EngineLayoutTest, RejectsOverlappingSegments) {
+  v1::RegisterEngineRequest r = TwoParams();
+  v1::Parameter* p = r.mutable_parameters(0);
+  for (int i = 0; i < 2; ++i) {
+    v1::Segment* s = p->add_segments();
+    s->set_source(i == 0 ? "q" : "k");
+    s->set_row_count(8);
+    s->set_col_count(4);
+    s->set_dest_row_stride(8);
+    s->set_dest_offset(i == 0 ? 0 : 3);  // columns 3..6 overlap 0..3
+  }
+  absl::Status st = Build(r);
+  EXPECT_THAT(st.message(), HasSubstr("segments 0 and 1 write the same"));
+  p->mutable_segments(1)->set_dest_offset(4);  // side by side: fine
+  EXPECT_TRUE(Build(r).ok()) << Build(r);
+}
+
+}  // namespace
+}  // namespace weightsync

@@ -1,0 +1,45 @@
+// An in-memory MemoryMapper for tests: every allocation is a zeroed heap
+// buffer, whatever its kind or handle. Thread-safe.
+#ifndef WEIGHTSYNC_TESTS_TESTING_HEAP_MEMORY_H_
+#define WEIGHTSYNC_TESTS_TESTING_HEAP_MEMORY_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "daemon/core/memory.h"
+
+namespace weightsync::testing {
+
+class HeapRegion : public MappedRegion {
+ public:
+  explicit HeapRegion(int64_t size) : bytes_(size, 0) {}
+  uint8_t* data() const override {
+    return const_cast<uint8_t*>(bytes_.data());
+  }
+  int64_t size() const override { return bytes_.size(); }
+  v1::MemoryKind kind() const override { return v1::MEMORY_HOST_SHM; }
+  const std::string& device_uuid() const override { return uuid_; }
+
+ private:
+  std::vector<uint8_t> bytes_;
+  std::string uuid_ = "host";
+};
+
+class HeapMapper : public MemoryMapper {
+ public:
+  absl::StatusOr<std::shared_ptr<MappedRegion>> Open(
+      const v1::Allocation& allocation) override {
+    auto r = std::make_shared<HeapRegion>(allocation.size());
+    absl::MutexLock lock(&mu_);
+    opened.push_back(r);
+    return std::shared_ptr<MappedRegion>(r);
+  }
+  absl::Mutex mu_;
+  std::vector<std::shared_ptr<HeapRegion>> opened;
+};
+
+}  // namespace weightsync::testing
+
+#endif  // WEIGHTSYNC_TESTS_TESTING_HEAP_MEMORY_H_
