@@ -26,6 +26,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   if (!options.unix_socket.empty()) {
+    if (options.unix_socket.size() > 107) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "Unix socket path is ", options.unix_socket.size(),
+          " bytes; the limit is 107: ", options.unix_socket));
+    }
     struct stat st;
     if (lstat(options.unix_socket.c_str(), &st) == 0) {
       if (!S_ISSOCK(st.st_mode)) {

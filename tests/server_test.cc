@@ -1,0 +1,428 @@
+// In-process server tests: a real gRPC server on a Unix socket over the real
+// Coordinator and host backend, real engine and trainer clients. Every bad
+// input gets its specific status naming the culprit, the daemon keeps
+// serving, and engine memory is byte-for-byte unchanged (or, where the
+// protocol says so, marked dirty).
+#include <unistd.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/engine_client.h"
+#include "client/host_arena.h"
+#include "client/trainer_client.h"
+#include "daemon/backends.h"
+#include "daemon/server/server.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tools/synthetic/synthetic_model.h"
+
+namespace weightsync {
+namespace {
+
+using ::testing::HasSubstr;
+
+class ServerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    // Unix socket paths are limited to 107 bytes: use a short /tmp dir.
+    char tmpl[] = "/tmp/wstest.XXXXXX";
+    dir_ = mkdtemp(tmpl);
+    CoordinatorOptions core;
+    core.notice_timeout = absl::Milliseconds(500);
+    core.finish_timeout = absl::Seconds(5);
+    HostDataPlane::Options host;
+    host.staging_buffers = 2;
+    core_ = std::make_unique<Coordinator>(core, MakeMemoryMapper(),
+                                          MakeDataPlaneFactory(host));
+    ServerOptions so;
+    so.unix_socket = dir_ + "/d.sock";
+    auto server = Server::BuildAndStart(so, core_.get());
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    options_.target = "unix:" + so.unix_socket;
+    options_.call_timeout = absl::Seconds(10);
+    trainer_ = *TrainerClient::Connect(options_);
+    model_ = *synthetic::ModelByName("tiny");
+  }
+  void TearDown() override {
+    engines_.clear();
+    for (auto& a : arenas_) a->region().Unlink();
+    server_->Shutdown(absl::ZeroDuration());
+    core_.reset();
+    rmdir(dir_.c_str());
+  }
+
+  // Starts an engine (plain bf16 or TP rank) with memory and control stream.
+  EngineClient* AddEngine(const std::string& id, bool tp = false, int rank = 0,
+                          EngineHooks hooks = {}) {
+    auto arena = HostArena::Create(
+        absl::StrCat("/wstest-", dir_.substr(dir_.rfind('.') + 1), "-", id),
+        synthetic::EngineParameters(
+            model_, tp ? synthetic::Layout::kTensorParallel
+                       : synthetic::Layout::kPlain,
+            rank, tp ? 2 : 1, v1::BFLOAT16));
+    EXPECT_TRUE(arena.ok()) << arena.status();
+    auto engine = *EngineClient::Connect(options_);
+    v1::RegisterEngineRequest r = (*arena)->Registration();
+    r.set_engine_id(id);
+    auto reg = engine->Register(r);
+    EXPECT_TRUE(reg.ok()) << reg.status();
+    EXPECT_TRUE(engine->StartControl(std::move(hooks)).ok());
+    // The control stream is attached once GetStatus says connected.
+    for (int i = 0; i < 200; ++i) {
+      auto st = trainer_->GetStatus();
+      bool connected = false;
+      for (const auto& e : st->engines()) {
+        if (e.engine_id() == id && e.connected()) connected = true;
+      }
+      if (connected) break;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    arenas_.push_back(*std::move(arena));
+    engines_.push_back(std::move(engine));
+    return engines_.back().get();
+  }
+
+  std::vector<uint8_t> Memory(int i) {
+    const ShmRegion& r = arenas_[i]->region();
+    return std::vector<uint8_t>(r.data(), r.data() + r.size());
+  }
+
+  void Init() {
+    v1::InitWeightTransferRequest init;
+    init.set_backend(v1::BACKEND_HOST);
+    ASSERT_TRUE(trainer_->InitWeightTransfer(init).ok());
+  }
+
+  // The tiny model's checkpoint at `version`, as HostTensors pointing into
+  // data_ (valid until the next call).
+  std::vector<HostTensor> Tensors(int64_t version) {
+    data_.clear();
+    std::vector<HostTensor> out;
+    for (const v1::TensorSpec& t : synthetic::Checkpoint(model_, v1::FLOAT32)) {
+      data_[t.name()] = {t, synthetic::Contents(t, version)};
+    }
+    for (const v1::TensorSpec& t : synthetic::Checkpoint(model_, v1::FLOAT32)) {
+      out.push_back({t, data_[t.name()].second.data()});
+    }
+    return out;
+  }
+
+  v1::StartWeightUpdateRequest StartRequest(int64_t version,
+                                            const std::vector<HostTensor>& t,
+                                            int64_t chunk = 4096) {
+    v1::StartWeightUpdateRequest r;
+    r.set_update_id(absl::StrCat("u", version));
+    r.set_target_version(version);
+    r.set_chunk_bytes(chunk);
+    for (const HostTensor& h : t) *r.add_tensors() = h.spec;
+    return r;
+  }
+
+  // Every parameter of engine `i` equals the reference for data_.
+  void ExpectInstalled(int i) {
+    const uint8_t* base = arenas_[i]->region().data();
+    for (const v1::Parameter& p : arenas_[i]->parameters()) {
+      const auto want = synthetic::ExpectedParameter(p, data_);
+      ASSERT_EQ(std::memcmp(base + p.offset(), want.data(), want.size()), 0)
+          << p.name();
+    }
+  }
+
+  v1::EngineStatus StatusOf(const std::string& id) {
+    const auto status = trainer_->GetStatus();
+    EXPECT_TRUE(status.ok()) << status.status();
+    for (const auto& e : status->engines()) {
+      if (e.engine_id() == id) return e;
+    }
+    return {};
+  }
+
+  std::string dir_;
+  std::unique_ptr<Coordinator> core_;
+  std::unique_ptr<Server> server_;
+  ClientOptions options_;
+  std::unique_ptr<TrainerClient> trainer_;
+  synthetic::ModelConfig model_;
+  std::vector<std::unique_ptr<HostArena>> arenas_;
+  std::vector<std::unique_ptr<EngineClient>> engines_;
+  synthetic::CheckpointData data_;
+};
+
+TEST_F(ServerTest, ThreeUpdatesThroughPlainAndTensorParallelEngines) {
+  EngineClient* plain = AddEngine("plain");
+  AddEngine("tp0", true, 0);
+  AddEngine("tp1", true, 1);
+  Init();
+  EXPECT_EQ(*trainer_->GetWorldSize(), 1);
+  for (int64_t v = 1; v <= 3; ++v) {
+    const auto t = Tensors(v);
+    auto done = trainer_->Update(StartRequest(v, t), t);
+    ASSERT_TRUE(done.ok()) << done.status();
+    EXPECT_EQ(done->version(), v);
+    EXPECT_EQ(done->engines_size(), 3);
+    for (int i = 0; i < 3; ++i) ExpectInstalled(i);
+    EXPECT_TRUE(plain->WaitForVersion(v, absl::Now() + absl::Seconds(5)));
+    EXPECT_EQ(StatusOf("tp1").version(), v);
+    EXPECT_EQ(StatusOf("tp1").state(), v1::ENGINE_READY);
+  }
+  auto status = trainer_->GetStatus();
+  EXPECT_EQ(status->update().phase(), "committed");
+  EXPECT_EQ(status->update().received_chunks(), status->update().total_chunks());
+}
+
+TEST_F(ServerTest, OutOfOrderCallsAreFailedPrecondition) {
+  AddEngine("e0");
+  auto t = Tensors(1);
+  auto s = trainer_->StartWeightUpdate(StartRequest(1, t));
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.status().message(), HasSubstr("InitWeightTransfer"));
+  Init();
+  auto f = trainer_->FinishWeightUpdate("u1");
+  EXPECT_EQ(f.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(f.status().message(), HasSubstr("no update 'u1'"));
+  ASSERT_TRUE(trainer_->StartWeightUpdate(StartRequest(1, t)).ok());
+  auto again = trainer_->StartWeightUpdate(StartRequest(2, t));
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(again.status().message(), HasSubstr("'u1' is in progress"));
+  ASSERT_TRUE(trainer_->PushTensors("u1", t, 4096).ok());
+  ASSERT_TRUE(trainer_->FinishWeightUpdate("u1").ok());
+  ExpectInstalled(0);
+}
+
+TEST_F(ServerTest, BadManifestsNameTheCulpritAndWriteNothing) {
+  AddEngine("e0");
+  Init();
+  const auto before = Memory(0);
+  auto t = Tensors(1);
+  struct Case {
+    std::function<void(v1::StartWeightUpdateRequest&)> mutate;
+    absl::StatusCode code;
+    std::string message;
+  } cases[] = {
+      {[](auto& r) { r.mutable_tensors(3)->set_name("ghost.weight"); },
+       absl::StatusCode::kInvalidArgument, "tensor 'ghost.weight'"},
+      {[](auto& r) { r.mutable_tensors(0)->set_shape(0, 7); },
+       absl::StatusCode::kInvalidArgument,
+       "tensor 'model.embed_tokens.weight'"},
+      {[](auto& r) { r.mutable_tensors(1)->set_dtype(v1::INT32); },
+       absl::StatusCode::kInvalidArgument, "can't be converted"},
+      {[](auto& r) { r.set_chunk_bytes(1000); },
+       absl::StatusCode::kInvalidArgument, "chunk_bytes"},
+      {[](auto& r) { r.set_target_version(0); },
+       absl::StatusCode::kFailedPrecondition, "engine 'e0' version 0"},
+      {[](auto& r) { r.add_engine_ids("nobody"); },
+       absl::StatusCode::kNotFound, "engine 'nobody'"},
+  };
+  for (auto& c : cases) {
+    v1::StartWeightUpdateRequest r = StartRequest(1, t);
+    c.mutate(r);
+    auto s = trainer_->StartWeightUpdate(r);
+    EXPECT_EQ(s.status().code(), c.code) << s.status();
+    EXPECT_THAT(s.status().message(), HasSubstr(c.message));
+    EXPECT_EQ(Memory(0), before);
+    EXPECT_EQ(StatusOf("e0").state(), v1::ENGINE_READY);
+  }
+  // Still serving: a good update goes through.
+  ASSERT_TRUE(trainer_->Update(StartRequest(1, t), t).ok());
+  ExpectInstalled(0);
+}
+
+TEST_F(ServerTest, VersionsOnlyGoUp) {
+  AddEngine("e0");
+  Init();
+  auto t = Tensors(5);
+  ASSERT_TRUE(trainer_->Update(StartRequest(5, t), t).ok());
+  const auto before = Memory(0);
+  for (int64_t v : {5, 4}) {
+    const auto tv = Tensors(v);
+    auto s = trainer_->Update(StartRequest(v, tv), tv);
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(s.status().message(), HasSubstr("engine 'e0' version 5"));
+  }
+  EXPECT_EQ(Memory(0), before);
+  EXPECT_EQ(StatusOf("e0").version(), 5);
+}
+
+TEST_F(ServerTest, WrongSizedFirstChunkIsRejectedBeforeAnyWrite) {
+  AddEngine("e0");
+  Init();
+  const auto before = Memory(0);
+  auto t = Tensors(1);
+  ASSERT_TRUE(trainer_->StartWeightUpdate(StartRequest(1, t)).ok());
+  for (int64_t delta : {+1, -1}) {
+    grpc::ClientContext ctx;
+    v1::PushChunksResponse resp;
+    auto w = trainer_->stub()->PushChunks(&ctx, &resp);
+    v1::PushChunksRequest req;
+    req.set_update_id("u1");
+    req.set_chunk_index(0);
+    req.set_data(std::string(4096 + delta, 'x'));
+    w->Write(req);
+    w->WritesDone();
+    grpc::Status s = w->Finish();
+    if (delta == +1) {
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+      EXPECT_THAT(s.error_message(), HasSubstr("chunk 0 has 4097 bytes"));
+    } else {  // the update already failed on the first bad chunk
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::ABORTED);
+    }
+  }
+  auto f = trainer_->FinishWeightUpdate("u1");
+  EXPECT_EQ(f.status().code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(f.status().message(), HasSubstr("engines untouched"));
+  EXPECT_EQ(Memory(0), before);
+  EXPECT_EQ(StatusOf("e0").state(), v1::ENGINE_READY);
+  EXPECT_EQ(StatusOf("e0").version(), 0);
+  ASSERT_TRUE(trainer_->Update(StartRequest(1, t), t).ok());
+  ExpectInstalled(0);
+}
+
+TEST_F(ServerTest, TooFewChunksFailsTheUpdateAndLeavesEngineDirty) {
+  AddEngine("e0");
+  Init();
+  auto t = Tensors(1);
+  auto started = trainer_->StartWeightUpdate(StartRequest(1, t, 4096));
+  ASSERT_TRUE(started.ok());
+  ASSERT_GT(started->num_chunks(), 2);
+  {  // Only the first chunk.
+    grpc::ClientContext ctx;
+    v1::PushChunksResponse resp;
+    auto w = trainer_->stub()->PushChunks(&ctx, &resp);
+    v1::PushChunksRequest req;
+    req.set_update_id("u1");
+    req.set_data(std::string(4096, '\0'));
+    ASSERT_TRUE(w->Write(req));
+    w->WritesDone();
+    ASSERT_TRUE(w->Finish().ok());
+  }
+  auto f = trainer_->FinishWeightUpdate("u1");
+  EXPECT_EQ(f.status().code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(f.status().message(), HasSubstr("finish after 1 of"));
+  EXPECT_THAT(f.status().message(), HasSubstr("dirty: e0"));
+  EXPECT_EQ(StatusOf("e0").state(), v1::ENGINE_DIRTY);
+  EXPECT_EQ(StatusOf("e0").version(), 0);
+  // A dirty engine can't be resumed without the override...
+  auto r = trainer_->Resume(v1::ResumeRequest());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(r.status().message(), HasSubstr("engine 'e0' is dirty"));
+  // ...and a full update cleans it.
+  ASSERT_TRUE(trainer_->Update(StartRequest(1, t), t).ok());
+  ExpectInstalled(0);
+  // Clean again, the engine the daemon paused is resumed.
+  EXPECT_EQ(StatusOf("e0").state(), v1::ENGINE_READY);
+  EXPECT_FALSE(engines_[0]->paused());
+}
+
+TEST_F(ServerTest, TrainerDisconnectingMidStreamFailsTheUpdate) {
+  AddEngine("e0");
+  Init();
+  auto t = Tensors(1);
+  ASSERT_TRUE(trainer_->StartWeightUpdate(StartRequest(1, t, 4096)).ok());
+  {
+    grpc::ClientContext ctx;
+    v1::PushChunksResponse resp;
+    auto w = trainer_->stub()->PushChunks(&ctx, &resp);
+    v1::PushChunksRequest req;
+    req.set_update_id("u1");
+    req.set_data(std::string(4096, '\0'));
+    ASSERT_TRUE(w->Write(req));
+    for (int i = 0; i < 200; ++i) {  // until the daemon has chunk 0
+      if (trainer_->GetStatus()->update().received_chunks() == 1) break;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    ctx.TryCancel();  // the trainer goes away mid-stream
+    w->Finish();
+  }
+  absl::SleepFor(absl::Milliseconds(200));
+  auto status = trainer_->GetStatus();
+  EXPECT_EQ(status->update().phase(), "failed");
+  EXPECT_THAT(status->update().error(), HasSubstr("disconnected mid-stream"));
+  auto f = trainer_->FinishWeightUpdate("u1");
+  EXPECT_EQ(f.status().code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(StatusOf("e0").state(), v1::ENGINE_DIRTY);
+  const auto t2 = Tensors(2);
+  ASSERT_TRUE(trainer_->Update(StartRequest(2, t2), t2).ok());
+  ExpectInstalled(0);
+}
+
+TEST_F(ServerTest, EngineVanishingMidUpdateIsReportedLost) {
+  AddEngine("stays");
+  AddEngine("goes");
+  Init();
+  auto t = Tensors(1);
+  ASSERT_TRUE(trainer_->StartWeightUpdate(StartRequest(1, t)).ok());
+  engines_[1]->Close();  // its control stream ends: the engine is gone
+  for (int i = 0; i < 100 && StatusOf("goes").engine_id() == "goes"; ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_TRUE(trainer_->PushTensors("u1", t, 4096).ok());
+  auto f = trainer_->FinishWeightUpdate("u1");
+  ASSERT_TRUE(f.ok()) << f.status();
+  for (const auto& e : f->engines()) {
+    EXPECT_EQ(e.lost(), e.engine_id() == "goes") << e.engine_id();
+  }
+  ExpectInstalled(0);
+  EXPECT_EQ(StatusOf("stays").version(), 1);
+  EXPECT_EQ(trainer_->GetStatus()->engines_size(), 1);
+}
+
+TEST_F(ServerTest, PauseWithoutAcknowledgementHitsTheDeadline) {
+  AddEngine("quick");
+  std::atomic<bool> release{false};
+  EngineHooks slow;
+  slow.on_pause = [&](v1::PauseMode) {
+    while (!release) absl::SleepFor(absl::Milliseconds(5));
+    return absl::OkStatus();
+  };
+  AddEngine("mute", false, 0, slow);
+  v1::PauseRequest p;
+  p.set_timeout_ms(200);
+  auto s = trainer_->Pause(p);
+  release = true;
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(s.status().message(), HasSubstr("mute"));
+  EXPECT_THAT(s.status().message(), HasSubstr("no engine was left paused"));
+  EXPECT_EQ(StatusOf("quick").state(), v1::ENGINE_READY);
+  // Both acknowledge now: pause and resume work.
+  absl::SleepFor(absl::Milliseconds(100));
+  ASSERT_TRUE(trainer_->Pause(p).ok());
+  EXPECT_EQ(StatusOf("mute").state(), v1::ENGINE_PAUSED);
+  EXPECT_TRUE(engines_[0]->paused());
+  ASSERT_TRUE(trainer_->Resume(v1::ResumeRequest()).ok());
+  EXPECT_EQ(StatusOf("mute").state(), v1::ENGINE_READY);
+}
+
+TEST_F(ServerTest, BadRegistrationsAreRejectedAndLeaveNothingBehind) {
+  auto engine = *EngineClient::Connect(options_);
+  auto arena = *HostArena::Create(
+      absl::StrCat("/wstest-", dir_.substr(dir_.rfind('.') + 1), "-bad"),
+      synthetic::EngineParameters(model_, synthetic::Layout::kPlain, 0, 1,
+                                  v1::BFLOAT16));
+  v1::RegisterEngineRequest r = arena->Registration();
+  r.set_engine_id("bad");
+  r.mutable_parameters(2)->set_offset(r.parameters(1).offset());
+  auto s = engine->Register(r);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.status().message(), HasSubstr("overlap"));
+  r = arena->Registration();
+  r.set_engine_id("bad");
+  r.mutable_allocations(0)->set_handle("/no-such-shm-object");
+  s = engine->Register(r);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(s.status().message(), HasSubstr("engine 'bad': allocation 0"));
+  r = arena->Registration();
+  r.set_engine_id("bad");
+  r.mutable_allocations(0)->set_size(r.allocations(0).size() * 2);
+  s = engine->Register(r);
+  EXPECT_THAT(s.status().message(), HasSubstr("fewer than the registered"));
+  EXPECT_EQ(trainer_->GetStatus()->engines_size(), 0);
+  arena->region().Unlink();
+}
+
+}  // namespace
+}  // namespace weightsync
