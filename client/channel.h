@@ -17,6 +17,8 @@ struct ClientOptions {
   std::string target;
   // Deadline of each unary call that names none of its own.
   absl::Duration call_timeout = absl::Seconds(30);
+  // Deadline of a whole PushChunks stream.
+  absl::Duration stream_timeout = absl::Minutes(10);
   // How long Connect waits for the daemon to accept.
   absl::Duration connect_timeout = absl::Seconds(10);
   int max_message_bytes = (64 << 20) + (1 << 20);

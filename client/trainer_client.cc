@@ -62,9 +62,12 @@ absl::Status TrainerClient::PushTensors(const std::string& update_id,
   Manifest manifest;
   for (const HostTensor& t : tensors) *manifest.Add() = t.spec;
   WS_ASSIGN_OR_RETURN(ChunkPlan plan, PlanChunks(manifest, chunk_bytes));
-  auto ctx = Context();
+  grpc::ClientContext stream_ctx;
+  stream_ctx.set_deadline(
+      absl::ToChronoTime(absl::Now() + options_.stream_timeout));
+  grpc::ClientContext* ctx = &stream_ctx;
   v1::PushChunksResponse response;
-  auto writer = stub_->PushChunks(ctx.get(), &response);
+  auto writer = stub_->PushChunks(ctx, &response);
   v1::PushChunksRequest request;
   request.set_update_id(update_id);
   for (const Chunk& chunk : plan.chunks) {

@@ -44,8 +44,9 @@ class TrainerClient {
   absl::StatusOr<int> GetWorldSize();
   absl::StatusOr<v1::GetStatusResponse> GetStatus();
 
-  // Start, PushTensors and Finish in one call; aborts the update on the
-  // daemon if sending fails. `request` supplies id, version, mode, chunk
+  // Start, PushTensors and Finish in one call. If sending fails, Finish
+  // still runs so the daemon ends the update (and reports dirty engines);
+  // the send error is returned. `request` supplies id, version, mode, chunk
   // size and engine ids; its manifest is filled from `tensors`.
   absl::StatusOr<v1::FinishWeightUpdateResponse> Update(
       v1::StartWeightUpdateRequest request,

@@ -46,7 +46,27 @@ std::string DefaultSocket() {
   return dir + "/weightsyncd.sock";
 }
 
+bool ValidFlags() {
+  if (FLAGS_max_chunk_bytes <= 0 || FLAGS_max_chunk_bytes > (1 << 30) ||
+      FLAGS_max_chunk_bytes % 256 != 0) {
+    LOG(ERROR) << "--max_chunk_bytes must be a multiple of 256 in (0, 1 GiB]";
+    return false;
+  }
+  if (FLAGS_chunk_bytes <= 0 || FLAGS_chunk_bytes % 256 != 0 ||
+      FLAGS_chunk_bytes > FLAGS_max_chunk_bytes) {
+    LOG(ERROR) << "--chunk_bytes must be a multiple of 256, at most "
+                  "--max_chunk_bytes";
+    return false;
+  }
+  if (FLAGS_staging_buffers < 2) {
+    LOG(ERROR) << "--staging_buffers must be at least 2 (pipelining)";
+    return false;
+  }
+  return true;
+}
+
 int Main() {
+  if (!ValidFlags()) return 2;
   // Block the stop signals in every thread gRPC will start; this thread
   // waits for them with sigwait.
   sigset_t stop;
@@ -79,8 +99,10 @@ int Main() {
     return 1;
   }
   LOG(INFO) << "weightsyncd listening on unix:" << server_options.unix_socket
-            << (FLAGS_tcp.empty() ? "" : " and " + FLAGS_tcp) << " ("
-            << core_options.build_info << ")";
+            << (FLAGS_tcp.empty()
+                    ? ""
+                    : absl::StrCat(" and tcp port ", (*server)->tcp_port()))
+            << " (" << core_options.build_info << ")";
 
   int sig = 0;
   sigwait(&stop, &sig);

@@ -17,11 +17,16 @@
 #include "daemon/backends.h"
 #include "daemon/server/server.h"
 #include "gmock/gmock.h"
+#include "grpc/grpc.h"
 #include "gtest/gtest.h"
 #include "tools/synthetic/synthetic_model.h"
 
 namespace weightsync {
 namespace {
+
+// Keep gRPC initialised for the whole binary: otherwise destroying the last
+// server of a test shuts the library down, which waits out a 10 s poll.
+const bool kGrpcInitialised = (grpc_init(), true);
 
 using ::testing::HasSubstr;
 
@@ -36,6 +41,7 @@ class ServerTest : public ::testing::Test {
     core.finish_timeout = absl::Seconds(5);
     HostDataPlane::Options host;
     host.staging_buffers = 2;
+    host.staging_budget = 1 << 20;
     core_ = std::make_unique<Coordinator>(core, MakeMemoryMapper(),
                                           MakeDataPlaneFactory(host));
     ServerOptions so;
@@ -50,6 +56,7 @@ class ServerTest : public ::testing::Test {
   }
   void TearDown() override {
     engines_.clear();
+    trainer_.reset();
     for (auto& a : arenas_) a->region().Unlink();
     server_->Shutdown(absl::ZeroDuration());
     core_.reset();
@@ -217,6 +224,10 @@ TEST_F(ServerTest, BadManifestsNameTheCulpritAndWriteNothing) {
        absl::StatusCode::kFailedPrecondition, "engine 'e0' version 0"},
       {[](auto& r) { r.add_engine_ids("nobody"); },
        absl::StatusCode::kNotFound, "engine 'nobody'"},
+      {[](auto& r) { r.set_chunk_bytes(1 << 20); },
+       absl::StatusCode::kResourceExhausted, "exceeds the budget"},
+      {[](auto& r) { r.set_mode(v1::UPDATE_MODE_STAGED); },
+       absl::StatusCode::kUnimplemented, "staged"},
   };
   for (auto& c : cases) {
     v1::StartWeightUpdateRequest r = StartRequest(1, t);

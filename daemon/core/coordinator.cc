@@ -13,9 +13,13 @@
 namespace weightsync {
 namespace {
 
+// A caller's deadline, capped so no request can hold the control lock
+// (and delay shutdown) for long.
 absl::Time DeadlineFrom(int64_t timeout_ms, absl::Duration fallback) {
-  return absl::Now() +
-         (timeout_ms > 0 ? absl::Milliseconds(timeout_ms) : fallback);
+  constexpr int64_t kMaxMs = 10 * 60 * 1000;
+  return absl::Now() + (timeout_ms > 0
+                            ? absl::Milliseconds(std::min(timeout_ms, kMaxMs))
+                            : fallback);
 }
 
 // The first failure of a broadcast, or OK.
@@ -89,6 +93,8 @@ absl::Status Coordinator::UnregisterEngine(const std::string& engine_id) {
         absl::StrCat("engine '", engine_id, "' is not registered"));
   }
   RemoveEngineLocked(engine_id, "unregistered");
+  // Its control stream no longer speaks for any registration.
+  hub_.DetachEngine(engine_id);
   return absl::OkStatus();
 }
 
@@ -267,6 +273,9 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
   // Plan every byte before moving any (invariant 2).
   WS_ASSIGN_OR_RETURN(std::shared_ptr<const CopyPlan> plan,
                       BuildCopyPlan(request.tensors(), chunk_bytes, layouts));
+  // Staging first (it may refuse the budget), so a refusal leaves the
+  // engines untouched and serving.
+  WS_RETURN_IF_ERROR(plane->Begin(plan));
   // Streaming writes into live memory: the engines must be paused first.
   if (!to_pause.empty()) {
     const auto acks =
@@ -278,6 +287,7 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
     }
     const absl::Status failed = FirstError(acks);
     if (!failed.ok()) {
+      plane->Abort();
       hub_.Broadcast(paused, ResumeNotice(),
                      absl::Now() + options_.notice_timeout);
       return absl::Status(failed.code(),
@@ -286,7 +296,6 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
                                        "': ", failed.message()));
     }
   }
-  WS_RETURN_IF_ERROR(plane->Begin(plan));
 
   absl::MutexLock lock(&mu_);
   auto update = std::make_unique<Update>();
@@ -360,7 +369,11 @@ absl::Status Coordinator::PushChunk(const std::string& update_id,
     }
     const auto& chunks = update_->plan->chunks.chunks;
     absl::Status bad;
-    if (index != update_->next_chunk) {
+    if (index < 0 || index >= static_cast<int64_t>(chunks.size())) {
+      bad = absl::InvalidArgumentError(absl::StrCat(
+          "update '", update_id, "': chunk ", index, " arrived, but the plan "
+          "has ", chunks.size(), " chunks"));
+    } else if (index != update_->next_chunk) {
       bad = absl::InvalidArgumentError(absl::StrCat(
           "update '", update_id, "': chunk ", index, " arrived, expected ",
           update_->next_chunk, " of ", chunks.size()));
@@ -377,13 +390,15 @@ absl::Status Coordinator::PushChunk(const std::string& update_id,
     }
     ++update_->next_chunk;
     update_->received_bytes += data.size();
+    ++update_->submits_in_flight;
     plane = update_->data_plane;
   }
   absl::Status s = plane->SubmitChunk(index, std::move(data), deadline);
-  if (!s.ok()) {
-    absl::MutexLock lock(&mu_);
-    if (update_ != nullptr && update_->id == update_id) FailUpdateLocked(s);
-  }
+  absl::MutexLock lock(&mu_);
+  // Finish and Abort wait for this count to drop before they end the update,
+  // so update_ is still this update here.
+  --update_->submits_in_flight;
+  if (!s.ok()) FailUpdateLocked(s);
   return s;
 }
 
@@ -415,6 +430,17 @@ void Coordinator::FailUpdateLocked(const absl::Status& reason) {
   RecordUpdateStatusLocked("failed");
 }
 
+absl::Status Coordinator::WaitForSubmits(absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return update_->submits_in_flight == 0;
+  };
+  if (!mu_.AwaitWithDeadline(absl::Condition(&idle), deadline)) {
+    return absl::DeadlineExceededError("a chunk was still being received");
+  }
+  return absl::OkStatus();
+}
+
 std::vector<v1::EngineResult> Coordinator::EndFailedUpdate(
     const absl::Status& reason) {
   std::shared_ptr<DataPlane> plane;
@@ -425,6 +451,7 @@ std::vector<v1::EngineResult> Coordinator::EndFailedUpdate(
     plane = update_->data_plane;
   }
   plane->Abort();  // no lock: it waits for the copy in progress
+  WaitForSubmits(absl::InfiniteFuture());  // they fail fast once aborted
   std::vector<std::string> dirty, resume;
   std::vector<v1::EngineResult> results;
   std::string id;
@@ -508,11 +535,10 @@ absl::StatusOr<v1::FinishWeightUpdateResponse> Coordinator::FinishWeightUpdate(
     }
     plane = update_->data_plane;
   }
-  absl::Status status;
+  absl::Status status = WaitForSubmits(deadline);
   {
     absl::MutexLock lock(&mu_);
-    status = update_->phase == Phase::kFailed ? update_->error
-                                              : absl::OkStatus();
+    if (update_->phase == Phase::kFailed) status = update_->error;
   }
   if (status.ok()) status = plane->Drain(deadline);
   if (!status.ok()) {
@@ -555,7 +581,8 @@ absl::StatusOr<v1::FinishWeightUpdateResponse> Coordinator::FinishWeightUpdate(
       result->set_version(version);
       result->set_state(r.dirty ? v1::ENGINE_DIRTY : v1::ENGINE_READY);
       committed.push_back(e);
-      if (r.paused_by_update) resume.push_back(e);
+      // A dirty engine stays paused: Resume needs allow_dirty.
+      if (r.paused_by_update && !r.dirty) resume.push_back(e);
     }
     response.set_version(version);
     response.set_bytes(update_->plan->chunks.total_bytes);

@@ -4,9 +4,10 @@
 // of gRPC or of how a backend moves bytes.
 //
 // Thread-safety: every method may be called from any thread. Control
-// operations (Init, Start, Finish, Abort, Pause, Resume) run one at a time;
-// registration, chunk submission and status run beside them. No method
-// holds a lock while it waits for an engine or the data plane.
+// operations (Init, Start, Finish, Abort, Pause, Resume) run one at a time
+// under control_mu_, which they hold while they wait (bounded by deadlines);
+// registration, chunk submission and status run beside them and never wait
+// on the state lock mu_ behind an engine or the data plane.
 #ifndef WEIGHTSYNC_DAEMON_CORE_COORDINATOR_H_
 #define WEIGHTSYNC_DAEMON_CORE_COORDINATOR_H_
 
@@ -117,6 +118,7 @@ class Coordinator {
     int64_t next_chunk = 0;
     int64_t received_bytes = 0;
     bool stream_open = false;
+    int submits_in_flight = 0;  // PushChunk calls past the checks
     absl::Time started;
   };
 
@@ -124,6 +126,8 @@ class Coordinator {
   // engines it wrote into dirty and tells them, resumes engines it paused
   // that are still clean. Requires control_mu_.
   std::vector<v1::EngineResult> EndFailedUpdate(const absl::Status& reason);
+  // Waits until no PushChunk is between its checks and its submit.
+  absl::Status WaitForSubmits(absl::Time deadline);
   void FailUpdateLocked(const absl::Status& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends Resume to `engines` and records them resumed where acknowledged.

@@ -134,6 +134,7 @@ absl::StatusOr<std::shared_ptr<const CopyPlan>> BuildCopyPlan(
   // Resolve and check every use of every manifest tensor first.
   std::vector<std::vector<Use>> uses(manifest.size());
   std::vector<int64_t> covered_bytes(num_engines, 0);
+  std::vector<int64_t> resolved_uses(num_engines, 0);
   for (int t = 0; t < manifest.size(); ++t) {
     const v1::TensorSpec& spec = manifest[t];
     if (spec.sparse_nnz() > 0) {
@@ -159,6 +160,7 @@ absl::StatusOr<std::shared_ptr<const CopyPlan>> BuildCopyPlan(
         }
         uses[t].push_back(use);
         covered_bytes[e] += s.row_count * s.col_count * ElementSize(p.dtype);
+        ++resolved_uses[e];
       }
     }
     if (uses[t].empty()) {
@@ -171,7 +173,13 @@ absl::StatusOr<std::shared_ptr<const CopyPlan>> BuildCopyPlan(
   }
   for (int e = 0; e < num_engines; ++e) {
     plan->bytes_by_engine[e] = covered_bytes[e];
-    plan->covers_engine[e] = covered_bytes[e] == plan->engines[e]->total_bytes;
+    // Every segment of every parameter is rewritten (padding that no
+    // segment covers is never written, so it can't be stale).
+    int64_t uses = 0;
+    for (const auto& [source, list] : plan->engines[e]->uses_by_source) {
+      uses += list.size();
+    }
+    plan->covers_engine[e] = resolved_uses[e] == uses;
   }
 
   plan->ops_by_chunk.resize(plan->chunks.chunks.size());

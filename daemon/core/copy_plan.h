@@ -35,7 +35,8 @@ struct CopyPlan {
   std::vector<std::shared_ptr<const EngineLayout>> engines;
   std::vector<std::vector<CopyOp>> ops_by_chunk;  // one list per chunk
   std::vector<int64_t> bytes_by_engine;           // engine bytes written
-  // True where the update rewrites every byte of every parameter.
+  // True where the update rewrites every segment of every parameter (all
+  // the engine's memory that any update can write).
   std::vector<bool> covers_engine;
 };
 

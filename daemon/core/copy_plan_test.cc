@@ -73,8 +73,8 @@ void RunAndCompare(const std::vector<Engine>& engines, v1::DType ckpt_dtype,
     }
   }
   for (size_t i = 0; i < engines.size(); ++i) {
-    EXPECT_TRUE((*plan)->covers_engine[i] ||
-                engines[i].layout->engine_id == "tp1")
+    // Padded vocab rows (tp1) are in no segment: still fully rewritten.
+    EXPECT_TRUE((*plan)->covers_engine[i])
         << "engine " << i << " should be fully rewritten";
   }
 }

@@ -167,6 +167,7 @@ absl::StatusOr<std::shared_ptr<const EngineLayout>> BuildEngineLayout(
   if (request.version() < 0) {
     return Invalid(engine, "version must not be negative");
   }
+  absl::flat_hash_map<std::string, int> handles;
   for (int a = 0; a < request.allocations_size(); ++a) {
     const v1::Allocation& alloc = request.allocations(a);
     if (alloc.kind() == v1::MEMORY_KIND_UNSPECIFIED || alloc.handle().empty() ||
@@ -174,6 +175,13 @@ absl::StatusOr<std::shared_ptr<const EngineLayout>> BuildEngineLayout(
       return Invalid(engine, absl::StrCat("allocation ", a,
                                           " needs a kind, a handle and a "
                                           "positive size"));
+    }
+    // Each distinct allocation is opened once: a repeat is a client bug.
+    auto [it, fresh] = handles.emplace(
+        absl::StrCat(alloc.kind(), ":", alloc.handle()), a);
+    if (!fresh) {
+      return Invalid(engine, absl::StrCat("allocation ", a,
+                                          " repeats allocation ", it->second));
     }
   }
   auto layout = std::make_shared<EngineLayout>();

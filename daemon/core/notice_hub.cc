@@ -27,6 +27,17 @@ bool NoticeHub::Detach(const std::string& engine, const ControlChannel* ch) {
   return true;
 }
 
+void NoticeHub::DetachEngine(const std::string& engine) {
+  std::shared_ptr<ControlChannel> ch;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = channels_.find(engine);
+    if (it == channels_.end()) return;
+    ch = it->second;
+  }
+  Detach(engine, ch.get());
+}
+
 bool NoticeHub::Connected(const std::string& engine) const {
   absl::MutexLock lock(&mu_);
   return channels_.contains(engine);

@@ -34,6 +34,8 @@ class NoticeHub {
   // fail with UNAVAILABLE.
   // Returns true if `ch` was the engine's current channel.
   bool Detach(const std::string& engine, const ControlChannel* ch);
+  // Detaches whatever channel the engine has (it was unregistered).
+  void DetachEngine(const std::string& engine);
   bool Connected(const std::string& engine) const;
   void OnAck(const std::string& engine, const v1::EngineMessage::Ack& ack);
 

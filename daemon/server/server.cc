@@ -23,6 +23,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   std::unique_ptr<Server> server(new Server(core));
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
+  // Sync-server pollers wake at this period; it bounds how long Shutdown
+  // can wait for an idle poller (the library default is 10 s).
+  builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::CQ_TIMEOUT_MSEC, 200);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   if (!options.unix_socket.empty()) {
