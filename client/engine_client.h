@@ -60,8 +60,8 @@ class EngineClient {
   std::string engine_id_;
   EngineHooks hooks_;
   std::unique_ptr<grpc::ClientContext> control_ctx_;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::EngineMessage,
-                                           v1::DaemonMessage>>
+  std::unique_ptr<
+      grpc::ClientReaderWriter<v1::EngineMessage, v1::DaemonMessage>>
       control_;
   std::thread thread_;
   std::atomic<int64_t> version_{0};

@@ -76,10 +76,10 @@ absl::Status TrainerClient::PushTensors(const std::string& update_id,
     // Padding between tensors is zero on the wire (docs/chunk_planner.md).
     data->assign(chunk.size, '\0');
     for (const Piece& p : chunk.pieces) {
-      std::memcpy(&(*data)[p.chunk_offset],
-                  static_cast<const uint8_t*>(tensors[p.tensor].data) +
-                      p.tensor_offset,
-                  p.length);
+      std::memcpy(
+          &(*data)[p.chunk_offset],
+          static_cast<const uint8_t*>(tensors[p.tensor].data) + p.tensor_offset,
+          p.length);
     }
     if (!writer->Write(request)) break;  // the daemon ended the stream
     request.clear_update_id();
@@ -121,18 +121,17 @@ absl::StatusOr<v1::ResumeResponse> TrainerClient::Resume(
 }
 
 absl::StatusOr<int> TrainerClient::GetWorldSize() {
-  WS_ASSIGN_OR_RETURN(
-      v1::GetWorldSizeResponse r,
-      (Call<v1::GetWorldSizeResponse>(
-          stub_.get(), &v1::TrainerService::Stub::GetWorldSize,
-          Context().get(), v1::GetWorldSizeRequest())));
+  WS_ASSIGN_OR_RETURN(v1::GetWorldSizeResponse r,
+                      (Call<v1::GetWorldSizeResponse>(
+                          stub_.get(), &v1::TrainerService::Stub::GetWorldSize,
+                          Context().get(), v1::GetWorldSizeRequest())));
   return r.world_size();
 }
 
 absl::StatusOr<v1::GetStatusResponse> TrainerClient::GetStatus() {
-  return Call<v1::GetStatusResponse>(
-      stub_.get(), &v1::TrainerService::Stub::GetStatus, Context().get(),
-      v1::GetStatusRequest());
+  return Call<v1::GetStatusResponse>(stub_.get(),
+                                     &v1::TrainerService::Stub::GetStatus,
+                                     Context().get(), v1::GetStatusRequest());
 }
 
 absl::StatusOr<v1::FinishWeightUpdateResponse> TrainerClient::Update(

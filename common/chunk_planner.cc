@@ -47,13 +47,13 @@ absl::StatusOr<ChunkPlan> PlanChunks(const Manifest& manifest,
           "tensor #", plan.payload_bytes.size(), " has an empty name"));
     }
     if (!names.insert(t.name()).second) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("tensor '", t.name(), "' appears twice in the manifest"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor '", t.name(), "' appears twice in the manifest"));
     }
     absl::StatusOr<int64_t> payload = PayloadBytes(t);
     if (!payload.ok()) return payload.status();
-    const int64_t offset = (next + kChunkAlignment - 1) / kChunkAlignment *
-                           kChunkAlignment;
+    const int64_t offset =
+        (next + kChunkAlignment - 1) / kChunkAlignment * kChunkAlignment;
     if (*payload > (int64_t{1} << 62) - offset) {
       return absl::InvalidArgumentError(absl::StrCat(
           "tensor '", t.name(), "' takes the update past 2^62 bytes"));

@@ -36,25 +36,37 @@ int64_t ElementSize(DType dtype) {
 
 std::string DTypeName(DType dtype) {
   switch (dtype) {
-    case v1::FLOAT32: return "float32";
-    case v1::BFLOAT16: return "bfloat16";
-    case v1::FLOAT16: return "float16";
-    case v1::FLOAT64: return "float64";
-    case v1::INT64: return "int64";
-    case v1::INT32: return "int32";
-    case v1::INT16: return "int16";
-    case v1::INT8: return "int8";
-    case v1::UINT8: return "uint8";
-    case v1::BOOL: return "bool";
-    case v1::FLOAT8_E4M3FN: return "float8_e4m3fn";
-    case v1::FLOAT8_E5M2: return "float8_e5m2";
-    default: return absl::StrCat("dtype(", static_cast<int>(dtype), ")");
+    case v1::FLOAT32:
+      return "float32";
+    case v1::BFLOAT16:
+      return "bfloat16";
+    case v1::FLOAT16:
+      return "float16";
+    case v1::FLOAT64:
+      return "float64";
+    case v1::INT64:
+      return "int64";
+    case v1::INT32:
+      return "int32";
+    case v1::INT16:
+      return "int16";
+    case v1::INT8:
+      return "int8";
+    case v1::UINT8:
+      return "uint8";
+    case v1::BOOL:
+      return "bool";
+    case v1::FLOAT8_E4M3FN:
+      return "float8_e4m3fn";
+    case v1::FLOAT8_E5M2:
+      return "float8_e5m2";
+    default:
+      return absl::StrCat("dtype(", static_cast<int>(dtype), ")");
   }
 }
 
 bool IsConvertibleFloat(DType dtype) {
-  return dtype == v1::FLOAT32 || dtype == v1::BFLOAT16 ||
-         dtype == v1::FLOAT16;
+  return dtype == v1::FLOAT32 || dtype == v1::BFLOAT16 || dtype == v1::FLOAT16;
 }
 
 bool CanConvert(DType src, DType dst) {

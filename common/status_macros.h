@@ -5,10 +5,10 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
-#define WS_RETURN_IF_ERROR(expr)                  \
-  do {                                            \
-    const ::absl::Status _ws_status = (expr);     \
-    if (!_ws_status.ok()) return _ws_status;      \
+#define WS_RETURN_IF_ERROR(expr)              \
+  do {                                        \
+    const ::absl::Status _ws_status = (expr); \
+    if (!_ws_status.ok()) return _ws_status;  \
   } while (0)
 
 #define WS_CONCAT_INNER(a, b) a##b

@@ -38,10 +38,9 @@ namespace {
 
 std::string DefaultSocket() {
   const char* runtime = std::getenv("XDG_RUNTIME_DIR");
-  const std::string dir =
-      runtime != nullptr && *runtime != '\0'
-          ? absl::StrCat(runtime, "/weightsync")
-          : absl::StrCat("/tmp/weightsync-", getuid());
+  const std::string dir = runtime != nullptr && *runtime != '\0'
+                              ? absl::StrCat(runtime, "/weightsync")
+                              : absl::StrCat("/tmp/weightsync-", getuid());
   mkdir(dir.c_str(), 0700);
   return dir + "/weightsyncd.sock";
 }

@@ -3,6 +3,8 @@
 // input gets its specific status naming the culprit, the daemon keeps
 // serving, and engine memory is byte-for-byte unchanged (or, where the
 // protocol says so, marked dirty).
+#include "daemon/server/server.h"
+
 #include <unistd.h>
 
 #include <cstring>
@@ -15,7 +17,6 @@
 #include "client/host_arena.h"
 #include "client/trainer_client.h"
 #include "daemon/backends.h"
-#include "daemon/server/server.h"
 #include "gmock/gmock.h"
 #include "grpc/grpc.h"
 #include "gtest/gtest.h"
@@ -69,8 +70,8 @@ class ServerTest : public ::testing::Test {
     auto arena = HostArena::Create(
         absl::StrCat("/wstest-", dir_.substr(dir_.rfind('.') + 1), "-", id),
         synthetic::EngineParameters(
-            model_, tp ? synthetic::Layout::kTensorParallel
-                       : synthetic::Layout::kPlain,
+            model_,
+            tp ? synthetic::Layout::kTensorParallel : synthetic::Layout::kPlain,
             rank, tp ? 2 : 1, v1::BFLOAT16));
     EXPECT_TRUE(arena.ok()) << arena.status();
     auto engine = *EngineClient::Connect(options_);
@@ -179,7 +180,8 @@ TEST_F(ServerTest, ThreeUpdatesThroughPlainAndTensorParallelEngines) {
   }
   auto status = trainer_->GetStatus();
   EXPECT_EQ(status->update().phase(), "committed");
-  EXPECT_EQ(status->update().received_chunks(), status->update().total_chunks());
+  EXPECT_EQ(status->update().received_chunks(),
+            status->update().total_chunks());
 }
 
 TEST_F(ServerTest, OutOfOrderCallsAreFailedPrecondition) {
@@ -222,8 +224,8 @@ TEST_F(ServerTest, BadManifestsNameTheCulpritAndWriteNothing) {
        absl::StatusCode::kInvalidArgument, "chunk_bytes"},
       {[](auto& r) { r.set_target_version(0); },
        absl::StatusCode::kFailedPrecondition, "engine 'e0' version 0"},
-      {[](auto& r) { r.add_engine_ids("nobody"); },
-       absl::StatusCode::kNotFound, "engine 'nobody'"},
+      {[](auto& r) { r.add_engine_ids("nobody"); }, absl::StatusCode::kNotFound,
+       "engine 'nobody'"},
       {[](auto& r) { r.set_chunk_bytes(1 << 20); },
        absl::StatusCode::kResourceExhausted, "exceeds the budget"},
       {[](auto& r) { r.set_mode(v1::UPDATE_MODE_STAGED); },

@@ -82,9 +82,11 @@ int EngineMain() {
   const std::string id = FLAGS_engine_id;
   EngineHooks hooks;
   hooks.on_pause = [id](v1::PauseMode mode) {
-    std::printf("[%s] pause (%s)\n", id.c_str(), v1::PauseMode_Name(mode).c_str());
+    std::printf("[%s] pause (%s)\n", id.c_str(),
+                v1::PauseMode_Name(mode).c_str());
     std::fflush(stdout);
-    while (FLAGS_hang_on_pause && !g_stop) absl::SleepFor(absl::Milliseconds(50));
+    while (FLAGS_hang_on_pause && !g_stop)
+      absl::SleepFor(absl::Milliseconds(50));
     return absl::OkStatus();
   };
   hooks.on_resume = [id] {
@@ -106,8 +108,8 @@ int EngineMain() {
     LOG(ERROR) << started;
     return 1;
   }
-  std::printf("[%s] registered %lld parameters, %lld bytes in %s\n",
-              id.c_str(), static_cast<long long>(registered->parameters()),
+  std::printf("[%s] registered %lld parameters, %lld bytes in %s\n", id.c_str(),
+              static_cast<long long>(registered->parameters()),
               static_cast<long long>(registered->bytes()), shm.c_str());
   std::fflush(stdout);
   while (!g_stop) absl::SleepFor(absl::Milliseconds(20));

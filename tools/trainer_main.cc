@@ -28,7 +28,8 @@ DEFINE_int64(chunk_bytes, 0, "chunk size (0: the daemon's default)");
 DEFINE_string(verify, "",
               "engines to verify after each update: id:plain or "
               "id:tp:rank:size, with :dtype appended, comma separated");
-DEFINE_int32(repeat_bytes, 1, "send the model this many times as one update "
+DEFINE_int32(repeat_bytes, 1,
+             "send the model this many times as one update "
              "(scales the update for benchmarks; names get a suffix)");
 
 namespace weightsync {
@@ -49,13 +50,15 @@ absl::StatusOr<std::vector<VerifySpec>> ParseVerify(
     VerifySpec v;
     v.id = f[0];
     const bool tp = f[1] == "tp";
-    if (tp && f.size() < 5) return absl::InvalidArgumentError("tp needs rank:size");
+    if (tp && f.size() < 5)
+      return absl::InvalidArgumentError("tp needs rank:size");
     const std::string dtype_name = f.back();
     v1::DType dtype = dtype_name == "float32"   ? v1::FLOAT32
                       : dtype_name == "float16" ? v1::FLOAT16
                                                 : v1::BFLOAT16;
     v.params = synthetic::EngineParameters(
-        model, tp ? synthetic::Layout::kTensorParallel : synthetic::Layout::kPlain,
+        model,
+        tp ? synthetic::Layout::kTensorParallel : synthetic::Layout::kPlain,
         tp ? std::stoi(f[2]) : 0, tp ? std::stoi(f[3]) : 1, dtype);
     auto size = HostArena::Layout(&v.params);
     if (!size.ok()) return size.status();
@@ -75,7 +78,8 @@ absl::StatusOr<int64_t> Verify(const VerifySpec& v,
     const std::vector<uint8_t> want = synthetic::ExpectedParameter(p, sent);
     const uint8_t* got = (*region)->data() + p.offset();
     if (std::memcmp(got, want.data(), want.size()) != 0) {
-      if (bad < 3) LOG(ERROR) << v.id << ": parameter " << p.name() << " differs";
+      if (bad < 3)
+        LOG(ERROR) << v.id << ": parameter " << p.name() << " differs";
       ++bad;
     }
   }
@@ -113,7 +117,8 @@ int TrainerMain() {
   }
   std::printf("trainer: group %s (%s)\n", group->group_id().c_str(),
               group->build_info().c_str());
-  const std::vector<v1::TensorSpec> specs = synthetic::Checkpoint(*model, dtype);
+  const std::vector<v1::TensorSpec> specs =
+      synthetic::Checkpoint(*model, dtype);
   for (int u = 0; u < FLAGS_updates; ++u) {
     const int64_t version = FLAGS_first_version + u;
     synthetic::CheckpointData sent;

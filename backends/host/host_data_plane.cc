@@ -84,9 +84,8 @@ absl::Status HostDataPlane::Drain(absl::Time deadline) {
     return written_ == submitted_;
   };
   if (!mu_.AwaitWithDeadline(absl::Condition(&done), deadline)) {
-    return absl::DeadlineExceededError(
-        absl::StrCat("wrote ", written_, " of ", submitted_,
-                     " chunks before the deadline"));
+    return absl::DeadlineExceededError(absl::StrCat(
+        "wrote ", written_, " of ", submitted_, " chunks before the deadline"));
   }
   plan_.reset();
   return absl::OkStatus();

@@ -27,7 +27,7 @@ void ScatterChunk(const CopyPlan& plan, const std::vector<CopyOp>& ops,
 class HostDataPlane : public DataPlane {
  public:
   struct Options {
-    int staging_buffers = 4;              // chunks in flight, at least 2
+    int staging_buffers = 4;                    // chunks in flight, at least 2
     int64_t staging_budget = int64_t{1} << 30;  // bytes of staging, at most
   };
   explicit HostDataPlane(Options options);

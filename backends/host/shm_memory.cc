@@ -60,9 +60,8 @@ absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Create(
 absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Open(
     const std::string& name, int64_t size) {
   if (!ValidName(name)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("'", name.substr(0, 64),
-                     "' is not a shared-memory name (\"/name\")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "'", name.substr(0, 64), "' is not a shared-memory name (\"/name\")"));
   }
   const int fd = shm_open(name.c_str(), O_RDWR, 0);
   if (fd < 0) return Errno(absl::StrCat("shm_open(", name, ")"));

@@ -38,9 +38,8 @@ v1::DaemonMessage ResumeNotice() {
 
 v1::DaemonMessage PauseNotice(v1::PauseMode mode) {
   v1::DaemonMessage m;
-  m.mutable_pause()->set_mode(mode == v1::PAUSE_MODE_UNSPECIFIED
-                                  ? v1::PAUSE_MODE_KEEP
-                                  : mode);
+  m.mutable_pause()->set_mode(
+      mode == v1::PAUSE_MODE_UNSPECIFIED ? v1::PAUSE_MODE_KEEP : mode);
   return m;
 }
 
@@ -67,18 +66,19 @@ absl::StatusOr<v1::RegisterEngineResponse> Coordinator::RegisterEngine(
   const std::string& id = request.engine_id();
   if (engines_.contains(id)) {
     if (hub_.Connected(id)) {
-      return absl::AlreadyExistsError(absl::StrCat(
-          "engine '", id, "' is registered and its control stream is open; "
-          "unregister it first"));
+      return absl::AlreadyExistsError(
+          absl::StrCat("engine '", id,
+                       "' is registered and its control stream is open; "
+                       "unregister it first"));
     }
     RemoveEngineLocked(id, "re-registered");
   }
   EngineRecord& r = engines_[id];
   r.layout = layout;
   r.version = request.version();
-  LOG(INFO) << "engine " << id << " registered: "
-            << layout->parameters.size() << " parameters, "
-            << layout->total_bytes << " bytes, version " << r.version;
+  LOG(INFO) << "engine " << id << " registered: " << layout->parameters.size()
+            << " parameters, " << layout->total_bytes << " bytes, version "
+            << r.version;
   v1::RegisterEngineResponse response;
   response.set_parameters(layout->parameters.size());
   response.set_bytes(layout->total_bytes);
@@ -119,9 +119,10 @@ absl::Status Coordinator::AttachControl(
     const std::string& engine_id, std::shared_ptr<ControlChannel> channel) {
   absl::MutexLock lock(&mu_);
   if (!engines_.contains(engine_id)) {
-    return absl::NotFoundError(absl::StrCat(
-        "engine '", engine_id, "' is not registered; call RegisterEngine "
-        "before opening the control stream"));
+    return absl::NotFoundError(
+        absl::StrCat("engine '", engine_id,
+                     "' is not registered; call RegisterEngine "
+                     "before opening the control stream"));
   }
   hub_.Attach(engine_id, std::move(channel));
   return absl::OkStatus();
@@ -170,9 +171,10 @@ absl::StatusOr<v1::InitWeightTransferResponse> Coordinator::InitWeightTransfer(
   {
     absl::MutexLock lock(&mu_);
     if (update_ != nullptr) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "update '", update_->id, "' is in progress; finish or abort it "
-          "before InitWeightTransfer"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("update '", update_->id,
+                       "' is in progress; finish or abort it "
+                       "before InitWeightTransfer"));
     }
   }
   if (request.backend() == v1::BACKEND_UNSPECIFIED) {
@@ -182,9 +184,9 @@ absl::StatusOr<v1::InitWeightTransferResponse> Coordinator::InitWeightTransfer(
   if (request.world_size() < 0 || request.rank_offset() < 0 ||
       (request.world_size() > 0 &&
        request.rank_offset() >= request.world_size())) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "rank_offset ", request.rank_offset(), " must lie inside world_size ",
-        request.world_size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank_offset ", request.rank_offset(),
+                     " must lie inside world_size ", request.world_size()));
   }
   WS_ASSIGN_OR_RETURN(std::shared_ptr<DataPlane> plane,
                       data_planes_->Create(request));
@@ -192,8 +194,8 @@ absl::StatusOr<v1::InitWeightTransferResponse> Coordinator::InitWeightTransfer(
   backend_ = request.backend();
   data_plane_ = std::move(plane);
   v1::InitWeightTransferResponse response;
-  response.set_group_id(absl::StrFormat(
-      "%016x", absl::Uniform<uint64_t>(absl::BitGen())));
+  response.set_group_id(
+      absl::StrFormat("%016x", absl::Uniform<uint64_t>(absl::BitGen())));
   response.set_local_world_size(data_planes_->LocalWorldSize(backend_));
   response.set_build_info(options_.build_info);
   LOG(INFO) << "transfer group " << response.group_id() << " on "
@@ -235,9 +237,10 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
                                   ? options_.default_chunk_bytes
                                   : request.chunk_bytes();
   if (chunk_bytes > options_.max_chunk_bytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("chunk_bytes ", chunk_bytes, " is above the daemon's "
-                     "limit of ", options_.max_chunk_bytes));
+    return absl::InvalidArgumentError(absl::StrCat("chunk_bytes ", chunk_bytes,
+                                                   " is above the daemon's "
+                                                   "limit of ",
+                                                   options_.max_chunk_bytes));
   }
   std::vector<std::string> ids;
   std::vector<std::shared_ptr<const EngineLayout>> layouts;
@@ -252,18 +255,20 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
           "StartWeightUpdate");
     }
     if (update_ != nullptr) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "update '", update_->id, "' is in progress; finish or abort it "
-          "before starting '", request.update_id(), "'"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("update '", update_->id,
+                       "' is in progress; finish or abort it "
+                       "before starting '",
+                       request.update_id(), "'"));
     }
     WS_ASSIGN_OR_RETURN(ids, SelectEngines(request.engine_ids()));
     for (const std::string& id : ids) {
       const EngineRecord& r = engines_.at(id);
       if (request.target_version() <= r.version) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "target version ", request.target_version(),
-            " is not above engine '", id, "' version ", r.version,
-            "; versions only go up"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("target version ", request.target_version(),
+                         " is not above engine '", id, "' version ", r.version,
+                         "; versions only go up"));
       }
       layouts.push_back(r.layout);
       if (!r.paused) to_pause.push_back(id);
@@ -278,9 +283,8 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
   WS_RETURN_IF_ERROR(plane->Begin(plan));
   // Streaming writes into live memory: the engines must be paused first.
   if (!to_pause.empty()) {
-    const auto acks =
-        hub_.Broadcast(to_pause, PauseNotice(v1::PAUSE_MODE_KEEP),
-                       absl::Now() + options_.notice_timeout);
+    const auto acks = hub_.Broadcast(to_pause, PauseNotice(v1::PAUSE_MODE_KEEP),
+                                     absl::Now() + options_.notice_timeout);
     std::vector<std::string> paused;
     for (const auto& [id, s] : acks) {
       if (s.ok()) paused.push_back(id);
@@ -290,10 +294,10 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
       plane->Abort();
       hub_.Broadcast(paused, ResumeNotice(),
                      absl::Now() + options_.notice_timeout);
-      return absl::Status(failed.code(),
-                          absl::StrCat("could not pause for update '",
-                                       request.update_id(),
-                                       "': ", failed.message()));
+      return absl::Status(
+          failed.code(),
+          absl::StrCat("could not pause for update '", request.update_id(),
+                       "': ", failed.message()));
     }
   }
 
@@ -341,9 +345,10 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
 absl::Status Coordinator::BeginPushStream(const std::string& update_id) {
   absl::MutexLock lock(&mu_);
   if (update_ == nullptr || update_->id != update_id) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "no update '", update_id, "' in progress; call StartWeightUpdate "
-        "before PushChunks"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("no update '", update_id,
+                     "' in progress; call StartWeightUpdate "
+                     "before PushChunks"));
   }
   if (update_->stream_open) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -353,9 +358,8 @@ absl::Status Coordinator::BeginPushStream(const std::string& update_id) {
   return absl::OkStatus();
 }
 
-absl::Status Coordinator::PushChunk(const std::string& update_id,
-                                    int64_t index, std::string data,
-                                    absl::Time deadline) {
+absl::Status Coordinator::PushChunk(const std::string& update_id, int64_t index,
+                                    std::string data, absl::Time deadline) {
   std::shared_ptr<DataPlane> plane;
   {
     absl::MutexLock lock(&mu_);
@@ -370,9 +374,11 @@ absl::Status Coordinator::PushChunk(const std::string& update_id,
     const auto& chunks = update_->plan->chunks.chunks;
     absl::Status bad;
     if (index < 0 || index >= static_cast<int64_t>(chunks.size())) {
-      bad = absl::InvalidArgumentError(absl::StrCat(
-          "update '", update_id, "': chunk ", index, " arrived, but the plan "
-          "has ", chunks.size(), " chunks"));
+      bad = absl::InvalidArgumentError(absl::StrCat("update '", update_id,
+                                                    "': chunk ", index,
+                                                    " arrived, but the plan "
+                                                    "has ",
+                                                    chunks.size(), " chunks"));
     } else if (index != update_->next_chunk) {
       bad = absl::InvalidArgumentError(absl::StrCat(
           "update '", update_id, "': chunk ", index, " arrived, expected ",
@@ -409,9 +415,9 @@ void Coordinator::PushStreamEnded(const std::string& update_id,
   update_->stream_open = false;
   const int64_t total = update_->plan->chunks.chunks.size();
   if (cancelled && update_->next_chunk < total) {
-    FailUpdateLocked(absl::AbortedError(absl::StrCat(
-        "trainer disconnected mid-stream after ", update_->next_chunk, " of ",
-        total, " chunks")));
+    FailUpdateLocked(absl::AbortedError(
+        absl::StrCat("trainer disconnected mid-stream after ",
+                     update_->next_chunk, " of ", total, " chunks")));
   }
 }
 
@@ -522,9 +528,10 @@ absl::StatusOr<v1::FinishWeightUpdateResponse> Coordinator::FinishWeightUpdate(
   {
     absl::MutexLock lock(&mu_);
     if (update_ == nullptr || update_->id != request.update_id()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "no update '", request.update_id(), "' in progress; call "
-          "StartWeightUpdate first"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("no update '", request.update_id(),
+                       "' in progress; call "
+                       "StartWeightUpdate first"));
     }
     const int64_t total = update_->plan->chunks.chunks.size();
     if (update_->phase == Phase::kReceiving && update_->next_chunk < total) {
@@ -598,7 +605,8 @@ absl::StatusOr<v1::FinishWeightUpdateResponse> Coordinator::FinishWeightUpdate(
   notice.mutable_new_version()->set_version(version);
   notice.mutable_new_version()->set_update_id(id);
   const absl::Time notice_deadline = absl::Now() + options_.notice_timeout;
-  for (const auto& [e, s] : hub_.Broadcast(committed, notice, notice_deadline)) {
+  for (const auto& [e, s] :
+       hub_.Broadcast(committed, notice, notice_deadline)) {
     if (!s.ok()) LOG(WARNING) << "new-version notice: " << s;
   }
   ResumeEngines(resume, notice_deadline).IgnoreError();
@@ -644,9 +652,9 @@ absl::StatusOr<v1::PauseResponse> Coordinator::Pause(
       }
     }
   }
-  const auto acks =
-      hub_.Broadcast(to_pause, PauseNotice(request.mode()),
-                     DeadlineFrom(request.timeout_ms(), options_.notice_timeout));
+  const auto acks = hub_.Broadcast(
+      to_pause, PauseNotice(request.mode()),
+      DeadlineFrom(request.timeout_ms(), options_.notice_timeout));
   std::vector<std::string> paused, failed;
   for (const auto& [id, s] : acks) (s.ok() ? paused : failed).push_back(id);
   if (!failed.empty()) {
@@ -654,11 +662,10 @@ absl::StatusOr<v1::PauseResponse> Coordinator::Pause(
     hub_.Broadcast(paused, ResumeNotice(),
                    absl::Now() + options_.notice_timeout);
     const absl::Status first = acks.at(failed.front());
-    return absl::Status(first.code(),
-                        absl::StrCat("pause failed for engine(s) ",
-                                     absl::StrJoin(failed, ", "), ": ",
-                                     first.message(),
-                                     "; no engine was left paused"));
+    return absl::Status(
+        first.code(),
+        absl::StrCat("pause failed for engine(s) ", absl::StrJoin(failed, ", "),
+                     ": ", first.message(), "; no engine was left paused"));
   }
   absl::MutexLock lock(&mu_);
   v1::PauseResponse response;
@@ -681,14 +688,15 @@ absl::StatusOr<v1::ResumeResponse> Coordinator::Resume(
     for (const std::string& id : ids) {
       const EngineRecord& r = engines_.at(id);
       if (r.updating) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "engine '", id, "' is receiving update '", update_->id,
-            "'; finish or abort it before Resume"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("engine '", id, "' is receiving update '", update_->id,
+                         "'; finish or abort it before Resume"));
       }
       if (r.dirty && !request.allow_dirty()) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "engine '", id, "' is dirty (an update failed half way); resume "
-            "with allow_dirty or send a full update first"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("engine '", id,
+                         "' is dirty (an update failed half way); resume "
+                         "with allow_dirty or send a full update first"));
       }
       if (r.paused) to_resume.push_back(id);
     }

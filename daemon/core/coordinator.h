@@ -136,8 +136,7 @@ class Coordinator {
   absl::StatusOr<std::vector<std::string>> SelectEngines(
       const google::protobuf::RepeatedPtrField<std::string>& ids)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RemoveEngineLocked(const std::string& engine_id,
-                          const std::string& why)
+  void RemoveEngineLocked(const std::string& engine_id, const std::string& why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::EngineStatus EngineStatusLocked(const std::string& id,
                                       const EngineRecord& r) const

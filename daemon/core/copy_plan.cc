@@ -33,16 +33,18 @@ absl::Status CheckUse(const v1::TensorSpec& t, const std::string& engine,
   }
   if (p.implicit) {
     if (shape != p.shape) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, ": shape ", ShapeString(shape),
-                       " does not match the registered ", ShapeString(p.shape)));
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": shape ", ShapeString(shape),
+          " does not match the registered ", ShapeString(p.shape)));
     }
     return absl::OkStatus();
   }
   if (!s.source_shape.empty() && shape != s.source_shape) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, ": shape ", ShapeString(shape), " does not match the segment's "
-        "source shape ", ShapeString(s.source_shape)));
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": shape ", ShapeString(shape),
+                     " does not match the segment's "
+                     "source shape ",
+                     ShapeString(s.source_shape)));
   }
   int64_t rows, cols;
   SourceMatrix(shape, &rows, &cols);
@@ -74,9 +76,9 @@ void EmitOps(const Use& use, int64_t e0, int64_t e1, int64_t chunk_offset,
     op.region = p.region;
     op.src_offset = chunk_offset + (a - e0) * ses;
     op.src_stride = C * ses;
-    const int64_t dst_elem =
-        s.dest_offset + (r - s.row_begin) * s.dest_row_stride +
-        (a - r * C - s.col_begin);
+    const int64_t dst_elem = s.dest_offset +
+                             (r - s.row_begin) * s.dest_row_stride +
+                             (a - r * C - s.col_begin);
     op.dst_offset = p.offset + dst_elem * des;
     op.dst_stride = s.dest_row_stride * des;
     op.rows = nrows;
@@ -138,9 +140,9 @@ absl::StatusOr<std::shared_ptr<const CopyPlan>> BuildCopyPlan(
   for (int t = 0; t < manifest.size(); ++t) {
     const v1::TensorSpec& spec = manifest[t];
     if (spec.sparse_nnz() > 0) {
-      return absl::UnimplementedError(absl::StrCat(
-          "tensor '", spec.name(),
-          "': sparse patches are not supported yet (issue 5)"));
+      return absl::UnimplementedError(
+          absl::StrCat("tensor '", spec.name(),
+                       "': sparse patches are not supported yet (issue 5)"));
     }
     const std::vector<int64_t> shape(spec.shape().begin(), spec.shape().end());
     for (int e = 0; e < num_engines; ++e) {
@@ -166,9 +168,11 @@ absl::StatusOr<std::shared_ptr<const CopyPlan>> BuildCopyPlan(
     if (uses[t].empty()) {
       std::vector<std::string> ids;
       for (const auto& e : plan->engines) ids.push_back(e->engine_id);
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor '", spec.name(), "' is not a parameter or segment source of "
-          "any engine in the update (", absl::StrJoin(ids, ", "), ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", spec.name(),
+                       "' is not a parameter or segment source of "
+                       "any engine in the update (",
+                       absl::StrJoin(ids, ", "), ")"));
     }
   }
   for (int e = 0; e < num_engines; ++e) {

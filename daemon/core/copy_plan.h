@@ -25,7 +25,7 @@ struct CopyOp {
   int64_t dst_offset = 0;  // bytes into the region
   int64_t dst_stride = 0;  // bytes between rows in the region
   int64_t rows = 0;
-  int64_t cols = 0;        // elements per row
+  int64_t cols = 0;  // elements per row
   v1::DType src_dtype = v1::DTYPE_UNSPECIFIED;
   v1::DType dst_dtype = v1::DTYPE_UNSPECIFIED;
 };

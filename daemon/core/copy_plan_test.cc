@@ -57,10 +57,10 @@ void RunAndCompare(const std::vector<Engine>& engines, v1::DType ckpt_dtype,
   for (const Chunk& c : (*plan)->chunks.chunks) {
     std::vector<uint8_t> buf(c.size, 0);
     for (const Piece& p : c.pieces) {
-      std::memcpy(buf.data() + p.chunk_offset,
-                  data.at(manifest[p.tensor].name()).second.data() +
-                      p.tensor_offset,
-                  p.length);
+      std::memcpy(
+          buf.data() + p.chunk_offset,
+          data.at(manifest[p.tensor].name()).second.data() + p.tensor_offset,
+          p.length);
     }
     ScatterChunk(**plan, (*plan)->ops_by_chunk[c.index], buf.data(), nullptr);
   }
@@ -82,7 +82,8 @@ void RunAndCompare(const std::vector<Engine>& engines, v1::DType ckpt_dtype,
 TEST(CopyPlanTest, TensorParallelSegmentsMatchReferenceAtEveryChunkSize) {
   testing::HeapMapper mapper;
   std::vector<Engine> engines = {
-      MakeEngine("plain", synthetic::Layout::kPlain, 0, 1, v1::BFLOAT16, mapper),
+      MakeEngine("plain", synthetic::Layout::kPlain, 0, 1, v1::BFLOAT16,
+                 mapper),
       MakeEngine("tp0", synthetic::Layout::kTensorParallel, 0, 2, v1::BFLOAT16,
                  mapper),
       MakeEngine("tp1", synthetic::Layout::kTensorParallel, 1, 2, v1::FLOAT16,

@@ -45,8 +45,8 @@ absl::Status CheckSegments(const std::string& engine, ParameterLayout& p,
   std::vector<Interval> intervals;
   for (int i = 0; i < proto.segments_size(); ++i) {
     const v1::Segment& s = proto.segments(i);
-    const std::string seg = absl::StrCat(where, " segment ", i, " (source '",
-                                         s.source(), "')");
+    const std::string seg =
+        absl::StrCat(where, " segment ", i, " (source '", s.source(), "')");
     if (s.source().empty() || s.source().size() > limits.max_name_length) {
       return Invalid(engine, absl::StrCat(seg, ": bad source name"));
     }
@@ -58,33 +58,32 @@ absl::Status CheckSegments(const std::string& engine, ParameterLayout& p,
     l.col_begin = s.col_begin();
     l.col_count = s.col_count();
     l.dest_offset = s.dest_offset();
-    l.dest_row_stride = s.dest_row_stride() == 0 ? s.col_count()
-                                                 : s.dest_row_stride();
+    l.dest_row_stride =
+        s.dest_row_stride() == 0 ? s.col_count() : s.dest_row_stride();
     if (l.row_begin < 0 || l.row_count <= 0 || l.col_begin < 0 ||
         l.col_count <= 0 || l.dest_offset < 0 ||
         l.dest_row_stride < l.col_count) {
-      return Invalid(engine,
-                     absl::StrCat(seg, ": rows [", l.row_begin, "+",
-                                  l.row_count, "] cols [", l.col_begin, "+",
-                                  l.col_count, "] dest ", l.dest_offset,
-                                  " stride ", l.dest_row_stride,
-                                  " is not a valid block"));
+      return Invalid(
+          engine, absl::StrCat(seg, ": rows [", l.row_begin, "+", l.row_count,
+                               "] cols [", l.col_begin, "+", l.col_count,
+                               "] dest ", l.dest_offset, " stride ",
+                               l.dest_row_stride, " is not a valid block"));
     }
     if (!l.source_shape.empty()) {
       WS_RETURN_IF_ERROR(
-          NumElements(l.source_shape, p.dtype, absl::StrCat("engine '", engine,
-                                                           "': ", seg))
+          NumElements(l.source_shape, p.dtype,
+                      absl::StrCat("engine '", engine, "': ", seg))
               .status());
       int64_t rows, cols;
       SourceMatrix(l.source_shape, &rows, &cols);
       if (l.row_begin + l.row_count > rows ||
           l.col_begin + l.col_count > cols) {
-        return Invalid(engine,
-                       absl::StrCat(seg, ": block rows [", l.row_begin, ", ",
-                                    l.row_begin + l.row_count, ") cols [",
-                                    l.col_begin, ", ", l.col_begin + l.col_count,
-                                    ") lies outside source shape ",
-                                    ShapeString(l.source_shape)));
+        return Invalid(
+            engine, absl::StrCat(seg, ": block rows [", l.row_begin, ", ",
+                                 l.row_begin + l.row_count, ") cols [",
+                                 l.col_begin, ", ", l.col_begin + l.col_count,
+                                 ") lies outside source shape ",
+                                 ShapeString(l.source_shape)));
       }
     }
     // Last element written: dest + (rows-1)*stride + cols, within numel.
@@ -93,18 +92,20 @@ absl::Status CheckSegments(const std::string& engine, ParameterLayout& p,
         l.dest_offset > kMax - l.row_count * l.dest_row_stride ||
         l.dest_offset + (l.row_count - 1) * l.dest_row_stride + l.col_count >
             p.numel) {
-      return Invalid(engine, absl::StrCat(seg, ": destination runs past the "
-                                               "parameter's ",
+      return Invalid(engine, absl::StrCat(seg,
+                                          ": destination runs past the "
+                                          "parameter's ",
                                           p.numel, " elements"));
     }
     if (l.col_count == l.dest_row_stride) {
-      intervals.push_back({l.dest_offset,
-                           l.dest_offset + l.row_count * l.col_count, i});
+      intervals.push_back(
+          {l.dest_offset, l.dest_offset + l.row_count * l.col_count, i});
     } else {
       *rows_budget -= l.row_count;
       if (*rows_budget < 0) {
-        return Invalid(engine, absl::StrCat(seg, ": too many strided segment "
-                                                 "rows to check"));
+        return Invalid(engine, absl::StrCat(seg,
+                                            ": too many strided segment "
+                                            "rows to check"));
       }
       for (int64_t r = 0; r < l.row_count; ++r) {
         const int64_t b = l.dest_offset + r * l.dest_row_stride;
@@ -113,18 +114,16 @@ absl::Status CheckSegments(const std::string& engine, ParameterLayout& p,
     }
     p.segments.push_back(std::move(l));
   }
-  std::sort(intervals.begin(), intervals.end(),
-            [](const Interval& a, const Interval& b) {
-              return a.begin < b.begin;
-            });
+  std::sort(
+      intervals.begin(), intervals.end(),
+      [](const Interval& a, const Interval& b) { return a.begin < b.begin; });
   for (size_t i = 1; i < intervals.size(); ++i) {
     if (intervals[i].begin < intervals[i - 1].end) {
-      return Invalid(engine,
-                     absl::StrCat(where, ": segments ",
-                                  intervals[i - 1].segment, " and ",
-                                  intervals[i].segment,
-                                  " write the same elements (at ",
-                                  intervals[i].begin, ")"));
+      return Invalid(
+          engine,
+          absl::StrCat(where, ": segments ", intervals[i - 1].segment, " and ",
+                       intervals[i].segment, " write the same elements (at ",
+                       intervals[i].begin, ")"));
     }
   }
   return absl::OkStatus();
@@ -149,20 +148,19 @@ absl::StatusOr<std::shared_ptr<const EngineLayout>> BuildEngineLayout(
     const RegistrationLimits& limits) {
   const std::string& engine = request.engine_id();
   if (!ValidEngineId(engine)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "engine_id '", engine.substr(0, 64),
-        "' must be 1-128 characters of [A-Za-z0-9._:-]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("engine_id '", engine.substr(0, 64),
+                     "' must be 1-128 characters of [A-Za-z0-9._:-]"));
   }
   if (request.parameters_size() == 0) {
     return Invalid(engine, "registers no parameters");
   }
   if (request.parameters_size() > limits.max_parameters ||
       request.allocations_size() > limits.max_allocations) {
-    return Invalid(engine, absl::StrCat("registers ",
-                                        request.parameters_size(),
-                                        " parameters in ",
-                                        request.allocations_size(),
-                                        " allocations; over the limit"));
+    return Invalid(engine,
+                   absl::StrCat("registers ", request.parameters_size(),
+                                " parameters in ", request.allocations_size(),
+                                " allocations; over the limit"));
   }
   if (request.version() < 0) {
     return Invalid(engine, "version must not be negative");
@@ -177,8 +175,8 @@ absl::StatusOr<std::shared_ptr<const EngineLayout>> BuildEngineLayout(
                                           "positive size"));
     }
     // Each distinct allocation is opened once: a repeat is a client bug.
-    auto [it, fresh] = handles.emplace(
-        absl::StrCat(alloc.kind(), ":", alloc.handle()), a);
+    auto [it, fresh] =
+        handles.emplace(absl::StrCat(alloc.kind(), ":", alloc.handle()), a);
     if (!fresh) {
       return Invalid(engine, absl::StrCat("allocation ", a,
                                           " repeats allocation ", it->second));
@@ -212,21 +210,20 @@ absl::StatusOr<std::shared_ptr<const EngineLayout>> BuildEngineLayout(
     p.bytes = p.numel * ElementSize(p.dtype);
     if (proto.allocation() < 0 ||
         proto.allocation() >= request.allocations_size()) {
-      return Invalid(engine, absl::StrCat("parameter '", p.name,
-                                          "' names allocation ",
-                                          proto.allocation(), " of ",
-                                          request.allocations_size()));
+      return Invalid(
+          engine,
+          absl::StrCat("parameter '", p.name, "' names allocation ",
+                       proto.allocation(), " of ", request.allocations_size()));
     }
     p.region = proto.allocation();
     p.offset = proto.offset();
     const int64_t alloc_size = request.allocations(p.region).size();
     if (p.offset < 0 || p.offset > alloc_size ||
         p.bytes > alloc_size - p.offset) {
-      return Invalid(engine,
-                     absl::StrCat("parameter '", p.name, "' bytes [", p.offset,
-                                  ", ", p.offset + p.bytes,
-                                  ") lie outside its allocation of ",
-                                  alloc_size, " bytes"));
+      return Invalid(engine, absl::StrCat("parameter '", p.name, "' bytes [",
+                                          p.offset, ", ", p.offset + p.bytes,
+                                          ") lie outside its allocation of ",
+                                          alloc_size, " bytes"));
     }
     if (p.bytes > 0) {
       ranges[p.region].push_back({{p.offset, p.offset + p.bytes}, i});
@@ -243,8 +240,7 @@ absl::StatusOr<std::shared_ptr<const EngineLayout>> BuildEngineLayout(
       s.dest_row_stride = s.col_count;
       if (p.numel > 0) p.segments.push_back(std::move(s));
     } else {
-      WS_RETURN_IF_ERROR(
-          CheckSegments(engine, p, proto, limits, &rows_budget));
+      WS_RETURN_IF_ERROR(CheckSegments(engine, p, proto, limits, &rows_budget));
     }
     for (int s = 0; s < static_cast<int>(p.segments.size()); ++s) {
       layout->uses_by_source[p.segments[s].source].push_back({i, s});

@@ -41,8 +41,8 @@ struct ParameterLayout {
   std::vector<int64_t> shape;
   int64_t numel = 0;
   int64_t bytes = 0;
-  int32_t region = 0;   // index into EngineLayout::regions
-  int64_t offset = 0;   // bytes into the region
+  int32_t region = 0;  // index into EngineLayout::regions
+  int64_t offset = 0;  // bytes into the region
   // True when registered without segments: the checkpoint tensor of the
   // same name and shape is the whole parameter (segments holds that one).
   bool implicit = false;

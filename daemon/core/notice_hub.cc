@@ -20,8 +20,8 @@ bool NoticeHub::Detach(const std::string& engine, const ControlChannel* ch) {
   for (auto& [id, p] : pending_) {
     if (p.engine == engine && !p.done) {
       p.done = true;
-      p.status = absl::UnavailableError(absl::StrCat(
-          "engine '", engine, "' closed its control stream"));
+      p.status = absl::UnavailableError(
+          absl::StrCat("engine '", engine, "' closed its control stream"));
     }
   }
   return true;

@@ -25,14 +25,15 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   grpc::ServerBuilder builder;
   // Sync-server pollers wake at this period; it bounds how long Shutdown
   // can wait for an idle poller (the library default is 10 s).
-  builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::CQ_TIMEOUT_MSEC, 200);
+  builder.SetSyncServerOption(
+      grpc::ServerBuilder::SyncServerOption::CQ_TIMEOUT_MSEC, 200);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   if (!options.unix_socket.empty()) {
     if (options.unix_socket.size() > 107) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "Unix socket path is ", options.unix_socket.size(),
-          " bytes; the limit is 107: ", options.unix_socket));
+      return absl::InvalidArgumentError(
+          absl::StrCat("Unix socket path is ", options.unix_socket.size(),
+                       " bytes; the limit is 107: ", options.unix_socket));
     }
     struct stat st;
     if (lstat(options.unix_socket.c_str(), &st) == 0) {

@@ -54,9 +54,9 @@ class EngineServiceImpl final : public v1::EngineService::Service {
   grpc::Status RegisterEngine(grpc::ServerContext* ctx,
                               const v1::RegisterEngineRequest* request,
                               v1::RegisterEngineResponse* response) override;
-  grpc::Status UnregisterEngine(grpc::ServerContext* ctx,
-                                const v1::UnregisterEngineRequest* request,
-                                v1::UnregisterEngineResponse* response) override;
+  grpc::Status UnregisterEngine(
+      grpc::ServerContext* ctx, const v1::UnregisterEngineRequest* request,
+      v1::UnregisterEngineResponse* response) override;
   grpc::Status Control(
       grpc::ServerContext* ctx,
       grpc::ServerReaderWriter<v1::DaemonMessage, v1::EngineMessage>* stream)

@@ -15,9 +15,7 @@ namespace weightsync::testing {
 class HeapRegion : public MappedRegion {
  public:
   explicit HeapRegion(int64_t size) : bytes_(size, 0) {}
-  uint8_t* data() const override {
-    return const_cast<uint8_t*>(bytes_.data());
-  }
+  uint8_t* data() const override { return const_cast<uint8_t*>(bytes_.data()); }
   int64_t size() const override { return bytes_.size(); }
   v1::MemoryKind kind() const override { return v1::MEMORY_HOST_SHM; }
   const std::string& device_uuid() const override { return uuid_; }

@@ -84,12 +84,12 @@ std::vector<v1::TensorSpec> Checkpoint(const ModelConfig& m, v1::DType dtype) {
     t.push_back(Spec(p + "self_attn.q_norm.weight", dtype, {m.head_dim}));
     t.push_back(Spec(p + "self_attn.k_norm.weight", dtype, {m.head_dim}));
     t.push_back(Spec(p + "post_attention_layernorm.weight", dtype, {m.hidden}));
-    t.push_back(Spec(p + "mlp.gate_proj.weight", dtype,
-                     {m.intermediate, m.hidden}));
-    t.push_back(Spec(p + "mlp.up_proj.weight", dtype,
-                     {m.intermediate, m.hidden}));
-    t.push_back(Spec(p + "mlp.down_proj.weight", dtype,
-                     {m.hidden, m.intermediate}));
+    t.push_back(
+        Spec(p + "mlp.gate_proj.weight", dtype, {m.intermediate, m.hidden}));
+    t.push_back(
+        Spec(p + "mlp.up_proj.weight", dtype, {m.intermediate, m.hidden}));
+    t.push_back(
+        Spec(p + "mlp.down_proj.weight", dtype, {m.hidden, m.intermediate}));
   }
   t.push_back(Spec("model.norm.weight", dtype, {m.hidden}));
   t.push_back(Spec("lm_head.weight", dtype, {m.vocab, m.hidden}));
@@ -111,15 +111,15 @@ std::vector<uint8_t> Contents(const v1::TensorSpec& spec, int64_t version) {
   return out;
 }
 
-std::vector<v1::Parameter> EngineParameters(const ModelConfig& m,
-                                            Layout layout, int rank, int size,
+std::vector<v1::Parameter> EngineParameters(const ModelConfig& m, Layout layout,
+                                            int rank, int size,
                                             v1::DType dtype) {
   std::vector<v1::Parameter> out;
   if (layout == Layout::kPlain) {
     for (const v1::TensorSpec& t : Checkpoint(m, dtype)) {
-      out.push_back(Param(t.name(), dtype,
-                          std::vector<int64_t>(t.shape().begin(),
-                                               t.shape().end())));
+      out.push_back(
+          Param(t.name(), dtype,
+                std::vector<int64_t>(t.shape().begin(), t.shape().end())));
     }
     return out;
   }
@@ -142,10 +142,10 @@ std::vector<v1::Parameter> EngineParameters(const ModelConfig& m,
     const std::string p = absl::StrCat("model.layers.", l, ".");
     out.push_back(Param(p + "input_layernorm.weight", dtype, {H}));
     // Column-parallel fused qkv: this rank's rows of q, k and v stacked.
-    v1::Parameter qkv = Param(p + "self_attn.qkv_proj.weight", dtype,
-                              {qs + 2 * kvs, H});
-    *qkv.add_segments() = Block(p + "self_attn.q_proj.weight", {q, H},
-                                rank * qs, qs, 0, H, 0, H);
+    v1::Parameter qkv =
+        Param(p + "self_attn.qkv_proj.weight", dtype, {qs + 2 * kvs, H});
+    *qkv.add_segments() =
+        Block(p + "self_attn.q_proj.weight", {q, H}, rank * qs, qs, 0, H, 0, H);
     *qkv.add_segments() = Block(p + "self_attn.k_proj.weight", {kv, H},
                                 rank * kvs, kvs, 0, H, qs * H, H);
     *qkv.add_segments() = Block(p + "self_attn.v_proj.weight", {kv, H},
@@ -160,14 +160,14 @@ std::vector<v1::Parameter> EngineParameters(const ModelConfig& m,
     out.push_back(Param(p + "self_attn.k_norm.weight", dtype, {m.head_dim}));
     out.push_back(Param(p + "post_attention_layernorm.weight", dtype, {H}));
     v1::Parameter gu = Param(p + "mlp.gate_up_proj.weight", dtype, {2 * is, H});
-    *gu.add_segments() = Block(p + "mlp.gate_proj.weight", {I, H}, rank * is,
-                               is, 0, H, 0, H);
-    *gu.add_segments() = Block(p + "mlp.up_proj.weight", {I, H}, rank * is,
-                               is, 0, H, is * H, H);
+    *gu.add_segments() =
+        Block(p + "mlp.gate_proj.weight", {I, H}, rank * is, is, 0, H, 0, H);
+    *gu.add_segments() =
+        Block(p + "mlp.up_proj.weight", {I, H}, rank * is, is, 0, H, is * H, H);
     out.push_back(gu);
     v1::Parameter down = Param(p + "mlp.down_proj.weight", dtype, {H, is});
-    *down.add_segments() = Block(p + "mlp.down_proj.weight", {H, I}, 0, H,
-                                 rank * is, is, 0, is);
+    *down.add_segments() =
+        Block(p + "mlp.down_proj.weight", {H, I}, 0, H, rank * is, is, 0, is);
     out.push_back(down);
   }
   out.push_back(Param("model.norm.weight", dtype, {H}));

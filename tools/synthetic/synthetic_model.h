@@ -37,8 +37,8 @@ enum class Layout { kPlain, kTensorParallel };
 // Engine parameters (no allocation/offset yet) of rank `rank` of `size`,
 // stored as `dtype`. kPlain: each checkpoint tensor as itself (size 1).
 // kTensorParallel: vLLM-style fused and sharded names, as segments.
-std::vector<v1::Parameter> EngineParameters(const ModelConfig& m,
-                                            Layout layout, int rank, int size,
+std::vector<v1::Parameter> EngineParameters(const ModelConfig& m, Layout layout,
+                                            int rank, int size,
                                             v1::DType dtype);
 
 // The bytes `param` must hold once `checkpoint` (name -> (spec, bytes)) is
