@@ -19,6 +19,8 @@
 #include "daemon/backends.h"
 #include "gmock/gmock.h"
 #include "grpc/grpc.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
 #include "tools/synthetic/synthetic_model.h"
 
@@ -47,6 +49,7 @@ class ServerTest : public ::testing::Test {
                                           MakeDataPlaneFactory(host));
     ServerOptions so;
     so.unix_socket = dir_ + "/d.sock";
+    so.tcp_address = "127.0.0.1:0";
     auto server = Server::BuildAndStart(so, core_.get());
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);
@@ -182,6 +185,26 @@ TEST_F(ServerTest, ThreeUpdatesThroughPlainAndTensorParallelEngines) {
   EXPECT_EQ(status->update().phase(), "committed");
   EXPECT_EQ(status->update().received_chunks(),
             status->update().total_chunks());
+}
+
+TEST_F(ServerTest, HealthServiceAndTcpListenerAnswer) {
+  for (const std::string target :
+       {options_.target, absl::StrCat("127.0.0.1:", server_->tcp_port())}) {
+    auto channel =
+        grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
+    auto health = grpc::health::v1::Health::NewStub(channel);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    grpc::health::v1::HealthCheckRequest req;
+    grpc::health::v1::HealthCheckResponse resp;
+    ASSERT_TRUE(health->Check(&ctx, req, &resp).ok()) << target;
+    EXPECT_EQ(resp.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+  }
+  ClientOptions tcp = options_;
+  tcp.target = absl::StrCat("127.0.0.1:", server_->tcp_port());
+  auto remote = TrainerClient::Connect(tcp);
+  ASSERT_TRUE(remote.ok());
+  EXPECT_TRUE((*remote)->GetStatus().ok());
 }
 
 TEST_F(ServerTest, OutOfOrderCallsAreFailedPrecondition) {
