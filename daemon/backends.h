@@ -5,18 +5,22 @@
 
 #include <memory>
 
+#include "backends/cuda/worker_client.h"
 #include "backends/host/host_data_plane.h"
 #include "daemon/core/coordinator.h"
 #include "daemon/core/memory.h"
 
 namespace weightsync {
 
-// Opens MEMORY_HOST_SHM through the host backend; MEMORY_CUDA_IPC answers
-// UNIMPLEMENTED until the CUDA backend exists in this build.
-std::shared_ptr<MemoryMapper> MakeMemoryMapper();
+// Opens MEMORY_HOST_SHM through the host backend and MEMORY_CUDA_IPC
+// through the GPU worker (`gpu` may be null: then UNIMPLEMENTED naming the
+// build).
+std::shared_ptr<MemoryMapper> MakeMemoryMapper(
+    std::shared_ptr<GpuWorkerSupervisor> gpu = nullptr);
 
 std::shared_ptr<DataPlaneFactory> MakeDataPlaneFactory(
-    HostDataPlane::Options host_options);
+    HostDataPlane::Options host_options,
+    std::shared_ptr<GpuWorkerSupervisor> gpu = nullptr);
 
 }  // namespace weightsync
 

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "backends/cuda/cuda_support.h"
+#include "backends/cuda/worker_client.h"
 #include "daemon/backends.h"
 #include "daemon/core/coordinator.h"
 #include "daemon/server/server.h"
@@ -30,6 +31,13 @@ DEFINE_int64(notice_timeout_ms, 10000,
              "default deadline for engines to acknowledge pause/resume");
 DEFINE_int64(finish_timeout_ms, 60000,
              "default deadline for Finish to see every byte written");
+DEFINE_string(gpu_worker, "",
+              "path of weightsync_gpu_worker; default: beside this binary. "
+              "Without it (or without CUDA) the GPU backends are off");
+DEFINE_int32(gpu, 0, "CUDA ordinal of the GPU the daemon's NCCL rank uses");
+DEFINE_int32(gpu_staging_buffers, 4, "GPU staging buffers (chunks in flight)");
+DEFINE_int64(gpu_staging_budget_bytes, int64_t{4} << 30,
+             "bytes of GPU staging the daemon never exceeds");
 DEFINE_int64(shutdown_grace_ms, 2000,
              "on SIGTERM, how long open calls may run before cancellation");
 
@@ -83,8 +91,29 @@ int Main() {
   HostDataPlane::Options host;
   host.staging_buffers = FLAGS_staging_buffers;
   host.staging_budget = FLAGS_staging_budget_bytes;
-  Coordinator core(core_options, MakeMemoryMapper(),
-                   MakeDataPlaneFactory(host));
+  std::shared_ptr<GpuWorkerSupervisor> gpu;
+  std::string worker = FLAGS_gpu_worker;
+  if (worker.empty()) {
+    char self[4096];
+    const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+    if (n > 0) {
+      self[n] = '\0';
+      std::string dir(self);
+      worker = dir.substr(0, dir.rfind('/')) + "/weightsync_gpu_worker";
+    }
+  }
+  if (BuiltWithCuda() && access(worker.c_str(), X_OK) == 0) {
+    GpuWorkerSupervisor::Options g;
+    g.worker_binary = worker;
+    g.device = FLAGS_gpu;
+    g.staging_buffers = FLAGS_gpu_staging_buffers;
+    g.staging_budget = FLAGS_gpu_staging_budget_bytes;
+    g.socket_path = absl::StrCat("/tmp/weightsync-worker-", getpid(), ".sock");
+    gpu = std::make_shared<GpuWorkerSupervisor>(g);
+    LOG(INFO) << "GPU backends via " << worker << " (started on first use)";
+  }
+  Coordinator core(core_options, MakeMemoryMapper(gpu),
+                   MakeDataPlaneFactory(host, gpu));
 
   ServerOptions server_options;
   server_options.unix_socket =

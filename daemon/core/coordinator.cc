@@ -371,6 +371,11 @@ absl::Status Coordinator::PushChunk(const std::string& update_id, int64_t index,
       return absl::AbortedError(absl::StrCat(
           "update '", update_id, "' failed: ", update_->error.message()));
     }
+    if (update_->data_plane->ReceivesOwnBytes()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "update '", update_id, "' uses the ", update_->data_plane->name(),
+          " backend: its bytes do not travel through PushChunks"));
+    }
     const auto& chunks = update_->plan->chunks.chunks;
     absl::Status bad;
     if (index < 0 || index >= static_cast<int64_t>(chunks.size())) {
@@ -425,8 +430,9 @@ void Coordinator::FailUpdateLocked(const absl::Status& reason) {
   if (update_->phase == Phase::kFailed) return;
   update_->phase = Phase::kFailed;
   update_->error = reason;
-  // Engines that may hold part of this update are dirty from now on.
-  if (update_->next_chunk > 0) {
+  // Engines that may hold part of this update are dirty from now on. Bytes
+  // that arrive by themselves (NCCL) may have landed from Begin on.
+  if (update_->next_chunk > 0 || update_->data_plane->ReceivesOwnBytes()) {
     for (size_t i = 0; i < update_->engine_ids.size(); ++i) {
       auto it = engines_.find(update_->engine_ids[i]);
       if (!update_->lost[i] && it != engines_.end()) it->second.dirty = true;
@@ -534,7 +540,8 @@ absl::StatusOr<v1::FinishWeightUpdateResponse> Coordinator::FinishWeightUpdate(
                        "StartWeightUpdate first"));
     }
     const int64_t total = update_->plan->chunks.chunks.size();
-    if (update_->phase == Phase::kReceiving && update_->next_chunk < total) {
+    if (update_->phase == Phase::kReceiving && update_->next_chunk < total &&
+        !update_->data_plane->ReceivesOwnBytes()) {
       FailUpdateLocked(absl::AbortedError(
           absl::StrCat("finish after ", update_->next_chunk, " of ", total,
                        " chunks (", update_->received_bytes, " of ",

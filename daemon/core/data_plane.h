@@ -44,6 +44,10 @@ class DataPlane {
   // Chunks fully written into engine memory in the current update.
   virtual int64_t chunks_written() const = 0;
 
+  // True where bytes reach the data plane by themselves (NCCL broadcast)
+  // rather than through SubmitChunk.
+  virtual bool ReceivesOwnBytes() const { return false; }
+
   virtual std::string name() const = 0;
 };
 

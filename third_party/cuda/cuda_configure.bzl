@@ -17,7 +17,7 @@ package(default_visibility = ["//visibility:public"])
 
 cc_library(
     name = "cuda_headers",
-    hdrs = glob(["include/**/*.h", "include/**/*.hpp", "include/**/*.inl"]),
+    hdrs = glob(["include/**"]),
     includes = ["include"],
 )
 

@@ -61,7 +61,7 @@ absl::StatusOr<ModelConfig> ModelByName(const std::string& name) {
   if (name == "tiny") return ModelConfig{1003, 64, 160, 2, 4, 2, 16};
   if (name == "demo") return ModelConfig{32003, 1024, 2816, 4, 16, 4, 64};
   if (name == "qwen3-1.7b") {
-    return ModelConfig{151936, 2048, 6144, 28, 16, 8, 128};
+    return ModelConfig{151936, 2048, 6144, 28, 16, 8, 128, true};
   }
   if (name == "qwen3-8b") {
     return ModelConfig{151936, 4096, 12288, 36, 32, 8, 128};
@@ -92,7 +92,9 @@ std::vector<v1::TensorSpec> Checkpoint(const ModelConfig& m, v1::DType dtype) {
         Spec(p + "mlp.down_proj.weight", dtype, {m.hidden, m.intermediate}));
   }
   t.push_back(Spec("model.norm.weight", dtype, {m.hidden}));
-  t.push_back(Spec("lm_head.weight", dtype, {m.vocab, m.hidden}));
+  if (!m.tie_embeddings) {
+    t.push_back(Spec("lm_head.weight", dtype, {m.vocab, m.hidden}));
+  }
   return t;
 }
 
@@ -171,7 +173,7 @@ std::vector<v1::Parameter> EngineParameters(const ModelConfig& m, Layout layout,
     out.push_back(down);
   }
   out.push_back(Param("model.norm.weight", dtype, {H}));
-  out.push_back(vocab_param("lm_head.weight"));
+  if (!m.tie_embeddings) out.push_back(vocab_param("lm_head.weight"));
   return out;
 }
 

@@ -20,6 +20,8 @@ namespace weightsync::synthetic {
 struct ModelConfig {
   int64_t vocab = 0, hidden = 0, intermediate = 0, layers = 0;
   int64_t heads = 0, kv_heads = 0, head_dim = 0;
+  // lm_head shares the embedding (no separate lm_head.weight tensor).
+  bool tie_embeddings = false;
 };
 
 // "tiny" (tests, ~3 MB), "demo" (~0.4 GB in float32), "qwen3-1.7b",

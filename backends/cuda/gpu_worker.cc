@@ -1,0 +1,423 @@
+#include "backends/cuda/gpu_worker.h"
+
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "backends/cuda/cuda_status.h"
+#include "backends/cuda/scatter.h"
+#include "common/grpc_status.h"
+#include "glog/logging.h"
+
+namespace weightsync {
+namespace {
+
+std::string UuidString(const cudaUUID_t& u) {
+  const auto* b = reinterpret_cast<const unsigned char*>(u.bytes);
+  return absl::StrFormat(
+      "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%"
+      "02x",
+      b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11],
+      b[12], b[13], b[14], b[15]);
+}
+
+}  // namespace
+
+// ------------------------------------------------------------ owner thread
+
+struct OwnerThread::Task {
+  std::function<absl::Status()> fn;
+  bool done = false;
+  absl::Status status;
+};
+
+OwnerThread::OwnerThread() : thread_([this] { Loop(); }) {}
+
+OwnerThread::~OwnerThread() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  thread_.join();
+}
+
+absl::Status OwnerThread::Run(std::function<absl::Status()> fn,
+                              absl::Time deadline) {
+  auto task = std::make_shared<Task>();
+  task->fn = std::move(fn);
+  absl::MutexLock lock(&mu_);
+  queue_.push_back(task);
+  auto done = [&task]() { return task->done; };
+  if (!mu_.AwaitWithDeadline(absl::Condition(&done), deadline)) {
+    return absl::DeadlineExceededError("GPU worker: call still running");
+  }
+  return task->status;
+}
+
+void OwnerThread::Loop() {
+  absl::MutexLock lock(&mu_);
+  while (true) {
+    auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return stop_ || !queue_.empty();
+    };
+    mu_.Await(absl::Condition(&ready));
+    if (stop_) return;
+    std::shared_ptr<Task> task = queue_.front();
+    queue_.pop_front();
+    mu_.Unlock();
+    absl::Status s = task->fn();
+    mu_.Lock();
+    task->status = std::move(s);
+    task->done = true;
+  }
+}
+
+// ------------------------------------------------------------ worker
+
+GpuWorker::GpuWorker() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
+  for (int i = 0; i < n; ++i) {
+    cudaDeviceProp p;
+    cudaGetDeviceProperties(&p, i);
+    uuids_.push_back(UuidString(p.uuid));
+  }
+  // Every GPU may write every other GPU's engine memory (TP across GPUs).
+  for (int i = 0; i < n; ++i) {
+    cudaSetDevice(i);
+    for (int j = 0; j < n; ++j) {
+      int can = 0;
+      if (i != j && cudaDeviceCanAccessPeer(&can, i, j) == cudaSuccess && can) {
+        cudaDeviceEnablePeerAccess(j, 0);
+        cudaGetLastError();  // already enabled is fine
+      }
+    }
+  }
+  LOG(INFO) << "GPU worker: " << n << " device(s)";
+}
+
+GpuWorker::~GpuWorker() {
+  // Process exit releases the context; nothing here may hang.
+}
+
+absl::Time GpuWorker::Deadline(const grpc::ServerContext* ctx) const {
+  const auto d = ctx->deadline();
+  if (d == std::chrono::system_clock::time_point::max()) {
+    return absl::Now() + absl::Seconds(30);
+  }
+  return absl::FromChrono(d);
+}
+
+grpc::Status GpuWorker::Ping(grpc::ServerContext*,
+                             const worker::v1::PingRequest*,
+                             worker::v1::PingResponse* response) {
+  for (const auto& u : uuids_) response->add_device_uuids(u);
+  absl::MutexLock lock(&mu_);
+  response->set_allocations(allocations_.size());
+  int v = 0;
+  cudaRuntimeGetVersion(&v);
+  response->set_build_info(absl::StrCat("CUDA runtime ", v / 1000, ".",
+                                        (v % 1000) / 10, ", NCCL ", NCCL_MAJOR,
+                                        ".", NCCL_MINOR, ".", NCCL_PATCH));
+  return grpc::Status::OK;
+}
+
+grpc::Status GpuWorker::OpenAllocation(
+    grpc::ServerContext* ctx, const worker::v1::OpenAllocationRequest* request,
+    worker::v1::OpenAllocationResponse* response) {
+  int device = -1;
+  for (size_t i = 0; i < uuids_.size(); ++i) {
+    if (uuids_[i] == request->device_uuid()) device = i;
+  }
+  if (device < 0) {
+    return ToGrpcStatus(absl::NotFoundError(absl::StrCat(
+        "GPU ", request->device_uuid(), " is not visible to this daemon")));
+  }
+  if (request->handle().size() != sizeof(cudaIpcMemHandle_t)) {
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        absl::StrCat("a CUDA IPC handle has ", sizeof(cudaIpcMemHandle_t),
+                     " bytes, not ", request->handle().size())));
+  }
+  cudaIpcMemHandle_t handle;
+  std::memcpy(&handle, request->handle().data(), sizeof(handle));
+  Allocation a;
+  a.device = device;
+  a.size = request->size();
+  absl::Status s = owner_.Run(
+      [&]() -> absl::Status {
+        WS_CUDA(cudaSetDevice(device));
+        void* p = nullptr;
+        WS_CUDA(
+            cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess));
+        a.ptr = static_cast<uint8_t*>(p);
+        return absl::OkStatus();
+      },
+      Deadline(ctx));
+  if (!s.ok()) return ToGrpcStatus(s);
+  absl::MutexLock lock(&mu_);
+  allocations_[request->allocation_id()] = a;
+  response->set_device(device);
+  return grpc::Status::OK;
+}
+
+grpc::Status GpuWorker::CloseAllocation(
+    grpc::ServerContext* ctx, const worker::v1::CloseAllocationRequest* request,
+    worker::v1::Empty*) {
+  Allocation a;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = allocations_.find(request->allocation_id());
+    if (it == allocations_.end()) return grpc::Status::OK;
+    a = it->second;
+    allocations_.erase(it);
+  }
+  return ToGrpcStatus(owner_.Run(
+      [&]() -> absl::Status {
+        WS_CUDA(cudaSetDevice(a.device));
+        WS_CUDA(cudaIpcCloseMemHandle(a.ptr));
+        return absl::OkStatus();
+      },
+      Deadline(ctx)));
+}
+
+grpc::Status GpuWorker::InitGroup(grpc::ServerContext* ctx,
+                                  const worker::v1::InitGroupRequest* request,
+                                  worker::v1::Empty*) {
+  if (request->nccl_unique_id().size() != sizeof(ncclUniqueId)) {
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        absl::StrCat("nccl_unique_id must be ", sizeof(ncclUniqueId),
+                     " bytes, not ", request->nccl_unique_id().size())));
+  }
+  if (request->device() < 0 ||
+      request->device() >= static_cast<int>(uuids_.size())) {
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        absl::StrCat("GPU ", request->device(), " does not exist (",
+                     uuids_.size(), " visible)")));
+  }
+  ncclUniqueId id;
+  std::memcpy(&id, request->nccl_unique_id().data(), sizeof(id));
+  return ToGrpcStatus(owner_.Run(
+      [&, id]() mutable -> absl::Status {
+        if (comm_ != nullptr) {  // a new group replaces the old one
+          ncclCommAbort(comm_);
+          comm_ = nullptr;
+        }
+        update_active_ = false;
+        device_ = request->device();
+        WS_CUDA(cudaSetDevice(device_));
+        if (recv_stream_ == nullptr) {
+          WS_CUDA(
+              cudaStreamCreateWithFlags(&recv_stream_, cudaStreamNonBlocking));
+          WS_CUDA(cudaStreamCreateWithFlags(&scatter_stream_,
+                                            cudaStreamNonBlocking));
+          WS_CUDA(cudaEventCreateWithFlags(&all_done_, cudaEventDisableTiming));
+        }
+        ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+        config.blocking = 0;  // every wait is ours, with a deadline
+        comm_ready_ = false;
+        WS_NCCL(ncclCommInitRankConfig(&comm_, request->world_size(), id,
+                                       request->rank(), &config));
+        LOG(INFO) << "NCCL rank " << request->rank() << " of "
+                  << request->world_size() << " on GPU " << device_
+                  << " initialising";
+        return absl::OkStatus();
+      },
+      Deadline(ctx)));
+}
+
+absl::Status GpuWorker::WaitComm(absl::Time deadline) {
+  if (comm_ == nullptr) {
+    return absl::FailedPreconditionError("no NCCL group: InitGroup first");
+  }
+  while (!comm_ready_) {
+    ncclResult_t state;
+    WS_NCCL(ncclCommGetAsyncError(comm_, &state));
+    if (state == ncclSuccess) {
+      comm_ready_ = true;
+      break;
+    }
+    WS_NCCL(state);
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(
+          "NCCL group not formed before the deadline (is the trainer "
+          "joining?)");
+    }
+    absl::SleepFor(absl::Microseconds(200));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GpuWorker::EnsureStaging(int64_t chunk_bytes, int buffers) {
+  if (staging_chunk_ == chunk_bytes &&
+      static_cast<int>(staging_.size()) == buffers) {
+    return absl::OkStatus();
+  }
+  WS_CUDA(cudaSetDevice(device_));
+  WS_CUDA(cudaDeviceSynchronize());
+  for (uint8_t* p : staging_) cudaFree(p);
+  for (cudaEvent_t e : recv_done_) cudaEventDestroy(e);
+  for (cudaEvent_t e : scatter_done_) cudaEventDestroy(e);
+  staging_.clear();
+  recv_done_.clear();
+  scatter_done_.clear();
+  staging_chunk_ = 0;
+  for (int i = 0; i < buffers; ++i) {
+    void* p = nullptr;
+    WS_CUDA(cudaMalloc(&p, chunk_bytes));
+    staging_.push_back(static_cast<uint8_t*>(p));
+    cudaEvent_t r, s;
+    WS_CUDA(cudaEventCreateWithFlags(&r, cudaEventDisableTiming));
+    WS_CUDA(cudaEventCreateWithFlags(&s, cudaEventDisableTiming));
+    recv_done_.push_back(r);
+    scatter_done_.push_back(s);
+  }
+  staging_chunk_ = chunk_bytes;
+  return absl::OkStatus();
+}
+
+absl::Status GpuWorker::EnqueueUpdate(
+    const worker::v1::BeginUpdateRequest& request) {
+  const int n = staging_.size();
+  absl::flat_hash_map<int64_t, Allocation> allocs;
+  {
+    absl::MutexLock lock(&mu_);
+    allocs = allocations_;
+  }
+  // Buffers start free: the first wait on each scatter_done is a no-op.
+  for (int i = 0; i < n; ++i) {
+    WS_CUDA(cudaEventRecord(scatter_done_[i], scatter_stream_));
+  }
+  int op = 0;
+  for (int64_t k = 0; k < request.chunk_sizes_size(); ++k) {
+    const int b = k % n;
+    uint8_t* buf = staging_[b];
+    // Receive chunk k only once chunk k-n has left this buffer.
+    WS_CUDA(cudaStreamWaitEvent(recv_stream_, scatter_done_[b], 0));
+    const ncclResult_t r = ncclBroadcast(buf, buf, request.chunk_sizes(k),
+                                         ncclUint8, 0, comm_, recv_stream_);
+    WS_NCCL(r);
+    if (r == ncclInProgress) {
+      // Non-blocking communicator: the enqueue completes asynchronously.
+      ncclResult_t state = ncclInProgress;
+      while (state == ncclInProgress) {
+        WS_NCCL(ncclCommGetAsyncError(comm_, &state));
+        if (state == ncclInProgress) absl::SleepFor(absl::Microseconds(10));
+      }
+      WS_NCCL(state);
+    }
+    WS_CUDA(cudaEventRecord(recv_done_[b], recv_stream_));
+    WS_CUDA(cudaStreamWaitEvent(scatter_stream_, recv_done_[b], 0));
+    for (; op < request.ops_size() && request.ops(op).chunk() == k; ++op) {
+      const worker::v1::GpuOp& o = request.ops(op);
+      auto it = allocs.find(o.allocation_id());
+      if (it == allocs.end()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "allocation ", o.allocation_id(), " is not open in the worker"));
+      }
+      WS_CUDA(cuda::CopyConvert2D(
+          buf + o.src_offset(), o.src_stride(), o.src_dtype(),
+          it->second.ptr + o.dst_offset(), o.dst_stride(), o.dst_dtype(),
+          o.rows(), o.cols(), scatter_stream_));
+    }
+    WS_CUDA(cudaEventRecord(scatter_done_[b], scatter_stream_));
+  }
+  WS_CUDA(cudaEventRecord(all_done_, scatter_stream_));
+  return absl::OkStatus();
+}
+
+grpc::Status GpuWorker::BeginUpdate(
+    grpc::ServerContext* ctx, const worker::v1::BeginUpdateRequest* request,
+    worker::v1::Empty*) {
+  const absl::Time deadline = Deadline(ctx);
+  return ToGrpcStatus(owner_.Run(
+      [&]() -> absl::Status {
+        if (update_active_) {
+          return absl::FailedPreconditionError("an update is in progress");
+        }
+        if (request->staging_buffers() < 2) {
+          return absl::InvalidArgumentError("at least 2 staging buffers");
+        }
+        absl::Status s = WaitComm(deadline);
+        if (!s.ok()) return s;
+        WS_CUDA(cudaSetDevice(device_));
+        s = EnsureStaging(request->chunk_bytes(), request->staging_buffers());
+        if (!s.ok()) return s;
+        update_active_ = true;
+        update_chunks_ = request->chunk_sizes_size();
+        return EnqueueUpdate(*request);
+      },
+      deadline));
+}
+
+grpc::Status GpuWorker::WaitUpdate(grpc::ServerContext* ctx,
+                                   const worker::v1::WaitUpdateRequest* request,
+                                   worker::v1::WaitUpdateResponse* response) {
+  const absl::Time deadline =
+      std::min(Deadline(ctx),
+               absl::Now() + absl::Milliseconds(request->timeout_ms() > 0
+                                                    ? request->timeout_ms()
+                                                    : 60000));
+  // Poll without the owner thread: event queries and the communicator's
+  // async error are safe from any thread and never block.
+  absl::Status s = owner_.Run(
+      [&]() -> absl::Status {
+        if (!update_active_) {
+          return absl::FailedPreconditionError("no update in progress");
+        }
+        return absl::OkStatus();
+      },
+      deadline);
+  if (!s.ok()) return ToGrpcStatus(s);
+  while (true) {
+    const cudaError_t e = cudaEventQuery(all_done_);
+    if (e == cudaSuccess) break;
+    if (e != cudaErrorNotReady) {
+      return ToGrpcStatus(CudaStatus(e, "scatter"));
+    }
+    ncclResult_t state = ncclSuccess;
+    ncclCommGetAsyncError(comm_, &state);
+    if (state != ncclSuccess && state != ncclInProgress) {
+      return ToGrpcStatus(NcclStatus(state, "broadcast"));
+    }
+    if (absl::Now() > deadline) {
+      return ToGrpcStatus(absl::DeadlineExceededError(
+          "update not complete before the deadline (trainer gone or slow?)"));
+    }
+    absl::SleepFor(absl::Microseconds(20));
+  }
+  owner_
+      .Run(
+          [&]() -> absl::Status {
+            update_active_ = false;
+            return absl::OkStatus();
+          },
+          absl::Now() + absl::Seconds(5))
+      .IgnoreError();
+  response->set_chunks_done(update_chunks_);
+  return grpc::Status::OK;
+}
+
+grpc::Status GpuWorker::AbortUpdate(grpc::ServerContext* ctx,
+                                    const worker::v1::Empty*,
+                                    worker::v1::Empty*) {
+  return ToGrpcStatus(owner_.Run(
+      [&]() -> absl::Status {
+        update_active_ = false;
+        if (comm_ != nullptr) {
+          // May hang when a peer vanished: the daemon's deadline catches it
+          // and kills this process.
+          ncclCommAbort(comm_);
+          comm_ = nullptr;
+          comm_ready_ = false;
+        }
+        if (scatter_stream_ != nullptr) {
+          WS_CUDA(cudaStreamSynchronize(scatter_stream_));
+          WS_CUDA(cudaStreamSynchronize(recv_stream_));
+        }
+        return absl::OkStatus();
+      },
+      Deadline(ctx)));
+}
+
+}  // namespace weightsync

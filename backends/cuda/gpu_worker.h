@@ -1,0 +1,109 @@
+// The GPU worker: the only process that touches CUDA and NCCL. It opens
+// engines' CUDA IPC handles, owns the NCCL communicator and the GPU staging
+// buffers, and runs each update as a GPU-side pipeline: chunk k+1 is
+// received (NCCL broadcast, recv stream) into staging buffer (k+1) % N
+// while chunk k is scattered into engine memory (copy engines or the
+// conversion kernel, scatter stream), ordered by events, so the host never
+// waits between chunks.
+//
+// Threading: every CUDA/NCCL call that touches the communicator runs on one
+// owner thread; gRPC handlers post work to it and wait with a deadline, so
+// a hung NCCL call never holds a gRPC thread forever. The daemon supervises
+// this process and kills it when a deadline passes (invariant 5).
+#ifndef WEIGHTSYNC_BACKENDS_CUDA_GPU_WORKER_H_
+#define WEIGHTSYNC_BACKENDS_CUDA_GPU_WORKER_H_
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <deque>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "weightsync/worker/v1/gpu_worker.grpc.pb.h"
+
+namespace weightsync {
+
+// One thread that runs posted closures in order. Joined on destruction.
+class OwnerThread {
+ public:
+  OwnerThread();
+  ~OwnerThread();
+  // Runs `fn` on the owner thread; waits for it until `deadline`.
+  // DEADLINE_EXCEEDED leaves `fn` running (the daemon then kills us).
+  absl::Status Run(std::function<absl::Status()> fn, absl::Time deadline);
+
+ private:
+  struct Task;
+  void Loop();
+  absl::Mutex mu_;
+  std::deque<std::shared_ptr<Task>> queue_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
+class GpuWorker final : public worker::v1::GpuWorker::Service {
+ public:
+  GpuWorker();
+  ~GpuWorker() override;
+
+  grpc::Status Ping(grpc::ServerContext*, const worker::v1::PingRequest*,
+                    worker::v1::PingResponse*) override;
+  grpc::Status OpenAllocation(grpc::ServerContext*,
+                              const worker::v1::OpenAllocationRequest*,
+                              worker::v1::OpenAllocationResponse*) override;
+  grpc::Status CloseAllocation(grpc::ServerContext*,
+                               const worker::v1::CloseAllocationRequest*,
+                               worker::v1::Empty*) override;
+  grpc::Status InitGroup(grpc::ServerContext*,
+                         const worker::v1::InitGroupRequest*,
+                         worker::v1::Empty*) override;
+  grpc::Status BeginUpdate(grpc::ServerContext*,
+                           const worker::v1::BeginUpdateRequest*,
+                           worker::v1::Empty*) override;
+  grpc::Status WaitUpdate(grpc::ServerContext*,
+                          const worker::v1::WaitUpdateRequest*,
+                          worker::v1::WaitUpdateResponse*) override;
+  grpc::Status AbortUpdate(grpc::ServerContext*, const worker::v1::Empty*,
+                           worker::v1::Empty*) override;
+
+ private:
+  struct Allocation {
+    uint8_t* ptr = nullptr;
+    int64_t size = 0;
+    int device = 0;
+  };
+  absl::Status EnsureStaging(int64_t chunk_bytes, int buffers);
+  absl::Status WaitComm(absl::Time deadline);
+  absl::Status EnqueueUpdate(const worker::v1::BeginUpdateRequest& request);
+  absl::Time Deadline(const grpc::ServerContext* ctx) const;
+
+  OwnerThread owner_;
+  std::vector<std::string> uuids_;  // by device ordinal
+
+  absl::Mutex mu_;
+  absl::flat_hash_map<int64_t, Allocation> allocations_ ABSL_GUARDED_BY(mu_);
+
+  // Owned by the owner thread.
+  ncclComm_t comm_ = nullptr;
+  bool comm_ready_ = false;
+  int device_ = -1;
+  cudaStream_t recv_stream_ = nullptr, scatter_stream_ = nullptr;
+  std::vector<uint8_t*> staging_;
+  int64_t staging_chunk_ = 0;
+  std::vector<cudaEvent_t> recv_done_, scatter_done_;
+  cudaEvent_t all_done_ = nullptr;
+  bool update_active_ = false;
+  int64_t update_chunks_ = 0;
+};
+
+}  // namespace weightsync
+
+#endif  // WEIGHTSYNC_BACKENDS_CUDA_GPU_WORKER_H_

@@ -1,0 +1,406 @@
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+#include "backends/cuda/scatter.h"
+
+namespace weightsync {
+namespace cuda {
+namespace {
+
+// weightsync::v1::DType values (proto/weightsync/v1/types.proto), as plain
+// numbers so that nvcc never sees protobuf. scatter_gpu_test checks that
+// DTypeSize agrees with weightsync::ElementSize for every value.
+constexpr int kFloat32 = 1;
+constexpr int kBfloat16 = 2;
+constexpr int kFloat16 = 3;
+constexpr int kFloat64 = 4;
+constexpr int kInt64 = 5;
+constexpr int kInt32 = 6;
+constexpr int kInt16 = 7;
+constexpr int kInt8 = 8;
+constexpr int kUint8 = 9;
+constexpr int kBool = 10;
+constexpr int kFloat8E4m3fn = 11;
+constexpr int kFloat8E5m2 = 12;
+
+// Element types of the conversion kernel: how each is stored and how it
+// goes to and from float. Every function reproduces the bits of the CPU
+// reference in common/dtype.cc (FloatToBf16, Bf16ToFloat, FloatToHalf,
+// HalfToFloat), including its NaN encodings, which the hardware's own
+// conversions don't (they return a canonical NaN).
+struct F32 {
+  using Storage = float;
+  static __device__ __forceinline__ float ToFloat(float v) { return v; }
+  static __device__ __forceinline__ float FromFloat(float f) { return f; }
+};
+
+struct Bf16 {
+  using Storage = uint16_t;
+  static __device__ __forceinline__ float ToFloat(uint16_t h) {
+    return __uint_as_float(static_cast<uint32_t>(h) << 16);
+  }
+  static __device__ __forceinline__ uint16_t FromFloat(float f) {
+    const uint32_t bits = __float_as_uint(f);
+    // NaN: keep sign and payload, force the quiet bit.
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) {
+      return static_cast<uint16_t>((bits >> 16) | 0x40u);
+    }
+    // Round to nearest even; carries into the exponent give inf on overflow.
+    return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+  }
+};
+
+struct F16 {
+  using Storage = uint16_t;
+  static __device__ __forceinline__ float ToFloat(uint16_t h) {
+    // Widening is exact; only NaN needs care so that its payload survives
+    // exactly as in HalfToFloat.
+    if ((h & 0x7C00u) == 0x7C00u && (h & 0x3FFu) != 0) {
+      return __uint_as_float((static_cast<uint32_t>(h & 0x8000u) << 16) |
+                             0x7F800000u |
+                             (static_cast<uint32_t>(h & 0x3FFu) << 13));
+    }
+    return __half2float(__ushort_as_half(h));
+  }
+  static __device__ __forceinline__ uint16_t FromFloat(float f) {
+    const uint32_t bits = __float_as_uint(f);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) {
+      return static_cast<uint16_t>(((bits >> 16) & 0x8000u) | 0x7E00u);
+    }
+    // cvt.rn.f16.f32: IEEE round to nearest even, overflow to inf, half
+    // subnormals exact (nvcc's default -ftz=false; float subnormals round
+    // to a signed zero either way).
+    return __half_as_ushort(__float2half_rn(f));
+  }
+};
+
+// V consecutive elements, aligned to their size so that one access moves
+// them (16 bytes: one LDG/STG.128; 32 bytes: two).
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Vec {
+  T v[V];
+};
+
+constexpr int kThreads = 256;
+
+// Vectors each thread loads before it converts and stores the first: keeps
+// enough bytes in flight per SM to saturate HBM. (The element-wise kernel is
+// bound by access count, not by this: 4, 8 or 16 all give ~1.1 TB/s.)
+constexpr int kUnroll = 4;
+
+// Elements per vector of the vectorised kernel for a destination element of
+// `dst_size` bytes: one 16-byte store per vector. (Measured on H100: 16-byte
+// stores beat 16-byte loads; with 32-byte stores, two STG.128 per thread,
+// bf16->fp32 drops from 2.8 to 2.25 TB/s.)
+constexpr int VecElems(int dst_size) { return 16 / dst_size; }
+
+// Where a block's rows start and how each row splits into a scalar head, a
+// body of V-element vectors and a scalar tail. The same for every row.
+struct Layout {
+  const char* src;
+  char* dst;
+  int64_t src_stride;  // bytes
+  int64_t dst_stride;  // bytes
+  int64_t rows;
+  int64_t head;       // elements before the first vector (< V)
+  int64_t nvec;       // vectors per row
+  int64_t tail;       // elements after the last vector (< V)
+  int64_t col_tiles;  // tiles along one row
+  int64_t num_tiles;  // tiles in all
+  int log2_tcols;     // threads along a row in a tile = 1 << log2_tcols
+};
+
+// A tile is (kThreads >> log2_tcols) rows by (tcols * kUnroll) vectors. Each
+// thread owns one row of its tile and kUnroll vectors strided by tcols, so
+// a warp's accesses are contiguous. Blocks stride over the tiles.
+template <typename S, typename D, int V>
+__global__ void __launch_bounds__(kThreads) ConvertKernel(const Layout p) {
+  using SS = typename S::Storage;
+  using DS = typename D::Storage;
+  using SV = Vec<SS, V>;
+  using DV = Vec<DS, V>;
+
+  const int tcols = 1 << p.log2_tcols;
+  const int tx = threadIdx.x & (tcols - 1);
+  const int ty = threadIdx.x >> p.log2_tcols;
+  const int trows = kThreads >> p.log2_tcols;
+  const int64_t tile_vecs = static_cast<int64_t>(tcols) * kUnroll;
+
+  for (int64_t tile = blockIdx.x; tile < p.num_tiles; tile += gridDim.x) {
+    const int64_t row_tile = tile / p.col_tiles;
+    const int64_t col_tile = tile - row_tile * p.col_tiles;
+    const int64_t r = row_tile * trows + ty;
+    if (r >= p.rows) continue;  // no barriers below: safe to skip
+    const SS* __restrict__ s =
+        reinterpret_cast<const SS*>(p.src + r * p.src_stride);
+    DS* __restrict__ d = reinterpret_cast<DS*>(p.dst + r * p.dst_stride);
+
+    if (col_tile == 0) {
+      for (int64_t e = tx; e < p.head; e += tcols) {
+        d[e] = D::FromFloat(S::ToFloat(s[e]));
+      }
+      const int64_t tail0 = p.head + p.nvec * V;
+      for (int64_t e = tx; e < p.tail; e += tcols) {
+        d[tail0 + e] = D::FromFloat(S::ToFloat(s[tail0 + e]));
+      }
+    }
+
+    const SV* __restrict__ sv = reinterpret_cast<const SV*>(s + p.head);
+    DV* __restrict__ dv = reinterpret_cast<DV*>(d + p.head);
+    const int64_t v0 = col_tile * tile_vecs + tx;
+    SV in[kUnroll];
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const int64_t v = v0 + k * tcols;
+      if (v < p.nvec) in[k] = sv[v];
+    }
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const int64_t v = v0 + k * tcols;
+      if (v < p.nvec) {
+        DV out;
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          out.v[j] = D::FromFloat(S::ToFloat(in[k].v[j]));
+        }
+        dv[v] = out;
+      }
+    }
+  }
+}
+
+// Multiprocessor count of `device`, cached: the launch path should not
+// query attributes on every call.
+cudaError_t MultiprocessorCount(int device, int* count) {
+  constexpr int kMaxCached = 64;
+  static std::atomic<int> cache[kMaxCached];
+  if (device >= 0 && device < kMaxCached) {
+    *count = cache[device].load(std::memory_order_relaxed);
+    if (*count > 0) return cudaSuccess;
+  }
+  const cudaError_t err =
+      cudaDeviceGetAttribute(count, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return err;
+  if (device >= 0 && device < kMaxCached) {
+    cache[device].store(*count, std::memory_order_relaxed);
+  }
+  return cudaSuccess;
+}
+
+int Log2Ceil(int64_t x) {
+  int l = 0;
+  while ((int64_t{1} << l) < x) ++l;
+  return l;
+}
+
+template <typename S, typename D, int V>
+cudaError_t Launch(const char* src, int64_t src_stride, char* dst,
+                   int64_t dst_stride, int64_t rows, int64_t cols, int64_t head,
+                   cudaStream_t stream) {
+  Layout p;
+  p.src = src;
+  p.dst = dst;
+  p.src_stride = src_stride;
+  p.dst_stride = dst_stride;
+  p.rows = rows;
+  p.head = head;
+  p.nvec = (cols - head) / V;
+  p.tail = cols - head - p.nvec * V;
+  // Enough threads along a row to give each kUnroll vectors, at most a
+  // block; the rest of the block takes further rows (narrow blocks).
+  const int64_t threads_per_row = (p.nvec + kUnroll - 1) / kUnroll;
+  p.log2_tcols = std::min(Log2Ceil(std::max<int64_t>(threads_per_row, 1)),
+                          Log2Ceil(kThreads));
+  const int64_t tcols = int64_t{1} << p.log2_tcols;
+  const int64_t trows = kThreads / tcols;
+  const int64_t tile_vecs = tcols * kUnroll;
+  p.col_tiles = std::max<int64_t>((p.nvec + tile_vecs - 1) / tile_vecs, 1);
+  p.num_tiles = (rows + trows - 1) / trows * p.col_tiles;
+
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  int sms = 0;
+  err = MultiprocessorCount(device, &sms);
+  if (err != cudaSuccess) return err;
+  // Resident blocks per SM for this instantiation, cached once per process
+  // (every GPU of a node is the same model).
+  static std::atomic<int> blocks_per_sm{0};
+  int bps = blocks_per_sm.load(std::memory_order_relaxed);
+  if (bps == 0) {
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &bps, ConvertKernel<S, D, V>, kThreads, 0);
+    if (err != cudaSuccess) return err;
+    bps = std::max(bps, 1);
+    blocks_per_sm.store(bps, std::memory_order_relaxed);
+  }
+  const int64_t grid =
+      std::min<int64_t>(p.num_tiles, static_cast<int64_t>(sms) * bps);
+  void* args[] = {&p};
+  return cudaLaunchKernel(
+      reinterpret_cast<const void*>(&ConvertKernel<S, D, V>),
+      dim3(static_cast<unsigned>(grid)), dim3(kThreads), args, 0, stream);
+}
+
+// Picks the vectorised kernel when every row's src and dst are equally
+// misaligned modulo kVec elements (so one head of < kVec elements aligns
+// both), the element-wise one otherwise.
+template <typename S, typename D>
+cudaError_t LaunchConvert(const void* src, int64_t src_stride, void* dst,
+                          int64_t dst_stride, int64_t rows, int64_t cols,
+                          cudaStream_t stream) {
+  constexpr int64_t ss = sizeof(typename S::Storage);
+  constexpr int64_t ds = sizeof(typename D::Storage);
+  constexpr int kVec = VecElems(ds);
+  const uintptr_t s = reinterpret_cast<uintptr_t>(src);
+  const uintptr_t d = reinterpret_cast<uintptr_t>(dst);
+  const int64_t src_mis = static_cast<int64_t>((s / ss) % kVec);
+  const int64_t dst_mis = static_cast<int64_t>((d / ds) % kVec);
+  const bool strides_ok = rows == 1 || (src_stride % (ss * kVec) == 0 &&
+                                        dst_stride % (ds * kVec) == 0);
+  const char* sp = static_cast<const char*>(src);
+  char* dp = static_cast<char*>(dst);
+  if (strides_ok && src_mis == dst_mis) {
+    const int64_t head = std::min<int64_t>((kVec - src_mis) % kVec, cols);
+    return Launch<S, D, kVec>(sp, src_stride, dp, dst_stride, rows, cols, head,
+                              stream);
+  }
+  return Launch<S, D, 1>(sp, src_stride, dp, dst_stride, rows, cols, 0, stream);
+}
+
+// Equal dtypes never reach a kernel (CopyConvert2D copies them with the copy
+// engines); not instantiating those kernels keeps the object small.
+template <typename S, typename D>
+cudaError_t LaunchIfDifferent(const void* src, int64_t src_stride, void* dst,
+                              int64_t dst_stride, int64_t rows, int64_t cols,
+                              cudaStream_t stream) {
+  if constexpr (std::is_same<S, D>::value) {
+    return cudaErrorInvalidValue;
+  } else {
+    return LaunchConvert<S, D>(src, src_stride, dst, dst_stride, rows, cols,
+                               stream);
+  }
+}
+
+template <typename S>
+cudaError_t DispatchDst(int dst_dtype, const void* src, int64_t src_stride,
+                        void* dst, int64_t dst_stride, int64_t rows,
+                        int64_t cols, cudaStream_t stream) {
+  switch (dst_dtype) {
+    case kFloat32:
+      return LaunchIfDifferent<S, F32>(src, src_stride, dst, dst_stride, rows,
+                                       cols, stream);
+    case kBfloat16:
+      return LaunchIfDifferent<S, Bf16>(src, src_stride, dst, dst_stride, rows,
+                                        cols, stream);
+    case kFloat16:
+      return LaunchIfDifferent<S, F16>(src, src_stride, dst, dst_stride, rows,
+                                       cols, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+bool IsConvertibleFloat(int dtype) {
+  return dtype == kFloat32 || dtype == kBfloat16 || dtype == kFloat16;
+}
+
+}  // namespace
+
+int64_t DTypeSize(int dtype) {
+  switch (dtype) {
+    case kFloat32:
+    case kInt32:
+      return 4;
+    case kBfloat16:
+    case kFloat16:
+    case kInt16:
+      return 2;
+    case kFloat64:
+    case kInt64:
+      return 8;
+    case kInt8:
+    case kUint8:
+    case kBool:
+    case kFloat8E4m3fn:
+    case kFloat8E5m2:
+      return 1;
+    default:
+      return 0;
+  }
+}
+
+cudaError_t CopyConvert2D(const void* src, int64_t src_stride, int src_dtype,
+                          void* dst, int64_t dst_stride, int dst_dtype,
+                          int64_t rows, int64_t cols, cudaStream_t stream) {
+  const int64_t ss = DTypeSize(src_dtype);
+  const int64_t ds = DTypeSize(dst_dtype);
+  const bool same = src_dtype == dst_dtype;
+  if (ss == 0 || ds == 0 ||
+      !(same ||
+        (IsConvertibleFloat(src_dtype) && IsConvertibleFloat(dst_dtype)))) {
+    return cudaErrorInvalidValue;
+  }
+  if (rows < 0 || cols < 0) return cudaErrorInvalidValue;
+  if (rows == 0 || cols == 0) return cudaSuccess;
+  if (src == nullptr || dst == nullptr) return cudaErrorInvalidValue;
+  if (reinterpret_cast<uintptr_t>(src) % ss != 0 ||
+      reinterpret_cast<uintptr_t>(dst) % ds != 0) {
+    return cudaErrorInvalidValue;
+  }
+  // Byte sizes must fit in int64 with room to spare (offsets below are
+  // computed as r * stride + c * size).
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max() / 8;
+  if (cols > kMax / 8) return cudaErrorInvalidValue;
+  const int64_t src_width = cols * ss;
+  const int64_t dst_width = cols * ds;
+  if (rows > 1) {
+    if (src_stride % ss != 0 || dst_stride % ds != 0 ||
+        src_stride < src_width || dst_stride < dst_width ||
+        src_stride > kMax / rows || dst_stride > kMax / rows) {
+      return cudaErrorInvalidValue;
+    }
+    if (src_stride == src_width && dst_stride == dst_width) {
+      // Both sides contiguous: one long row.
+      cols *= rows;
+      rows = 1;
+    }
+  }
+  if (rows == 1) {
+    src_stride = cols * ss;
+    dst_stride = cols * ds;
+  }
+
+  if (same) {
+    if (rows == 1) {
+      return cudaMemcpyAsync(dst, src, static_cast<size_t>(cols * ss),
+                             cudaMemcpyDefault, stream);
+    }
+    return cudaMemcpy2DAsync(
+        dst, static_cast<size_t>(dst_stride), src,
+        static_cast<size_t>(src_stride), static_cast<size_t>(cols * ss),
+        static_cast<size_t>(rows), cudaMemcpyDefault, stream);
+  }
+  switch (src_dtype) {
+    case kFloat32:
+      return DispatchDst<F32>(dst_dtype, src, src_stride, dst, dst_stride, rows,
+                              cols, stream);
+    case kBfloat16:
+      return DispatchDst<Bf16>(dst_dtype, src, src_stride, dst, dst_stride,
+                               rows, cols, stream);
+    case kFloat16:
+      return DispatchDst<F16>(dst_dtype, src, src_stride, dst, dst_stride, rows,
+                              cols, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace cuda
+}  // namespace weightsync

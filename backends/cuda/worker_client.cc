@@ -1,0 +1,317 @@
+#include "backends/cuda/worker_client.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/grpc_status.h"
+#include "glog/logging.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/support/channel_arguments.h"
+
+namespace weightsync {
+namespace {
+
+std::unique_ptr<grpc::ClientContext> Ctx(absl::Time deadline) {
+  auto ctx = std::make_unique<grpc::ClientContext>();
+  ctx->set_deadline(absl::ToChronoTime(deadline));
+  return ctx;
+}
+
+}  // namespace
+
+GpuWorkerSupervisor::GpuWorkerSupervisor(Options options)
+    : options_(std::move(options)), closer_([this] { CloserLoop(); }) {}
+
+GpuWorkerSupervisor::~GpuWorkerSupervisor() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  closer_.join();
+  absl::MutexLock lock(&mu_);
+  KillLocked();
+}
+
+int GpuWorkerSupervisor::restarts() const {
+  absl::MutexLock lock(&mu_);
+  return restarts_;
+}
+
+void GpuWorkerSupervisor::KillLocked() {
+  if (pid_ > 0) {
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
+  stub_.reset();
+}
+
+absl::Status GpuWorkerSupervisor::EnsureStartedLocked() {
+  if (pid_ > 0 && waitpid(pid_, nullptr, WNOHANG) == 0 && stub_ != nullptr) {
+    return absl::OkStatus();
+  }
+  if (pid_ > 0) {
+    LOG(WARNING) << "GPU worker " << pid_ << " died; starting a new one";
+    pid_ = -1;
+    ++restarts_;
+  }
+  if (options_.worker_binary.empty() ||
+      access(options_.worker_binary.c_str(), X_OK) != 0) {
+    return absl::UnavailableError(absl::StrCat(
+        "GPU worker binary '", options_.worker_binary, "' is not executable"));
+  }
+  const std::string socket_flag = "--socket=" + options_.socket_path;
+  const std::string parent_flag = absl::StrCat("--parent_pid=", getpid());
+  unlink(options_.socket_path.c_str());
+  const pid_t pid = fork();
+  if (pid < 0) return absl::UnavailableError("fork failed");
+  if (pid == 0) {
+    // The daemon blocks SIGTERM/SIGINT for its sigwait; the worker must not.
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_UNBLOCK, &all, nullptr);
+    execl(options_.worker_binary.c_str(), options_.worker_binary.c_str(),
+          socket_flag.c_str(), parent_flag.c_str(), nullptr);
+    _exit(127);
+  }
+  pid_ = pid;
+  grpc::ChannelArguments args;
+  args.SetMaxSendMessageSize(256 << 20);
+  auto channel = grpc::CreateCustomChannel(
+      "unix:" + options_.socket_path, grpc::InsecureChannelCredentials(), args);
+  auto stub = worker::v1::GpuWorker::NewStub(channel);
+  const absl::Time deadline = absl::Now() + options_.start_timeout;
+  while (true) {
+    worker::v1::PingRequest req;
+    worker::v1::PingResponse resp;
+    auto ctx = Ctx(absl::Now() + absl::Seconds(1));
+    ctx->set_wait_for_ready(true);
+    if (stub->Ping(ctx.get(), req, &resp).ok()) {
+      LOG(INFO) << "GPU worker " << pid_ << " up: " << resp.device_uuids_size()
+                << " GPU(s), " << resp.build_info();
+      break;
+    }
+    if (waitpid(pid_, nullptr, WNOHANG) != 0 || absl::Now() > deadline) {
+      KillLocked();
+      return absl::UnavailableError("GPU worker failed to start");
+    }
+  }
+  stub_ = std::move(stub);
+  // Registrations outlive workers: open every allocation again.
+  for (const auto& [id, alloc] : allocations_) {
+    worker::v1::OpenAllocationRequest req;
+    req.set_allocation_id(id);
+    req.set_handle(alloc.handle());
+    req.set_size(alloc.size());
+    req.set_device_uuid(alloc.device_uuid());
+    worker::v1::OpenAllocationResponse resp;
+    auto ctx = Ctx(absl::Now() + options_.call_timeout);
+    grpc::Status s = stub_->OpenAllocation(ctx.get(), req, &resp);
+    if (!s.ok()) {
+      LOG(ERROR) << "re-opening allocation " << id << ": " << s.error_message();
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GpuWorkerSupervisor::Restart(const std::string& why) {
+  absl::MutexLock lock(&mu_);
+  LOG(WARNING) << "restarting GPU worker: " << why;
+  KillLocked();
+  ++restarts_;
+  return EnsureStartedLocked();
+}
+
+absl::StatusOr<int64_t> GpuWorkerSupervisor::OpenAllocation(
+    const v1::Allocation& allocation) {
+  absl::MutexLock lock(&mu_);
+  absl::Status s = EnsureStartedLocked();
+  if (!s.ok()) return s;
+  const int64_t id = next_id_++;
+  worker::v1::OpenAllocationRequest req;
+  req.set_allocation_id(id);
+  req.set_handle(allocation.handle());
+  req.set_size(allocation.size());
+  req.set_device_uuid(allocation.device_uuid());
+  worker::v1::OpenAllocationResponse resp;
+  auto ctx = Ctx(absl::Now() + options_.call_timeout);
+  s = FromGrpcStatus(stub_->OpenAllocation(ctx.get(), req, &resp));
+  if (!s.ok()) return s;
+  allocations_[id] = allocation;
+  return id;
+}
+
+void GpuWorkerSupervisor::CloseAllocation(int64_t id) {
+  absl::MutexLock lock(&mu_);
+  allocations_.erase(id);
+  to_close_.push_back(id);
+}
+
+void GpuWorkerSupervisor::CloserLoop() {
+  absl::MutexLock lock(&mu_);
+  while (true) {
+    auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return stop_ || !to_close_.empty();
+    };
+    mu_.Await(absl::Condition(&ready));
+    if (stop_) return;
+    const int64_t id = to_close_.front();
+    to_close_.pop_front();
+    if (stub_ == nullptr) continue;  // a dead worker closed everything
+    worker::v1::CloseAllocationRequest req;
+    req.set_allocation_id(id);
+    worker::v1::Empty resp;
+    auto ctx = Ctx(absl::Now() + absl::Seconds(5));
+    grpc::Status s = stub_->CloseAllocation(ctx.get(), req, &resp);
+    if (!s.ok())
+      LOG(WARNING) << "closing allocation " << id << ": " << s.error_message();
+  }
+}
+
+absl::Status GpuWorkerSupervisor::InitGroup(
+    const worker::v1::InitGroupRequest& request) {
+  absl::MutexLock lock(&mu_);
+  absl::Status s = EnsureStartedLocked();
+  if (!s.ok()) return s;
+  worker::v1::Empty resp;
+  auto ctx = Ctx(absl::Now() + options_.call_timeout);
+  s = FromGrpcStatus(stub_->InitGroup(ctx.get(), request, &resp));
+  if (s.code() == absl::StatusCode::kDeadlineExceeded ||
+      s.code() == absl::StatusCode::kUnavailable) {
+    KillLocked();
+    ++restarts_;
+    EnsureStartedLocked().IgnoreError();
+  }
+  return s;
+}
+
+absl::Status GpuWorkerSupervisor::BeginUpdate(
+    const worker::v1::BeginUpdateRequest& request, absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  if (stub_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "the GPU worker restarted since InitWeightTransfer; init again");
+  }
+  worker::v1::Empty resp;
+  auto ctx = Ctx(deadline);
+  return FromGrpcStatus(stub_->BeginUpdate(ctx.get(), request, &resp));
+}
+
+absl::Status GpuWorkerSupervisor::WaitUpdate(absl::Time deadline) {
+  worker::v1::GpuWorker::Stub* stub;
+  {
+    absl::MutexLock lock(&mu_);
+    stub = stub_.get();
+  }
+  if (stub == nullptr) return absl::AbortedError("GPU worker is gone");
+  worker::v1::WaitUpdateRequest req;
+  req.set_timeout_ms(
+      std::max<int64_t>(1, absl::ToInt64Milliseconds(deadline - absl::Now())));
+  worker::v1::WaitUpdateResponse resp;
+  // A little slack so the worker's own deadline answers first.
+  auto ctx = Ctx(deadline + absl::Seconds(2));
+  return FromGrpcStatus(stub->WaitUpdate(ctx.get(), req, &resp));
+}
+
+void GpuWorkerSupervisor::AbortUpdate(absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  if (stub_ == nullptr) return;
+  worker::v1::Empty req, resp;
+  auto ctx = Ctx(deadline);
+  grpc::Status s = stub_->AbortUpdate(ctx.get(), req, &resp);
+  if (!s.ok()) {
+    // ncclCommAbort can hang when a peer vanished: only a kill is certain.
+    LOG(WARNING) << "GPU worker abort failed (" << s.error_message()
+                 << "); killing it";
+    KillLocked();
+    ++restarts_;
+    EnsureStartedLocked().IgnoreError();
+  }
+}
+
+absl::StatusOr<std::shared_ptr<MappedRegion>> GpuMapper::Open(
+    const v1::Allocation& allocation) {
+  absl::StatusOr<int64_t> id = sup_->OpenAllocation(allocation);
+  if (!id.ok()) return id.status();
+  return std::shared_ptr<MappedRegion>(std::make_shared<GpuRegion>(
+      sup_, *id, allocation.size(), allocation.device_uuid()));
+}
+
+absl::Status NcclDataPlane::Begin(std::shared_ptr<const CopyPlan> plan) {
+  const auto& o = sup_->options();
+  const int64_t staging = o.staging_buffers * plan->chunks.chunk_bytes;
+  if (staging > o.staging_budget) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("GPU staging of ", o.staging_buffers, " x ",
+                     plan->chunks.chunk_bytes, " bytes exceeds the budget of ",
+                     o.staging_budget, "; use a smaller chunk_bytes"));
+  }
+  worker::v1::BeginUpdateRequest req;
+  req.set_chunk_bytes(plan->chunks.chunk_bytes);
+  req.set_staging_buffers(o.staging_buffers);
+  for (const Chunk& c : plan->chunks.chunks) req.add_chunk_sizes(c.size);
+  for (size_t k = 0; k < plan->ops_by_chunk.size(); ++k) {
+    for (const CopyOp& op : plan->ops_by_chunk[k]) {
+      const auto* region = dynamic_cast<const GpuRegion*>(
+          plan->engines[op.engine]->regions[op.region].get());
+      if (region == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "engine '", plan->engines[op.engine]->engine_id,
+            "' registered host memory; the nccl backend writes GPU memory"));
+      }
+      worker::v1::GpuOp* g = req.add_ops();
+      g->set_chunk(k);
+      g->set_allocation_id(region->id());
+      g->set_src_offset(op.src_offset);
+      g->set_src_stride(op.src_stride);
+      g->set_dst_offset(op.dst_offset);
+      g->set_dst_stride(op.dst_stride);
+      g->set_rows(op.rows);
+      g->set_cols(op.cols);
+      g->set_src_dtype(op.src_dtype);
+      g->set_dst_dtype(op.dst_dtype);
+    }
+  }
+  absl::Status s =
+      sup_->BeginUpdate(req, absl::Now() + sup_->options().call_timeout);
+  absl::MutexLock lock(&mu_);
+  chunks_ = plan->chunks.chunks.size();
+  written_ = 0;
+  return s;
+}
+
+absl::Status NcclDataPlane::SubmitChunk(int64_t, std::string, absl::Time) {
+  return absl::FailedPreconditionError(
+      "this update uses the nccl backend: chunk bytes travel by NCCL "
+      "broadcast, not PushChunks");
+}
+
+absl::Status NcclDataPlane::Drain(absl::Time deadline) {
+  absl::Status s = sup_->WaitUpdate(deadline);
+  if (!s.ok()) {
+    sup_->AbortUpdate(absl::Now() + absl::Seconds(5));
+    return absl::AbortedError(
+        absl::StrCat("NCCL transfer failed: ", s.message(),
+                     " (communicator aborted; InitWeightTransfer again)"));
+  }
+  absl::MutexLock lock(&mu_);
+  written_ = chunks_;
+  return absl::OkStatus();
+}
+
+void NcclDataPlane::Abort() {
+  sup_->AbortUpdate(absl::Now() + absl::Seconds(5));
+}
+
+int64_t NcclDataPlane::chunks_written() const {
+  absl::MutexLock lock(&const_cast<absl::Mutex&>(mu_));
+  return written_;
+}
+
+}  // namespace weightsync

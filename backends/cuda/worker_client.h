@@ -1,0 +1,135 @@
+// The daemon's side of the GPU data plane. It never touches CUDA: it starts
+// the weightsync_gpu_worker process, talks to it over a private Unix socket
+// with a deadline on every call, and when a call misses its deadline (an
+// NCCL abort that hangs, a wedged GPU) kills and respawns it, re-opening
+// every engine allocation so registrations survive (invariant 5).
+//
+// GpuWorkerSupervisor is thread-safe. GpuMapper and NcclDataPlane are the
+// core's MemoryMapper and DataPlane for CUDA IPC memory and the NCCL
+// backend.
+#ifndef WEIGHTSYNC_BACKENDS_CUDA_WORKER_CLIENT_H_
+#define WEIGHTSYNC_BACKENDS_CUDA_WORKER_CLIENT_H_
+
+#include <sys/types.h>
+
+#include <deque>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "daemon/core/data_plane.h"
+#include "daemon/core/memory.h"
+#include "weightsync/v1/trainer_service.pb.h"
+#include "weightsync/worker/v1/gpu_worker.grpc.pb.h"
+
+namespace weightsync {
+
+class GpuWorkerSupervisor {
+ public:
+  struct Options {
+    std::string worker_binary;  // path of weightsync_gpu_worker
+    std::string socket_path;    // private socket for the worker
+    absl::Duration start_timeout = absl::Seconds(60);
+    absl::Duration call_timeout = absl::Seconds(30);
+    int device = 0;  // GPU of the daemon's NCCL rank
+    int staging_buffers = 4;
+    int64_t staging_budget = int64_t{4} << 30;  // GPU staging bytes
+  };
+  explicit GpuWorkerSupervisor(Options options);
+  ~GpuWorkerSupervisor();  // kills the worker
+
+  const Options& options() const { return options_; }
+  // Opens a CUDA IPC allocation in the worker; returns its id.
+  absl::StatusOr<int64_t> OpenAllocation(const v1::Allocation& allocation);
+  // Closes it in the background (safe to call under any lock).
+  void CloseAllocation(int64_t id);
+  absl::Status InitGroup(const worker::v1::InitGroupRequest& request);
+  absl::Status BeginUpdate(const worker::v1::BeginUpdateRequest& request,
+                           absl::Time deadline);
+  absl::Status WaitUpdate(absl::Time deadline);
+  // Aborts the communicator; if that misses `deadline`, restarts the worker.
+  void AbortUpdate(absl::Time deadline);
+  // Kills the worker and starts a fresh one with every allocation re-opened.
+  absl::Status Restart(const std::string& why);
+  int restarts() const;
+
+ private:
+  absl::Status EnsureStartedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void KillLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  worker::v1::GpuWorker::Stub* Stub();
+  void CloserLoop();
+
+  const Options options_;
+  mutable absl::Mutex mu_;
+  pid_t pid_ ABSL_GUARDED_BY(mu_) = -1;
+  std::unique_ptr<worker::v1::GpuWorker::Stub> stub_ ABSL_GUARDED_BY(mu_);
+  std::map<int64_t, v1::Allocation> allocations_ ABSL_GUARDED_BY(mu_);
+  int64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  int restarts_ ABSL_GUARDED_BY(mu_) = 0;
+  std::deque<int64_t> to_close_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread closer_;
+};
+
+// An engine allocation opened in the worker. data() is null: only the
+// worker can address it.
+class GpuRegion : public MappedRegion {
+ public:
+  GpuRegion(std::shared_ptr<GpuWorkerSupervisor> sup, int64_t id, int64_t size,
+            std::string uuid)
+      : sup_(std::move(sup)), id_(id), size_(size), uuid_(std::move(uuid)) {}
+  ~GpuRegion() override { sup_->CloseAllocation(id_); }
+  uint8_t* data() const override { return nullptr; }
+  int64_t size() const override { return size_; }
+  v1::MemoryKind kind() const override { return v1::MEMORY_CUDA_IPC; }
+  const std::string& device_uuid() const override { return uuid_; }
+  int64_t id() const { return id_; }
+
+ private:
+  const std::shared_ptr<GpuWorkerSupervisor> sup_;
+  const int64_t id_, size_;
+  const std::string uuid_;
+};
+
+class GpuMapper : public MemoryMapper {
+ public:
+  explicit GpuMapper(std::shared_ptr<GpuWorkerSupervisor> sup)
+      : sup_(std::move(sup)) {}
+  absl::StatusOr<std::shared_ptr<MappedRegion>> Open(
+      const v1::Allocation& allocation) override;
+
+ private:
+  const std::shared_ptr<GpuWorkerSupervisor> sup_;
+};
+
+// The NCCL backend's data plane: bytes arrive by broadcast straight into
+// the worker's GPU staging, never through the daemon.
+class NcclDataPlane : public DataPlane {
+ public:
+  explicit NcclDataPlane(std::shared_ptr<GpuWorkerSupervisor> sup)
+      : sup_(std::move(sup)) {}
+  absl::Status Begin(std::shared_ptr<const CopyPlan> plan) override;
+  absl::Status SubmitChunk(int64_t index, std::string data,
+                           absl::Time deadline) override;
+  absl::Status Drain(absl::Time deadline) override;
+  void Abort() override;
+  void MarkEngineLost(int engine) override {}
+  int64_t chunks_written() const override;
+  bool ReceivesOwnBytes() const override { return true; }
+  std::string name() const override { return "nccl"; }
+
+ private:
+  const std::shared_ptr<GpuWorkerSupervisor> sup_;
+  absl::Mutex mu_;
+  int64_t chunks_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t written_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace weightsync
+
+#endif  // WEIGHTSYNC_BACKENDS_CUDA_WORKER_CLIENT_H_

@@ -1,0 +1,43 @@
+// weightsync_gpu_worker: the CUDA/NCCL data plane process. weightsyncd
+// starts it, talks to it over a private Unix socket, and kills and
+// respawns it if a deadline passes. Not meant to be started by hand.
+#include <signal.h>
+#include <unistd.h>
+
+#include "backends/cuda/gpu_worker.h"
+#include "gflags/gflags.h"
+#include "glog/logging.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server_builder.h"
+
+DEFINE_string(socket, "", "Unix socket to serve the worker protocol on");
+DEFINE_int32(parent_pid, 0, "exit when this process is gone");
+
+int main(int argc, char** argv) {
+  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  FLAGS_logtostderr = true;
+  google::InitGoogleLogging(argv[0]);
+  if (FLAGS_socket.empty()) {
+    LOG(ERROR) << "--socket is required";
+    return 2;
+  }
+  unlink(FLAGS_socket.c_str());
+  weightsync::GpuWorker worker;
+  grpc::ServerBuilder builder;
+  builder.SetMaxReceiveMessageSize(256 << 20);
+  builder.AddListeningPort("unix:" + FLAGS_socket,
+                           grpc::InsecureServerCredentials());
+  builder.RegisterService(&worker);
+  auto server = builder.BuildAndStart();
+  if (server == nullptr) {
+    LOG(ERROR) << "cannot listen on " << FLAGS_socket;
+    return 1;
+  }
+  LOG(INFO) << "GPU worker serving on " << FLAGS_socket;
+  // The daemon owns us: leave when it is gone.
+  while (FLAGS_parent_pid == 0 || getppid() == FLAGS_parent_pid) {
+    sleep(1);
+  }
+  LOG(WARNING) << "daemon gone; GPU worker exits";
+  _exit(0);
+}

@@ -1,0 +1,189 @@
+// weightsync_gpu_trainer: a fake trainer on a GPU for the NCCL backend. It
+// creates the NCCL unique id, hands it to weightsyncd in InitWeightTransfer
+// (world size 2, daemon at rank 1), joins as rank 0, and per update calls
+// Start, broadcasts every chunk of the shared chunk plan, and calls Finish.
+// Its tensors sit in one device buffer laid out exactly as the plan packs
+// them, so each chunk is broadcast in place. Modes for fault tests:
+// --die_after_chunks (exit mid-transfer) and --finish_only (call Finish on
+// an update someone else started and report the outcome).
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/trainer_client.h"
+#include "common/chunk_planner.h"
+#include "gflags/gflags.h"
+#include "glog/logging.h"
+#include "tools/synthetic/synthetic_model.h"
+
+DEFINE_string(target, "", "daemon address");
+DEFINE_string(model, "tiny", "synthetic model");
+DEFINE_string(dtype, "float32", "checkpoint dtype");
+DEFINE_int32(updates, 3, "number of updates");
+DEFINE_int64(first_version, 1, "version of the first update");
+DEFINE_int64(chunk_mib, 64, "chunk size in MiB (0: the daemon's default)");
+DEFINE_int32(device, 0, "CUDA ordinal of the trainer's GPU");
+DEFINE_int32(die_after_chunks, -1, "exit after broadcasting this many chunks");
+DEFINE_string(finish_only, "", "only call Finish on this update id");
+DEFINE_bool(same_data, false,
+            "reuse version first_version's data for every update (benchmarks)");
+DEFINE_int64(finish_timeout_ms, 30000, "Finish deadline");
+
+namespace weightsync {
+
+#define CHECK_CUDA(x) CHECK_EQ((x), cudaSuccess) << #x
+#define CHECK_NCCL(x) CHECK_EQ((x), ncclSuccess) << #x
+
+// Fills the flat host buffer with every tensor's contents at `version`.
+void Fill(const std::vector<v1::TensorSpec>& specs, const ChunkPlan& plan,
+          int64_t version, std::vector<uint8_t>* flat) {
+  flat->assign(plan.total_bytes, 0);
+  const int threads = std::max(1u, std::thread::hardware_concurrency());
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      for (size_t i = t; i < specs.size(); i += threads) {
+        const std::vector<uint8_t> c = synthetic::Contents(specs[i], version);
+        std::memcpy(flat->data() + plan.tensor_offsets[i], c.data(), c.size());
+      }
+    });
+  }
+  for (auto& th : pool) th.join();
+}
+
+int FinishOnly(TrainerClient& client) {
+  const absl::Time t0 = absl::Now();
+  auto done = client.FinishWeightUpdate(FLAGS_finish_only);
+  const double s = absl::ToDoubleSeconds(absl::Now() - t0);
+  std::printf("finish %s: %s after %.2f s\n", FLAGS_finish_only.c_str(),
+              done.ok() ? "OK" : done.status().ToString().c_str(), s);
+  auto status = client.GetStatus();
+  if (status.ok()) {
+    for (const auto& e : status->engines()) {
+      std::printf("engine %s: %s, version %lld\n", e.engine_id().c_str(),
+                  v1::EngineState_Name(e.state()).c_str(),
+                  static_cast<long long>(e.version()));
+    }
+  }
+  return done.ok() ? 0 : 3;
+}
+
+int Main() {
+  auto model = synthetic::ModelByName(FLAGS_model);
+  if (!model.ok()) return 2;
+  const v1::DType dtype = FLAGS_dtype == "bfloat16"  ? v1::BFLOAT16
+                          : FLAGS_dtype == "float16" ? v1::FLOAT16
+                                                     : v1::FLOAT32;
+  ClientOptions options;
+  options.target = FLAGS_target;
+  options.call_timeout = absl::Milliseconds(FLAGS_finish_timeout_ms);
+  auto client = TrainerClient::Connect(options);
+  if (!client.ok()) {
+    LOG(ERROR) << client.status();
+    return 1;
+  }
+  if (!FLAGS_finish_only.empty()) return FinishOnly(**client);
+
+  CHECK_CUDA(cudaSetDevice(FLAGS_device));
+  ncclUniqueId id;
+  CHECK_NCCL(ncclGetUniqueId(&id));
+  v1::InitWeightTransferRequest init;
+  init.set_backend(v1::BACKEND_NCCL);
+  init.set_world_size(2);
+  init.set_rank_offset(1);
+  init.set_nccl_unique_id(
+      std::string(reinterpret_cast<char*>(&id), sizeof(id)));
+  const absl::Time t_init = absl::Now();
+  auto group = (*client)->InitWeightTransfer(init);
+  if (!group.ok()) {
+    std::printf("init failed: %s\n", group.status().ToString().c_str());
+    return 1;
+  }
+  ncclComm_t comm;
+  CHECK_NCCL(ncclCommInitRank(&comm, 2, id, 0));
+  std::printf("trainer: NCCL group %s formed in %.2f s (%s)\n",
+              group->group_id().c_str(),
+              absl::ToDoubleSeconds(absl::Now() - t_init),
+              group->build_info().c_str());
+
+  const std::vector<v1::TensorSpec> specs =
+      synthetic::Checkpoint(*model, dtype);
+  Manifest manifest;
+  for (const auto& s : specs) *manifest.Add() = s;
+  auto plan = PlanChunks(manifest, FLAGS_chunk_mib << 20);
+  CHECK(plan.ok()) << plan.status();
+  void* flat_dev = nullptr;
+  CHECK_CUDA(cudaMalloc(&flat_dev, plan->total_bytes));
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::vector<uint8_t> flat;
+  int64_t filled = -1;
+  for (int u = 0; u < FLAGS_updates; ++u) {
+    const int64_t version = FLAGS_first_version + u;
+    const int64_t data_version =
+        FLAGS_same_data ? FLAGS_first_version : version;
+    if (filled != data_version) {
+      Fill(specs, *plan, data_version, &flat);
+      CHECK_CUDA(cudaMemcpy(flat_dev, flat.data(), flat.size(),
+                            cudaMemcpyHostToDevice));
+      filled = data_version;
+    }
+    v1::StartWeightUpdateRequest req;
+    req.set_update_id(absl::StrCat("update-", version));
+    req.set_target_version(version);
+    req.set_chunk_bytes(FLAGS_chunk_mib << 20);
+    *req.mutable_tensors() = manifest;
+    const absl::Time t0 = absl::Now();
+    auto started = (*client)->StartWeightUpdate(req);
+    if (!started.ok()) {
+      std::printf("start failed: %s\n", started.status().ToString().c_str());
+      return 1;
+    }
+    for (const Chunk& c : plan->chunks) {
+      if (FLAGS_die_after_chunks >= 0 && c.index == FLAGS_die_after_chunks) {
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+        std::printf("trainer: dying after %lld chunks of update-%lld\n",
+                    static_cast<long long>(c.index),
+                    static_cast<long long>(version));
+        std::fflush(stdout);
+        _exit(9);
+      }
+      uint8_t* p = static_cast<uint8_t*>(flat_dev) + c.offset;
+      CHECK_NCCL(ncclBroadcast(p, p, c.size, ncclUint8, 0, comm, stream));
+    }
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    auto done = (*client)->FinishWeightUpdate(req.update_id());
+    const double s = absl::ToDoubleSeconds(absl::Now() - t0);
+    if (!done.ok()) {
+      std::printf("update v%lld failed: %s\n", static_cast<long long>(version),
+                  done.status().ToString().c_str());
+      return 1;
+    }
+    std::printf(
+        "update v%lld: %zu tensors, %.1f MB, %lld chunks, %.4f s, "
+        "%.1f GB/s, %d engines\n",
+        static_cast<long long>(version), specs.size(), plan->total_bytes / 1e6,
+        static_cast<long long>(plan->chunks.size()), s,
+        plan->total_bytes / s / 1e9, done->engines_size());
+    std::fflush(stdout);
+  }
+  _exit(0);  // NCCL teardown can hang; nothing is left to flush
+}
+
+}  // namespace weightsync
+
+int main(int argc, char** argv) {
+  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  FLAGS_logtostderr = true;
+  google::InitGoogleLogging(argv[0]);
+  return weightsync::Main();
+}
