@@ -143,18 +143,9 @@ int Main() {
     std::printf("[%s] dirty: %s\n", id.c_str(), why.c_str());
     std::fflush(stdout);
   };
-  if (!(*client)->StartControl(std::move(hooks)).ok()) return 1;
-  std::printf("[%s] registered %lld parameters, %.1f MB on GPU %d (%s)\n",
-              id.c_str(), static_cast<long long>(registered->parameters()),
-              registered->bytes() / 1e6, FLAGS_device,
-              a->device_uuid().c_str());
-  std::fflush(stdout);
-  int64_t seen = (*client)->version();
-  while (!g_stop) {
-    absl::SleepFor(absl::Milliseconds(10));
-    const int64_t v = (*client)->version();
-    if (v == seen) continue;
-    seen = v;
+  // Verify inside the notice, before acknowledging it: Finish waits for the
+  // acknowledgement, so the next update can't overwrite memory mid-check.
+  hooks.on_new_version = [&](int64_t v) {
     if (!FLAGS_verify) {
       std::printf("[%s] now serving version %lld\n", id.c_str(),
                   static_cast<long long>(v));
@@ -167,7 +158,14 @@ int Main() {
                    : absl::StrCat("MISMATCH (", bad, " parameters)").c_str());
     }
     std::fflush(stdout);
-  }
+  };
+  if (!(*client)->StartControl(std::move(hooks)).ok()) return 1;
+  std::printf("[%s] registered %lld parameters, %.1f MB on GPU %d (%s)\n",
+              id.c_str(), static_cast<long long>(registered->parameters()),
+              registered->bytes() / 1e6, FLAGS_device,
+              a->device_uuid().c_str());
+  std::fflush(stdout);
+  while (!g_stop) absl::SleepFor(absl::Milliseconds(20));
   (*client)->Close();
   _exit(0);
 }

@@ -42,6 +42,16 @@ OwnerThread::~OwnerThread() {
   thread_.join();
 }
 
+void OwnerThread::Post(std::function<void()> fn) {
+  auto task = std::make_shared<Task>();
+  task->fn = [fn = std::move(fn)]() {
+    fn();
+    return absl::OkStatus();
+  };
+  absl::MutexLock lock(&mu_);
+  queue_.push_back(std::move(task));
+}
+
 absl::Status OwnerThread::Run(std::function<absl::Status()> fn,
                               absl::Time deadline) {
   auto task = std::make_shared<Task>();
@@ -278,6 +288,8 @@ absl::Status GpuWorker::EnsureStaging(int64_t chunk_bytes, int buffers) {
 
 absl::Status GpuWorker::EnqueueUpdate(
     const worker::v1::BeginUpdateRequest& request) {
+  // Other owner tasks (OpenAllocation) may have switched the device.
+  WS_CUDA(cudaSetDevice(device_));
   const int n = staging_.size();
   absl::flat_hash_map<int64_t, Allocation> allocs;
   {
@@ -298,11 +310,18 @@ absl::Status GpuWorker::EnqueueUpdate(
                                          ncclUint8, 0, comm_, recv_stream_);
     WS_NCCL(r);
     if (r == ncclInProgress) {
-      // Non-blocking communicator: the enqueue completes asynchronously.
+      // Non-blocking communicator: the enqueue completes asynchronously
+      // (the first one waits for the trainer to connect).
+      const absl::Time deadline = absl::Now() + absl::Minutes(10);
       ncclResult_t state = ncclInProgress;
       while (state == ncclInProgress) {
         WS_NCCL(ncclCommGetAsyncError(comm_, &state));
-        if (state == ncclInProgress) absl::SleepFor(absl::Microseconds(10));
+        if (state != ncclInProgress) break;
+        if (abort_requested_) return absl::AbortedError("update aborted");
+        if (absl::Now() > deadline) {
+          return absl::DeadlineExceededError("broadcast enqueue timed out");
+        }
+        absl::SleepFor(absl::Microseconds(10));
       }
       WS_NCCL(state);
     }
@@ -345,7 +364,20 @@ grpc::Status GpuWorker::BeginUpdate(
         if (!s.ok()) return s;
         update_active_ = true;
         update_chunks_ = request->chunk_sizes_size();
-        return EnqueueUpdate(*request);
+        abort_requested_ = false;
+        {
+          absl::MutexLock lock(&enqueue_mu_);
+          enqueue_done_ = false;
+          enqueue_status_ = absl::OkStatus();
+        }
+        owner_.Post([this, req = *request] {
+          absl::Status s = EnqueueUpdate(req);
+          if (!s.ok()) LOG(WARNING) << "update enqueue: " << s;
+          absl::MutexLock lock(&enqueue_mu_);
+          enqueue_status_ = s;
+          enqueue_done_ = true;
+        });
+        return absl::OkStatus();
       },
       deadline));
 }
@@ -358,27 +390,31 @@ grpc::Status GpuWorker::WaitUpdate(grpc::ServerContext* ctx,
                absl::Now() + absl::Milliseconds(request->timeout_ms() > 0
                                                     ? request->timeout_ms()
                                                     : 60000));
-  // Poll without the owner thread: event queries and the communicator's
-  // async error are safe from any thread and never block.
-  absl::Status s = owner_.Run(
-      [&]() -> absl::Status {
-        if (!update_active_) {
-          return absl::FailedPreconditionError("no update in progress");
-        }
-        return absl::OkStatus();
-      },
-      deadline);
-  if (!s.ok()) return ToGrpcStatus(s);
+  // Poll without the owner thread (it may be enqueuing): event queries and
+  // the communicator's async error are safe from any thread, never block.
+  if (!update_active_) {
+    return ToGrpcStatus(absl::FailedPreconditionError("no update in progress"));
+  }
   while (true) {
-    const cudaError_t e = cudaEventQuery(all_done_);
+    bool enqueued;
+    {
+      absl::MutexLock lock(&enqueue_mu_);
+      if (!enqueue_status_.ok()) return ToGrpcStatus(enqueue_status_);
+      enqueued = enqueue_done_;
+    }
+    // all_done_ is recorded last by the enqueue: query it only after that.
+    const cudaError_t e =
+        enqueued ? cudaEventQuery(all_done_) : cudaErrorNotReady;
     if (e == cudaSuccess) break;
     if (e != cudaErrorNotReady) {
       return ToGrpcStatus(CudaStatus(e, "scatter"));
     }
-    ncclResult_t state = ncclSuccess;
-    ncclCommGetAsyncError(comm_, &state);
-    if (state != ncclSuccess && state != ncclInProgress) {
-      return ToGrpcStatus(NcclStatus(state, "broadcast"));
+    if (enqueued) {  // while enqueuing, the owner thread watches errors
+      ncclResult_t state = ncclSuccess;
+      ncclCommGetAsyncError(comm_, &state);
+      if (state != ncclSuccess && state != ncclInProgress) {
+        return ToGrpcStatus(NcclStatus(state, "broadcast"));
+      }
     }
     if (absl::Now() > deadline) {
       return ToGrpcStatus(absl::DeadlineExceededError(
@@ -386,14 +422,7 @@ grpc::Status GpuWorker::WaitUpdate(grpc::ServerContext* ctx,
     }
     absl::SleepFor(absl::Microseconds(20));
   }
-  owner_
-      .Run(
-          [&]() -> absl::Status {
-            update_active_ = false;
-            return absl::OkStatus();
-          },
-          absl::Now() + absl::Seconds(5))
-      .IgnoreError();
+  update_active_ = false;
   response->set_chunks_done(update_chunks_);
   return grpc::Status::OK;
 }
@@ -401,6 +430,7 @@ grpc::Status GpuWorker::WaitUpdate(grpc::ServerContext* ctx,
 grpc::Status GpuWorker::AbortUpdate(grpc::ServerContext* ctx,
                                     const worker::v1::Empty*,
                                     worker::v1::Empty*) {
+  abort_requested_ = true;  // stops an enqueue waiting for the trainer
   return ToGrpcStatus(owner_.Run(
       [&]() -> absl::Status {
         update_active_ = false;

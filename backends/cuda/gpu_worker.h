@@ -16,6 +16,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <atomic>
 #include <deque>
 #include <functional>
 #include <string>
@@ -36,6 +37,8 @@ class OwnerThread {
  public:
   OwnerThread();
   ~OwnerThread();
+  // Queues `fn` on the owner thread without waiting for it.
+  void Post(std::function<void()> fn);
   // Runs `fn` on the owner thread; waits for it until `deadline`.
   // DEADLINE_EXCEEDED leaves `fn` running (the daemon then kills us).
   absl::Status Run(std::function<absl::Status()> fn, absl::Time deadline);
@@ -100,8 +103,16 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   int64_t staging_chunk_ = 0;
   std::vector<cudaEvent_t> recv_done_, scatter_done_;
   cudaEvent_t all_done_ = nullptr;
-  bool update_active_ = false;
-  int64_t update_chunks_ = 0;
+  std::atomic<bool> update_active_{false};
+  std::atomic<int64_t> update_chunks_{0};
+
+  // The enqueue of an update's broadcasts and scatters runs as its own owner
+  // task after BeginUpdate returns: NCCL connects lazily, so the first
+  // broadcast can't be enqueued until the trainer broadcasts too.
+  absl::Mutex enqueue_mu_;
+  bool enqueue_done_ ABSL_GUARDED_BY(enqueue_mu_) = true;
+  absl::Status enqueue_status_ ABSL_GUARDED_BY(enqueue_mu_);
+  std::atomic<bool> abort_requested_{false};
 };
 
 }  // namespace weightsync
