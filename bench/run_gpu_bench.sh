@@ -14,11 +14,13 @@ LOG="$OUT/gpu_bench_logs"; mkdir -p "$LOG"
 export NCCL_NVLS_ENABLE=0
 here="$(cd "$(dirname "$0")" && pwd)"
 
+pkill -KILL -f "weightsync_" 2>/dev/null; sleep 1
 for model in qwen3-8b qwen3-1.7b; do
   bash "$here/run_nccl_baseline.sh" "$BIN/nccl_baseline" "$LOG/base-$model" --model=$model --repeats=5 \
     >"$LOG/base-$model.txt" 2>&1 || echo "baseline $model failed"
 done
 
+pkill -KILL -f "weightsync_" 2>/dev/null; sleep 1  # nothing of an earlier run may share the GPUs
 sock=/tmp/ws-bench.sock
 run_ws() {  # model chunk_mib buffers -> prints median seconds of updates 2..5
   local model=$1 chunk=$2 bufs=$3 tag="$1-c$2-b$3"

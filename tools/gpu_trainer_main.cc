@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -37,6 +38,9 @@ DEFINE_string(finish_only, "", "only call Finish on this update id");
 DEFINE_bool(same_data, false,
             "reuse version first_version's data for every update (benchmarks)");
 DEFINE_int64(finish_timeout_ms, 30000, "Finish deadline");
+DEFINE_int64(update_timeout_s, 120,
+             "give up (exit 4) if one update takes longer: a broadcast whose "
+             "receiver is gone never returns");
 
 namespace weightsync {
 
@@ -127,6 +131,7 @@ int Main() {
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   std::vector<uint8_t> flat;
   int64_t filled = -1;
+  static std::atomic<int64_t> finished{0};
   for (int u = 0; u < FLAGS_updates; ++u) {
     const int64_t version = FLAGS_first_version + u;
     const int64_t data_version =
@@ -143,6 +148,17 @@ int Main() {
     req.set_chunk_bytes(FLAGS_chunk_mib << 20);
     *req.mutable_tensors() = manifest;
     const absl::Time t0 = absl::Now();
+    std::thread([version, limit = FLAGS_update_timeout_s,
+                 &done_version = finished] {
+      absl::SleepFor(absl::Seconds(limit));
+      if (done_version.load() < version) {
+        std::printf("trainer: update v%lld not done after %lld s; exiting\n",
+                    static_cast<long long>(version),
+                    static_cast<long long>(limit));
+        std::fflush(stdout);
+        _exit(4);
+      }
+    }).detach();
     auto started = (*client)->StartWeightUpdate(req);
     if (!started.ok()) {
       std::printf("start failed: %s\n", started.status().ToString().c_str());

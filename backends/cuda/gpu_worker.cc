@@ -85,7 +85,7 @@ void OwnerThread::Loop() {
 
 // ------------------------------------------------------------ worker
 
-GpuWorker::GpuWorker() {
+GpuWorker::GpuWorker(int device) : scatter_device_(device) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
   for (int i = 0; i < n; ++i) {
@@ -156,7 +156,9 @@ grpc::Status GpuWorker::OpenAllocation(
   a.size = request->size();
   absl::Status s = owner_.Run(
       [&]() -> absl::Status {
-        WS_CUDA(cudaSetDevice(device));
+        // Map it into the GPU that runs the copies: for memory on another
+        // GPU, the driver enables peer access (lazily) for this mapping.
+        WS_CUDA(cudaSetDevice(scatter_device_));
         void* p = nullptr;
         WS_CUDA(
             cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess));
@@ -184,7 +186,7 @@ grpc::Status GpuWorker::CloseAllocation(
   }
   return ToGrpcStatus(owner_.Run(
       [&]() -> absl::Status {
-        WS_CUDA(cudaSetDevice(a.device));
+        WS_CUDA(cudaSetDevice(scatter_device_));
         WS_CUDA(cudaIpcCloseMemHandle(a.ptr));
         return absl::OkStatus();
       },
@@ -198,6 +200,11 @@ grpc::Status GpuWorker::InitGroup(grpc::ServerContext* ctx,
     return ToGrpcStatus(absl::InvalidArgumentError(
         absl::StrCat("nccl_unique_id must be ", sizeof(ncclUniqueId),
                      " bytes, not ", request->nccl_unique_id().size())));
+  }
+  if (request->device() != scatter_device_) {
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        absl::StrCat("this worker scatters on GPU ", scatter_device_, ", not ",
+                     request->device())));
   }
   if (request->device() < 0 ||
       request->device() >= static_cast<int>(uuids_.size())) {

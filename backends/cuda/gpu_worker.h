@@ -54,7 +54,9 @@ class OwnerThread {
 
 class GpuWorker final : public worker::v1::GpuWorker::Service {
  public:
-  GpuWorker();
+  // `device` receives and scatters every update; all engine allocations
+  // are mapped into it (peer access where they live on another GPU).
+  explicit GpuWorker(int device);
   ~GpuWorker() override;
 
   grpc::Status Ping(grpc::ServerContext*, const worker::v1::PingRequest*,
@@ -89,6 +91,7 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   absl::Time Deadline(const grpc::ServerContext* ctx) const;
 
   OwnerThread owner_;
+  const int scatter_device_;
   std::vector<std::string> uuids_;  // by device ordinal
 
   absl::Mutex mu_;

@@ -68,6 +68,7 @@ absl::Status GpuWorkerSupervisor::EnsureStartedLocked() {
   }
   const std::string socket_flag = "--socket=" + options_.socket_path;
   const std::string parent_flag = absl::StrCat("--parent_pid=", getpid());
+  const std::string device_flag = absl::StrCat("--device=", options_.device);
   unlink(options_.socket_path.c_str());
   const pid_t pid = fork();
   if (pid < 0) return absl::UnavailableError("fork failed");
@@ -77,7 +78,8 @@ absl::Status GpuWorkerSupervisor::EnsureStartedLocked() {
     sigfillset(&all);
     pthread_sigmask(SIG_UNBLOCK, &all, nullptr);
     execl(options_.worker_binary.c_str(), options_.worker_binary.c_str(),
-          socket_flag.c_str(), parent_flag.c_str(), nullptr);
+          socket_flag.c_str(), parent_flag.c_str(), device_flag.c_str(),
+          nullptr);
     _exit(127);
   }
   pid_ = pid;

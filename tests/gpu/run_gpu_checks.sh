@@ -13,7 +13,8 @@ results=()
 record() { results+=("$(printf '%-58s %s' "$1" "$2")"); }
 pids=()
 stop_all() { for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done; sleep 1;
-             for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null; done; pids=(); }
+             for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null; done; pids=();
+             pkill -KILL -f "$BIN/weightsync_" 2>/dev/null; true; }
 trap stop_all EXIT
 sock="$LOG/d.sock"
 
@@ -58,7 +59,7 @@ engine tp1 --model=$M --layout=tp --tp_rank=1 --tp_size=2 --dtype=float16 --ckpt
 wait_registered plain tp0 tp1 || record "engines register (CUDA IPC)" FAIL
 sleep 0.5
 timeout 300 "$BIN/weightsync_gpu_trainer" --target="unix:$sock" --model=$M --dtype=float32 \
-  --updates=3 --chunk_mib=16 --device=0 --finish_timeout_ms=120000 >"$LOG/trainer.log" 2>&1
+  --updates=3 --chunk_mib=16 --device=0 --finish_timeout_ms=120000 --update_timeout_s=60 >"$LOG/trainer.log" 2>&1
 trc=$?
 v=$(( $(count plain 'verified') + $(count tp0 'verified') + $(count tp1 'verified') ))
 if [ $trc = 0 ] && [ "$v" = 9 ]; then
@@ -81,7 +82,7 @@ if grep -q "ABORTED" "$LOG/finish_after_death.log" && grep -q "ENGINE_DIRTY" "$L
   record "trainer killed mid-transfer: ABORTED in ${secs}s, engines DIRTY" PASS
 else record "trainer killed mid-transfer: ABORTED, engines DIRTY" FAIL; fi
 timeout 300 "$BIN/weightsync_gpu_trainer" --target="unix:$sock" --model=$M --dtype=float32 \
-  --updates=1 --first_version=5 --chunk_mib=16 --device=0 --finish_timeout_ms=120000 >"$LOG/trainer_after.log" 2>&1
+  --updates=1 --first_version=5 --chunk_mib=16 --device=0 --finish_timeout_ms=120000 --update_timeout_s=60 >"$LOG/trainer_after.log" 2>&1
 trc=$?
 v5=$(( $(count plain 'version 5: verified') + $(count tp0 'version 5: verified') + $(count tp1 'version 5: verified') ))
 if [ $trc = 0 ] && [ "$v5" = 3 ]; then
