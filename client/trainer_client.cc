@@ -92,7 +92,9 @@ absl::StatusOr<v1::FinishWeightUpdateResponse>
 TrainerClient::FinishWeightUpdate(const std::string& update_id) {
   v1::FinishWeightUpdateRequest r;
   r.set_update_id(update_id);
-  r.set_timeout_ms(absl::ToInt64Milliseconds(options_.call_timeout));
+  // The daemon waits for the bytes for two thirds of our deadline, so that
+  // on a failure its abort (and answer) still arrive before the deadline.
+  r.set_timeout_ms(absl::ToInt64Milliseconds(options_.call_timeout) * 2 / 3);
   return Call<v1::FinishWeightUpdateResponse>(
       stub_.get(), &v1::TrainerService::Stub::FinishWeightUpdate,
       Context().get(), r);

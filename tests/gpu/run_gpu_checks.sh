@@ -75,7 +75,7 @@ timeout 120 "$BIN/weightsync_gpu_trainer" --target="unix:$sock" --model=$M --dty
   >"$LOG/trainer_dies.log" 2>&1
 t0=$(date +%s.%N)
 timeout 120 "$BIN/weightsync_gpu_trainer" --target="unix:$sock" --finish_only=update-4 \
-  --finish_timeout_ms=10000 >"$LOG/finish_after_death.log" 2>&1
+  --finish_timeout_ms=30000 >"$LOG/finish_after_death.log" 2>&1
 t1=$(date +%s.%N)
 secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN {printf "%.1f", b - a}')
 if grep -q "ABORTED" "$LOG/finish_after_death.log" && grep -q "ENGINE_DIRTY" "$LOG/finish_after_death.log"; then
