@@ -69,11 +69,11 @@ class Factory : public DataPlaneFactory {
         init.set_timeout_ms(request.timeout_ms());
         absl::Status s = gpu_->InitGroup(init);
         if (!s.ok()) return s;
-        return std::make_shared<NcclDataPlane>(gpu_);
+        return std::make_shared<GpuDataPlane>(gpu_, v1::BACKEND_NCCL);
       }
       case v1::BACKEND_IPC:
-        return absl::UnimplementedError(
-            "the ipc backend is not available yet; use nccl or host");
+        if (gpu_ == nullptr) return NoGpu("the ipc backend");
+        return std::make_shared<GpuDataPlane>(gpu_, v1::BACKEND_IPC);
       default:
         return absl::InvalidArgumentError("unknown backend");
     }

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "client/trainer_client.h"
 #include "common/chunk_planner.h"
@@ -35,6 +36,11 @@ DEFINE_int64(chunk_mib, 64, "chunk size in MiB (0: the daemon's default)");
 DEFINE_int32(device, 0, "CUDA ordinal of the trainer's GPU");
 DEFINE_int32(die_after_chunks, -1, "exit after broadcasting this many chunks");
 DEFINE_string(finish_only, "", "only call Finish on this update id");
+DEFINE_string(backend, "nccl",
+              "nccl (trainer on another GPU) or ipc (colocated: the daemon "
+              "copies from the trainer's packed buffer)");
+DEFINE_bool(baseline_copy, false,
+            "also time a plain on-GPU copy of the same bytes (IPC baseline)");
 DEFINE_bool(same_data, false,
             "reuse version first_version's data for every update (benchmarks)");
 DEFINE_int64(finish_timeout_ms, 30000, "Finish deadline");
@@ -98,24 +104,27 @@ int Main() {
   if (!FLAGS_finish_only.empty()) return FinishOnly(**client);
 
   CHECK_CUDA(cudaSetDevice(FLAGS_device));
-  ncclUniqueId id;
-  CHECK_NCCL(ncclGetUniqueId(&id));
+  const bool ipc = FLAGS_backend == "ipc";
+  ncclComm_t comm = nullptr;
   v1::InitWeightTransferRequest init;
-  init.set_backend(v1::BACKEND_NCCL);
-  init.set_world_size(2);
-  init.set_rank_offset(1);
-  init.set_nccl_unique_id(
-      std::string(reinterpret_cast<char*>(&id), sizeof(id)));
+  init.set_backend(ipc ? v1::BACKEND_IPC : v1::BACKEND_NCCL);
+  ncclUniqueId id;
+  if (!ipc) {
+    CHECK_NCCL(ncclGetUniqueId(&id));
+    init.set_world_size(2);
+    init.set_rank_offset(1);
+    init.set_nccl_unique_id(
+        std::string(reinterpret_cast<char*>(&id), sizeof(id)));
+  }
   const absl::Time t_init = absl::Now();
   auto group = (*client)->InitWeightTransfer(init);
   if (!group.ok()) {
     std::printf("init failed: %s\n", group.status().ToString().c_str());
     return 1;
   }
-  ncclComm_t comm;
-  CHECK_NCCL(ncclCommInitRank(&comm, 2, id, 0));
-  std::printf("trainer: NCCL group %s formed in %.2f s (%s)\n",
-              group->group_id().c_str(),
+  if (!ipc) CHECK_NCCL(ncclCommInitRank(&comm, 2, id, 0));
+  std::printf("trainer: %s group %s formed in %.2f s (%s)\n",
+              FLAGS_backend.c_str(), group->group_id().c_str(),
               absl::ToDoubleSeconds(absl::Now() - t_init),
               group->build_info().c_str());
 
@@ -129,6 +138,23 @@ int Main() {
   CHECK_CUDA(cudaMalloc(&flat_dev, plan->total_bytes));
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  v1::Allocation source;  // the IPC backend reads the packed buffer itself
+  if (ipc) {
+    cudaIpcMemHandle_t handle;
+    CHECK_CUDA(cudaIpcGetMemHandle(&handle, flat_dev));
+    cudaDeviceProp prop;
+    CHECK_CUDA(cudaGetDeviceProperties(&prop, FLAGS_device));
+    const auto* b = reinterpret_cast<const unsigned char*>(prop.uuid.bytes);
+    source.set_kind(v1::MEMORY_CUDA_IPC);
+    source.set_handle(
+        std::string(reinterpret_cast<char*>(&handle), sizeof(handle)));
+    source.set_size(plan->total_bytes);
+    source.set_device_uuid(absl::StrFormat(
+        "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x"
+        "%02x",
+        b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10],
+        b[11], b[12], b[13], b[14], b[15]));
+  }
   std::vector<uint8_t> flat;
   int64_t filled = -1;
   static std::atomic<int64_t> finished{0};
@@ -147,6 +173,7 @@ int Main() {
     req.set_target_version(version);
     req.set_chunk_bytes(FLAGS_chunk_mib << 20);
     *req.mutable_tensors() = manifest;
+    if (ipc) *req.mutable_ipc_source() = source;
     const absl::Time t0 = absl::Now();
     std::thread([version, limit = FLAGS_update_timeout_s,
                  &done_version = finished] {
@@ -165,6 +192,7 @@ int Main() {
       return 1;
     }
     for (const Chunk& c : plan->chunks) {
+      if (ipc) break;  // the daemon pulls the bytes itself
       if (FLAGS_die_after_chunks >= 0 && c.index == FLAGS_die_after_chunks) {
         CHECK_CUDA(cudaStreamSynchronize(stream));
         std::printf("trainer: dying after %lld chunks of update-%lld\n",
@@ -190,6 +218,24 @@ int Main() {
         static_cast<long long>(version), specs.size(), plan->total_bytes / 1e6,
         static_cast<long long>(plan->chunks.size()), s,
         plan->total_bytes / s / 1e9, done->engines_size());
+    std::fflush(stdout);
+  }
+  if (FLAGS_baseline_copy) {
+    // The IPC ceiling: one plain on-GPU copy of the same bytes.
+    void* dst = nullptr;
+    CHECK_CUDA(cudaMalloc(&dst, plan->total_bytes));
+    std::vector<double> secs;
+    for (int r = 0; r < 6; ++r) {
+      const absl::Time t0 = absl::Now();
+      CHECK_CUDA(cudaMemcpyAsync(dst, flat_dev, plan->total_bytes,
+                                 cudaMemcpyDeviceToDevice, stream));
+      CHECK_CUDA(cudaStreamSynchronize(stream));
+      if (r > 0) secs.push_back(absl::ToDoubleSeconds(absl::Now() - t0));
+    }
+    std::sort(secs.begin(), secs.end());
+    const double s = secs[secs.size() / 2];
+    std::printf("baseline on-GPU copy: %.1f MB, %.4f s, %.1f GB/s\n",
+                plan->total_bytes / 1e6, s, plan->total_bytes / s / 1e9);
     std::fflush(stdout);
   }
   _exit(0);  // NCCL teardown can hang; nothing is left to flush

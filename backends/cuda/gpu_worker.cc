@@ -85,7 +85,7 @@ void OwnerThread::Loop() {
 
 // ------------------------------------------------------------ worker
 
-GpuWorker::GpuWorker(int device) : scatter_device_(device) {
+GpuWorker::GpuWorker(int device) : scatter_device_(device), device_(device) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
   for (int i = 0; i < n; ++i) {
@@ -223,13 +223,8 @@ grpc::Status GpuWorker::InitGroup(grpc::ServerContext* ctx,
         update_active_ = false;
         device_ = request->device();
         WS_CUDA(cudaSetDevice(device_));
-        if (recv_stream_ == nullptr) {
-          WS_CUDA(
-              cudaStreamCreateWithFlags(&recv_stream_, cudaStreamNonBlocking));
-          WS_CUDA(cudaStreamCreateWithFlags(&scatter_stream_,
-                                            cudaStreamNonBlocking));
-          WS_CUDA(cudaEventCreateWithFlags(&all_done_, cudaEventDisableTiming));
-        }
+        absl::Status streams = EnsureStreams();
+        if (!streams.ok()) return streams;
         ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
         config.blocking = 0;  // every wait is ours, with a deadline
         comm_ready_ = false;
@@ -263,6 +258,70 @@ absl::Status GpuWorker::WaitComm(absl::Time deadline) {
     absl::SleepFor(absl::Microseconds(200));
   }
   return absl::OkStatus();
+}
+
+absl::Status GpuWorker::EnsureStreams() {
+  if (recv_stream_ != nullptr) return absl::OkStatus();
+  WS_CUDA(cudaSetDevice(scatter_device_));
+  WS_CUDA(cudaStreamCreateWithFlags(&recv_stream_, cudaStreamNonBlocking));
+  WS_CUDA(cudaStreamCreateWithFlags(&scatter_stream_, cudaStreamNonBlocking));
+  WS_CUDA(cudaEventCreateWithFlags(&all_done_, cudaEventDisableTiming));
+  return absl::OkStatus();
+}
+
+absl::Status GpuWorker::EnqueueIpcUpdate(
+    const worker::v1::BeginUpdateRequest& request) {
+  WS_CUDA(cudaSetDevice(scatter_device_));
+  absl::flat_hash_map<int64_t, Allocation> allocs;
+  {
+    absl::MutexLock lock(&mu_);
+    allocs = allocations_;
+  }
+  // Straight from the trainer's packed buffer into engine memory: no
+  // staging, and same-dtype copies run on the copy engines (no SMs).
+  int op = 0;
+  for (int64_t k = 0; k < request.chunk_sizes_size(); ++k) {
+    const uint8_t* chunk = ipc_source_ + k * request.chunk_bytes();
+    for (; op < request.ops_size() && request.ops(op).chunk() == k; ++op) {
+      const worker::v1::GpuOp& o = request.ops(op);
+      auto it = allocs.find(o.allocation_id());
+      if (it == allocs.end()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "allocation ", o.allocation_id(), " is not open in the worker"));
+      }
+      WS_CUDA(cuda::CopyConvert2D(
+          chunk + o.src_offset(), o.src_stride(), o.src_dtype(),
+          it->second.ptr + o.dst_offset(), o.dst_stride(), o.dst_dtype(),
+          o.rows(), o.cols(), scatter_stream_));
+    }
+  }
+  WS_CUDA(cudaEventRecord(all_done_, scatter_stream_));
+  return absl::OkStatus();
+}
+
+absl::Status GpuWorker::OpenIpcSource(
+    const worker::v1::BeginUpdateRequest& request) {
+  if (request.ipc_source_handle().size() != sizeof(cudaIpcMemHandle_t)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ipc_source handle has ", request.ipc_source_handle().size(),
+        " bytes, not ", sizeof(cudaIpcMemHandle_t)));
+  }
+  CloseIpcSource();
+  cudaIpcMemHandle_t handle;
+  std::memcpy(&handle, request.ipc_source_handle().data(), sizeof(handle));
+  WS_CUDA(cudaSetDevice(scatter_device_));
+  void* p = nullptr;
+  WS_CUDA(cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess));
+  ipc_source_ = static_cast<uint8_t*>(p);
+  return absl::OkStatus();
+}
+
+void GpuWorker::CloseIpcSource() {
+  if (ipc_source_ == nullptr) return;
+  cudaSetDevice(scatter_device_);
+  if (scatter_stream_ != nullptr) cudaStreamSynchronize(scatter_stream_);
+  cudaIpcCloseMemHandle(ipc_source_);
+  ipc_source_ = nullptr;
 }
 
 absl::Status GpuWorker::EnsureStaging(int64_t chunk_bytes, int buffers) {
@@ -361,14 +420,22 @@ grpc::Status GpuWorker::BeginUpdate(
         if (update_active_) {
           return absl::FailedPreconditionError("an update is in progress");
         }
-        if (request->staging_buffers() < 2) {
-          return absl::InvalidArgumentError("at least 2 staging buffers");
+        const bool ipc = !request->ipc_source_handle().empty();
+        absl::Status s = EnsureStreams();
+        if (!s.ok()) return s;
+        if (ipc) {
+          s = OpenIpcSource(*request);
+          if (!s.ok()) return s;
+        } else {
+          if (request->staging_buffers() < 2) {
+            return absl::InvalidArgumentError("at least 2 staging buffers");
+          }
+          s = WaitComm(deadline);
+          if (!s.ok()) return s;
+          WS_CUDA(cudaSetDevice(device_));
+          s = EnsureStaging(request->chunk_bytes(), request->staging_buffers());
+          if (!s.ok()) return s;
         }
-        absl::Status s = WaitComm(deadline);
-        if (!s.ok()) return s;
-        WS_CUDA(cudaSetDevice(device_));
-        s = EnsureStaging(request->chunk_bytes(), request->staging_buffers());
-        if (!s.ok()) return s;
         update_active_ = true;
         update_chunks_ = request->chunk_sizes_size();
         abort_requested_ = false;
@@ -377,8 +444,8 @@ grpc::Status GpuWorker::BeginUpdate(
           enqueue_done_ = false;
           enqueue_status_ = absl::OkStatus();
         }
-        owner_.Post([this, req = *request] {
-          absl::Status s = EnqueueUpdate(req);
+        owner_.Post([this, ipc, req = *request] {
+          absl::Status s = ipc ? EnqueueIpcUpdate(req) : EnqueueUpdate(req);
           if (!s.ok()) LOG(WARNING) << "update enqueue: " << s;
           absl::MutexLock lock(&enqueue_mu_);
           enqueue_status_ = s;
@@ -416,7 +483,7 @@ grpc::Status GpuWorker::WaitUpdate(grpc::ServerContext* ctx,
     if (e != cudaErrorNotReady) {
       return ToGrpcStatus(CudaStatus(e, "scatter"));
     }
-    if (enqueued) {  // while enqueuing, the owner thread watches errors
+    if (enqueued && comm_ != nullptr) {  // while enqueuing, the owner watches
       ncclResult_t state = ncclSuccess;
       ncclCommGetAsyncError(comm_, &state);
       if (state != ncclSuccess && state != ncclInProgress) {
@@ -429,6 +496,7 @@ grpc::Status GpuWorker::WaitUpdate(grpc::ServerContext* ctx,
     }
     absl::SleepFor(absl::Microseconds(20));
   }
+  owner_.Post([this] { CloseIpcSource(); });  // the trainer may reuse it
   update_active_ = false;
   response->set_chunks_done(update_chunks_);
   return grpc::Status::OK;
@@ -441,6 +509,7 @@ grpc::Status GpuWorker::AbortUpdate(grpc::ServerContext* ctx,
   return ToGrpcStatus(owner_.Run(
       [&]() -> absl::Status {
         update_active_ = false;
+        CloseIpcSource();
         if (comm_ != nullptr) {
           // May hang when a peer vanished: the daemon's deadline catches it
           // and kills this process.

@@ -86,6 +86,11 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
     int device = 0;
   };
   absl::Status EnsureStaging(int64_t chunk_bytes, int buffers);
+  absl::Status EnsureStreams();
+  // The IPC backend: the trainer's packed update, opened per update.
+  absl::Status OpenIpcSource(const worker::v1::BeginUpdateRequest& request);
+  void CloseIpcSource();
+  absl::Status EnqueueIpcUpdate(const worker::v1::BeginUpdateRequest& request);
   absl::Status WaitComm(absl::Time deadline);
   absl::Status EnqueueUpdate(const worker::v1::BeginUpdateRequest& request);
   absl::Time Deadline(const grpc::ServerContext* ctx) const;
@@ -106,6 +111,7 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   int64_t staging_chunk_ = 0;
   std::vector<cudaEvent_t> recv_done_, scatter_done_;
   cudaEvent_t all_done_ = nullptr;
+  uint8_t* ipc_source_ = nullptr;
   std::atomic<bool> update_active_{false};
   std::atomic<int64_t> update_chunks_{0};
 

@@ -245,16 +245,32 @@ absl::StatusOr<std::shared_ptr<MappedRegion>> GpuMapper::Open(
       sup_, *id, allocation.size(), allocation.device_uuid()));
 }
 
-absl::Status NcclDataPlane::Begin(std::shared_ptr<const CopyPlan> plan) {
+absl::Status GpuDataPlane::Begin(std::shared_ptr<const CopyPlan> plan,
+                                 const v1::StartWeightUpdateRequest& request) {
   const auto& o = sup_->options();
   const int64_t staging = o.staging_buffers * plan->chunks.chunk_bytes;
-  if (staging > o.staging_budget) {
+  worker::v1::BeginUpdateRequest req;
+  if (backend_ == v1::BACKEND_IPC) {
+    const v1::Allocation& src = request.ipc_source();
+    if (src.kind() != v1::MEMORY_CUDA_IPC || src.handle().empty()) {
+      return absl::InvalidArgumentError(
+          "the ipc backend needs ipc_source: the CUDA IPC handle of the "
+          "trainer's packed update");
+    }
+    if (src.size() < plan->chunks.total_bytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ipc_source holds ", src.size(),
+                       " bytes; the update packs ", plan->chunks.total_bytes));
+    }
+    req.set_ipc_source_handle(src.handle());
+    req.set_ipc_source_size(src.size());
+    req.set_ipc_source_uuid(src.device_uuid());
+  } else if (staging > o.staging_budget) {
     return absl::ResourceExhaustedError(
         absl::StrCat("GPU staging of ", o.staging_buffers, " x ",
                      plan->chunks.chunk_bytes, " bytes exceeds the budget of ",
                      o.staging_budget, "; use a smaller chunk_bytes"));
   }
-  worker::v1::BeginUpdateRequest req;
   req.set_chunk_bytes(plan->chunks.chunk_bytes);
   req.set_staging_buffers(o.staging_buffers);
   for (const Chunk& c : plan->chunks.chunks) req.add_chunk_sizes(c.size);
@@ -288,30 +304,32 @@ absl::Status NcclDataPlane::Begin(std::shared_ptr<const CopyPlan> plan) {
   return s;
 }
 
-absl::Status NcclDataPlane::SubmitChunk(int64_t, std::string, absl::Time) {
+absl::Status GpuDataPlane::SubmitChunk(int64_t, std::string, absl::Time) {
   return absl::FailedPreconditionError(
-      "this update uses the nccl backend: chunk bytes travel by NCCL "
-      "broadcast, not PushChunks");
+      "this update uses a GPU backend: its bytes travel by NCCL or CUDA "
+      "IPC, not PushChunks");
 }
 
-absl::Status NcclDataPlane::Drain(absl::Time deadline) {
+absl::Status GpuDataPlane::Drain(absl::Time deadline) {
   absl::Status s = sup_->WaitUpdate(deadline);
   if (!s.ok()) {
     sup_->AbortUpdate(absl::Now() + absl::Seconds(5));
     return absl::AbortedError(
-        absl::StrCat("NCCL transfer failed: ", s.message(),
-                     " (communicator aborted; InitWeightTransfer again)"));
+        absl::StrCat(name(), " transfer failed: ", s.message(),
+                     backend_ == v1::BACKEND_NCCL
+                         ? " (communicator aborted; InitWeightTransfer again)"
+                         : ""));
   }
   absl::MutexLock lock(&mu_);
   written_ = chunks_;
   return absl::OkStatus();
 }
 
-void NcclDataPlane::Abort() {
+void GpuDataPlane::Abort() {
   sup_->AbortUpdate(absl::Now() + absl::Seconds(5));
 }
 
-int64_t NcclDataPlane::chunks_written() const {
+int64_t GpuDataPlane::chunks_written() const {
   absl::MutexLock lock(&const_cast<absl::Mutex&>(mu_));
   return written_;
 }

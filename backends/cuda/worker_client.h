@@ -4,7 +4,7 @@
 // NCCL abort that hangs, a wedged GPU) kills and respawns it, re-opening
 // every engine allocation so registrations survive (invariant 5).
 //
-// GpuWorkerSupervisor is thread-safe. GpuMapper and NcclDataPlane are the
+// GpuWorkerSupervisor is thread-safe. GpuMapper and GpuDataPlane are the
 // core's MemoryMapper and DataPlane for CUDA IPC memory and the NCCL
 // backend.
 #ifndef WEIGHTSYNC_BACKENDS_CUDA_WORKER_CLIENT_H_
@@ -107,13 +107,16 @@ class GpuMapper : public MemoryMapper {
   const std::shared_ptr<GpuWorkerSupervisor> sup_;
 };
 
-// The NCCL backend's data plane: bytes arrive by broadcast straight into
-// the worker's GPU staging, never through the daemon.
-class NcclDataPlane : public DataPlane {
+// The GPU backends' data plane. nccl: bytes arrive by broadcast straight
+// into the worker's GPU staging. ipc: the worker copies them with the copy
+// engines from the trainer's packed buffer on the same node (shared as a
+// CUDA IPC handle in Start). Either way they never pass through the daemon.
+class GpuDataPlane : public DataPlane {
  public:
-  explicit NcclDataPlane(std::shared_ptr<GpuWorkerSupervisor> sup)
-      : sup_(std::move(sup)) {}
-  absl::Status Begin(std::shared_ptr<const CopyPlan> plan) override;
+  GpuDataPlane(std::shared_ptr<GpuWorkerSupervisor> sup, v1::Backend backend)
+      : sup_(std::move(sup)), backend_(backend) {}
+  absl::Status Begin(std::shared_ptr<const CopyPlan> plan,
+                     const v1::StartWeightUpdateRequest& request) override;
   absl::Status SubmitChunk(int64_t index, std::string data,
                            absl::Time deadline) override;
   absl::Status Drain(absl::Time deadline) override;
@@ -121,10 +124,13 @@ class NcclDataPlane : public DataPlane {
   void MarkEngineLost(int engine) override {}
   int64_t chunks_written() const override;
   bool ReceivesOwnBytes() const override { return true; }
-  std::string name() const override { return "nccl"; }
+  std::string name() const override {
+    return backend_ == v1::BACKEND_IPC ? "ipc" : "nccl";
+  }
 
  private:
   const std::shared_ptr<GpuWorkerSupervisor> sup_;
+  const v1::Backend backend_;
   absl::Mutex mu_;
   int64_t chunks_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t written_ ABSL_GUARDED_BY(mu_) = 0;

@@ -36,7 +36,8 @@ HostDataPlane::~HostDataPlane() {
   worker_.join();
 }
 
-absl::Status HostDataPlane::Begin(std::shared_ptr<const CopyPlan> plan) {
+absl::Status HostDataPlane::Begin(std::shared_ptr<const CopyPlan> plan,
+                                  const v1::StartWeightUpdateRequest&) {
   const int64_t staging =
       std::max(2, options_.staging_buffers) * plan->chunks.chunk_bytes;
   if (staging > options_.staging_budget) {

@@ -33,7 +33,8 @@ class HostDataPlane : public DataPlane {
   explicit HostDataPlane(Options options);
   ~HostDataPlane() override;  // joins the worker
 
-  absl::Status Begin(std::shared_ptr<const CopyPlan> plan) override;
+  absl::Status Begin(std::shared_ptr<const CopyPlan> plan,
+                     const v1::StartWeightUpdateRequest& request) override;
   absl::Status SubmitChunk(int64_t index, std::string data,
                            absl::Time deadline) override;
   absl::Status Drain(absl::Time deadline) override;

@@ -280,7 +280,7 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
                       BuildCopyPlan(request.tensors(), chunk_bytes, layouts));
   // Staging first (it may refuse the budget), so a refusal leaves the
   // engines untouched and serving.
-  WS_RETURN_IF_ERROR(plane->Begin(plan));
+  WS_RETURN_IF_ERROR(plane->Begin(plan, request));
   // Streaming writes into live memory: the engines must be paused first.
   if (!to_pause.empty()) {
     const auto acks = hub_.Broadcast(to_pause, PauseNotice(v1::PAUSE_MODE_KEEP),

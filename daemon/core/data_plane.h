@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "daemon/core/copy_plan.h"
+#include "weightsync/v1/trainer_service.pb.h"
 
 namespace weightsync {
 
@@ -21,9 +22,11 @@ class DataPlane {
  public:
   virtual ~DataPlane() = default;
 
-  // Prepares for `plan` (staging, streams). FAILED_PRECONDITION if an
-  // update is still in progress; RESOURCE_EXHAUSTED over the staging budget.
-  virtual absl::Status Begin(std::shared_ptr<const CopyPlan> plan) = 0;
+  // Prepares for `plan` (staging, streams) of `request`. FAILED_PRECONDITION
+  // if an update is still in progress; RESOURCE_EXHAUSTED over the staging
+  // budget.
+  virtual absl::Status Begin(std::shared_ptr<const CopyPlan> plan,
+                             const v1::StartWeightUpdateRequest& request) = 0;
 
   // Queues chunk `index` (exactly its planned size) for writing. Blocks
   // while every staging buffer is busy, at most until `deadline`.
