@@ -6,6 +6,7 @@
 #include <dirent.h>
 #include <signal.h>
 #include <sys/types.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -105,6 +106,21 @@ char StateOf(pid_t pid) {
   const size_t close = stat.rfind(')');
   if (close == std::string::npos || close + 2 >= stat.size()) return '\0';
   return stat[close + 2];
+}
+
+// True once our child `pid` has exited; leaves it unreaped (WNOWAIT).
+bool WaitUntilExited(pid_t pid, absl::Duration timeout) {
+  const absl::Time until = absl::Now() + timeout;
+  while (true) {
+    siginfo_t info;
+    info.si_pid = 0;
+    if (waitid(P_PID, pid, &info, WEXITED | WNOHANG | WNOWAIT) == 0 &&
+        info.si_pid == pid) {
+      return true;
+    }
+    if (absl::Now() > until) return false;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
 }
 
 v1::Allocation CudaAllocation(int handle_bytes) {
@@ -232,14 +248,12 @@ TEST_F(GpuWorkerSupervisionTest, KilledWorkerIsReplacedOnTheNextCall) {
   const int restarts = sup_->restarts();
 
   ASSERT_EQ(kill(old_worker, SIGKILL), 0);
-  // Wait until it is dead (a zombie: the supervisor reaps it, not us), so
-  // the next call finds it dead rather than racing its death.
-  const absl::Time until = absl::Now() + absl::Seconds(5);
-  while (StateOf(old_worker) != 'Z' && StateOf(old_worker) != '\0' &&
-         absl::Now() < until) {
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  ASSERT_THAT(StateOf(old_worker), testing::AnyOf('Z', '\0'));
+  // Wait until the kernel reports it exited, without reaping it (the
+  // supervisor does that): only then does the supervisor's waitpid(WNOHANG)
+  // see the death. A killed multi-threaded process shows 'Z' in
+  // /proc/<pid>/stat before it can be waited for, and a call made in that
+  // window gets UNAVAILABLE "Socket closed" (then it is retried once).
+  ASSERT_TRUE(WaitUntilExited(old_worker, absl::Seconds(10)));
 
   // The caller never sees the crash: the same answer as before (a real
   // worker's NOT_FOUND), not UNAVAILABLE.
@@ -278,6 +292,24 @@ TEST_F(GpuWorkerSupervisionTest, RestartReplacesTheWorkerAndDestroyKillsIt) {
   }
   EXPECT_THAT(ProcessesWithArg(socket_arg_), testing::IsEmpty());
   EXPECT_EQ(StateOf(second), '\0');  // reaped too, no zombie
+}
+
+// A wedged worker (alive, answering nothing: a stuck GPU call) is killed
+// when a call misses its deadline, and the call is retried once on a fresh
+// worker, so the caller sees the real answer rather than the timeout.
+TEST_F(GpuWorkerSupervisionTest, WedgedWorkerIsReplacedAfterADeadline) {
+  sup_.reset();
+  options_.call_timeout = absl::Seconds(1);
+  sup_ = std::make_unique<GpuWorkerSupervisor>(options_);
+  ExpectInvisibleGpu(sup_->OpenAllocation(CudaAllocation(kIpcHandleBytes)));
+  const pid_t wedged = TheWorker();
+  ASSERT_GT(wedged, 0);
+  ASSERT_EQ(kill(wedged, SIGSTOP), 0);  // alive, but answers nothing
+  ExpectInvisibleGpu(sup_->OpenAllocation(CudaAllocation(kIpcHandleBytes)));
+  EXPECT_EQ(sup_->restarts(), 1);
+  const pid_t fresh = TheWorker();
+  EXPECT_GT(fresh, 0);
+  EXPECT_NE(fresh, wedged);
 }
 
 TEST_F(GpuWorkerSupervisionTest, MissingBinaryIsUnavailable) {

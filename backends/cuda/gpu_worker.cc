@@ -306,6 +306,12 @@ absl::Status GpuWorker::OpenIpcSource(
         "ipc_source handle has ", request.ipc_source_handle().size(),
         " bytes, not ", sizeof(cudaIpcMemHandle_t)));
   }
+  // Mapping a large allocation costs far more than copying it: keep the
+  // trainer's buffer mapped across updates while it sends the same handle.
+  if (ipc_source_ != nullptr &&
+      ipc_source_handle_ == request.ipc_source_handle()) {
+    return absl::OkStatus();
+  }
   CloseIpcSource();
   cudaIpcMemHandle_t handle;
   std::memcpy(&handle, request.ipc_source_handle().data(), sizeof(handle));
@@ -313,6 +319,7 @@ absl::Status GpuWorker::OpenIpcSource(
   void* p = nullptr;
   WS_CUDA(cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess));
   ipc_source_ = static_cast<uint8_t*>(p);
+  ipc_source_handle_ = request.ipc_source_handle();
   return absl::OkStatus();
 }
 
@@ -322,6 +329,7 @@ void GpuWorker::CloseIpcSource() {
   if (scatter_stream_ != nullptr) cudaStreamSynchronize(scatter_stream_);
   cudaIpcCloseMemHandle(ipc_source_);
   ipc_source_ = nullptr;
+  ipc_source_handle_.clear();
 }
 
 absl::Status GpuWorker::EnsureStaging(int64_t chunk_bytes, int buffers) {
@@ -496,7 +504,6 @@ grpc::Status GpuWorker::WaitUpdate(grpc::ServerContext* ctx,
     }
     absl::SleepFor(absl::Microseconds(20));
   }
-  owner_.Post([this] { CloseIpcSource(); });  // the trainer may reuse it
   update_active_ = false;
   response->set_chunks_done(update_chunks_);
   return grpc::Status::OK;

@@ -112,6 +112,7 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   std::vector<cudaEvent_t> recv_done_, scatter_done_;
   cudaEvent_t all_done_ = nullptr;
   uint8_t* ipc_source_ = nullptr;
+  std::string ipc_source_handle_;  // bytes of the handle ipc_source_ maps
   std::atomic<bool> update_active_{false};
   std::atomic<int64_t> update_chunks_{0};
 

@@ -85,6 +85,11 @@ absl::Status GpuWorkerSupervisor::EnsureStartedLocked() {
   pid_ = pid;
   grpc::ChannelArguments args;
   args.SetMaxSendMessageSize(256 << 20);
+  // The worker listens within a second of starting: retry quickly rather
+  // than with gRPC's default 1 s reconnect backoff.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 20);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 20);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 200);
   auto channel = grpc::CreateCustomChannel(
       "unix:" + options_.socket_path, grpc::InsecureChannelCredentials(), args);
   auto stub = worker::v1::GpuWorker::NewStub(channel);
@@ -99,7 +104,12 @@ absl::Status GpuWorkerSupervisor::EnsureStartedLocked() {
                 << " GPU(s), " << resp.build_info();
       break;
     }
-    if (waitpid(pid_, nullptr, WNOHANG) != 0 || absl::Now() > deadline) {
+    if (waitpid(pid_, nullptr, WNOHANG) != 0) {
+      pid_ = -1;  // already reaped: never signal a pid that may be reused
+      stub_.reset();
+      return absl::UnavailableError("GPU worker failed to start");
+    }
+    if (absl::Now() > deadline) {
       KillLocked();
       return absl::UnavailableError("GPU worker failed to start");
     }
@@ -142,8 +152,20 @@ absl::StatusOr<int64_t> GpuWorkerSupervisor::OpenAllocation(
   req.set_size(allocation.size());
   req.set_device_uuid(allocation.device_uuid());
   worker::v1::OpenAllocationResponse resp;
-  auto ctx = Ctx(absl::Now() + options_.call_timeout);
-  s = FromGrpcStatus(stub_->OpenAllocation(ctx.get(), req, &resp));
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    auto ctx = Ctx(absl::Now() + options_.call_timeout);
+    s = FromGrpcStatus(stub_->OpenAllocation(ctx.get(), req, &resp));
+    if (s.code() != absl::StatusCode::kDeadlineExceeded &&
+        s.code() != absl::StatusCode::kUnavailable) {
+      break;
+    }
+    // A hung or dead worker: replace it, then try once more.
+    LOG(WARNING) << "GPU worker did not answer (" << s << "); restarting";
+    KillLocked();
+    ++restarts_;
+    absl::Status started = EnsureStartedLocked();
+    if (!started.ok()) return started;
+  }
   if (!s.ok()) return s;
   allocations_[id] = allocation;
   return id;
