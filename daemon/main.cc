@@ -35,6 +35,10 @@ DEFINE_string(gpu_worker, "",
               "path of weightsync_gpu_worker; default: beside this binary. "
               "Without it (or without CUDA) the GPU backends are off");
 DEFINE_int32(gpu, 0, "CUDA ordinal of the GPU the daemon's NCCL rank uses");
+DEFINE_bool(ipc_sm_copies, false,
+            "IPC backend: copy same-dtype blocks with a kernel on the SMs "
+            "(about 2x faster on one GPU) instead of the copy engines, which "
+            "leave the engine's SMs alone");
 DEFINE_int32(gpu_staging_buffers, 4, "GPU staging buffers (chunks in flight)");
 DEFINE_int64(gpu_staging_budget_bytes, int64_t{4} << 30,
              "bytes of GPU staging the daemon never exceeds");
@@ -106,6 +110,7 @@ int Main() {
     GpuWorkerSupervisor::Options g;
     g.worker_binary = worker;
     g.device = FLAGS_gpu;
+    g.ipc_sm_copies = FLAGS_ipc_sm_copies;
     g.staging_buffers = FLAGS_gpu_staging_buffers;
     g.staging_budget = FLAGS_gpu_staging_budget_bytes;
     g.socket_path = absl::StrCat("/tmp/weightsync-worker-", getpid(), ".sock");

@@ -85,7 +85,8 @@ void OwnerThread::Loop() {
 
 // ------------------------------------------------------------ worker
 
-GpuWorker::GpuWorker(int device) : scatter_device_(device), device_(device) {
+GpuWorker::GpuWorker(int device, bool sm_copies)
+    : scatter_device_(device), sm_copies_(sm_copies), device_(device) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
   for (int i = 0; i < n; ++i) {
@@ -288,6 +289,14 @@ absl::Status GpuWorker::EnqueueIpcUpdate(
       if (it == allocs.end()) {
         return absl::FailedPreconditionError(absl::StrCat(
             "allocation ", o.allocation_id(), " is not open in the worker"));
+      }
+      if (sm_copies_ && o.src_dtype() == o.dst_dtype()) {
+        const int64_t width = o.cols() * cuda::DTypeSize(o.src_dtype());
+        WS_CUDA(cuda::CopyBytes2DWithSMs(chunk + o.src_offset(), o.src_stride(),
+                                         it->second.ptr + o.dst_offset(),
+                                         o.dst_stride(), width, o.rows(),
+                                         scatter_stream_));
+        continue;
       }
       WS_CUDA(cuda::CopyConvert2D(
           chunk + o.src_offset(), o.src_stride(), o.src_dtype(),

@@ -56,7 +56,9 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
  public:
   // `device` receives and scatters every update; all engine allocations
   // are mapped into it (peer access where they live on another GPU).
-  explicit GpuWorker(int device);
+  // `sm_copies`: IPC updates copy same-dtype blocks with a kernel rather
+  // than the copy engines (faster on one GPU; takes SMs from the engine).
+  GpuWorker(int device, bool sm_copies);
   ~GpuWorker() override;
 
   grpc::Status Ping(grpc::ServerContext*, const worker::v1::PingRequest*,
@@ -97,6 +99,7 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
 
   OwnerThread owner_;
   const int scatter_device_;
+  const bool sm_copies_;
   std::vector<std::string> uuids_;  // by device ordinal
 
   absl::Mutex mu_;

@@ -402,5 +402,57 @@ cudaError_t CopyConvert2D(const void* src, int64_t src_stride, int src_dtype,
   }
 }
 
+namespace {
+
+// Raw bytes, rows x width, grid-stride; T is the access unit (uint4 when
+// every address, stride and width is 16-byte aligned, else a byte).
+template <typename T>
+__global__ void __launch_bounds__(256)
+    CopyBytesKernel(const char* src, int64_t src_stride, char* dst,
+                    int64_t dst_stride, int64_t rows, int64_t units) {
+  const int64_t total = rows * units;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t r = i / units, c = i - r * units;
+    reinterpret_cast<T*>(dst + r * dst_stride)[c] =
+        reinterpret_cast<const T*>(src + r * src_stride)[c];
+  }
+}
+
+}  // namespace
+
+cudaError_t CopyBytes2DWithSMs(const void* src, int64_t src_stride, void* dst,
+                               int64_t dst_stride, int64_t width,
+                               int64_t rows, cudaStream_t stream) {
+  if (rows < 0 || width < 0) return cudaErrorInvalidValue;
+  if (rows == 0 || width == 0) return cudaSuccess;
+  if (rows == 1) src_stride = dst_stride = width;
+  const auto s = reinterpret_cast<uintptr_t>(src);
+  const auto d = reinterpret_cast<uintptr_t>(dst);
+  const bool vec = (s | d | static_cast<uintptr_t>(src_stride) |
+                    static_cast<uintptr_t>(dst_stride) |
+                    static_cast<uintptr_t>(width)) %
+                       16 ==
+                   0;
+  const int64_t units = vec ? width / 16 : width;
+  int device = 0, sms = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return err;
+  const int64_t blocks =
+      std::min<int64_t>((rows * units + 255) / 256, int64_t{sms} * 8);
+  const auto* sp = static_cast<const char*>(src);
+  auto* dp = static_cast<char*>(dst);
+  if (vec) {
+    CopyBytesKernel<uint4><<<blocks, 256, 0, stream>>>(sp, src_stride, dp,
+                                                       dst_stride, rows, units);
+  } else {
+    CopyBytesKernel<unsigned char><<<blocks, 256, 0, stream>>>(
+        sp, src_stride, dp, dst_stride, rows, units);
+  }
+  return cudaGetLastError();
+}
+
 }  // namespace cuda
 }  // namespace weightsync

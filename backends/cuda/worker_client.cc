@@ -69,6 +69,8 @@ absl::Status GpuWorkerSupervisor::EnsureStartedLocked() {
   const std::string socket_flag = "--socket=" + options_.socket_path;
   const std::string parent_flag = absl::StrCat("--parent_pid=", getpid());
   const std::string device_flag = absl::StrCat("--device=", options_.device);
+  const std::string sm_flag = absl::StrCat(
+      "--ipc_sm_copies=", options_.ipc_sm_copies ? "true" : "false");
   unlink(options_.socket_path.c_str());
   const pid_t pid = fork();
   if (pid < 0) return absl::UnavailableError("fork failed");
@@ -79,7 +81,7 @@ absl::Status GpuWorkerSupervisor::EnsureStartedLocked() {
     pthread_sigmask(SIG_UNBLOCK, &all, nullptr);
     execl(options_.worker_binary.c_str(), options_.worker_binary.c_str(),
           socket_flag.c_str(), parent_flag.c_str(), device_flag.c_str(),
-          nullptr);
+          sm_flag.c_str(), nullptr);
     _exit(127);
   }
   pid_ = pid;

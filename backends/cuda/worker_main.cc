@@ -12,6 +12,9 @@
 
 DEFINE_string(socket, "", "Unix socket to serve the worker protocol on");
 DEFINE_int32(parent_pid, 0, "exit when this process is gone");
+DEFINE_bool(ipc_sm_copies, false,
+            "IPC backend: copy same-dtype blocks with a kernel (SMs) instead "
+            "of the copy engines");
 DEFINE_int32(device, 0,
              "CUDA ordinal that receives and scatters: engine memory on "
              "other GPUs is opened for it, so its copies reach them by peer");
@@ -25,7 +28,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   unlink(FLAGS_socket.c_str());
-  weightsync::GpuWorker worker(FLAGS_device);
+  weightsync::GpuWorker worker(FLAGS_device, FLAGS_ipc_sm_copies);
   grpc::ServerBuilder builder;
   builder.SetMaxReceiveMessageSize(256 << 20);
   builder.AddListeningPort("unix:" + FLAGS_socket,
