@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "backends/cuda/gpu_uuid.h"
 #include "client/engine_client.h"
 #include "client/host_arena.h"
 #include "gflags/gflags.h"
@@ -45,17 +46,6 @@ v1::DType ParseDType(const std::string& s) {
   return s == "float32"   ? v1::FLOAT32
          : s == "float16" ? v1::FLOAT16
                           : v1::BFLOAT16;
-}
-
-std::string Uuid(int device) {
-  cudaDeviceProp p;
-  cudaGetDeviceProperties(&p, device);
-  const auto* b = reinterpret_cast<const unsigned char*>(p.uuid.bytes);
-  return absl::StrFormat(
-      "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%"
-      "02x",
-      b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11],
-      b[12], b[13], b[14], b[15]);
 }
 
 // Compares device memory with the reference for `version`: mismatching
@@ -120,7 +110,7 @@ int Main() {
   a->set_handle(
       std::string(reinterpret_cast<const char*>(&handle), sizeof(handle)));
   a->set_size(*size);
-  a->set_device_uuid(Uuid(FLAGS_device));
+  a->set_device_uuid(GpuUuid(FLAGS_device));
   for (const v1::Parameter& p : params) *request.add_parameters() = p;
 
   ClientOptions options;

@@ -21,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "backends/cuda/gpu_uuid.h"
 #include "client/trainer_client.h"
 #include "common/chunk_planner.h"
 #include "gflags/gflags.h"
@@ -142,18 +143,11 @@ int Main() {
   if (ipc) {
     cudaIpcMemHandle_t handle;
     CHECK_CUDA(cudaIpcGetMemHandle(&handle, flat_dev));
-    cudaDeviceProp prop;
-    CHECK_CUDA(cudaGetDeviceProperties(&prop, FLAGS_device));
-    const auto* b = reinterpret_cast<const unsigned char*>(prop.uuid.bytes);
     source.set_kind(v1::MEMORY_CUDA_IPC);
     source.set_handle(
         std::string(reinterpret_cast<char*>(&handle), sizeof(handle)));
     source.set_size(plan->total_bytes);
-    source.set_device_uuid(absl::StrFormat(
-        "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x"
-        "%02x",
-        b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10],
-        b[11], b[12], b[13], b[14], b[15]));
+    source.set_device_uuid(GpuUuid(FLAGS_device));
   }
   std::vector<uint8_t> flat;
   int64_t filled = -1;

@@ -6,23 +6,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "backends/cuda/cuda_status.h"
+#include "backends/cuda/gpu_uuid.h"
 #include "backends/cuda/scatter.h"
 #include "common/grpc_status.h"
 #include "glog/logging.h"
 
 namespace weightsync {
-namespace {
-
-std::string UuidString(const cudaUUID_t& u) {
-  const auto* b = reinterpret_cast<const unsigned char*>(u.bytes);
-  return absl::StrFormat(
-      "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%"
-      "02x",
-      b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11],
-      b[12], b[13], b[14], b[15]);
-}
-
-}  // namespace
 
 // ------------------------------------------------------------ owner thread
 
@@ -90,9 +79,7 @@ GpuWorker::GpuWorker(int device, bool sm_copies)
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
   for (int i = 0; i < n; ++i) {
-    cudaDeviceProp p;
-    cudaGetDeviceProperties(&p, i);
-    uuids_.push_back(UuidString(p.uuid));
+    uuids_.push_back(GpuUuid(i));
   }
   // Every GPU may write every other GPU's engine memory (TP across GPUs).
   for (int i = 0; i < n; ++i) {
@@ -270,6 +257,33 @@ absl::Status GpuWorker::EnsureStreams() {
   return absl::OkStatus();
 }
 
+absl::Status GpuWorker::EnqueueChunkOps(
+    const worker::v1::BeginUpdateRequest& request, int64_t k,
+    const uint8_t* chunk,
+    const absl::flat_hash_map<int64_t, Allocation>& allocs, int* op) {
+  for (; *op < request.ops_size() && request.ops(*op).chunk() == k; ++*op) {
+    const worker::v1::GpuOp& o = request.ops(*op);
+    auto it = allocs.find(o.allocation_id());
+    if (it == allocs.end()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "allocation ", o.allocation_id(), " is not open in the worker"));
+    }
+    uint8_t* dst = it->second.ptr + o.dst_offset();
+    if (sm_copies_ && ipc_source_ != nullptr &&
+        o.src_dtype() == o.dst_dtype()) {
+      const int64_t width = o.cols() * cuda::DTypeSize(o.src_dtype());
+      WS_CUDA(cuda::CopyBytes2DWithSMs(chunk + o.src_offset(), o.src_stride(),
+                                       dst, o.dst_stride(), width, o.rows(),
+                                       scatter_stream_));
+      continue;
+    }
+    WS_CUDA(cuda::CopyConvert2D(
+        chunk + o.src_offset(), o.src_stride(), o.src_dtype(), dst,
+        o.dst_stride(), o.dst_dtype(), o.rows(), o.cols(), scatter_stream_));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status GpuWorker::EnqueueIpcUpdate(
     const worker::v1::BeginUpdateRequest& request) {
   WS_CUDA(cudaSetDevice(scatter_device_));
@@ -283,26 +297,8 @@ absl::Status GpuWorker::EnqueueIpcUpdate(
   int op = 0;
   for (int64_t k = 0; k < request.chunk_sizes_size(); ++k) {
     const uint8_t* chunk = ipc_source_ + k * request.chunk_bytes();
-    for (; op < request.ops_size() && request.ops(op).chunk() == k; ++op) {
-      const worker::v1::GpuOp& o = request.ops(op);
-      auto it = allocs.find(o.allocation_id());
-      if (it == allocs.end()) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "allocation ", o.allocation_id(), " is not open in the worker"));
-      }
-      if (sm_copies_ && o.src_dtype() == o.dst_dtype()) {
-        const int64_t width = o.cols() * cuda::DTypeSize(o.src_dtype());
-        WS_CUDA(cuda::CopyBytes2DWithSMs(chunk + o.src_offset(), o.src_stride(),
-                                         it->second.ptr + o.dst_offset(),
-                                         o.dst_stride(), width, o.rows(),
-                                         scatter_stream_));
-        continue;
-      }
-      WS_CUDA(cuda::CopyConvert2D(
-          chunk + o.src_offset(), o.src_stride(), o.src_dtype(),
-          it->second.ptr + o.dst_offset(), o.dst_stride(), o.dst_dtype(),
-          o.rows(), o.cols(), scatter_stream_));
-    }
+    absl::Status s = EnqueueChunkOps(request, k, chunk, allocs, &op);
+    if (!s.ok()) return s;
   }
   WS_CUDA(cudaEventRecord(all_done_, scatter_stream_));
   return absl::OkStatus();
@@ -410,18 +406,8 @@ absl::Status GpuWorker::EnqueueUpdate(
     }
     WS_CUDA(cudaEventRecord(recv_done_[b], recv_stream_));
     WS_CUDA(cudaStreamWaitEvent(scatter_stream_, recv_done_[b], 0));
-    for (; op < request.ops_size() && request.ops(op).chunk() == k; ++op) {
-      const worker::v1::GpuOp& o = request.ops(op);
-      auto it = allocs.find(o.allocation_id());
-      if (it == allocs.end()) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "allocation ", o.allocation_id(), " is not open in the worker"));
-      }
-      WS_CUDA(cuda::CopyConvert2D(
-          buf + o.src_offset(), o.src_stride(), o.src_dtype(),
-          it->second.ptr + o.dst_offset(), o.dst_stride(), o.dst_dtype(),
-          o.rows(), o.cols(), scatter_stream_));
-    }
+    absl::Status s = EnqueueChunkOps(request, k, buf, allocs, &op);
+    if (!s.ok()) return s;
     WS_CUDA(cudaEventRecord(scatter_done_[b], scatter_stream_));
   }
   WS_CUDA(cudaEventRecord(all_done_, scatter_stream_));
