@@ -177,6 +177,31 @@ class GpuWorkerSupervisionTest : public ::testing::Test {
   std::unique_ptr<GpuWorkerSupervisor> sup_;
 };
 
+// True once every thread of `pid` is in state T (stopped), within 2 s.
+bool AllThreadsStopped(pid_t pid) {
+  const std::string dir = absl::StrCat("/proc/", pid, "/task");
+  for (int attempt = 0; attempt < 200; ++attempt) {
+    bool all = true;
+    int threads = 0;
+    if (DIR* d = opendir(dir.c_str())) {
+      while (dirent* e = readdir(d)) {
+        if (e->d_name[0] == '.') continue;
+        std::ifstream stat(dir + "/" + e->d_name + "/stat");
+        std::string line;
+        std::getline(stat, line);
+        const size_t close = line.rfind(')');
+        if (close == std::string::npos || close + 2 >= line.size()) continue;
+        ++threads;
+        if (line[close + 2] != 'T' && line[close + 2] != 't') all = false;
+      }
+      closedir(d);
+    }
+    if (threads > 0 && all) return true;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return false;
+}
+
 TEST_F(GpuWorkerSupervisionTest, StartsOnFirstUseAndRefusesAnInvisibleGpu) {
   // Construction alone starts nothing: the daemon may never need a GPU.
   EXPECT_THAT(ProcessesWithArg(socket_arg_), testing::IsEmpty());
@@ -305,6 +330,9 @@ TEST_F(GpuWorkerSupervisionTest, WedgedWorkerIsReplacedAfterADeadline) {
   const pid_t wedged = TheWorker();
   ASSERT_GT(wedged, 0);
   ASSERT_EQ(kill(wedged, SIGSTOP), 0);  // alive, but answers nothing
+  // SIGSTOP lands asynchronously: wait until every thread is stopped, or a
+  // thread still running could answer the next call.
+  ASSERT_TRUE(AllThreadsStopped(wedged));
   ExpectInvisibleGpu(sup_->OpenAllocation(CudaAllocation(kIpcHandleBytes)));
   EXPECT_EQ(sup_->restarts(), 1);
   const pid_t fresh = TheWorker();

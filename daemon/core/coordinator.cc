@@ -463,7 +463,8 @@ std::vector<v1::EngineResult> Coordinator::EndFailedUpdate(
     plane = update_->data_plane;
   }
   plane->Abort();  // no lock: it waits for the copy in progress
-  WaitForSubmits(absl::InfiniteFuture());  // they fail fast once aborted
+  // Submits fail fast once aborted, so this wait is short and always OK.
+  WaitForSubmits(absl::InfiniteFuture()).IgnoreError();
   std::vector<std::string> dirty, resume;
   std::vector<v1::EngineResult> results;
   std::string id;
@@ -611,12 +612,32 @@ absl::StatusOr<v1::FinishWeightUpdateResponse> Coordinator::FinishWeightUpdate(
   v1::DaemonMessage notice;
   notice.mutable_new_version()->set_version(version);
   notice.mutable_new_version()->set_update_id(id);
-  const absl::Time notice_deadline = absl::Now() + options_.notice_timeout;
-  for (const auto& [e, s] :
-       hub_.Broadcast(committed, notice, notice_deadline)) {
-    if (!s.ok()) LOG(WARNING) << "new-version notice: " << s;
+  // New version, then (for engines this update paused) resume: one round
+  // trip for both.
+  std::vector<NoticeHub::Notices> notices;
+  for (const std::string& e : committed) {
+    NoticeHub::Notices& n = notices.emplace_back();
+    n.engine = e;
+    n.messages.push_back(notice);
+    if (std::find(resume.begin(), resume.end(), e) != resume.end()) {
+      n.messages.push_back(ResumeNotice());
+    }
   }
-  ResumeEngines(resume, notice_deadline).IgnoreError();
+  const auto acks =
+      hub_.Broadcast(notices, absl::Now() + options_.notice_timeout);
+  {
+    absl::MutexLock lock(&mu_);
+    for (const std::string& e : resume) {
+      auto it = engines_.find(e);
+      if (acks.at(e).ok() && it != engines_.end()) {
+        it->second.paused = false;
+        it->second.paused_by_update = false;
+      }
+    }
+  }
+  for (const auto& [e, s] : acks) {
+    if (!s.ok()) LOG(WARNING) << "new-version/resume notice: " << s;
+  }
   LOG(INFO) << "update " << id << " committed version " << version << " on "
             << absl::StrJoin(committed, ",") << " in " << response.seconds()
             << " s";

@@ -60,28 +60,46 @@ void NoticeHub::OnAck(const std::string& engine,
 std::map<std::string, absl::Status> NoticeHub::Broadcast(
     const std::vector<std::string>& engines, v1::DaemonMessage message,
     absl::Time deadline) {
+  std::vector<Notices> notices;
+  for (const std::string& e : engines) notices.push_back({e, {message}});
+  return Broadcast(notices, deadline);
+}
+
+std::map<std::string, absl::Status> NoticeHub::Broadcast(
+    const std::vector<Notices>& notices, absl::Time deadline) {
   std::map<std::string, absl::Status> result;
-  std::vector<std::pair<uint64_t, std::shared_ptr<ControlChannel>>> sends;
+  struct Send {
+    uint64_t id;
+    std::shared_ptr<ControlChannel> channel;
+    const v1::DaemonMessage* message;
+  };
+  std::vector<Send> sends;
   {
     absl::MutexLock lock(&mu_);
-    for (const std::string& e : engines) {
-      auto it = channels_.find(e);
+    for (const Notices& n : notices) {
+      auto it = channels_.find(n.engine);
       if (it == channels_.end()) {
-        result[e] = absl::UnavailableError(
-            absl::StrCat("engine '", e, "' has no open control stream"));
+        result[n.engine] = absl::UnavailableError(
+            absl::StrCat("engine '", n.engine, "' has no open control stream"));
         continue;
       }
-      const uint64_t id = next_notice_++;
-      pending_[id] = Pending{e};
-      sends.push_back({id, it->second});
+      for (const v1::DaemonMessage& m : n.messages) {
+        const uint64_t id = next_notice_++;
+        pending_[id] = Pending{n.engine};
+        sends.push_back({id, it->second, &m});
+      }
     }
   }
-  // Send outside the lock: a slow stream must not stall other callers.
-  for (auto& [id, ch] : sends) {
-    message.set_notice_id(id);
-    if (!ch->Send(message)) {
+  // Send everything before waiting for anything: an engine's notices are
+  // acknowledged in order, so a sequence costs one round trip, not one per
+  // notice. Sending happens outside the lock: a slow stream must not stall
+  // other callers.
+  for (const Send& s : sends) {
+    v1::DaemonMessage message = *s.message;
+    message.set_notice_id(s.id);
+    if (!s.channel->Send(message)) {
       absl::MutexLock lock(&mu_);
-      Pending& p = pending_[id];
+      Pending& p = pending_[s.id];
       if (!p.done) {
         p.done = true;
         p.status = absl::UnavailableError(
@@ -91,19 +109,21 @@ std::map<std::string, absl::Status> NoticeHub::Broadcast(
   }
   absl::MutexLock lock(&mu_);
   auto all_done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    for (auto& [id, ch] : sends) {
-      if (!pending_[id].done) return false;
+    for (const Send& s : sends) {
+      if (!pending_[s.id].done) return false;
     }
     return true;
   };
   mu_.AwaitWithDeadline(absl::Condition(&all_done), deadline);
-  for (auto& [id, ch] : sends) {
-    Pending& p = pending_[id];
-    result[p.engine] =
+  for (const Send& s : sends) {
+    Pending& p = pending_[s.id];
+    absl::Status status =
         p.done ? p.status
                : absl::DeadlineExceededError(absl::StrCat(
                      "engine '", p.engine, "' did not acknowledge in time"));
-    pending_.erase(id);
+    auto [it, fresh] = result.emplace(p.engine, status);
+    if (!fresh && it->second.ok()) it->second = status;  // first failure
+    pending_.erase(s.id);
   }
   return result;
 }

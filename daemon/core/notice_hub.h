@@ -46,6 +46,15 @@ class NoticeHub {
       const std::vector<std::string>& engines, v1::DaemonMessage message,
       absl::Time deadline);
 
+  // Several notices per engine, delivered in order and all acknowledged
+  // within one round trip; per engine, the first failure or OK.
+  struct Notices {
+    std::string engine;
+    std::vector<v1::DaemonMessage> messages;
+  };
+  std::map<std::string, absl::Status> Broadcast(
+      const std::vector<Notices>& notices, absl::Time deadline);
+
  private:
   struct Pending {
     std::string engine;
