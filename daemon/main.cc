@@ -37,8 +37,8 @@ DEFINE_string(gpu_worker, "",
 DEFINE_int32(gpu, 0, "CUDA ordinal of the GPU the daemon's NCCL rank uses");
 DEFINE_bool(ipc_sm_copies, false,
             "IPC backend: copy same-dtype blocks with a kernel on the SMs "
-            "(about 2x faster on one GPU) instead of the copy engines, which "
-            "leave the engine's SMs alone");
+            "instead of the copy engines, which leave the engine's SMs alone "
+            "(measured no faster on one H200: 832 vs 862 GB/s)");
 DEFINE_int32(gpu_staging_buffers, 4, "GPU staging buffers (chunks in flight)");
 DEFINE_int64(gpu_staging_budget_bytes, int64_t{4} << 30,
              "bytes of GPU staging the daemon never exceeds");
@@ -67,6 +67,10 @@ bool ValidFlags() {
       FLAGS_chunk_bytes > FLAGS_max_chunk_bytes) {
     LOG(ERROR) << "--chunk_bytes must be a multiple of 256, at most "
                   "--max_chunk_bytes";
+    return false;
+  }
+  if (FLAGS_gpu_staging_buffers < 2) {
+    LOG(ERROR) << "--gpu_staging_buffers must be at least 2 (pipelining)";
     return false;
   }
   if (FLAGS_staging_buffers < 2) {

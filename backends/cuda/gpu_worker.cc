@@ -260,7 +260,8 @@ absl::Status GpuWorker::EnsureStreams() {
 absl::Status GpuWorker::EnqueueChunkOps(
     const worker::v1::BeginUpdateRequest& request, int64_t k,
     const uint8_t* chunk,
-    const absl::flat_hash_map<int64_t, Allocation>& allocs, int* op) {
+    const absl::flat_hash_map<int64_t, Allocation>& allocs, bool sm_copies,
+    int* op) {
   for (; *op < request.ops_size() && request.ops(*op).chunk() == k; ++*op) {
     const worker::v1::GpuOp& o = request.ops(*op);
     auto it = allocs.find(o.allocation_id());
@@ -297,7 +298,8 @@ absl::Status GpuWorker::EnqueueIpcUpdate(
   int op = 0;
   for (int64_t k = 0; k < request.chunk_sizes_size(); ++k) {
     const uint8_t* chunk = ipc_source_ + k * request.chunk_bytes();
-    absl::Status s = EnqueueChunkOps(request, k, chunk, allocs, &op);
+    absl::Status s =
+        EnqueueChunkOps(request, k, chunk, allocs, sm_copies_, &op);
     if (!s.ok()) return s;
   }
   WS_CUDA(cudaEventRecord(all_done_, scatter_stream_));
@@ -406,7 +408,7 @@ absl::Status GpuWorker::EnqueueUpdate(
     }
     WS_CUDA(cudaEventRecord(recv_done_[b], recv_stream_));
     WS_CUDA(cudaStreamWaitEvent(scatter_stream_, recv_done_[b], 0));
-    absl::Status s = EnqueueChunkOps(request, k, buf, allocs, &op);
+    absl::Status s = EnqueueChunkOps(request, k, buf, allocs, false, &op);
     if (!s.ok()) return s;
     WS_CUDA(cudaEventRecord(scatter_done_[b], scatter_stream_));
   }

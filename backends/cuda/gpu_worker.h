@@ -93,11 +93,13 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   absl::Status OpenIpcSource(const worker::v1::BeginUpdateRequest& request);
   void CloseIpcSource();
   absl::Status EnqueueIpcUpdate(const worker::v1::BeginUpdateRequest& request);
-  // Enqueues the ops of chunk `k` (from *op on) reading from `chunk`.
+  // Enqueues the ops of chunk `k` (from *op on) reading from `chunk`;
+  // `sm_copies`: same-dtype blocks by kernel rather than copy engines.
   absl::Status EnqueueChunkOps(
       const worker::v1::BeginUpdateRequest& request, int64_t k,
       const uint8_t* chunk,
-      const absl::flat_hash_map<int64_t, Allocation>& allocs, int* op);
+      const absl::flat_hash_map<int64_t, Allocation>& allocs, bool sm_copies,
+      int* op);
   absl::Status WaitComm(absl::Time deadline);
   absl::Status EnqueueUpdate(const worker::v1::BeginUpdateRequest& request);
   absl::Time Deadline(const grpc::ServerContext* ctx) const;

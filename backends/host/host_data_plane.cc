@@ -46,6 +46,16 @@ absl::Status HostDataPlane::Begin(std::shared_ptr<const CopyPlan> plan,
         plan->chunks.chunk_bytes, " bytes exceeds the budget of ",
         options_.staging_budget, "; use a smaller chunk_bytes"));
   }
+  for (const auto& engine : plan->engines) {
+    for (const auto& region : engine->regions) {
+      if (region->data() == nullptr) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("engine '", engine->engine_id,
+                         "' registered GPU memory (", region->device_uuid(),
+                         "); the host backend writes host shared memory only"));
+      }
+    }
+  }
   absl::MutexLock lock(&mu_);
   if (busy_ || !queue_.empty()) {
     return absl::FailedPreconditionError("host data plane is still busy");

@@ -278,20 +278,17 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
   // Plan every byte before moving any (invariant 2).
   WS_ASSIGN_OR_RETURN(std::shared_ptr<const CopyPlan> plan,
                       BuildCopyPlan(request.tensors(), chunk_bytes, layouts));
-  // Staging first (it may refuse the budget), so a refusal leaves the
-  // engines untouched and serving.
-  WS_RETURN_IF_ERROR(plane->Begin(plan, request));
-  // Streaming writes into live memory: the engines must be paused first.
+  // Streaming writes into live memory: pause the engines first (an IPC data
+  // plane starts copying as soon as Begin returns).
+  std::vector<std::string> paused;
   if (!to_pause.empty()) {
     const auto acks = hub_.Broadcast(to_pause, PauseNotice(v1::PAUSE_MODE_KEEP),
                                      absl::Now() + options_.notice_timeout);
-    std::vector<std::string> paused;
     for (const auto& [id, s] : acks) {
       if (s.ok()) paused.push_back(id);
     }
     const absl::Status failed = FirstError(acks);
     if (!failed.ok()) {
-      plane->Abort();
       hub_.Broadcast(paused, ResumeNotice(),
                      absl::Now() + options_.notice_timeout);
       return absl::Status(
@@ -299,6 +296,14 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
           absl::StrCat("could not pause for update '", request.update_id(),
                        "': ", failed.message()));
     }
+  }
+  // Staging may refuse the budget: then nothing moved, and the engines this
+  // call paused serve again.
+  const absl::Status begun = plane->Begin(plan, request);
+  if (!begun.ok()) {
+    hub_.Broadcast(paused, ResumeNotice(),
+                   absl::Now() + options_.notice_timeout);
+    return begun;
   }
 
   absl::MutexLock lock(&mu_);
