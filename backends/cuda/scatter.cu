@@ -422,18 +422,18 @@ __global__ void __launch_bounds__(256)
 }  // namespace
 
 cudaError_t CopyBytes2DWithSMs(const void* src, int64_t src_stride, void* dst,
-                               int64_t dst_stride, int64_t width,
-                               int64_t rows, cudaStream_t stream) {
+                               int64_t dst_stride, int64_t width, int64_t rows,
+                               cudaStream_t stream) {
   if (rows < 0 || width < 0) return cudaErrorInvalidValue;
   if (rows == 0 || width == 0) return cudaSuccess;
   if (rows == 1) src_stride = dst_stride = width;
   const auto s = reinterpret_cast<uintptr_t>(src);
   const auto d = reinterpret_cast<uintptr_t>(dst);
-  const bool vec = (s | d | static_cast<uintptr_t>(src_stride) |
-                    static_cast<uintptr_t>(dst_stride) |
-                    static_cast<uintptr_t>(width)) %
-                       16 ==
-                   0;
+  const bool vec =
+      (s | d | static_cast<uintptr_t>(src_stride) |
+       static_cast<uintptr_t>(dst_stride) | static_cast<uintptr_t>(width)) %
+          16 ==
+      0;
   const int64_t units = vec ? width / 16 : width;
   int device = 0, sms = 0;
   cudaError_t err = cudaGetDevice(&device);
