@@ -7,7 +7,7 @@ PKGS=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libgoogle-glog-dev libgflags-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  python3-grpcio python3-protobuf
+  python3-grpcio python3-protobuf python3-numpy
   clang-format
 )
 missing=()

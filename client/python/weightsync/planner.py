@@ -8,8 +8,8 @@ implementation is common/chunk_planner.{h,cc}. Both implementations must
 agree on every case of tests/vectors/chunk_plan.json, which this module
 generates:
 
-    python3 tools/chunk_planner.py --write tests/vectors/chunk_plan.json
-    python3 tools/chunk_planner.py --check tests/vectors/chunk_plan.json
+    python3 client/python/weightsync/planner.py --write tests/vectors/chunk_plan.json
+    python3 client/python/weightsync/planner.py --check tests/vectors/chunk_plan.json
 
 The module is standard-library only and `plan_chunks` is a pure function, so
 clients (e.g. the Python trainer client) may import it directly.
@@ -458,7 +458,7 @@ def main(argv=None):
         with open(args.check, encoding="utf-8") as f:
             if f.read() != text:
                 print(f"{args.check} is out of date; regenerate with "
-                      f"python3 tools/chunk_planner.py --write {args.check}", file=sys.stderr)
+                      f"python3 client/python/weightsync/planner.py --write {args.check}", file=sys.stderr)
                 return 1
     else:
         sys.stdout.write(text)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Tests for tools/chunk_planner.py against tests/vectors/chunk_plan.json.
+"""Tests for client/python/weightsync/planner.py against tests/vectors/chunk_plan.json.
 
 Run: python3 tools/test_chunk_planner.py
 """
@@ -11,12 +11,12 @@ import sys
 import unittest
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, _HERE)
+sys.path.insert(0, os.path.dirname(_HERE))  # client/python
 
-import chunk_planner  # noqa: E402
-from chunk_planner import ALIGNMENT, ELEMENT_SIZES, plan_chunks  # noqa: E402
+from weightsync import planner as chunk_planner  # noqa: E402
+from weightsync.planner import ALIGNMENT, ELEMENT_SIZES, plan_chunks  # noqa: E402
 
-VECTORS_PATH = os.path.join(os.path.dirname(_HERE), "tests", "vectors", "chunk_plan.json")
+VECTORS_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(_HERE))), "tests", "vectors", "chunk_plan.json")
 
 
 def load_vectors():
@@ -101,7 +101,7 @@ class VectorsTest(unittest.TestCase):
     def test_file_is_up_to_date(self):
         with open(VECTORS_PATH, encoding="utf-8") as f:
             self.assertEqual(f.read(), chunk_planner.render_vectors(),
-                             "regenerate: python3 tools/chunk_planner.py --write "
+                             "regenerate: python3 client/python/weightsync/planner.py --write "
                              "tests/vectors/chunk_plan.json")
 
     def test_cases(self):

@@ -1,0 +1,148 @@
+"""The Python client against the real weightsyncd on the host backend.
+
+Run by Bazel (//client/python:host_test) with WEIGHTSYNCD pointing at the
+daemon binary; also by hand: WEIGHTSYNCD=bazel-bin/daemon/weightsyncd
+python3 client/python/tests/test_host.py
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import weightsync  # noqa: E402
+from weightsync import WeightSyncError  # noqa: E402
+
+
+class HostBackendTest(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="wspy.", dir="/tmp")
+        self.sock = os.path.join(self.dir, "d.sock")
+        self.log = open(os.path.join(self.dir, "daemon.log"), "w")
+        self.daemon = subprocess.Popen(
+            [os.environ["WEIGHTSYNCD"], f"--socket={self.sock}", "--notice_timeout_ms=2000"],
+            stderr=self.log)
+        for _ in range(100):
+            if os.path.exists(self.sock):
+                break
+            time.sleep(0.05)
+        self.target = "unix:" + self.sock
+        self.trainer = weightsync.Trainer(self.target, timeout=10)
+        self.engines = []
+
+    def tearDown(self):
+        for e in self.engines:
+            e.close()
+        self.trainer.close()
+        self.daemon.terminate()
+        self.assertEqual(self.daemon.wait(timeout=10), 0)
+        self.log.close()
+
+    def engine(self, engine_id, params, **kwargs):
+        e = weightsync.Engine(engine_id, self.target, timeout=10)
+        hooks = kwargs.pop("hooks", {})
+        arrays = e.register_host(params, **kwargs)
+        e.start(**hooks)
+        self.engines.append(e)
+        for _ in range(100):  # until the daemon sees the control stream
+            if any(s.engine_id == engine_id and s.connected for s in self.trainer.status().engines):
+                break
+            time.sleep(0.02)
+        return e, arrays
+
+    def test_updates_convert_and_commit_versions(self):
+        events = []
+        engine, w = self.engine(
+            "e0", [("a", "FLOAT16", (33, 17)), ("b", "FLOAT32", (5,))],
+            hooks={"on_pause": lambda mode: events.append(("pause", mode)),
+                   "on_resume": lambda: events.append(("resume",)),
+                   "on_new_version": lambda v: events.append(("version", v))})
+        self.trainer.init_host()
+        self.assertEqual(self.trainer.world_size(), 1)
+        rng = np.random.default_rng(0)
+        for version in (1, 2, 3):
+            a = rng.standard_normal((33, 17)).astype(np.float32)
+            b = rng.standard_normal(5).astype(np.float32)
+            result = self.trainer.update([("a", a), ("b", b)], version=version, chunk_bytes=1024)
+            self.assertEqual(result.version, version)
+            # float32 -> float16 on the way in, round to nearest even.
+            np.testing.assert_array_equal(w["a"], a.astype(np.float16))
+            np.testing.assert_array_equal(w["b"], b)
+            self.assertTrue(engine.wait_for_version(version, 5))
+        self.assertEqual(engine.version, 3)
+        self.assertIn(("pause", "PAUSE_MODE_KEEP"), events)
+        self.assertIn(("version", 3), events)
+        self.assertEqual(events[-1], ("resume",))
+        status = self.trainer.status()
+        self.assertEqual(status.engines[0].version, 3)
+        self.assertEqual(status.update.phase, "committed")
+
+    def test_segments_fuse_checkpoint_tensors(self):
+        # qkv [6, 4] = q [4, 4] rows then k [2, 4] rows.
+        segs = {"qkv": [
+            {"source": "q", "source_shape": [4, 4], "row_count": 4, "col_count": 4},
+            {"source": "k", "source_shape": [2, 4], "row_count": 2, "col_count": 4,
+             "dest_offset": 16}]}
+        _, w = self.engine("fused", [("qkv", "FLOAT32", (6, 4))], segments=segs)
+        self.trainer.init_host()
+        q = np.arange(16, dtype=np.float32).reshape(4, 4)
+        k = -np.arange(8, dtype=np.float32).reshape(2, 4)
+        self.trainer.update([("q", q), ("k", k)], version=1)
+        np.testing.assert_array_equal(w["qkv"], np.concatenate([q, k]))
+
+    def test_bad_input_names_the_culprit_and_writes_nothing(self):
+        _, w = self.engine("e1", [("a", "FLOAT32", (4, 4))])
+        self.trainer.init_host()
+        self.trainer.update([("a", np.ones((4, 4), np.float32))], version=5)
+        before = w["a"].copy()
+        with self.assertRaises(WeightSyncError) as e:
+            self.trainer.update([("ghost", np.zeros(3, np.float32))], version=6)
+        self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
+        self.assertIn("'ghost'", e.exception.message)
+        with self.assertRaises(WeightSyncError) as e:
+            self.trainer.update([("a", np.zeros((2, 2), np.float32))], version=6)
+        self.assertIn("shape [2, 2] does not match", e.exception.message)
+        with self.assertRaises(WeightSyncError) as e:
+            self.trainer.update([("a", np.zeros((4, 4), np.float32))], version=4)
+        self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
+        self.assertIn("engine 'e1' version 5", e.exception.message)
+        np.testing.assert_array_equal(w["a"], before)
+        with self.assertRaises(ValueError):
+            self.trainer.update([("a", np.zeros(2, np.complex64))], version=6)
+        self.trainer.update([("a", np.full((4, 4), 2, np.float32))], version=6)
+        np.testing.assert_array_equal(w["a"], np.full((4, 4), 2, np.float32))
+
+    def test_pause_context_and_refusing_engine(self):
+        engine, _ = self.engine("e2", [("a", "FLOAT32", (2,))])
+        with self.trainer.paused():
+            self.assertTrue(engine.paused)
+            self.assertEqual(self.trainer.status().engines[0].state,
+                             weightsync._proto.v1.ENGINE_PAUSED)
+        self.assertFalse(engine.paused)
+
+        def refuse(mode):
+            raise RuntimeError("mid-generation")
+
+        self.engine("e3", [("a", "FLOAT32", (2,))], hooks={"on_pause": refuse})
+        with self.assertRaises(WeightSyncError) as e:
+            self.trainer.pause(timeout=2)
+        self.assertIn("e3", e.exception.message)
+        self.assertIn("mid-generation", e.exception.message)
+        self.assertFalse(engine.paused)  # all or nothing: e2 was resumed
+
+    def test_calls_out_of_order(self):
+        self.engine("e4", [("a", "FLOAT32", (2,))])
+        with self.assertRaises(WeightSyncError) as e:
+            self.trainer.update([("a", np.zeros(2, np.float32))], version=1)
+        self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
+        self.assertIn("InitWeightTransfer", e.exception.message)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,22 @@
+"""weightsync: the Python client of weightsyncd.
+
+Trainers use `Trainer` to push weights; engine workers use `Engine` to offer
+theirs. Both talk to the local daemon over gRPC (no pickle anywhere: every
+message is a protobuf of the weightsync.v1 API). See docs/python.md.
+"""
+
+from weightsync._errors import WeightSyncError
+from weightsync import planner
+
+__all__ = ["WeightSyncError", "Trainer", "Engine", "planner"]
+
+
+def __getattr__(name):
+    # Trainer and Engine need grpc and numpy; the planner alone needs neither.
+    if name == "Trainer":
+        from weightsync.trainer import Trainer
+        return Trainer
+    if name == "Engine":
+        from weightsync.engine import Engine
+        return Engine
+    raise AttributeError(name)

@@ -1,0 +1,110 @@
+"""weightsync.v1 messages and stubs, built at run time from a descriptor set.
+
+No generated _pb2 code: the package ships `weightsync_v1.desc` (a
+FileDescriptorSet of proto/weightsync/v1, regenerated and checked by the
+build) and builds the message classes from it, which works with protobuf
+runtimes from 3.20 (Debian) to 7.x (the GPU machines) alike.
+"""
+
+import os
+
+import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+from weightsync._errors import WeightSyncError
+
+_DESC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weightsync_v1.desc")
+
+_pool = descriptor_pool.DescriptorPool()
+with open(_DESC, "rb") as f:
+    _files = descriptor_pb2.FileDescriptorSet.FromString(f.read())
+for _file in _files.file:
+    _pool.Add(_file)
+
+
+def _message_class(full_name):
+    descriptor = _pool.FindMessageTypeByName(full_name)
+    if hasattr(message_factory, "GetMessageClass"):  # protobuf >= 4.22
+        return message_factory.GetMessageClass(descriptor)
+    return message_factory.MessageFactory(_pool).GetPrototype(descriptor)
+
+
+class _Namespace:
+    """weightsync.v1 message classes and enum values by short name."""
+
+    def __getattr__(self, name):
+        try:
+            cls = _message_class("weightsync.v1." + name)
+        except KeyError:
+            for file in _files.file:
+                fd = _pool.FindFileByName(file.name)
+                for enum in fd.enum_types_by_name.values():
+                    if name in enum.values_by_name:
+                        value = enum.values_by_name[name].number
+                        setattr(self, name, value)
+                        return value
+            raise AttributeError(name)
+        setattr(self, name, cls)
+        return cls
+
+    def enum_name(self, enum, number):
+        return _pool.FindEnumTypeByName("weightsync.v1." + enum).values_by_number[number].name
+
+
+v1 = _Namespace()
+
+
+class Stub:
+    """Calls one weightsync.v1 service by method name, with a deadline each."""
+
+    def __init__(self, channel, service, timeout):
+        self._channel = channel
+        self._service = _pool.FindServiceByName("weightsync.v1." + service)
+        self._timeout = timeout
+        self._methods = {}
+
+    def _method(self, name):
+        if name not in self._methods:
+            m = self._service.methods_by_name[name]
+            path = f"/{self._service.full_name}/{name}"
+            req = _message_class(m.input_type.full_name)
+            resp = _message_class(m.output_type.full_name)
+            kind = {(False, False): self._channel.unary_unary,
+                    (True, False): self._channel.stream_unary,
+                    (False, True): self._channel.unary_stream,
+                    (True, True): self._channel.stream_stream}[
+                        (m.client_streaming, m.server_streaming)]
+            self._methods[name] = (kind(path, request_serializer=req.SerializeToString,
+                                        response_deserializer=resp.FromString), req)
+        return self._methods[name]
+
+    def call(self, name, request=None, timeout=None, **fields):
+        """Unary (or client-streaming with an iterator `request`) call."""
+        method, req_cls = self._method(name)
+        if request is None:
+            request = req_cls(**fields)
+        try:
+            return method(request, timeout=timeout or self._timeout)
+        except grpc.RpcError as e:
+            raise WeightSyncError(e.code().name, e.details()) from None
+
+    def stream(self, name, requests, timeout=None):
+        """A bidirectional stream; returns the response iterator."""
+        method, _ = self._method(name)
+        return method(requests, timeout=timeout)
+
+
+def channel(target, max_message_bytes=(64 << 20) + (1 << 20)):
+    if target.startswith("/"):
+        target = "unix:" + target
+    return grpc.insecure_channel(target, options=[
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ])
+
+
+def default_target():
+    """The daemon's default Unix socket (as weightsyncd picks it)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = os.path.join(runtime, "weightsync") if runtime else f"/tmp/weightsync-{os.getuid()}"
+    return "unix:" + os.path.join(base, "weightsyncd.sock")

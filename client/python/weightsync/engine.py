@@ -1,0 +1,155 @@
+"""Engine side: offer an engine worker's weights to weightsyncd.
+
+Host backend: the parameters live in one POSIX shared-memory object this
+client creates; `register_host` returns numpy views of them, which the
+engine uses as its weights (or copies from). A background thread serves the
+control stream: it runs the pause/resume hooks, records the committed
+version (tag responses with `engine.version`) and acknowledges each notice.
+
+    engine = weightsync.Engine("worker-0")
+    weights = engine.register_host([("w", "FLOAT32", (4, 8))])
+    engine.start(on_pause=pause_generation, on_resume=resume_generation)
+"""
+
+import os
+import queue
+import threading
+from multiprocessing import shared_memory
+
+import numpy as np
+
+from weightsync._errors import WeightSyncError
+from weightsync._proto import Stub, channel, default_target, v1
+from weightsync._tensors import STORAGE
+from weightsync import planner
+
+
+class Engine:
+    def __init__(self, engine_id, target=None, timeout=30.0):
+        self.engine_id = engine_id
+        self._channel = channel(target or default_target())
+        self._stub = Stub(self._channel, "EngineService", timeout)
+        self._shm = None
+        self._outbox = None
+        self._thread = None
+        self._responses = None
+        self._lock = threading.Condition()
+        self.version = 0
+        self.paused = False
+        self.dirty = False
+
+    def register_host(self, params, version=0, segments=None):
+        """Lays out `params` [(name, dtype enum name, shape)] in shared
+        memory (256-byte aligned), registers them and returns {name: numpy
+        array}. `segments` maps a parameter name to a list of
+        weightsync.v1.Segment field dicts (checkpoint layout, see
+        docs/protocol.md); without, each parameter is the checkpoint tensor
+        of the same name and shape."""
+        offsets, offset = [], 0
+        for name, dtype, shape in params:
+            offset = planner.align_up(offset)
+            offsets.append(offset)
+            offset += planner.payload_bytes(dtype, list(shape))
+        self._shm = shared_memory.SharedMemory(
+            name=f"weightsync-{self.engine_id}-{os.getpid()}", create=True, size=max(offset, 1))
+        request = v1.RegisterEngineRequest(engine_id=self.engine_id, version=version)
+        request.allocations.add(kind=v1.MEMORY_HOST_SHM, handle=("/" + self._shm.name).encode(),
+                                size=self._shm.size, device_uuid="host")
+        arrays = {}
+        for (name, dtype, shape), off in zip(params, offsets):
+            p = request.parameters.add(name=name, dtype=getattr(v1, dtype), shape=list(shape),
+                                       allocation=0, offset=off)
+            for seg in (segments or {}).get(name, []):
+                p.segments.add(**seg)
+            count = int(np.prod(shape)) if len(shape) else 1
+            arrays[name] = np.ndarray(shape, dtype=STORAGE[dtype], buffer=self._shm.buf,
+                                      offset=off) if count else np.zeros(shape, STORAGE[dtype])
+        self._stub.call("RegisterEngine", request)
+        self.version = version
+        return arrays
+
+    def start(self, on_pause=None, on_resume=None, on_new_version=None, on_dirty=None):
+        """Opens the control stream and serves notices on a daemon thread.
+        A hook that raises refuses the notice (the daemon sees the message)."""
+        self._outbox = queue.Queue()
+        hello = v1.EngineMessage()
+        hello.hello.engine_id = self.engine_id
+        self._outbox.put(hello)
+
+        def requests():
+            while True:
+                m = self._outbox.get()
+                if m is None:
+                    return
+                yield m
+
+        self._responses = self._stub.stream("Control", requests())
+        hooks = {"pause": on_pause, "resume": on_resume, "new_version": on_new_version,
+                 "dirty": on_dirty}
+
+        def serve():
+            try:
+                for notice in self._responses:
+                    kind = notice.WhichOneof("kind")
+                    ok, message = True, ""
+                    try:
+                        self._apply(kind, notice, hooks.get(kind))
+                    except Exception as e:  # the engine refuses: tell the daemon
+                        ok, message = False, f"{type(e).__name__}: {e}"
+                    ack = v1.EngineMessage()
+                    ack.ack.notice_id = notice.notice_id
+                    ack.ack.ok = ok
+                    ack.ack.message = message
+                    self._outbox.put(ack)
+            except Exception:
+                pass  # stream closed (close() or the daemon went away)
+
+        self._thread = threading.Thread(target=serve, name=f"weightsync-{self.engine_id}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _apply(self, kind, notice, hook):
+        if kind == "pause":
+            if hook:
+                hook(v1.enum_name("PauseMode", notice.pause.mode))
+            self.paused = True
+        elif kind == "resume":
+            if hook:
+                hook()
+            self.paused = False
+        elif kind == "new_version":
+            with self._lock:
+                self.version = notice.new_version.version
+                self.dirty = False
+                self._lock.notify_all()
+            if hook:
+                hook(notice.new_version.version)
+        elif kind == "dirty":
+            self.dirty = True
+            if hook:
+                hook(notice.dirty.reason)
+
+    def wait_for_version(self, version, timeout=10.0):
+        with self._lock:
+            return self._lock.wait_for(lambda: self.version >= version, timeout)
+
+    def close(self):
+        """Ends the control stream (the daemon forgets the engine) and frees
+        the shared memory."""
+        if self._outbox is not None:
+            self._outbox.put(None)
+        if self._responses is not None:
+            self._responses.cancel()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._channel.close()
+        if self._shm is not None:
+            try:
+                self._shm.unlink()
+            except FileNotFoundError:
+                pass
+            try:
+                self._shm.close()
+            except BufferError:
+                pass  # the engine still holds views; unmapped when they go
+            self._shm = None
