@@ -19,7 +19,9 @@ _pool = descriptor_pool.DescriptorPool()
 with open(_DESC, "rb") as f:
     _files = descriptor_pb2.FileDescriptorSet.FromString(f.read())
 for _file in _files.file:
-    _pool.Add(_file)
+    # AddSerializedFile is the one call every runtime (python, cpp, upb;
+    # protobuf 3.20 .. 7.x) provides.
+    _pool.AddSerializedFile(_file.SerializeToString())
 
 
 def _message_class(full_name):
