@@ -136,6 +136,44 @@ class HostBackendTest(unittest.TestCase):
         self.assertIn("mid-generation", e.exception.message)
         self.assertFalse(engine.paused)  # all or nothing: e2 was resumed
 
+    def test_llama_layout_helpers_on_a_tensor_parallel_pair(self):
+        from weightsync import layouts
+        config = {"vocab_size": 1003, "hidden_size": 64, "intermediate_size": 160,
+                  "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "head_dim": 16, "model_type": "qwen3"}
+        ranks = []
+        for r in range(2):
+            params, segments = layouts.llama_engine_layout(config, r, 2, dtype="FLOAT16")
+            ranks.append(self.engine(f"tp{r}", params, segments=segments)[1])
+        self.trainer.init_host()
+        rng = np.random.default_rng(1)
+        ckpt = {name: rng.standard_normal(shape).astype(np.float32)
+                for name, shape in layouts.checkpoint_shapes(config)}
+        self.assertIn("lm_head.weight", ckpt)
+        self.assertIn("model.layers.1.self_attn.k_norm.weight", ckpt)
+        self.trainer.update(ckpt.items(), version=1, chunk_bytes=4096)
+        h = lambda a: a.astype(np.float16)  # noqa: E731
+        qs, kvs, is_, vs = 32, 16, 80, 512
+        for r, w in enumerate(ranks):
+            p = "model.layers.1."
+            np.testing.assert_array_equal(w[p + "self_attn.qkv_proj.weight"], h(np.concatenate([
+                ckpt[p + "self_attn.q_proj.weight"][r * qs:(r + 1) * qs],
+                ckpt[p + "self_attn.k_proj.weight"][r * kvs:(r + 1) * kvs],
+                ckpt[p + "self_attn.v_proj.weight"][r * kvs:(r + 1) * kvs]])))
+            np.testing.assert_array_equal(w[p + "self_attn.o_proj.weight"],
+                                          h(ckpt[p + "self_attn.o_proj.weight"][:, r * qs:(r + 1) * qs]))
+            np.testing.assert_array_equal(w[p + "mlp.gate_up_proj.weight"], h(np.concatenate([
+                ckpt[p + "mlp.gate_proj.weight"][r * is_:(r + 1) * is_],
+                ckpt[p + "mlp.up_proj.weight"][r * is_:(r + 1) * is_]])))
+            np.testing.assert_array_equal(w[p + "mlp.down_proj.weight"],
+                                          h(ckpt[p + "mlp.down_proj.weight"][:, r * is_:(r + 1) * is_]))
+            np.testing.assert_array_equal(w["model.norm.weight"], h(ckpt["model.norm.weight"]))
+            rows = ckpt["lm_head.weight"][r * vs:(r + 1) * vs]
+            np.testing.assert_array_equal(w["lm_head.weight"][:len(rows)], h(rows))
+            self.assertFalse(w["lm_head.weight"][len(rows):].any())  # padding untouched
+        with self.assertRaises(ValueError):
+            layouts.llama_engine_layout(config, 0, 3)  # 4 heads over 3 ranks
+
     def test_calls_out_of_order(self):
         self.engine("e4", [("a", "FLOAT32", (2,))])
         with self.assertRaises(WeightSyncError) as e:

@@ -1,0 +1,132 @@
+"""Segment mappings from Hugging Face Llama/Qwen checkpoints to an engine
+layout with fused qkv and gate_up and tensor-parallel shards (vLLM-style).
+
+A trainer sends plain Hugging Face names and shapes; each engine rank
+registers its own parameters with these segments and the daemon assembles
+them on the way in. Segment semantics: docs/protocol.md. The same layout
+as the C++ tools/synthetic model, so both can be checked against each other.
+
+    params, segments = llama_engine_layout(model.config, tp_rank=r, tp_size=2,
+                                           dtype="BFLOAT16")
+    weights = engine.register_host(params, segments=segments)
+"""
+
+__all__ = ["llama_engine_layout", "checkpoint_shapes"]
+
+
+def _cfg(config, name, default=None):
+    if isinstance(config, dict):
+        return config.get(name, default)
+    return getattr(config, name, default)
+
+
+def _dims(config):
+    hidden = _cfg(config, "hidden_size")
+    heads = _cfg(config, "num_attention_heads")
+    return {
+        "vocab": _cfg(config, "vocab_size"),
+        "hidden": hidden,
+        "inter": _cfg(config, "intermediate_size"),
+        "layers": _cfg(config, "num_hidden_layers"),
+        "heads": heads,
+        "kv_heads": _cfg(config, "num_key_value_heads", heads),
+        "head_dim": _cfg(config, "head_dim", None) or hidden // heads,
+        "tied": bool(_cfg(config, "tie_word_embeddings", False)),
+        "qk_norm": bool(_cfg(config, "qk_norm", _cfg(config, "model_type") == "qwen3")),
+    }
+
+
+def checkpoint_shapes(config):
+    """[(name, shape)] of the Hugging Face checkpoint, in model order."""
+    d = _dims(config)
+    H, q, kv = d["hidden"], d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
+    out = [("model.embed_tokens.weight", (d["vocab"], H))]
+    for l in range(d["layers"]):
+        p = f"model.layers.{l}."
+        out += [(p + "input_layernorm.weight", (H,)),
+                (p + "self_attn.q_proj.weight", (q, H)),
+                (p + "self_attn.k_proj.weight", (kv, H)),
+                (p + "self_attn.v_proj.weight", (kv, H)),
+                (p + "self_attn.o_proj.weight", (H, q))]
+        if d["qk_norm"]:
+            out += [(p + "self_attn.q_norm.weight", (d["head_dim"],)),
+                    (p + "self_attn.k_norm.weight", (d["head_dim"],))]
+        out += [(p + "post_attention_layernorm.weight", (H,)),
+                (p + "mlp.gate_proj.weight", (d["inter"], H)),
+                (p + "mlp.up_proj.weight", (d["inter"], H)),
+                (p + "mlp.down_proj.weight", (H, d["inter"]))]
+    out.append(("model.norm.weight", (H,)))
+    if not d["tied"]:
+        out.append(("lm_head.weight", (d["vocab"], H)))
+    return out
+
+
+def _block(source, shape, rows, cols, dest_offset=0, stride=0):
+    """A Segment dict: rows/cols are (begin, count) of the source matrix."""
+    return {"source": source, "source_shape": list(shape),
+            "row_begin": rows[0], "row_count": rows[1],
+            "col_begin": cols[0], "col_count": cols[1],
+            "dest_offset": dest_offset, "dest_row_stride": stride}
+
+
+def llama_engine_layout(config, tp_rank=0, tp_size=1, dtype="BFLOAT16", vocab_pad=64):
+    """(params, segments) for rank `tp_rank` of `tp_size`.
+
+    params: [(name, dtype, shape)] for Engine.register_host.
+    segments: {name: [segment dicts]}; parameters not in it are the
+    checkpoint tensor of the same name (replicated norms).
+    Column-parallel: qkv_proj (q, k, v row shards stacked), gate_up_proj;
+    row-parallel: o_proj, down_proj (column shards); vocab-parallel:
+    embed_tokens, lm_head, each shard padded to a multiple of `vocab_pad`
+    rows (padding rows are never written)."""
+    d = _dims(config)
+    H, I = d["hidden"], d["inter"]
+    q, kv = d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
+    for what, n in (("attention heads", d["heads"]), ("kv heads", d["kv_heads"]),
+                    ("intermediate size", I)):
+        if n % tp_size:
+            raise ValueError(f"{what} ({n}) do not divide by tp_size {tp_size}")
+    qs, kvs, is_ = q // tp_size, kv // tp_size, I // tp_size
+    per_rank = -(-d["vocab"] // tp_size)           # ceil
+    vs = -(-per_rank // vocab_pad) * vocab_pad      # padded shard rows
+    v0 = tp_rank * vs
+    vrows = min(vs, d["vocab"] - v0)
+    if vrows <= 0:
+        raise ValueError(f"rank {tp_rank} of {tp_size} gets no vocab rows "
+                         f"({d['vocab']} rows, shards of {vs})")
+    params, segments = [], {}
+
+    def vocab(name):
+        params.append((name, dtype, (vs, H)))
+        segments[name] = [_block(name, (d["vocab"], H), (v0, vrows), (0, H))]
+
+    vocab("model.embed_tokens.weight")
+    for l in range(d["layers"]):
+        p = f"model.layers.{l}."
+        params.append((p + "input_layernorm.weight", dtype, (H,)))
+        name = p + "self_attn.qkv_proj.weight"
+        params.append((name, dtype, (qs + 2 * kvs, H)))
+        segments[name] = [
+            _block(p + "self_attn.q_proj.weight", (q, H), (tp_rank * qs, qs), (0, H)),
+            _block(p + "self_attn.k_proj.weight", (kv, H), (tp_rank * kvs, kvs), (0, H), qs * H),
+            _block(p + "self_attn.v_proj.weight", (kv, H), (tp_rank * kvs, kvs), (0, H),
+                   (qs + kvs) * H)]
+        name = p + "self_attn.o_proj.weight"
+        params.append((name, dtype, (H, qs)))
+        segments[name] = [_block(name, (H, q), (0, H), (tp_rank * qs, qs), 0, qs)]
+        if d["qk_norm"]:
+            params.append((p + "self_attn.q_norm.weight", dtype, (d["head_dim"],)))
+            params.append((p + "self_attn.k_norm.weight", dtype, (d["head_dim"],)))
+        params.append((p + "post_attention_layernorm.weight", dtype, (H,)))
+        name = p + "mlp.gate_up_proj.weight"
+        params.append((name, dtype, (2 * is_, H)))
+        segments[name] = [
+            _block(p + "mlp.gate_proj.weight", (I, H), (tp_rank * is_, is_), (0, H)),
+            _block(p + "mlp.up_proj.weight", (I, H), (tp_rank * is_, is_), (0, H), is_ * H)]
+        name = p + "mlp.down_proj.weight"
+        params.append((name, dtype, (H, is_)))
+        segments[name] = [_block(name, (H, I), (0, H), (tp_rank * is_, is_), 0, is_)]
+    params.append(("model.norm.weight", dtype, (H,)))
+    if not d["tied"]:
+        vocab("lm_head.weight")
+    return params, segments
