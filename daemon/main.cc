@@ -25,6 +25,8 @@ DEFINE_string(tcp, "", "host:port to also listen on TCP (off when empty)");
 DEFINE_int64(chunk_bytes, 8 << 20, "chunk size when a trainer asks for none");
 DEFINE_int64(max_chunk_bytes, 64 << 20, "largest chunk a trainer may ask for");
 DEFINE_int32(staging_buffers, 4, "host staging buffers (chunks in flight)");
+DEFINE_int64(staged_budget_bytes, int64_t{4} << 30,
+             "bytes a staged update may hold in daemon memory until commit");
 DEFINE_int64(staging_budget_bytes, int64_t{1} << 30,
              "bytes of host staging the daemon never exceeds");
 DEFINE_int64(notice_timeout_ms, 10000,
@@ -93,6 +95,7 @@ int Main() {
   CoordinatorOptions core_options;
   core_options.default_chunk_bytes = FLAGS_chunk_bytes;
   core_options.max_chunk_bytes = FLAGS_max_chunk_bytes;
+  core_options.staged_budget_bytes = FLAGS_staged_budget_bytes;
   core_options.notice_timeout = absl::Milliseconds(FLAGS_notice_timeout_ms);
   core_options.finish_timeout = absl::Milliseconds(FLAGS_finish_timeout_ms);
   core_options.build_info = CudaBuildInfo();

@@ -39,13 +39,18 @@ class ServerTest : public ::testing::Test {
     // Unix socket paths are limited to 107 bytes: use a short /tmp dir.
     char tmpl[] = "/tmp/wstest.XXXXXX";
     dir_ = mkdtemp(tmpl);
-    CoordinatorOptions core;
-    core.notice_timeout = absl::Milliseconds(500);
-    core.finish_timeout = absl::Seconds(5);
+    core_options_.notice_timeout = absl::Milliseconds(500);
+    core_options_.finish_timeout = absl::Seconds(5);
+    RestartCore();
+  }
+
+  // (Re)creates the daemon's core and server with core_options_.
+  void RestartCore() {
+    if (server_ != nullptr) server_->Shutdown(absl::ZeroDuration());
     HostDataPlane::Options host;
     host.staging_buffers = 2;
     host.staging_budget = 1 << 20;
-    core_ = std::make_unique<Coordinator>(core, MakeMemoryMapper(),
+    core_ = std::make_unique<Coordinator>(core_options_, MakeMemoryMapper(),
                                           MakeDataPlaneFactory(host));
     ServerOptions so;
     so.unix_socket = dir_ + "/d.sock";
@@ -154,6 +159,7 @@ class ServerTest : public ::testing::Test {
   }
 
   std::string dir_;
+  CoordinatorOptions core_options_;
   std::unique_ptr<Coordinator> core_;
   std::unique_ptr<Server> server_;
   ClientOptions options_;
@@ -251,8 +257,8 @@ TEST_F(ServerTest, BadManifestsNameTheCulpritAndWriteNothing) {
        "engine 'nobody'"},
       {[](auto& r) { r.set_chunk_bytes(1 << 20); },
        absl::StatusCode::kResourceExhausted, "exceeds the budget"},
-      {[](auto& r) { r.set_mode(v1::UPDATE_MODE_STAGED); },
-       absl::StatusCode::kUnimplemented, "staged"},
+      {[](auto& r) { r.set_verify(v1::VERIFY_ON); },
+       absl::StatusCode::kUnimplemented, "verify"},
   };
   for (auto& c : cases) {
     v1::StartWeightUpdateRequest r = StartRequest(1, t);
@@ -265,6 +271,98 @@ TEST_F(ServerTest, BadManifestsNameTheCulpritAndWriteNothing) {
   }
   // Still serving: a good update goes through.
   ASSERT_TRUE(trainer_->Update(StartRequest(1, t), t).ok());
+  ExpectInstalled(0);
+}
+
+TEST_F(ServerTest, StagedUpdateKeepsEnginesServingUntilTheCommit) {
+  std::vector<std::string> events;
+  absl::Mutex mu;
+  EngineHooks hooks;
+  hooks.on_pause = [&](v1::PauseMode) {
+    absl::MutexLock lock(&mu);
+    events.push_back("pause");
+    return absl::OkStatus();
+  };
+  hooks.on_resume = [&] {
+    absl::MutexLock lock(&mu);
+    events.push_back("resume");
+    return absl::OkStatus();
+  };
+  AddEngine("e0", false, 0, hooks);
+  Init();
+  const auto before = Memory(0);
+  auto t = Tensors(1);
+  v1::StartWeightUpdateRequest r = StartRequest(1, t);
+  r.set_mode(v1::UPDATE_MODE_STAGED);
+  auto started = trainer_->StartWeightUpdate(r);
+  ASSERT_TRUE(started.ok()) << started.status();
+  EXPECT_EQ(started->mode(), v1::UPDATE_MODE_STAGED);
+  ASSERT_TRUE(trainer_->PushTensors("u1", t, 4096).ok());
+  // Every byte is in the daemon, none in the engine, which still serves.
+  EXPECT_EQ(Memory(0), before);
+  EXPECT_EQ(StatusOf("e0").state(), v1::ENGINE_READY);
+  {
+    absl::MutexLock lock(&mu);
+    EXPECT_TRUE(events.empty());
+  }
+  auto done = trainer_->FinishWeightUpdate("u1");
+  ASSERT_TRUE(done.ok()) << done.status();
+  ExpectInstalled(0);
+  EXPECT_EQ(StatusOf("e0").version(), 1);
+  EXPECT_EQ(StatusOf("e0").state(), v1::ENGINE_READY);
+  EXPECT_GT(done->pause_seconds(), 0);
+  EXPECT_LT(done->pause_seconds(), done->seconds());
+  absl::MutexLock lock(&mu);
+  EXPECT_EQ(events, (std::vector<std::string>{"pause", "resume"}));
+}
+
+TEST_F(ServerTest, FailedStagedUpdateLeavesEnginesUntouchedNotDirty) {
+  AddEngine("e0");
+  Init();
+  auto t = Tensors(1);
+  ASSERT_TRUE(trainer_->Update(StartRequest(1, t), t).ok());
+  const auto before = Memory(0);
+  auto t2 = Tensors(2);
+  v1::StartWeightUpdateRequest r = StartRequest(2, t2);
+  r.set_mode(v1::UPDATE_MODE_STAGED);
+  ASSERT_TRUE(trainer_->StartWeightUpdate(r).ok());
+  {  // half the chunks, then the trainer goes away
+    grpc::ClientContext ctx;
+    v1::PushChunksResponse resp;
+    auto w = trainer_->stub()->PushChunks(&ctx, &resp);
+    v1::PushChunksRequest req;
+    req.set_update_id("u2");
+    req.set_data(std::string(4096, 'x'));
+    ASSERT_TRUE(w->Write(req));
+    w->WritesDone();
+    ASSERT_TRUE(w->Finish().ok());
+  }
+  auto f = trainer_->FinishWeightUpdate("u2");
+  EXPECT_EQ(f.status().code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(f.status().message(), HasSubstr("engines untouched"));
+  EXPECT_EQ(Memory(0), before);
+  EXPECT_EQ(StatusOf("e0").state(), v1::ENGINE_READY);
+  EXPECT_EQ(StatusOf("e0").version(), 1);
+}
+
+TEST_F(ServerTest, StagedOverBudgetIsRefusedOrFallsBackToStreaming) {
+  core_options_.staged_budget_bytes = 1000;
+  RestartCore();
+  AddEngine("e0");
+  Init();
+  auto t = Tensors(1);
+  v1::StartWeightUpdateRequest r = StartRequest(1, t);
+  r.set_mode(v1::UPDATE_MODE_STAGED);
+  auto refused = trainer_->StartWeightUpdate(r);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(refused.status().message(), HasSubstr("budget is 1000"));
+  EXPECT_EQ(StatusOf("e0").state(), v1::ENGINE_READY);
+  r.set_allow_streaming_fallback(true);
+  auto started = trainer_->StartWeightUpdate(r);
+  ASSERT_TRUE(started.ok()) << started.status();
+  EXPECT_EQ(started->mode(), v1::UPDATE_MODE_STREAMING);
+  ASSERT_TRUE(trainer_->PushTensors("u1", t, 4096).ok());
+  ASSERT_TRUE(trainer_->FinishWeightUpdate("u1").ok());
   ExpectInstalled(0);
 }
 

@@ -220,10 +220,6 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
   if (request.update_id().empty() || request.update_id().size() > 256) {
     return absl::InvalidArgumentError("update_id must be 1-256 characters");
   }
-  if (request.mode() == v1::UPDATE_MODE_STAGED) {
-    return absl::UnimplementedError(
-        "staged updates are not supported yet (issue 5); use streaming");
-  }
   if (request.verify() == v1::VERIFY_ON) {
     return absl::UnimplementedError(
         "receipts (verify) are not supported yet (issue 5)");
@@ -278,9 +274,29 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
   // Plan every byte before moving any (invariant 2).
   WS_ASSIGN_OR_RETURN(std::shared_ptr<const CopyPlan> plan,
                       BuildCopyPlan(request.tensors(), chunk_bytes, layouts));
+  bool staged = request.mode() == v1::UPDATE_MODE_STAGED;
+  if (staged && plane->ReceivesOwnBytes()) {
+    return absl::UnimplementedError(absl::StrCat(
+        "staged updates on the ", plane->name(),
+        " backend are not supported yet; use streaming or the host backend"));
+  }
+  if (staged && plan->chunks.total_bytes > options_.staged_budget_bytes) {
+    if (!request.allow_streaming_fallback()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "staged update '", request.update_id(), "' needs ",
+          plan->chunks.total_bytes, " bytes of staging; the budget is ",
+          options_.staged_budget_bytes,
+          " (allow_streaming_fallback to stream instead)"));
+    }
+    LOG(INFO) << "update " << request.update_id()
+              << ": over the staging budget, falling back to streaming";
+    staged = false;
+  }
   // Streaming writes into live memory: pause the engines first (an IPC data
-  // plane starts copying as soon as Begin returns).
+  // plane starts copying as soon as Begin returns). Staged updates pause
+  // only for their commit.
   std::vector<std::string> paused;
+  if (staged) to_pause.clear();
   if (!to_pause.empty()) {
     const auto acks = hub_.Broadcast(to_pause, PauseNotice(v1::PAUSE_MODE_KEEP),
                                      absl::Now() + options_.notice_timeout);
@@ -299,7 +315,8 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
   }
   // Staging may refuse the budget: then nothing moved, and the engines this
   // call paused serve again.
-  const absl::Status begun = plane->Begin(plan, request);
+  const absl::Status begun =
+      staged ? absl::OkStatus() : plane->Begin(plan, request);
   if (!begun.ok()) {
     hub_.Broadcast(paused, ResumeNotice(),
                    absl::Now() + options_.notice_timeout);
@@ -315,6 +332,13 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
   update->lost.assign(ids.size(), false);
   update->data_plane = plane;
   update->started = absl::Now();
+  update->staged = staged;
+  if (staged) {
+    update->staged_chunks.resize(plan->chunks.chunks.size());
+    update->request = request;
+  } else {
+    update->paused_at = update->started;
+  }
   for (size_t i = 0; i < ids.size(); ++i) {
     auto it = engines_.find(ids[i]);
     // Gone since the snapshot (or replaced by a new registration).
@@ -323,6 +347,7 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
       plane->MarkEngineLost(i);
       continue;
     }
+    if (staged) continue;  // the engines serve on until the commit
     EngineRecord& r = it->second;
     r.updating = true;
     if (!r.paused) {
@@ -337,7 +362,8 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
   response.set_total_bytes(plan->chunks.total_bytes);
   response.set_num_chunks(plan->chunks.chunks.size());
   response.set_chunk_bytes(chunk_bytes);
-  response.set_mode(v1::UPDATE_MODE_STREAMING);
+  response.set_mode(staged ? v1::UPDATE_MODE_STAGED
+                           : v1::UPDATE_MODE_STREAMING);
   for (const std::string& id : ids) response.add_engine_ids(id);
   LOG(INFO) << "update " << request.update_id() << " started: version "
             << request.target_version() << ", " << request.tensors_size()
@@ -406,6 +432,10 @@ absl::Status Coordinator::PushChunk(const std::string& update_id, int64_t index,
     }
     ++update_->next_chunk;
     update_->received_bytes += data.size();
+    if (update_->staged) {
+      update_->staged_chunks[index] = std::move(data);
+      return absl::OkStatus();
+    }
     ++update_->submits_in_flight;
     plane = update_->data_plane;
   }
@@ -437,7 +467,11 @@ void Coordinator::FailUpdateLocked(const absl::Status& reason) {
   update_->error = reason;
   // Engines that may hold part of this update are dirty from now on. Bytes
   // that arrive by themselves (NCCL) may have landed from Begin on.
-  if (update_->next_chunk > 0 || update_->data_plane->ReceivesOwnBytes()) {
+  const bool wrote =
+      update_->staged
+          ? update_->committing
+          : update_->next_chunk > 0 || update_->data_plane->ReceivesOwnBytes();
+  if (wrote) {
     for (size_t i = 0; i < update_->engine_ids.size(); ++i) {
       auto it = engines_.find(update_->engine_ids[i]);
       if (!update_->lost[i] && it != engines_.end()) it->second.dirty = true;
@@ -531,6 +565,61 @@ absl::Status Coordinator::ResumeEngines(const std::vector<std::string>& engines,
   return FirstError(acks);
 }
 
+absl::Status Coordinator::CommitStaged(absl::Time deadline) {
+  std::vector<std::string> to_pause;
+  std::shared_ptr<DataPlane> plane;
+  {
+    absl::MutexLock lock(&mu_);
+    for (size_t i = 0; i < update_->engine_ids.size(); ++i) {
+      auto it = engines_.find(update_->engine_ids[i]);
+      if (update_->lost[i] || it == engines_.end()) continue;
+      if (!it->second.paused) to_pause.push_back(update_->engine_ids[i]);
+    }
+    plane = update_->data_plane;
+  }
+  // The engines generated on the old weights all along; they stop only for
+  // the copy from staging into their memory.
+  const auto acks = hub_.Broadcast(to_pause, PauseNotice(v1::PAUSE_MODE_KEEP),
+                                   absl::Now() + options_.notice_timeout);
+  std::vector<std::string> paused;
+  for (const auto& [id, s] : acks) {
+    if (s.ok()) paused.push_back(id);
+  }
+  const absl::Status failed = FirstError(acks);
+  if (!failed.ok()) {
+    hub_.Broadcast(paused, ResumeNotice(),
+                   absl::Now() + options_.notice_timeout);
+    return absl::Status(failed.code(), absl::StrCat("could not pause for the "
+                                                    "commit: ",
+                                                    failed.message()));
+  }
+  std::vector<std::string> chunks;
+  {
+    absl::MutexLock lock(&mu_);
+    update_->paused_at = absl::Now();
+    for (const std::string& id : paused) {
+      auto it = engines_.find(id);
+      if (it == engines_.end()) continue;
+      it->second.paused = true;
+      it->second.paused_by_update = true;
+    }
+    for (size_t i = 0; i < update_->engine_ids.size(); ++i) {
+      auto it = engines_.find(update_->engine_ids[i]);
+      if (!update_->lost[i] && it != engines_.end()) it->second.updating = true;
+    }
+    chunks = std::move(update_->staged_chunks);
+  }
+  WS_RETURN_IF_ERROR(plane->Begin(update_->plan, update_->request));
+  {
+    absl::MutexLock lock(&mu_);
+    update_->committing = true;  // from here a failure leaves engines dirty
+  }
+  for (size_t k = 0; k < chunks.size(); ++k) {
+    WS_RETURN_IF_ERROR(plane->SubmitChunk(k, std::move(chunks[k]), deadline));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<v1::FinishWeightUpdateResponse> Coordinator::FinishWeightUpdate(
     const v1::FinishWeightUpdateRequest& request) {
   absl::MutexLock control(&control_mu_);
@@ -556,10 +645,13 @@ absl::StatusOr<v1::FinishWeightUpdateResponse> Coordinator::FinishWeightUpdate(
     plane = update_->data_plane;
   }
   absl::Status status = WaitForSubmits(deadline);
+  bool staged;
   {
     absl::MutexLock lock(&mu_);
     if (update_->phase == Phase::kFailed) status = update_->error;
+    staged = update_->staged;
   }
+  if (status.ok() && staged) status = CommitStaged(deadline);
   if (status.ok()) status = plane->Drain(deadline);
   if (!status.ok()) {
     const std::vector<v1::EngineResult> results = EndFailedUpdate(status);
@@ -579,6 +671,7 @@ absl::StatusOr<v1::FinishWeightUpdateResponse> Coordinator::FinishWeightUpdate(
   std::vector<std::string> committed, resume;
   std::string id;
   int64_t version;
+  absl::Time paused_at = absl::InfiniteFuture();
   {
     absl::MutexLock lock(&mu_);
     id = update_->id;
@@ -605,6 +698,7 @@ absl::StatusOr<v1::FinishWeightUpdateResponse> Coordinator::FinishWeightUpdate(
       if (r.paused_by_update && !r.dirty) resume.push_back(e);
     }
     response.set_version(version);
+    paused_at = update_->paused_at;
     response.set_bytes(update_->plan->chunks.total_bytes);
     response.set_seconds(absl::ToDoubleSeconds(absl::Now() - update_->started));
     RecordUpdateStatusLocked("committed");
@@ -642,6 +736,9 @@ absl::StatusOr<v1::FinishWeightUpdateResponse> Coordinator::FinishWeightUpdate(
   }
   for (const auto& [e, s] : acks) {
     if (!s.ok()) LOG(WARNING) << "new-version/resume notice: " << s;
+  }
+  if (paused_at != absl::InfiniteFuture()) {
+    response.set_pause_seconds(absl::ToDoubleSeconds(absl::Now() - paused_at));
   }
   LOG(INFO) << "update " << id << " committed version " << version << " on "
             << absl::StrJoin(committed, ",") << " in " << response.seconds()
@@ -770,7 +867,8 @@ void Coordinator::RecordUpdateStatusLocked(const std::string& phase) {
   v1::UpdateStatus& s = last_update_;
   s.set_update_id(update_->id);
   s.set_target_version(update_->target_version);
-  s.set_mode(v1::UPDATE_MODE_STREAMING);
+  s.set_mode(update_->staged ? v1::UPDATE_MODE_STAGED
+                             : v1::UPDATE_MODE_STREAMING);
   s.set_phase(phase);
   s.set_total_bytes(update_->plan->chunks.total_bytes);
   s.set_total_chunks(update_->plan->chunks.chunks.size());

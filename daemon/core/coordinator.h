@@ -48,6 +48,9 @@ struct CoordinatorOptions {
   int64_t default_chunk_bytes = int64_t{8} << 20;
   int64_t max_chunk_bytes = int64_t{64} << 20;
   int64_t max_manifest_tensors = 1 << 20;
+  // Staged updates hold the whole packed update in daemon memory until
+  // commit; above this, Start refuses (or falls back to streaming).
+  int64_t staged_budget_bytes = int64_t{4} << 30;
   // Deadline for engine acknowledgements when a request names none.
   absl::Duration notice_timeout = absl::Seconds(10);
   // Deadline for Finish to see every byte written when it names none.
@@ -120,12 +123,21 @@ class Coordinator {
     bool stream_open = false;
     int submits_in_flight = 0;  // PushChunk calls past the checks
     absl::Time started;
+    // Staged mode: chunks wait here, engines serve on, until Finish commits.
+    bool staged = false;
+    bool committing = false;  // staged bytes are being written
+    std::vector<std::string> staged_chunks;
+    v1::StartWeightUpdateRequest request;  // for the data plane at commit
+    absl::Time paused_at = absl::InfiniteFuture();
   };
 
   // Ends the update in flight as failed: stops the data plane, marks the
   // engines it wrote into dirty and tells them, resumes engines it paused
   // that are still clean. Requires control_mu_.
   std::vector<v1::EngineResult> EndFailedUpdate(const absl::Status& reason);
+  // Staged mode, at Finish: pauses the engines and hands every staged chunk
+  // to the data plane. Requires control_mu_.
+  absl::Status CommitStaged(absl::Time deadline);
   // Waits until no PushChunk is between its checks and its submit.
   absl::Status WaitForSubmits(absl::Time deadline);
   void FailUpdateLocked(const absl::Status& reason)

@@ -83,6 +83,19 @@ class HostBackendTest(unittest.TestCase):
         self.assertEqual(status.engines[0].version, 3)
         self.assertEqual(status.update.phase, "committed")
 
+    def test_staged_update_pauses_only_for_the_commit(self):
+        events = []
+        engine, w = self.engine("st", [("a", "FLOAT32", (64, 64))],
+                                hooks={"on_pause": lambda mode: events.append("pause"),
+                                       "on_resume": lambda: events.append("resume")})
+        self.trainer.init_host()
+        a = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
+        result = self.trainer.update([("a", a)], version=1, mode="staged", chunk_bytes=1024)
+        np.testing.assert_array_equal(w["a"], a)
+        self.assertEqual(events, ["pause", "resume"])
+        self.assertGreater(result.pause_seconds, 0)
+        self.assertLess(result.pause_seconds, result.seconds)
+
     def test_segments_fuse_checkpoint_tensors(self):
         # qkv [6, 4] = q [4, 4] rows then k [2, 4] rows.
         segs = {"qkv": [

@@ -60,11 +60,14 @@ class Trainer:
         finally:
             self.resume(timeout=timeout)
 
-    def update(self, named_tensors, version, chunk_bytes=0, update_id=None, engine_ids=()):
+    def update(self, named_tensors, version, chunk_bytes=0, update_id=None, engine_ids=(),
+               mode="streaming", allow_streaming_fallback=False):
         """Sends every (name, tensor) as weight version `version` (host
         backend: numpy arrays or CPU torch tensors). Returns the daemon's
-        FinishWeightUpdateResponse (per-engine results). The manifest is
-        planned with the shared chunk planner, exactly as the daemon plans it."""
+        FinishWeightUpdateResponse (per-engine results, pause_seconds). The
+        manifest is planned with the shared chunk planner, exactly as the
+        daemon plans it. mode="staged": engines keep serving while the bytes
+        arrive and pause only for the commit copy."""
         update_id = update_id or f"update-{version}-{uuid.uuid4().hex[:8]}"
         names, data, manifest = [], [], []
         for name, tensor in named_tensors:
@@ -75,6 +78,9 @@ class Trainer:
         request = v1.StartWeightUpdateRequest(
             update_id=update_id, target_version=version, chunk_bytes=chunk_bytes,
             engine_ids=list(engine_ids),
+            mode={"streaming": v1.UPDATE_MODE_STREAMING,
+                  "staged": v1.UPDATE_MODE_STAGED}[mode],
+            allow_streaming_fallback=allow_streaming_fallback,
             tensors=[v1.TensorSpec(name=m["name"], dtype=getattr(v1, m["dtype"]),
                                    shape=m["shape"]) for m in manifest])
         started = self._stub.call("StartWeightUpdate", request)
