@@ -354,7 +354,7 @@ void GpuDataPlane::Abort() {
 }
 
 int64_t GpuDataPlane::chunks_written() const {
-  absl::MutexLock lock(&const_cast<absl::Mutex&>(mu_));
+  absl::MutexLock lock(&mu_);
   return written_;
 }
 

@@ -132,7 +132,7 @@ class GpuDataPlane : public DataPlane {
  private:
   const std::shared_ptr<GpuWorkerSupervisor> sup_;
   const v1::Backend backend_;
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   int64_t chunks_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t written_ ABSL_GUARDED_BY(mu_) = 0;
 };
