@@ -609,6 +609,7 @@ absl::Status Coordinator::CommitStaged(absl::Time deadline) {
     }
     chunks = std::move(update_->staged_chunks);
   }
+  const absl::Time t0 = absl::Now();
   WS_RETURN_IF_ERROR(plane->Begin(update_->plan, update_->request));
   {
     absl::MutexLock lock(&mu_);
@@ -617,6 +618,8 @@ absl::Status Coordinator::CommitStaged(absl::Time deadline) {
   for (size_t k = 0; k < chunks.size(); ++k) {
     WS_RETURN_IF_ERROR(plane->SubmitChunk(k, std::move(chunks[k]), deadline));
   }
+  VLOG(1) << "staged commit: paused at " << update_->paused_at
+          << ", chunks handed over in " << absl::Now() - t0;
   return absl::OkStatus();
 }
 
