@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "client/receipts.h"
 #include "common/chunk_planner.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
@@ -130,10 +131,12 @@ absl::StatusOr<int> TrainerClient::GetWorldSize() {
   return r.world_size();
 }
 
-absl::StatusOr<v1::GetStatusResponse> TrainerClient::GetStatus() {
-  return Call<v1::GetStatusResponse>(stub_.get(),
-                                     &v1::TrainerService::Stub::GetStatus,
-                                     Context().get(), v1::GetStatusRequest());
+absl::StatusOr<v1::GetStatusResponse> TrainerClient::GetStatus(
+    bool include_layouts) {
+  v1::GetStatusRequest r;
+  r.set_include_layouts(include_layouts);
+  return Call<v1::GetStatusResponse>(
+      stub_.get(), &v1::TrainerService::Stub::GetStatus, Context().get(), r);
 }
 
 absl::StatusOr<v1::FinishWeightUpdateResponse> TrainerClient::Update(
@@ -152,7 +155,17 @@ absl::StatusOr<v1::FinishWeightUpdateResponse> TrainerClient::Update(
     if (!finished.ok()) return finished.status();
     return pushed;
   }
-  return FinishWeightUpdate(request.update_id());
+  WS_ASSIGN_OR_RETURN(v1::FinishWeightUpdateResponse finished,
+                      FinishWeightUpdate(request.update_id()));
+  bool receipts = false;
+  for (const v1::EngineResult& e : finished.engines()) {
+    receipts = receipts || e.has_receipt();
+  }
+  if (request.verify() != v1::VERIFY_OFF && receipts) {
+    WS_ASSIGN_OR_RETURN(v1::GetStatusResponse status, GetStatus(true));
+    WS_RETURN_IF_ERROR(CheckReceipts(finished, status, tensors));
+  }
+  return finished;
 }
 
 }  // namespace weightsync

@@ -42,12 +42,15 @@ class TrainerClient {
   absl::StatusOr<v1::PauseResponse> Pause(const v1::PauseRequest& request);
   absl::StatusOr<v1::ResumeResponse> Resume(const v1::ResumeRequest& request);
   absl::StatusOr<int> GetWorldSize();
-  absl::StatusOr<v1::GetStatusResponse> GetStatus();
+  absl::StatusOr<v1::GetStatusResponse> GetStatus(bool include_layouts = false);
 
   // Start, PushTensors and Finish in one call. If sending fails, Finish
   // still runs so the daemon ends the update (and reports dirty engines);
-  // the send error is returned. `request` supplies id, version, mode, chunk
-  // size and engine ids; its manifest is filled from `tensors`.
+  // the send error is returned. Unless request.verify is VERIFY_OFF, the
+  // engines' receipts are checked against what was sent (DATA_LOSS naming
+  // the engine on a mismatch; see client/receipts.h). `request` supplies id,
+  // version, mode, chunk size and engine ids; its manifest is filled from
+  // `tensors`.
   absl::StatusOr<v1::FinishWeightUpdateResponse> Update(
       v1::StartWeightUpdateRequest request,
       const std::vector<HostTensor>& tensors);

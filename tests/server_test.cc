@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/engine_client.h"
 #include "client/host_arena.h"
+#include "client/receipts.h"
 #include "client/trainer_client.h"
 #include "daemon/backends.h"
 #include "gmock/gmock.h"
@@ -257,8 +258,8 @@ TEST_F(ServerTest, BadManifestsNameTheCulpritAndWriteNothing) {
        "engine 'nobody'"},
       {[](auto& r) { r.set_chunk_bytes(1 << 20); },
        absl::StatusCode::kResourceExhausted, "exceeds the budget"},
-      {[](auto& r) { r.set_verify(v1::VERIFY_ON); },
-       absl::StatusCode::kUnimplemented, "verify"},
+      {[](auto& r) { r.mutable_tensors(1)->set_sparse_nnz(1); },
+       absl::StatusCode::kUnimplemented, "sparse"},
   };
   for (auto& c : cases) {
     v1::StartWeightUpdateRequest r = StartRequest(1, t);
@@ -364,6 +365,50 @@ TEST_F(ServerTest, StagedOverBudgetIsRefusedOrFallsBackToStreaming) {
   ASSERT_TRUE(trainer_->PushTensors("u1", t, 4096).ok());
   ASSERT_TRUE(trainer_->FinishWeightUpdate("u1").ok());
   ExpectInstalled(0);
+}
+
+TEST_F(ServerTest, ReceiptsProveTheEnginesHoldWhatWasSent) {
+  AddEngine("plain");
+  AddEngine("tp0", true, 0);
+  AddEngine("tp1", true, 1);
+  Init();
+  auto t = Tensors(1);
+  ASSERT_TRUE(trainer_->StartWeightUpdate(StartRequest(1, t)).ok());
+  ASSERT_TRUE(trainer_->PushTensors("u1", t, 4096).ok());
+  auto done = trainer_->FinishWeightUpdate("u1");
+  ASSERT_TRUE(done.ok()) << done.status();
+  ASSERT_EQ(done->engines_size(), 3);
+  for (const auto& e : done->engines()) {
+    EXPECT_TRUE(e.has_receipt()) << e.engine_id();
+    EXPECT_GT(e.receipt().parameters(), 0);
+  }
+  auto status = trainer_->GetStatus(/*include_layouts=*/true);
+  ASSERT_TRUE(status.ok());
+  ASSERT_GT(status->engines(0).layout_size(), 0);
+  // What was sent, mapped through each engine's segments and converted to
+  // bf16 by the client on its own, matches what each daemon read back.
+  EXPECT_TRUE(CheckReceipts(*done, *status, t).ok());
+  // One flipped bit that survives the float32 -> bfloat16 conversion (in a
+  // value's top byte) is found, and the message names the engine.
+  std::vector<uint8_t> tampered(
+      data_["model.layers.1.mlp.up_proj.weight"].second);
+  tampered[(12345 % tampered.size()) / 4 * 4 + 3] ^= 0x10;
+  std::vector<HostTensor> wrong = t;
+  for (HostTensor& h : wrong) {
+    if (h.spec.name() == "model.layers.1.mlp.up_proj.weight") {
+      h.data = tampered.data();
+    }
+  }
+  const absl::Status s = CheckReceipts(*done, *status, wrong);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(s.message(), HasSubstr("engine '"));
+  // Verification can be turned off: then no receipts are computed.
+  v1::StartWeightUpdateRequest off = StartRequest(2, Tensors(2));
+  off.set_verify(v1::VERIFY_OFF);
+  auto t2 = Tensors(2);
+  auto unverified = trainer_->Update(off, t2);
+  ASSERT_TRUE(unverified.ok()) << unverified.status();
+  for (const auto& e : unverified->engines()) EXPECT_FALSE(e.has_receipt());
 }
 
 TEST_F(ServerTest, VersionsOnlyGoUp) {

@@ -8,6 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "daemon/core/receipt.h"
 #include "glog/logging.h"
 
 namespace weightsync {
@@ -75,6 +76,7 @@ absl::StatusOr<v1::RegisterEngineResponse> Coordinator::RegisterEngine(
   }
   EngineRecord& r = engines_[id];
   r.layout = layout;
+  r.parameters = request.parameters();
   r.version = request.version();
   LOG(INFO) << "engine " << id << " registered: " << layout->parameters.size()
             << " parameters, " << layout->total_bytes << " bytes, version "
@@ -220,10 +222,6 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
   if (request.update_id().empty() || request.update_id().size() > 256) {
     return absl::InvalidArgumentError("update_id must be 1-256 characters");
   }
-  if (request.verify() == v1::VERIFY_ON) {
-    return absl::UnimplementedError(
-        "receipts (verify) are not supported yet (issue 5)");
-  }
   if (request.tensors_size() > options_.max_manifest_tensors) {
     return absl::InvalidArgumentError(
         absl::StrCat("manifest has ", request.tensors_size(),
@@ -274,6 +272,12 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
   // Plan every byte before moving any (invariant 2).
   WS_ASSIGN_OR_RETURN(std::shared_ptr<const CopyPlan> plan,
                       BuildCopyPlan(request.tensors(), chunk_bytes, layouts));
+  if (request.verify() == v1::VERIFY_ON && plane->ReceivesOwnBytes()) {
+    return absl::UnimplementedError(absl::StrCat(
+        "receipts on the ", plane->name(),
+        " backend are not computed yet (GPU kernel pending); use VERIFY_OFF "
+        "or VERIFY_DEFAULT"));
+  }
   bool staged = request.mode() == v1::UPDATE_MODE_STAGED;
   if (staged && plane->ReceivesOwnBytes()) {
     return absl::UnimplementedError(absl::StrCat(
@@ -333,6 +337,13 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
   update->data_plane = plane;
   update->started = absl::Now();
   update->staged = staged;
+  // Receipts are on by default where the daemon can read engine memory.
+  update->verify =
+      request.verify() == v1::VERIFY_ON ||
+      (request.verify() == v1::VERIFY_DEFAULT && !plane->ReceivesOwnBytes());
+  for (const v1::TensorSpec& t : request.tensors()) {
+    update->sources.insert(t.name());
+  }
   if (staged) {
     update->staged_chunks.resize(plan->chunks.chunks.size());
     update->request = request;
@@ -669,7 +680,25 @@ absl::StatusOr<v1::FinishWeightUpdateResponse> Coordinator::FinishWeightUpdate(
                                      absl::StrJoin(dirty, ", "))));
   }
 
-  // Every byte is in engine memory: commit.
+  // Every byte is in engine memory: read back what was installed.
+  std::vector<absl::StatusOr<v1::Receipt>> receipts;
+  {
+    std::shared_ptr<const CopyPlan> plan;
+    const absl::flat_hash_set<std::string>* sources;
+    bool verify;
+    {
+      absl::MutexLock lock(&mu_);
+      plan = update_->plan;
+      sources = &update_->sources;  // stable: only control ops end updates
+      verify = update_->verify;
+    }
+    if (verify) {
+      for (const auto& engine : plan->engines) {
+        receipts.push_back(ComputeReceipt(*engine, *sources));
+      }
+    }
+  }
+  // Commit.
   v1::FinishWeightUpdateResponse response;
   std::vector<std::string> committed, resume;
   std::string id;
@@ -696,6 +725,9 @@ absl::StatusOr<v1::FinishWeightUpdateResponse> Coordinator::FinishWeightUpdate(
       r.dirty = r.dirty && !update_->plan->covers_engine[i];
       result->set_version(version);
       result->set_state(r.dirty ? v1::ENGINE_DIRTY : v1::ENGINE_READY);
+      if (i < receipts.size() && receipts[i].ok()) {
+        *result->mutable_receipt() = *receipts[i];
+      }
       committed.push_back(e);
       // A dirty engine stays paused: Resume needs allow_dirty.
       if (r.paused_by_update && !r.dirty) resume.push_back(e);
@@ -880,14 +912,16 @@ void Coordinator::RecordUpdateStatusLocked(const std::string& phase) {
   s.set_error(std::string(update_->error.message()));
 }
 
-v1::GetStatusResponse Coordinator::GetStatus() {
+v1::GetStatusResponse Coordinator::GetStatus(bool include_layouts) {
   absl::MutexLock lock(&mu_);
   v1::GetStatusResponse response;
   std::vector<std::string> ids;
   for (const auto& [id, r] : engines_) ids.push_back(id);
   std::sort(ids.begin(), ids.end());
   for (const std::string& id : ids) {
-    *response.add_engines() = EngineStatusLocked(id, engines_.at(id));
+    v1::EngineStatus* e = response.add_engines();
+    *e = EngineStatusLocked(id, engines_.at(id));
+    if (include_layouts) *e->mutable_layout() = engines_.at(id).parameters;
   }
   if (update_ != nullptr || !last_update_.update_id().empty()) {
     v1::UpdateStatus* u = response.mutable_update();

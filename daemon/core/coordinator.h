@@ -18,6 +18,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -94,7 +95,7 @@ class Coordinator {
   absl::StatusOr<v1::PauseResponse> Pause(const v1::PauseRequest& request);
   absl::StatusOr<v1::ResumeResponse> Resume(const v1::ResumeRequest& request);
   v1::GetWorldSizeResponse GetWorldSize();
-  v1::GetStatusResponse GetStatus();
+  v1::GetStatusResponse GetStatus(bool include_layouts = false);
 
   // Aborts an update in flight and releases every mapping (SIGTERM).
   void Shutdown();
@@ -102,6 +103,9 @@ class Coordinator {
  private:
   struct EngineRecord {
     std::shared_ptr<const EngineLayout> layout;
+    // As registered, for GetStatus(include_layouts): trainers compute the
+    // receipts they expect from them.
+    google::protobuf::RepeatedPtrField<v1::Parameter> parameters;
     int64_t version = 0;
     bool paused = false;
     bool paused_by_update = false;  // Finish resumes it
@@ -129,6 +133,8 @@ class Coordinator {
     std::vector<std::string> staged_chunks;
     v1::StartWeightUpdateRequest request;  // for the data plane at commit
     absl::Time paused_at = absl::InfiniteFuture();
+    bool verify = false;                       // compute receipts at Finish
+    absl::flat_hash_set<std::string> sources;  // manifest tensor names
   };
 
   // Ends the update in flight as failed: stops the data plane, marks the

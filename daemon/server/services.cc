@@ -123,9 +123,9 @@ grpc::Status TrainerServiceImpl::GetWorldSize(
 }
 
 grpc::Status TrainerServiceImpl::GetStatus(grpc::ServerContext*,
-                                           const v1::GetStatusRequest*,
+                                           const v1::GetStatusRequest* request,
                                            v1::GetStatusResponse* response) {
-  *response = core_->GetStatus();
+  *response = core_->GetStatus(request->include_layouts());
   return grpc::Status::OK;
 }
 
