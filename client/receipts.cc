@@ -1,6 +1,7 @@
 #include "client/receipts.h"
 
 #include <string>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
@@ -17,25 +18,29 @@ v1::Receipt ExpectedReceipt(
   for (const HostTensor& t : tensors) sent[t.spec.name()] = &t;
   v1::Receipt receipt;
   uint64_t sum = 0;
-  uint8_t value[8];
+  std::vector<uint8_t> row;  // one run of source elements, converted
   for (const v1::Parameter& p : parameters) {
     const uint64_t salt = ParameterSalt(p.name());
     const int64_t des = ElementSize(p.dtype());
     bool touched = false;
-    // One term per installed element: source element `from` becomes
-    // parameter element `to` (converted to the parameter's dtype).
-    auto add = [&](const HostTensor& src, int64_t from, int64_t to) {
+    // Source elements [from, from + n) become parameter elements
+    // [to, to + n), converted to the parameter's dtype a run at a time.
+    auto add = [&](const HostTensor& src, int64_t from, int64_t to, int64_t n) {
       const int64_t ses = ElementSize(src.spec.dtype());
+      row.resize(n * des);
       ConvertElements(static_cast<const uint8_t*>(src.data) + from * ses,
-                      src.spec.dtype(), value, p.dtype(), 1);
-      sum += ElementTerm(salt, to, ElementBits(value, des));
+                      src.spec.dtype(), row.data(), p.dtype(), n);
+      for (int64_t k = 0; k < n; ++k) {
+        sum +=
+            ElementTerm(salt, to + k, ElementBits(row.data() + k * des, des));
+      }
     };
     if (p.segments_size() == 0) {
       auto it = sent.find(p.name());
       if (it == sent.end()) continue;
       int64_t numel = 1;
       for (int64_t d : p.shape()) numel *= d;
-      for (int64_t i = 0; i < numel; ++i) add(*it->second, i, i);
+      add(*it->second, 0, 0, numel);
       receipt.set_bytes(receipt.bytes() + numel * des);
       touched = true;
     }
@@ -48,10 +53,8 @@ v1::Receipt ExpectedReceipt(
       const int64_t stride =
           s.dest_row_stride() ? s.dest_row_stride() : s.col_count();
       for (int64_t r = 0; r < s.row_count(); ++r) {
-        for (int64_t c = 0; c < s.col_count(); ++c) {
-          add(src, (s.row_begin() + r) * cols + s.col_begin() + c,
-              s.dest_offset() + r * stride + c);
-        }
+        add(src, (s.row_begin() + r) * cols + s.col_begin(),
+            s.dest_offset() + r * stride, s.col_count());
       }
       receipt.set_bytes(receipt.bytes() + s.row_count() * s.col_count() * des);
       touched = true;

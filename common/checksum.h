@@ -29,7 +29,7 @@ inline uint64_t ParameterSalt(const std::string& name) {
 // One element's term: element `index` of the parameter salted `salt`,
 // holding `bits` (its raw bytes, little-endian, zero-extended).
 inline uint64_t ElementTerm(uint64_t salt, uint64_t index, uint64_t bits) {
-  return SplitMix64((salt + index) ^ SplitMix64(bits));
+  return SplitMix64(((salt + index) * 0x9E3779B97F4A7C15ull) ^ bits);
 }
 
 // Raw bits of an element of `size` bytes at `p`.
@@ -37,6 +37,34 @@ inline uint64_t ElementBits(const uint8_t* p, int64_t size) {
   uint64_t bits = 0;
   std::memcpy(&bits, p, static_cast<size_t>(size));
   return bits;
+}
+
+// Sum of the terms of `n` consecutive elements of `es` bytes at `p`, the
+// first being element `index` of the parameter salted `salt`.
+template <int kSize>
+inline uint64_t RunTermsOf(uint64_t salt, uint64_t index, const uint8_t* p,
+                           int64_t n) {
+  uint64_t sum = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    uint64_t bits = 0;
+    std::memcpy(&bits, p + k * kSize, kSize);  // fixed size: a plain load
+    sum += ElementTerm(salt, index + k, bits);
+  }
+  return sum;
+}
+
+inline uint64_t RunTerms(uint64_t salt, uint64_t index, const uint8_t* p,
+                         int64_t n, int64_t es) {
+  switch (es) {
+    case 1:
+      return RunTermsOf<1>(salt, index, p, n);
+    case 2:
+      return RunTermsOf<2>(salt, index, p, n);
+    case 4:
+      return RunTermsOf<4>(salt, index, p, n);
+    default:
+      return RunTermsOf<8>(salt, index, p, n);
+  }
 }
 
 }  // namespace weightsync

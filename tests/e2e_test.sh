@@ -46,6 +46,11 @@ timeout 60 "$trainer" --target="unix:$sock" --model=tiny --updates=3 \
   --verify="$verify" >"$dir/trainer.log" 2>&1 || fail "trainer failed"
 cat "$dir/trainer.log"
 [ "$(grep -c ': verified$' "$dir/trainer.log")" = 3 ] || fail "not 3 verified updates"
+# Receipts: the daemon's checksums of what it installed match what the
+# trainer computes from what it sent, through every engine's layout.
+timeout 60 "$trainer" --target="unix:$sock" --model=tiny --updates=1 --first_version=4 --receipts \
+  --verify="$verify" >"$dir/trainer_receipts.log" 2>&1 || fail "receipts update failed"
+grep -q "receipts ok, verified" "$dir/trainer_receipts.log" || fail "no receipts"
 for id in plain tp0 tp1; do
   grep -q "now serving version 3" "$dir/$id.log" || fail "$id did not see version 3"
 done
@@ -53,15 +58,15 @@ done
 # An engine dies without a word; the next update lands on the others.
 kill -KILL "${pids[0]}"
 sleep 0.5
-timeout 60 "$trainer" --target="unix:$sock" --model=tiny --updates=1 --first_version=4 \
+timeout 60 "$trainer" --target="unix:$sock" --model=tiny --updates=1 --first_version=5 \
   --verify="$tag-tp0:tp:0:2:float16,$tag-tp1:tp:1:2:float32" >"$dir/trainer2.log" 2>&1 \
   || fail "update after engine death failed"
-grep -q "update v4: .* 2 engines: verified" "$dir/trainer2.log" || fail "v4 not verified on 2 engines"
+grep -q "update v5: .* 2 engines: verified" "$dir/trainer2.log" || fail "v5 not verified on 2 engines"
 
 # A bad update is refused with the culprit's name and the daemon serves on.
 if timeout 60 "$trainer" --target="unix:$sock" --model=tiny --updates=1 --first_version=2 \
   >"$dir/trainer3.log" 2>&1; then fail "version going back was accepted"; fi
-grep -q "FAILED_PRECONDITION.*version 4" "$dir/trainer3.log" || fail "no clear version error"
+grep -q "FAILED_PRECONDITION.*version 5" "$dir/trainer3.log" || fail "no clear version error"
 
 # SIGTERM: clean exit, socket removed.
 kill -TERM "$dpid"
