@@ -96,6 +96,24 @@ class HostBackendTest(unittest.TestCase):
         self.assertGreater(result.pause_seconds, 0)
         self.assertLess(result.pause_seconds, result.seconds)
 
+    def test_receipts_catch_a_difference_and_bf16_rounds_like_the_daemon(self):
+        from weightsync import receipts
+        self.engine("rb", [("a", "BFLOAT16", (8, 8))])
+        self.trainer.init_host()
+        a = np.random.default_rng(2).standard_normal((8, 8)).astype(np.float32)
+        a[0, 0] = 1.0 + 2.0 ** -8  # a tie: rounds to even
+        result = self.trainer.update([("a", a)], version=1, verify=True)
+        self.assertTrue(result.engines[0].HasField("receipt"))
+        layout = {e.engine_id: e.layout for e in
+                  self.trainer._stub.call("GetStatus", include_layouts=True).engines}["rb"]
+        raw = a.reshape(-1).view(np.uint8)
+        good = receipts.expected_receipt(layout, {"a": ("FLOAT32", (8, 8), raw)})
+        self.assertEqual(good[0], result.engines[0].receipt.checksum)
+        b = a.copy()
+        b[3, 3] *= -1
+        bad = receipts.expected_receipt(layout, {"a": ("FLOAT32", (8, 8), b.reshape(-1).view(np.uint8))})
+        self.assertNotEqual(bad[0], result.engines[0].receipt.checksum)
+
     def test_segments_fuse_checkpoint_tensors(self):
         # qkv [6, 4] = q [4, 4] rows then k [2, 4] rows.
         segs = {"qkv": [
@@ -164,7 +182,9 @@ class HostBackendTest(unittest.TestCase):
                 for name, shape in layouts.checkpoint_shapes(config)}
         self.assertIn("lm_head.weight", ckpt)
         self.assertIn("model.layers.1.self_attn.k_norm.weight", ckpt)
-        self.trainer.update(ckpt.items(), version=1, chunk_bytes=4096)
+        # Receipts: the daemon's checksums of both ranks match what this
+        # client computes from the checkpoint through their segments.
+        self.trainer.update(ckpt.items(), version=1, chunk_bytes=4096, verify=True)
         h = lambda a: a.astype(np.float16)  # noqa: E731
         qs, kvs, is_, vs = 32, 16, 80, 512
         for r, w in enumerate(ranks):

@@ -61,13 +61,17 @@ class Trainer:
             self.resume(timeout=timeout)
 
     def update(self, named_tensors, version, chunk_bytes=0, update_id=None, engine_ids=(),
-               mode="streaming", allow_streaming_fallback=False):
+               mode="streaming", allow_streaming_fallback=False, verify=False):
         """Sends every (name, tensor) as weight version `version` (host
         backend: numpy arrays or CPU torch tensors). Returns the daemon's
         FinishWeightUpdateResponse (per-engine results, pause_seconds). The
         manifest is planned with the shared chunk planner, exactly as the
         daemon plans it. mode="staged": engines keep serving while the bytes
-        arrive and pause only for the commit copy."""
+        arrive and pause only for the commit copy. verify=True: the daemon
+        returns receipts and this client recomputes them from what it sent
+        (through every engine's segments), raising DATA_LOSS on a mismatch;
+        off by default here because on the host backend it costs several
+        times the update (see bench/RESULTS.md)."""
         update_id = update_id or f"update-{version}-{uuid.uuid4().hex[:8]}"
         names, data, manifest = [], [], []
         for name, tensor in named_tensors:
@@ -81,9 +85,7 @@ class Trainer:
             mode={"streaming": v1.UPDATE_MODE_STREAMING,
                   "staged": v1.UPDATE_MODE_STAGED}[mode],
             allow_streaming_fallback=allow_streaming_fallback,
-            # This client does not check receipts yet: don't make the daemon
-            # compute them (the C++ TrainerClient does check them).
-            verify=v1.VERIFY_OFF,
+            verify=v1.VERIFY_ON if verify else v1.VERIFY_OFF,
             tensors=[v1.TensorSpec(name=m["name"], dtype=getattr(v1, m["dtype"]),
                                    shape=m["shape"]) for m in manifest])
         started = self._stub.call("StartWeightUpdate", request)
@@ -108,7 +110,25 @@ class Trainer:
             except WeightSyncError as finished:
                 raise finished from pushed
             raise
-        return self.finish(update_id)
+        finished = self.finish(update_id)
+        if verify:
+            self._check_receipts(finished, names, manifest, data)
+        return finished
+
+    def _check_receipts(self, finished, names, manifest, data):
+        from weightsync.receipts import expected_receipt
+        sent = {m["name"]: (m["dtype"], m["shape"], d) for m, d in zip(manifest, data)}
+        layouts = {e.engine_id: e.layout
+                   for e in self._stub.call("GetStatus", include_layouts=True).engines}
+        for r in finished.engines:
+            if not r.HasField("receipt") or r.lost or r.engine_id not in layouts:
+                continue
+            checksum, _, nbytes = expected_receipt(layouts[r.engine_id], sent)
+            if checksum != r.receipt.checksum or nbytes != r.receipt.bytes:
+                raise WeightSyncError(
+                    "DATA_LOSS", f"engine '{r.engine_id}' receipt {r.receipt.checksum:016x} "
+                    f"over {r.receipt.bytes} bytes does not match {checksum:016x} over "
+                    f"{nbytes} bytes computed from what was sent")
 
     def finish(self, update_id):
         # The daemon waits two thirds of our deadline for the bytes, so its
