@@ -258,8 +258,12 @@ TEST_F(ServerTest, BadManifestsNameTheCulpritAndWriteNothing) {
        "engine 'nobody'"},
       {[](auto& r) { r.set_chunk_bytes(1 << 20); },
        absl::StatusCode::kResourceExhausted, "exceeds the budget"},
-      {[](auto& r) { r.mutable_tensors(1)->set_sparse_nnz(1); },
-       absl::StatusCode::kUnimplemented, "sparse"},
+      {[](auto& r) {
+         r.mutable_tensors(1)->set_sparse_nnz(1);
+         r.set_sparse_base_version(7);
+       },
+       absl::StatusCode::kFailedPrecondition,
+       "sparse patches against version 7"},
   };
   for (auto& c : cases) {
     v1::StartWeightUpdateRequest r = StartRequest(1, t);
@@ -409,6 +413,72 @@ TEST_F(ServerTest, ReceiptsProveTheEnginesHoldWhatWasSent) {
   auto unverified = trainer_->Update(off, t2);
   ASSERT_TRUE(unverified.ok()) << unverified.status();
   for (const auto& e : unverified->engines()) EXPECT_FALSE(e.has_receipt());
+}
+
+// A sparse patch of `name` (float32): every 97th element gets a new value.
+// Returns the wire payload and applies the patch to data_ (the reference).
+std::vector<uint8_t> SparsePatchOf(synthetic::CheckpointData& data,
+                                   const std::string& name, int64_t* nnz) {
+  auto& [spec, bytes] = data.at(name);
+  const int64_t numel = bytes.size() / 4;
+  std::vector<int64_t> index;
+  for (int64_t i = 5; i < numel; i += 97) index.push_back(i);
+  *nnz = index.size();
+  std::vector<uint8_t> payload(index.size() * 12);
+  std::memcpy(payload.data(), index.data(), index.size() * 8);
+  for (size_t k = 0; k < index.size(); ++k) {
+    const float v = 0.5f + k;
+    std::memcpy(payload.data() + index.size() * 8 + k * 4, &v, 4);
+    std::memcpy(bytes.data() + index[k] * 4, &v, 4);
+  }
+  return payload;
+}
+
+TEST_F(ServerTest, SparsePatchesApplyThroughSegmentsOnTheirBaseVersion) {
+  AddEngine("plain");
+  AddEngine("tp0", true, 0);
+  AddEngine("tp1", true, 1);
+  Init();
+  auto t = Tensors(1);
+  ASSERT_TRUE(trainer_->Update(StartRequest(1, t), t).ok());
+  // Patches of a fused/sharded source, a padded vocab shard and a
+  // replicated (segment-less) parameter.
+  std::vector<std::vector<uint8_t>> payloads;
+  std::vector<HostTensor> patch;
+  for (const std::string name : {"model.layers.0.self_attn.q_proj.weight",
+                                 "lm_head.weight", "model.norm.weight"}) {
+    int64_t nnz;
+    payloads.push_back(SparsePatchOf(data_, name, &nnz));
+    HostTensor h;
+    h.spec = data_.at(name).first;
+    h.spec.set_sparse_nnz(nnz);
+    h.data = payloads.back().data();
+    patch.push_back(h);
+  }
+  v1::StartWeightUpdateRequest r = StartRequest(2, patch);
+  r.set_sparse_base_version(1);
+  auto done = trainer_->Update(r, patch);
+  ASSERT_TRUE(done.ok()) << done.status();
+  // Sparse bytes on the wire: a few percent of the dense tensors.
+  EXPECT_LT(done->bytes(), (data_.at("lm_head.weight").second.size()) / 10);
+  for (int i = 0; i < 3; ++i) ExpectInstalled(i);  // dense v1 + patches
+  EXPECT_EQ(StatusOf("tp1").version(), 2);
+  // A patch against another version changes nothing.
+  const auto before = Memory(0);
+  r = StartRequest(3, patch);
+  r.set_sparse_base_version(1);
+  auto stale = trainer_->Update(r, patch);
+  EXPECT_EQ(stale.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(stale.status().message(), HasSubstr("is at version 2"));
+  EXPECT_EQ(Memory(0), before);
+  // An index outside the tensor fails the update, naming the tensor.
+  const int64_t far = int64_t{1} << 40;
+  std::memcpy(payloads[2].data(), &far, 8);
+  r.set_sparse_base_version(2);
+  auto bad = trainer_->Update(r, patch);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(bad.status().message(),
+              HasSubstr("tensor 'model.norm.weight': sparse index"));
 }
 
 TEST_F(ServerTest, VersionsOnlyGoUp) {

@@ -24,6 +24,13 @@ namespace weightsync {
 void ScatterChunk(const CopyPlan& plan, const std::vector<CopyOp>& ops,
                   const uint8_t* chunk, const std::atomic<bool>* lost);
 
+// Applies a complete sparse patch payload (nnz int64 indices, then nnz
+// values) through every use of its tensor. INVALID_ARGUMENT, naming the
+// tensor, for an index outside the tensor; then nothing of it is written.
+absl::Status ApplySparsePatch(const CopyPlan& plan, const SparsePatch& patch,
+                              const uint8_t* payload,
+                              const std::atomic<bool>* lost);
+
 class HostDataPlane : public DataPlane {
  public:
   struct Options {
@@ -55,6 +62,10 @@ class HostDataPlane : public DataPlane {
   bool busy_ ABSL_GUARDED_BY(mu_) = false;  // worker is writing a chunk
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::unique_ptr<std::atomic<bool>[]> lost_;  // per plan engine
+  absl::Status error_ ABSL_GUARDED_BY(mu_);    // first sparse-patch failure
+  // Sparse payloads being assembled from chunk pieces (worker thread only).
+  std::vector<std::string> assembly_;
+  std::vector<int64_t> assembled_;
   int lost_size_ = 0;
   std::thread worker_;
 };

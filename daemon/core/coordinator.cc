@@ -256,8 +256,27 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
                        request.update_id(), "'"));
     }
     WS_ASSIGN_OR_RETURN(ids, SelectEngines(request.engine_ids()));
+    bool sparse = false;
+    for (const v1::TensorSpec& t : request.tensors()) {
+      sparse = sparse || t.sparse_nnz() > 0;
+    }
     for (const std::string& id : ids) {
       const EngineRecord& r = engines_.at(id);
+      // A patch is a difference against one version: it applies only there.
+      if (sparse && request.sparse_base_version() != r.version) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "update '", request.update_id(),
+            "' holds sparse patches against "
+            "version ",
+            request.sparse_base_version(), ", but engine '", id,
+            "' is at version ", r.version, "; send it a dense update"));
+      }
+      if (sparse && r.dirty) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("engine '", id,
+                         "' is dirty: a sparse patch can't repair it; "
+                         "send a dense update"));
+      }
       if (request.target_version() <= r.version) {
         return absl::FailedPreconditionError(
             absl::StrCat("target version ", request.target_version(),
@@ -277,6 +296,12 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
         "receipts on the ", plane->name(),
         " backend are not computed yet (GPU kernel pending); use VERIFY_OFF "
         "or VERIFY_DEFAULT"));
+  }
+  if (!plan->sparse.empty() && plane->ReceivesOwnBytes()) {
+    return absl::UnimplementedError(absl::StrCat(
+        "sparse patches on the ", plane->name(),
+        " backend are not supported yet; use the host backend or dense "
+        "tensors"));
   }
   bool staged = request.mode() == v1::UPDATE_MODE_STAGED;
   if (staged && plane->ReceivesOwnBytes()) {
@@ -342,7 +367,9 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
       request.verify() == v1::VERIFY_ON ||
       (request.verify() == v1::VERIFY_DEFAULT && !plane->ReceivesOwnBytes());
   for (const v1::TensorSpec& t : request.tensors()) {
-    update->sources.insert(t.name());
+    // Receipts cover dense tensors: a patch's other elements are not the
+    // trainer's to vouch for.
+    if (t.sparse_nnz() == 0) update->sources.insert(t.name());
   }
   if (staged) {
     update->staged_chunks.resize(plan->chunks.chunks.size());

@@ -139,11 +139,7 @@ absl::StatusOr<std::shared_ptr<const CopyPlan>> BuildCopyPlan(
   std::vector<int64_t> resolved_uses(num_engines, 0);
   for (int t = 0; t < manifest.size(); ++t) {
     const v1::TensorSpec& spec = manifest[t];
-    if (spec.sparse_nnz() > 0) {
-      return absl::UnimplementedError(
-          absl::StrCat("tensor '", spec.name(),
-                       "': sparse patches are not supported yet (issue 5)"));
-    }
+    const bool sparse = spec.sparse_nnz() > 0;
     const std::vector<int64_t> shape(spec.shape().begin(), spec.shape().end());
     for (int e = 0; e < num_engines; ++e) {
       const EngineLayout& engine = *plan->engines[e];
@@ -161,6 +157,7 @@ absl::StatusOr<std::shared_ptr<const CopyPlan>> BuildCopyPlan(
           SourceMatrix(shape, &use.rows, &use.cols);
         }
         uses[t].push_back(use);
+        if (sparse) continue;  // a patch rewrites only some elements
         covered_bytes[e] += s.row_count * s.col_count * ElementSize(p.dtype);
         ++resolved_uses[e];
       }
@@ -186,11 +183,50 @@ absl::StatusOr<std::shared_ptr<const CopyPlan>> BuildCopyPlan(
     plan->covers_engine[e] = resolved_uses[e] == uses;
   }
 
+  std::vector<int> sparse_index(manifest.size(), -1);
+  for (int t = 0; t < manifest.size(); ++t) {
+    const v1::TensorSpec& spec = manifest[t];
+    if (spec.sparse_nnz() == 0) continue;
+    SparsePatch patch;
+    patch.tensor = t;
+    patch.name = spec.name();
+    patch.nnz = spec.sparse_nnz();
+    patch.payload_bytes = plan->chunks.payload_bytes[t];
+    patch.dtype = spec.dtype();
+    const std::vector<int64_t> shape(spec.shape().begin(), spec.shape().end());
+    int64_t rows;
+    SourceMatrix(shape, &rows, &patch.cols);
+    patch.numel = rows * patch.cols;
+    for (const Use& u : uses[t]) {
+      SparsePatch::Use s;
+      s.engine = u.engine;
+      s.region = u.param->region;
+      s.param_offset = u.param->offset;
+      s.dtype = u.param->dtype;
+      s.implicit = u.param->implicit;
+      s.row_begin = u.segment->row_begin;
+      s.row_count = u.segment->row_count;
+      s.col_begin = u.segment->col_begin;
+      s.col_count = u.segment->col_count;
+      s.dest_offset = u.segment->dest_offset;
+      s.dest_row_stride = u.segment->dest_row_stride;
+      patch.uses.push_back(s);
+    }
+    sparse_index[t] = plan->sparse.size();
+    plan->sparse.push_back(std::move(patch));
+  }
+
   plan->ops_by_chunk.resize(plan->chunks.chunks.size());
+  plan->sparse_pieces_by_chunk.resize(plan->chunks.chunks.size());
   for (const Chunk& chunk : plan->chunks.chunks) {
     std::vector<CopyOp>& ops = plan->ops_by_chunk[chunk.index];
     for (const Piece& piece : chunk.pieces) {
       const v1::TensorSpec& spec = manifest[piece.tensor];
+      if (sparse_index[piece.tensor] >= 0) {
+        plan->sparse_pieces_by_chunk[chunk.index].push_back(
+            {sparse_index[piece.tensor], piece});
+        continue;
+      }
       const int64_t es = ElementSize(spec.dtype());
       // Tensors start 256-aligned and chunks are multiples of 256, so a
       // piece never splits an element.

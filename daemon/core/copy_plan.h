@@ -30,11 +30,36 @@ struct CopyOp {
   v1::DType dst_dtype = v1::DTYPE_UNSPECIFIED;
 };
 
+// A sparse patch of one checkpoint tensor (TensorSpec.sparse_nnz > 0): its
+// payload (nnz int64 indices into the flattened tensor, then nnz values)
+// is applied once complete, element by element, through every use.
+struct SparsePatch {
+  int32_t tensor = 0;  // manifest index
+  std::string name;
+  int64_t nnz = 0;
+  int64_t numel = 0;
+  int64_t payload_bytes = 0;
+  v1::DType dtype = v1::DTYPE_UNSPECIFIED;
+  int64_t cols = 1;  // of the source's 2-D view
+  struct Use {
+    int32_t engine = 0, region = 0;
+    int64_t param_offset = 0;  // bytes into the region
+    v1::DType dtype = v1::DTYPE_UNSPECIFIED;
+    bool implicit = false;  // flat index = parameter element
+    int64_t row_begin = 0, row_count = 0, col_begin = 0, col_count = 0;
+    int64_t dest_offset = 0, dest_row_stride = 0;
+  };
+  std::vector<Use> uses;
+};
+
 struct CopyPlan {
   ChunkPlan chunks;
   std::vector<std::shared_ptr<const EngineLayout>> engines;
   std::vector<std::vector<CopyOp>> ops_by_chunk;  // one list per chunk
-  std::vector<int64_t> bytes_by_engine;           // engine bytes written
+  std::vector<SparsePatch> sparse;
+  // Per chunk: (index into sparse, piece) of sparse payload bytes.
+  std::vector<std::vector<std::pair<int, Piece>>> sparse_pieces_by_chunk;
+  std::vector<int64_t> bytes_by_engine;  // engine bytes written
   // True where the update rewrites every segment of every parameter (all
   // the engine's memory that any update can write).
   std::vector<bool> covers_engine;
@@ -42,8 +67,8 @@ struct CopyPlan {
 
 // Checks every manifest tensor against every engine (names, shapes,
 // segment blocks, dtypes) and resolves the copies. INVALID_ARGUMENT names
-// the tensor, engine and parameter concerned; UNIMPLEMENTED for sparse
-// patches until they are supported.
+// the tensor, engine and parameter concerned. Sparse patches get no copy
+// ops: their pieces are listed for the data plane to assemble and apply.
 absl::StatusOr<std::shared_ptr<const CopyPlan>> BuildCopyPlan(
     const Manifest& manifest, int64_t chunk_bytes,
     std::vector<std::shared_ptr<const EngineLayout>> engines);

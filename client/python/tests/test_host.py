@@ -114,6 +114,29 @@ class HostBackendTest(unittest.TestCase):
         bad = receipts.expected_receipt(layout, {"a": ("FLOAT32", (8, 8), b.reshape(-1).view(np.uint8))})
         self.assertNotEqual(bad[0], result.engines[0].receipt.checksum)
 
+    def test_sparse_patch_sends_only_what_changed(self):
+        from weightsync import sparse
+        _, w = self.engine("sp", [("a", "FLOAT32", (100, 100)), ("b", "FLOAT32", (10,))])
+        self.trainer.init_host()
+        rng = np.random.default_rng(3)
+        a1 = rng.standard_normal((100, 100)).astype(np.float32)
+        b1 = np.zeros(10, np.float32)
+        self.trainer.update([("a", a1), ("b", b1)], version=1)
+        a2 = a1.copy()
+        a2.reshape(-1)[rng.choice(a2.size, 100, replace=False)] += 1  # 1%
+        b2 = np.arange(10, dtype=np.float32)                         # 90%
+        patch = sparse.diff(a1, a2, max_density=0.05)
+        self.assertEqual(len(patch.indices), 100)
+        self.assertIsNone(sparse.diff(b1, b2, max_density=0.05))  # dense then
+        result = self.trainer.update([("a", patch), ("b", b2)], version=2, base_version=1)
+        np.testing.assert_array_equal(w["a"], a2)
+        np.testing.assert_array_equal(w["b"], b2)
+        self.assertLess(result.bytes, a2.nbytes * 0.03 + 1024)
+        with self.assertRaises(WeightSyncError) as e:  # engines are at 2 now
+            self.trainer.update([("a", patch)], version=3, base_version=1)
+        self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
+        self.assertIn("is at version 2", e.exception.message)
+
     def test_segments_fuse_checkpoint_tensors(self):
         # qkv [6, 4] = q [4, 4] rows then k [2, 4] rows.
         segs = {"qkv": [

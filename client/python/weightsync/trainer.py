@@ -17,6 +17,9 @@ from weightsync import planner
 from weightsync._errors import WeightSyncError
 from weightsync._proto import Stub, channel, default_target, v1
 from weightsync._tensors import describe
+from weightsync.sparse import SparsePatch
+
+import numpy as np
 
 
 class Trainer:
@@ -61,7 +64,8 @@ class Trainer:
             self.resume(timeout=timeout)
 
     def update(self, named_tensors, version, chunk_bytes=0, update_id=None, engine_ids=(),
-               mode="streaming", allow_streaming_fallback=False, verify=False):
+               mode="streaming", allow_streaming_fallback=False, verify=False,
+               base_version=0):
         """Sends every (name, tensor) as weight version `version` (host
         backend: numpy arrays or CPU torch tensors). Returns the daemon's
         FinishWeightUpdateResponse (per-engine results, pause_seconds). The
@@ -71,10 +75,20 @@ class Trainer:
         returns receipts and this client recomputes them from what it sent
         (through every engine's segments), raising DATA_LOSS on a mismatch;
         off by default here because on the host backend it costs several
-        times the update (see bench/RESULTS.md)."""
+        times the update (see bench/RESULTS.md). A tensor may be a
+        weightsync.sparse.SparsePatch: only its elements travel, and the
+        update applies only on engines at `base_version`."""
         update_id = update_id or f"update-{version}-{uuid.uuid4().hex[:8]}"
         names, data, manifest = [], [], []
         for name, tensor in named_tensors:
+            if isinstance(tensor, SparsePatch):
+                dtype, _, values = describe(name, tensor.values)
+                names.append(name)
+                data.append(np.concatenate([tensor.indices.astype("<i8").view(np.uint8),
+                                            values]))
+                manifest.append({"name": name, "dtype": dtype, "shape": list(tensor.shape),
+                                 "sparse_nnz": len(tensor.indices)})
+                continue
             dtype, shape, raw = describe(name, tensor)
             names.append(name)
             data.append(raw)
@@ -86,8 +100,10 @@ class Trainer:
                   "staged": v1.UPDATE_MODE_STAGED}[mode],
             allow_streaming_fallback=allow_streaming_fallback,
             verify=v1.VERIFY_ON if verify else v1.VERIFY_OFF,
+            sparse_base_version=base_version,
             tensors=[v1.TensorSpec(name=m["name"], dtype=getattr(v1, m["dtype"]),
-                                   shape=m["shape"]) for m in manifest])
+                                   shape=m["shape"], sparse_nnz=m.get("sparse_nnz", 0))
+                     for m in manifest])
         started = self._stub.call("StartWeightUpdate", request)
         plan = planner.plan_chunks(manifest, started.chunk_bytes)
 
@@ -117,7 +133,8 @@ class Trainer:
 
     def _check_receipts(self, finished, names, manifest, data):
         from weightsync.receipts import expected_receipt
-        sent = {m["name"]: (m["dtype"], m["shape"], d) for m, d in zip(manifest, data)}
+        sent = {m["name"]: (m["dtype"], m["shape"], d) for m, d in zip(manifest, data)
+                if not m.get("sparse_nnz")}  # receipts cover dense tensors
         layouts = {e.engine_id: e.layout
                    for e in self._stub.call("GetStatus", include_layouts=True).engines}
         for r in finished.engines:
