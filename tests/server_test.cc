@@ -150,6 +150,22 @@ class ServerTest : public ::testing::Test {
     }
   }
 
+  // A PushChunks stream of one chunk 0 of `bytes` bytes, closed normally;
+  // the stream's final status.
+  grpc::Status PushOneChunk(const std::string& update_id, int64_t bytes,
+                            char fill = '\0') {
+    grpc::ClientContext ctx;
+    v1::PushChunksResponse resp;
+    auto w = trainer_->stub()->PushChunks(&ctx, &resp);
+    v1::PushChunksRequest req;
+    req.set_update_id(update_id);
+    req.set_chunk_index(0);
+    req.set_data(std::string(bytes, fill));
+    w->Write(req);  // a refusal shows in Finish's status
+    w->WritesDone();
+    return w->Finish();
+  }
+
   v1::EngineStatus StatusOf(const std::string& id) {
     const auto status = trainer_->GetStatus();
     EXPECT_TRUE(status.ok()) << status.status();
@@ -331,17 +347,8 @@ TEST_F(ServerTest, FailedStagedUpdateLeavesEnginesUntouchedNotDirty) {
   v1::StartWeightUpdateRequest r = StartRequest(2, t2);
   r.set_mode(v1::UPDATE_MODE_STAGED);
   ASSERT_TRUE(trainer_->StartWeightUpdate(r).ok());
-  {  // half the chunks, then the trainer goes away
-    grpc::ClientContext ctx;
-    v1::PushChunksResponse resp;
-    auto w = trainer_->stub()->PushChunks(&ctx, &resp);
-    v1::PushChunksRequest req;
-    req.set_update_id("u2");
-    req.set_data(std::string(4096, 'x'));
-    ASSERT_TRUE(w->Write(req));
-    w->WritesDone();
-    ASSERT_TRUE(w->Finish().ok());
-  }
+  // One chunk, then the trainer goes away.
+  ASSERT_TRUE(PushOneChunk("u2", 4096, 'x').ok());
   auto f = trainer_->FinishWeightUpdate("u2");
   EXPECT_EQ(f.status().code(), absl::StatusCode::kAborted);
   EXPECT_THAT(f.status().message(), HasSubstr("engines untouched"));
@@ -504,16 +511,7 @@ TEST_F(ServerTest, WrongSizedFirstChunkIsRejectedBeforeAnyWrite) {
   auto t = Tensors(1);
   ASSERT_TRUE(trainer_->StartWeightUpdate(StartRequest(1, t)).ok());
   for (int64_t delta : {+1, -1}) {
-    grpc::ClientContext ctx;
-    v1::PushChunksResponse resp;
-    auto w = trainer_->stub()->PushChunks(&ctx, &resp);
-    v1::PushChunksRequest req;
-    req.set_update_id("u1");
-    req.set_chunk_index(0);
-    req.set_data(std::string(4096 + delta, 'x'));
-    w->Write(req);
-    w->WritesDone();
-    grpc::Status s = w->Finish();
+    grpc::Status s = PushOneChunk("u1", 4096 + delta, 'x');
     if (delta == +1) {
       EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
       EXPECT_THAT(s.error_message(), HasSubstr("chunk 0 has 4097 bytes"));
@@ -538,17 +536,7 @@ TEST_F(ServerTest, TooFewChunksFailsTheUpdateAndLeavesEngineDirty) {
   auto started = trainer_->StartWeightUpdate(StartRequest(1, t, 4096));
   ASSERT_TRUE(started.ok());
   ASSERT_GT(started->num_chunks(), 2);
-  {  // Only the first chunk.
-    grpc::ClientContext ctx;
-    v1::PushChunksResponse resp;
-    auto w = trainer_->stub()->PushChunks(&ctx, &resp);
-    v1::PushChunksRequest req;
-    req.set_update_id("u1");
-    req.set_data(std::string(4096, '\0'));
-    ASSERT_TRUE(w->Write(req));
-    w->WritesDone();
-    ASSERT_TRUE(w->Finish().ok());
-  }
+  ASSERT_TRUE(PushOneChunk("u1", 4096).ok());  // only the first chunk
   auto f = trainer_->FinishWeightUpdate("u1");
   EXPECT_EQ(f.status().code(), absl::StatusCode::kAborted);
   EXPECT_THAT(f.status().message(), HasSubstr("finish after 1 of"));

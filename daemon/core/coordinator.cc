@@ -324,24 +324,12 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
   // Streaming writes into live memory: pause the engines first (an IPC data
   // plane starts copying as soon as Begin returns). Staged updates pause
   // only for their commit.
-  std::vector<std::string> paused;
   if (staged) to_pause.clear();
-  if (!to_pause.empty()) {
-    const auto acks = hub_.Broadcast(to_pause, PauseNotice(v1::PAUSE_MODE_KEEP),
-                                     absl::Now() + options_.notice_timeout);
-    for (const auto& [id, s] : acks) {
-      if (s.ok()) paused.push_back(id);
-    }
-    const absl::Status failed = FirstError(acks);
-    if (!failed.ok()) {
-      hub_.Broadcast(paused, ResumeNotice(),
-                     absl::Now() + options_.notice_timeout);
-      return absl::Status(
-          failed.code(),
-          absl::StrCat("could not pause for update '", request.update_id(),
-                       "': ", failed.message()));
-    }
-  }
+  WS_ASSIGN_OR_RETURN(const std::vector<std::string> paused,
+                      PauseAll(to_pause, v1::PAUSE_MODE_KEEP,
+                               absl::Now() + options_.notice_timeout,
+                               absl::StrCat("could not pause for update '",
+                                            request.update_id(), "'")));
   // Staging may refuse the budget: then nothing moved, and the engines this
   // call paused serve again.
   const absl::Status begun =
@@ -617,20 +605,10 @@ absl::Status Coordinator::CommitStaged(absl::Time deadline) {
   }
   // The engines generated on the old weights all along; they stop only for
   // the copy from staging into their memory.
-  const auto acks = hub_.Broadcast(to_pause, PauseNotice(v1::PAUSE_MODE_KEEP),
-                                   absl::Now() + options_.notice_timeout);
-  std::vector<std::string> paused;
-  for (const auto& [id, s] : acks) {
-    if (s.ok()) paused.push_back(id);
-  }
-  const absl::Status failed = FirstError(acks);
-  if (!failed.ok()) {
-    hub_.Broadcast(paused, ResumeNotice(),
-                   absl::Now() + options_.notice_timeout);
-    return absl::Status(failed.code(), absl::StrCat("could not pause for the "
-                                                    "commit: ",
-                                                    failed.message()));
-  }
+  WS_ASSIGN_OR_RETURN(const std::vector<std::string> paused,
+                      PauseAll(to_pause, v1::PAUSE_MODE_KEEP,
+                               absl::Now() + options_.notice_timeout,
+                               "could not pause for the commit"));
   std::vector<std::string> chunks;
   {
     absl::MutexLock lock(&mu_);
@@ -831,6 +809,24 @@ absl::StatusOr<v1::AbortWeightUpdateResponse> Coordinator::AbortWeightUpdate(
 
 // ---------------------------------------------------------------- pause
 
+absl::StatusOr<std::vector<std::string>> Coordinator::PauseAll(
+    const std::vector<std::string>& engines, v1::PauseMode mode,
+    absl::Time deadline, absl::string_view why) {
+  if (engines.empty()) return std::vector<std::string>();
+  const auto acks = hub_.Broadcast(engines, PauseNotice(mode), deadline);
+  std::vector<std::string> paused, failed;
+  for (const auto& [id, s] : acks) (s.ok() ? paused : failed).push_back(id);
+  if (failed.empty()) return paused;
+  // All or nothing: undo the pauses that did happen.
+  hub_.Broadcast(paused, ResumeNotice(), absl::Now() + options_.notice_timeout);
+  const absl::Status first = acks.at(failed.front());
+  return absl::Status(
+      first.code(),
+      absl::StrCat(why, ": pause failed for engine(s) ",
+                   absl::StrJoin(failed, ", "), ": ", first.message(),
+                   "; no engine was left paused"));
+}
+
 absl::StatusOr<v1::PauseResponse> Coordinator::Pause(
     const v1::PauseRequest& request) {
   absl::MutexLock control(&control_mu_);
@@ -847,21 +843,11 @@ absl::StatusOr<v1::PauseResponse> Coordinator::Pause(
       }
     }
   }
-  const auto acks = hub_.Broadcast(
-      to_pause, PauseNotice(request.mode()),
-      DeadlineFrom(request.timeout_ms(), options_.notice_timeout));
-  std::vector<std::string> paused, failed;
-  for (const auto& [id, s] : acks) (s.ok() ? paused : failed).push_back(id);
-  if (!failed.empty()) {
-    // All or nothing: undo the pauses that did happen.
-    hub_.Broadcast(paused, ResumeNotice(),
-                   absl::Now() + options_.notice_timeout);
-    const absl::Status first = acks.at(failed.front());
-    return absl::Status(
-        first.code(),
-        absl::StrCat("pause failed for engine(s) ", absl::StrJoin(failed, ", "),
-                     ": ", first.message(), "; no engine was left paused"));
-  }
+  WS_RETURN_IF_ERROR(
+      PauseAll(to_pause, request.mode(),
+               DeadlineFrom(request.timeout_ms(), options_.notice_timeout),
+               "Pause")
+          .status());
   absl::MutexLock lock(&mu_);
   v1::PauseResponse response;
   for (const std::string& id : ids) {

@@ -141,6 +141,13 @@ class Coordinator {
   // engines it wrote into dirty and tells them, resumes engines it paused
   // that are still clean. Requires control_mu_.
   std::vector<v1::EngineResult> EndFailedUpdate(const absl::Status& reason);
+  // Pauses `engines` all or nothing: if any engine fails to acknowledge,
+  // the ones that paused are resumed and the first failure returned, its
+  // message prefixed by `why` and naming every engine that failed. Returns
+  // the engines paused. Requires control_mu_.
+  absl::StatusOr<std::vector<std::string>> PauseAll(
+      const std::vector<std::string>& engines, v1::PauseMode mode,
+      absl::Time deadline, absl::string_view why);
   // Staged mode, at Finish: pauses the engines and hands every staged chunk
   // to the data plane. Requires control_mu_.
   absl::Status CommitStaged(absl::Time deadline);
