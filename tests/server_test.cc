@@ -337,6 +337,38 @@ TEST_F(ServerTest, StagedUpdateKeepsEnginesServingUntilTheCommit) {
   EXPECT_EQ(events, (std::vector<std::string>{"pause", "resume"}));
 }
 
+TEST_F(ServerTest, FinishReportsWhereTheTimeWent) {
+  // A slow pause acknowledgement shows as pause_s, a trainer slow to send
+  // as transfer_s; the parts never add up to more than the whole.
+  EngineHooks hooks;
+  hooks.on_pause = [](v1::PauseMode) {
+    absl::SleepFor(absl::Milliseconds(40));
+    return absl::OkStatus();
+  };
+  AddEngine("e0", false, 0, hooks);
+  Init();
+  auto t = Tensors(1);
+  ASSERT_TRUE(trainer_->StartWeightUpdate(StartRequest(1, t)).ok());
+  absl::SleepFor(absl::Milliseconds(60));
+  ASSERT_TRUE(trainer_->PushTensors("u1", t, 4096).ok());
+  auto done = trainer_->FinishWeightUpdate("u1");
+  ASSERT_TRUE(done.ok()) << done.status();
+  ExpectInstalled(0);
+  const v1::UpdateTimings& tm = done->timings();
+  EXPECT_GE(tm.pause_s(), 0.04);
+  EXPECT_GE(tm.transfer_s(), 0.06);
+  EXPECT_GE(tm.validate_s(), 0);
+  EXPECT_GE(tm.begin_s(), 0);
+  EXPECT_GE(tm.commit_s(), 0);
+  EXPECT_EQ(tm.device_s(), 0);  // the host backend has no GPU clock
+  // seconds runs from Start to the commit, before the notices (commit_s).
+  EXPECT_LE(tm.validate_s() + tm.pause_s() + tm.begin_s() + tm.transfer_s() +
+                tm.receipts_s(),
+            done->seconds() + 1e-3);
+  // Streaming: the engine was paused for the whole transfer.
+  EXPECT_GE(done->pause_seconds(), tm.transfer_s());
+}
+
 TEST_F(ServerTest, FailedStagedUpdateLeavesEnginesUntouchedNotDirty) {
   AddEngine("e0");
   Init();

@@ -181,6 +181,7 @@ int Main() {
       }
     }).detach();
     auto started = (*client)->StartWeightUpdate(req);
+    const absl::Time t_started = absl::Now();
     if (!started.ok()) {
       std::printf("start failed: %s\n", started.status().ToString().c_str());
       return 1;
@@ -206,12 +207,17 @@ int Main() {
                   done.status().ToString().c_str());
       return 1;
     }
+    const v1::UpdateTimings& t = done->timings();
     std::printf(
         "update v%lld: %zu tensors, %.1f MB, %lld chunks, %.4f s, "
-        "%.1f GB/s, %d engines\n",
+        "%.1f GB/s, %d engines; ms: start %.2f (validate %.2f pause %.2f "
+        "begin %.2f) transfer %.2f device %.2f commit %.2f\n",
         static_cast<long long>(version), specs.size(), plan->total_bytes / 1e6,
         static_cast<long long>(plan->chunks.size()), s,
-        plan->total_bytes / s / 1e9, done->engines_size());
+        plan->total_bytes / s / 1e9, done->engines_size(),
+        absl::ToDoubleMilliseconds(t_started - t0), t.validate_s() * 1e3,
+        t.pause_s() * 1e3, t.begin_s() * 1e3, t.transfer_s() * 1e3,
+        t.device_s() * 1e3, t.commit_s() * 1e3);
     std::fflush(stdout);
   }
   if (FLAGS_baseline_copy) {

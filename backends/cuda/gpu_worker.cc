@@ -254,6 +254,8 @@ absl::Status GpuWorker::EnsureStreams() {
   WS_CUDA(cudaStreamCreateWithFlags(&recv_stream_, cudaStreamNonBlocking));
   WS_CUDA(cudaStreamCreateWithFlags(&scatter_stream_, cudaStreamNonBlocking));
   WS_CUDA(cudaEventCreateWithFlags(&all_done_, cudaEventDisableTiming));
+  WS_CUDA(cudaEventCreate(&first_op_));
+  WS_CUDA(cudaEventCreate(&last_op_));
   return absl::OkStatus();
 }
 
@@ -296,12 +298,14 @@ absl::Status GpuWorker::EnqueueIpcUpdate(
   // Straight from the trainer's packed buffer into engine memory: no
   // staging, and same-dtype copies run on the copy engines (no SMs).
   int op = 0;
+  WS_CUDA(cudaEventRecord(first_op_, scatter_stream_));
   for (int64_t k = 0; k < request.chunk_sizes_size(); ++k) {
     const uint8_t* chunk = ipc_source_ + k * request.chunk_bytes();
     absl::Status s =
         EnqueueChunkOps(request, k, chunk, allocs, sm_copies_, &op);
     if (!s.ok()) return s;
   }
+  WS_CUDA(cudaEventRecord(last_op_, scatter_stream_));
   WS_CUDA(cudaEventRecord(all_done_, scatter_stream_));
   return absl::OkStatus();
 }
@@ -382,6 +386,7 @@ absl::Status GpuWorker::EnqueueUpdate(
     WS_CUDA(cudaEventRecord(scatter_done_[i], scatter_stream_));
   }
   int op = 0;
+  WS_CUDA(cudaEventRecord(first_op_, recv_stream_));
   for (int64_t k = 0; k < request.chunk_sizes_size(); ++k) {
     const int b = k % n;
     uint8_t* buf = staging_[b];
@@ -412,6 +417,7 @@ absl::Status GpuWorker::EnqueueUpdate(
     if (!s.ok()) return s;
     WS_CUDA(cudaEventRecord(scatter_done_[b], scatter_stream_));
   }
+  WS_CUDA(cudaEventRecord(last_op_, scatter_stream_));
   WS_CUDA(cudaEventRecord(all_done_, scatter_stream_));
   return absl::OkStatus();
 }
@@ -503,6 +509,10 @@ grpc::Status GpuWorker::WaitUpdate(grpc::ServerContext* ctx,
   }
   update_active_ = false;
   response->set_chunks_done(update_chunks_);
+  float ms = 0;
+  if (cudaEventElapsedTime(&ms, first_op_, last_op_) == cudaSuccess) {
+    response->set_device_seconds(ms / 1e3);
+  }
   return grpc::Status::OK;
 }
 

@@ -121,6 +121,9 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   int64_t staging_chunk_ = 0;
   std::vector<cudaEvent_t> recv_done_, scatter_done_;
   cudaEvent_t all_done_ = nullptr;
+  // Timed: the update's first GPU operation and its last (recorded just
+  // before all_done_, so it has completed once all_done_ has).
+  cudaEvent_t first_op_ = nullptr, last_op_ = nullptr;
   uint8_t* ipc_source_ = nullptr;
   std::string ipc_source_handle_;  // bytes of the handle ipc_source_ maps
   std::atomic<bool> update_active_{false};

@@ -229,7 +229,8 @@ absl::Status GpuWorkerSupervisor::BeginUpdate(
   return FromGrpcStatus(stub_->BeginUpdate(ctx.get(), request, &resp));
 }
 
-absl::Status GpuWorkerSupervisor::WaitUpdate(absl::Time deadline) {
+absl::StatusOr<absl::Duration> GpuWorkerSupervisor::WaitUpdate(
+    absl::Time deadline) {
   worker::v1::GpuWorker::Stub* stub;
   {
     absl::MutexLock lock(&mu_);
@@ -242,7 +243,9 @@ absl::Status GpuWorkerSupervisor::WaitUpdate(absl::Time deadline) {
   worker::v1::WaitUpdateResponse resp;
   // A little slack so the worker's own deadline answers first.
   auto ctx = Ctx(deadline + absl::Seconds(2));
-  return FromGrpcStatus(stub->WaitUpdate(ctx.get(), req, &resp));
+  absl::Status s = FromGrpcStatus(stub->WaitUpdate(ctx.get(), req, &resp));
+  if (!s.ok()) return s;
+  return absl::Seconds(resp.device_seconds());
 }
 
 void GpuWorkerSupervisor::AbortUpdate(absl::Time deadline) {
@@ -335,18 +338,24 @@ absl::Status GpuDataPlane::SubmitChunk(int64_t, std::string, absl::Time) {
 }
 
 absl::Status GpuDataPlane::Drain(absl::Time deadline) {
-  absl::Status s = sup_->WaitUpdate(deadline);
+  absl::StatusOr<absl::Duration> s = sup_->WaitUpdate(deadline);
   if (!s.ok()) {
     sup_->AbortUpdate(absl::Now() + absl::Seconds(5));
     return absl::AbortedError(
-        absl::StrCat(name(), " transfer failed: ", s.message(),
+        absl::StrCat(name(), " transfer failed: ", s.status().message(),
                      backend_ == v1::BACKEND_NCCL
                          ? " (communicator aborted; InitWeightTransfer again)"
                          : ""));
   }
   absl::MutexLock lock(&mu_);
   written_ = chunks_;
+  device_time_ = *s;
   return absl::OkStatus();
+}
+
+absl::Duration GpuDataPlane::device_time() const {
+  absl::MutexLock lock(&mu_);
+  return device_time_;
 }
 
 void GpuDataPlane::Abort() {

@@ -52,7 +52,8 @@ class GpuWorkerSupervisor {
   absl::Status InitGroup(const worker::v1::InitGroupRequest& request);
   absl::Status BeginUpdate(const worker::v1::BeginUpdateRequest& request,
                            absl::Time deadline);
-  absl::Status WaitUpdate(absl::Time deadline);
+  // Returns the update's GPU time (first operation to last, CUDA events).
+  absl::StatusOr<absl::Duration> WaitUpdate(absl::Time deadline);
   // Aborts the communicator; if that misses `deadline`, restarts the worker.
   void AbortUpdate(absl::Time deadline);
   // Kills the worker and starts a fresh one with every allocation re-opened.
@@ -124,6 +125,7 @@ class GpuDataPlane : public DataPlane {
   void Abort() override;
   void MarkEngineLost(int engine) override {}
   int64_t chunks_written() const override;
+  absl::Duration device_time() const override;
   bool ReceivesOwnBytes() const override { return true; }
   std::string name() const override {
     return backend_ == v1::BACKEND_IPC ? "ipc" : "nccl";
@@ -135,6 +137,7 @@ class GpuDataPlane : public DataPlane {
   mutable absl::Mutex mu_;
   int64_t chunks_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t written_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Duration device_time_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace weightsync

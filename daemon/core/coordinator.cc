@@ -219,6 +219,7 @@ v1::GetWorldSizeResponse Coordinator::GetWorldSize() {
 absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
     const v1::StartWeightUpdateRequest& request) {
   absl::MutexLock control(&control_mu_);
+  const absl::Time t_entry = absl::Now();
   if (request.update_id().empty() || request.update_id().size() > 256) {
     return absl::InvalidArgumentError("update_id must be 1-256 characters");
   }
@@ -325,15 +326,18 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
   // plane starts copying as soon as Begin returns). Staged updates pause
   // only for their commit.
   if (staged) to_pause.clear();
+  const absl::Time t_planned = absl::Now();
   WS_ASSIGN_OR_RETURN(const std::vector<std::string> paused,
                       PauseAll(to_pause, v1::PAUSE_MODE_KEEP,
                                absl::Now() + options_.notice_timeout,
                                absl::StrCat("could not pause for update '",
                                             request.update_id(), "'")));
+  const absl::Time t_paused = absl::Now();
   // Staging may refuse the budget: then nothing moved, and the engines this
   // call paused serve again.
   const absl::Status begun =
       staged ? absl::OkStatus() : plane->Begin(plan, request);
+  const absl::Time t_begun = absl::Now();
   if (!begun.ok()) {
     hub_.Broadcast(paused, ResumeNotice(),
                    absl::Now() + options_.notice_timeout);
@@ -348,7 +352,11 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
   update->engine_ids = ids;
   update->lost.assign(ids.size(), false);
   update->data_plane = plane;
-  update->started = absl::Now();
+  update->started = t_entry;
+  update->begun = t_begun;
+  update->timings.set_validate_s(absl::ToDoubleSeconds(t_planned - t_entry));
+  update->timings.set_pause_s(absl::ToDoubleSeconds(t_paused - t_planned));
+  update->timings.set_begin_s(absl::ToDoubleSeconds(t_begun - t_paused));
   update->staged = staged;
   // Receipts are on by default where the daemon can read engine memory.
   update->verify =
@@ -363,7 +371,7 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
     update->staged_chunks.resize(plan->chunks.chunks.size());
     update->request = request;
   } else {
-    update->paused_at = update->started;
+    update->paused_at = t_paused;
   }
   for (size_t i = 0; i < ids.size(); ++i) {
     auto it = engines_.find(ids[i]);
@@ -672,6 +680,7 @@ absl::StatusOr<v1::FinishWeightUpdateResponse> Coordinator::FinishWeightUpdate(
   }
   if (status.ok() && staged) status = CommitStaged(deadline);
   if (status.ok()) status = plane->Drain(deadline);
+  const absl::Time t_drained = absl::Now();
   if (!status.ok()) {
     const std::vector<v1::EngineResult> results = EndFailedUpdate(status);
     std::vector<std::string> dirty;
@@ -698,14 +707,12 @@ absl::StatusOr<v1::FinishWeightUpdateResponse> Coordinator::FinishWeightUpdate(
       verify = update_->verify;
     }
     if (verify) {
-      const absl::Time t0 = absl::Now();
       for (const auto& engine : plan->engines) {
         receipts.push_back(ComputeReceipt(*engine, *sources));
       }
-      VLOG(1) << "receipts of " << plan->engines.size() << " engine(s) in "
-              << absl::Now() - t0;
     }
   }
+  const absl::Time t_receipts = absl::Now();
   // Commit.
   v1::FinishWeightUpdateResponse response;
   std::vector<std::string> committed, resume;
@@ -744,6 +751,11 @@ absl::StatusOr<v1::FinishWeightUpdateResponse> Coordinator::FinishWeightUpdate(
     paused_at = update_->paused_at;
     response.set_bytes(update_->plan->chunks.total_bytes);
     response.set_seconds(absl::ToDoubleSeconds(absl::Now() - update_->started));
+    v1::UpdateTimings* t = response.mutable_timings();
+    *t = update_->timings;
+    t->set_transfer_s(absl::ToDoubleSeconds(t_drained - update_->begun));
+    t->set_device_s(absl::ToDoubleSeconds(plane->device_time()));
+    t->set_receipts_s(absl::ToDoubleSeconds(t_receipts - t_drained));
     RecordUpdateStatusLocked("committed");
     update_.reset();
   }
@@ -780,12 +792,18 @@ absl::StatusOr<v1::FinishWeightUpdateResponse> Coordinator::FinishWeightUpdate(
   for (const auto& [e, s] : acks) {
     if (!s.ok()) LOG(WARNING) << "new-version/resume notice: " << s;
   }
+  const absl::Time t_committed = absl::Now();
   if (paused_at != absl::InfiniteFuture()) {
-    response.set_pause_seconds(absl::ToDoubleSeconds(absl::Now() - paused_at));
+    response.set_pause_seconds(absl::ToDoubleSeconds(t_committed - paused_at));
   }
+  v1::UpdateTimings* t = response.mutable_timings();
+  t->set_commit_s(absl::ToDoubleSeconds(t_committed - t_receipts));
   LOG(INFO) << "update " << id << " committed version " << version << " on "
             << absl::StrJoin(committed, ",") << " in " << response.seconds()
-            << " s";
+            << " s (pause " << t->pause_s() << ", begin " << t->begin_s()
+            << ", transfer " << t->transfer_s() << ", device " << t->device_s()
+            << ", receipts " << t->receipts_s() << ", commit " << t->commit_s()
+            << ")";
   return response;
 }
 

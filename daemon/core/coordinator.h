@@ -126,7 +126,9 @@ class Coordinator {
     int64_t received_bytes = 0;
     bool stream_open = false;
     int submits_in_flight = 0;  // PushChunk calls past the checks
-    absl::Time started;
+    absl::Time started;         // Start called
+    absl::Time begun;           // Start's data plane ready
+    v1::UpdateTimings timings;
     // Staged mode: chunks wait here, engines serve on, until Finish commits.
     bool staged = false;
     bool committing = false;  // staged bytes are being written

@@ -47,6 +47,10 @@ class DataPlane {
   // Chunks fully written into engine memory in the current update.
   virtual int64_t chunks_written() const = 0;
 
+  // GPU time of the last drained update (first operation to last), zero
+  // where the data plane does not measure it.
+  virtual absl::Duration device_time() const { return absl::ZeroDuration(); }
+
   // True where bytes reach the data plane by themselves (NCCL broadcast)
   // rather than through SubmitChunk.
   virtual bool ReceivesOwnBytes() const { return false; }
