@@ -9,6 +9,11 @@ version (tag responses with `engine.version`) and acknowledges each notice.
     engine = weightsync.Engine("worker-0")
     weights = engine.register_host([("w", "FLOAT32", (4, 8))])
     engine.start(on_pause=pause_generation, on_resume=resume_generation)
+
+GPU (torch CUDA parameters, registered in place by CUDA IPC handle):
+
+    engine.register_torch(model)          # or model.named_parameters()
+    engine.start(on_pause=..., on_resume=...)
 """
 
 import os
@@ -37,6 +42,8 @@ class Engine:
         self.version = 0
         self.paused = False
         self.dirty = False
+        self.aliases = {}
+        self._torch_params = None
 
     def register_host(self, params, version=0, segments=None):
         """Lays out `params` [(name, dtype enum name, shape)] in shared
@@ -67,6 +74,56 @@ class Engine:
         self._stub.call("RegisterEngine", request)
         self.version = version
         return arrays
+
+    def register_torch(self, params, version=0, segments=None, names=None):
+        """Registers torch CUDA tensors in place: the daemon writes straight
+        into them. `params` is a torch.nn.Module (its named_parameters()) or
+        (name, tensor) pairs. Each tensor must be contiguous. Parameters are
+        grouped by the caching-allocator segment they live in (one
+        Allocation per segment: its CUDA IPC handle from torch's storage
+        sharing, the GPU's UUID); each Parameter points at its byte offset
+        in the segment. A name whose tensor is the same memory as an
+        earlier one (tied embeddings) is left out (see `self.aliases`):
+        the trainer sends the tensor once under the kept name.
+        `segments` maps a parameter name to Segment dicts (checkpoint
+        layout, e.g. from weightsync.layouts); without, each parameter is
+        the checkpoint tensor of the same name and shape. `names` maps a
+        parameter name to the name it is registered under. Returns
+        {registered name: tensor}."""
+        import torch
+        from weightsync._gpu import allocation_table, dedupe_aliases, dtype_name, ipc_location
+        if hasattr(params, "named_parameters"):
+            params = params.named_parameters()
+        pairs, self.aliases = dedupe_aliases([(n, t) for n, t in params])
+        if not pairs:
+            raise ValueError("no parameters to register")
+        entries, described = [], []
+        devices = set()
+        for name, t in pairs:
+            reg = (names or {}).get(name, name)
+            dt = dtype_name(name, t)
+            handle, uuid, offset, nbytes = ipc_location(name, t.detach())
+            devices.add(t.device)
+            entries.append((reg, handle, uuid, offset, nbytes))
+            described.append((reg, dt, tuple(int(s) for s in t.shape), t))
+        for d in devices:
+            torch.cuda.synchronize(d)   # initialised before the daemon may write
+        allocations, placements = allocation_table(entries)
+        request = v1.RegisterEngineRequest(engine_id=self.engine_id, version=version)
+        for a in allocations:
+            request.allocations.add(kind=v1.MEMORY_CUDA_IPC, handle=a["handle"], size=a["size"],
+                                    device_uuid=a["device_uuid"])
+        out = {}
+        for (reg, dt, shape, t), (_, index, offset) in zip(described, placements):
+            p = request.parameters.add(name=reg, dtype=getattr(v1, dt), shape=list(shape),
+                                       allocation=index, offset=offset)
+            for seg in (segments or {}).get(reg, []):
+                p.segments.add(**seg)
+            out[reg] = t
+        self._stub.call("RegisterEngine", request)
+        self._torch_params = out   # keep the memory alive while registered
+        self.version = version
+        return out
 
     def start(self, on_pause=None, on_resume=None, on_new_version=None, on_dirty=None):
         """Opens the control stream and serves notices on a daemon thread.

@@ -5,12 +5,23 @@
     with trainer.paused():                       # optional: engines paused
         result = trainer.update(model.state_dict().items(), version=step)
 
+On GPUs (torch CUDA tensors, see weightsync.gpu_trainer):
+
+    trainer.init_nccl(device=0)      # trainer GPU 0 joins the daemons' NCCL group
+    trainer.init_ipc(device=0)       # or: colocated, the daemon reads our buffer
+    trainer.update(model.named_parameters(), version=step)
+
+`Trainer([target_a, target_b])` drives several daemons (one per node): the
+NCCL group then has the trainer at rank 0 and daemon i at rank 1 + i, and
+update/pause/resume go to all of them.
+
 Thread-compatible: one update at a time per Trainer. Every call has a
 deadline; errors raise WeightSyncError with the daemon's code and message.
 """
 
 import contextlib
 import itertools
+import time
 import uuid
 
 from weightsync import planner
@@ -24,18 +35,78 @@ import numpy as np
 
 class Trainer:
     def __init__(self, target=None, timeout=30.0, stream_timeout=600.0):
-        self._channel = channel(target or default_target())
-        self._stub = Stub(self._channel, "TrainerService", timeout)
+        targets = [target] if target is None or isinstance(target, str) else list(target)
+        if not targets:
+            raise ValueError("no daemon target")
+        self._channels = [channel(t or default_target()) for t in targets]
+        self._stubs = [Stub(c, "TrainerService", timeout) for c in self._channels]
+        self._channel, self._stub = self._channels[0], self._stubs[0]
         self._timeout = timeout
         self._stream_timeout = stream_timeout
+        self._backend = None
+        self._gpu = None
+        self.last_results = []
 
     def close(self):
-        self._channel.close()
+        if self._gpu is not None:
+            self._gpu.abort_comm()
+        for c in self._channels:
+            c.close()
 
     def init_host(self):
         """Forms a host-backend transfer group; returns its id."""
+        if len(self._stubs) > 1:
+            raise ValueError("the host backend talks to one daemon")
         r = self._stub.call("InitWeightTransfer", backend=v1.BACKEND_HOST)
+        self._backend = "host"
         return r.group_id
+
+    def init_nccl(self, device=None, pack_buffers=2, timeout_ms=0):
+        """Forms an NCCL transfer group with every daemon: makes an NCCL
+        unique id, calls InitWeightTransfer(BACKEND_NCCL, world_size=1 +
+        daemons, rank_offset=1 + i) on daemon i, then joins as rank 0 on
+        CUDA `device` (default: the current one) through libnccl (ctypes,
+        weightsync.nccl). Blocks until every daemon's rank has joined.
+        Call again after an update failed with ABORTED. Returns the group
+        ids."""
+        import torch
+        from weightsync import nccl
+        from weightsync.gpu_trainer import GpuSender, _device
+        dev = _device(device)
+        if self._gpu is not None:
+            self._gpu.abort_comm()
+        uid = nccl.get_unique_id()
+        world = 1 + len(self._stubs)
+        groups = [stub.call("InitWeightTransfer", backend=v1.BACKEND_NCCL, world_size=world,
+                            rank_offset=1 + i, nccl_unique_id=uid, timeout_ms=timeout_ms).group_id
+                  for i, stub in enumerate(self._stubs)]
+        with torch.cuda.device(dev):
+            try:
+                comm = nccl.Communicator(world, uid, 0)
+            except nccl.NcclError as e:
+                raise WeightSyncError("UNAVAILABLE", f"joining the NCCL group as rank 0 "
+                                      f"on {dev}: {e}") from None
+        if self._gpu is not None and self._gpu.device == dev and self._gpu.backend == "nccl":
+            self._gpu.comm = comm
+        else:
+            self._gpu = GpuSender("nccl", dev, comm, pack_buffers)
+        self._backend = "nccl"
+        return groups
+
+    def init_ipc(self, device=None):
+        """Forms an IPC transfer group (trainer on the engines' GPU): each
+        update is packed into one CUDA buffer whose IPC handle goes with
+        StartWeightUpdate, and the daemon copies from it."""
+        from weightsync.gpu_trainer import GpuSender, _device
+        if len(self._stubs) > 1:
+            raise ValueError("the ipc backend talks to the local daemon only")
+        dev = _device(device)
+        r = self._stub.call("InitWeightTransfer", backend=v1.BACKEND_IPC)
+        if self._gpu is not None:
+            self._gpu.abort_comm()
+        self._gpu = GpuSender("ipc", dev)
+        self._backend = "ipc"
+        return [r.group_id]
 
     def world_size(self):
         return self._stub.call("GetWorldSize").world_size
@@ -46,12 +117,14 @@ class Trainer:
     def pause(self, mode="keep", timeout=10.0, engine_ids=()):
         mode_value = {"abort": v1.PAUSE_MODE_ABORT, "wait": v1.PAUSE_MODE_WAIT,
                       "keep": v1.PAUSE_MODE_KEEP}[mode]
-        return self._stub.call("Pause", mode=mode_value, timeout_ms=int(timeout * 1000),
-                               engine_ids=list(engine_ids))
+        out = [stub.call("Pause", mode=mode_value, timeout_ms=int(timeout * 1000),
+                         engine_ids=list(engine_ids)) for stub in self._stubs]
+        return out[0] if len(out) == 1 else out
 
     def resume(self, allow_dirty=False, timeout=10.0, engine_ids=()):
-        return self._stub.call("Resume", allow_dirty=allow_dirty,
-                               timeout_ms=int(timeout * 1000), engine_ids=list(engine_ids))
+        out = [stub.call("Resume", allow_dirty=allow_dirty, timeout_ms=int(timeout * 1000),
+                         engine_ids=list(engine_ids)) for stub in self._stubs]
+        return out[0] if len(out) == 1 else out
 
     @contextlib.contextmanager
     def paused(self, mode="keep", timeout=10.0):
@@ -79,6 +152,11 @@ class Trainer:
         weightsync.sparse.SparsePatch: only its elements travel, and the
         update applies only on engines at `base_version`."""
         update_id = update_id or f"update-{version}-{uuid.uuid4().hex[:8]}"
+        if self._backend in ("nccl", "ipc"):
+            return self._update_gpu(named_tensors, version, chunk_bytes, update_id, engine_ids,
+                                    mode, allow_streaming_fallback, verify)
+        if len(self._stubs) > 1:
+            raise ValueError("the host backend talks to one daemon")
         names, data, manifest = [], [], []
         for name, tensor in named_tensors:
             if isinstance(tensor, SparsePatch):
@@ -130,6 +208,89 @@ class Trainer:
         if verify:
             self._check_receipts(finished, names, manifest, data)
         return finished
+
+    def _update_gpu(self, named_tensors, version, chunk_bytes, update_id, engine_ids, mode,
+                    allow_streaming_fallback, verify):
+        """NCCL / IPC update of torch tensors (see weightsync.gpu_trainer).
+        Returns the FinishWeightUpdateResponse (a list of them, one per
+        daemon, for several daemons); self.last_results holds the list."""
+        gpu = self._gpu
+        t0 = time.perf_counter()
+        names, flats, manifest, _ = gpu.manifest(named_tensors)
+        request = v1.StartWeightUpdateRequest(
+            update_id=update_id, target_version=version, chunk_bytes=chunk_bytes,
+            engine_ids=list(engine_ids),
+            mode={"streaming": v1.UPDATE_MODE_STREAMING,
+                  "staged": v1.UPDATE_MODE_STAGED}[mode],
+            allow_streaming_fallback=allow_streaming_fallback,
+            verify=v1.VERIFY_ON if verify else v1.VERIFY_OFF,
+            tensors=[v1.TensorSpec(name=m["name"], dtype=getattr(v1, m["dtype"]),
+                                   shape=m["shape"]) for m in manifest])
+        if gpu.backend == "ipc":
+            # Offsets and total size don't depend on the chunk size.
+            layout = gpu.plan(manifest, chunk_bytes or planner.ALIGNMENT * 4096)
+            buf, handle = gpu.ipc_buffer(layout["total_bytes"])
+            gpu.pack_all(layout, flats, buf)
+            request.ipc_source.CopyFrom(gpu.ipc_source(handle, buf.numel()))
+            t_packed = time.perf_counter()
+            self._stub.call("StartWeightUpdate", request)
+            finished = self.finish(update_id)   # the daemon copied; buf may change now
+            gpu.last_timings = {"pack_s": t_packed - t0,
+                                "start_to_finish_s": time.perf_counter() - t_packed}
+            self.last_results = [finished]
+            return finished
+        started = []
+        try:
+            for stub in self._stubs:
+                started.append(stub.call("StartWeightUpdate", request))
+        except WeightSyncError:
+            self._abort_started(update_id, len(started), "Start failed on another daemon")
+            if len(started):
+                gpu.abort_comm()   # the daemons that started abort their communicators
+            raise
+        t_started = time.perf_counter()
+        plan = gpu.plan(manifest, started[0].chunk_bytes)
+        for s in started:
+            if s.total_bytes != plan["total_bytes"] or s.num_chunks != len(plan["chunks"]):
+                self._abort_started(update_id, len(started), "chunk plan mismatch")
+                gpu.abort_comm()
+                raise WeightSyncError(
+                    "INTERNAL", f"daemon plans {s.total_bytes} bytes in {s.num_chunks} chunks, "
+                    f"this client {plan['total_bytes']} in {len(plan['chunks'])}")
+        try:
+            done, keep = gpu.enqueue_nccl(plan, flats)
+        except Exception as e:   # NcclError, CUDA errors
+            gpu.abort_comm()
+            detail = self._abort_started(update_id, len(started), f"trainer: {e}")
+            raise WeightSyncError("ABORTED", f"update '{update_id}': sending failed on the "
+                                  f"trainer: {e}{detail}; init_nccl() again") from None
+        t_enqueued = time.perf_counter()
+        results, error = [], None
+        for stub in self._stubs:
+            try:
+                results.append(stub.call("FinishWeightUpdate", update_id=update_id,
+                                         timeout_ms=int(self._timeout * 1000 * 2 / 3)))
+            except WeightSyncError as e:
+                error = error or e
+        if error is not None:
+            gpu.abort_comm()   # a broadcast whose receiver is gone never ends
+            raise error
+        gpu.wait(done, self._timeout)
+        del keep
+        t1 = time.perf_counter()
+        gpu.last_timings = {"prepare_s": t_started - t0, "enqueue_s": t_enqueued - t_started,
+                            "start_to_finish_s": t1 - t_started, "total_s": t1 - t0}
+        self.last_results = results
+        return results[0] if len(results) == 1 else results
+
+    def _abort_started(self, update_id, count, reason):
+        detail = ""
+        for stub in self._stubs[:count]:
+            try:
+                stub.call("AbortWeightUpdate", update_id=update_id, reason=reason)
+            except WeightSyncError as e:
+                detail += f"; abort on a daemon: {e}"
+        return detail
 
     def _check_receipts(self, finished, names, manifest, data):
         from weightsync.receipts import expected_receipt

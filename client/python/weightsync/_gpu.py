@@ -1,0 +1,177 @@
+"""Helpers for torch CUDA tensors: dtypes, flat byte views, CUDA IPC handles
+of caching-allocator blocks, GPU UUIDs, allocation tables.
+
+The functions that don't take a torch object (parse_storage_handle,
+format_gpu_uuid, allocation_table, dedupe_aliases' key logic) are plain
+Python so that CI, which has no GPU and no torch, can test them.
+"""
+
+CUDA_IPC_HANDLE_BYTES = 64
+_SHAREABLE_CUDA_MALLOC = ord("c")
+_SHAREABLE_EXPANDABLE_SEGMENT = ord("e")
+
+# str(torch dtype) -> weightsync.v1.DType enum name
+TORCH_DTYPES = {
+    "torch.float32": "FLOAT32", "torch.bfloat16": "BFLOAT16", "torch.float16": "FLOAT16",
+    "torch.float64": "FLOAT64", "torch.int64": "INT64", "torch.int32": "INT32",
+    "torch.int16": "INT16", "torch.int8": "INT8", "torch.uint8": "UINT8", "torch.bool": "BOOL",
+    "torch.float8_e4m3fn": "FLOAT8_E4M3FN", "torch.float8_e5m2": "FLOAT8_E5M2",
+}
+
+
+def dtype_name(name, tensor):
+    d = str(tensor.dtype)
+    if d not in TORCH_DTYPES:
+        raise ValueError(f"tensor '{name}': dtype {d} is not supported "
+                         f"(supported: {', '.join(sorted(TORCH_DTYPES))})")
+    return TORCH_DTYPES[d]
+
+
+def parse_storage_handle(handle):
+    """The 64-byte cudaIpcMemHandle_t inside what torch's
+    `untyped_storage()._share_cuda_()[1]` returns.
+
+    torch <= 2.1 returns the raw 64-byte handle; later versions prefix a
+    version byte and a type byte: b'c' for a cudaMalloc block (then the raw
+    handle of the allocation's base follows) or b'e' for an expandable
+    segment (cuMem* memory, which cudaIpcOpenMemHandle can't open)."""
+    if handle is None:
+        raise ValueError("the storage has no CUDA memory (empty tensor?)")
+    handle = bytes(handle)
+    if len(handle) == CUDA_IPC_HANDLE_BYTES:
+        return handle
+    if len(handle) >= 2 and handle[1] == _SHAREABLE_EXPANDABLE_SEGMENT:
+        raise ValueError(
+            "this tensor lives in an expandable segment (PYTORCH_CUDA_ALLOC_CONF="
+            "expandable_segments:True), which CUDA IPC handles (cudaIpcGetMemHandle) "
+            "can't share; start the process without expandable_segments for the "
+            "tensors weightsync writes or reads")
+    if len(handle) == CUDA_IPC_HANDLE_BYTES + 2 and handle[1] == _SHAREABLE_CUDA_MALLOC:
+        return handle[2:]
+    raise ValueError(f"unknown CUDA storage handle format ({len(handle)} bytes, "
+                     f"starting {handle[:2].hex()}); expected 64 bytes or "
+                     "version + 'c' + 64 bytes")
+
+
+def format_gpu_uuid(uuid):
+    """A GPU UUID as the wire carries it: "GPU-xxxxxxxx-xxxx-xxxx-xxxx-
+    xxxxxxxxxxxx" (lower-case hex, like nvidia-smi and
+    backends/cuda/gpu_uuid.h). Accepts 16 bytes, a list of 16 ints, torch's
+    `get_device_properties(d).uuid` (whose str() lacks the "GPU-" prefix),
+    or a string with or without the prefix."""
+    raw = None
+    if isinstance(uuid, (bytes, bytearray)):
+        raw = bytes(uuid)
+    elif isinstance(uuid, (list, tuple)):
+        raw = bytes(int(b) & 0xFF for b in uuid)
+    elif hasattr(uuid, "bytes") and not isinstance(uuid, str):
+        b = uuid.bytes
+        raw = bytes(b) if isinstance(b, (bytes, bytearray)) else bytes(int(x) & 0xFF for x in b)
+    if raw is None:
+        text = str(uuid).strip()
+        if text.upper().startswith("GPU-"):
+            text = text[4:]
+        hexdigits = text.replace("-", "")
+        try:
+            raw = bytes.fromhex(hexdigits)
+        except ValueError:
+            raw = b""
+        if len(raw) != 16:
+            raise ValueError(f"not a GPU UUID: {uuid!r}")
+    if len(raw) != 16:
+        raise ValueError(f"a GPU UUID has 16 bytes, not {len(raw)}")
+    h = raw.hex()
+    return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+def allocation_table(entries):
+    """Groups parameters by the allocation they live in.
+
+    entries: [(name, handle64, uuid, base_offset, nbytes)] where base_offset
+    is the parameter's byte offset from the allocation's base.
+    Returns (allocations, placements): allocations [{"handle", "size",
+    "device_uuid"}] in first-use order, each `size` the end of the last
+    byte any parameter uses (a lower bound of the real block size, which is
+    all the daemon checks); placements [(name, allocation index, offset)].
+    Raises ValueError naming both parameters when two overlap."""
+    index, allocations, placements, spans = {}, [], [], {}
+    for name, handle, uuid, offset, nbytes in entries:
+        key = (uuid, bytes(handle))
+        if key not in index:
+            index[key] = len(allocations)
+            allocations.append({"handle": bytes(handle), "size": 0, "device_uuid": uuid})
+        a = index[key]
+        allocations[a]["size"] = max(allocations[a]["size"], offset + nbytes)
+        placements.append((name, a, offset))
+        if nbytes:
+            spans.setdefault(a, []).append((offset, offset + nbytes, name))
+    for a, s in spans.items():
+        s.sort()
+        for (b0, e0, n0), (b1, e1, n1) in zip(s, s[1:]):
+            if b1 < e0:
+                raise ValueError(
+                    f"parameters '{n0}' and '{n1}' overlap in memory (bytes [{b0}, {e0}) "
+                    f"and [{b1}, {e1}) of one allocation); register each storage once "
+                    "(tied weights: register one name and let the trainer send it)")
+    for a in allocations:
+        a["size"] = max(a["size"], 1)
+    return allocations, placements
+
+
+def alias_key(tensor):
+    """Two tensors with the same key are the same memory viewed the same way."""
+    return (tensor.device.type, tensor.device.index, tensor.data_ptr(), tuple(tensor.shape),
+            tuple(tensor.stride()), str(tensor.dtype))
+
+
+def dedupe_aliases(named_tensors):
+    """Drops later names of a tensor already seen (tied embeddings:
+    state_dict() lists lm_head.weight and embed_tokens.weight for one
+    tensor). Returns (kept pairs, {dropped name: kept name})."""
+    seen, kept, dropped = {}, [], {}
+    for name, t in named_tensors:
+        key = alias_key(t) if t.numel() else None
+        if key is not None and key in seen:
+            dropped[name] = seen[key]
+            continue
+        if key is not None:
+            seen[key] = name
+        kept.append((name, t))
+    return kept, dropped
+
+
+def flat_bytes(name, tensor):
+    """A 1-D uint8 view of a tensor's bytes (contiguous copy if needed)."""
+    import torch
+    t = tensor.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+def gpu_uuid(device):
+    import torch
+    return format_gpu_uuid(torch.cuda.get_device_properties(device).uuid)
+
+
+def ipc_location(name, tensor):
+    """(handle64, gpu uuid, offset of the tensor's first byte from the
+    allocation base, nbytes) of a CUDA tensor, from torch's own storage
+    sharing (`untyped_storage()._share_cuda_()`: device, handle of the
+    caching-allocator segment's base, storage bytes, storage offset from
+    that base, ...)."""
+    if tensor.device.type != "cuda":
+        raise ValueError(f"parameter '{name}' is on {tensor.device}, not a CUDA device")
+    if not tensor.is_contiguous():
+        raise ValueError(f"parameter '{name}' is not contiguous (shape {tuple(tensor.shape)}, "
+                         f"strides {tuple(tensor.stride())}); weightsync writes parameters "
+                         "as dense row-major arrays: register a contiguous tensor")
+    storage = tensor.untyped_storage()
+    shared = storage._share_cuda_()
+    handle = parse_storage_handle(shared[1])
+    storage_offset_bytes = int(shared[3])
+    offset = storage_offset_bytes + tensor.storage_offset() * tensor.element_size()
+    nbytes = tensor.numel() * tensor.element_size()
+    if tensor.storage_offset() * tensor.element_size() + nbytes > int(shared[2]):
+        raise ValueError(f"parameter '{name}' extends past its storage")
+    return handle, gpu_uuid(tensor.device), offset, nbytes

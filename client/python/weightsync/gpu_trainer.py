@@ -1,0 +1,223 @@
+"""Trainer data planes on GPUs: NCCL (trainer on its own GPU, the daemons'
+ranks receive) and CUDA IPC (trainer on the engine's GPU, the daemon copies
+from the trainer's packed buffer). Used by weightsync.Trainer after
+init_nccl() / init_ipc(); needs torch with CUDA.
+
+NCCL, per update (mirrors tools/gpu_trainer_main.cc): StartWeightUpdate on
+every daemon, then for every chunk k of the shared chunk plan one
+ncclBroadcast (root 0, ncclUint8) of the packed bytes [offset, offset+size)
+of the update, then FinishWeightUpdate. Chunks are packed on a side stream
+into a ring of reusable chunk buffers while earlier chunks are broadcast
+(pack k+1 overlaps broadcast k); a chunk that is one slice of one
+contiguous tensor on the trainer's GPU is broadcast straight from the
+tensor. Finish is called as soon as the last broadcast is enqueued (the
+daemon waits for its bytes), then the trainer waits for its own stream.
+
+IPC: the whole update is packed into one buffer that starts at a
+caching-allocator segment base (the daemon opens the handle and reads
+from offset 0); StartWeightUpdate carries its handle as ipc_source, the
+daemon copies, Finish returns when done; the buffer is not touched until
+Finish returns.
+"""
+
+import time
+
+from weightsync import planner
+from weightsync._errors import WeightSyncError
+from weightsync._gpu import dedupe_aliases, dtype_name, flat_bytes, gpu_uuid, parse_storage_handle
+from weightsync._proto import v1
+from weightsync.sparse import SparsePatch
+
+
+def _device(device):
+    import torch
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    d = torch.device(device)
+    if d.type != "cuda":
+        raise ValueError(f"device {device} is not a CUDA device")
+    return torch.device("cuda", d.index if d.index is not None else torch.cuda.current_device())
+
+
+class GpuSender:
+    """Per-Trainer GPU state: device, streams, communicator, buffers."""
+
+    def __init__(self, backend, device, comm=None, pack_buffers=2):
+        import torch
+        self.backend = backend
+        self.device = _device(device)
+        self.comm = comm
+        self.pack_buffers = max(1, pack_buffers)
+        with torch.cuda.device(self.device):
+            self.pack_stream = torch.cuda.Stream(self.device)
+            self.comm_stream = torch.cuda.Stream(self.device)
+        self._ring = []          # [(tensor, packed event, free event)]
+        self._ring_chunk = 0
+        self._plans = {}
+        self._ipc_buffer = None  # (tensor, handle)
+        self.last_timings = {}
+
+    # -- manifest -------------------------------------------------------------
+
+    def manifest(self, named_tensors):
+        pairs, dropped = dedupe_aliases(list(named_tensors))
+        names, flats, manifest = [], [], []
+        for name, t in pairs:
+            if isinstance(t, SparsePatch):
+                raise WeightSyncError("UNIMPLEMENTED", f"tensor '{name}': sparse patches "
+                                      "travel on the host backend only")
+            if not hasattr(t, "untyped_storage"):
+                raise ValueError(f"tensor '{name}': the {self.backend} backend sends torch "
+                                 f"tensors, not {type(t).__name__}")
+            dt = dtype_name(name, t)
+            names.append(name)
+            flats.append(flat_bytes(name, t))
+            manifest.append({"name": name, "dtype": dt, "shape": [int(s) for s in t.shape]})
+        return names, flats, manifest, dropped
+
+    def plan(self, manifest, chunk_bytes):
+        key = (chunk_bytes, tuple((m["name"], m["dtype"], tuple(m["shape"])) for m in manifest))
+        p = self._plans.get(key)
+        if p is None:
+            if len(self._plans) > 8:
+                self._plans.clear()
+            p = planner.plan_chunks(manifest, chunk_bytes)
+            self._plans[key] = p
+        return p
+
+    # -- NCCL ------------------------------------------------------------------
+
+    def _ensure_ring(self, chunk_bytes):
+        import torch
+        if self._ring and self._ring_chunk >= chunk_bytes:
+            return
+        self.comm_stream.synchronize()
+        self.pack_stream.synchronize()
+        self._ring = []
+        for _ in range(self.pack_buffers):
+            buf = torch.zeros(chunk_bytes, dtype=torch.uint8, device=self.device)
+            self._ring.append((buf, torch.cuda.Event(), torch.cuda.Event()))
+        torch.cuda.synchronize(self.device)
+        self._ring_chunk = chunk_bytes
+
+    def enqueue_nccl(self, plan, flats):
+        """Packs and broadcasts every chunk; returns the event recorded after
+        the last broadcast and the objects to keep alive until it fires."""
+        import torch
+        if self.comm is None:
+            raise WeightSyncError("FAILED_PRECONDITION", "no NCCL communicator (never formed, "
+                                  "or aborted after a failed update): call init_nccl() again")
+        chunks = plan["chunks"]
+        if not chunks:
+            return None, []
+        self._ensure_ring(max(c["size"] for c in chunks))
+        current = torch.cuda.current_stream(self.device)
+        self.pack_stream.wait_stream(current)   # tensors are ready (optimizer step)
+        self.comm_stream.wait_stream(current)
+        # Zero-copy chunks read the tensor on the comm stream: tell the
+        # caching allocator so a freed tensor isn't reused too early.
+        direct_ok = [f.device == self.device for f in flats]
+        keep = []
+        slot = 0
+        stream_ptr = self.comm_stream.cuda_stream
+        used = [False] * len(self._ring)
+        for c in chunks:
+            pieces = c["pieces"]
+            if (len(pieces) == 1 and pieces[0]["length"] == c["size"]
+                    and direct_ok[pieces[0]["tensor"]]):
+                p = pieces[0]
+                src = flats[p["tensor"]]
+                src.record_stream(self.comm_stream)
+                self.comm.broadcast(src.data_ptr() + p["tensor_offset"], c["size"], 0, stream_ptr)
+                continue
+            buf, packed, free = self._ring[slot]
+            if used[slot]:
+                self.pack_stream.wait_event(free)   # broadcast of the chunk before is done
+            used[slot] = True
+            with torch.cuda.stream(self.pack_stream):
+                for p in pieces:
+                    src = flats[p["tensor"]]
+                    buf[p["chunk_offset"]:p["chunk_offset"] + p["length"]].copy_(
+                        src[p["tensor_offset"]:p["tensor_offset"] + p["length"]],
+                        non_blocking=True)
+                packed.record(self.pack_stream)
+            self.comm_stream.wait_event(packed)
+            self.comm.broadcast(buf.data_ptr(), c["size"], 0, stream_ptr)
+            free.record(self.comm_stream)
+            slot = (slot + 1) % len(self._ring)
+        done = torch.cuda.Event()
+        done.record(self.comm_stream)
+        keep.append(flats)
+        return done, keep
+
+    def wait(self, event, timeout):
+        """Waits for `event`, watching the communicator; raises
+        WeightSyncError("ABORTED") on an NCCL error or the deadline (after
+        aborting the communicator so nothing stays blocked)."""
+        if event is None:
+            return
+        deadline = time.monotonic() + timeout
+        sleep = 0.00005
+        while not event.query():
+            err = self.comm.async_error() if self.comm is not None else None
+            if err is not None:
+                self.abort_comm()
+                raise WeightSyncError("ABORTED", f"NCCL error on the trainer: {err}")
+            if time.monotonic() > deadline:
+                self.abort_comm()
+                raise WeightSyncError("ABORTED", f"broadcasts not done after {timeout:.0f} s; "
+                                      "communicator aborted (init_nccl() again)")
+            time.sleep(sleep)
+            sleep = min(sleep * 2, 0.002)
+
+    def abort_comm(self):
+        if self.comm is not None:
+            self.comm.abort()
+            self.comm = None
+
+    # -- IPC -------------------------------------------------------------------
+
+    def ipc_buffer(self, total):
+        """A packed buffer of at least `total` bytes that starts at its
+        caching-allocator segment's base, and its 64-byte IPC handle."""
+        import torch
+        if self._ipc_buffer is not None and self._ipc_buffer[0].numel() >= total:
+            return self._ipc_buffer
+        self._ipc_buffer = None
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()   # whole free segments back: a fresh one is likely
+        held, found = [], None
+        for _ in range(4):
+            t = torch.empty(max(total, 1), dtype=torch.uint8, device=self.device)
+            shared = t.untyped_storage()._share_cuda_()
+            if int(shared[3]) == 0:
+                found = (t, parse_storage_handle(shared[1]))
+                break
+            held.append(t)   # keep it so the next try can't land in the same block
+        del held
+        if found is None:
+            raise WeightSyncError(
+                "FAILED_PRECONDITION",
+                f"could not get a {total}-byte CUDA buffer at the start of its allocation "
+                "(the daemon reads the packed update from offset 0 of the IPC handle); "
+                "free cached GPU memory (torch.cuda.empty_cache()) and retry")
+        self._ipc_buffer = found
+        return found
+
+    def pack_all(self, plan, flats, buf):
+        """Packs the whole update into `buf` (tensor at its stream offset)
+        and waits for it: the daemon reads it from another process."""
+        import torch
+        self.pack_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.pack_stream):
+            for off, n, f in zip(plan["tensor_offsets"], plan["payload_bytes"], flats):
+                if n:
+                    buf[off:off + n].copy_(f, non_blocking=True)
+        self.pack_stream.synchronize()
+
+    def ipc_source(self, handle, size):
+        a = v1.Allocation(kind=v1.MEMORY_CUDA_IPC, handle=handle, size=size,
+                          device_uuid=gpu_uuid(self.device))
+        return a
