@@ -76,7 +76,7 @@ def _package_candidates(paths=None):
     return out
 
 
-def find_library(env=None, search_path=None, loaded=None):
+def find_library(env=None, search_path=None, loaded=None, loader_name="libnccl.so.2"):
     """(candidates, tried): the library paths to try in order, and a
     description of every place looked at (for the error message)."""
     env = os.environ if env is None else env
@@ -96,8 +96,8 @@ def find_library(env=None, search_path=None, loaded=None):
     pkg = _package_candidates(search_path)
     tried.append(f"nvidia pip packages on sys.path ({len(pkg)})")
     candidates += [p for p in pkg if p not in candidates]
-    tried.append("the dynamic loader (LD_LIBRARY_PATH, ldconfig) for libnccl.so.2")
-    candidates.append("libnccl.so.2")
+    tried.append(f"the dynamic loader (LD_LIBRARY_PATH, ldconfig) for {loader_name}")
+    candidates.append(loader_name)
     return candidates, tried
 
 
@@ -105,14 +105,15 @@ _lib = None
 _lib_lock = threading.Lock()
 
 
-def load(env=None, search_path=None, loaded=None):
+def load(env=None, search_path=None, loaded=None, loader_name="libnccl.so.2"):
     """Loads libnccl once per process; raises OSError naming every place
-    tried when none loads."""
+    tried when none loads. (The arguments are for tests.)"""
     global _lib
+    default = env is None and search_path is None and loaded is None
     with _lib_lock:
-        if _lib is not None and env is None and search_path is None and loaded is None:
+        if _lib is not None and default:
             return _lib
-        candidates, tried = find_library(env, search_path, loaded)
+        candidates, tried = find_library(env, search_path, loaded, loader_name)
         errors = []
         for path in candidates:
             try:
@@ -122,7 +123,7 @@ def load(env=None, search_path=None, loaded=None):
                 errors.append(f"{path}: {e}")
                 continue
             _declare(lib)
-            if env is None and search_path is None and loaded is None:
+            if default:
                 _lib = lib
             return lib
         raise OSError(
