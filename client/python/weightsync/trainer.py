@@ -53,6 +53,13 @@ class Trainer:
         for c in self._channels:
             c.close()
 
+    @property
+    def last_timings(self):
+        """Seconds spent in the last GPU update: prepare_s (manifest, views,
+        IPC: packing), start_to_finish_s (Start call to Finish answered and
+        broadcasts done), total_s, and for NCCL start_s and enqueue_s."""
+        return dict(self._gpu.last_timings) if self._gpu is not None else {}
+
     def init_host(self):
         """Forms a host-backend transfer group; returns its id."""
         if len(self._stubs) > 1:
@@ -235,11 +242,13 @@ class Trainer:
             t_packed = time.perf_counter()
             self._stub.call("StartWeightUpdate", request)
             finished = self.finish(update_id)   # the daemon copied; buf may change now
-            gpu.last_timings = {"pack_s": t_packed - t0,
-                                "start_to_finish_s": time.perf_counter() - t_packed}
+            t1 = time.perf_counter()
+            gpu.last_timings = {"prepare_s": t_packed - t0, "start_to_finish_s": t1 - t_packed,
+                                "total_s": t1 - t0}
             self.last_results = [finished]
             return finished
         started = []
+        t_start = time.perf_counter()
         try:
             for stub in self._stubs:
                 started.append(stub.call("StartWeightUpdate", request))
@@ -278,8 +287,9 @@ class Trainer:
         gpu.wait(done, self._timeout)
         del keep
         t1 = time.perf_counter()
-        gpu.last_timings = {"prepare_s": t_started - t0, "enqueue_s": t_enqueued - t_started,
-                            "start_to_finish_s": t1 - t_started, "total_s": t1 - t0}
+        gpu.last_timings = {"prepare_s": t_start - t0, "start_s": t_started - t_start,
+                            "enqueue_s": t_enqueued - t_started,
+                            "start_to_finish_s": t1 - t_start, "total_s": t1 - t0}
         self.last_results = results
         return results[0] if len(results) == 1 else results
 
