@@ -154,7 +154,7 @@ def gpu_uuid(device):
     return format_gpu_uuid(torch.cuda.get_device_properties(device).uuid)
 
 
-def ipc_location(name, tensor):
+def ipc_location(name, tensor, cache=None):
     """(handle64, gpu uuid, offset of the tensor's first byte from the
     allocation base, nbytes) of a CUDA tensor, from torch's own storage
     sharing (`untyped_storage()._share_cuda_()`: device, handle of the
@@ -167,7 +167,14 @@ def ipc_location(name, tensor):
                          f"strides {tuple(tensor.stride())}); weightsync writes parameters "
                          "as dense row-major arrays: register a contiguous tensor")
     storage = tensor.untyped_storage()
-    shared = storage._share_cuda_()
+    key = (tensor.device.index, storage.data_ptr())
+    shared = cache.get(key) if cache is not None else None
+    if shared is None:
+        # Each call wraps the storage in another IPC ref-count context: once
+        # per storage is enough (views of one buffer share it).
+        shared = tuple(storage._share_cuda_()[:4])
+        if cache is not None:
+            cache[key] = shared
     handle = parse_storage_handle(shared[1])
     storage_offset_bytes = int(shared[3])
     offset = storage_offset_bytes + tensor.storage_offset() * tensor.element_size()

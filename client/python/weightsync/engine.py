@@ -97,12 +97,12 @@ class Engine:
         pairs, self.aliases = dedupe_aliases([(n, t) for n, t in params])
         if not pairs:
             raise ValueError("no parameters to register")
-        entries, described = [], []
+        entries, described, shared = [], [], {}
         devices = set()
         for name, t in pairs:
             reg = (names or {}).get(name, name)
             dt = dtype_name(name, t)
-            handle, uuid, offset, nbytes = ipc_location(name, t.detach())
+            handle, uuid, offset, nbytes = ipc_location(name, t.detach(), shared)
             devices.add(t.device)
             entries.append((reg, handle, uuid, offset, nbytes))
             described.append((reg, dt, tuple(int(s) for s in t.shape), t))

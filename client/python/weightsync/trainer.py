@@ -235,7 +235,7 @@ class Trainer:
                                    shape=m["shape"]) for m in manifest])
         if gpu.backend == "ipc":
             # Offsets and total size don't depend on the chunk size.
-            layout = gpu.plan(manifest, chunk_bytes or planner.ALIGNMENT * 4096)
+            layout = gpu.plan(manifest, chunk_bytes or (1 << 30))
             buf, handle = gpu.ipc_buffer(layout["total_bytes"])
             gpu.pack_all(layout, flats, buf)
             request.ipc_source.CopyFrom(gpu.ipc_source(handle, buf.numel()))
