@@ -13,6 +13,10 @@
 //   ipc_each_2s  the same spread over two streams
 //   src_ipc      IPC source -> local destination, one copy
 //   dst_ipc      local source -> IPC destination, one copy
+//   vmm_1        memory the parent made with cuMemCreate and exported as
+//                POSIX fds (taken by pidfd_getfd), imported and mapped by
+//                the child: source -> destination, one copy
+//   vmm_each     the same, one copy per tensor
 //
 // bash bench/run_ipc_probe.sh runs it; bytes are counted once.
 #include <sys/wait.h>
@@ -25,12 +29,15 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "common/dtype.h"
 #include "gflags/gflags.h"
 #include "tools/synthetic/synthetic_model.h"
 
 #if WEIGHTSYNC_HAS_CUDA
 #include <cuda_runtime.h>
+
+#include "backends/cuda/vmm.h"
 #endif
 
 DEFINE_int32(device, 0, "CUDA device ordinal");
@@ -54,6 +61,9 @@ namespace {
 
 struct Handles {
   cudaIpcMemHandle_t src, dst;
+  pid_t pid;             // the parent, for pidfd_getfd
+  int vmm_src, vmm_dst;  // the parent's fds of its VMM buffers
+  size_t vmm_size;
 };
 
 template <typename F>
@@ -130,7 +140,28 @@ int Child(int fd, const std::vector<int64_t>& sizes, int64_t total) {
     report("local_each", MedianSeconds(s, each(b, a, false)));
     report("src_ipc", MedianSeconds(s, one(b, src)));
     report("dst_ipc", MedianSeconds(s, one(dst, a)));
+    CHECK_CUDA(cudaFree(a));
+    CHECK_CUDA(cudaFree(b));
   }
+  namespace wc = weightsync::cuda;
+  wc::VmmMemory vs, vd;
+  for (auto [fd, m] : {std::pair{h.vmm_src, &vs}, std::pair{h.vmm_dst, &vd}}) {
+    absl::StatusOr<int> mine = wc::DuplicatePeerFd(h.pid, fd);
+    if (!mine.ok()) {
+      std::printf("vmm: %s\n", mine.status().ToString().c_str());
+      return 1;
+    }
+    absl::StatusOr<wc::VmmMemory> im =
+        wc::VmmImport(*mine, h.vmm_size, FLAGS_device);
+    close(*mine);
+    if (!im.ok()) {
+      std::printf("vmm: %s\n", im.status().ToString().c_str());
+      return 1;
+    }
+    *m = *im;
+  }
+  report("vmm_1", MedianSeconds(s, one(vd.ptr, vs.ptr)));
+  report("vmm_each", MedianSeconds(s, each(vd.ptr, vs.ptr, false)));
   return 0;
 }
 
@@ -173,6 +204,22 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaDeviceSynchronize());
   CHECK_CUDA(cudaIpcGetMemHandle(&h.src, src));
   CHECK_CUDA(cudaIpcGetMemHandle(&h.dst, dst));
+  namespace wc = weightsync::cuda;
+  absl::StatusOr<wc::VmmMemory> vs =
+      wc::VmmAllocateExportable(FLAGS_device, total);
+  absl::StatusOr<wc::VmmMemory> vd =
+      wc::VmmAllocateExportable(FLAGS_device, total);
+  if (!vs.ok() || !vd.ok()) {
+    std::fprintf(stderr, "vmm: %s %s\n", vs.status().ToString().c_str(),
+                 vd.status().ToString().c_str());
+    return 1;
+  }
+  CHECK_CUDA(cudaMemset(vs->ptr, 7, total));
+  CHECK_CUDA(cudaDeviceSynchronize());
+  h.pid = getpid();
+  h.vmm_src = vs->fd;
+  h.vmm_dst = vd->fd;
+  h.vmm_size = vs->size;
   if (write(fds[1], &h, sizeof(h)) != sizeof(h)) return 1;
   int status = 0;
   waitpid(pid, &status, 0);

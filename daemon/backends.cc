@@ -28,6 +28,7 @@ class Mapper : public MemoryMapper {
       case v1::MEMORY_HOST_SHM:
         return shm_.Open(allocation);
       case v1::MEMORY_CUDA_IPC:
+      case v1::MEMORY_CUDA_VMM:
         if (gpu_ == nullptr) return NoGpu("CUDA IPC memory");
         return GpuMapper(gpu_).Open(allocation);
       default:

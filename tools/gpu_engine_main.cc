@@ -6,6 +6,7 @@
 // version, printing "verified" or "MISMATCH".
 #include <cuda_runtime_api.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstdio>
@@ -18,6 +19,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "backends/cuda/gpu_uuid.h"
+#include "backends/cuda/vmm.h"
 #include "client/engine_client.h"
 #include "client/host_arena.h"
 #include "gflags/gflags.h"
@@ -34,6 +36,9 @@ DEFINE_string(dtype, "bfloat16", "parameter dtype");
 DEFINE_string(ckpt_dtype, "float32", "dtype the trainer sends (for --verify)");
 DEFINE_int32(device, 0, "CUDA ordinal");
 DEFINE_bool(verify, true, "verify every new version against the reference");
+DEFINE_string(memory, "ipc",
+              "how the parameters' memory is shared: ipc (cudaMalloc + "
+              "cudaIpcGetMemHandle) or vmm (cuMemCreate + POSIX fd)");
 
 namespace {
 std::atomic<bool> g_stop{false};
@@ -93,24 +98,39 @@ int Main() {
   auto size = HostArena::Layout(&params);
   if (!size.ok()) return 2;
   void* base = nullptr;
-  if (cudaMalloc(&base, *size) != cudaSuccess ||
-      cudaMemset(base, 0, *size) != cudaSuccess) {
-    LOG(ERROR) << "cudaMalloc of " << *size << " bytes failed";
-    return 1;
-  }
-  cudaIpcMemHandle_t handle;
-  if (cudaIpcGetMemHandle(&handle, base) != cudaSuccess) {
-    LOG(ERROR) << "cudaIpcGetMemHandle failed";
-    return 1;
-  }
   v1::RegisterEngineRequest request;
   request.set_engine_id(FLAGS_engine_id);
   v1::Allocation* a = request.add_allocations();
-  a->set_kind(v1::MEMORY_CUDA_IPC);
-  a->set_handle(
-      std::string(reinterpret_cast<const char*>(&handle), sizeof(handle)));
-  a->set_size(*size);
   a->set_device_uuid(GpuUuid(FLAGS_device));
+  if (FLAGS_memory == "vmm") {
+    // Kept for the process's life: the daemon takes the fd by pidfd_getfd.
+    static cuda::VmmMemory memory;
+    auto m = cuda::VmmAllocateExportable(FLAGS_device, *size);
+    if (!m.ok()) {
+      LOG(ERROR) << "VMM allocation of " << *size << " bytes: " << m.status();
+      return 1;
+    }
+    memory = *m;
+    base = memory.ptr;
+    a->set_kind(v1::MEMORY_CUDA_VMM);
+    a->set_handle(absl::StrCat(getpid(), ":", memory.fd));
+    a->set_size(memory.size);
+  } else {
+    cudaIpcMemHandle_t handle;
+    if (cudaMalloc(&base, *size) != cudaSuccess ||
+        cudaIpcGetMemHandle(&handle, base) != cudaSuccess) {
+      LOG(ERROR) << "cudaMalloc of " << *size << " bytes failed";
+      return 1;
+    }
+    a->set_kind(v1::MEMORY_CUDA_IPC);
+    a->set_handle(
+        std::string(reinterpret_cast<const char*>(&handle), sizeof(handle)));
+    a->set_size(*size);
+  }
+  if (cudaMemset(base, 0, *size) != cudaSuccess) {
+    LOG(ERROR) << "cudaMemset failed";
+    return 1;
+  }
   for (const v1::Parameter& p : params) *request.add_parameters() = p;
 
   ClientOptions options;

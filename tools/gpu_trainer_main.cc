@@ -22,6 +22,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "backends/cuda/gpu_uuid.h"
+#include "backends/cuda/vmm.h"
 #include "client/trainer_client.h"
 #include "common/chunk_planner.h"
 #include "gflags/gflags.h"
@@ -45,6 +46,9 @@ DEFINE_bool(baseline_copy, false,
 DEFINE_bool(same_data, false,
             "reuse version first_version's data for every update (benchmarks)");
 DEFINE_int64(finish_timeout_ms, 30000, "Finish deadline");
+DEFINE_string(memory, "ipc",
+              "--backend=ipc: how the packed buffer is shared: ipc "
+              "(cudaMalloc + cudaIpcGetMemHandle) or vmm (cuMemCreate + fd)");
 DEFINE_int64(update_timeout_s, 120,
              "give up (exit 4) if one update takes longer: a broadcast whose "
              "receiver is gone never returns");
@@ -136,11 +140,23 @@ int Main() {
   auto plan = PlanChunks(manifest, FLAGS_chunk_mib << 20);
   CHECK(plan.ok()) << plan.status();
   void* flat_dev = nullptr;
-  CHECK_CUDA(cudaMalloc(&flat_dev, plan->total_bytes));
+  v1::Allocation source;       // the IPC backend reads the packed buffer itself
+  static cuda::VmmMemory vmm;  // --memory=vmm: alive until exit
+  if (ipc && FLAGS_memory == "vmm") {
+    auto m = cuda::VmmAllocateExportable(FLAGS_device, plan->total_bytes);
+    CHECK(m.ok()) << m.status();
+    vmm = *m;
+    flat_dev = vmm.ptr;
+    source.set_kind(v1::MEMORY_CUDA_VMM);
+    source.set_handle(absl::StrCat(getpid(), ":", vmm.fd));
+    source.set_size(vmm.size);
+    source.set_device_uuid(GpuUuid(FLAGS_device));
+  } else {
+    CHECK_CUDA(cudaMalloc(&flat_dev, plan->total_bytes));
+  }
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  v1::Allocation source;  // the IPC backend reads the packed buffer itself
-  if (ipc) {
+  if (ipc && FLAGS_memory != "vmm") {
     cudaIpcMemHandle_t handle;
     CHECK_CUDA(cudaIpcGetMemHandle(&handle, flat_dev));
     source.set_kind(v1::MEMORY_CUDA_IPC);

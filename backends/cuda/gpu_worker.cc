@@ -1,10 +1,14 @@
 #include "backends/cuda/gpu_worker.h"
 
+#include <unistd.h>
+
 #include <cstring>
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "backends/cuda/cuda_status.h"
 #include "backends/cuda/gpu_uuid.h"
 #include "backends/cuda/scatter.h"
@@ -132,29 +136,18 @@ grpc::Status GpuWorker::OpenAllocation(
     return ToGrpcStatus(absl::NotFoundError(absl::StrCat(
         "GPU ", request->device_uuid(), " is not visible to this daemon")));
   }
-  if (request->handle().size() != sizeof(cudaIpcMemHandle_t)) {
-    return ToGrpcStatus(absl::InvalidArgumentError(
-        absl::StrCat("a CUDA IPC handle has ", sizeof(cudaIpcMemHandle_t),
-                     " bytes, not ", request->handle().size())));
-  }
-  cudaIpcMemHandle_t handle;
-  std::memcpy(&handle, request->handle().data(), sizeof(handle));
   Allocation a;
-  a.device = device;
-  a.size = request->size();
   absl::Status s = owner_.Run(
       [&]() -> absl::Status {
-        // Map it into the GPU that runs the copies: for memory on another
-        // GPU, the driver enables peer access (lazily) for this mapping.
-        WS_CUDA(cudaSetDevice(scatter_device_));
-        void* p = nullptr;
-        WS_CUDA(
-            cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess));
-        a.ptr = static_cast<uint8_t*>(p);
+        absl::StatusOr<Allocation> m =
+            MapShared(request->handle(), request->size(), request->vmm());
+        if (!m.ok()) return m.status();
+        a = *m;
         return absl::OkStatus();
       },
       Deadline(ctx));
   if (!s.ok()) return ToGrpcStatus(s);
+  a.device = device;
   absl::MutexLock lock(&mu_);
   allocations_[request->allocation_id()] = a;
   response->set_device(device);
@@ -174,11 +167,67 @@ grpc::Status GpuWorker::CloseAllocation(
   }
   return ToGrpcStatus(owner_.Run(
       [&]() -> absl::Status {
-        WS_CUDA(cudaSetDevice(scatter_device_));
-        WS_CUDA(cudaIpcCloseMemHandle(a.ptr));
+        Unmap(&a);
         return absl::OkStatus();
       },
       Deadline(ctx)));
+}
+
+absl::StatusOr<GpuWorker::Allocation> GpuWorker::MapShared(
+    const std::string& handle, int64_t size, bool vmm) {
+  // Mapped for the GPU that runs the copies: for memory on another GPU the
+  // driver sets up peer access for this mapping.
+  WS_CUDA(cudaSetDevice(scatter_device_));
+  Allocation a;
+  a.size = size;
+  if (vmm) {
+    std::pair<std::string, std::string> parts = absl::StrSplit(handle, ':');
+    int pid = 0, fd = -1;
+    if (!absl::SimpleAtoi(parts.first, &pid) ||
+        !absl::SimpleAtoi(parts.second, &fd) || pid <= 0 || fd < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a CUDA VMM handle is \"<pid>:<fd>\", not \"", handle, "\""));
+    }
+    absl::StatusOr<int> mine = cuda::DuplicatePeerFd(pid, fd);
+    if (!mine.ok()) return mine.status();
+    absl::StatusOr<cuda::VmmMemory> m =
+        cuda::VmmImport(*mine, static_cast<size_t>(size), scatter_device_);
+    close(*mine);  // the import holds the memory
+    if (!m.ok()) return m.status();
+    a.vmm = *m;
+    a.ptr = static_cast<uint8_t*>(m->ptr);
+    return a;
+  }
+  if (handle.size() != sizeof(cudaIpcMemHandle_t)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a CUDA IPC handle has ", sizeof(cudaIpcMemHandle_t),
+                     " bytes, not ", handle.size()));
+  }
+  cudaIpcMemHandle_t h;
+  std::memcpy(&h, handle.data(), sizeof(h));
+  void* p = nullptr;
+  WS_CUDA(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess));
+  a.ptr = static_cast<uint8_t*>(p);
+  // The registered size is the engine's word: hold it to the allocation.
+  absl::StatusOr<size_t> real = cuda::BytesFrom(p);
+  if (real.ok() && static_cast<size_t>(size) > *real) {
+    Unmap(&a);
+    return absl::InvalidArgumentError(
+        absl::StrCat("registered size ", size, " exceeds the ", *real,
+                     " bytes the CUDA IPC handle's allocation holds"));
+  }
+  return a;
+}
+
+void GpuWorker::Unmap(Allocation* a) {
+  if (a->ptr == nullptr) return;
+  cudaSetDevice(scatter_device_);
+  if (a->vmm.ptr != nullptr) {
+    cuda::VmmFree(&a->vmm);
+  } else {
+    cudaIpcCloseMemHandle(a->ptr);
+  }
+  a->ptr = nullptr;
 }
 
 grpc::Status GpuWorker::InitGroup(grpc::ServerContext* ctx,
@@ -312,11 +361,6 @@ absl::Status GpuWorker::EnqueueIpcUpdate(
 
 absl::Status GpuWorker::OpenIpcSource(
     const worker::v1::BeginUpdateRequest& request) {
-  if (request.ipc_source_handle().size() != sizeof(cudaIpcMemHandle_t)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "ipc_source handle has ", request.ipc_source_handle().size(),
-        " bytes, not ", sizeof(cudaIpcMemHandle_t)));
-  }
   // Mapping a large allocation costs far more than copying it: keep the
   // trainer's buffer mapped across updates while it sends the same handle.
   if (ipc_source_ != nullptr &&
@@ -324,12 +368,15 @@ absl::Status GpuWorker::OpenIpcSource(
     return absl::OkStatus();
   }
   CloseIpcSource();
-  cudaIpcMemHandle_t handle;
-  std::memcpy(&handle, request.ipc_source_handle().data(), sizeof(handle));
-  WS_CUDA(cudaSetDevice(scatter_device_));
-  void* p = nullptr;
-  WS_CUDA(cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess));
-  ipc_source_ = static_cast<uint8_t*>(p);
+  absl::StatusOr<Allocation> m =
+      MapShared(request.ipc_source_handle(), request.ipc_source_size(),
+                request.ipc_source_vmm());
+  if (!m.ok()) {
+    return absl::Status(m.status().code(),
+                        absl::StrCat("ipc_source: ", m.status().message()));
+  }
+  ipc_source_mapping_ = *m;
+  ipc_source_ = m->ptr;
   ipc_source_handle_ = request.ipc_source_handle();
   return absl::OkStatus();
 }
@@ -338,7 +385,7 @@ void GpuWorker::CloseIpcSource() {
   if (ipc_source_ == nullptr) return;
   cudaSetDevice(scatter_device_);
   if (scatter_stream_ != nullptr) cudaStreamSynchronize(scatter_stream_);
-  cudaIpcCloseMemHandle(ipc_source_);
+  Unmap(&ipc_source_mapping_);
   ipc_source_ = nullptr;
   ipc_source_handle_.clear();
 }

@@ -26,8 +26,10 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "backends/cuda/vmm.h"
 #include "weightsync/worker/v1/gpu_worker.grpc.pb.h"
 
 namespace weightsync {
@@ -86,7 +88,14 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
     uint8_t* ptr = nullptr;
     int64_t size = 0;
     int device = 0;
+    cuda::VmmMemory vmm;  // set where the memory is CUDA VMM (else legacy)
   };
+  // Maps another process's GPU memory for the scatter GPU: a legacy
+  // cudaIpcMemHandle_t, or (vmm) "<pid>:<fd>" of CUDA VMM memory. Owner
+  // thread only.
+  absl::StatusOr<Allocation> MapShared(const std::string& handle, int64_t size,
+                                       bool vmm);
+  void Unmap(Allocation* a);
   absl::Status EnsureStaging(int64_t chunk_bytes, int buffers);
   absl::Status EnsureStreams();
   // The IPC backend: the trainer's packed update, opened per update.
@@ -125,6 +134,7 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   // before all_done_, so it has completed once all_done_ has).
   cudaEvent_t first_op_ = nullptr, last_op_ = nullptr;
   uint8_t* ipc_source_ = nullptr;
+  Allocation ipc_source_mapping_;
   std::string ipc_source_handle_;  // bytes of the handle ipc_source_ maps
   std::atomic<bool> update_active_{false};
   std::atomic<int64_t> update_chunks_{0};

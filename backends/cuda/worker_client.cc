@@ -124,6 +124,7 @@ absl::Status GpuWorkerSupervisor::EnsureStartedLocked() {
     req.set_handle(alloc.handle());
     req.set_size(alloc.size());
     req.set_device_uuid(alloc.device_uuid());
+    req.set_vmm(alloc.kind() == v1::MEMORY_CUDA_VMM);
     worker::v1::OpenAllocationResponse resp;
     auto ctx = Ctx(absl::Now() + options_.call_timeout);
     grpc::Status s = stub_->OpenAllocation(ctx.get(), req, &resp);
@@ -153,6 +154,7 @@ absl::StatusOr<int64_t> GpuWorkerSupervisor::OpenAllocation(
   req.set_handle(allocation.handle());
   req.set_size(allocation.size());
   req.set_device_uuid(allocation.device_uuid());
+  req.set_vmm(allocation.kind() == v1::MEMORY_CUDA_VMM);
   worker::v1::OpenAllocationResponse resp;
   for (int attempt = 0; attempt < 2; ++attempt) {
     auto ctx = Ctx(absl::Now() + options_.call_timeout);
@@ -279,10 +281,12 @@ absl::Status GpuDataPlane::Begin(std::shared_ptr<const CopyPlan> plan,
   worker::v1::BeginUpdateRequest req;
   if (backend_ == v1::BACKEND_IPC) {
     const v1::Allocation& src = request.ipc_source();
-    if (src.kind() != v1::MEMORY_CUDA_IPC || src.handle().empty()) {
+    if ((src.kind() != v1::MEMORY_CUDA_IPC &&
+         src.kind() != v1::MEMORY_CUDA_VMM) ||
+        src.handle().empty()) {
       return absl::InvalidArgumentError(
-          "the ipc backend needs ipc_source: the CUDA IPC handle of the "
-          "trainer's packed update");
+          "the ipc backend needs ipc_source: the CUDA IPC handle (or CUDA "
+          "VMM \"pid:fd\") of the trainer's packed update");
     }
     if (src.size() < plan->chunks.total_bytes) {
       return absl::InvalidArgumentError(
@@ -292,6 +296,7 @@ absl::Status GpuDataPlane::Begin(std::shared_ptr<const CopyPlan> plan,
     req.set_ipc_source_handle(src.handle());
     req.set_ipc_source_size(src.size());
     req.set_ipc_source_uuid(src.device_uuid());
+    req.set_ipc_source_vmm(src.kind() == v1::MEMORY_CUDA_VMM);
   } else if (staging > o.staging_budget) {
     return absl::ResourceExhaustedError(
         absl::StrCat("GPU staging of ", o.staging_buffers, " x ",

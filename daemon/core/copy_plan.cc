@@ -57,6 +57,39 @@ absl::Status CheckUse(const v1::TensorSpec& t, const std::string& engine,
   return absl::OkStatus();
 }
 
+// Appends `op` to `out`, or extends a recent op of the same region when both
+// are contiguous on both sides and `op` starts where it ends: a plain layout
+// packed in the engine's own order becomes one copy per chunk instead of one
+// per tensor (400 copies of Qwen3-8B in 1 GiB chunks become 16). Ops of a
+// chunk write disjoint bytes, so their order does not matter; only the last
+// few are searched (one per engine the piece went to).
+void AppendCoalesced(const CopyOp& op, int64_t ses, int64_t des,
+                     std::vector<CopyOp>& out) {
+  auto flat = [&](const CopyOp& o) {
+    return o.rows == 1 ||
+           (o.src_stride == o.cols * ses && o.dst_stride == o.cols * des);
+  };
+  if (flat(op)) {
+    const int64_t n = op.rows * op.cols;
+    for (size_t i = out.size(), seen = 0; i > 0 && seen < 8; --i, ++seen) {
+      CopyOp& last = out[i - 1];
+      if (last.engine != op.engine || last.region != op.region) continue;
+      const int64_t m = last.rows * last.cols;
+      if (last.src_dtype == op.src_dtype && last.dst_dtype == op.dst_dtype &&
+          flat(last) && last.src_offset + m * ses == op.src_offset &&
+          last.dst_offset + m * des == op.dst_offset) {
+        last.rows = 1;
+        last.cols = m + n;
+        last.src_stride = last.cols * ses;
+        last.dst_stride = last.cols * des;
+        return;
+      }
+      break;  // the region's latest op does not adjoin: keep order simple
+    }
+  }
+  out.push_back(op);
+}
+
 // Appends the copies that move source elements [e0, e1), found at chunk byte
 // `chunk_offset`, through `use`. At most three: a partial first row, a block
 // of whole rows, a partial last row.
@@ -85,7 +118,7 @@ void EmitOps(const Use& use, int64_t e0, int64_t e1, int64_t chunk_offset,
     op.cols = b - a;
     op.src_dtype = src_dtype;
     op.dst_dtype = p.dtype;
-    out.push_back(op);
+    AppendCoalesced(op, ses, des, out);
   };
   auto row_span = [&](int64_t r, int64_t* a, int64_t* b) {
     *a = std::max(r * C + s.col_begin, e0);

@@ -95,6 +95,36 @@ TEST(CopyPlanTest, TensorParallelSegmentsMatchReferenceAtEveryChunkSize) {
   RunAndCompare(engines, v1::BFLOAT16, 1280);
 }
 
+TEST(CopyPlanTest, AdjoiningTensorsCoalesceIntoOneCopy) {
+  // A plain engine laid out in checkpoint order, same dtype: the packed
+  // stream and the engine agree byte for byte wherever a tensor's size is a
+  // multiple of 256, so consecutive tensors merge into one copy.
+  testing::HeapMapper mapper;
+  std::vector<Engine> engines = {MakeEngine("plain", synthetic::Layout::kPlain,
+                                            0, 1, v1::BFLOAT16, mapper)};
+  for (int64_t chunk : {4096, 1 << 24}) {
+    RunAndCompare(engines, v1::BFLOAT16, chunk);  // still bit-exact
+    const auto model = *synthetic::ModelByName("tiny");
+    Manifest manifest;
+    int64_t unaligned = 0;
+    for (const v1::TensorSpec& t : synthetic::Checkpoint(model, v1::BFLOAT16)) {
+      *manifest.Add() = t;
+      int64_t bytes = 2;
+      for (int64_t d : t.shape()) bytes *= d;
+      unaligned += bytes % 256 != 0;
+    }
+    auto plan = BuildCopyPlan(manifest, chunk, {engines[0].layout});
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    int64_t ops = 0;
+    for (const auto& c : (*plan)->ops_by_chunk) ops += c.size();
+    // Each op starts a chunk or follows an unaligned tensor's padding.
+    EXPECT_LE(ops,
+              static_cast<int64_t>((*plan)->chunks.chunks.size()) + unaligned)
+        << "chunk " << chunk;
+    if (chunk == 1 << 24) EXPECT_LT(ops, manifest.size() / 2);
+  }
+}
+
 TEST(CopyPlanTest, RejectsUnknownTensorShapeAndDtypeMismatches) {
   testing::HeapMapper mapper;
   std::vector<std::shared_ptr<const EngineLayout>> layouts = {
