@@ -1,0 +1,377 @@
+// The arithmetic of the receipt and sparse-patch kernels
+// (receipt_kernels.cu, sparse_kernels.cu), as plain inline functions that
+// nvcc compiles for the GPU and a C++ compiler for the CPU. The CPU test
+// (kernel_math_test) runs the very code each GPU thread runs, thread by
+// thread, against the daemon's own references (ComputeReceipt,
+// ApplySparsePatch), so the index and tiling math is proven without a GPU.
+//
+// Plain C++17, no CUDA headers needed: includable from any .cc file.
+#ifndef WEIGHTSYNC_BACKENDS_CUDA_KERNEL_MATH_H_
+#define WEIGHTSYNC_BACKENDS_CUDA_KERNEL_MATH_H_
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define WS_HD __host__ __device__ __forceinline__
+#else
+#define WS_HD inline
+#endif
+
+namespace weightsync {
+namespace cuda {
+
+// ---------------------------------------------------------------------------
+// Receipts (docs/protocol.md, "Receipts"; common/checksum.h).
+
+constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
+
+// common/checksum.h's SplitMix64.
+WS_HD uint64_t Mix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// common/checksum.h's ElementTerm(salt, index, bits), written as
+// Mix64(y ^ bits) with y = (salt + index) * kGolden, so that consecutive
+// elements can step y by kGolden instead of multiplying again.
+WS_HD uint64_t TermOf(uint64_t y, uint64_t bits) { return Mix64(y ^ bits); }
+WS_HD uint64_t TermY(uint64_t salt, uint64_t index) {
+  return (salt + index) * kGolden;
+}
+
+// One 2-D run of a parameter's installed elements, e.g. one segment of it:
+// rows x cols elements of `es` bytes; row r starts at
+// base + r * row_stride_bytes; element (r, c) is element
+//   first_index + r * (row_stride_bytes / es) + c
+// of the parameter (its flat, row-major element number). Its terms are added
+// (mod 2^64) to *out.
+//
+// For segment s of parameter p (daemon/core/receipt.cc):
+//   base = region + p.offset + s.dest_offset * es, first_index =
+//   s.dest_offset, rows = s.row_count, cols = s.col_count,
+//   row_stride_bytes = s.dest_row_stride * es, salt = ParameterSalt(p.name).
+struct ReceiptRegion {
+  // Set by the caller.
+  const void* base;
+  int64_t rows;
+  int64_t cols;
+  int64_t row_stride_bytes;
+  uint64_t salt;
+  uint64_t first_index;
+  unsigned long long* out;  // device memory; receives atomicAdd
+  int32_t es;               // 1, 2, 4 or 8
+
+  // Set by PlanReceiptRegions (rows, cols and row_stride_bytes may be
+  // rewritten too: contiguous rows are merged into one).
+  int32_t rows_per_tile;     // > 1: a tile is that many whole rows
+  int64_t chunks_per_row;    // tiles along one row when rows_per_tile == 1
+  int64_t index_row_stride;  // row_stride_bytes / es
+  int64_t tile_begin;        // first tile of this region in the batch
+  int64_t tiles;             // tiles of this region
+};
+
+// A block of kReceiptThreads threads takes one tile at a time: up to
+// kReceiptTileBytes of one row (each thread kReceiptUnroll 16-byte vectors
+// plus at most one head and one tail element), or several whole narrow rows
+// (element by element).
+constexpr int kReceiptThreads = 256;
+constexpr int kReceiptUnroll = 4;
+constexpr int64_t kReceiptTileBytes = int64_t{kReceiptThreads} * 16 * 4;
+
+// Validates `r` and fills its layout fields, its tiles starting at
+// `tile_begin`. False (and `r` unusable) where: es is not 1, 2, 4 or 8;
+// rows or cols < 0; for a non-empty region: base or out null, base not a
+// multiple of es, and, with rows > 1, row_stride_bytes not a multiple of es
+// or shorter than a row (cols * es).
+inline bool PlanReceiptRegion(ReceiptRegion& r, int64_t tile_begin) {
+  if (r.es != 1 && r.es != 2 && r.es != 4 && r.es != 8) return false;
+  if (r.rows < 0 || r.cols < 0) return false;
+  r.tile_begin = tile_begin;
+  r.tiles = 0;
+  r.rows_per_tile = 1;
+  r.chunks_per_row = 1;
+  r.index_row_stride = 0;
+  if (r.rows == 0 || r.cols == 0) return true;
+  if (r.base == nullptr || r.out == nullptr) return false;
+  if (reinterpret_cast<uintptr_t>(r.base) % r.es != 0) return false;
+  constexpr int64_t kMax = int64_t{1} << 60;
+  if (r.cols > kMax / 8 || r.rows > kMax / 8) return false;
+  if (r.rows > 1) {
+    if (r.row_stride_bytes % r.es != 0 || r.row_stride_bytes < r.cols * r.es ||
+        r.row_stride_bytes > kMax / r.rows) {
+      return false;
+    }
+    if (r.row_stride_bytes == r.cols * r.es) {  // contiguous: one long row
+      r.cols *= r.rows;
+      r.rows = 1;
+    }
+  }
+  if (r.rows == 1) r.row_stride_bytes = r.cols * r.es;
+  r.index_row_stride = r.row_stride_bytes / r.es;
+  const int64_t te = kReceiptTileBytes / r.es;  // elements per tile
+  r.chunks_per_row = (r.cols + te - 1) / te;
+  if (r.chunks_per_row == 1 && r.rows > 1 && te / r.cols > 1) {
+    r.rows_per_tile = static_cast<int32_t>(te / r.cols);
+    r.tiles = (r.rows + r.rows_per_tile - 1) / r.rows_per_tile;
+  } else {
+    r.tiles = r.rows * r.chunks_per_row;
+  }
+  return true;
+}
+
+// Plans a batch: regions[i] gets tiles [tile_begin, tile_begin + tiles),
+// in order. Returns the total number of tiles, or -1 - i when regions[i] is
+// invalid (PlanReceiptRegion).
+inline int64_t PlanReceiptRegions(ReceiptRegion* regions, int64_t n) {
+  int64_t total = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!PlanReceiptRegion(regions[i], total)) return -1 - i;
+    total += regions[i].tiles;
+  }
+  return total;
+}
+
+// The tiles block b of `grid` blocks takes: [*lo, *hi), contiguous, so that
+// it meets each region's tiles in a row and adds its partial sum to a
+// region's `out` once, not once per tile. Tiles hold equal bytes (but a
+// region's last), so the split is even.
+WS_HD void ReceiptBlockTiles(int64_t total_tiles, int64_t grid, int64_t b,
+                             int64_t* lo, int64_t* hi) {
+  *lo = total_tiles * b / grid;
+  *hi = total_tiles * (b + 1) / grid;
+}
+
+// The region holding tile `t` (< the batch's total) of `n` planned regions
+// (regions[i].tile_begin for i < n; a pointer or an indexable wrapper): the
+// last one starting at or before t. Empty regions start where the next one
+// does, so they are passed over.
+template <typename Regions>
+WS_HD int64_t FindReceiptRegion(Regions regions, int64_t n, int64_t t) {
+  int64_t a = 0, b = n;
+  while (b - a > 1) {
+    const int64_t mid = a + (b - a) / 2;
+    if (regions[mid].tile_begin <= t) {
+      a = mid;
+    } else {
+      b = mid;
+    }
+  }
+  return a;
+}
+
+// 16 bytes as four little-endian words.
+struct alignas(16) Words4 {
+  uint32_t w[4];
+};
+
+WS_HD Words4 Load16(const char* p) {
+#if defined(__CUDA_ARCH__)
+  // Read once, never again by this kernel: don't keep it in the caches.
+  const uint4 v = __ldcs(reinterpret_cast<const uint4*>(p));
+  Words4 out;
+  out.w[0] = v.x;
+  out.w[1] = v.y;
+  out.w[2] = v.z;
+  out.w[3] = v.w;
+  return out;
+#else
+  Words4 out;
+  std::memcpy(out.w, p, 16);
+  return out;
+#endif
+}
+
+// The raw bits of one element of ES bytes at `p` (aligned to ES),
+// zero-extended.
+template <int ES>
+WS_HD uint64_t LoadBits(const char* p) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (ES == 1) {
+    return *reinterpret_cast<const uint8_t*>(p);
+  } else if constexpr (ES == 2) {
+    return *reinterpret_cast<const uint16_t*>(p);
+  } else if constexpr (ES == 4) {
+    return *reinterpret_cast<const uint32_t*>(p);
+  } else {
+    return *reinterpret_cast<const unsigned long long*>(p);
+  }
+#else
+  uint64_t bits = 0;
+  std::memcpy(&bits, p, ES);
+  return bits;
+#endif
+}
+
+// Bits of element j of a 16-byte vector of ES-byte elements.
+template <int ES>
+WS_HD uint64_t VecBits(const Words4& v, int j) {
+  if constexpr (ES == 1) {
+    return (v.w[j >> 2] >> (8 * (j & 3))) & 0xFFu;
+  } else if constexpr (ES == 2) {
+    return (v.w[j >> 1] >> (16 * (j & 1))) & 0xFFFFu;
+  } else if constexpr (ES == 4) {
+    return v.w[j];
+  } else {
+    return v.w[2 * j] | (static_cast<uint64_t>(v.w[2 * j + 1]) << 32);
+  }
+}
+
+// Sum of the terms of the 16 / ES elements of `v`, the first being element
+// `index` of the parameter salted `salt`.
+template <int ES>
+WS_HD uint64_t VecTerms(uint64_t salt, uint64_t index, const Words4& v) {
+  constexpr int kV = 16 / ES;
+  const uint64_t y = TermY(salt, index);
+  uint64_t sum = 0;
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int j = 0; j < kV; ++j) {
+    sum += TermOf(y + static_cast<uint64_t>(j) * kGolden, VecBits<ES>(v, j));
+  }
+  return sum;
+}
+
+// What thread `tid` (0 <= tid < kReceiptThreads) adds for tile `t` (0 <= t
+// < r.tiles) of planned region `r`: the tiles' threads together cover every
+// element of the region exactly once.
+template <int ES>
+WS_HD uint64_t ReceiptTileThreadSum(const ReceiptRegion& r, int64_t t,
+                                    int tid) {
+  constexpr int64_t kTe = kReceiptTileBytes / ES;  // elements per tile
+  constexpr int kV = 16 / ES;                      // elements per vector
+  const char* base = static_cast<const char*>(r.base);
+  uint64_t sum = 0;
+  if (r.rows_per_tile > 1) {
+    // Whole narrow rows, element by element (at most kTe elements, so
+    // 32-bit division).
+    const int64_t r0 = t * r.rows_per_tile;
+    const int64_t nr =
+        r.rows - r0 < r.rows_per_tile ? r.rows - r0 : r.rows_per_tile;
+    const uint32_t cols = static_cast<uint32_t>(r.cols);
+    const uint32_t n = static_cast<uint32_t>(nr) * cols;
+    for (uint32_t e = tid; e < n; e += kReceiptThreads) {
+      const uint32_t rr = e / cols;
+      const uint32_t c = e - rr * cols;
+      const int64_t row = r0 + rr;
+      const uint64_t bits =
+          LoadBits<ES>(base + row * r.row_stride_bytes + int64_t{c} * ES);
+      const uint64_t index = r.first_index +
+                             static_cast<uint64_t>(row) *
+                                 static_cast<uint64_t>(r.index_row_stride) +
+                             c;
+      sum += TermOf(TermY(r.salt, index), bits);
+    }
+    return sum;
+  }
+  // Up to kTe elements of one row: a scalar head up to the first 16-byte
+  // boundary, 16-byte vectors, a scalar tail.
+  const int64_t row = t / r.chunks_per_row;
+  const int64_t c0 = (t - row * r.chunks_per_row) * kTe;
+  const int64_t n = r.cols - c0 < kTe ? r.cols - c0 : kTe;
+  const char* p = base + row * r.row_stride_bytes + c0 * ES;
+  const uint64_t index0 =
+      r.first_index +
+      static_cast<uint64_t>(row) * static_cast<uint64_t>(r.index_row_stride) +
+      static_cast<uint64_t>(c0);
+  int64_t head = ((16 - (reinterpret_cast<uintptr_t>(p) & 15)) & 15) / ES;
+  if (head > n) head = n;
+  const int64_t nvec = (n - head) / kV;
+  const int64_t tail0 = head + nvec * kV;
+  if (tid < head) {
+    sum += TermOf(TermY(r.salt, index0 + tid), LoadBits<ES>(p + tid * ES));
+  }
+  if (tid < n - tail0) {
+    const int64_t e = tail0 + tid;
+    sum += TermOf(TermY(r.salt, index0 + e), LoadBits<ES>(p + e * ES));
+  }
+  const char* body = p + head * ES;
+  Words4 in[kReceiptUnroll];
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int k = 0; k < kReceiptUnroll; ++k) {
+    const int64_t v = tid + k * kReceiptThreads;
+    if (v < nvec) in[k] = Load16(body + v * 16);
+  }
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int k = 0; k < kReceiptUnroll; ++k) {
+    const int64_t v = tid + k * kReceiptThreads;
+    if (v < nvec) {
+      sum += VecTerms<ES>(r.salt, index0 + head + v * kV, in[k]);
+    }
+  }
+  return sum;
+}
+
+// ---------------------------------------------------------------------------
+// Sparse patches (docs/protocol.md, "Sparse patches"; the host's
+// ApplySparsePatch in backends/host/host_data_plane.cc).
+
+// One use of a patched checkpoint tensor: daemon/core/copy_plan.h's
+// SparsePatch::Use with the parameter's address resolved.
+struct SparseUse {
+  void* param;    // the parameter's element 0 (region base + param_offset)
+  int dtype;      // the parameter's weightsync::v1::DType value
+  bool implicit;  // true: the flat index is the parameter element
+  int64_t row_begin, row_count, col_begin, col_count;
+  int64_t dest_offset, dest_row_stride;  // elements
+};
+
+// Where the patch value at flat checkpoint index `index` goes in the
+// parameter of use `u`, for a tensor whose 2-D view has `cols` columns and
+// `numel` elements: false when it goes nowhere (the index lies outside the
+// tensor or outside the use's block), else true with the parameter element
+// in *dst. The same arithmetic as ApplySparsePatch.
+WS_HD bool SparseDestination(const SparseUse& u, int64_t cols, int64_t numel,
+                             int64_t index, int64_t* dst) {
+  if (index < 0 || index >= numel) return false;
+  if (u.implicit) {
+    *dst = index;
+    return true;
+  }
+  const int64_t r = index / cols;
+  const int64_t c = index - r * cols;
+  if (r < u.row_begin || r >= u.row_begin + u.row_count || c < u.col_begin ||
+      c >= u.col_begin + u.col_count) {
+    return false;
+  }
+  *dst =
+      u.dest_offset + (r - u.row_begin) * u.dest_row_stride + (c - u.col_begin);
+  return true;
+}
+
+// Whether entry k of a patch's `indices` (nnz of them) is written at all:
+// of a run of equal adjacent indices only the last is, so that the result
+// equals the host's sequential loop, where the last one wins. (Equal
+// indices that are not adjacent race on the GPU; SparseCheckIndices counts
+// them as "unsorted".)
+WS_HD bool SparseEntryWins(const int64_t* indices, int64_t nnz, int64_t k) {
+  return k + 1 >= nnz || indices[k + 1] != indices[k];
+}
+
+// ---------------------------------------------------------------------------
+// The diff helper (sparse_kernels.h, DiffChanged): tiles of
+// kDiffThreads x kDiffRounds vectors of 16 bytes.
+
+constexpr int kDiffThreads = 256;
+constexpr int kDiffRounds = 8;
+
+WS_HD int64_t DiffTileElems(int es) {
+  return int64_t{kDiffThreads} * kDiffRounds * (16 / es);
+}
+
+inline int64_t DiffTiles(int64_t numel, int es) {
+  const int64_t te = DiffTileElems(es);
+  return (numel + te - 1) / te;
+}
+
+}  // namespace cuda
+}  // namespace weightsync
+
+#endif  // WEIGHTSYNC_BACKENDS_CUDA_KERNEL_MATH_H_

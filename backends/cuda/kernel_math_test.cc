@@ -1,0 +1,347 @@
+// The arithmetic of the receipt and sparse-patch kernels (kernel_math.h),
+// run on the CPU exactly as the GPU threads run it (every block, every
+// thread, the same functions), against the daemon's host references:
+// ComputeReceipt (daemon/core/receipt.cc) and ApplySparsePatch
+// (backends/host/host_data_plane.cc). Needs no GPU and no CUDA toolkit;
+// patch_gpu_test checks the kernels themselves on a GPU.
+#include "backends/cuda/kernel_math.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backends/cuda/patch_test_util.h"
+#include "backends/host/host_data_plane.h"
+#include "common/checksum.h"
+#include "common/dtype.h"
+#include "daemon/core/copy_plan.h"
+#include "daemon/core/engine_layout.h"
+#include "daemon/core/receipt.h"
+#include "gtest/gtest.h"
+#include "tests/testing/heap_memory.h"
+
+namespace weightsync {
+namespace cuda {
+namespace {
+
+using patch_test::FillRandom;
+
+uint64_t TileThreadSum(const ReceiptRegion& r, int64_t t, int tid) {
+  switch (r.es) {
+    case 1:
+      return ReceiptTileThreadSum<1>(r, t, tid);
+    case 2:
+      return ReceiptTileThreadSum<2>(r, t, tid);
+    case 4:
+      return ReceiptTileThreadSum<4>(r, t, tid);
+    default:
+      return ReceiptTileThreadSum<8>(r, t, tid);
+  }
+}
+
+// ReceiptKernel on the CPU with `grid` blocks: each block's contiguous
+// tiles, the region search and skip, every thread's share; flushes to each
+// region's out (here: host memory) whenever the region's out changes.
+void EmulateReceiptKernel(const std::vector<ReceiptRegion>& regions,
+                          int64_t total_tiles, int64_t grid) {
+  const int64_t n = static_cast<int64_t>(regions.size());
+  for (int64_t b = 0; b < grid; ++b) {
+    int64_t lo, hi;
+    ReceiptBlockTiles(total_tiles, grid, b, &lo, &hi);
+    if (lo >= hi) continue;
+    int64_t d = FindReceiptRegion(regions.data(), n, lo);
+    unsigned long long* out = nullptr;
+    uint64_t sum = 0;
+    for (int64_t t = lo; t < hi; ++t) {
+      while (t >= regions[d].tile_begin + regions[d].tiles) ++d;
+      const ReceiptRegion& r = regions[d];
+      if (r.out != out) {
+        if (out != nullptr) *out += sum;
+        out = r.out;
+        sum = 0;
+      }
+      for (int tid = 0; tid < kReceiptThreads; ++tid) {
+        sum += TileThreadSum(r, t - r.tile_begin, tid);
+      }
+    }
+    if (out != nullptr) *out += sum;
+  }
+}
+
+TEST(KernelMathTest, Mix64IsSplitMix64) {
+  std::mt19937_64 rng(1);
+  for (int i = 0; i < 1000; ++i) {
+    const uint64_t x = rng(), salt = rng(), index = rng(), bits = rng();
+    EXPECT_EQ(Mix64(x), SplitMix64(x));
+    EXPECT_EQ(TermOf(TermY(salt, index), bits), ElementTerm(salt, index, bits));
+  }
+}
+
+TEST(KernelMathTest, ReceiptOfAnEngineMatchesComputeReceipt) {
+  testing::HeapMapper mapper;
+  auto layout = BuildEngineLayout(patch_test::ReceiptEngine(), mapper);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  MappedRegion& region = *(*layout)->regions[0];
+  FillRandom(region.data(), region.size(), 7);
+  const auto sources = patch_test::ReceiptSources();
+  auto want = ComputeReceipt(**layout, sources);
+  ASSERT_TRUE(want.ok()) << want.status();
+
+  unsigned long long got = 0;
+  std::vector<ReceiptRegion> regions =
+      patch_test::ReceiptRegionsOf(**layout, sources, region.data(), &got);
+  // One region per segment in the update ("f.other" is not).
+  EXPECT_EQ(regions.size(), 12);
+  // Each region alone, by the reference loop, before planning rewrites it.
+  uint64_t by_region = 0;
+  for (const ReceiptRegion& r : regions) {
+    by_region +=
+        patch_test::ReferenceRegionSum(r, static_cast<const uint8_t*>(r.base));
+  }
+  EXPECT_EQ(by_region, want->checksum());
+
+  const int64_t total = PlanReceiptRegions(regions.data(), regions.size());
+  ASSERT_GT(total, 0);
+  for (int64_t grid : {1, 2, 7, 64, 1000, 100000}) {
+    got = 0;
+    EmulateReceiptKernel(regions, total, grid);
+    EXPECT_EQ(got, want->checksum()) << "grid " << grid;
+  }
+}
+
+// Random regions in a buffer: every element size, misaligned starts,
+// strides from dense to wide, rows from narrow to many tiles, indices that
+// wrap around 2^64, one out per region.
+TEST(KernelMathTest, RandomRegionsMatchTheReferenceLoop) {
+  std::mt19937_64 rng(11);
+  std::vector<uint8_t> buffer(8 << 20);
+  FillRandom(buffer.data(), buffer.size(), 3);
+  const int kRegions = 300;
+  std::vector<ReceiptRegion> regions;
+  std::vector<uint64_t> want;
+  std::vector<unsigned long long> outs(kRegions, 0);
+  int64_t at = 0;
+  for (int i = 0; i < kRegions; ++i) {
+    ReceiptRegion r{};
+    r.es = 1 << (rng() % 4);
+    const int shape = rng() % 6;
+    int64_t rows, cols;
+    switch (shape) {
+      case 0:  // one long row
+        rows = 1;
+        cols = 1 + rng() % 40000;
+        break;
+      case 1:  // narrow rows
+        rows = 1 + rng() % 300;
+        cols = 1 + rng() % 20;
+        break;
+      case 2:  // rows of a tile or so
+        rows = 1 + rng() % 4;
+        cols = kReceiptTileBytes / r.es - 3 + rng() % 7;
+        break;
+      case 3:  // wide rows
+        rows = 1 + rng() % 3;
+        cols = 1 + rng() % (3 * kReceiptTileBytes / r.es);
+        break;
+      case 4:  // empty
+        rows = rng() % 2;
+        cols = rows == 0 ? rng() % 5 : 0;
+        break;
+      default:
+        rows = 1 + rng() % 50;
+        cols = 1 + rng() % 2000;
+        break;
+    }
+    const int64_t stride_elems =
+        rng() % 3 == 0 ? cols : cols + static_cast<int64_t>(rng() % 40);
+    r.rows = rows;
+    r.cols = cols;
+    r.row_stride_bytes = stride_elems * r.es;
+    const int64_t span =
+        rows == 0 || cols == 0 ? 0 : ((rows - 1) * stride_elems + cols) * r.es;
+    at = (at + 15) / 16 * 16 + (rng() % 16) / r.es * r.es;
+    if (at + span > static_cast<int64_t>(buffer.size())) at = 0;
+    r.base = buffer.data() + at;
+    at += span;
+    r.salt = rng();
+    r.first_index = rng() % 4 == 0 ? ~uint64_t{0} - rng() % 100 : rng() % 1000;
+    r.out = &outs[i];
+    want.push_back(
+        patch_test::ReferenceRegionSum(r, static_cast<const uint8_t*>(r.base)));
+    regions.push_back(r);
+  }
+  const int64_t total = PlanReceiptRegions(regions.data(), regions.size());
+  ASSERT_GT(total, 0);
+  for (int64_t grid : {1, 13, 528}) {
+    std::fill(outs.begin(), outs.end(), 0);
+    EmulateReceiptKernel(regions, total, grid);
+    for (int i = 0; i < kRegions; ++i) {
+      ASSERT_EQ(outs[i], want[i])
+          << "region " << i << " grid " << grid << ": rows " << regions[i].rows
+          << " cols " << regions[i].cols << " es " << regions[i].es;
+    }
+  }
+}
+
+TEST(KernelMathTest, PlanRefusesWhatTheKernelCannotRead) {
+  alignas(16) static uint8_t buf[4096];
+  unsigned long long out = 0;
+  auto region = [&](int es, int64_t rows, int64_t cols, int64_t stride,
+                    const void* base) {
+    ReceiptRegion r{};
+    r.base = base;
+    r.rows = rows;
+    r.cols = cols;
+    r.row_stride_bytes = stride;
+    r.es = es;
+    r.out = &out;
+    return r;
+  };
+  auto ok = [](ReceiptRegion r) { return PlanReceiptRegion(r, 0); };
+  EXPECT_TRUE(ok(region(2, 4, 8, 16, buf)));
+  EXPECT_FALSE(ok(region(2, 4, 8, 0, buf + 2)));   // stride < row
+  EXPECT_FALSE(ok(region(3, 1, 8, 24, buf)));      // element size
+  EXPECT_FALSE(ok(region(4, 1, 8, 32, buf + 2)));  // misaligned
+  EXPECT_FALSE(ok(region(4, 2, 8, 34, buf)));  // stride not a multiple of es
+  EXPECT_FALSE(ok(region(2, -1, 8, 16, buf)));
+  ReceiptRegion null_out = region(2, 1, 8, 16, buf);
+  null_out.out = nullptr;
+  EXPECT_FALSE(ok(null_out));
+  // Empty regions plan to no tiles, whatever their pointers.
+  ReceiptRegion empty = region(2, 0, 8, 16, nullptr);
+  ASSERT_TRUE(PlanReceiptRegion(empty, 5));
+  EXPECT_EQ(empty.tiles, 0);
+  EXPECT_EQ(empty.tile_begin, 5);
+  // Contiguous rows merge; one row ignores its stride.
+  ReceiptRegion dense = region(2, 4, 8, 16, buf);
+  ASSERT_TRUE(PlanReceiptRegion(dense, 0));
+  EXPECT_EQ(dense.rows, 1);
+  EXPECT_EQ(dense.cols, 32);
+  std::vector<ReceiptRegion> batch = {region(2, 4, 8, 16, buf),
+                                      region(5, 1, 1, 0, buf)};
+  EXPECT_EQ(PlanReceiptRegions(batch.data(), 2), -2);
+}
+
+// ApplySparsePatch on the host, and the kernel's per-entry decisions
+// (SparseEntryWins, SparseDestination) with the host's conversion, on two
+// copies of the same engine memory: every byte equal.
+void CheckSparseAgainstHost(double density, bool repeats, bool shuffle,
+                            uint64_t seed) {
+  SCOPED_TRACE(::testing::Message() << "density " << density << " repeats "
+                                    << repeats << " shuffle " << shuffle);
+  testing::HeapMapper mapper;
+  auto layout = BuildEngineLayout(patch_test::SparseEngine(), mapper);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  MappedRegion& region = *(*layout)->regions[0];
+  FillRandom(region.data(), region.size(), seed);
+  std::vector<uint8_t> emulated(region.data(), region.data() + region.size());
+
+  const auto tensors = patch_test::SparseTensors();
+  std::vector<std::string> payloads;
+  std::vector<int64_t> nnz;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    int64_t numel = 1;
+    for (int64_t d : tensors[i].shape) numel *= d;
+    int64_t n = 0;
+    payloads.push_back(patch_test::MakePatch(tensors[i].dtype, numel, density,
+                                             repeats, seed + i, &n));
+    nnz.push_back(n);
+    if (shuffle) {  // same pairs, random order (unique indices only)
+      const int64_t es = ElementSize(tensors[i].dtype);
+      std::vector<int64_t> order(n);
+      std::iota(order.begin(), order.end(), 0);
+      std::shuffle(order.begin(), order.end(), std::mt19937_64(seed));
+      std::string p = payloads.back(), q = p;
+      for (int64_t k = 0; k < n; ++k) {
+        std::memcpy(&q[k * 8], &p[order[k] * 8], 8);
+        std::memcpy(&q[n * 8 + k * es], &p[n * 8 + order[k] * es], es);
+      }
+      payloads.back() = q;
+    }
+  }
+  auto plan =
+      BuildCopyPlan(patch_test::SparseManifest(nnz), 1 << 20, {*layout});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ((*plan)->sparse.size(), 3);
+  EXPECT_EQ((*plan)->sparse[0].uses.size(), 5);  // w
+  EXPECT_EQ((*plan)->sparse[1].uses.size(), 2);  // bias
+  EXPECT_EQ((*plan)->sparse[2].uses.size(), 1);  // ids
+
+  for (const SparsePatch& patch : (*plan)->sparse) {
+    const auto* payload =
+        reinterpret_cast<const uint8_t*>(payloads[patch.tensor].data());
+    ASSERT_TRUE(ApplySparsePatch(**plan, patch, payload, nullptr).ok());
+    std::vector<int64_t> index(patch.nnz);
+    std::memcpy(index.data(), payload, patch.nnz * 8);
+    const uint8_t* values = payload + patch.nnz * 8;
+    const int64_t ses = ElementSize(patch.dtype);
+    for (const SparsePatch::Use& u : patch.uses) {
+      const SparseUse use = patch_test::SparseUseOf(u, emulated.data());
+      const int64_t des = ElementSize(u.dtype);
+      for (int64_t k = 0; k < patch.nnz; ++k) {
+        int64_t dst;
+        if (!SparseEntryWins(index.data(), patch.nnz, k) ||
+            !SparseDestination(use, patch.cols, patch.numel, index[k], &dst)) {
+          continue;
+        }
+        ConvertElements(values + k * ses, patch.dtype,
+                        static_cast<uint8_t*>(use.param) + dst * des, u.dtype,
+                        1);
+      }
+    }
+  }
+  const std::vector<uint8_t> host(region.data(), region.data() + region.size());
+  if (host == emulated) return;
+  for (size_t i = 0; i < host.size(); ++i) {
+    if (host[i] != emulated[i]) {
+      FAIL() << "first difference at byte " << i;
+    }
+  }
+}
+
+TEST(KernelMathTest, SparseDecisionsMatchApplySparsePatch) {
+  CheckSparseAgainstHost(0.05, false, false, 1);
+  CheckSparseAgainstHost(0.6, false, false, 2);
+  CheckSparseAgainstHost(0.05, true, false, 3);  // adjacent repeats
+  CheckSparseAgainstHost(0.7, true, false, 4);
+  CheckSparseAgainstHost(0.3, false, true, 5);  // unsorted, no repeats
+}
+
+TEST(KernelMathTest, SparseDestinationSkipsIndicesOutsideTheTensor) {
+  SparseUse implicit{};
+  implicit.implicit = true;
+  int64_t dst = -7;
+  EXPECT_FALSE(SparseDestination(implicit, 10, 100, -1, &dst));
+  EXPECT_FALSE(SparseDestination(implicit, 10, 100, 100, &dst));
+  EXPECT_TRUE(SparseDestination(implicit, 10, 100, 99, &dst));
+  EXPECT_EQ(dst, 99);
+  SparseUse block{};
+  block.row_begin = 2;
+  block.row_count = 3;
+  block.col_begin = 4;
+  block.col_count = 5;
+  block.dest_offset = 1;
+  block.dest_row_stride = 7;
+  EXPECT_FALSE(SparseDestination(block, 10, 100, -6, &dst));
+  EXPECT_FALSE(SparseDestination(block, 10, 100, 23, &dst));  // col 3
+  EXPECT_FALSE(SparseDestination(block, 10, 100, 29, &dst));  // col 9
+  EXPECT_FALSE(SparseDestination(block, 10, 100, 54, &dst));  // row 5
+  ASSERT_TRUE(SparseDestination(block, 10, 100, 48, &dst));   // (4, 8)
+  EXPECT_EQ(dst, 1 + 2 * 7 + 4);
+}
+
+TEST(KernelMathTest, DiffTiles) {
+  EXPECT_EQ(DiffTileElems(2), 256 * 8 * 8);
+  EXPECT_EQ(DiffTiles(1, 4), 1);
+  EXPECT_EQ(DiffTiles(256 * 8 * 4, 4), 1);
+  EXPECT_EQ(DiffTiles(256 * 8 * 4 + 1, 4), 2);
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace weightsync

@@ -1,0 +1,110 @@
+// Sparse patches on the GPU (docs/protocol.md, "Sparse patches"; issue 5):
+// applying a patch (int64 flat indices into a checkpoint tensor, values of
+// its dtype) through one use of the tensor, i.e. one segment of one engine
+// parameter, with dtype conversion; checking a patch's indices; and the
+// trainer's diff helper that turns two versions of a tensor into a patch.
+//
+// Stateless and thread-safe; nothing here synchronises: work is enqueued on
+// `stream` and the caller orders it (events) against what produced the
+// inputs and what reads the outputs. Dtypes are weightsync::v1::DType values
+// passed as int (no protobuf for nvcc). Built only with CUDA
+// (//backends/cuda:sparse_kernels is header-only otherwise); include it from
+// code that is itself compiled only when WEIGHTSYNC_HAS_CUDA.
+#ifndef WEIGHTSYNC_BACKENDS_CUDA_SPARSE_KERNELS_H_
+#define WEIGHTSYNC_BACKENDS_CUDA_SPARSE_KERNELS_H_
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "backends/cuda/kernel_math.h"  // SparseUse
+
+namespace weightsync {
+namespace cuda {
+
+// What SparseCheckIndices found in a patch's indices.
+struct SparseIndexReport {
+  unsigned long long out_of_range;  // indices outside [0, numel)
+  unsigned long long unsorted;      // positions k > 0: indices[k] < [k - 1]
+  unsigned long long repeated;      // positions k > 0: indices[k] == [k - 1]
+  // Smallest position k whose index is outside [0, numel), or ~0ull.
+  unsigned long long first_out_of_range;
+};
+
+// Fills *device_report (device memory; it is reset first, on `stream`) for
+// the `nnz` indices at `indices` (device memory, 8-byte aligned) of a
+// tensor of `numel` elements. The host path (ApplySparsePatch) refuses a
+// patch with any index out of range before writing anything; to do the
+// same, check, synchronise, read the report, and only then apply.
+// out_of_range == 0 and unsorted == 0 (as the diff helpers produce: sorted,
+// no repeats) guarantee that SparseApply writes exactly what the host path
+// writes. cudaErrorInvalidValue (nothing enqueued) for nnz < 0, a null or
+// misaligned pointer.
+cudaError_t SparseCheckIndices(const int64_t* indices, int64_t nnz,
+                               int64_t numel, SparseIndexReport* device_report,
+                               cudaStream_t stream);
+
+// Writes the patch (`nnz` indices, `values` of `value_dtype`, both in
+// memory the current device can read) into the parameter of `use`, exactly
+// as ApplySparsePatch in backends/host/host_data_plane.cc does on the host:
+//
+// * use.implicit: value k goes to parameter element indices[k].
+// * otherwise index i is element (i / tensor_cols, i % tensor_cols) of the
+//   tensor's 2-D view [rows, tensor_cols] (docs/protocol.md, "Segments");
+//   if it lies in the block [row_begin, row_begin + row_count) x
+//   [col_begin, col_begin + col_count) it goes to parameter element
+//   dest_offset + (row - row_begin) * dest_row_stride + (col - col_begin),
+//   else nowhere.
+//
+// The value is converted from value_dtype to use.dtype (FLOAT32, BFLOAT16,
+// FLOAT16 among themselves: round to nearest even, NaN payloads kept, bit
+// for bit as common/dtype.cc and scatter.cu), or copied bytewise where the
+// two are equal (any dtype of 1, 2, 4 or 8 bytes). Indices outside [0,
+// tensor_numel) are skipped (never written out of bounds); of equal
+// adjacent indices only the last is written (the host's last one wins).
+// Equal indices that are not adjacent race: one of their values lands.
+//
+// cudaErrorInvalidValue, nothing enqueued: nnz < 0; another dtype pair;
+// tensor_cols < 1 for a non-implicit use; with nnz > 0, a null pointer, or
+// indices, values or use.param not aligned to their element size. nnz == 0
+// is a no-op. use.param must be accessible from the current device (its own
+// memory, an IPC mapping opened on it, or a peer with peer access).
+cudaError_t SparseApply(const int64_t* indices, const void* values,
+                        int value_dtype, int64_t nnz, int64_t tensor_cols,
+                        int64_t tensor_numel, const SparseUse& use,
+                        cudaStream_t stream);
+
+// Workspace bytes DiffChanged needs for `numel` elements of `es` bytes (8
+// per tile of 2048 vectors of 16 bytes). 0 for numel <= 0 or a bad es.
+size_t DiffWorkspaceBytes(int64_t numel, int es);
+
+// The patch from `before` to `after` (device memory, `numel` elements of
+// `es` bytes, 1, 2, 4 or 8, each aligned to es): the element indices whose
+// bits differ (bitwise: -0.0 vs 0.0 differs, an unchanged NaN does not), in
+// increasing order, and after's elements there. Writes the number of
+// changed elements to *device_count (int64, device memory), and the first
+// min(that, capacity) indices and values to `indices` (int64) and `values`
+// (es bytes each). A count above capacity means "too dense" (the caller
+// sends that tensor dense); nothing beyond capacity is written.
+//
+// Three launches: a count per tile, one prefix sum, a write pass that
+// re-reads only tiles with changes. Reads both tensors twice when they
+// differ everywhere, once where they are equal. 16-byte loads where both
+// pointers are 16-byte aligned, element by element otherwise.
+// `workspace`: at least DiffWorkspaceBytes(numel, es) bytes of device
+// memory, 8-byte aligned, not used by anything else until the call's work
+// has run.
+//
+// cudaErrorInvalidValue, nothing enqueued: bad es, numel < 0, capacity < 0,
+// null or misaligned pointers, a workspace too small. numel == 0 writes a
+// count of 0.
+cudaError_t DiffChanged(const void* before, const void* after, int64_t numel,
+                        int es, void* workspace, size_t workspace_bytes,
+                        int64_t* indices, void* values, int64_t capacity,
+                        int64_t* device_count, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace weightsync
+
+#endif  // WEIGHTSYNC_BACKENDS_CUDA_SPARSE_KERNELS_H_
