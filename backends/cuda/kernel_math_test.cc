@@ -10,7 +10,6 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -230,51 +229,22 @@ TEST(KernelMathTest, PlanRefusesWhatTheKernelCannotRead) {
 // ApplySparsePatch on the host, and the kernel's per-entry decisions
 // (SparseEntryWins, SparseDestination) with the host's conversion, on two
 // copies of the same engine memory: every byte equal.
-void CheckSparseAgainstHost(double density, bool repeats, bool shuffle,
+void CheckSparseAgainstHost(const patch_test::PatchUpdate& update,
                             uint64_t seed) {
-  SCOPED_TRACE(::testing::Message() << "density " << density << " repeats "
-                                    << repeats << " shuffle " << shuffle);
   testing::HeapMapper mapper;
-  auto layout = BuildEngineLayout(patch_test::SparseEngine(), mapper);
+  auto layout = BuildEngineLayout(update.engine, mapper);
   ASSERT_TRUE(layout.ok()) << layout.status();
   MappedRegion& region = *(*layout)->regions[0];
   FillRandom(region.data(), region.size(), seed);
   std::vector<uint8_t> emulated(region.data(), region.data() + region.size());
 
-  const auto tensors = patch_test::SparseTensors();
-  std::vector<std::string> payloads;
-  std::vector<int64_t> nnz;
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    int64_t numel = 1;
-    for (int64_t d : tensors[i].shape) numel *= d;
-    int64_t n = 0;
-    payloads.push_back(patch_test::MakePatch(tensors[i].dtype, numel, density,
-                                             repeats, seed + i, &n));
-    nnz.push_back(n);
-    if (shuffle) {  // same pairs, random order (unique indices only)
-      const int64_t es = ElementSize(tensors[i].dtype);
-      std::vector<int64_t> order(n);
-      std::iota(order.begin(), order.end(), 0);
-      std::shuffle(order.begin(), order.end(), std::mt19937_64(seed));
-      std::string p = payloads.back(), q = p;
-      for (int64_t k = 0; k < n; ++k) {
-        std::memcpy(&q[k * 8], &p[order[k] * 8], 8);
-        std::memcpy(&q[n * 8 + k * es], &p[n * 8 + order[k] * es], es);
-      }
-      payloads.back() = q;
-    }
-  }
-  auto plan =
-      BuildCopyPlan(patch_test::SparseManifest(nnz), 1 << 20, {*layout});
+  auto plan = BuildCopyPlan(update.manifest, 1 << 20, {*layout});
   ASSERT_TRUE(plan.ok()) << plan.status();
-  ASSERT_EQ((*plan)->sparse.size(), 3);
-  EXPECT_EQ((*plan)->sparse[0].uses.size(), 5);  // w
-  EXPECT_EQ((*plan)->sparse[1].uses.size(), 2);  // bias
-  EXPECT_EQ((*plan)->sparse[2].uses.size(), 1);  // ids
-
+  ASSERT_EQ((*plan)->sparse.size(), update.manifest.size());
   for (const SparsePatch& patch : (*plan)->sparse) {
-    const auto* payload =
-        reinterpret_cast<const uint8_t*>(payloads[patch.tensor].data());
+    const std::string& bytes = update.payloads[patch.tensor];
+    ASSERT_EQ(static_cast<int64_t>(bytes.size()), patch.payload_bytes);
+    const auto* payload = reinterpret_cast<const uint8_t*>(bytes.data());
     ASSERT_TRUE(ApplySparsePatch(**plan, patch, payload, nullptr).ok());
     std::vector<int64_t> index(patch.nnz);
     std::memcpy(index.data(), payload, patch.nnz * 8);
@@ -296,20 +266,46 @@ void CheckSparseAgainstHost(double density, bool repeats, bool shuffle,
     }
   }
   const std::vector<uint8_t> host(region.data(), region.data() + region.size());
-  if (host == emulated) return;
-  for (size_t i = 0; i < host.size(); ++i) {
-    if (host[i] != emulated[i]) {
-      FAIL() << "first difference at byte " << i;
-    }
-  }
+  const auto m = std::mismatch(host.begin(), host.end(), emulated.begin());
+  EXPECT_TRUE(m.first == host.end())
+      << "first difference at byte " << (m.first - host.begin());
 }
 
 TEST(KernelMathTest, SparseDecisionsMatchApplySparsePatch) {
-  CheckSparseAgainstHost(0.05, false, false, 1);
-  CheckSparseAgainstHost(0.6, false, false, 2);
-  CheckSparseAgainstHost(0.05, true, false, 3);  // adjacent repeats
-  CheckSparseAgainstHost(0.7, true, false, 4);
-  CheckSparseAgainstHost(0.3, false, true, 5);  // unsorted, no repeats
+  struct Case {
+    double density;
+    bool repeats, shuffle;
+  };
+  const Case cases[] = {{0.05, false, false},
+                        {0.6, false, false},
+                        {0.05, true, false},  // adjacent repeats: last wins
+                        {0.7, true, false},
+                        {0.3, false, true}};  // unsorted, unique
+  uint64_t seed = 1;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(::testing::Message() << "density " << c.density << " repeats "
+                                      << c.repeats << " shuffle " << c.shuffle);
+    const patch_test::PatchUpdate update =
+        patch_test::SparseEngineUpdate(c.density, c.repeats, c.shuffle, seed);
+    auto plan_uses = [&] {
+      testing::HeapMapper mapper;
+      auto layout = BuildEngineLayout(update.engine, mapper);
+      auto plan = BuildCopyPlan(update.manifest, 1 << 20, {*layout});
+      std::vector<size_t> uses;
+      for (const SparsePatch& p : (*plan)->sparse)
+        uses.push_back(p.uses.size());
+      return uses;
+    };
+    // w: implicit, shard, side by side, two fused blocks; bias: 2; ids: 1.
+    EXPECT_EQ(plan_uses(), (std::vector<size_t>{5, 2, 1}));
+    CheckSparseAgainstHost(update, seed++);
+  }
+}
+
+// The scenario patch_gpu_test converts on the GPU is valid, and the
+// destinations are right for it.
+TEST(KernelMathTest, ConversionScenarioMatchesApplySparsePatch) {
+  CheckSparseAgainstHost(patch_test::ConversionUpdate(), 3);
 }
 
 TEST(KernelMathTest, SparseDestinationSkipsIndicesOutsideTheTensor) {

@@ -273,6 +273,98 @@ inline Manifest SparseManifest(const std::vector<int64_t>& nnz) {
   return m;
 }
 
+// An update of patches only, for an engine: its manifest and each tensor's
+// payload.
+struct PatchUpdate {
+  v1::RegisterEngineRequest engine;
+  Manifest manifest;
+  std::vector<std::string> payloads;  // by manifest index
+};
+
+// SparseEngine() patched at about `density`: sorted indices, with
+// `repeats` some repeated in a row, with `shuffle` in random order.
+inline PatchUpdate SparseEngineUpdate(double density, bool repeats,
+                                      bool shuffle, uint64_t seed) {
+  PatchUpdate u;
+  u.engine = SparseEngine();
+  const std::vector<SparseTensor> tensors = SparseTensors();
+  std::vector<int64_t> nnz;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    int64_t numel = 1;
+    for (int64_t d : tensors[i].shape) numel *= d;
+    int64_t n = 0;
+    std::string p =
+        MakePatch(tensors[i].dtype, numel, density, repeats, seed + i, &n);
+    nnz.push_back(n);
+    if (shuffle) {  // the same pairs in random order
+      const int64_t es = ElementSize(tensors[i].dtype);
+      std::vector<int64_t> order(n);
+      for (int64_t k = 0; k < n; ++k) order[k] = k;
+      std::shuffle(order.begin(), order.end(), std::mt19937_64(seed));
+      std::string q = p;
+      for (int64_t k = 0; k < n; ++k) {
+        std::memcpy(&q[k * 8], &p[order[k] * 8], 8);
+        std::memcpy(&q[n * 8 + k * es], &p[n * 8 + order[k] * es], es);
+      }
+      p = std::move(q);
+    }
+    u.payloads.push_back(std::move(p));
+  }
+  u.manifest = SparseManifest(nnz);
+  return u;
+}
+
+// Every conversion on every value pattern: a float32 tensor of 2^20 random
+// bit patterns, a bfloat16 and a float16 tensor of all 65536 patterns, each
+// patched whole into parameters of the three float types (1-D segments);
+// and every other dtype copied bytewise into a whole (implicit) parameter.
+inline PatchUpdate ConversionUpdate() {
+  struct Source {
+    std::string name;
+    v1::DType dtype;
+    int64_t numel;
+  };
+  std::vector<Source> sources = {{"x32", v1::FLOAT32, 1 << 20},
+                                 {"xbf", v1::BFLOAT16, 65536},
+                                 {"xh", v1::FLOAT16, 65536}};
+  RequestBuilder b("conversions");
+  for (const Source& s : sources) {
+    for (v1::DType to : {v1::FLOAT32, v1::BFLOAT16, v1::FLOAT16}) {
+      v1::Parameter* p =
+          b.Add(s.name + "_to_" + DTypeName(to), to, {s.numel}, 0);
+      RequestBuilder::AddSegment(p, s.name, {s.numel}, 0, s.numel, 0, 1, 0, 0);
+    }
+  }
+  const v1::DType kOthers[] = {v1::FLOAT64, v1::INT64,         v1::INT32,
+                               v1::INT16,   v1::INT8,          v1::UINT8,
+                               v1::BOOL,    v1::FLOAT8_E4M3FN, v1::FLOAT8_E5M2};
+  for (v1::DType t : kOthers) {
+    sources.push_back({"raw_" + DTypeName(t), t, 4099});
+    b.Add(sources.back().name, t, {4099}, ElementSize(t) == 1 ? 1 : 0);
+  }
+  PatchUpdate u;
+  u.engine = b.Finish();
+  std::mt19937_64 rng(21);
+  for (const Source& s : sources) {
+    v1::TensorSpec* t = u.manifest.Add();
+    t->set_name(s.name);
+    t->set_dtype(s.dtype);
+    t->add_shape(s.numel);
+    t->set_sparse_nnz(s.numel);
+    const int64_t es = ElementSize(s.dtype);
+    std::string payload(s.numel * (8 + es), '\0');
+    for (int64_t i = 0; i < s.numel; ++i) {
+      std::memcpy(&payload[i * 8], &i, 8);
+      const uint64_t bits = es == 2 && s.numel == 65536
+                                ? static_cast<uint64_t>(i)
+                                : static_cast<uint64_t>(rng());
+      std::memcpy(&payload[s.numel * 8 + i * es], &bits, es);
+    }
+    u.payloads.push_back(std::move(payload));
+  }
+  return u;
+}
+
 // The kernel's view of a use, with the engine's region 0 at `region_base`.
 inline cuda::SparseUse SparseUseOf(const SparsePatch::Use& u,
                                    uint8_t* region_base) {
