@@ -89,6 +89,49 @@ absl::Status TrainerClient::PushTensors(const std::string& update_id,
   return FromGrpcStatus(writer->Finish());
 }
 
+std::unique_ptr<IpcChunkStream> TrainerClient::OpenIpcChunks(
+    const std::string& update_id) {
+  auto ctx = std::make_unique<grpc::ClientContext>();
+  ctx->set_deadline(absl::ToChronoTime(absl::Now() + options_.stream_timeout));
+  auto stream = stub_->IpcChunks(ctx.get());
+  return std::make_unique<IpcChunkStream>(std::move(ctx), std::move(stream),
+                                          update_id);
+}
+
+absl::Status IpcChunkStream::Ready(int64_t chunk) {
+  v1::IpcChunksRequest r;
+  if (first_) r.set_update_id(update_id_);
+  first_ = false;
+  r.set_chunk_index(chunk);
+  if (!stream_->Write(r)) return Close();  // the daemon ended the stream
+  return absl::OkStatus();
+}
+
+absl::Status IpcChunkStream::WaitDone(int64_t chunks) {
+  v1::IpcChunksResponse r;
+  while (done_ < chunks) {
+    if (!stream_->Read(&r)) {
+      absl::Status s = Close();
+      return s.ok() ? absl::AbortedError(
+                          "the daemon ended the IPC chunk stream early")
+                    : s;
+    }
+    done_ = r.chunks_done();
+  }
+  return absl::OkStatus();
+}
+
+absl::Status IpcChunkStream::Close() {
+  if (stream_ == nullptr) return absl::OkStatus();
+  stream_->WritesDone();
+  v1::IpcChunksResponse r;
+  while (stream_->Read(&r)) {
+  }
+  absl::Status s = FromGrpcStatus(stream_->Finish());
+  stream_.reset();
+  return s;
+}
+
 absl::StatusOr<v1::FinishWeightUpdateResponse>
 TrainerClient::FinishWeightUpdate(const std::string& update_id) {
   v1::FinishWeightUpdateRequest r;

@@ -21,6 +21,36 @@ struct HostTensor {
   const void* data = nullptr;  // payload_bytes(spec) bytes
 };
 
+// An IPC ring update's announcements (StartWeightUpdateRequest
+// .ipc_ring_slots > 0): Ready(k) once chunk k is in slot k % slots;
+// before writing chunk k into its slot (k >= slots), WaitDone(k - slots + 1)
+// so the daemon has finished reading the chunk that was there.
+class IpcChunkStream {
+ public:
+  IpcChunkStream(
+      std::unique_ptr<grpc::ClientContext> ctx,
+      std::unique_ptr<
+          grpc::ClientReaderWriter<v1::IpcChunksRequest, v1::IpcChunksResponse>>
+          stream,
+      std::string update_id)
+      : ctx_(std::move(ctx)),
+        stream_(std::move(stream)),
+        update_id_(std::move(update_id)) {}
+  absl::Status Ready(int64_t chunk);
+  absl::Status WaitDone(int64_t chunks);
+  // Ends the stream; returns the daemon's verdict on it.
+  absl::Status Close();
+
+ private:
+  std::unique_ptr<grpc::ClientContext> ctx_;
+  std::unique_ptr<
+      grpc::ClientReaderWriter<v1::IpcChunksRequest, v1::IpcChunksResponse>>
+      stream_;
+  std::string update_id_;
+  bool first_ = true;
+  int64_t done_ = 0;
+};
+
 class TrainerClient {
  public:
   static absl::StatusOr<std::unique_ptr<TrainerClient>> Connect(
@@ -54,6 +84,9 @@ class TrainerClient {
   absl::StatusOr<v1::FinishWeightUpdateResponse> Update(
       v1::StartWeightUpdateRequest request,
       const std::vector<HostTensor>& tensors);
+
+  // IPC ring mode: opens the announcement stream of update `update_id`.
+  std::unique_ptr<IpcChunkStream> OpenIpcChunks(const std::string& update_id);
 
   v1::TrainerService::Stub* stub() { return stub_.get(); }
 

@@ -249,6 +249,26 @@ TEST_F(ServerTest, OutOfOrderCallsAreFailedPrecondition) {
   ExpectInstalled(0);
 }
 
+TEST_F(ServerTest, IpcChunkAnnouncementsOnAHostUpdateFailIt) {
+  // IpcChunks carries no bytes: on a host-backend update an announcement is
+  // a chunk of the wrong size, so the update fails and nothing is written.
+  AddEngine("e0");
+  Init();
+  const auto before = Memory(0);
+  auto t = Tensors(1);
+  ASSERT_TRUE(trainer_->StartWeightUpdate(StartRequest(1, t)).ok());
+  auto chunks = trainer_->OpenIpcChunks("u1");
+  absl::Status s = chunks->Ready(0);
+  if (s.ok()) s = chunks->Close();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("chunk 0 has 0 bytes"));
+  auto f = trainer_->FinishWeightUpdate("u1");
+  EXPECT_EQ(f.status().code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(Memory(0), before);
+  ASSERT_TRUE(trainer_->Update(StartRequest(2, t), t).ok());
+  ExpectInstalled(0);
+}
+
 TEST_F(ServerTest, BadManifestsNameTheCulpritAndWriteNothing) {
   AddEngine("e0");
   Init();
@@ -280,6 +300,9 @@ TEST_F(ServerTest, BadManifestsNameTheCulpritAndWriteNothing) {
        },
        absl::StatusCode::kFailedPrecondition,
        "sparse patches against version 7"},
+      {[](auto& r) { r.set_ipc_ring_slots(4); },
+       absl::StatusCode::kInvalidArgument,
+       "ipc_ring_slots is for the ipc backend; this group uses host"},
   };
   for (auto& c : cases) {
     v1::StartWeightUpdateRequest r = StartRequest(1, t);

@@ -46,6 +46,9 @@ DEFINE_bool(baseline_copy, false,
 DEFINE_bool(same_data, false,
             "reuse version first_version's data for every update (benchmarks)");
 DEFINE_int64(finish_timeout_ms, 30000, "Finish deadline");
+DEFINE_int32(ipc_ring_slots, 0,
+             "--backend=ipc: 0 = share the whole packed update; N >= 2 = "
+             "share a ring of N chunk slots, filled chunk by chunk");
 DEFINE_string(memory, "ipc",
               "--backend=ipc: how the packed buffer is shared: ipc "
               "(cudaMalloc + cudaIpcGetMemHandle) or vmm (cuMemCreate + fd)");
@@ -139,32 +142,40 @@ int Main() {
   for (const auto& s : specs) *manifest.Add() = s;
   auto plan = PlanChunks(manifest, FLAGS_chunk_mib << 20);
   CHECK(plan.ok()) << plan.status();
+  // The trainer's packed update. The IPC backend reads the shared buffer
+  // itself: the packed update (whole mode) or a ring of chunk slots that
+  // the trainer fills from it chunk by chunk (--ipc_ring_slots).
   void* flat_dev = nullptr;
-  v1::Allocation source;       // the IPC backend reads the packed buffer itself
+  const bool ring = ipc && FLAGS_ipc_ring_slots > 0;
+  const int64_t shared_bytes =
+      ring ? FLAGS_ipc_ring_slots * (FLAGS_chunk_mib << 20) : plan->total_bytes;
+  void* shared = nullptr;
+  v1::Allocation source;
   static cuda::VmmMemory vmm;  // --memory=vmm: alive until exit
+  if (ring) CHECK_CUDA(cudaMalloc(&flat_dev, plan->total_bytes));
   if (ipc && FLAGS_memory == "vmm") {
-    auto m = cuda::VmmAllocateExportable(FLAGS_device, plan->total_bytes);
+    auto m = cuda::VmmAllocateExportable(FLAGS_device, shared_bytes);
     CHECK(m.ok()) << m.status();
     vmm = *m;
-    flat_dev = vmm.ptr;
+    shared = vmm.ptr;
     source.set_kind(v1::MEMORY_CUDA_VMM);
     source.set_handle(absl::StrCat(getpid(), ":", vmm.fd));
     source.set_size(vmm.size);
-    source.set_device_uuid(GpuUuid(FLAGS_device));
   } else {
-    CHECK_CUDA(cudaMalloc(&flat_dev, plan->total_bytes));
+    CHECK_CUDA(cudaMalloc(&shared, shared_bytes));
+    if (ipc) {
+      cudaIpcMemHandle_t handle;
+      CHECK_CUDA(cudaIpcGetMemHandle(&handle, shared));
+      source.set_kind(v1::MEMORY_CUDA_IPC);
+      source.set_handle(
+          std::string(reinterpret_cast<char*>(&handle), sizeof(handle)));
+      source.set_size(shared_bytes);
+    }
   }
+  source.set_device_uuid(GpuUuid(FLAGS_device));
+  if (!ring) flat_dev = shared;
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  if (ipc && FLAGS_memory != "vmm") {
-    cudaIpcMemHandle_t handle;
-    CHECK_CUDA(cudaIpcGetMemHandle(&handle, flat_dev));
-    source.set_kind(v1::MEMORY_CUDA_IPC);
-    source.set_handle(
-        std::string(reinterpret_cast<char*>(&handle), sizeof(handle)));
-    source.set_size(plan->total_bytes);
-    source.set_device_uuid(GpuUuid(FLAGS_device));
-  }
   std::vector<uint8_t> flat;
   int64_t filled = -1;
   static std::atomic<int64_t> finished{0};
@@ -184,6 +195,7 @@ int Main() {
     req.set_chunk_bytes(FLAGS_chunk_mib << 20);
     *req.mutable_tensors() = manifest;
     if (ipc) *req.mutable_ipc_source() = source;
+    if (ring) req.set_ipc_ring_slots(FLAGS_ipc_ring_slots);
     const absl::Time t0 = absl::Now();
     std::thread([version, limit = FLAGS_update_timeout_s,
                  &done_version = finished] {
@@ -201,6 +213,28 @@ int Main() {
     if (!started.ok()) {
       std::printf("start failed: %s\n", started.status().ToString().c_str());
       return 1;
+    }
+    if (ring) {
+      // Fill slot k % slots with chunk k once the daemon has read what was
+      // there, announce it, go on.
+      const int slots = FLAGS_ipc_ring_slots;
+      auto chunks = (*client)->OpenIpcChunks(req.update_id());
+      absl::Status s;
+      for (const Chunk& c : plan->chunks) {
+        if (c.index >= slots) s = chunks->WaitDone(c.index - slots + 1);
+        if (!s.ok()) break;
+        CHECK_CUDA(
+            cudaMemcpyAsync(static_cast<uint8_t*>(shared) +
+                                (c.index % slots) * (FLAGS_chunk_mib << 20),
+                            static_cast<uint8_t*>(flat_dev) + c.offset, c.size,
+                            cudaMemcpyDeviceToDevice, stream));
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+        s = chunks->Ready(c.index);
+        if (!s.ok()) break;
+      }
+      absl::Status closed = chunks->Close();
+      if (s.ok()) s = closed;
+      if (!s.ok()) std::printf("ipc ring: %s\n", s.ToString().c_str());
     }
     for (const Chunk& c : plan->chunks) {
       if (ipc) break;  // the daemon pulls the bytes itself

@@ -502,6 +502,34 @@ grpc::Status GpuWorker::BeginUpdate(
           enqueue_done_ = false;
           enqueue_status_ = absl::OkStatus();
         }
+        ring_.Clear();
+        ring_slots_ = 0;
+        if (ipc && request->ipc_ring_slots() > 0) {
+          // Chunks are copied as the trainer announces them (CopyChunk).
+          if (request->ipc_ring_slots() < 2 ||
+              request->ipc_source_size() <
+                  request->ipc_ring_slots() * request->chunk_bytes()) {
+            update_active_ = false;
+            return absl::InvalidArgumentError(absl::StrCat(
+                "an IPC ring needs >= 2 slots of ", request->chunk_bytes(),
+                " bytes; got ", request->ipc_ring_slots(), " slots in ",
+                request->ipc_source_size(), " bytes"));
+          }
+          ring_ = *request;
+          ring_slots_ = request->ipc_ring_slots();
+          ring_next_chunk_ = 0;
+          ring_next_op_ = 0;
+          ring_enqueued_ = 0;
+          while (slot_done_.size() <
+                 static_cast<size_t>(request->ipc_ring_slots())) {
+            cudaEvent_t e;
+            WS_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+            slot_done_.push_back(e);
+          }
+          absl::MutexLock lock(&enqueue_mu_);
+          enqueue_done_ = false;
+          return absl::OkStatus();
+        }
         owner_.Post([this, ipc, req = *request] {
           absl::Status s = ipc ? EnqueueIpcUpdate(req) : EnqueueUpdate(req);
           if (!s.ok()) LOG(WARNING) << "update enqueue: " << s;
@@ -560,6 +588,86 @@ grpc::Status GpuWorker::WaitUpdate(grpc::ServerContext* ctx,
   if (cudaEventElapsedTime(&ms, first_op_, last_op_) == cudaSuccess) {
     response->set_device_seconds(ms / 1e3);
   }
+  return grpc::Status::OK;
+}
+
+grpc::Status GpuWorker::CopyChunk(grpc::ServerContext* ctx,
+                                  const worker::v1::CopyChunkRequest* request,
+                                  worker::v1::Empty*) {
+  return ToGrpcStatus(owner_.Run(
+      [&]() -> absl::Status {
+        const int64_t k = request->chunk();
+        if (!update_active_ || ring_.ipc_ring_slots() == 0) {
+          return absl::FailedPreconditionError(
+              "no IPC ring update in progress");
+        }
+        if (k != ring_next_chunk_ || k >= ring_.chunk_sizes_size()) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("chunk ", k, " announced; expected ",
+                           ring_next_chunk_, " of ", ring_.chunk_sizes_size()));
+        }
+        WS_CUDA(cudaSetDevice(scatter_device_));
+        absl::flat_hash_map<int64_t, Allocation> allocs;
+        {
+          absl::MutexLock lock(&mu_);
+          allocs = allocations_;
+        }
+        const int slot = k % ring_.ipc_ring_slots();
+        if (k == 0) WS_CUDA(cudaEventRecord(first_op_, scatter_stream_));
+        absl::Status s =
+            EnqueueChunkOps(ring_, k, ipc_source_ + slot * ring_.chunk_bytes(),
+                            allocs, sm_copies_, &ring_next_op_);
+        if (!s.ok()) return s;
+        WS_CUDA(cudaEventRecord(slot_done_[slot], scatter_stream_));
+        ++ring_next_chunk_;
+        ring_enqueued_ = ring_next_chunk_;
+        if (ring_next_chunk_ == ring_.chunk_sizes_size()) {
+          WS_CUDA(cudaEventRecord(last_op_, scatter_stream_));
+          WS_CUDA(cudaEventRecord(all_done_, scatter_stream_));
+          absl::MutexLock lock(&enqueue_mu_);
+          enqueue_done_ = true;
+        }
+        return absl::OkStatus();
+      },
+      Deadline(ctx)));
+}
+
+grpc::Status GpuWorker::WaitChunks(grpc::ServerContext* ctx,
+                                   const worker::v1::WaitChunksRequest* request,
+                                   worker::v1::WaitChunksResponse* response) {
+  const absl::Time deadline =
+      std::min(Deadline(ctx),
+               absl::Now() + absl::Milliseconds(request->timeout_ms() > 0
+                                                    ? request->timeout_ms()
+                                                    : 60000));
+  const int64_t n = request->chunks();
+  const int slots = ring_slots_.load();
+  if (!update_active_ || slots == 0) {
+    return ToGrpcStatus(
+        absl::FailedPreconditionError("no IPC ring update in progress"));
+  }
+  if (n <= 0) return grpc::Status::OK;
+  // Slot (n-1) % slots holds chunk n-1 until chunk n-1+slots is announced,
+  // which the trainer does only after this answer.
+  if (n > ring_enqueued_.load() || n + slots <= ring_enqueued_.load()) {
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        absl::StrCat("wait for ", n, " chunks with ", ring_enqueued_.load(),
+                     " announced and ", slots, " slots")));
+  }
+  while (true) {
+    const cudaError_t e = cudaEventQuery(slot_done_[(n - 1) % slots]);
+    if (e == cudaSuccess) break;
+    if (e != cudaErrorNotReady) return ToGrpcStatus(CudaStatus(e, "copy"));
+    if (abort_requested_) {
+      return ToGrpcStatus(absl::AbortedError("update aborted"));
+    }
+    if (absl::Now() > deadline) {
+      return ToGrpcStatus(absl::DeadlineExceededError(
+          absl::StrCat("chunk ", n - 1, " not copied before the deadline")));
+    }
+    absl::SleepFor(absl::Microseconds(10));
+  }
+  response->set_chunks_done(n);
   return grpc::Status::OK;
 }
 

@@ -82,6 +82,12 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
                           worker::v1::WaitUpdateResponse*) override;
   grpc::Status AbortUpdate(grpc::ServerContext*, const worker::v1::Empty*,
                            worker::v1::Empty*) override;
+  grpc::Status CopyChunk(grpc::ServerContext*,
+                         const worker::v1::CopyChunkRequest*,
+                         worker::v1::Empty*) override;
+  grpc::Status WaitChunks(grpc::ServerContext*,
+                          const worker::v1::WaitChunksRequest*,
+                          worker::v1::WaitChunksResponse*) override;
 
  private:
   struct Allocation {
@@ -138,6 +144,15 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   std::string ipc_source_handle_;  // bytes of the handle ipc_source_ maps
   std::atomic<bool> update_active_{false};
   std::atomic<int64_t> update_chunks_{0};
+  // IPC ring mode (owner thread): the update's ops, the next chunk and op
+  // to enqueue, and per slot the event of the last chunk copied out of it.
+  worker::v1::BeginUpdateRequest ring_;
+  int64_t ring_next_chunk_ = 0;
+  int ring_next_op_ = 0;
+  std::vector<cudaEvent_t> slot_done_;
+  // Chunks whose copies are enqueued (any thread reads it).
+  std::atomic<int64_t> ring_enqueued_{0};
+  std::atomic<int> ring_slots_{0};  // 0: not a ring update
 
   // The enqueue of an update's broadcasts and scatters runs as its own owner
   // task after BeginUpdate returns: NCCL connects lazily, so the first

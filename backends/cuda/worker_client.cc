@@ -231,6 +231,33 @@ absl::Status GpuWorkerSupervisor::BeginUpdate(
   return FromGrpcStatus(stub_->BeginUpdate(ctx.get(), request, &resp));
 }
 
+worker::v1::GpuWorker::Stub* GpuWorkerSupervisor::Stub() {
+  absl::MutexLock lock(&mu_);
+  return stub_.get();
+}
+
+absl::Status GpuWorkerSupervisor::CopyChunk(int64_t k, absl::Time deadline) {
+  worker::v1::GpuWorker::Stub* stub = Stub();
+  if (stub == nullptr) return absl::AbortedError("GPU worker is gone");
+  worker::v1::CopyChunkRequest req;
+  req.set_chunk(k);
+  worker::v1::Empty resp;
+  auto ctx = Ctx(deadline);
+  return FromGrpcStatus(stub->CopyChunk(ctx.get(), req, &resp));
+}
+
+absl::Status GpuWorkerSupervisor::WaitChunks(int64_t n, absl::Time deadline) {
+  worker::v1::GpuWorker::Stub* stub = Stub();
+  if (stub == nullptr) return absl::AbortedError("GPU worker is gone");
+  worker::v1::WaitChunksRequest req;
+  req.set_chunks(n);
+  req.set_timeout_ms(
+      std::max<int64_t>(1, absl::ToInt64Milliseconds(deadline - absl::Now())));
+  worker::v1::WaitChunksResponse resp;
+  auto ctx = Ctx(deadline + absl::Seconds(2));
+  return FromGrpcStatus(stub->WaitChunks(ctx.get(), req, &resp));
+}
+
 absl::StatusOr<absl::Duration> GpuWorkerSupervisor::WaitUpdate(
     absl::Time deadline) {
   worker::v1::GpuWorker::Stub* stub;
@@ -288,11 +315,22 @@ absl::Status GpuDataPlane::Begin(std::shared_ptr<const CopyPlan> plan,
           "the ipc backend needs ipc_source: the CUDA IPC handle (or CUDA "
           "VMM \"pid:fd\") of the trainer's packed update");
     }
-    if (src.size() < plan->chunks.total_bytes) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("ipc_source holds ", src.size(),
-                       " bytes; the update packs ", plan->chunks.total_bytes));
+    const int slots = request.ipc_ring_slots();
+    if (slots < 0 || slots == 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ipc_ring_slots is ", slots, "; use 0 (whole update) or >= 2"));
     }
+    const int64_t need =
+        slots > 0 ? slots * plan->chunks.chunk_bytes : plan->chunks.total_bytes;
+    if (src.size() < need) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ipc_source holds ", src.size(), " bytes; ",
+          slots > 0 ? absl::StrCat(slots, " ring slots of ",
+                                   plan->chunks.chunk_bytes, " bytes need ")
+                    : std::string("the update packs "),
+          need));
+    }
+    req.set_ipc_ring_slots(slots);
     req.set_ipc_source_handle(src.handle());
     req.set_ipc_source_size(src.size());
     req.set_ipc_source_uuid(src.device_uuid());
@@ -333,13 +371,29 @@ absl::Status GpuDataPlane::Begin(std::shared_ptr<const CopyPlan> plan,
   absl::MutexLock lock(&mu_);
   chunks_ = plan->chunks.chunks.size();
   written_ = 0;
+  ring_slots_ = request.ipc_ring_slots();
   return s;
 }
 
-absl::Status GpuDataPlane::SubmitChunk(int64_t, std::string, absl::Time) {
-  return absl::FailedPreconditionError(
-      "this update uses a GPU backend: its bytes travel by NCCL or CUDA "
-      "IPC, not PushChunks");
+absl::Status GpuDataPlane::SubmitChunk(int64_t index, std::string data,
+                                       absl::Time deadline) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (ring_slots_ == 0) {
+      return absl::FailedPreconditionError(
+          "this update uses a GPU backend: its bytes travel by NCCL or CUDA "
+          "IPC, not PushChunks");
+    }
+  }
+  if (!data.empty()) {
+    return absl::InvalidArgumentError(
+        "an IPC ring chunk carries no bytes: they are in the trainer's slot");
+  }
+  return sup_->CopyChunk(index, deadline);
+}
+
+absl::Status GpuDataPlane::WaitChunks(int64_t n, absl::Time deadline) {
+  return sup_->WaitChunks(n, deadline);
 }
 
 absl::Status GpuDataPlane::Drain(absl::Time deadline) {

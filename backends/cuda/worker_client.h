@@ -54,6 +54,9 @@ class GpuWorkerSupervisor {
                            absl::Time deadline);
   // Returns the update's GPU time (first operation to last, CUDA events).
   absl::StatusOr<absl::Duration> WaitUpdate(absl::Time deadline);
+  // IPC ring mode: chunk k is in its slot / wait until n chunks are copied.
+  absl::Status CopyChunk(int64_t k, absl::Time deadline);
+  absl::Status WaitChunks(int64_t n, absl::Time deadline);
   // Aborts the communicator; if that misses `deadline`, restarts the worker.
   void AbortUpdate(absl::Time deadline);
   // Kills the worker and starts a fresh one with every allocation re-opened.
@@ -119,8 +122,10 @@ class GpuDataPlane : public DataPlane {
       : sup_(std::move(sup)), backend_(backend) {}
   absl::Status Begin(std::shared_ptr<const CopyPlan> plan,
                      const v1::StartWeightUpdateRequest& request) override;
+  // IPC ring mode only: chunk `index` is in its slot (data empty).
   absl::Status SubmitChunk(int64_t index, std::string data,
                            absl::Time deadline) override;
+  absl::Status WaitChunks(int64_t n, absl::Time deadline) override;
   absl::Status Drain(absl::Time deadline) override;
   void Abort() override;
   void MarkEngineLost(int engine) override {}
@@ -136,6 +141,7 @@ class GpuDataPlane : public DataPlane {
   const v1::Backend backend_;
   mutable absl::Mutex mu_;
   int64_t chunks_ ABSL_GUARDED_BY(mu_) = 0;
+  int ring_slots_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t written_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Duration device_time_ ABSL_GUARDED_BY(mu_);
 };

@@ -289,6 +289,11 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
     }
     plane = data_plane_;
   }
+  if (request.ipc_ring_slots() != 0 && plane->name() != "ipc") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ipc_ring_slots is for the ipc backend; this group uses ",
+                     plane->name()));
+  }
   // Plan every byte before moving any (invariant 2).
   WS_ASSIGN_OR_RETURN(std::shared_ptr<const CopyPlan> plan,
                       BuildCopyPlan(request.tensors(), chunk_bytes, layouts));
@@ -353,6 +358,7 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
   update->lost.assign(ids.size(), false);
   update->data_plane = plane;
   update->started = t_entry;
+  update->ipc_ring_slots = request.ipc_ring_slots();
   update->begun = t_begun;
   update->timings.set_validate_s(absl::ToDoubleSeconds(t_planned - t_entry));
   update->timings.set_pause_s(absl::ToDoubleSeconds(t_paused - t_planned));
@@ -436,7 +442,8 @@ absl::Status Coordinator::PushChunk(const std::string& update_id, int64_t index,
       return absl::AbortedError(absl::StrCat(
           "update '", update_id, "' failed: ", update_->error.message()));
     }
-    if (update_->data_plane->ReceivesOwnBytes()) {
+    const bool ring = update_->ipc_ring_slots > 0;
+    if (update_->data_plane->ReceivesOwnBytes() && !ring) {
       return absl::FailedPreconditionError(absl::StrCat(
           "update '", update_id, "' uses the ", update_->data_plane->name(),
           " backend: its bytes do not travel through PushChunks"));
@@ -453,7 +460,8 @@ absl::Status Coordinator::PushChunk(const std::string& update_id, int64_t index,
       bad = absl::InvalidArgumentError(absl::StrCat(
           "update '", update_id, "': chunk ", index, " arrived, expected ",
           update_->next_chunk, " of ", chunks.size()));
-    } else if (static_cast<int64_t>(data.size()) != chunks[index].size) {
+    } else if (!ring &&
+               static_cast<int64_t>(data.size()) != chunks[index].size) {
       bad = absl::InvalidArgumentError(absl::StrCat(
           "update '", update_id, "': chunk ", index, " has ", data.size(),
           " bytes, the plan says ", chunks[index].size));
@@ -465,7 +473,7 @@ absl::Status Coordinator::PushChunk(const std::string& update_id, int64_t index,
       return bad;
     }
     ++update_->next_chunk;
-    update_->received_bytes += data.size();
+    update_->received_bytes += chunks[index].size;
     if (update_->staged) {
       update_->staged_chunks[index] = std::move(data);
       return absl::OkStatus();
@@ -480,6 +488,34 @@ absl::Status Coordinator::PushChunk(const std::string& update_id, int64_t index,
   --update_->submits_in_flight;
   if (!s.ok()) FailUpdateLocked(s);
   return s;
+}
+
+absl::StatusOr<int64_t> Coordinator::IpcChunkAck(const std::string& update_id,
+                                                 int64_t index,
+                                                 absl::Time deadline) {
+  std::shared_ptr<DataPlane> plane;
+  int64_t need;
+  {
+    absl::MutexLock lock(&mu_);
+    if (update_ == nullptr || update_->id != update_id) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("no update '", update_id, "' in progress"));
+    }
+    // Before it packs chunk index+1 into slot (index+1) % slots, the
+    // trainer needs chunk index+1-slots out of it.
+    need = index + 2 - update_->ipc_ring_slots;
+    if (need <= 0) return 0;
+    ++update_->submits_in_flight;
+    plane = update_->data_plane;
+  }
+  absl::Status s = plane->WaitChunks(need, deadline);
+  absl::MutexLock lock(&mu_);
+  --update_->submits_in_flight;
+  if (!s.ok()) {
+    FailUpdateLocked(s);
+    return s;
+  }
+  return need;
 }
 
 void Coordinator::PushStreamEnded(const std::string& update_id,
@@ -663,7 +699,8 @@ absl::StatusOr<v1::FinishWeightUpdateResponse> Coordinator::FinishWeightUpdate(
     }
     const int64_t total = update_->plan->chunks.chunks.size();
     if (update_->phase == Phase::kReceiving && update_->next_chunk < total &&
-        !update_->data_plane->ReceivesOwnBytes()) {
+        (!update_->data_plane->ReceivesOwnBytes() ||
+         update_->ipc_ring_slots > 0)) {
       FailUpdateLocked(absl::AbortedError(
           absl::StrCat("finish after ", update_->next_chunk, " of ", total,
                        " chunks (", update_->received_bytes, " of ",

@@ -85,6 +85,11 @@ class Coordinator {
   // One chunk of a host-backend update, in order.
   absl::Status PushChunk(const std::string& update_id, int64_t index,
                          std::string data, absl::Time deadline);
+  // IPC ring mode, after chunk `index` was submitted: waits until the
+  // trainer may reuse the slot it needs next; returns how many chunks are
+  // done (0: no wait needed yet).
+  absl::StatusOr<int64_t> IpcChunkAck(const std::string& update_id,
+                                      int64_t index, absl::Time deadline);
   // A PushChunks stream ended; `cancelled`: the trainer went away.
   void PushStreamEnded(const std::string& update_id, bool cancelled);
   absl::Status BeginPushStream(const std::string& update_id);
@@ -128,6 +133,7 @@ class Coordinator {
     int submits_in_flight = 0;  // PushChunk calls past the checks
     absl::Time started;         // Start called
     absl::Time begun;           // Start's data plane ready
+    int ipc_ring_slots = 0;
     v1::UpdateTimings timings;
     // Staged mode: chunks wait here, engines serve on, until Finish commits.
     bool staged = false;

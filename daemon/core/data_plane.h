@@ -34,6 +34,12 @@ class DataPlane {
   virtual absl::Status SubmitChunk(int64_t index, std::string data,
                                    absl::Time deadline) = 0;
 
+  // Waits until the first `n` chunks are in engine memory (their source
+  // buffers free again). UNIMPLEMENTED where chunks are not tracked so.
+  virtual absl::Status WaitChunks(int64_t n, absl::Time deadline) {
+    return absl::UnimplementedError("WaitChunks");
+  }
+
   // Waits until every submitted chunk is in engine memory. Returns the first
   // copy failure, or DEADLINE_EXCEEDED.
   virtual absl::Status Drain(absl::Time deadline) = 0;

@@ -91,6 +91,40 @@ grpc::Status TrainerServiceImpl::PushChunks(
   return ToGrpcStatus(status);
 }
 
+grpc::Status TrainerServiceImpl::IpcChunks(
+    grpc::ServerContext* ctx,
+    grpc::ServerReaderWriter<v1::IpcChunksResponse, v1::IpcChunksRequest>*
+        stream) {
+  v1::IpcChunksRequest request;
+  if (!stream->Read(&request)) return grpc::Status::OK;  // empty stream
+  const std::string update_id = request.update_id();
+  absl::Status status = core_->BeginPushStream(update_id);
+  if (!status.ok()) return ToGrpcStatus(status);
+  const absl::Time deadline = ContextDeadline(ctx, absl::Minutes(10));
+  do {
+    if (!request.update_id().empty() && request.update_id() != update_id) {
+      status = absl::InvalidArgumentError(
+          "every IpcChunks message must name the same update");
+      break;
+    }
+    status = core_->PushChunk(update_id, request.chunk_index(), "", deadline);
+    if (!status.ok()) break;
+    absl::StatusOr<int64_t> done =
+        core_->IpcChunkAck(update_id, request.chunk_index(), deadline);
+    if (!done.ok()) {
+      status = done.status();
+      break;
+    }
+    if (*done > 0) {
+      v1::IpcChunksResponse response;
+      response.set_chunks_done(*done);
+      if (!stream->Write(response)) break;
+    }
+  } while (stream->Read(&request));
+  core_->PushStreamEnded(update_id, ctx->IsCancelled());
+  return ToGrpcStatus(status);
+}
+
 grpc::Status TrainerServiceImpl::FinishWeightUpdate(
     grpc::ServerContext*, const v1::FinishWeightUpdateRequest* request,
     v1::FinishWeightUpdateResponse* response) {

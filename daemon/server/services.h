@@ -25,6 +25,10 @@ class TrainerServiceImpl final : public v1::TrainerService::Service {
   grpc::Status PushChunks(grpc::ServerContext* ctx,
                           grpc::ServerReader<v1::PushChunksRequest>* reader,
                           v1::PushChunksResponse* response) override;
+  grpc::Status IpcChunks(
+      grpc::ServerContext* ctx,
+      grpc::ServerReaderWriter<v1::IpcChunksResponse, v1::IpcChunksRequest>*
+          stream) override;
   grpc::Status FinishWeightUpdate(
       grpc::ServerContext* ctx, const v1::FinishWeightUpdateRequest* request,
       v1::FinishWeightUpdateResponse* response) override;
