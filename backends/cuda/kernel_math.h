@@ -72,6 +72,8 @@ struct ReceiptRegion {
   int64_t tile_begin;        // first tile of this region in the batch
   int64_t tiles;             // tiles of this region
 };
+// Copied byte for byte from the host to device memory: one layout for both.
+static_assert(sizeof(ReceiptRegion) == 96, "ReceiptRegion layout");
 
 // A block of kReceiptThreads threads takes one tile at a time: up to
 // kReceiptTileBytes of one row (each thread kReceiptUnroll 16-byte vectors
@@ -322,6 +324,7 @@ struct SparseUse {
   int64_t row_begin, row_count, col_begin, col_count;
   int64_t dest_offset, dest_row_stride;  // elements
 };
+static_assert(sizeof(SparseUse) == 64, "SparseUse layout");
 
 // Where the patch value at flat checkpoint index `index` goes in the
 // parameter of use `u`, for a tensor whose 2-D view has `cols` columns and

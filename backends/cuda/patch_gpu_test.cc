@@ -450,9 +450,9 @@ TEST_F(PatchGpuTest, SparseApplyRefusesWhatItCannotDo) {
 // ---------------------------------------------------------------------------
 // The diff helper.
 
-// `before` random; `after` equal but for about `density` of the elements
-// (random new bits), plus sign flips of zeros (a change) and identical NaNs
-// (not a change) where the element size allows.
+// `before` random; `after` equal but for about `density` of the elements:
+// random new bits, or, for 2 bytes and more, +0.0 becoming -0.0 (equal as
+// numbers, a change in bits).
 void MakeDiffPair(int64_t n, int es, double density, uint64_t seed,
                   std::vector<uint8_t>* before, std::vector<uint8_t>* after) {
   std::mt19937_64 rng(seed);
