@@ -210,6 +210,29 @@ TEST_F(ServerTest, ThreeUpdatesThroughPlainAndTensorParallelEngines) {
             status->update().total_chunks());
 }
 
+TEST_F(ServerTest, ReusedPlanFollowsAReRegisteredEngine) {
+  // The same manifest twice reuses the copy plan; an engine registered
+  // again under the same id with another layout must get a fresh one.
+  AddEngine("e0");
+  Init();
+  auto t = Tensors(1);
+  ASSERT_TRUE(trainer_->Update(StartRequest(1, t), t).ok());
+  ExpectInstalled(0);
+  t = Tensors(2);
+  ASSERT_TRUE(trainer_->Update(StartRequest(2, t), t).ok());  // cached plan
+  ExpectInstalled(0);
+  ASSERT_TRUE(engines_[0]->Unregister().ok());
+  engines_[0]->Close();
+  const auto old_memory = Memory(0);
+  arenas_[0]->region().Unlink();  // its name is free; the mapping stays
+  AddEngine("e0", /*tp=*/true, /*rank=*/1);
+  t = Tensors(3);
+  v1::StartWeightUpdateRequest r = StartRequest(3, t);
+  ASSERT_TRUE(trainer_->Update(r, t).ok());
+  ExpectInstalled(1);
+  EXPECT_EQ(Memory(0), old_memory);  // the old registration is not written
+}
+
 TEST_F(ServerTest, HealthServiceAndTcpListenerAnswer) {
   for (const std::string target :
        {options_.target, absl::StrCat("127.0.0.1:", server_->tcp_port())}) {

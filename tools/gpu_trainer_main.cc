@@ -196,7 +196,6 @@ int Main() {
     *req.mutable_tensors() = manifest;
     if (ipc) *req.mutable_ipc_source() = source;
     if (ring) req.set_ipc_ring_slots(FLAGS_ipc_ring_slots);
-    const absl::Time t0 = absl::Now();
     std::thread([version, limit = FLAGS_update_timeout_s,
                  &done_version = finished] {
       absl::SleepFor(absl::Seconds(limit));
@@ -208,6 +207,7 @@ int Main() {
         _exit(4);
       }
     }).detach();
+    const absl::Time t0 = absl::Now();  // the watchdog above is ours
     auto started = (*client)->StartWeightUpdate(req);
     const absl::Time t_started = absl::Now();
     if (!started.ok()) {

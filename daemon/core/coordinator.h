@@ -159,6 +159,12 @@ class Coordinator {
   // Staged mode, at Finish: pauses the engines and hands every staged chunk
   // to the data plane. Requires control_mu_.
   absl::Status CommitStaged(absl::Time deadline);
+  // The copy plan of (manifest, chunk size, layouts), reusing the last one
+  // when all three are unchanged. Requires control_mu_.
+  absl::StatusOr<std::shared_ptr<const CopyPlan>> PlanFor(
+      const Manifest& manifest, int64_t chunk_bytes,
+      const std::vector<std::shared_ptr<const EngineLayout>>& layouts)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(control_mu_);
   // Waits until no PushChunk is between its checks and its submit.
   absl::Status WaitForSubmits(absl::Time deadline);
   void FailUpdateLocked(const absl::Status& reason)
@@ -184,6 +190,11 @@ class Coordinator {
 
   absl::Mutex control_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   mutable absl::Mutex mu_;
+  // PlanFor's cache of one plan.
+  std::shared_ptr<const CopyPlan> last_plan_ ABSL_GUARDED_BY(mu_);
+  std::string last_plan_key_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::shared_ptr<const EngineLayout>> last_plan_layouts_
+      ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, EngineRecord> engines_ ABSL_GUARDED_BY(mu_);
   v1::Backend backend_ ABSL_GUARDED_BY(mu_) = v1::BACKEND_UNSPECIFIED;
   std::shared_ptr<DataPlane> data_plane_ ABSL_GUARDED_BY(mu_);
