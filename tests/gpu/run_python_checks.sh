@@ -46,10 +46,10 @@ run() {  # name seconds command...
 }
 
 run gpu_logic_test 120 "$PY" client/python/tests/test_gpu_logic.py
-run rlhf 600 "$PY" examples/rlhf.py "$WEIGHTSYNCD" "$WEIGHTSYNC_GPU_WORKER"
-run rlhf_async 600 "$PY" examples/rlhf_async.py "$WEIGHTSYNCD" "$WEIGHTSYNC_GPU_WORKER"
-run test_torch_gpu 900 "$PY" tests/gpu/test_torch_gpu.py "$WEIGHTSYNCD" "$WEIGHTSYNC_GPU_WORKER"
-run python_bench 1500 "$PY" bench/python_bench.py "$WEIGHTSYNCD" "$WEIGHTSYNC_GPU_WORKER" \
+run rlhf "${T_EXAMPLE:-600}" "$PY" examples/rlhf.py "$WEIGHTSYNCD" "$WEIGHTSYNC_GPU_WORKER"
+run rlhf_async "${T_EXAMPLE:-600}" "$PY" examples/rlhf_async.py "$WEIGHTSYNCD" "$WEIGHTSYNC_GPU_WORKER"
+run test_torch_gpu "${T_TEST:-900}" "$PY" tests/gpu/test_torch_gpu.py "$WEIGHTSYNCD" "$WEIGHTSYNC_GPU_WORKER"
+run python_bench "${T_BENCH:-1500}" "$PY" bench/python_bench.py "$WEIGHTSYNCD" "$WEIGHTSYNC_GPU_WORKER" \
   "$LOG/python_nccl.json"
 [ -f "$LOG/python_nccl.json" ] && tail -n 30 "$LOG/python_bench.log"
 
