@@ -246,8 +246,9 @@ def main():
         print(f"raw NCCL 1 GiB broadcasts: {raw_s:.4f} s ({baseline:.1f} GB/s)", flush=True)
 
         best = min(sweep, key=lambda r: r["weightsync_s"])
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=here).stdout.strip() or "unknown"
+        commit = os.environ.get("COMMIT") or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+            cwd=here).stdout.strip() or "unknown"
         report = {"date": datetime.date.today().isoformat(),
                   "kind": os.environ.get("KIND", "nvidia-h200-x2"), "commit": commit,
                   "model": MODEL, "bytes": nbytes, "tensors": t["tensors"],
@@ -261,12 +262,19 @@ def main():
                   "register_s": e["register_s"], "sweep": sweep,
                   "weightsync_s_definition": "median of updates 2-6, client clock from the "
                   "StartWeightUpdate call to Finish answered and the trainer's broadcasts done"}
+        # The C++ benchmark of the same manifest: from the same run when
+        # CPP_RESULTS names its gpu_nccl.json, else the committed one.
+        cpp_path = os.environ.get("CPP_RESULTS") or os.path.join(here, "results",
+                                                                "gpu_nccl.json")
         try:
-            cpp = json.load(open(os.path.join(here, "results", "gpu_nccl.json")))
-            if cpp.get("model") == MODEL:
-                report["cpp_weightsync_s"] = cpp["weightsync_s"]
-                report["python_vs_cpp"] = cpp["weightsync_s"] / best["weightsync_s"]
-        except (OSError, ValueError, KeyError):
+            cpp = json.load(open(cpp_path))
+            entry = next((m for m in cpp.get("models", []) if m.get("model") == MODEL), cpp)
+            if entry.get("model") == MODEL:
+                report["cpp_weightsync_s"] = entry["weightsync_s"]
+                report["cpp_commit"] = entry.get("commit", cpp.get("commit"))
+                report["cpp_same_run"] = bool(os.environ.get("CPP_RESULTS"))
+                report["python_vs_cpp"] = entry["weightsync_s"] / best["weightsync_s"]
+        except (OSError, ValueError, KeyError, StopIteration):
             pass
         os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
         with open(out_path, "w") as f:

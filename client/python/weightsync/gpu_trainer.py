@@ -122,9 +122,44 @@ class GpuSender:
         torch.cuda.synchronize(self.device)
         self._ring_chunk = chunk_bytes
 
-    def enqueue_nccl(self, plan, flats):
-        """Packs and broadcasts every chunk; returns the event recorded after
-        the last broadcast and the objects to keep alive until it fires."""
+    def _pack(self, op, flats):
+        import torch
+        buf, packed, _ = self._ring[op["slot"]]
+        with torch.cuda.stream(self.pack_stream):
+            for p in op["chunk"]["pieces"]:
+                src = flats[p["tensor"]]
+                buf[p["chunk_offset"]:p["chunk_offset"] + p["length"]].copy_(
+                    src[p["tensor_offset"]:p["tensor_offset"] + p["length"]],
+                    non_blocking=True)
+            packed.record(self.pack_stream)
+
+    def prepack(self, plan, flats):
+        """Packs the chunks that go first into each ring buffer, before
+        StartWeightUpdate (packing needs no daemon), so the first broadcast
+        leaves as soon as Start returns. Returns their chunk indices; pass
+        them to enqueue_nccl. The previous update's broadcasts must be done
+        (update() waits for them)."""
+        import torch
+        chunks = plan["chunks"]
+        if not chunks:
+            return set()
+        self._ensure_ring(max(c["size"] for c in chunks))
+        self.pack_stream.wait_stream(torch.cuda.current_stream(self.device))
+        direct_ok = [f.device == self.device for f in flats]
+        packed = set()
+        for op in chunk_schedule(plan, direct_ok, len(self._ring)):
+            if op["direct"] is not None:
+                continue
+            if op["wait_free"]:
+                break
+            self._pack(op, flats)
+            packed.add(op["chunk"]["index"])
+        return packed
+
+    def enqueue_nccl(self, plan, flats, prepacked=()):
+        """Packs (unless in `prepacked`) and broadcasts every chunk; returns
+        the event recorded after the last broadcast and the objects to keep
+        alive until it fires."""
         import torch
         if self.comm is None:
             raise WeightSyncError("FAILED_PRECONDITION", "no NCCL communicator (never formed, "
@@ -150,15 +185,10 @@ class GpuSender:
                 self.comm.broadcast(src.data_ptr() + offset, c["size"], 0, stream_ptr)
                 continue
             buf, packed, free = self._ring[op["slot"]]
-            if op["wait_free"]:
-                self.pack_stream.wait_event(free)   # the chunk that used this buffer is sent
-            with torch.cuda.stream(self.pack_stream):
-                for p in c["pieces"]:
-                    src = flats[p["tensor"]]
-                    buf[p["chunk_offset"]:p["chunk_offset"] + p["length"]].copy_(
-                        src[p["tensor_offset"]:p["tensor_offset"] + p["length"]],
-                        non_blocking=True)
-                packed.record(self.pack_stream)
+            if c["index"] not in prepacked:
+                if op["wait_free"]:
+                    self.pack_stream.wait_event(free)   # the chunk that used this buffer is sent
+                self._pack(op, flats)
             self.comm_stream.wait_event(packed)
             self.comm.broadcast(buf.data_ptr(), c["size"], 0, stream_ptr)
             free.record(self.comm_stream)

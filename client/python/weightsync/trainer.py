@@ -247,6 +247,14 @@ class Trainer:
                                 "total_s": t1 - t0}
             self.last_results = [finished]
             return finished
+        # With the chunk size known, the first chunks are packed while Start
+        # runs on the daemons.
+        prepacked = set()
+        if chunk_bytes:
+            try:
+                prepacked = gpu.prepack(gpu.plan(manifest, chunk_bytes), flats)
+            except Exception:
+                prepacked = set()   # planning errors are the daemon's to report
         started = []
         t_start = time.perf_counter()
         try:
@@ -259,6 +267,8 @@ class Trainer:
             raise
         t_started = time.perf_counter()
         plan = gpu.plan(manifest, started[0].chunk_bytes)
+        if started[0].chunk_bytes != chunk_bytes:
+            prepacked = set()   # packed for another chunk size: pack again
         for s in started:
             if s.total_bytes != plan["total_bytes"] or s.num_chunks != len(plan["chunks"]):
                 self._abort_started(update_id, len(started), "chunk plan mismatch")
@@ -267,7 +277,7 @@ class Trainer:
                     "INTERNAL", f"daemon plans {s.total_bytes} bytes in {s.num_chunks} chunks, "
                     f"this client {plan['total_bytes']} in {len(plan['chunks'])}")
         try:
-            done, keep = gpu.enqueue_nccl(plan, flats)
+            done, keep = gpu.enqueue_nccl(plan, flats, prepacked)
         except Exception as e:   # NcclError, CUDA errors
             gpu.abort_comm()
             detail = self._abort_started(update_id, len(started), f"trainer: {e}")
