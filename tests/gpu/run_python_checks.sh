@@ -27,7 +27,7 @@ results=()
 record() { results+=("$(printf '%-64s %s' "$1" "$2")"); }
 
 {
-  echo "date: $(date -Is)  commit: $(git rev-parse --short HEAD 2>/dev/null)"
+  echo "date: $(date -Is)  commit: ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"
   "$PY" -c 'import torch, grpc, google.protobuf as pb, transformers as t; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(), "| grpcio", grpc.__version__, "| protobuf", pb.__version__, "| transformers", t.__version__)'
   "$PY" -c 'import weightsync.nccl as n; n.load(); print("nccl", n.version(), n._lib._name)'
   nvidia-smi -L
