@@ -1,9 +1,9 @@
-// Device-side float32 / bfloat16 / float16 conversions for the sparse-patch
-// kernels: the same code as the conversion kernel's element types in
-// scatter.cu (kept there unchanged), so a patched element gets exactly the
-// bits a dense update would give it, and the same bits as the CPU reference
-// in common/dtype.cc (FloatToBf16, Bf16ToFloat, FloatToHalf, HalfToFloat),
-// NaN payloads included. Private to the .cu files of //backends/cuda.
+// Device-side float32 / bfloat16 / float16 conversions, shared by the dense
+// conversion kernel (scatter.cu) and the sparse-patch kernels, so a patched
+// element gets exactly the bits a dense update would give it, and the same bits
+// as the CPU reference in common/dtype.cc (FloatToBf16, Bf16ToFloat,
+// FloatToHalf, HalfToFloat), NaN payloads included. Private to the .cu files of
+// //backends/cuda.
 #ifndef WEIGHTSYNC_BACKENDS_CUDA_FLOAT_CONVERT_CUH_
 #define WEIGHTSYNC_BACKENDS_CUDA_FLOAT_CONVERT_CUH_
 

@@ -7,6 +7,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "backends/cuda/float_convert.cuh"
 #include "backends/cuda/scatter.h"
 
 namespace weightsync {
@@ -34,51 +35,9 @@ constexpr int kFloat8E5m2 = 12;
 // reference in common/dtype.cc (FloatToBf16, Bf16ToFloat, FloatToHalf,
 // HalfToFloat), including its NaN encodings, which the hardware's own
 // conversions don't (they return a canonical NaN).
-struct F32 {
-  using Storage = float;
-  static __device__ __forceinline__ float ToFloat(float v) { return v; }
-  static __device__ __forceinline__ float FromFloat(float f) { return f; }
-};
-
-struct Bf16 {
-  using Storage = uint16_t;
-  static __device__ __forceinline__ float ToFloat(uint16_t h) {
-    return __uint_as_float(static_cast<uint32_t>(h) << 16);
-  }
-  static __device__ __forceinline__ uint16_t FromFloat(float f) {
-    const uint32_t bits = __float_as_uint(f);
-    // NaN: keep sign and payload, force the quiet bit.
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) {
-      return static_cast<uint16_t>((bits >> 16) | 0x40u);
-    }
-    // Round to nearest even; carries into the exponent give inf on overflow.
-    return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-  }
-};
-
-struct F16 {
-  using Storage = uint16_t;
-  static __device__ __forceinline__ float ToFloat(uint16_t h) {
-    // Widening is exact; only NaN needs care so that its payload survives
-    // exactly as in HalfToFloat.
-    if ((h & 0x7C00u) == 0x7C00u && (h & 0x3FFu) != 0) {
-      return __uint_as_float((static_cast<uint32_t>(h & 0x8000u) << 16) |
-                             0x7F800000u |
-                             (static_cast<uint32_t>(h & 0x3FFu) << 13));
-    }
-    return __half2float(__ushort_as_half(h));
-  }
-  static __device__ __forceinline__ uint16_t FromFloat(float f) {
-    const uint32_t bits = __float_as_uint(f);
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) {
-      return static_cast<uint16_t>(((bits >> 16) & 0x8000u) | 0x7E00u);
-    }
-    // cvt.rn.f16.f32: IEEE round to nearest even, overflow to inf, half
-    // subnormals exact (nvcc's default -ftz=false; float subnormals round
-    // to a signed zero either way).
-    return __half_as_ushort(__float2half_rn(f));
-  }
-};
+using convert::Bf16;
+using convert::F16;
+using convert::F32;
 
 // V consecutive elements, aligned to their size so that one access moves
 // them (16 bytes: one LDG/STG.128; 32 bytes: two).
