@@ -46,6 +46,8 @@ DEFINE_bool(baseline_copy, false,
 DEFINE_bool(same_data, false,
             "reuse version first_version's data for every update (benchmarks)");
 DEFINE_int64(finish_timeout_ms, 30000, "Finish deadline");
+DEFINE_bool(pause_series, false,
+            "Pause the engines once before the updates and Resume after");
 DEFINE_int32(ipc_ring_slots, 0,
              "--backend=ipc: 0 = share the whole packed update; N >= 2 = "
              "share a ring of N chunk slots, filled chunk by chunk");
@@ -179,6 +181,15 @@ int Main() {
   std::vector<uint8_t> flat;
   int64_t filled = -1;
   static std::atomic<int64_t> finished{0};
+  if (FLAGS_pause_series) {
+    // Engines paused once for the whole series: Start then pauses nothing
+    // and Finish resumes nothing (the RL loop of a trainer that syncs
+    // several times in a row).
+    v1::PauseRequest pause;
+    pause.set_mode(v1::PAUSE_MODE_KEEP);
+    auto paused = (*client)->Pause(pause);
+    CHECK(paused.ok()) << paused.status();
+  }
   for (int u = 0; u < FLAGS_updates; ++u) {
     const int64_t version = FLAGS_first_version + u;
     const int64_t data_version =
@@ -269,6 +280,10 @@ int Main() {
         t.pause_s() * 1e3, t.begin_s() * 1e3, t.transfer_s() * 1e3,
         t.device_s() * 1e3, t.commit_s() * 1e3);
     std::fflush(stdout);
+  }
+  if (FLAGS_pause_series) {
+    auto resumed = (*client)->Resume(v1::ResumeRequest());
+    CHECK(resumed.ok()) << resumed.status();
   }
   if (FLAGS_baseline_copy) {
     // The IPC ceiling: one plain on-GPU copy of the same bytes.
