@@ -5,12 +5,14 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "backends/cuda/cuda_status.h"
 #include "backends/cuda/gpu_uuid.h"
+#include "backends/cuda/receipt_kernels.h"
 #include "backends/cuda/scatter.h"
 #include "common/grpc_status.h"
 #include "glog/logging.h"
@@ -305,6 +307,7 @@ absl::Status GpuWorker::EnsureStreams() {
   WS_CUDA(cudaEventCreateWithFlags(&all_done_, cudaEventDisableTiming));
   WS_CUDA(cudaEventCreate(&first_op_));
   WS_CUDA(cudaEventCreate(&last_op_));
+  WS_CUDA(cudaEventCreateWithFlags(&received_, cudaEventDisableTiming));
   return absl::OkStatus();
 }
 
@@ -469,6 +472,35 @@ absl::Status GpuWorker::EnqueueUpdate(
   return absl::OkStatus();
 }
 
+absl::Status GpuWorker::EnqueueStagedReceive(
+    const worker::v1::BeginUpdateRequest& request) {
+  WS_CUDA(cudaSetDevice(device_));
+  // Every chunk has its own buffer: nothing waits for a scatter, and engine
+  // memory is not touched until CommitStaged.
+  for (int64_t k = 0; k < request.chunk_sizes_size(); ++k) {
+    uint8_t* buf = staging_[k];
+    const ncclResult_t r = ncclBroadcast(buf, buf, request.chunk_sizes(k),
+                                         ncclUint8, 0, comm_, recv_stream_);
+    WS_NCCL(r);
+    if (r == ncclInProgress) {
+      const absl::Time deadline = absl::Now() + absl::Minutes(10);
+      ncclResult_t state = ncclInProgress;
+      while (state == ncclInProgress) {
+        WS_NCCL(ncclCommGetAsyncError(comm_, &state));
+        if (state != ncclInProgress) break;
+        if (abort_requested_) return absl::AbortedError("update aborted");
+        if (absl::Now() > deadline) {
+          return absl::DeadlineExceededError("broadcast enqueue timed out");
+        }
+        absl::SleepFor(absl::Microseconds(10));
+      }
+      WS_NCCL(state);
+    }
+  }
+  WS_CUDA(cudaEventRecord(received_, recv_stream_));
+  return absl::OkStatus();
+}
+
 grpc::Status GpuWorker::BeginUpdate(
     grpc::ServerContext* ctx, const worker::v1::BeginUpdateRequest* request,
     worker::v1::Empty*) {
@@ -479,19 +511,26 @@ grpc::Status GpuWorker::BeginUpdate(
           return absl::FailedPreconditionError("an update is in progress");
         }
         const bool ipc = !request->ipc_source_handle().empty();
+        if (ipc && request->staged()) {
+          return absl::UnimplementedError(
+              "staged updates on the ipc backend are not supported");
+        }
         absl::Status s = EnsureStreams();
         if (!s.ok()) return s;
         if (ipc) {
           s = OpenIpcSource(*request);
           if (!s.ok()) return s;
         } else {
-          if (request->staging_buffers() < 2) {
+          if (request->staging_buffers() < 2 && !request->staged()) {
             return absl::InvalidArgumentError("at least 2 staging buffers");
           }
           s = WaitComm(deadline);
           if (!s.ok()) return s;
           WS_CUDA(cudaSetDevice(device_));
-          s = EnsureStaging(request->chunk_bytes(), request->staging_buffers());
+          // Staged: one buffer per chunk (the daemon checked the budget).
+          s = EnsureStaging(request->chunk_bytes(),
+                            request->staged() ? request->chunk_sizes_size()
+                                              : request->staging_buffers());
           if (!s.ok()) return s;
         }
         update_active_ = true;
@@ -530,8 +569,12 @@ grpc::Status GpuWorker::BeginUpdate(
           enqueue_done_ = false;
           return absl::OkStatus();
         }
+        staged_pending_ = request->staged();
+        if (request->staged()) staged_ = *request;
         owner_.Post([this, ipc, req = *request] {
-          absl::Status s = ipc ? EnqueueIpcUpdate(req) : EnqueueUpdate(req);
+          absl::Status s = ipc            ? EnqueueIpcUpdate(req)
+                           : req.staged() ? EnqueueStagedReceive(req)
+                                          : EnqueueUpdate(req);
           if (!s.ok()) LOG(WARNING) << "update enqueue: " << s;
           absl::MutexLock lock(&enqueue_mu_);
           enqueue_status_ = s;
@@ -555,6 +598,14 @@ grpc::Status GpuWorker::WaitUpdate(grpc::ServerContext* ctx,
   if (!update_active_) {
     return ToGrpcStatus(absl::FailedPreconditionError("no update in progress"));
   }
+  const bool received_only = request->received_only();
+  if (received_only != staged_pending_.load()) {
+    return ToGrpcStatus(absl::FailedPreconditionError(
+        received_only ? "no staged update awaits its commit"
+                      : "the staged update is not committed (CommitStaged)"));
+  }
+  // Staged, before the commit: every chunk in staging is the goal.
+  const cudaEvent_t goal = received_only ? received_ : all_done_;
   while (true) {
     bool enqueued;
     {
@@ -563,8 +614,7 @@ grpc::Status GpuWorker::WaitUpdate(grpc::ServerContext* ctx,
       enqueued = enqueue_done_;
     }
     // all_done_ is recorded last by the enqueue: query it only after that.
-    const cudaError_t e =
-        enqueued ? cudaEventQuery(all_done_) : cudaErrorNotReady;
+    const cudaError_t e = enqueued ? cudaEventQuery(goal) : cudaErrorNotReady;
     if (e == cudaSuccess) break;
     if (e != cudaErrorNotReady) {
       return ToGrpcStatus(CudaStatus(e, "scatter"));
@@ -581,6 +631,10 @@ grpc::Status GpuWorker::WaitUpdate(grpc::ServerContext* ctx,
           "update not complete before the deadline (trainer gone or slow?)"));
     }
     absl::SleepFor(absl::Microseconds(20));
+  }
+  if (received_only) {  // the update goes on: CommitStaged is next
+    response->set_chunks_done(0);
+    return grpc::Status::OK;
   }
   update_active_ = false;
   response->set_chunks_done(update_chunks_);
@@ -678,6 +732,7 @@ grpc::Status GpuWorker::AbortUpdate(grpc::ServerContext* ctx,
   return ToGrpcStatus(owner_.Run(
       [&]() -> absl::Status {
         update_active_ = false;
+        staged_pending_ = false;
         CloseIpcSource();
         if (comm_ != nullptr) {
           // May hang when a peer vanished: the daemon's deadline catches it
@@ -693,6 +748,162 @@ grpc::Status GpuWorker::AbortUpdate(grpc::ServerContext* ctx,
         return absl::OkStatus();
       },
       Deadline(ctx)));
+}
+
+grpc::Status GpuWorker::CommitStaged(grpc::ServerContext* ctx,
+                                     const worker::v1::Empty*,
+                                     worker::v1::Empty*) {
+  return ToGrpcStatus(owner_.Run(
+      [&]() -> absl::Status {
+        if (!update_active_ || !staged_pending_) {
+          return absl::FailedPreconditionError(
+              "no staged update awaits its commit");
+        }
+        {
+          absl::MutexLock lock(&enqueue_mu_);
+          if (!enqueue_status_.ok()) return enqueue_status_;
+          if (!enqueue_done_) {
+            return absl::FailedPreconditionError(
+                "the staged chunks are still being received");
+          }
+        }
+        WS_CUDA(cudaSetDevice(device_));
+        absl::flat_hash_map<int64_t, Allocation> allocs;
+        {
+          absl::MutexLock lock(&mu_);
+          allocs = allocations_;
+        }
+        // Only now does engine memory change: staging -> engines, by the
+        // plan's ops, after the last receive.
+        WS_CUDA(cudaStreamWaitEvent(scatter_stream_, received_, 0));
+        WS_CUDA(cudaEventRecord(first_op_, scatter_stream_));
+        int op = 0;
+        for (int64_t k = 0; k < staged_.chunk_sizes_size(); ++k) {
+          absl::Status s =
+              EnqueueChunkOps(staged_, k, staging_[k], allocs, false, &op);
+          if (!s.ok()) return s;
+        }
+        WS_CUDA(cudaEventRecord(last_op_, scatter_stream_));
+        WS_CUDA(cudaEventRecord(all_done_, scatter_stream_));
+        staged_pending_ = false;
+        return absl::OkStatus();
+      },
+      Deadline(ctx)));
+}
+
+grpc::Status GpuWorker::ComputeReceipts(
+    grpc::ServerContext* ctx, const worker::v1::ComputeReceiptsRequest* request,
+    worker::v1::ComputeReceiptsResponse* response) {
+  const int groups = request->groups();
+  if (groups < 0 || groups > (1 << 20)) {
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        absl::StrCat("groups is ", groups, "; use 0 to 2^20")));
+  }
+  // Validated against the open allocations before anything reaches CUDA.
+  std::vector<cuda::ReceiptRegion> regions;
+  std::vector<int32_t> group_of;
+  regions.reserve(request->regions_size());
+  {
+    absl::MutexLock lock(&mu_);
+    for (int i = 0; i < request->regions_size(); ++i) {
+      const worker::v1::ReceiptRegionSpec& g = request->regions(i);
+      const int64_t es = g.element_size();
+      auto it = allocations_.find(g.allocation_id());
+      if (it == allocations_.end()) {
+        return ToGrpcStatus(absl::NotFoundError(
+            absl::StrCat("receipt region ", i, ": allocation ",
+                         g.allocation_id(), " is not open in the worker")));
+      }
+      constexpr int64_t kMax = int64_t{1} << 40;
+      if (g.group() < 0 || g.group() >= groups ||
+          (es != 1 && es != 2 && es != 4 && es != 8) || g.rows() < 0 ||
+          g.cols() < 0 || g.rows() > kMax || g.cols() > kMax ||
+          g.offset() < 0 || g.row_stride_bytes() < 0 ||
+          g.row_stride_bytes() > kMax) {
+        return ToGrpcStatus(absl::InvalidArgumentError(
+            absl::StrCat("receipt region ", i, " is malformed (group ",
+                         g.group(), " of ", groups, ", element size ", es, ", ",
+                         g.rows(), " x ", g.cols(), ")")));
+      }
+      if (g.rows() > 0 && g.cols() > 0) {
+        const int64_t end =
+            g.offset() + (g.rows() - 1) * g.row_stride_bytes() + g.cols() * es;
+        if (end > it->second.size) {
+          return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+              "receipt region ", i, " ends at byte ", end, " of allocation ",
+              g.allocation_id(), " (", it->second.size, " bytes)")));
+        }
+      }
+      cuda::ReceiptRegion r{};
+      r.base = it->second.ptr + g.offset();
+      r.rows = g.rows();
+      r.cols = g.cols();
+      r.row_stride_bytes = g.row_stride_bytes();
+      r.salt = g.salt();
+      r.first_index = g.first_index();
+      r.es = static_cast<int32_t>(es);
+      regions.push_back(r);
+      group_of.push_back(g.group());
+    }
+  }
+  std::vector<uint64_t> sums(groups, 0);
+  float ms = 0;
+  absl::Status s = owner_.Run(
+      [&]() -> absl::Status {
+        if (groups == 0) return absl::OkStatus();
+        absl::Status st = EnsureStreams();
+        if (!st.ok()) return st;
+        WS_CUDA(cudaSetDevice(scatter_device_));
+        const size_t sum_bytes = sizeof(uint64_t) * groups;
+        const size_t region_bytes =
+            sizeof(cuda::ReceiptRegion) * regions.size();
+        void* mem = nullptr;
+        // Sums first: the regions array after them stays 8-byte aligned.
+        WS_CUDA(cudaMalloc(&mem, sum_bytes + region_bytes));
+        absl::Cleanup free_mem = [&] {
+          cudaStreamSynchronize(scatter_stream_);
+          cudaFree(mem);
+        };
+        auto* out = static_cast<unsigned long long*>(mem);
+        auto* dev_regions = reinterpret_cast<cuda::ReceiptRegion*>(
+            static_cast<uint8_t*>(mem) + sum_bytes);
+        for (size_t i = 0; i < regions.size(); ++i) {
+          regions[i].out = out + group_of[i];
+        }
+        const int64_t tiles =
+            cuda::PlanReceiptRegions(regions.data(), regions.size());
+        if (tiles < 0) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("receipt region ", -1 - tiles,
+                           " is not readable as planned (alignment, stride)"));
+        }
+        cudaEvent_t t0, t1;
+        WS_CUDA(cudaEventCreate(&t0));
+        WS_CUDA(cudaEventCreate(&t1));
+        absl::Cleanup free_events = [&] {
+          cudaEventDestroy(t0);
+          cudaEventDestroy(t1);
+        };
+        WS_CUDA(cudaMemsetAsync(out, 0, sum_bytes, scatter_stream_));
+        if (region_bytes > 0) {
+          WS_CUDA(cudaMemcpyAsync(dev_regions, regions.data(), region_bytes,
+                                  cudaMemcpyHostToDevice, scatter_stream_));
+        }
+        WS_CUDA(cudaEventRecord(t0, scatter_stream_));
+        WS_CUDA(cuda::ReceiptSumBatch(dev_regions, regions.size(), tiles,
+                                      scatter_stream_));
+        WS_CUDA(cudaEventRecord(t1, scatter_stream_));
+        WS_CUDA(cudaMemcpyAsync(sums.data(), out, sum_bytes,
+                                cudaMemcpyDeviceToHost, scatter_stream_));
+        WS_CUDA(cudaStreamSynchronize(scatter_stream_));
+        cudaEventElapsedTime(&ms, t0, t1);
+        return absl::OkStatus();
+      },
+      Deadline(ctx));
+  if (!s.ok()) return ToGrpcStatus(s);
+  for (uint64_t v : sums) response->add_sums(v);
+  response->set_device_seconds(ms / 1e3);
+  return grpc::Status::OK;
 }
 
 }  // namespace weightsync

@@ -88,6 +88,11 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   grpc::Status WaitChunks(grpc::ServerContext*,
                           const worker::v1::WaitChunksRequest*,
                           worker::v1::WaitChunksResponse*) override;
+  grpc::Status ComputeReceipts(grpc::ServerContext*,
+                               const worker::v1::ComputeReceiptsRequest*,
+                               worker::v1::ComputeReceiptsResponse*) override;
+  grpc::Status CommitStaged(grpc::ServerContext*, const worker::v1::Empty*,
+                            worker::v1::Empty*) override;
 
  private:
   struct Allocation {
@@ -117,6 +122,9 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
       int* op);
   absl::Status WaitComm(absl::Time deadline);
   absl::Status EnqueueUpdate(const worker::v1::BeginUpdateRequest& request);
+  // Staged: chunk k broadcast into staging_[k]; records received_.
+  absl::Status EnqueueStagedReceive(
+      const worker::v1::BeginUpdateRequest& request);
   absl::Time Deadline(const grpc::ServerContext* ctx) const;
 
   OwnerThread owner_;
@@ -153,6 +161,12 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   // Chunks whose copies are enqueued (any thread reads it).
   std::atomic<int64_t> ring_enqueued_{0};
   std::atomic<int> ring_slots_{0};  // 0: not a ring update
+  // Staged update (owner thread, but staged_pending_): its request, and the
+  // event recorded after its last receive. Pending from BeginUpdate to
+  // CommitStaged.
+  worker::v1::BeginUpdateRequest staged_;
+  cudaEvent_t received_ = nullptr;
+  std::atomic<bool> staged_pending_{false};
 
   // The enqueue of an update's broadcasts and scatters runs as its own owner
   // task after BeginUpdate returns: NCCL connects lazily, so the first
