@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/checksum.h"
+#include "common/dtype.h"
 #include "common/grpc_status.h"
 #include "glog/logging.h"
 #include "grpcpp/create_channel.h"
@@ -258,8 +260,33 @@ absl::Status GpuWorkerSupervisor::WaitChunks(int64_t n, absl::Time deadline) {
   return FromGrpcStatus(stub->WaitChunks(ctx.get(), req, &resp));
 }
 
+absl::Status GpuWorkerSupervisor::CommitStaged(absl::Time deadline) {
+  worker::v1::GpuWorker::Stub* stub = Stub();
+  if (stub == nullptr) return absl::AbortedError("GPU worker is gone");
+  worker::v1::Empty req, resp;
+  auto ctx = Ctx(deadline);
+  return FromGrpcStatus(stub->CommitStaged(ctx.get(), req, &resp));
+}
+
+absl::StatusOr<std::vector<uint64_t>> GpuWorkerSupervisor::ComputeReceipts(
+    const worker::v1::ComputeReceiptsRequest& request, absl::Time deadline) {
+  worker::v1::GpuWorker::Stub* stub = Stub();
+  if (stub == nullptr) return absl::AbortedError("GPU worker is gone");
+  worker::v1::ComputeReceiptsResponse resp;
+  auto ctx = Ctx(deadline);
+  absl::Status s =
+      FromGrpcStatus(stub->ComputeReceipts(ctx.get(), request, &resp));
+  if (!s.ok()) return s;
+  if (resp.sums_size() != request.groups()) {
+    return absl::InternalError(absl::StrCat("GPU worker returned ",
+                                            resp.sums_size(), " sums for ",
+                                            request.groups(), " groups"));
+  }
+  return std::vector<uint64_t>(resp.sums().begin(), resp.sums().end());
+}
+
 absl::StatusOr<absl::Duration> GpuWorkerSupervisor::WaitUpdate(
-    absl::Time deadline) {
+    absl::Time deadline, bool received_only) {
   worker::v1::GpuWorker::Stub* stub;
   {
     absl::MutexLock lock(&mu_);
@@ -267,6 +294,7 @@ absl::StatusOr<absl::Duration> GpuWorkerSupervisor::WaitUpdate(
   }
   if (stub == nullptr) return absl::AbortedError("GPU worker is gone");
   worker::v1::WaitUpdateRequest req;
+  req.set_received_only(received_only);
   req.set_timeout_ms(
       std::max<int64_t>(1, absl::ToInt64Milliseconds(deadline - absl::Now())));
   worker::v1::WaitUpdateResponse resp;
@@ -303,9 +331,91 @@ absl::StatusOr<std::shared_ptr<MappedRegion>> GpuMapper::Open(
 
 absl::Status GpuDataPlane::Begin(std::shared_ptr<const CopyPlan> plan,
                                  const v1::StartWeightUpdateRequest& request) {
+  return BeginImpl(std::move(plan), request, /*staged=*/false);
+}
+
+absl::Status GpuDataPlane::BeginStaged(
+    std::shared_ptr<const CopyPlan> plan,
+    const v1::StartWeightUpdateRequest& request) {
+  if (backend_ != v1::BACKEND_NCCL) {
+    return absl::UnimplementedError(absl::StrCat(
+        "staged updates on the ", name(), " backend are not supported"));
+  }
+  return BeginImpl(std::move(plan), request, /*staged=*/true);
+}
+
+int64_t GpuDataPlane::DeviceStagingBudget() const {
+  return backend_ == v1::BACKEND_NCCL ? sup_->options().staging_budget : -1;
+}
+
+absl::Status GpuDataPlane::WaitStaged(absl::Time deadline) {
+  return sup_->WaitUpdate(deadline, /*received_only=*/true).status();
+}
+
+absl::Status GpuDataPlane::CommitStaged(absl::Time deadline) {
+  return sup_->CommitStaged(deadline);
+}
+
+absl::StatusOr<std::vector<v1::Receipt>> GpuDataPlane::DeviceReceipts(
+    const CopyPlan& plan, const absl::flat_hash_set<std::string>& sources,
+    const std::vector<bool>& skip, absl::Time deadline) {
+  // The regions ComputeReceipt walks on the host (daemon/core/receipt.cc),
+  // one group per engine: segment s of parameter p is rows x cols elements
+  // from element s.dest_offset, rows s.dest_row_stride elements apart.
+  std::vector<v1::Receipt> out(plan.engines.size());
+  worker::v1::ComputeReceiptsRequest req;
+  req.set_groups(plan.engines.size());
+  for (size_t e = 0; e < plan.engines.size(); ++e) {
+    if (e < skip.size() && skip[e]) continue;
+    const EngineLayout& engine = *plan.engines[e];
+    v1::Receipt& receipt = out[e];
+    for (const ParameterLayout& p : engine.parameters) {
+      const auto* region =
+          dynamic_cast<const GpuRegion*>(engine.regions[p.region].get());
+      if (region == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "engine '", engine.engine_id,
+            "' registered host memory; the GPU backends read GPU memory"));
+      }
+      const int64_t es = ElementSize(p.dtype);
+      const uint64_t salt = ParameterSalt(p.name);
+      bool touched = false;
+      for (const SegmentLayout& s : p.segments) {
+        if (!sources.contains(s.source)) continue;
+        touched = true;
+        worker::v1::ReceiptRegionSpec* g = req.add_regions();
+        g->set_allocation_id(region->id());
+        g->set_offset(p.offset + s.dest_offset * es);
+        g->set_rows(s.row_count);
+        g->set_cols(s.col_count);
+        g->set_row_stride_bytes(s.dest_row_stride * es);
+        g->set_element_size(static_cast<int32_t>(es));
+        g->set_salt(salt);
+        g->set_first_index(static_cast<uint64_t>(s.dest_offset));
+        g->set_group(static_cast<int32_t>(e));
+        receipt.set_bytes(receipt.bytes() + s.row_count * s.col_count * es);
+      }
+      if (touched) receipt.set_parameters(receipt.parameters() + 1);
+    }
+  }
+  absl::StatusOr<std::vector<uint64_t>> sums =
+      sup_->ComputeReceipts(req, deadline);
+  if (!sums.ok()) return sums.status();
+  for (size_t e = 0; e < out.size(); ++e) out[e].set_checksum((*sums)[e]);
+  return out;
+}
+
+absl::Status GpuDataPlane::BeginImpl(
+    std::shared_ptr<const CopyPlan> plan,
+    const v1::StartWeightUpdateRequest& request, bool staged) {
   const auto& o = sup_->options();
-  const int64_t staging = o.staging_buffers * plan->chunks.chunk_bytes;
+  // Staged: one buffer per chunk, the whole update.
+  const int64_t staging =
+      (staged ? static_cast<int64_t>(plan->chunks.chunks.size())
+              : o.staging_buffers) *
+      plan->chunks.chunk_bytes;
   worker::v1::BeginUpdateRequest req;
+  req.set_staged(staged);
   if (backend_ == v1::BACKEND_IPC) {
     const v1::Allocation& src = request.ipc_source();
     if ((src.kind() != v1::MEMORY_CUDA_IPC &&
@@ -336,10 +446,11 @@ absl::Status GpuDataPlane::Begin(std::shared_ptr<const CopyPlan> plan,
     req.set_ipc_source_uuid(src.device_uuid());
     req.set_ipc_source_vmm(src.kind() == v1::MEMORY_CUDA_VMM);
   } else if (staging > o.staging_budget) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("GPU staging of ", o.staging_buffers, " x ",
-                     plan->chunks.chunk_bytes, " bytes exceeds the budget of ",
-                     o.staging_budget, "; use a smaller chunk_bytes"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "GPU staging of ",
+        staged ? plan->chunks.chunks.size() : o.staging_buffers, " x ",
+        plan->chunks.chunk_bytes, " bytes exceeds the budget of ",
+        o.staging_budget, "; use a smaller chunk_bytes"));
   }
   req.set_chunk_bytes(plan->chunks.chunk_bytes);
   req.set_staging_buffers(o.staging_buffers);

@@ -17,6 +17,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -53,7 +54,15 @@ class GpuWorkerSupervisor {
   absl::Status BeginUpdate(const worker::v1::BeginUpdateRequest& request,
                            absl::Time deadline);
   // Returns the update's GPU time (first operation to last, CUDA events).
-  absl::StatusOr<absl::Duration> WaitUpdate(absl::Time deadline);
+  // received_only: a staged update's chunks are all in staging (not yet
+  // committed; returns zero).
+  absl::StatusOr<absl::Duration> WaitUpdate(absl::Time deadline,
+                                            bool received_only = false);
+  // Staged update: copy staging into engine memory (WaitUpdate waits).
+  absl::Status CommitStaged(absl::Time deadline);
+  // One checksum per group of regions (docs/protocol.md, "Receipts").
+  absl::StatusOr<std::vector<uint64_t>> ComputeReceipts(
+      const worker::v1::ComputeReceiptsRequest& request, absl::Time deadline);
   // IPC ring mode: chunk k is in its slot / wait until n chunks are copied.
   absl::Status CopyChunk(int64_t k, absl::Time deadline);
   absl::Status WaitChunks(int64_t n, absl::Time deadline);
@@ -135,8 +144,23 @@ class GpuDataPlane : public DataPlane {
   std::string name() const override {
     return backend_ == v1::BACKEND_IPC ? "ipc" : "nccl";
   }
+  absl::StatusOr<std::vector<v1::Receipt>> DeviceReceipts(
+      const CopyPlan& plan, const absl::flat_hash_set<std::string>& sources,
+      const std::vector<bool>& skip, absl::Time deadline) override;
+  // nccl only (ipc: -1, UNIMPLEMENTED): one GPU staging buffer per chunk,
+  // within the worker's staging budget.
+  int64_t DeviceStagingBudget() const override;
+  absl::Status BeginStaged(
+      std::shared_ptr<const CopyPlan> plan,
+      const v1::StartWeightUpdateRequest& request) override;
+  absl::Status WaitStaged(absl::Time deadline) override;
+  absl::Status CommitStaged(absl::Time deadline) override;
 
  private:
+  absl::Status BeginImpl(std::shared_ptr<const CopyPlan> plan,
+                         const v1::StartWeightUpdateRequest& request,
+                         bool staged);
+
   const std::shared_ptr<GpuWorkerSupervisor> sup_;
   const v1::Backend backend_;
   mutable absl::Mutex mu_;

@@ -7,8 +7,11 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "daemon/core/copy_plan.h"
 #include "weightsync/v1/trainer_service.pb.h"
@@ -62,6 +65,35 @@ class DataPlane {
   virtual bool ReceivesOwnBytes() const { return false; }
 
   virtual std::string name() const = 0;
+
+  // Receipts of memory only the data plane can read (GPU): per engine of
+  // `plan`, bit for bit what ComputeReceipt (daemon/core/receipt.h) returns
+  // for `sources`; an empty receipt where skip[i]. Call after Drain.
+  virtual absl::StatusOr<std::vector<v1::Receipt>> DeviceReceipts(
+      const CopyPlan& plan, const absl::flat_hash_set<std::string>& sources,
+      const std::vector<bool>& skip, absl::Time deadline) {
+    return absl::UnimplementedError("receipts of device memory");
+  }
+
+  // Staged updates whose bytes arrive by themselves (NCCL) are held in the
+  // data plane's own (device) staging: the bytes that may be staged, or -1
+  // where it can't stage.
+  virtual int64_t DeviceStagingBudget() const { return -1; }
+  // Like Begin, but every chunk stays in staging; engine memory is not
+  // touched until CommitStaged.
+  virtual absl::Status BeginStaged(
+      std::shared_ptr<const CopyPlan> plan,
+      const v1::StartWeightUpdateRequest& request) {
+    return absl::UnimplementedError("staged updates in device memory");
+  }
+  // Waits until every chunk of a staged update is in staging.
+  virtual absl::Status WaitStaged(absl::Time deadline) {
+    return absl::UnimplementedError("WaitStaged");
+  }
+  // Starts copying staging into engine memory; Drain waits for it.
+  virtual absl::Status CommitStaged(absl::Time deadline) {
+    return absl::UnimplementedError("CommitStaged");
+  }
 };
 
 }  // namespace weightsync
