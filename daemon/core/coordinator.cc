@@ -300,12 +300,6 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
   // Plan every byte before moving any (invariant 2).
   WS_ASSIGN_OR_RETURN(std::shared_ptr<const CopyPlan> plan,
                       PlanFor(request.tensors(), chunk_bytes, layouts));
-  if (request.verify() == v1::VERIFY_ON && plane->ReceivesOwnBytes()) {
-    return absl::UnimplementedError(absl::StrCat(
-        "receipts on the ", plane->name(),
-        " backend are not computed yet (GPU kernel pending); use VERIFY_OFF "
-        "or VERIFY_DEFAULT"));
-  }
   if (!plan->sparse.empty() && plane->ReceivesOwnBytes()) {
     return absl::UnimplementedError(absl::StrCat(
         "sparse patches on the ", plane->name(),
@@ -313,18 +307,27 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
         "tensors"));
   }
   bool staged = request.mode() == v1::UPDATE_MODE_STAGED;
-  if (staged && plane->ReceivesOwnBytes()) {
+  // Where bytes arrive by themselves (NCCL), the data plane stages them in
+  // its own (GPU) memory, one chunk-sized buffer per chunk.
+  const bool device_staging = plane->ReceivesOwnBytes();
+  if (staged && device_staging && plane->DeviceStagingBudget() < 0) {
     return absl::UnimplementedError(absl::StrCat(
         "staged updates on the ", plane->name(),
-        " backend are not supported yet; use streaming or the host backend"));
+        " backend are not supported yet; use streaming, the nccl backend or "
+        "the host backend"));
   }
-  if (staged && plan->chunks.total_bytes > options_.staged_budget_bytes) {
+  const int64_t staging_need =
+      device_staging ? static_cast<int64_t>(plan->chunks.chunks.size()) *
+                           plan->chunks.chunk_bytes
+                     : plan->chunks.total_bytes;
+  const int64_t staging_budget = device_staging ? plane->DeviceStagingBudget()
+                                                : options_.staged_budget_bytes;
+  if (staged && staging_need > staging_budget) {
     if (!request.allow_streaming_fallback()) {
       return absl::ResourceExhaustedError(absl::StrCat(
-          "staged update '", request.update_id(), "' needs ",
-          plan->chunks.total_bytes, " bytes of staging; the budget is ",
-          options_.staged_budget_bytes,
-          " (allow_streaming_fallback to stream instead)"));
+          "staged update '", request.update_id(), "' needs ", staging_need,
+          " bytes of ", device_staging ? "GPU " : "", "staging; the budget is ",
+          staging_budget, " (allow_streaming_fallback to stream instead)"));
     }
     LOG(INFO) << "update " << request.update_id()
               << ": over the staging budget, falling back to streaming";
@@ -343,8 +346,10 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
   const absl::Time t_paused = absl::Now();
   // Staging may refuse the budget: then nothing moved, and the engines this
   // call paused serve again.
-  const absl::Status begun =
-      staged ? absl::OkStatus() : plane->Begin(plan, request);
+  const absl::Status begun = !staged ? plane->Begin(plan, request)
+                             : device_staging
+                                 ? plane->BeginStaged(plan, request)
+                                 : absl::OkStatus();
   const absl::Time t_begun = absl::Now();
   if (!begun.ok()) {
     hub_.Broadcast(paused, ResumeNotice(),
@@ -367,7 +372,9 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
   update->timings.set_pause_s(absl::ToDoubleSeconds(t_paused - t_planned));
   update->timings.set_begin_s(absl::ToDoubleSeconds(t_begun - t_paused));
   update->staged = staged;
-  // Receipts are on by default where the daemon can read engine memory.
+  update->device_staged = staged && device_staging;
+  // Receipts are on by default where the daemon can read engine memory;
+  // on the GPU backends only with VERIFY_ON (docs/protocol.md, "Receipts").
   update->verify =
       request.verify() == v1::VERIFY_ON ||
       (request.verify() == v1::VERIFY_DEFAULT && !plane->ReceivesOwnBytes());
@@ -376,8 +383,10 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
     // trainer's to vouch for.
     if (t.sparse_nnz() == 0) update->sources.insert(t.name());
   }
-  if (staged) {
+  if (staged && !device_staging) {
     update->staged_chunks.resize(plan->chunks.chunks.size());
+    update->request = request;
+  } else if (staged) {
     update->request = request;
   } else {
     update->paused_at = t_paused;
@@ -677,6 +686,15 @@ absl::Status Coordinator::ResumeEngines(const std::vector<std::string>& engines,
 absl::Status Coordinator::CommitStaged(absl::Time deadline) {
   std::vector<std::string> to_pause;
   std::shared_ptr<DataPlane> plane;
+  bool device_staged;
+  {
+    absl::MutexLock lock(&mu_);
+    device_staged = update_->device_staged;
+    plane = update_->data_plane;
+  }
+  // Every byte must be in staging before anything is paused: a trainer that
+  // died mid-transfer fails here, with the engines untouched.
+  if (device_staged) WS_RETURN_IF_ERROR(plane->WaitStaged(deadline));
   {
     absl::MutexLock lock(&mu_);
     for (size_t i = 0; i < update_->engine_ids.size(); ++i) {
@@ -707,6 +725,14 @@ absl::Status Coordinator::CommitStaged(absl::Time deadline) {
       if (!update_->lost[i] && it != engines_.end()) it->second.updating = true;
     }
     chunks = std::move(update_->staged_chunks);
+  }
+  if (device_staged) {
+    {
+      absl::MutexLock lock(&mu_);
+      update_->committing = true;  // from here a failure leaves engines dirty
+    }
+    // The copies run on the GPU; Finish's Drain waits for them.
+    return plane->CommitStaged(deadline);
   }
   const absl::Time t0 = absl::Now();
   WS_RETURN_IF_ERROR(plane->Begin(update_->plan, update_->request));
@@ -757,6 +783,39 @@ absl::StatusOr<v1::FinishWeightUpdateResponse> Coordinator::FinishWeightUpdate(
   if (status.ok() && staged) status = CommitStaged(deadline);
   if (status.ok()) status = plane->Drain(deadline);
   const absl::Time t_drained = absl::Now();
+  // Every byte is in engine memory: read back what was installed. Host
+  // memory here; GPU memory by the data plane, where a failure fails the
+  // update (its receipts were asked for and can't be given).
+  std::vector<absl::StatusOr<v1::Receipt>> receipts;
+  if (status.ok()) {
+    std::shared_ptr<const CopyPlan> plan;
+    const absl::flat_hash_set<std::string>* sources;
+    bool verify;
+    std::vector<bool> lost;
+    {
+      absl::MutexLock lock(&mu_);
+      plan = update_->plan;
+      sources = &update_->sources;  // stable: only control ops end updates
+      verify = update_->verify;
+      lost = update_->lost;
+    }
+    if (verify && plane->ReceivesOwnBytes()) {
+      absl::StatusOr<std::vector<v1::Receipt>> device =
+          plane->DeviceReceipts(*plan, *sources, lost, deadline);
+      if (device.ok()) {
+        for (v1::Receipt& r : *device) receipts.push_back(std::move(r));
+      } else {
+        status =
+            absl::Status(device.status().code(),
+                         absl::StrCat("receipts: ", device.status().message()));
+      }
+    } else if (verify) {
+      for (const auto& engine : plan->engines) {
+        receipts.push_back(ComputeReceipt(*engine, *sources));
+      }
+    }
+  }
+  const absl::Time t_receipts = absl::Now();
   if (!status.ok()) {
     const std::vector<v1::EngineResult> results = EndFailedUpdate(status);
     std::vector<std::string> dirty;
@@ -770,25 +829,6 @@ absl::StatusOr<v1::FinishWeightUpdateResponse> Coordinator::FinishWeightUpdate(
                                      absl::StrJoin(dirty, ", "))));
   }
 
-  // Every byte is in engine memory: read back what was installed.
-  std::vector<absl::StatusOr<v1::Receipt>> receipts;
-  {
-    std::shared_ptr<const CopyPlan> plan;
-    const absl::flat_hash_set<std::string>* sources;
-    bool verify;
-    {
-      absl::MutexLock lock(&mu_);
-      plan = update_->plan;
-      sources = &update_->sources;  // stable: only control ops end updates
-      verify = update_->verify;
-    }
-    if (verify) {
-      for (const auto& engine : plan->engines) {
-        receipts.push_back(ComputeReceipt(*engine, *sources));
-      }
-    }
-  }
-  const absl::Time t_receipts = absl::Now();
   // Commit.
   v1::FinishWeightUpdateResponse response;
   std::vector<std::string> committed, resume;

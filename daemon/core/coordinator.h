@@ -138,6 +138,9 @@ class Coordinator {
     // Staged mode: chunks wait here, engines serve on, until Finish commits.
     bool staged = false;
     bool committing = false;  // staged bytes are being written
+    // Staged in the data plane's own (GPU) staging: bytes arrive by NCCL
+    // from Start on; the commit is DataPlane::CommitStaged.
+    bool device_staged = false;
     std::vector<std::string> staged_chunks;
     v1::StartWeightUpdateRequest request;  // for the data plane at commit
     absl::Time paused_at = absl::InfiniteFuture();
