@@ -3,14 +3,22 @@
 // with weightsyncd by CUDA IPC handle and GPU UUID, and serves its control
 // stream. With --verify, after each new version it copies its parameters
 // back and compares them with the reference installer's answer for that
-// version, printing "verified" or "MISMATCH".
+// version, printing "verified" or "MISMATCH". With --read_loop (issue 5's
+// staged-mode proof) a thread keeps copying its parameters to the host while
+// it is not paused, as a serving engine reads its weights, and checks that
+// each snapshot equals the whole reference of one version (the last one
+// seen or the next), never a mix; it prints the counts. --time_copy prints
+// the time of one plain on-GPU copy of the parameters' bytes on its GPU.
 #include <cuda_runtime_api.h>
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -22,6 +30,7 @@
 #include "backends/cuda/vmm.h"
 #include "client/engine_client.h"
 #include "client/host_arena.h"
+#include "common/dtype.h"
 #include "gflags/gflags.h"
 #include "glog/logging.h"
 #include "tools/synthetic/synthetic_model.h"
@@ -36,6 +45,11 @@ DEFINE_string(dtype, "bfloat16", "parameter dtype");
 DEFINE_string(ckpt_dtype, "float32", "dtype the trainer sends (for --verify)");
 DEFINE_int32(device, 0, "CUDA ordinal");
 DEFINE_bool(verify, true, "verify every new version against the reference");
+DEFINE_bool(read_loop, false,
+            "keep reading the parameters while serving and check every "
+            "snapshot is one whole version");
+DEFINE_bool(time_copy, false,
+            "time a plain on-GPU copy of the parameters' bytes at start");
 DEFINE_string(memory, "ipc",
               "how the parameters' memory is shared: ipc (cudaMalloc + "
               "cudaIpcGetMemHandle) or vmm (cuMemCreate + POSIX fd)");
@@ -78,6 +92,117 @@ int64_t Verify(const synthetic::ModelConfig& model,
     }
   }
   return bad;
+}
+
+// The parameters' bytes at `version`, concatenated in `params` order
+// (version 0: zeros, as registered).
+std::vector<uint8_t> Image(const synthetic::ModelConfig& model,
+                           const std::vector<v1::Parameter>& params,
+                           int64_t version, int64_t bytes) {
+  if (version == 0) return std::vector<uint8_t>(bytes, 0);
+  synthetic::CheckpointData data;
+  for (const v1::TensorSpec& t :
+       synthetic::Checkpoint(model, ParseDType(FLAGS_ckpt_dtype))) {
+    data[t.name()] = {t, synthetic::Contents(t, version)};
+  }
+  std::vector<uint8_t> out;
+  out.reserve(bytes);
+  for (const v1::Parameter& p : params) {
+    const std::vector<uint8_t> want = synthetic::ExpectedParameter(p, data);
+    out.insert(out.end(), want.begin(), want.end());
+  }
+  return out;
+}
+
+// The read loop: snapshots only while not paused (on_pause waits for the one
+// in progress, as an engine finishes its step before acknowledging).
+struct Reader {
+  std::mutex serving;  // held for each snapshot
+  std::atomic<bool> paused{false};
+  std::atomic<bool> stop{false};
+  std::mutex counts_mu;
+  std::map<int64_t, int64_t> per_version;
+  int64_t mixed = 0;
+
+  std::string Summary() {
+    std::lock_guard<std::mutex> lock(counts_mu);
+    std::string s;
+    for (const auto& [v, n] : per_version) {
+      absl::StrAppend(&s, s.empty() ? "" : " ", "v", v, "=", n);
+    }
+    return absl::StrCat("snapshots ", s.empty() ? "none" : s, ", mixed ",
+                        mixed);
+  }
+};
+
+void ReadLoop(Reader* reader, const synthetic::ModelConfig& model,
+              const std::vector<v1::Parameter>& params, const uint8_t* base,
+              int device, const std::string& id) {
+  cudaSetDevice(device);
+  int64_t bytes = 0;
+  std::vector<int64_t> sizes;
+  for (const v1::Parameter& p : params) {
+    int64_t n = ElementSize(p.dtype());
+    for (int64_t d : p.shape()) n *= d;
+    sizes.push_back(n);
+    bytes += n;
+  }
+  uint8_t* host = nullptr;
+  if (cudaMallocHost(reinterpret_cast<void**>(&host), bytes) != cudaSuccess) {
+    std::printf("[%s] read_loop: no pinned memory\n", id.c_str());
+    return;
+  }
+  cudaStream_t stream;
+  cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  std::map<int64_t, std::vector<uint8_t>> images;
+  int64_t current = 0;
+  while (!reader->stop) {
+    {
+      std::unique_lock<std::mutex> lock(reader->serving);
+      if (reader->paused) {
+        lock.unlock();
+        absl::SleepFor(absl::Microseconds(200));
+        continue;
+      }
+      int64_t at = 0;
+      for (size_t i = 0; i < params.size(); ++i) {
+        cudaMemcpyAsync(host + at, base + params[i].offset(), sizes[i],
+                        cudaMemcpyDeviceToHost, stream);
+        at += sizes[i];
+      }
+      if (cudaStreamSynchronize(stream) != cudaSuccess) {
+        std::printf("[%s] read_loop: copy failed\n", id.c_str());
+        return;
+      }
+    }
+    int64_t matched = -1;
+    for (int64_t v : {current, current + 1, current + 2}) {
+      auto it = images.find(v);
+      if (it == images.end()) {
+        it = images.emplace(v, Image(model, params, v, bytes)).first;
+      }
+      if (std::memcmp(it->second.data(), host, bytes) == 0) {
+        matched = v;
+        break;
+      }
+    }
+    std::lock_guard<std::mutex> lock(reader->counts_mu);
+    if (matched < 0) {
+      ++reader->mixed;
+      std::printf(
+          "[%s] read_loop: MIXED snapshot (neither whole v%lld nor "
+          "v%lld)\n",
+          id.c_str(), static_cast<long long>(current),
+          static_cast<long long>(current + 1));
+      std::fflush(stdout);
+    } else {
+      ++reader->per_version[matched];
+      if (matched != current) {
+        images.erase(current);
+        current = matched;
+      }
+    }
+  }
 }
 
 int Main() {
@@ -132,6 +257,25 @@ int Main() {
     return 1;
   }
   for (const v1::Parameter& p : params) *request.add_parameters() = p;
+  if (FLAGS_time_copy) {
+    // The bound for a commit: one plain copy of the same bytes on this GPU.
+    void* scratch = nullptr;
+    if (cudaMalloc(&scratch, *size) == cudaSuccess) {
+      std::vector<double> secs;
+      for (int r = 0; r < 6; ++r) {
+        const absl::Time t0 = absl::Now();
+        cudaMemcpy(scratch, base, *size, cudaMemcpyDeviceToDevice);
+        cudaDeviceSynchronize();
+        if (r > 0) secs.push_back(absl::ToDoubleSeconds(absl::Now() - t0));
+      }
+      std::sort(secs.begin(), secs.end());
+      std::printf("[%s] copy baseline: %lld bytes, %.6f s on GPU %d\n",
+                  FLAGS_engine_id.c_str(), static_cast<long long>(*size),
+                  secs[secs.size() / 2], FLAGS_device);
+      std::fflush(stdout);
+      cudaFree(scratch);
+    }
+  }
 
   ClientOptions options;
   options.target = FLAGS_target;
@@ -149,6 +293,16 @@ int Main() {
   }
   const std::string id = FLAGS_engine_id;
   EngineHooks hooks;
+  static Reader reader;
+  hooks.on_pause = [](v1::PauseMode) {
+    reader.paused = true;
+    std::lock_guard<std::mutex> wait(reader.serving);  // snapshot in flight
+    return absl::OkStatus();
+  };
+  hooks.on_resume = []() {
+    reader.paused = false;
+    return absl::OkStatus();
+  };
   hooks.on_dirty = [id](const std::string& why) {
     std::printf("[%s] dirty: %s\n", id.c_str(), why.c_str());
     std::fflush(stdout);
@@ -156,6 +310,10 @@ int Main() {
   // Verify inside the notice, before acknowledging it: Finish waits for the
   // acknowledgement, so the next update can't overwrite memory mid-check.
   hooks.on_new_version = [&](int64_t v) {
+    if (FLAGS_read_loop) {
+      std::printf("[%s] read_loop at version %lld: %s\n", id.c_str(),
+                  static_cast<long long>(v), reader.Summary().c_str());
+    }
     if (!FLAGS_verify) {
       std::printf("[%s] now serving version %lld\n", id.c_str(),
                   static_cast<long long>(v));
@@ -175,7 +333,20 @@ int Main() {
               registered->bytes() / 1e6, FLAGS_device,
               a->device_uuid().c_str());
   std::fflush(stdout);
+  std::thread read_loop;
+  if (FLAGS_read_loop) {
+    read_loop =
+        std::thread(ReadLoop, &reader, std::cref(*model), std::cref(params),
+                    static_cast<const uint8_t*>(base), FLAGS_device, id);
+  }
   while (!g_stop) absl::SleepFor(absl::Milliseconds(20));
+  if (FLAGS_read_loop) {
+    reader.stop = true;
+    read_loop.join();
+    std::printf("[%s] read_loop final: %s\n", id.c_str(),
+                reader.Summary().c_str());
+    std::fflush(stdout);
+  }
   (*client)->Close();
   _exit(0);
 }

@@ -5,7 +5,13 @@
 // Its tensors sit in one device buffer laid out exactly as the plan packs
 // them, so each chunk is broadcast in place. Modes for fault tests:
 // --die_after_chunks (exit mid-transfer) and --finish_only (call Finish on
-// an update someone else started and report the outcome).
+// an update someone else started and report the outcome). Issue 5:
+// --receipts asks for receipts (VERIFY_ON) and checks them against what was
+// sent (client/receipts.h); --corrupt_version=N flips one bit of the first
+// element of the first tensor in the device buffer it broadcasts for
+// version N, while the expected receipts come from its uncorrupted host
+// copy, so the engines hold a byte the trainer didn't mean to send and the
+// check must fail with DATA_LOSS; --mode=staged sends staged updates.
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 #include <unistd.h>
@@ -23,8 +29,10 @@
 #include "absl/time/clock.h"
 #include "backends/cuda/gpu_uuid.h"
 #include "backends/cuda/vmm.h"
+#include "client/receipts.h"
 #include "client/trainer_client.h"
 #include "common/chunk_planner.h"
+#include "common/dtype.h"
 #include "gflags/gflags.h"
 #include "glog/logging.h"
 #include "tools/synthetic/synthetic_model.h"
@@ -54,6 +62,18 @@ DEFINE_int32(ipc_ring_slots, 0,
 DEFINE_string(memory, "ipc",
               "--backend=ipc: how the packed buffer is shared: ipc "
               "(cudaMalloc + cudaIpcGetMemHandle) or vmm (cuMemCreate + fd)");
+DEFINE_bool(receipts, false,
+            "ask for receipts (VERIFY_ON) and check them against what was "
+            "sent (exit 5 on a mismatch)");
+DEFINE_bool(check_receipts, true,
+            "with --receipts: check them on the host (off for benchmarks: "
+            "the host check of a large model takes seconds)");
+DEFINE_int64(corrupt_version, -1,
+             "flip one bit of the broadcast buffer (not of the host copy the "
+             "expected receipts come from) for this version");
+DEFINE_string(mode, "streaming", "streaming or staged");
+DEFINE_bool(allow_streaming_fallback, false,
+            "--mode=staged: stream when over the staging budget");
 DEFINE_int64(update_timeout_s, 120,
              "give up (exit 4) if one update takes longer: a broadcast whose "
              "receiver is gone never returns");
@@ -200,6 +220,18 @@ int Main() {
                             cudaMemcpyHostToDevice));
       filled = data_version;
     }
+    if (version == FLAGS_corrupt_version && !specs.empty()) {
+      // An exponent bit of the first element of the first tensor: it
+      // survives any dtype conversion. The host copy stays as it was.
+      const int64_t at =
+          plan->tensor_offsets[0] + ElementSize(specs[0].dtype()) - 1;
+      uint8_t byte = flat[at] ^ 0x40;
+      CHECK_CUDA(cudaMemcpy(static_cast<uint8_t*>(flat_dev) + at, &byte, 1,
+                            cudaMemcpyHostToDevice));
+      filled = -1;  // restore it for the next version
+      std::printf("trainer: corrupted byte %lld of the v%lld broadcast\n",
+                  static_cast<long long>(at), static_cast<long long>(version));
+    }
     v1::StartWeightUpdateRequest req;
     req.set_update_id(absl::StrCat("update-", version));
     req.set_target_version(version);
@@ -207,6 +239,11 @@ int Main() {
     *req.mutable_tensors() = manifest;
     if (ipc) *req.mutable_ipc_source() = source;
     if (ring) req.set_ipc_ring_slots(FLAGS_ipc_ring_slots);
+    req.set_verify(FLAGS_receipts ? v1::VERIFY_ON : v1::VERIFY_OFF);
+    if (FLAGS_mode == "staged") {
+      req.set_mode(v1::UPDATE_MODE_STAGED);
+      req.set_allow_streaming_fallback(FLAGS_allow_streaming_fallback);
+    }
     std::thread([version, limit = FLAGS_update_timeout_s,
                  &done_version = finished] {
       absl::SleepFor(absl::Seconds(limit));
@@ -272,14 +309,47 @@ int Main() {
     std::printf(
         "update v%lld: %zu tensors, %.1f MB, %lld chunks, %.4f s, "
         "%.1f GB/s, %d engines; ms: start %.2f (validate %.2f pause %.2f "
-        "begin %.2f) transfer %.2f device %.2f commit %.2f\n",
+        "begin %.2f) transfer %.2f device %.2f receipts %.2f commit %.2f; "
+        "mode %s pause_seconds %.6f receipts_s %.6f seconds %.6f\n",
         static_cast<long long>(version), specs.size(), plan->total_bytes / 1e6,
         static_cast<long long>(plan->chunks.size()), s,
         plan->total_bytes / s / 1e9, done->engines_size(),
         absl::ToDoubleMilliseconds(t_started - t0), t.validate_s() * 1e3,
         t.pause_s() * 1e3, t.begin_s() * 1e3, t.transfer_s() * 1e3,
-        t.device_s() * 1e3, t.commit_s() * 1e3);
+        t.device_s() * 1e3, t.receipts_s() * 1e3, t.commit_s() * 1e3,
+        started->mode() == v1::UPDATE_MODE_STAGED ? "staged" : "streaming",
+        done->pause_seconds(), t.receipts_s(), done->seconds());
     std::fflush(stdout);
+    if (FLAGS_receipts) {
+      int with = 0;
+      for (const v1::EngineResult& e : done->engines()) {
+        with += e.has_receipt() ? 1 : 0;
+      }
+      if (!FLAGS_check_receipts) {
+        std::printf("update v%lld: %d receipts (not checked)\n",
+                    static_cast<long long>(version), with);
+      } else {
+        std::vector<HostTensor> tensors;
+        for (size_t i = 0; i < specs.size(); ++i) {
+          tensors.push_back({specs[i], flat.data() + plan->tensor_offsets[i]});
+        }
+        auto status = (*client)->GetStatus(/*include_layouts=*/true);
+        absl::Status checked = status.ok()
+                                   ? CheckReceipts(*done, *status, tensors)
+                                   : status.status();
+        if (checked.ok() && with != done->engines_size()) {
+          checked = absl::InternalError(absl::StrCat(
+              with, " receipts for ", done->engines_size(), " engines"));
+        }
+        std::printf(
+            "update v%lld: receipts %s\n", static_cast<long long>(version),
+            checked.ok() ? absl::StrCat("ok (", with, " engines)").c_str()
+                         : checked.ToString().c_str());
+        std::fflush(stdout);
+        if (!checked.ok()) _exit(5);
+      }
+      std::fflush(stdout);
+    }
   }
   if (FLAGS_pause_series) {
     auto resumed = (*client)->Resume(v1::ResumeRequest());
