@@ -371,5 +371,40 @@ TEST_F(GpuWorkerSupervisionTest, WorkerThatExitsAtOnceFailsFast) {
   EXPECT_LT(absl::Now() - start, absl::Seconds(20));
 }
 
+TEST_F(GpuWorkerSupervisionTest, ReceiptAndStagedCallsCheckTheirArguments) {
+  // Issue 5's worker calls, without a GPU: everything the worker checks
+  // before CUDA answers, and an empty receipt request needs no device.
+  ExpectInvisibleGpu(sup_->OpenAllocation(CudaAllocation(kIpcHandleBytes)));
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  worker::v1::ComputeReceiptsRequest req;
+  absl::StatusOr<std::vector<uint64_t>> sums =
+      sup_->ComputeReceipts(req, deadline);
+  ASSERT_TRUE(sums.ok()) << sums.status();
+  EXPECT_TRUE(sums->empty());
+
+  req.set_groups(-1);
+  sums = sup_->ComputeReceipts(req, deadline);
+  EXPECT_EQ(sums.status().code(), absl::StatusCode::kInvalidArgument)
+      << sums.status();
+
+  req.set_groups(1);
+  worker::v1::ReceiptRegionSpec* r = req.add_regions();
+  r->set_allocation_id(42);
+  r->set_rows(1);
+  r->set_cols(8);
+  r->set_element_size(2);
+  sums = sup_->ComputeReceipts(req, deadline);
+  EXPECT_EQ(sums.status().code(), absl::StatusCode::kNotFound) << sums.status();
+  EXPECT_THAT(sums.status().message(), HasSubstr("allocation 42"));
+
+  // No staged update: nothing to commit, nothing to wait for.
+  absl::Status s = sup_->CommitStaged(deadline);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(s.message(), HasSubstr("staged"));
+  s = sup_->WaitUpdate(deadline, /*received_only=*/true).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_EQ(sup_->restarts(), 0);
+}
+
 }  // namespace
 }  // namespace weightsync
