@@ -120,6 +120,7 @@ struct Reader {
   std::mutex serving;  // held for each snapshot
   std::atomic<bool> paused{false};
   std::atomic<bool> stop{false};
+  std::atomic<int64_t> known{0};  // last version announced (on_new_version)
   std::mutex counts_mu;
   std::map<int64_t, int64_t> per_version;
   int64_t mixed = 0;
@@ -155,8 +156,11 @@ void ReadLoop(Reader* reader, const synthetic::ModelConfig& model,
   cudaStream_t stream;
   cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
   std::map<int64_t, std::vector<uint8_t>> images;
-  int64_t current = 0;
   while (!reader->stop) {
+    // Unpaused, memory holds the last announced version (the new-version
+    // notice comes before the resume), or the next one where a commit
+    // raced the notice: anything else is a mix.
+    const int64_t k0 = reader->known.load();
     {
       std::unique_lock<std::mutex> lock(reader->serving);
       if (reader->paused) {
@@ -175,8 +179,10 @@ void ReadLoop(Reader* reader, const synthetic::ModelConfig& model,
         return;
       }
     }
+    const int64_t k1 = reader->known.load();
+    images.erase(images.begin(), images.lower_bound(k0));
     int64_t matched = -1;
-    for (int64_t v : {current, current + 1, current + 2}) {
+    for (int64_t v = k0; v <= k1 + 1; ++v) {
       auto it = images.find(v);
       if (it == images.end()) {
         it = images.emplace(v, Image(model, params, v, bytes)).first;
@@ -190,17 +196,12 @@ void ReadLoop(Reader* reader, const synthetic::ModelConfig& model,
     if (matched < 0) {
       ++reader->mixed;
       std::printf(
-          "[%s] read_loop: MIXED snapshot (neither whole v%lld nor "
-          "v%lld)\n",
-          id.c_str(), static_cast<long long>(current),
-          static_cast<long long>(current + 1));
+          "[%s] read_loop: MIXED snapshot (no whole version of v%lld..v%lld)\n",
+          id.c_str(), static_cast<long long>(k0),
+          static_cast<long long>(k1 + 1));
       std::fflush(stdout);
     } else {
       ++reader->per_version[matched];
-      if (matched != current) {
-        images.erase(current);
-        current = matched;
-      }
     }
   }
 }
@@ -310,6 +311,7 @@ int Main() {
   // Verify inside the notice, before acknowledging it: Finish waits for the
   // acknowledgement, so the next update can't overwrite memory mid-check.
   hooks.on_new_version = [&](int64_t v) {
+    reader.known = v;
     if (FLAGS_read_loop) {
       std::printf("[%s] read_loop at version %lld: %s\n", id.c_str(),
                   static_cast<long long>(v), reader.Summary().c_str());

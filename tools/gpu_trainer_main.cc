@@ -310,7 +310,7 @@ int Main() {
         "update v%lld: %zu tensors, %.1f MB, %lld chunks, %.4f s, "
         "%.1f GB/s, %d engines; ms: start %.2f (validate %.2f pause %.2f "
         "begin %.2f) transfer %.2f device %.2f commit %.2f; receipts %.2f; "
-        "mode %s pause_seconds %.6f receipts_s %.6f seconds %.6f\n",
+        "mode %s pause_seconds %.6f receipts_s %.6f seconds %.6f bytes %lld\n",
         static_cast<long long>(version), specs.size(), plan->total_bytes / 1e6,
         static_cast<long long>(plan->chunks.size()), s,
         plan->total_bytes / s / 1e9, done->engines_size(),
@@ -318,7 +318,8 @@ int Main() {
         t.pause_s() * 1e3, t.begin_s() * 1e3, t.transfer_s() * 1e3,
         t.device_s() * 1e3, t.commit_s() * 1e3, t.receipts_s() * 1e3,
         started->mode() == v1::UPDATE_MODE_STAGED ? "staged" : "streaming",
-        done->pause_seconds(), t.receipts_s(), done->seconds());
+        done->pause_seconds(), t.receipts_s(), done->seconds(),
+        static_cast<long long>(plan->total_bytes));
     std::fflush(stdout);
     if (FLAGS_receipts) {
       int with = 0;

@@ -1,0 +1,253 @@
+#!/usr/bin/env bash
+# Issue 5 on GPUs (receipts and staged mode on the NCCL backend), on a
+# two-GPU machine, one command:
+#   COMMIT=<sha> KIND=<kind> bash tests/gpu/run_issue5_checks.sh [BIN_DIR=.dev/bin] [LOG_DIR=/tmp/ws-issue5]
+# BIN_DIR holds weightsyncd, weightsync_gpu_worker, weightsync_gpu_engine and
+# weightsync_gpu_trainer. Trainer on GPU 0, daemon rank on GPU 1.
+# (a) NCCL updates with receipts ON (computed on the GPU by the daemon's
+#     worker) into a plain engine and a TP=2 pair: the trainer checks them
+#     against what it sent, the engines compare every parameter bit for bit;
+# (b) the trainer corrupts one byte of its broadcast (not of its host copy):
+#     the receipt check must fail with DATA_LOSS naming an engine, then a
+#     clean update passes again;
+# (c) staged updates while an engine keeps reading its weights in a loop
+#     (each snapshot must be one whole version); the pause covers only the
+#     commit; the staging budget refuses (RESOURCE_EXHAUSTED) or falls back
+#     to streaming; a trainer dying mid-staged-transfer leaves the engine
+#     untouched (not dirty, old version);
+# (d) benchmark, Qwen3-8B bf16, 1 GiB chunks: the staged pause per update
+#     against a plain on-GPU copy of the same bytes on the engine's GPU
+#     (goal <= 1.5x), and the receipts' cost as a fraction of the update
+#     time (goal <= 5%). Writes LOG_DIR/staged.json and LOG_DIR/receipts.json.
+# Every process runs under `timeout`. Prints the figures and a PASS/FAIL
+# table last; full logs under LOG_DIR.
+set -uo pipefail
+BIN="$(cd "${1:-.dev/bin}" && pwd)"
+LOG="${2:-/tmp/ws-issue5}"
+mkdir -p "$LOG"
+rm -f "$LOG"/*.log "$LOG"/*.json
+export NCCL_NVLS_ENABLE=0
+results=()
+record() { results+=("$(printf '%-66s %s' "$1" "$2")"); }
+pids=()
+stop_all() { for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done; sleep 1;
+             for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null; done; pids=(); true; }
+trap stop_all EXIT
+sock="$LOG/d.sock"
+T0=$(date +%s)
+
+start_daemon() {  # tag, extra flags
+  local tag="$1"; shift
+  rm -f "$sock"
+  timeout 300 "$BIN/weightsyncd" --socket="$sock" --gpu=1 --gpu_worker="$BIN/weightsync_gpu_worker" \
+    --notice_timeout_ms=60000 --max_chunk_bytes=$((1<<30)) "$@" >>"$LOG/daemon-$tag.log" 2>&1 &
+  pids+=($!)
+  for _ in $(seq 100); do [ -S "$sock" ] && return 0; sleep 0.1; done
+  record "daemon start ($tag)" FAIL
+  return 1
+}
+engine() {  # log name, flags
+  local name="$1"; shift
+  timeout 300 "$BIN/weightsync_gpu_engine" --target="unix:$sock" --engine_id="$name" "$@" \
+    >"$LOG/$name.log" 2>&1 &
+  pids+=($!)
+}
+wait_registered() {  # names...
+  for _ in $(seq 900); do
+    local ok=1
+    for n in "$@"; do grep -q registered "$LOG/$n.log" 2>/dev/null || ok=0; done
+    [ $ok = 1 ] && return 0
+    sleep 0.1
+  done
+  record "engines register: $*" FAIL
+  return 1
+}
+count() { local n; n=$(grep -c "$2" "$LOG/$1.log" 2>/dev/null); echo "${n:-0}"; }
+trainer() {  # log name, time limit, flags
+  local name="$1" limit="$2"; shift 2
+  timeout "$limit" "$BIN/weightsync_gpu_trainer" --target="unix:$sock" --device=0 "$@" \
+    >"$LOG/$name.log" 2>&1
+}
+
+# ---------------------------------------------------------------- (a) (b)
+M=demo
+start_daemon receipts --finish_timeout_ms=20000
+engine plain --model=$M --layout=plain --dtype=bfloat16 --ckpt_dtype=float32 --device=1
+engine tp0 --model=$M --layout=tp --tp_rank=0 --tp_size=2 --dtype=bfloat16 --ckpt_dtype=float32 --device=0
+engine tp1 --model=$M --layout=tp --tp_rank=1 --tp_size=2 --dtype=float16 --ckpt_dtype=float32 --device=1
+wait_registered plain tp0 tp1
+sleep 0.5
+trainer trainer-receipts 120 --model=$M --dtype=float32 --updates=3 --chunk_mib=16 \
+  --receipts --finish_timeout_ms=60000 --update_timeout_s=60
+trc=$?
+r=$(count trainer-receipts 'receipts ok (3 engines)')
+v=$(( $(count plain 'verified') + $(count tp0 'verified') + $(count tp1 'verified') ))
+if [ $trc = 0 ] && [ "$r" = 3 ] && [ "$v" = 9 ]; then
+  record "(a) 3 NCCL updates, receipts ON: trainer checks 3x3, engines 9/9" PASS
+else record "(a) 3 NCCL updates, receipts ON [receipts $r/3, engines $v/9, rc $trc]" FAIL; fi
+
+trainer trainer-corrupt 60 --model=$M --dtype=float32 --updates=1 --first_version=4 --chunk_mib=16 \
+  --receipts --corrupt_version=4 --finish_timeout_ms=60000 --update_timeout_s=50
+trc=$?
+named=$(grep -o "DATA_LOSS: engine '[^']*'" "$LOG/trainer-corrupt.log" | head -1)
+if [ $trc = 5 ] && [ -n "$named" ]; then
+  record "(b) one corrupted byte -> ${named}" PASS
+else record "(b) one corrupted byte -> DATA_LOSS naming an engine [rc $trc]" FAIL; fi
+mism=$(( $(count plain 'version 4: MISMATCH') + $(count tp0 'version 4: MISMATCH') + $(count tp1 'version 4: MISMATCH') ))
+record "    (engines' own check of v4: $mism engine(s) report MISMATCH)" info
+trainer trainer-after-corrupt 60 --model=$M --dtype=float32 --updates=1 --first_version=5 --chunk_mib=16 \
+  --receipts --finish_timeout_ms=60000 --update_timeout_s=50
+trc=$?
+if [ $trc = 0 ] && [ "$(count trainer-after-corrupt 'receipts ok (3 engines)')" = 1 ]; then
+  record "(b) next clean update v5: receipts ok on 3 engines" PASS
+else record "(b) next clean update v5: receipts ok [rc $trc]" FAIL; fi
+stop_all
+
+# ---------------------------------------------------------------- (c)
+start_daemon staged --finish_timeout_ms=20000 --gpu_staging_budget_bytes=$((2<<30))
+engine reader --model=$M --layout=plain --dtype=bfloat16 --ckpt_dtype=bfloat16 --device=1 --read_loop
+wait_registered reader
+sleep 1
+trainer trainer-staged 150 --model=$M --dtype=bfloat16 --updates=5 --chunk_mib=16 \
+  --mode=staged --finish_timeout_ms=60000 --update_timeout_s=60
+trc=$?
+st=$(grep -c "mode staged" "$LOG/trainer-staged.log")
+vs=$(count reader 'verified')
+if [ $trc = 0 ] && [ "$st" = 5 ] && [ "$vs" = 5 ]; then
+  record "(c) 5 staged NCCL updates, engine bit-exact after each" PASS
+else record "(c) 5 staged NCCL updates [staged $st/5, verified $vs/5, rc $trc]" FAIL; fi
+# One staged update with receipts as well (they run inside the commit pause).
+trainer trainer-staged-receipts 60 --model=$M --dtype=bfloat16 --updates=1 --first_version=6 \
+  --chunk_mib=16 --mode=staged --receipts --finish_timeout_ms=60000 --update_timeout_s=50
+trc=$?
+if [ $trc = 0 ] && [ "$(count trainer-staged-receipts 'receipts ok (1 engines)')" = 1 ]; then
+  record "(c) staged update v6 with receipts: receipts ok" PASS
+else record "(c) staged update v6 with receipts [rc $trc]" FAIL; fi
+# The trainer dies mid-transfer: Finish fails, the engine is untouched.
+trainer trainer-staged-dies 60 --model=$M --dtype=bfloat16 --updates=1 --first_version=7 \
+  --chunk_mib=16 --mode=staged --die_after_chunks=3
+trainer finish-staged-dies 60 --finish_only=update-7 --finish_timeout_ms=30000
+if grep -q "ABORTED" "$LOG/finish-staged-dies.log" && grep -q "engines untouched" "$LOG/finish-staged-dies.log" \
+   && grep -q "engine reader: ENGINE_READY, version 6" "$LOG/finish-staged-dies.log"; then
+  record "(c) trainer dies mid-staged-transfer: ABORTED, engine READY at v6" PASS
+else record "(c) trainer dies mid-staged-transfer: ABORTED, engine untouched" FAIL; fi
+trainer trainer-staged-after 90 --model=$M --dtype=bfloat16 --updates=1 --first_version=7 \
+  --chunk_mib=16 --mode=staged --finish_timeout_ms=60000 --update_timeout_s=60
+trc=$?
+if [ $trc = 0 ] && [ "$(count reader 'version 7: verified')" = 1 ]; then
+  record "(c) after it: re-init + staged update v7 verified" PASS
+else record "(c) after it: re-init + staged update v7 verified [rc $trc]" FAIL; fi
+stop_all   # the reader prints its final counts on SIGTERM
+final=$(grep "read_loop final" "$LOG/reader.log" | tail -1)
+mixed=$(echo "$final" | sed -n 's/.*mixed \([0-9]*\).*/\1/p')
+nver=$(echo "$final" | grep -o "v[0-9]*=[0-9]*" | wc -l)
+if [ -n "$mixed" ] && [ "$mixed" = 0 ] && [ "$nver" -ge 3 ] && [ "$(count reader MIXED)" = 0 ]; then
+  record "(c) read loop during staged updates: only whole versions" PASS
+else record "(c) read loop during staged updates: only whole versions [$final]" FAIL; fi
+record "    ${final#*] }" info
+# Staging budget: 64 MiB can't hold the demo model.
+start_daemon budget --finish_timeout_ms=20000 --gpu_staging_budget_bytes=$((64<<20))
+engine reader2 --model=$M --layout=plain --dtype=bfloat16 --ckpt_dtype=bfloat16 --device=1
+wait_registered reader2
+trainer trainer-over-budget 60 --model=$M --dtype=bfloat16 --updates=1 --chunk_mib=16 --mode=staged
+if grep -q "start failed: RESOURCE_EXHAUSTED" "$LOG/trainer-over-budget.log"; then
+  record "(c) over the GPU staging budget: RESOURCE_EXHAUSTED at Start" PASS
+else record "(c) over the GPU staging budget: RESOURCE_EXHAUSTED at Start" FAIL; fi
+trainer trainer-fallback 60 --model=$M --dtype=bfloat16 --updates=1 --chunk_mib=16 --mode=staged \
+  --allow_streaming_fallback --finish_timeout_ms=60000 --update_timeout_s=50
+trc=$?
+if [ $trc = 0 ] && grep -q "mode streaming" "$LOG/trainer-fallback.log" \
+   && [ "$(count reader2 'version 1: verified')" = 1 ]; then
+  record "(c) ... with allow_streaming_fallback: streamed, verified" PASS
+else record "(c) ... with allow_streaming_fallback: streamed, verified [rc $trc]" FAIL; fi
+stop_all
+
+# ---------------------------------------------------------------- (d)
+# BENCH_MEMORY: how the engine shares its memory (vmm or ipc).
+MEM="${BENCH_MEMORY:-vmm}"
+start_daemon bench --finish_timeout_ms=60000 --gpu_staging_budget_bytes=$((24<<30))
+engine bench --model=qwen3-8b --layout=plain --dtype=bfloat16 --ckpt_dtype=bfloat16 --device=1 \
+  --verify=false --time_copy --memory="$MEM"
+wait_registered bench
+trainer bench-staged 150 --model=qwen3-8b --dtype=bfloat16 --updates=6 --same_data --chunk_mib=1024 \
+  --mode=staged --finish_timeout_ms=120000 --update_timeout_s=120 \
+  || record "(d) staged benchmark ran" FAIL
+trainer bench-receipts 150 --model=qwen3-8b --dtype=bfloat16 --updates=6 --first_version=11 --same_data \
+  --chunk_mib=1024 --receipts --check_receipts=false --finish_timeout_ms=120000 --update_timeout_s=120 \
+  || record "(d) receipts benchmark ran" FAIL
+# BENCH_PLAIN=1: also streaming updates without receipts (for comparison;
+# costs another fill of the 16 GB buffer).
+if [ "${BENCH_PLAIN:-0}" = 1 ]; then
+  trainer bench-plain 150 --model=qwen3-8b --dtype=bfloat16 --updates=6 --first_version=21 --same_data \
+    --chunk_mib=1024 --finish_timeout_ms=120000 --update_timeout_s=120 \
+    || record "(d) streaming (no receipts) benchmark ran" FAIL
+fi
+stop_all
+
+figures=$(timeout 60 python3 - "$LOG" "${COMMIT:-unknown}" "${KIND:-unknown}" "$MEM" <<'PY'
+import json, re, sys, datetime, statistics, os
+log, commit, kind, mem = sys.argv[1:5]
+def read(name):
+    try:
+        return open(os.path.join(log, name + ".log")).read()
+    except OSError:
+        return ""
+pat = re.compile(r"update v\d+: \d+ tensors, ([0-9.]+) MB, .* device ([0-9.]+) commit [0-9.]+; "
+                 r"receipts [0-9.]+; mode (\w+) pause_seconds ([0-9.]+) receipts_s ([0-9.]+) seconds ([0-9.]+) bytes (\d+)")
+def rows(name):  # the first update warms up: dropped
+    return [dict(mb=float(m[0]), device_s=float(m[1]) / 1e3, mode=m[2], pause_s=float(m[3]),
+                 receipts_s=float(m[4]), seconds=float(m[5]), bytes=int(m[6]))
+            for m in pat.findall(read(name))][1:]
+base = re.search(r"copy baseline: (\d+) bytes, ([0-9.]+) s", read("bench"))
+today = datetime.date.today().isoformat()
+out = []
+staged, rec, plain = rows("bench-staged"), rows("bench-receipts"), rows("bench-plain")
+if staged and base:
+    nbytes = staged[0]["bytes"]
+    copy_s = float(base.group(2))
+    pause = statistics.median(r["pause_s"] for r in staged)
+    r = {"date": today, "kind": kind, "commit": commit, "model": "qwen3-8b", "bytes": nbytes,
+         "engine_memory": mem, "chunk_bytes": 1 << 30,
+         "baseline": "plain on-GPU copy (cudaMemcpy D2D) of the engine's parameter bytes on the engine's GPU",
+         "copy_s": copy_s, "copy_bytes": int(base.group(1)),
+         "pause_s_median": pause, "pause_over_copy": pause / copy_s, "goal_pause_over_copy": 1.5,
+         "commit_device_s_median": statistics.median(r["device_s"] for r in staged),
+         "update_s_median": statistics.median(r["seconds"] for r in staged),
+         "streaming_pause_s_median": statistics.median(r["pause_s"] for r in plain) if plain else None,
+         "samples_pause_s": [r["pause_s"] for r in staged], "modes": sorted({r["mode"] for r in staged})}
+    json.dump(r, open(os.path.join(log, "staged.json"), "w"), indent=2)
+    out.append(f"STAGED qwen3-8b bf16 ({mem}): pause {pause*1e3:.2f} ms (commit on GPU {r['commit_device_s_median']*1e3:.2f} ms) "
+               f"vs on-GPU copy {copy_s*1e3:.2f} ms: {pause/copy_s:.2f}x (goal <= 1.5x); update {r['update_s_median']:.3f} s"
+               + (f"; streaming pause {r['streaming_pause_s_median']*1e3:.1f} ms" if plain else ""))
+else:
+    out.append("STAGED: no figures")
+if rec:
+    nbytes = rec[0]["bytes"]
+    frac = statistics.median(r["receipts_s"] / r["seconds"] for r in rec)
+    r = {"date": today, "kind": kind, "commit": commit, "model": "qwen3-8b", "bytes": nbytes,
+         "engine_memory": mem, "chunk_bytes": 1 << 30, "mode": "streaming, nccl",
+         "receipts_s_median": statistics.median(r["receipts_s"] for r in rec),
+         "update_s_median": statistics.median(r["seconds"] for r in rec),
+         "update_s_median_without_receipts": statistics.median(r["seconds"] for r in plain) if plain else None,
+         "receipts_fraction": frac, "goal_fraction": 0.05,
+         "samples_receipts_s": [r["receipts_s"] for r in rec], "samples_s": [r["seconds"] for r in rec]}
+    json.dump(r, open(os.path.join(log, "receipts.json"), "w"), indent=2)
+    out.append(f"RECEIPTS qwen3-8b bf16: {r['receipts_s_median']*1e3:.2f} ms of {r['update_s_median']*1e3:.1f} ms "
+               f"per update = {frac*100:.2f}% (goal <= 5%)"
+               + (f"; without receipts {r['update_s_median_without_receipts']*1e3:.1f} ms" if plain else ""))
+else:
+    out.append("RECEIPTS: no figures")
+print("\n".join(out))
+PY
+)
+if [ -s "$LOG/staged.json" ]; then record "(d) staged benchmark figures (staged.json)" PASS
+else record "(d) staged benchmark figures (staged.json)" FAIL; fi
+if [ -s "$LOG/receipts.json" ]; then record "(d) receipts benchmark figures (receipts.json)" PASS
+else record "(d) receipts benchmark figures (receipts.json)" FAIL; fi
+
+echo
+echo "$figures"
+echo
+echo "=== issue 5 GPU checks ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x$(nvidia-smi -L | wc -l), $(date -u +%F), commit ${COMMIT:-unknown}, $(( $(date +%s) - T0 )) s) ==="
+printf '%s\n' "${results[@]}"
+! printf '%s\n' "${results[@]}" | grep -q "FAIL$\|FAIL "
