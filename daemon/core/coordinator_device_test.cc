@@ -1,0 +1,287 @@
+// The coordinator's side of issue 5 on the GPU backends, without a GPU: a
+// fake data plane that receives its own bytes (as NCCL does), stages on the
+// device and computes device receipts, and a fake engine that acknowledges
+// every notice. Checks the order of events (nothing paused before every
+// chunk is staged; the commit copy under the pause), the staging budget,
+// a staged update that fails before its commit (engines untouched), and
+// the receipts' defaults and failures.
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "daemon/core/coordinator.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/heap_memory.h"
+
+namespace weightsync {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+
+// What happened, in order: data plane calls and notices engines received.
+struct Log {
+  absl::Mutex mu;
+  std::vector<std::string> events;
+  void Add(std::string e) {
+    absl::MutexLock lock(&mu);
+    events.push_back(std::move(e));
+  }
+  std::vector<std::string> Get() {
+    absl::MutexLock lock(&mu);
+    return events;
+  }
+};
+
+class FakeDevicePlane : public DataPlane {
+ public:
+  explicit FakeDevicePlane(Log* log) : log_(log) {}
+  absl::Status Begin(std::shared_ptr<const CopyPlan>,
+                     const v1::StartWeightUpdateRequest&) override {
+    log_->Add("Begin");
+    return absl::OkStatus();
+  }
+  absl::Status SubmitChunk(int64_t, std::string, absl::Time) override {
+    return absl::UnimplementedError("NCCL");
+  }
+  absl::Status Drain(absl::Time) override {
+    log_->Add("Drain");
+    return absl::OkStatus();
+  }
+  void Abort() override { log_->Add("Abort"); }
+  void MarkEngineLost(int) override {}
+  int64_t chunks_written() const override { return 0; }
+  bool ReceivesOwnBytes() const override { return true; }
+  std::string name() const override { return "nccl"; }
+  absl::StatusOr<std::vector<v1::Receipt>> DeviceReceipts(
+      const CopyPlan& plan, const absl::flat_hash_set<std::string>& sources,
+      const std::vector<bool>& skip, absl::Time) override {
+    log_->Add("DeviceReceipts");
+    if (!receipts_status.ok()) return receipts_status;
+    std::vector<v1::Receipt> out(plan.engines.size());
+    for (v1::Receipt& r : out) r.set_checksum(42);
+    return out;
+  }
+  int64_t DeviceStagingBudget() const override { return budget; }
+  absl::Status BeginStaged(std::shared_ptr<const CopyPlan>,
+                           const v1::StartWeightUpdateRequest&) override {
+    log_->Add("BeginStaged");
+    return absl::OkStatus();
+  }
+  absl::Status WaitStaged(absl::Time) override {
+    log_->Add("WaitStaged");
+    return wait_status;
+  }
+  absl::Status CommitStaged(absl::Time) override {
+    log_->Add("CommitStaged");
+    return absl::OkStatus();
+  }
+
+  int64_t budget = int64_t{1} << 30;
+  absl::Status wait_status;
+  absl::Status receipts_status;
+
+ private:
+  Log* log_;
+};
+
+class Factory : public DataPlaneFactory {
+ public:
+  explicit Factory(std::shared_ptr<DataPlane> plane)
+      : plane_(std::move(plane)) {}
+  absl::StatusOr<std::shared_ptr<DataPlane>> Create(
+      const v1::InitWeightTransferRequest&) override {
+    return plane_;
+  }
+  int LocalWorldSize(v1::Backend) const override { return 1; }
+
+ private:
+  std::shared_ptr<DataPlane> plane_;
+};
+
+// An engine that acknowledges every notice, from its own thread.
+class AckingEngine : public ControlChannel {
+ public:
+  AckingEngine(Coordinator* c, Log* log) : c_(c), log_(log) {}
+  ~AckingEngine() override {
+    absl::MutexLock lock(&mu_);
+    for (std::thread& t : threads_) t.join();
+  }
+  bool Send(const v1::DaemonMessage& m) override {
+    log_->Add(m.has_pause()         ? "pause"
+              : m.has_resume()      ? "resume"
+              : m.has_new_version() ? "new_version"
+                                    : "dirty");
+    v1::EngineMessage::Ack ack;
+    ack.set_notice_id(m.notice_id());
+    ack.set_ok(true);
+    absl::MutexLock lock(&mu_);
+    threads_.emplace_back([this, ack] { c_->OnAck("e", ack); });
+    return true;
+  }
+
+ private:
+  Coordinator* c_;
+  Log* log_;
+  absl::Mutex mu_;
+  std::vector<std::thread> threads_;
+};
+
+class CoordinatorDeviceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    plane_ = std::make_shared<FakeDevicePlane>(&log_);
+    coordinator_ = std::make_unique<Coordinator>(
+        CoordinatorOptions(), std::make_shared<testing::HeapMapper>(),
+        std::make_shared<Factory>(plane_));
+    v1::RegisterEngineRequest r;
+    r.set_engine_id("e");
+    v1::Allocation* a = r.add_allocations();
+    a->set_kind(v1::MEMORY_HOST_SHM);
+    a->set_handle("/x");
+    a->set_size(4096);
+    v1::Parameter* p = r.add_parameters();
+    p->set_name("w");
+    p->set_dtype(v1::FLOAT32);
+    p->add_shape(16);
+    ASSERT_TRUE(coordinator_->RegisterEngine(r).ok());
+    engine_ = std::make_shared<AckingEngine>(coordinator_.get(), &log_);
+    ASSERT_TRUE(coordinator_->AttachControl("e", engine_).ok());
+    v1::InitWeightTransferRequest init;
+    init.set_backend(v1::BACKEND_NCCL);
+    ASSERT_TRUE(coordinator_->InitWeightTransfer(init).ok());
+  }
+
+  void TearDown() override {
+    coordinator_->Shutdown();
+    coordinator_.reset();
+    engine_.reset();
+  }
+
+  v1::StartWeightUpdateRequest Request(int64_t version, v1::UpdateMode mode,
+                                       v1::VerifyMode verify) {
+    v1::StartWeightUpdateRequest req;
+    req.set_update_id(absl::StrCat("u", version));
+    req.set_target_version(version);
+    req.set_mode(mode);
+    req.set_verify(verify);
+    v1::TensorSpec* t = req.add_tensors();
+    t->set_name("w");
+    t->set_dtype(v1::FLOAT32);
+    t->add_shape(16);
+    return req;
+  }
+
+  absl::StatusOr<v1::FinishWeightUpdateResponse> Finish(const std::string& id) {
+    v1::FinishWeightUpdateRequest f;
+    f.set_update_id(id);
+    f.set_timeout_ms(5000);
+    return coordinator_->FinishWeightUpdate(f);
+  }
+
+  v1::EngineStatus Engine() {
+    return coordinator_->GetStatus(false).engines(0);
+  }
+
+  Log log_;
+  std::shared_ptr<FakeDevicePlane> plane_;
+  std::unique_ptr<Coordinator> coordinator_;
+  std::shared_ptr<AckingEngine> engine_;
+};
+
+TEST_F(CoordinatorDeviceTest, StagedCommitsUnderThePauseOnlyOnceAllIsStaged) {
+  auto started = coordinator_->StartWeightUpdate(
+      Request(1, v1::UPDATE_MODE_STAGED, v1::VERIFY_ON));
+  ASSERT_TRUE(started.ok()) << started.status();
+  EXPECT_EQ(started->mode(), v1::UPDATE_MODE_STAGED);
+  // Receiving: the engine serves on, nothing paused.
+  EXPECT_THAT(log_.Get(), ElementsAre("BeginStaged"));
+  EXPECT_EQ(Engine().state(), v1::ENGINE_READY);
+  auto done = Finish("u1");
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_THAT(log_.Get(),
+              ElementsAre("BeginStaged", "WaitStaged", "pause", "CommitStaged",
+                          "Drain", "DeviceReceipts", "new_version", "resume"));
+  ASSERT_EQ(done->engines_size(), 1);
+  EXPECT_EQ(done->engines(0).receipt().checksum(), 42u);
+  EXPECT_EQ(done->version(), 1);
+  EXPECT_GT(done->pause_seconds(), 0);
+  EXPECT_EQ(Engine().version(), 1);
+  EXPECT_EQ(Engine().state(), v1::ENGINE_READY);
+}
+
+TEST_F(CoordinatorDeviceTest, StagedThatFailsBeforeItsCommitLeavesEngines) {
+  ASSERT_TRUE(coordinator_
+                  ->StartWeightUpdate(
+                      Request(1, v1::UPDATE_MODE_STAGED, v1::VERIFY_OFF))
+                  .ok());
+  plane_->wait_status = absl::DeadlineExceededError("trainer gone");
+  auto done = Finish("u1");
+  ASSERT_FALSE(done.ok());
+  EXPECT_EQ(done.status().code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(done.status().message(), HasSubstr("engines untouched"));
+  // Never paused, never written.
+  EXPECT_THAT(log_.Get(), ElementsAre("BeginStaged", "WaitStaged", "Abort"));
+  EXPECT_EQ(Engine().version(), 0);
+  EXPECT_EQ(Engine().state(), v1::ENGINE_READY);
+}
+
+TEST_F(CoordinatorDeviceTest, StagedOverTheDeviceBudget) {
+  plane_->budget = 16;  // bytes: less than one chunk
+  auto started = coordinator_->StartWeightUpdate(
+      Request(1, v1::UPDATE_MODE_STAGED, v1::VERIFY_OFF));
+  EXPECT_EQ(started.status().code(), absl::StatusCode::kResourceExhausted)
+      << started.status();
+  EXPECT_THAT(log_.Get(), IsEmpty());
+  v1::StartWeightUpdateRequest req =
+      Request(1, v1::UPDATE_MODE_STAGED, v1::VERIFY_OFF);
+  req.set_allow_streaming_fallback(true);
+  started = coordinator_->StartWeightUpdate(req);
+  ASSERT_TRUE(started.ok()) << started.status();
+  EXPECT_EQ(started->mode(), v1::UPDATE_MODE_STREAMING);
+  EXPECT_THAT(log_.Get(), ElementsAre("pause", "Begin"));
+  ASSERT_TRUE(Finish("u1").ok());
+}
+
+TEST_F(CoordinatorDeviceTest, StagedWhereTheDataPlaneCantStage) {
+  plane_->budget = -1;  // e.g. ipc
+  auto started = coordinator_->StartWeightUpdate(
+      Request(1, v1::UPDATE_MODE_STAGED, v1::VERIFY_OFF));
+  EXPECT_EQ(started.status().code(), absl::StatusCode::kUnimplemented)
+      << started.status();
+  EXPECT_THAT(log_.Get(), IsEmpty());
+}
+
+TEST_F(CoordinatorDeviceTest, ReceiptsAreOptInOnGpuBackends) {
+  ASSERT_TRUE(coordinator_
+                  ->StartWeightUpdate(
+                      Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_DEFAULT))
+                  .ok());
+  auto done = Finish("u1");
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_FALSE(done->engines(0).has_receipt());
+  EXPECT_THAT(log_.Get(),
+              ElementsAre("pause", "Begin", "Drain", "new_version", "resume"));
+}
+
+TEST_F(CoordinatorDeviceTest, ReceiptsThatCantBeComputedFailTheUpdate) {
+  ASSERT_TRUE(coordinator_
+                  ->StartWeightUpdate(
+                      Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_ON))
+                  .ok());
+  plane_->receipts_status = absl::InternalError("kernel failed");
+  auto done = Finish("u1");
+  ASSERT_FALSE(done.ok());
+  EXPECT_EQ(done.status().code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(done.status().message(), HasSubstr("receipts: kernel failed"));
+  EXPECT_EQ(Engine().state(), v1::ENGINE_DIRTY);
+  EXPECT_EQ(Engine().version(), 0);
+}
+
+}  // namespace
+}  // namespace weightsync
