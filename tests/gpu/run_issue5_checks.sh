@@ -30,14 +30,27 @@ export NCCL_NVLS_ENABLE=0
 results=()
 record() { results+=("$(printf '%-66s %s' "$1" "$2")"); }
 pids=()
-stop_all() { for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done; sleep 1;
-             for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null; done; pids=(); true; }
+# SIGTERM, then up to 10 s for everything to exit (the daemon has a 2 s
+# shutdown grace and kills its GPU worker; an engine prints its read-loop
+# counts), then SIGKILL.
+stop_all() {
+  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done
+  for _ in $(seq 100); do
+    local alive=0
+    for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+    [ $alive = 0 ] && break
+    sleep 0.1
+  done
+  for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null; done
+  pids=(); true
+}
 trap stop_all EXIT
-sock="$LOG/d.sock"
+sock=""
 T0=$(date +%s)
 
 start_daemon() {  # tag, extra flags
   local tag="$1"; shift
+  sock="$LOG/$tag.sock"  # one per daemon: an old one exiting can't unlink it
   rm -f "$sock"
   timeout 300 "$BIN/weightsyncd" --socket="$sock" --gpu=1 --gpu_worker="$BIN/weightsync_gpu_worker" \
     --notice_timeout_ms=60000 --max_chunk_bytes=$((1<<30)) "$@" >>"$LOG/daemon-$tag.log" 2>&1 &
