@@ -442,25 +442,8 @@ absl::Status GpuWorker::EnqueueUpdate(
     uint8_t* buf = staging_[b];
     // Receive chunk k only once chunk k-n has left this buffer.
     WS_CUDA(cudaStreamWaitEvent(recv_stream_, scatter_done_[b], 0));
-    const ncclResult_t r = ncclBroadcast(buf, buf, request.chunk_sizes(k),
-                                         ncclUint8, 0, comm_, recv_stream_);
-    WS_NCCL(r);
-    if (r == ncclInProgress) {
-      // Non-blocking communicator: the enqueue completes asynchronously
-      // (the first one waits for the trainer to connect).
-      const absl::Time deadline = absl::Now() + absl::Minutes(10);
-      ncclResult_t state = ncclInProgress;
-      while (state == ncclInProgress) {
-        WS_NCCL(ncclCommGetAsyncError(comm_, &state));
-        if (state != ncclInProgress) break;
-        if (abort_requested_) return absl::AbortedError("update aborted");
-        if (absl::Now() > deadline) {
-          return absl::DeadlineExceededError("broadcast enqueue timed out");
-        }
-        absl::SleepFor(absl::Microseconds(10));
-      }
-      WS_NCCL(state);
-    }
+    absl::Status received = ReceiveChunk(buf, request.chunk_sizes(k));
+    if (!received.ok()) return received;
     WS_CUDA(cudaEventRecord(recv_done_[b], recv_stream_));
     WS_CUDA(cudaStreamWaitEvent(scatter_stream_, recv_done_[b], 0));
     absl::Status s = EnqueueChunkOps(request, k, buf, allocs, false, &op);
@@ -472,6 +455,29 @@ absl::Status GpuWorker::EnqueueUpdate(
   return absl::OkStatus();
 }
 
+absl::Status GpuWorker::ReceiveChunk(uint8_t* buf, int64_t bytes) {
+  const ncclResult_t r =
+      ncclBroadcast(buf, buf, bytes, ncclUint8, 0, comm_, recv_stream_);
+  WS_NCCL(r);
+  if (r == ncclInProgress) {
+    // Non-blocking communicator: the enqueue completes asynchronously (the
+    // first one waits for the trainer to connect).
+    const absl::Time deadline = absl::Now() + absl::Minutes(10);
+    ncclResult_t state = ncclInProgress;
+    while (state == ncclInProgress) {
+      WS_NCCL(ncclCommGetAsyncError(comm_, &state));
+      if (state != ncclInProgress) break;
+      if (abort_requested_) return absl::AbortedError("update aborted");
+      if (absl::Now() > deadline) {
+        return absl::DeadlineExceededError("broadcast enqueue timed out");
+      }
+      absl::SleepFor(absl::Microseconds(10));
+    }
+    WS_NCCL(state);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status GpuWorker::EnqueueStagedReceive(
     const worker::v1::BeginUpdateRequest& request) {
   WS_CUDA(cudaSetDevice(device_));
@@ -479,23 +485,8 @@ absl::Status GpuWorker::EnqueueStagedReceive(
   // memory is not touched until CommitStaged.
   for (int64_t k = 0; k < request.chunk_sizes_size(); ++k) {
     uint8_t* buf = staging_[k];
-    const ncclResult_t r = ncclBroadcast(buf, buf, request.chunk_sizes(k),
-                                         ncclUint8, 0, comm_, recv_stream_);
-    WS_NCCL(r);
-    if (r == ncclInProgress) {
-      const absl::Time deadline = absl::Now() + absl::Minutes(10);
-      ncclResult_t state = ncclInProgress;
-      while (state == ncclInProgress) {
-        WS_NCCL(ncclCommGetAsyncError(comm_, &state));
-        if (state != ncclInProgress) break;
-        if (abort_requested_) return absl::AbortedError("update aborted");
-        if (absl::Now() > deadline) {
-          return absl::DeadlineExceededError("broadcast enqueue timed out");
-        }
-        absl::SleepFor(absl::Microseconds(10));
-      }
-      WS_NCCL(state);
-    }
+    absl::Status received = ReceiveChunk(buf, request.chunk_sizes(k));
+    if (!received.ok()) return received;
   }
   WS_CUDA(cudaEventRecord(received_, recv_stream_));
   return absl::OkStatus();

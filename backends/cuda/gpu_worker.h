@@ -109,6 +109,9 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   void Unmap(Allocation* a);
   absl::Status EnsureStaging(int64_t chunk_bytes, int buffers);
   absl::Status EnsureStreams();
+  // Enqueues the NCCL receive of `bytes` into `buf` on recv_stream_,
+  // waiting (bounded, abortable) while the non-blocking enqueue completes.
+  absl::Status ReceiveChunk(uint8_t* buf, int64_t bytes);
   // The IPC backend: the trainer's packed update, opened per update.
   absl::Status OpenIpcSource(const worker::v1::BeginUpdateRequest& request);
   void CloseIpcSource();

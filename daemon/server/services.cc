@@ -4,6 +4,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/grpc_status.h"
 #include "glog/logging.h"
@@ -64,65 +65,75 @@ grpc::Status TrainerServiceImpl::StartWeightUpdate(
   return Answer(response, [&] { return core_->StartWeightUpdate(*request); });
 }
 
-grpc::Status TrainerServiceImpl::PushChunks(
-    grpc::ServerContext* ctx, grpc::ServerReader<v1::PushChunksRequest>* reader,
-    v1::PushChunksResponse* response) {
-  v1::PushChunksRequest request;
-  if (!reader->Read(&request)) return grpc::Status::OK;  // empty stream
+namespace {
+
+// The loop both chunk streams share: the first message names the update,
+// every later one names it or nothing; `each(request, deadline)` handles a
+// message and returns false (with *status set) to end the stream early.
+template <typename Request, typename Stream, typename Each>
+grpc::Status ServeChunkStream(grpc::ServerContext* ctx, Stream* stream,
+                              Coordinator* core, const char* rpc, Each each) {
+  Request request;
+  if (!stream->Read(&request)) return grpc::Status::OK;  // empty stream
   const std::string update_id = request.update_id();
-  absl::Status status = core_->BeginPushStream(update_id);
+  absl::Status status = core->BeginPushStream(update_id);
   if (!status.ok()) return ToGrpcStatus(status);
   const absl::Time deadline = ContextDeadline(ctx, absl::Minutes(10));
   do {
     if (!request.update_id().empty() && request.update_id() != update_id) {
       status = absl::InvalidArgumentError(
-          "every PushChunks message must name the same update");
+          absl::StrCat("every ", rpc, " message must name the same update"));
       break;
     }
-    const int64_t bytes = request.data().size();
-    // The message's byte string becomes the staging buffer: no extra copy.
-    status = core_->PushChunk(update_id, request.chunk_index(),
-                              std::move(*request.mutable_data()), deadline);
-    if (!status.ok()) break;
-    response->set_chunks_received(response->chunks_received() + 1);
-    response->set_bytes_received(response->bytes_received() + bytes);
-  } while (reader->Read(&request));
-  core_->PushStreamEnded(update_id, ctx->IsCancelled());
+  } while (each(update_id, request, deadline, &status) &&
+           stream->Read(&request));
+  core->PushStreamEnded(update_id, ctx->IsCancelled());
   return ToGrpcStatus(status);
+}
+
+}  // namespace
+
+grpc::Status TrainerServiceImpl::PushChunks(
+    grpc::ServerContext* ctx, grpc::ServerReader<v1::PushChunksRequest>* reader,
+    v1::PushChunksResponse* response) {
+  return ServeChunkStream<v1::PushChunksRequest>(
+      ctx, reader, core_, "PushChunks",
+      [&](const std::string& update_id, v1::PushChunksRequest& request,
+          absl::Time deadline, absl::Status* status) {
+        const int64_t bytes = request.data().size();
+        // The message's byte string becomes the staging buffer: no copy.
+        *status =
+            core_->PushChunk(update_id, request.chunk_index(),
+                             std::move(*request.mutable_data()), deadline);
+        if (!status->ok()) return false;
+        response->set_chunks_received(response->chunks_received() + 1);
+        response->set_bytes_received(response->bytes_received() + bytes);
+        return true;
+      });
 }
 
 grpc::Status TrainerServiceImpl::IpcChunks(
     grpc::ServerContext* ctx,
     grpc::ServerReaderWriter<v1::IpcChunksResponse, v1::IpcChunksRequest>*
         stream) {
-  v1::IpcChunksRequest request;
-  if (!stream->Read(&request)) return grpc::Status::OK;  // empty stream
-  const std::string update_id = request.update_id();
-  absl::Status status = core_->BeginPushStream(update_id);
-  if (!status.ok()) return ToGrpcStatus(status);
-  const absl::Time deadline = ContextDeadline(ctx, absl::Minutes(10));
-  do {
-    if (!request.update_id().empty() && request.update_id() != update_id) {
-      status = absl::InvalidArgumentError(
-          "every IpcChunks message must name the same update");
-      break;
-    }
-    status = core_->PushChunk(update_id, request.chunk_index(), "", deadline);
-    if (!status.ok()) break;
-    absl::StatusOr<int64_t> done =
-        core_->IpcChunkAck(update_id, request.chunk_index(), deadline);
-    if (!done.ok()) {
-      status = done.status();
-      break;
-    }
-    if (*done > 0) {
-      v1::IpcChunksResponse response;
-      response.set_chunks_done(*done);
-      if (!stream->Write(response)) break;
-    }
-  } while (stream->Read(&request));
-  core_->PushStreamEnded(update_id, ctx->IsCancelled());
-  return ToGrpcStatus(status);
+  return ServeChunkStream<v1::IpcChunksRequest>(
+      ctx, stream, core_, "IpcChunks",
+      [&](const std::string& update_id, v1::IpcChunksRequest& request,
+          absl::Time deadline, absl::Status* status) {
+        *status =
+            core_->PushChunk(update_id, request.chunk_index(), "", deadline);
+        if (!status->ok()) return false;
+        absl::StatusOr<int64_t> done =
+            core_->IpcChunkAck(update_id, request.chunk_index(), deadline);
+        if (!done.ok()) {
+          *status = done.status();
+          return false;
+        }
+        if (*done == 0) return true;
+        v1::IpcChunksResponse response;
+        response.set_chunks_done(*done);
+        return stream->Write(response);
+      });
 }
 
 grpc::Status TrainerServiceImpl::FinishWeightUpdate(
