@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "backends/cuda/gpu_test_util.h"
 #include "backends/cuda/kernel_math.h"
 #include "backends/cuda/patch_test_util.h"
 #include "backends/cuda/receipt_kernels.h"
@@ -34,49 +35,9 @@ namespace {
 
 using patch_test::FillRandom;
 
-#define ASSERT_CUDA_OK(expr)                                                   \
-  do {                                                                         \
-    const cudaError_t err_ = (expr);                                           \
-    ASSERT_EQ(err_, cudaSuccess) << #expr << ": " << cudaGetErrorString(err_); \
-  } while (0)
-
-// Owns one cudaMalloc allocation.
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
-    if (cudaMalloc(&ptr_, std::max<size_t>(bytes, 1)) != cudaSuccess) {
-      ptr_ = nullptr;
-    }
-  }
-  ~DeviceBuffer() { cudaFree(ptr_); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-
-  uint8_t* get() const { return static_cast<uint8_t*>(ptr_); }
-  size_t bytes() const { return bytes_; }
-
- private:
-  void* ptr_ = nullptr;
-  size_t bytes_;
-};
-
-bool HaveGpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-
-class PatchGpuTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible";
-    ASSERT_CUDA_OK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-  }
-  void TearDown() override {
-    if (stream_ != nullptr) cudaStreamDestroy(stream_);
-  }
-
-  cudaStream_t stream_ = nullptr;
-};
+using gpu_testing::DeviceBuffer;
+using gpu_testing::HaveGpu;
+using PatchGpuTest = gpu_testing::GpuStreamTest;
 
 // Index of the first differing byte, or -1.
 int64_t FirstDifference(const std::vector<uint8_t>& a,

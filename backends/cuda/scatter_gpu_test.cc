@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "backends/cuda/gpu_test_util.h"
 #include "backends/cuda/scatter.h"
 #include "common/dtype.h"
 #include "gtest/gtest.h"
@@ -22,49 +23,9 @@ namespace weightsync {
 namespace cuda {
 namespace {
 
-#define ASSERT_CUDA_OK(expr)                                                   \
-  do {                                                                         \
-    const cudaError_t err_ = (expr);                                           \
-    ASSERT_EQ(err_, cudaSuccess) << #expr << ": " << cudaGetErrorString(err_); \
-  } while (0)
-
-// Owns one cudaMalloc allocation.
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
-    if (cudaMalloc(&ptr_, std::max<size_t>(bytes, 1)) != cudaSuccess) {
-      ptr_ = nullptr;
-    }
-  }
-  ~DeviceBuffer() { cudaFree(ptr_); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-
-  uint8_t* get() const { return static_cast<uint8_t*>(ptr_); }
-  size_t bytes() const { return bytes_; }
-
- private:
-  void* ptr_ = nullptr;
-  size_t bytes_;
-};
-
-bool HaveGpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-
-class ScatterGpuTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible";
-    ASSERT_CUDA_OK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-  }
-  void TearDown() override {
-    if (stream_ != nullptr) cudaStreamDestroy(stream_);
-  }
-
-  cudaStream_t stream_ = nullptr;
-};
+using gpu_testing::DeviceBuffer;
+using gpu_testing::HaveGpu;
+using ScatterGpuTest = gpu_testing::GpuStreamTest;
 
 const DType kFloats[] = {v1::FLOAT32, v1::BFLOAT16, v1::FLOAT16};
 
