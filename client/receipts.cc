@@ -33,10 +33,7 @@ v1::Receipt ExpectedReceipt(
       row.resize(n * des);
       ConvertElements(static_cast<const uint8_t*>(src.data) + from * ses,
                       src.spec.dtype(), row.data(), p.dtype(), n);
-      for (int64_t k = 0; k < n; ++k) {
-        sum +=
-            ElementTerm(salt, to + k, ElementBits(row.data() + k * des, des));
-      }
+      sum += RunTerms(salt, to, row.data(), n, des);
     };
     if (p.segments_size() == 0) {
       auto it = sent.find(p.name());

@@ -24,12 +24,9 @@ absl::StatusOr<v1::Receipt> ComputeReceipt(
       if (!sources.contains(s.source)) continue;
       touched = true;
       for (int64_t r = 0; r < s.row_count; ++r) {
+        // A row of the segment is a run of consecutive elements.
         const int64_t row = s.dest_offset + r * s.dest_row_stride;
-        for (int64_t c = 0; c < s.col_count; ++c) {
-          const int64_t i = row + c;
-          sum +=
-              ElementTerm(salt, i, ElementBits(base + p.offset + i * es, es));
-        }
+        sum += RunTerms(salt, row, base + p.offset + row * es, s.col_count, es);
       }
       receipt.set_bytes(receipt.bytes() + s.row_count * s.col_count * es);
     }
