@@ -184,17 +184,19 @@ int BenchMain() {
     std::vector<HostTensor> patch;
     for (int i = 0; i < n; ++i) {
       const int64_t numel = tensor_bytes / 4;
-      std::vector<int64_t> index;
+      // 4-byte indices (sparse_index_bytes = 4): 8 bytes per change.
+      std::vector<uint32_t> index;
       for (int64_t k = 0; k < numel; k += 100) index.push_back(k);
-      std::vector<uint8_t> payload(index.size() * 12);
-      std::memcpy(payload.data(), index.data(), index.size() * 8);
+      std::vector<uint8_t> payload(index.size() * 8);
+      std::memcpy(payload.data(), index.data(), index.size() * 4);
       for (size_t k = 0; k < index.size(); ++k) {
-        std::memcpy(payload.data() + index.size() * 8 + k * 4,
-                    data[i].data() + index[k] * 4, 4);
+        std::memcpy(payload.data() + index.size() * 4 + k * 4,
+                    data[i].data() + int64_t{index[k]} * 4, 4);
       }
       payloads.push_back(std::move(payload));
       HostTensor h = tensors[i];
       h.spec.set_sparse_nnz(index.size());
+      h.spec.set_sparse_index_bytes(4);
       h.data = payloads.back().data();
       patch.push_back(h);
     }

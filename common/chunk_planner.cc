@@ -11,6 +11,28 @@
 
 namespace weightsync {
 
+absl::StatusOr<int> SparseIndexBytes(const v1::TensorSpec& tensor,
+                                     int64_t numel) {
+  switch (tensor.sparse_index_bytes()) {
+    case 0:
+    case 8:
+      return 8;
+    case 4:
+      if (numel > (int64_t{1} << 32)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("tensor '", tensor.name(),
+                         "': sparse_index_bytes 4 holds indices "
+                         "of at most 2^32 elements; it has ",
+                         numel));
+      }
+      return 4;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", tensor.name(), "': sparse_index_bytes ",
+                       tensor.sparse_index_bytes(), " is not 0, 4 or 8"));
+  }
+}
+
 absl::StatusOr<int64_t> PayloadBytes(const v1::TensorSpec& tensor) {
   const std::string what = absl::StrCat("tensor '", tensor.name(), "'");
   const std::vector<int64_t> shape(tensor.shape().begin(),
@@ -24,8 +46,10 @@ absl::StatusOr<int64_t> PayloadBytes(const v1::TensorSpec& tensor) {
         absl::StrCat(what, ": sparse_nnz ", nnz, " is outside [0, ", *numel,
                      "] for shape ", ShapeString(shape)));
   }
-  if (nnz > 0) return nnz * (8 + esize);
-  return *numel * esize;
+  if (nnz == 0) return *numel * esize;
+  absl::StatusOr<int> ib = SparseIndexBytes(tensor, *numel);
+  if (!ib.ok()) return ib.status();
+  return nnz * (*ib + esize);
 }
 
 absl::StatusOr<ChunkPlan> PlanChunks(const Manifest& manifest,

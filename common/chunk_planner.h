@@ -42,6 +42,12 @@ struct ChunkPlan {
 
 using Manifest = google::protobuf::RepeatedPtrField<v1::TensorSpec>;
 
+// Width of a sparse patch's indices (TensorSpec.sparse_index_bytes: 4 or 8),
+// INVALID_ARGUMENT naming the tensor for another value or a tensor too
+// large for 4-byte indices.
+absl::StatusOr<int> SparseIndexBytes(const v1::TensorSpec& tensor,
+                                     int64_t numel);
+
 // Bytes a tensor occupies on the wire (dense, or sparse indices + values),
 // or INVALID_ARGUMENT naming the tensor.
 absl::StatusOr<int64_t> PayloadBytes(const v1::TensorSpec& tensor);

@@ -30,7 +30,13 @@ absl::Status ApplySparsePatch(const CopyPlan& plan, const SparsePatch& patch,
                               const uint8_t* payload,
                               const std::atomic<bool>* lost) {
   std::vector<int64_t> index(patch.nnz);
-  std::memcpy(index.data(), payload, patch.nnz * sizeof(int64_t));
+  if (patch.index_bytes == 4) {
+    std::vector<uint32_t> narrow(patch.nnz);
+    std::memcpy(narrow.data(), payload, patch.nnz * sizeof(uint32_t));
+    std::copy(narrow.begin(), narrow.end(), index.begin());
+  } else {
+    std::memcpy(index.data(), payload, patch.nnz * sizeof(int64_t));
+  }
   for (int64_t i : index) {
     if (i < 0 || i >= patch.numel) {
       return absl::InvalidArgumentError(
@@ -38,7 +44,7 @@ absl::Status ApplySparsePatch(const CopyPlan& plan, const SparsePatch& patch,
                        " is outside [0, ", patch.numel, ")"));
     }
   }
-  const uint8_t* values = payload + patch.nnz * sizeof(int64_t);
+  const uint8_t* values = payload + patch.nnz * patch.index_bytes;
   const int64_t ses = ElementSize(patch.dtype);
   for (const SparsePatch::Use& u : patch.uses) {
     if (lost != nullptr && lost[u.engine].load(std::memory_order_relaxed)) {

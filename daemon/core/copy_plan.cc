@@ -230,6 +230,7 @@ absl::StatusOr<std::shared_ptr<const CopyPlan>> BuildCopyPlan(
     int64_t rows;
     SourceMatrix(shape, &rows, &patch.cols);
     patch.numel = rows * patch.cols;
+    patch.index_bytes = spec.sparse_index_bytes() == 4 ? 4 : 8;
     for (const Use& u : uses[t]) {
       SparsePatch::Use s;
       s.engine = u.engine;

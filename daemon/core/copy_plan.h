@@ -38,6 +38,7 @@ struct SparsePatch {
   std::string name;
   int64_t nnz = 0;
   int64_t numel = 0;
+  int index_bytes = 8;  // 8: int64 indices, 4: uint32
   int64_t payload_bytes = 0;
   v1::DType dtype = v1::DTYPE_UNSPECIFIED;
   int64_t cols = 1;  // of the source's 2-D view

@@ -131,11 +131,22 @@ class HostBackendTest(unittest.TestCase):
         result = self.trainer.update([("a", patch), ("b", b2)], version=2, base_version=1)
         np.testing.assert_array_equal(w["a"], a2)
         np.testing.assert_array_equal(w["b"], b2)
-        self.assertLess(result.bytes, a2.nbytes * 0.03 + 1024)
+        self.assertEqual(patch.index_bytes, 4)  # 4-byte indices: 8 bytes a change
+        self.assertLess(result.bytes, a2.nbytes * 0.02 + 1024)
         with self.assertRaises(WeightSyncError) as e:  # engines are at 2 now
             self.trainer.update([("a", patch)], version=3, base_version=1)
         self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
         self.assertIn("is at version 2", e.exception.message)
+        # int64 indices still work (tensors above 2^32 elements need them).
+        a3 = a2.copy()
+        a3.reshape(-1)[[7, 4242, 9999]] = [1.5, -2.5, 3.5]
+        wide = sparse.SparsePatch([7, 4242, 9999], np.float32([1.5, -2.5, 3.5]),
+                                  a3.shape, index_bytes=8)
+        result = self.trainer.update([("a", wide)], version=3, base_version=2)
+        np.testing.assert_array_equal(w["a"], a3)
+        self.assertGreaterEqual(result.bytes, 3 * (8 + 4))
+        with self.assertRaises(ValueError):
+            sparse.SparsePatch([0], [1.0], (10,), index_bytes=2)
 
     def test_segments_fuse_checkpoint_tensors(self):
         # qkv [6, 4] = q [4, 4] rows then k [2, 4] rows.

@@ -26,7 +26,8 @@ def load_vectors():
 
 def tensors_from_json(items):
     return [{"name": t.get("name", ""), "dtype": t.get("dtype", "DTYPE_UNSPECIFIED"),
-             "shape": t.get("shape", []), "sparse_nnz": t.get("sparseNnz", 0)}
+             "shape": t.get("shape", []), "sparse_nnz": t.get("sparseNnz", 0),
+             "sparse_index_bytes": t.get("sparseIndexBytes", 0)}
             for t in items]
 
 
@@ -136,7 +137,9 @@ def check_invariants(test, tensors, chunk_bytes, plan):
     for t, p in zip(tensors, payloads):
         esize = ELEMENT_SIZES[t["dtype"]]
         nnz = t.get("sparse_nnz", 0)
-        want = chunk_planner.numel(t["shape"]) * esize if nnz == 0 else nnz * (8 + esize)
+        index_bytes = 4 if t.get("sparse_index_bytes", 0) == 4 else 8
+        want = (chunk_planner.numel(t["shape"]) * esize if nnz == 0
+                else nnz * (index_bytes + esize))
         test.assertEqual(p, want)
 
     # Offsets: aligned, first at 0, each the aligned end of the previous one.

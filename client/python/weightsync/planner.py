@@ -107,18 +107,20 @@ def numel(shape):
     return n
 
 
-def payload_bytes(dtype, shape, sparse_nnz=0):
+def payload_bytes(dtype, shape, sparse_nnz=0, sparse_index_bytes=0):
     """Bytes the tensor occupies in the stream (no validation).
 
     Dense (sparse_nnz == 0): numel * element_size.
-    Sparse (sparse_nnz > 0): sparse_nnz int64 little-endian indices into the
-    flattened tensor, followed by sparse_nnz values of the tensor's dtype,
-    i.e. sparse_nnz * 8 + sparse_nnz * element_size.
+    Sparse (sparse_nnz > 0): sparse_nnz little-endian indices into the
+    flattened tensor (int64, or uint32 when sparse_index_bytes == 4),
+    followed by sparse_nnz values of the tensor's dtype, i.e.
+    sparse_nnz * (index bytes + element_size).
     """
     esize = element_size(dtype)
     if sparse_nnz == 0:
         return numel(shape) * esize
-    return sparse_nnz * _SPARSE_INDEX_BYTES + sparse_nnz * esize
+    ib = 4 if sparse_index_bytes == 4 else _SPARSE_INDEX_BYTES
+    return sparse_nnz * ib + sparse_nnz * esize
 
 
 def _field(tensor, snake, camel=None, default=None):
@@ -171,7 +173,14 @@ def _validate_tensor(index, tensor, seen_names):
         raise ValueError(
             f"tensor '{name}': sparse_nnz {nnz} out of range [0, numel={n}]")
 
-    payload = payload_bytes(dtype, shape, nnz)
+    ib = _field(tensor, "sparse_index_bytes", "sparseIndexBytes", 0) or 0
+    if nnz > 0:
+        if ib not in (0, 4, 8):
+            raise ValueError(f"tensor '{name}': sparse_index_bytes {ib} is not 0, 4 or 8")
+        if ib == 4 and n > 2 ** 32:
+            raise ValueError(f"tensor '{name}': sparse_index_bytes 4 holds indices of at "
+                             f"most 2^32 elements; it has {n}")
+    payload = payload_bytes(dtype, shape, nnz, ib)
     if payload > MAX_BYTES:
         raise ValueError(f"tensor '{name}': sparse payload of {payload} bytes overflows "
                          f"(more than 2**62 bytes)")
@@ -262,8 +271,11 @@ def plan_chunks(tensors, chunk_bytes):
 # Test vectors (tests/vectors/chunk_plan.json)
 # ---------------------------------------------------------------------------
 
-def _t(name, dtype, shape, sparse_nnz=0):
-    return {"name": name, "dtype": dtype, "shape": list(shape), "sparse_nnz": sparse_nnz}
+def _t(name, dtype, shape, sparse_nnz=0, sparse_index_bytes=0):
+    t = {"name": name, "dtype": dtype, "shape": list(shape), "sparse_nnz": sparse_nnz}
+    if sparse_index_bytes:
+        t["sparse_index_bytes"] = sparse_index_bytes
+    return t
 
 
 def _llama_like_model():
@@ -348,6 +360,8 @@ def vector_cases():
         ("sparse_tensors", 1024, [
             _t("dense", "BFLOAT16", [64, 8]),
             _t("sparse_one", "BFLOAT16", [1000, 64], sparse_nnz=1),
+            _t("sparse_narrow", "BFLOAT16", [1000, 64], sparse_nnz=333, sparse_index_bytes=4),
+            _t("sparse_wide", "FLOAT16", [100, 7], sparse_nnz=21, sparse_index_bytes=8),
             _t("sparse_small", "FLOAT32", [128, 128], sparse_nnz=10),
             _t("sparse_big", "BFLOAT16", [512, 64], sparse_nnz=300),
             _t("sparse_full", "UINT8", [4, 4], sparse_nnz=16),
@@ -384,6 +398,12 @@ def vector_errors():
          [_t("too_sparse", "BFLOAT16", [3, 4], sparse_nnz=13)], "too_sparse"),
         ("sparse_nnz_negative", 1024,
          [_t("neg_nnz", "BFLOAT16", [3, 4], sparse_nnz=-1)], "neg_nnz"),
+        ("sparse_index_bytes_invalid", 1024,
+         [_t("odd_index", "BFLOAT16", [3, 4], sparse_nnz=2, sparse_index_bytes=2)],
+         "odd_index"),
+        ("sparse_index_bytes_4_too_many_elements", 1024,
+         [_t("big_narrow", "INT8", [2**32 + 1], sparse_nnz=1, sparse_index_bytes=4)],
+         "big_narrow"),
         ("size_overflow", 1024, [_t("huge", "FLOAT32", [2**40, 2**40])], "huge"),
     ]
 
@@ -392,6 +412,8 @@ def _tensor_json(t):
     out = {"name": t["name"], "dtype": t["dtype"], "shape": list(t["shape"])}
     if t.get("sparse_nnz", 0):
         out["sparseNnz"] = t["sparse_nnz"]
+    if t.get("sparse_index_bytes", 0):
+        out["sparseIndexBytes"] = t["sparse_index_bytes"]
     return out
 
 

@@ -10,14 +10,27 @@ import numpy as np
 
 
 class SparsePatch:
-    """(flat int64 indices, values) of a tensor of `shape`."""
+    """(flat indices, values) of a tensor of `shape`. Indices travel as
+    uint32 (4 bytes) when the tensor has at most 2^32 elements, else int64;
+    index_bytes=8 forces int64."""
 
-    def __init__(self, indices, values, shape):
+    def __init__(self, indices, values, shape, index_bytes=None):
         self.indices = np.ascontiguousarray(indices, dtype=np.int64).reshape(-1)
         self.values = np.ascontiguousarray(values).reshape(-1)
         self.shape = tuple(shape)
         if len(self.indices) != len(self.values):
             raise ValueError("a patch needs as many values as indices")
+        small = int(np.prod(self.shape)) <= 2 ** 32
+        if index_bytes is None:
+            index_bytes = 4 if small else 8
+        if index_bytes not in (4, 8) or (index_bytes == 4 and not small):
+            raise ValueError(f"index_bytes {index_bytes}: 4 (tensors of at most 2^32 "
+                             "elements) or 8")
+        self.index_bytes = index_bytes
+
+    def index_payload(self):
+        """The indices as they travel: little-endian uint32 or int64."""
+        return self.indices.astype("<u4" if self.index_bytes == 4 else "<i8").view(np.uint8)
 
     @property
     def density(self):
@@ -27,8 +40,8 @@ class SparsePatch:
 def diff(before, after, max_density=0.1):
     """The patch that turns `before` into `after` (numpy arrays of one
     shape and dtype), or None when more than `max_density` of the elements
-    changed (send `after` dense then: a patch costs 8 bytes of index per
-    element on top of its value)."""
+    changed (send `after` dense then: a patch costs 4 bytes of index per
+    element on top of its value, 8 for tensors above 2^32 elements)."""
     before = np.ascontiguousarray(before)
     after = np.ascontiguousarray(after)
     if before.shape != after.shape or before.dtype != after.dtype:

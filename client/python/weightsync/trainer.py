@@ -169,10 +169,10 @@ class Trainer:
             if isinstance(tensor, SparsePatch):
                 dtype, _, values = describe(name, tensor.values)
                 names.append(name)
-                data.append(np.concatenate([tensor.indices.astype("<i8").view(np.uint8),
-                                            values]))
+                data.append(np.concatenate([tensor.index_payload(), values]))
                 manifest.append({"name": name, "dtype": dtype, "shape": list(tensor.shape),
-                                 "sparse_nnz": len(tensor.indices)})
+                                 "sparse_nnz": len(tensor.indices),
+                                 "sparse_index_bytes": tensor.index_bytes})
                 continue
             dtype, shape, raw = describe(name, tensor)
             names.append(name)
@@ -187,7 +187,8 @@ class Trainer:
             verify=v1.VERIFY_ON if verify else v1.VERIFY_OFF,
             sparse_base_version=base_version,
             tensors=[v1.TensorSpec(name=m["name"], dtype=getattr(v1, m["dtype"]),
-                                   shape=m["shape"], sparse_nnz=m.get("sparse_nnz", 0))
+                                   shape=m["shape"], sparse_nnz=m.get("sparse_nnz", 0),
+                                   sparse_index_bytes=m.get("sparse_index_bytes", 0))
                      for m in manifest])
         started = self._stub.call("StartWeightUpdate", request)
         plan = planner.plan_chunks(manifest, started.chunk_bytes)
