@@ -6,6 +6,7 @@
 
 #include "backends/cuda/kernel_math.h"
 #include "backends/cuda/receipt_kernels.h"
+#include "backends/cuda/sm_count.cuh"
 
 namespace weightsync {
 namespace cuda {
@@ -97,23 +98,6 @@ __global__ void __launch_bounds__(kReceiptThreads)
     }
   }
   if (out != nullptr) FlushBlockSum(sum, out, scratch);
-}
-
-// Multiprocessor count of `device`, cached (as in scatter.cu).
-cudaError_t MultiprocessorCount(int device, int* count) {
-  constexpr int kMaxCached = 64;
-  static std::atomic<int> cache[kMaxCached];
-  if (device >= 0 && device < kMaxCached) {
-    *count = cache[device].load(std::memory_order_relaxed);
-    if (*count > 0) return cudaSuccess;
-  }
-  const cudaError_t err =
-      cudaDeviceGetAttribute(count, cudaDevAttrMultiProcessorCount, device);
-  if (err != cudaSuccess) return err;
-  if (device >= 0 && device < kMaxCached) {
-    cache[device].store(*count, std::memory_order_relaxed);
-  }
-  return cudaSuccess;
 }
 
 template <typename Regions>

@@ -9,6 +9,7 @@
 
 #include "backends/cuda/float_convert.cuh"
 #include "backends/cuda/scatter.h"
+#include "backends/cuda/sm_count.cuh"
 
 namespace weightsync {
 namespace cuda {
@@ -132,24 +133,6 @@ __global__ void __launch_bounds__(kThreads) ConvertKernel(const Layout p) {
       }
     }
   }
-}
-
-// Multiprocessor count of `device`, cached: the launch path should not
-// query attributes on every call.
-cudaError_t MultiprocessorCount(int device, int* count) {
-  constexpr int kMaxCached = 64;
-  static std::atomic<int> cache[kMaxCached];
-  if (device >= 0 && device < kMaxCached) {
-    *count = cache[device].load(std::memory_order_relaxed);
-    if (*count > 0) return cudaSuccess;
-  }
-  const cudaError_t err =
-      cudaDeviceGetAttribute(count, cudaDevAttrMultiProcessorCount, device);
-  if (err != cudaSuccess) return err;
-  if (device >= 0 && device < kMaxCached) {
-    cache[device].store(*count, std::memory_order_relaxed);
-  }
-  return cudaSuccess;
 }
 
 int Log2Ceil(int64_t x) {
@@ -394,10 +377,8 @@ cudaError_t CopyBytes2DWithSMs(const void* src, int64_t src_stride, void* dst,
           16 ==
       0;
   const int64_t units = vec ? width / 16 : width;
-  int device = 0, sms = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  int sms = 0;
+  const cudaError_t err = MultiprocessorCount(&sms);
   if (err != cudaSuccess) return err;
   const int64_t blocks =
       std::min<int64_t>((rows * units + 255) / 256, int64_t{sms} * 8);

@@ -6,6 +6,7 @@
 
 #include "backends/cuda/float_convert.cuh"
 #include "backends/cuda/kernel_math.h"
+#include "backends/cuda/sm_count.cuh"
 #include "backends/cuda/sparse_kernels.h"
 
 namespace weightsync {
@@ -51,24 +52,6 @@ bool IsConvertibleFloat(int dtype) {
 
 bool Aligned(const void* p, int64_t a) {
   return reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(a) == 0;
-}
-
-cudaError_t MultiprocessorCount(int* count) {
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  constexpr int kMaxCached = 64;
-  static std::atomic<int> cache[kMaxCached];
-  if (device >= 0 && device < kMaxCached) {
-    *count = cache[device].load(std::memory_order_relaxed);
-    if (*count > 0) return cudaSuccess;
-  }
-  err = cudaDeviceGetAttribute(count, cudaDevAttrMultiProcessorCount, device);
-  if (err != cudaSuccess) return err;
-  if (device >= 0 && device < kMaxCached) {
-    cache[device].store(*count, std::memory_order_relaxed);
-  }
-  return cudaSuccess;
 }
 
 // Launches `kernel` with `args` and returns exactly its launch error (not
