@@ -22,6 +22,22 @@ def fail(msg):
     print(f"FAIL {msg}", flush=True)
 
 
+class Checks:
+    """check(cond, what) prints a PASS/FAIL line; finish(name) prints the
+    verdict and returns the exit code."""
+
+    def __init__(self):
+        self.ok = True
+
+    def __call__(self, cond, what):
+        print(f"{'PASS' if cond else 'FAIL'} {what}", flush=True)
+        self.ok = self.ok and bool(cond)
+
+    def finish(self, name):
+        print(f"{name}:", "PASS" if self.ok else "FAIL", flush=True)
+        return 0 if self.ok else 1
+
+
 def binaries(argv):
     """(weightsyncd, weightsync_gpu_worker) from argv[1:3] or the env."""
     d = argv[1] if len(argv) > 1 else os.environ.get("WEIGHTSYNCD", "")

@@ -128,12 +128,7 @@ def trainer_main(conn, target):
 
 def main():
     daemon_bin, worker_bin = C.binaries(sys.argv)
-    ok = True
-
-    def check(cond, what):
-        nonlocal ok
-        print(f"{'PASS' if cond else 'FAIL'} {what}", flush=True)
-        ok = ok and bool(cond)
+    check = C.Checks()
 
     daemon = C.Daemon(daemon_bin, worker_bin, gpu=1)
     engine = trainer = None
@@ -180,8 +175,7 @@ def main():
                 w.proc.join(10)
                 w.stop()
         daemon.stop()
-    print("rlhf_async:", "PASS" if ok else "FAIL", flush=True)
-    return 0 if ok else 1
+    return check.finish("rlhf_async")
 
 
 if __name__ == "__main__":

@@ -136,12 +136,7 @@ def trainer_main(conn, target):
 
 def main():
     daemon_bin, worker_bin = C.binaries(sys.argv)
-    ok = True
-
-    def check(cond, what):
-        nonlocal ok
-        print(f"{'PASS' if cond else 'FAIL'} {what}", flush=True)
-        ok = ok and bool(cond)
+    check = C.Checks()
 
     daemon = C.Daemon(daemon_bin, worker_bin, gpu=1)
     workers = []
@@ -178,8 +173,7 @@ def main():
             w.proc.join(10)
             w.stop()
         daemon.stop()
-    print("test_torch_gpu:", "PASS" if ok else "FAIL", flush=True)
-    return 0 if ok else 1
+    return check.finish("test_torch_gpu")
 
 
 if __name__ == "__main__":
