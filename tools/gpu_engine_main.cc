@@ -9,6 +9,9 @@
 // each snapshot equals the whole reference of one version (the last one
 // seen or the next), never a mix; it prints the counts. --time_copy prints
 // the time of one plain on-GPU copy of the parameters' bytes on its GPU.
+// --hash prints, after each new version, a 64-bit FNV-1a hash of all its
+// parameters' bytes (to compare two versions bit for bit: a sparse update
+// and a dense update of the same weights).
 #include <cuda_runtime_api.h>
 #include <signal.h>
 #include <unistd.h>
@@ -50,6 +53,8 @@ DEFINE_bool(read_loop, false,
             "snapshot is one whole version");
 DEFINE_bool(time_copy, false,
             "time a plain on-GPU copy of the parameters' bytes at start");
+DEFINE_bool(hash, false,
+            "print a hash of the parameters' bytes after each new version");
 DEFINE_string(memory, "ipc",
               "how the parameters' memory is shared: ipc (cudaMalloc + "
               "cudaIpcGetMemHandle) or vmm (cuMemCreate + POSIX fd)");
@@ -92,6 +97,25 @@ int64_t Verify(const synthetic::ModelConfig& model,
     }
   }
   return bad;
+}
+
+// FNV-1a 64 of the `bytes` bytes at device address `base` (0 on a CUDA
+// error), over 8-byte words.
+uint64_t HashDevice(const uint8_t* base, int64_t bytes) {
+  std::vector<uint8_t> host(bytes);
+  if (cudaMemcpy(host.data(), base, bytes, cudaMemcpyDeviceToHost) !=
+      cudaSuccess) {
+    return 0;
+  }
+  uint64_t h = 0xcbf29ce484222325ull;
+  int64_t i = 0;
+  for (; i + 8 <= bytes; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, host.data() + i, 8);
+    h = (h ^ w) * 0x100000001b3ull;
+  }
+  for (; i < bytes; ++i) h = (h ^ host[i]) * 0x100000001b3ull;
+  return h;
 }
 
 // The parameters' bytes at `version`, concatenated in `params` order
@@ -315,6 +339,12 @@ int Main() {
     if (FLAGS_read_loop) {
       std::printf("[%s] read_loop at version %lld: %s\n", id.c_str(),
                   static_cast<long long>(v), reader.Summary().c_str());
+    }
+    if (FLAGS_hash) {
+      std::printf("[%s] version %lld hash %016llx\n", id.c_str(),
+                  static_cast<long long>(v),
+                  static_cast<unsigned long long>(
+                      HashDevice(static_cast<const uint8_t*>(base), *size)));
     }
     if (!FLAGS_verify) {
       std::printf("[%s] now serving version %lld\n", id.c_str(),

@@ -14,6 +14,7 @@
 #include "backends/cuda/gpu_uuid.h"
 #include "backends/cuda/receipt_kernels.h"
 #include "backends/cuda/scatter.h"
+#include "backends/cuda/sparse_kernels.h"
 #include "common/grpc_status.h"
 #include "glog/logging.h"
 
@@ -339,6 +340,277 @@ absl::Status GpuWorker::EnqueueChunkOps(
   return absl::OkStatus();
 }
 
+absl::Status GpuWorker::EnqueueChunk(
+    const worker::v1::BeginUpdateRequest& request, int64_t k,
+    const uint8_t* chunk,
+    const absl::flat_hash_map<int64_t, Allocation>& allocs, bool sm_copies,
+    int* op) {
+  absl::Status s = EnqueueChunkOps(request, k, chunk, allocs, sm_copies, op);
+  if (!s.ok()) return s;
+  s = EnqueueChunkSparse(request, k, chunk, allocs, /*apply=*/true);
+  if (!s.ok()) return s;
+  return EnqueueReceiptsAfter(k);
+}
+
+namespace {
+constexpr int64_t kReportBytes = sizeof(cuda::SparseIndexReport);
+}  // namespace
+
+absl::Status GpuWorker::PrepareSparse(
+    const worker::v1::BeginUpdateRequest& request) {
+  const int n = request.sparse_size();
+  sparse_offsets_.assign(n, 0);
+  sparse_have_.assign(n, 0);
+  sparse_next_piece_ = 0;
+  sparse_names_.clear();
+  sparse_numel_.clear();
+  if (n == 0) return absl::OkStatus();
+  // Reports first (8-byte aligned), then each payload 256-byte aligned, so
+  // indices and values are aligned to their sizes.
+  int64_t at = (n * kReportBytes + 255) / 256 * 256;
+  for (int p = 0; p < n; ++p) {
+    const worker::v1::GpuSparsePatch& g = request.sparse(p);
+    const int64_t es = cuda::DTypeSize(g.dtype());
+    if ((g.index_bytes() != 4 && g.index_bytes() != 8) || es == 0 ||
+        g.nnz() < 0 || g.numel() < 0 || g.cols() < 1 ||
+        g.payload_bytes() != g.nnz() * (g.index_bytes() + es)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sparse patch '", g.name(), "' is malformed (nnz ",
+                       g.nnz(), ", index bytes ", g.index_bytes(), ", payload ",
+                       g.payload_bytes(), " bytes)"));
+    }
+    sparse_offsets_[p] = at;
+    at += (g.payload_bytes() + 255) / 256 * 256;
+    sparse_names_.push_back(g.name());
+    sparse_numel_.push_back(g.numel());
+  }
+  int64_t prev_chunk = 0;
+  for (const worker::v1::GpuSparsePiece& piece : request.sparse_pieces()) {
+    if (piece.patch() < 0 || piece.patch() >= n || piece.chunk() < prev_chunk ||
+        piece.chunk() >= request.chunk_sizes_size() || piece.length() < 0 ||
+        piece.patch_offset() < 0 || piece.chunk_offset() < 0 ||
+        piece.patch_offset() + piece.length() >
+            request.sparse(piece.patch()).payload_bytes() ||
+        piece.chunk_offset() + piece.length() >
+            request.chunk_sizes(piece.chunk())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sparse piece of patch ", piece.patch(), " in chunk ", piece.chunk(),
+          " lies outside its patch or chunk (or out of chunk order)"));
+    }
+    prev_chunk = piece.chunk();
+  }
+  if (at > sparse_dev_bytes_) {
+    WS_CUDA(cudaSetDevice(device_));
+    if (sparse_dev_ != nullptr) {
+      WS_CUDA(cudaFree(sparse_dev_));
+      sparse_dev_ = nullptr;
+      sparse_dev_bytes_ = 0;
+    }
+    void* d = nullptr;
+    WS_CUDA(cudaMalloc(&d, at));
+    sparse_dev_ = static_cast<uint8_t*>(d);
+    sparse_dev_bytes_ = at;
+  }
+  if (n * kReportBytes > sparse_host_bytes_) {
+    if (sparse_host_ != nullptr) cudaFreeHost(sparse_host_);
+    sparse_host_ = nullptr;
+    sparse_host_bytes_ = 0;
+    WS_CUDA(cudaMallocHost(&sparse_host_, n * kReportBytes));
+    sparse_host_bytes_ = n * kReportBytes;
+  }
+  // No patch refused until checked (a patch with no pieces: nnz 0).
+  std::memset(sparse_host_, 0, n * kReportBytes);
+  for (int p = 0; p < n; ++p) {
+    if (request.sparse(p).payload_bytes() == 0) {
+      WS_CUDA(cudaMemsetAsync(sparse_dev_ + p * kReportBytes, 0, kReportBytes,
+                              scatter_stream_));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GpuWorker::EnqueueChunkSparse(
+    const worker::v1::BeginUpdateRequest& request, int64_t k,
+    const uint8_t* chunk,
+    const absl::flat_hash_map<int64_t, Allocation>& allocs, bool apply) {
+  for (; sparse_next_piece_ < request.sparse_pieces_size() &&
+         request.sparse_pieces(sparse_next_piece_).chunk() == k;
+       ++sparse_next_piece_) {
+    const worker::v1::GpuSparsePiece& piece =
+        request.sparse_pieces(sparse_next_piece_);
+    const int p = piece.patch();
+    const worker::v1::GpuSparsePatch& g = request.sparse(p);
+    uint8_t* payload = sparse_dev_ + sparse_offsets_[p];
+    WS_CUDA(cudaMemcpyAsync(payload + piece.patch_offset(),
+                            chunk + piece.chunk_offset(), piece.length(),
+                            cudaMemcpyDeviceToDevice, scatter_stream_));
+    sparse_have_[p] += piece.length();
+    if (sparse_have_[p] != g.payload_bytes()) continue;
+    auto* report = reinterpret_cast<cuda::SparseIndexReport*>(sparse_dev_ +
+                                                              p * kReportBytes);
+    WS_CUDA(cuda::SparseCheckIndices(payload, g.nnz(), g.numel(), report,
+                                     scatter_stream_, g.index_bytes()));
+    if (apply) {
+      absl::Status s = ApplyPatch(request, p, allocs);
+      if (!s.ok()) return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GpuWorker::ApplyPatch(
+    const worker::v1::BeginUpdateRequest& request, int p,
+    const absl::flat_hash_map<int64_t, Allocation>& allocs) {
+  const worker::v1::GpuSparsePatch& g = request.sparse(p);
+  const uint8_t* payload = sparse_dev_ + sparse_offsets_[p];
+  const auto* report = reinterpret_cast<const cuda::SparseIndexReport*>(
+      sparse_dev_ + p * kReportBytes);
+  for (const worker::v1::GpuSparseUse& u : g.uses()) {
+    auto it = allocs.find(u.allocation_id());
+    if (it == allocs.end()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "allocation ", u.allocation_id(), " is not open in the worker"));
+    }
+    cuda::SparseUse use{};
+    use.param = it->second.ptr + u.param_offset();
+    use.dtype = u.dtype();
+    use.implicit = u.implicit();
+    use.row_begin = u.row_begin();
+    use.row_count = u.row_count();
+    use.col_begin = u.col_begin();
+    use.col_count = u.col_count();
+    use.dest_offset = u.dest_offset();
+    use.dest_row_stride = u.dest_row_stride();
+    WS_CUDA(cuda::SparseApply(payload, payload + g.nnz() * g.index_bytes(),
+                              g.dtype(), g.nnz(), g.cols(), g.numel(), use,
+                              scatter_stream_, g.index_bytes(), report));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GpuWorker::CopyReportsOut() {
+  if (sparse_names_.empty()) return absl::OkStatus();
+  WS_CUDA(cudaMemcpyAsync(sparse_host_, sparse_dev_,
+                          sparse_names_.size() * kReportBytes,
+                          cudaMemcpyDeviceToHost, scatter_stream_));
+  return absl::OkStatus();
+}
+
+absl::Status GpuWorker::SparseVerdict() const {
+  const auto* reports =
+      static_cast<const cuda::SparseIndexReport*>(sparse_host_);
+  for (size_t p = 0; p < sparse_names_.size(); ++p) {
+    const cuda::SparseIndexReport& r = reports[p];
+    if (r.out_of_range == 0) continue;
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor '", sparse_names_[p], "': sparse index at position ",
+        r.first_out_of_range, " is outside [0, ", sparse_numel_[p], ") (",
+        r.out_of_range, " such); the patch was not applied"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GpuWorker::PrepareReceipts(
+    const worker::v1::BeginUpdateRequest& request) {
+  receipt_batches_.clear();
+  receipt_groups_ = 0;
+  const worker::v1::ComputeReceiptsRequest& rr = request.receipts();
+  if (rr.groups() == 0) return absl::OkStatus();
+  if (request.receipt_after_chunk_size() != rr.regions_size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        rr.regions_size(), " receipt regions but ",
+        request.receipt_after_chunk_size(), " receipt_after_chunk entries"));
+  }
+  std::vector<cuda::ReceiptRegion> regions;
+  std::vector<int32_t> group_of;
+  absl::Status s = ResolveReceiptRegions(rr, &regions, &group_of);
+  if (!s.ok()) return s;
+  // Regions in chunk order, each chunk's batch planned on its own.
+  const int64_t chunks = request.chunk_sizes_size();
+  std::vector<std::vector<int>> by_chunk(chunks);
+  for (int i = 0; i < rr.regions_size(); ++i) {
+    const int64_t k = request.receipt_after_chunk(i);
+    if (k < 0 || k >= chunks) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "receipt region ", i, " follows chunk ", k, " of ", chunks));
+    }
+    by_chunk[k].push_back(i);
+  }
+  const int groups = rr.groups();
+  const int64_t sum_bytes = sizeof(uint64_t) * groups;
+  const int64_t need = sum_bytes + sizeof(cuda::ReceiptRegion) * regions.size();
+  WS_CUDA(cudaSetDevice(scatter_device_));
+  if (need > receipt_dev_bytes_) {
+    if (receipt_dev_ != nullptr) WS_CUDA(cudaFree(receipt_dev_));
+    receipt_dev_ = nullptr;
+    receipt_dev_bytes_ = 0;
+    void* d = nullptr;
+    WS_CUDA(cudaMalloc(&d, need));
+    receipt_dev_ = static_cast<uint8_t*>(d);
+    receipt_dev_bytes_ = need;
+  }
+  if (groups > receipt_host_groups_) {
+    if (receipt_host_ != nullptr) cudaFreeHost(receipt_host_);
+    receipt_host_ = nullptr;
+    receipt_host_groups_ = 0;
+    void* h = nullptr;
+    WS_CUDA(cudaMallocHost(&h, sum_bytes));
+    receipt_host_ = static_cast<uint64_t*>(h);
+    receipt_host_groups_ = groups;
+  }
+  auto* out = reinterpret_cast<unsigned long long*>(receipt_dev_);
+  std::vector<cuda::ReceiptRegion> ordered;
+  ordered.reserve(regions.size());
+  receipt_batches_.assign(chunks, ReceiptBatch());
+  for (int64_t k = 0; k < chunks; ++k) {
+    ReceiptBatch& b = receipt_batches_[k];
+    b.first = ordered.size();
+    for (int i : by_chunk[k]) {
+      ordered.push_back(regions[i]);
+      ordered.back().out = out + group_of[i];
+    }
+    b.count = ordered.size() - b.first;
+    if (b.count == 0) continue;
+    b.tiles = cuda::PlanReceiptRegions(ordered.data() + b.first, b.count);
+    if (b.tiles < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("a receipt region after chunk ", k,
+                       " is not readable as planned (alignment, stride)"));
+    }
+  }
+  WS_CUDA(cudaMemsetAsync(out, 0, sum_bytes, scatter_stream_));
+  if (!ordered.empty()) {
+    // Synchronous: `ordered` is a local.
+    WS_CUDA(cudaMemcpy(receipt_dev_ + sum_bytes, ordered.data(),
+                       sizeof(cuda::ReceiptRegion) * ordered.size(),
+                       cudaMemcpyHostToDevice));
+  }
+  receipt_groups_ = groups;
+  return absl::OkStatus();
+}
+
+absl::Status GpuWorker::EnqueueReceiptsAfter(int64_t k) {
+  if (receipt_groups_ == 0 ||
+      k >= static_cast<int64_t>(receipt_batches_.size())) {
+    return absl::OkStatus();
+  }
+  const ReceiptBatch& b = receipt_batches_[k];
+  if (b.count == 0) return absl::OkStatus();
+  const auto* regions = reinterpret_cast<const cuda::ReceiptRegion*>(
+      receipt_dev_ + sizeof(uint64_t) * receipt_groups_);
+  WS_CUDA(cuda::ReceiptSumBatch(regions + b.first, b.count, b.tiles,
+                                scatter_stream_));
+  return absl::OkStatus();
+}
+
+absl::Status GpuWorker::CopyReceiptsOut() {
+  if (receipt_groups_ == 0) return absl::OkStatus();
+  WS_CUDA(cudaMemcpyAsync(receipt_host_, receipt_dev_,
+                          sizeof(uint64_t) * receipt_groups_,
+                          cudaMemcpyDeviceToHost, scatter_stream_));
+  return absl::OkStatus();
+}
+
 absl::Status GpuWorker::EnqueueIpcUpdate(
     const worker::v1::BeginUpdateRequest& request) {
   WS_CUDA(cudaSetDevice(scatter_device_));
@@ -353,10 +625,12 @@ absl::Status GpuWorker::EnqueueIpcUpdate(
   WS_CUDA(cudaEventRecord(first_op_, scatter_stream_));
   for (int64_t k = 0; k < request.chunk_sizes_size(); ++k) {
     const uint8_t* chunk = ipc_source_ + k * request.chunk_bytes();
-    absl::Status s =
-        EnqueueChunkOps(request, k, chunk, allocs, sm_copies_, &op);
+    absl::Status s = EnqueueChunk(request, k, chunk, allocs, sm_copies_, &op);
     if (!s.ok()) return s;
   }
+  absl::Status out = CopyReportsOut();
+  if (out.ok()) out = CopyReceiptsOut();
+  if (!out.ok()) return out;
   WS_CUDA(cudaEventRecord(last_op_, scatter_stream_));
   WS_CUDA(cudaEventRecord(all_done_, scatter_stream_));
   return absl::OkStatus();
@@ -446,10 +720,13 @@ absl::Status GpuWorker::EnqueueUpdate(
     if (!received.ok()) return received;
     WS_CUDA(cudaEventRecord(recv_done_[b], recv_stream_));
     WS_CUDA(cudaStreamWaitEvent(scatter_stream_, recv_done_[b], 0));
-    absl::Status s = EnqueueChunkOps(request, k, buf, allocs, false, &op);
+    absl::Status s = EnqueueChunk(request, k, buf, allocs, false, &op);
     if (!s.ok()) return s;
     WS_CUDA(cudaEventRecord(scatter_done_[b], scatter_stream_));
   }
+  absl::Status out = CopyReportsOut();
+  if (out.ok()) out = CopyReceiptsOut();
+  if (!out.ok()) return out;
   WS_CUDA(cudaEventRecord(last_op_, scatter_stream_));
   WS_CUDA(cudaEventRecord(all_done_, scatter_stream_));
   return absl::OkStatus();
@@ -482,13 +759,29 @@ absl::Status GpuWorker::EnqueueStagedReceive(
     const worker::v1::BeginUpdateRequest& request) {
   WS_CUDA(cudaSetDevice(device_));
   // Every chunk has its own buffer: nothing waits for a scatter, and engine
-  // memory is not touched until CommitStaged.
+  // memory is not touched until CommitStaged. Sparse payloads are assembled
+  // and their indices checked as their chunks arrive (scatter stream), so
+  // that a bad patch is refused before the commit.
+  const absl::flat_hash_map<int64_t, Allocation> none;
   for (int64_t k = 0; k < request.chunk_sizes_size(); ++k) {
     uint8_t* buf = staging_[k];
     absl::Status received = ReceiveChunk(buf, request.chunk_sizes(k));
     if (!received.ok()) return received;
+    if (sparse_next_piece_ < request.sparse_pieces_size() &&
+        request.sparse_pieces(sparse_next_piece_).chunk() == k) {
+      WS_CUDA(cudaEventRecord(recv_done_[k], recv_stream_));
+      WS_CUDA(cudaStreamWaitEvent(scatter_stream_, recv_done_[k], 0));
+      absl::Status s = EnqueueChunkSparse(request, k, buf, none, false);
+      if (!s.ok()) return s;
+    }
   }
   WS_CUDA(cudaEventRecord(received_, recv_stream_));
+  if (request.sparse_size() > 0) {
+    WS_CUDA(cudaStreamWaitEvent(scatter_stream_, received_, 0));
+    absl::Status s = CopyReportsOut();
+    if (!s.ok()) return s;
+    WS_CUDA(cudaEventRecord(received_, scatter_stream_));
+  }
   return absl::OkStatus();
 }
 
@@ -524,6 +817,10 @@ grpc::Status GpuWorker::BeginUpdate(
                                               : request->staging_buffers());
           if (!s.ok()) return s;
         }
+        s = PrepareSparse(*request);
+        if (s.ok()) s = PrepareReceipts(*request);
+        if (!s.ok()) return s;
+        ended_clean_ = false;
         update_active_ = true;
         update_chunks_ = request->chunk_sizes_size();
         abort_requested_ = false;
@@ -623,12 +920,24 @@ grpc::Status GpuWorker::WaitUpdate(grpc::ServerContext* ctx,
     }
     absl::SleepFor(absl::Microseconds(20));
   }
+  // Every patch was checked by now; one refused ends the update here, with
+  // its GPU work complete (AbortUpdate will leave the communicator alone).
+  const absl::Status verdict = SparseVerdict();
+  if (!verdict.ok()) {
+    ended_clean_ = true;
+    staged_pending_ = false;
+    update_active_ = false;
+    return ToGrpcStatus(verdict);
+  }
   if (received_only) {  // the update goes on: CommitStaged is next
     response->set_chunks_done(0);
     return grpc::Status::OK;
   }
   update_active_ = false;
   response->set_chunks_done(update_chunks_);
+  for (int g = 0; g < receipt_groups_; ++g) {
+    response->add_receipt_sums(receipt_host_[g]);
+  }
   float ms = 0;
   if (cudaEventElapsedTime(&ms, first_op_, last_op_) == cudaSuccess) {
     response->set_device_seconds(ms / 1e3);
@@ -660,13 +969,16 @@ grpc::Status GpuWorker::CopyChunk(grpc::ServerContext* ctx,
         const int slot = k % ring_.ipc_ring_slots();
         if (k == 0) WS_CUDA(cudaEventRecord(first_op_, scatter_stream_));
         absl::Status s =
-            EnqueueChunkOps(ring_, k, ipc_source_ + slot * ring_.chunk_bytes(),
-                            allocs, sm_copies_, &ring_next_op_);
+            EnqueueChunk(ring_, k, ipc_source_ + slot * ring_.chunk_bytes(),
+                         allocs, sm_copies_, &ring_next_op_);
         if (!s.ok()) return s;
         WS_CUDA(cudaEventRecord(slot_done_[slot], scatter_stream_));
         ++ring_next_chunk_;
         ring_enqueued_ = ring_next_chunk_;
         if (ring_next_chunk_ == ring_.chunk_sizes_size()) {
+          s = CopyReportsOut();
+          if (s.ok()) s = CopyReceiptsOut();
+          if (!s.ok()) return s;
           WS_CUDA(cudaEventRecord(last_op_, scatter_stream_));
           WS_CUDA(cudaEventRecord(all_done_, scatter_stream_));
           absl::MutexLock lock(&enqueue_mu_);
@@ -719,6 +1031,9 @@ grpc::Status GpuWorker::WaitChunks(grpc::ServerContext* ctx,
 grpc::Status GpuWorker::AbortUpdate(grpc::ServerContext* ctx,
                                     const worker::v1::Empty*,
                                     worker::v1::Empty*) {
+  if (!update_active_ && ended_clean_) {
+    return grpc::Status::OK;  // nothing in flight; the communicator is fine
+  }
   abort_requested_ = true;  // stops an enqueue waiting for the trainer
   return ToGrpcStatus(owner_.Run(
       [&]() -> absl::Status {
@@ -774,6 +1089,17 @@ grpc::Status GpuWorker::CommitStaged(grpc::ServerContext* ctx,
               EnqueueChunkOps(staged_, k, staging_[k], allocs, false, &op);
           if (!s.ok()) return s;
         }
+        // The patches were assembled and checked while receiving.
+        for (int p = 0; p < staged_.sparse_size(); ++p) {
+          absl::Status s = ApplyPatch(staged_, p, allocs);
+          if (!s.ok()) return s;
+        }
+        for (int64_t k = 0; k < staged_.chunk_sizes_size(); ++k) {
+          absl::Status s = EnqueueReceiptsAfter(k);
+          if (!s.ok()) return s;
+        }
+        absl::Status out = CopyReceiptsOut();
+        if (!out.ok()) return out;
         WS_CUDA(cudaEventRecord(last_op_, scatter_stream_));
         WS_CUDA(cudaEventRecord(all_done_, scatter_stream_));
         staged_pending_ = false;
@@ -782,28 +1108,27 @@ grpc::Status GpuWorker::CommitStaged(grpc::ServerContext* ctx,
       Deadline(ctx)));
 }
 
-grpc::Status GpuWorker::ComputeReceipts(
-    grpc::ServerContext* ctx, const worker::v1::ComputeReceiptsRequest* request,
-    worker::v1::ComputeReceiptsResponse* response) {
-  const int groups = request->groups();
+absl::Status GpuWorker::ResolveReceiptRegions(
+    const worker::v1::ComputeReceiptsRequest& request,
+    std::vector<cuda::ReceiptRegion>* regions, std::vector<int32_t>* group_of) {
+  const int groups = request.groups();
   if (groups < 0 || groups > (1 << 20)) {
-    return ToGrpcStatus(absl::InvalidArgumentError(
-        absl::StrCat("groups is ", groups, "; use 0 to 2^20")));
+    return absl::InvalidArgumentError(
+        absl::StrCat("groups is ", groups, "; use 0 to 2^20"));
   }
-  // Validated against the open allocations before anything reaches CUDA.
-  std::vector<cuda::ReceiptRegion> regions;
-  std::vector<int32_t> group_of;
-  regions.reserve(request->regions_size());
+  regions->clear();
+  group_of->clear();
+  regions->reserve(request.regions_size());
   {
     absl::MutexLock lock(&mu_);
-    for (int i = 0; i < request->regions_size(); ++i) {
-      const worker::v1::ReceiptRegionSpec& g = request->regions(i);
+    for (int i = 0; i < request.regions_size(); ++i) {
+      const worker::v1::ReceiptRegionSpec& g = request.regions(i);
       const int64_t es = g.element_size();
       auto it = allocations_.find(g.allocation_id());
       if (it == allocations_.end()) {
-        return ToGrpcStatus(absl::NotFoundError(
+        return absl::NotFoundError(
             absl::StrCat("receipt region ", i, ": allocation ",
-                         g.allocation_id(), " is not open in the worker")));
+                         g.allocation_id(), " is not open in the worker"));
       }
       constexpr int64_t kMax = int64_t{1} << 40;
       if (g.group() < 0 || g.group() >= groups ||
@@ -811,18 +1136,18 @@ grpc::Status GpuWorker::ComputeReceipts(
           g.cols() < 0 || g.rows() > kMax || g.cols() > kMax ||
           g.offset() < 0 || g.row_stride_bytes() < 0 ||
           g.row_stride_bytes() > kMax) {
-        return ToGrpcStatus(absl::InvalidArgumentError(
+        return absl::InvalidArgumentError(
             absl::StrCat("receipt region ", i, " is malformed (group ",
                          g.group(), " of ", groups, ", element size ", es, ", ",
-                         g.rows(), " x ", g.cols(), ")")));
+                         g.rows(), " x ", g.cols(), ")"));
       }
       if (g.rows() > 0 && g.cols() > 0) {
         const int64_t end =
             g.offset() + (g.rows() - 1) * g.row_stride_bytes() + g.cols() * es;
         if (end > it->second.size) {
-          return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+          return absl::InvalidArgumentError(absl::StrCat(
               "receipt region ", i, " ends at byte ", end, " of allocation ",
-              g.allocation_id(), " (", it->second.size, " bytes)")));
+              g.allocation_id(), " (", it->second.size, " bytes)"));
         }
       }
       cuda::ReceiptRegion r{};
@@ -833,10 +1158,22 @@ grpc::Status GpuWorker::ComputeReceipts(
       r.salt = g.salt();
       r.first_index = g.first_index();
       r.es = static_cast<int32_t>(es);
-      regions.push_back(r);
-      group_of.push_back(g.group());
+      regions->push_back(r);
+      group_of->push_back(g.group());
     }
   }
+  return absl::OkStatus();
+}
+
+grpc::Status GpuWorker::ComputeReceipts(
+    grpc::ServerContext* ctx, const worker::v1::ComputeReceiptsRequest* request,
+    worker::v1::ComputeReceiptsResponse* response) {
+  const int groups = request->groups();
+  // Validated against the open allocations before anything reaches CUDA.
+  std::vector<cuda::ReceiptRegion> regions;
+  std::vector<int32_t> group_of;
+  absl::Status resolved = ResolveReceiptRegions(*request, &regions, &group_of);
+  if (!resolved.ok()) return ToGrpcStatus(resolved);
   std::vector<uint64_t> sums(groups, 0);
   float ms = 0;
   absl::Status s = owner_.Run(

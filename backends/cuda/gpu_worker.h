@@ -29,6 +29,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "backends/cuda/kernel_math.h"
 #include "backends/cuda/vmm.h"
 #include "weightsync/worker/v1/gpu_worker.grpc.pb.h"
 
@@ -123,6 +124,46 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
       const uint8_t* chunk,
       const absl::flat_hash_map<int64_t, Allocation>& allocs, bool sm_copies,
       int* op);
+  // Enqueues chunk k's dense ops (EnqueueChunkOps) and its sparse pieces
+  // (EnqueueChunkSparse, applying patches it completes).
+  absl::Status EnqueueChunk(
+      const worker::v1::BeginUpdateRequest& request, int64_t k,
+      const uint8_t* chunk,
+      const absl::flat_hash_map<int64_t, Allocation>& allocs, bool sm_copies,
+      int* op);
+  // Sparse patches (owner thread). PrepareSparse, at BeginUpdate: checks the
+  // patches and pieces, lays out their payloads and reports in sparse_dev_.
+  absl::Status PrepareSparse(const worker::v1::BeginUpdateRequest& request);
+  // Copies chunk k's sparse pieces into their payloads on scatter_stream_;
+  // a payload completed by them gets its indices checked and, with `apply`,
+  // is applied (guarded by the check).
+  absl::Status EnqueueChunkSparse(
+      const worker::v1::BeginUpdateRequest& request, int64_t k,
+      const uint8_t* chunk,
+      const absl::flat_hash_map<int64_t, Allocation>& allocs, bool apply);
+  absl::Status ApplyPatch(
+      const worker::v1::BeginUpdateRequest& request, int p,
+      const absl::flat_hash_map<int64_t, Allocation>& allocs);
+  // Copies the index reports to the host (scatter_stream_), to be read by
+  // SparseVerdict once the update's last event has completed.
+  absl::Status CopyReportsOut();
+  // OK, or INVALID_ARGUMENT naming the first patch refused for an index
+  // outside its tensor. Any thread, after the event that follows
+  // CopyReportsOut.
+  absl::Status SparseVerdict() const;
+  // Receipt regions of `request` resolved against the open allocations.
+  absl::Status ResolveReceiptRegions(
+      const worker::v1::ComputeReceiptsRequest& request,
+      std::vector<cuda::ReceiptRegion>* regions, std::vector<int32_t>* group_of)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Receipts as the update goes (owner thread): PrepareReceipts, at
+  // BeginUpdate, uploads the regions grouped by the chunk after which they
+  // are summed; EnqueueReceiptsAfter(k) launches chunk k's batch;
+  // CopyReceiptsOut copies the sums to the host before the update's last
+  // event.
+  absl::Status PrepareReceipts(const worker::v1::BeginUpdateRequest& request);
+  absl::Status EnqueueReceiptsAfter(int64_t k);
+  absl::Status CopyReceiptsOut();
   absl::Status WaitComm(absl::Time deadline);
   absl::Status EnqueueUpdate(const worker::v1::BeginUpdateRequest& request);
   // Staged: chunk k broadcast into staging_[k]; records received_.
@@ -170,6 +211,35 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   worker::v1::BeginUpdateRequest staged_;
   cudaEvent_t received_ = nullptr;
   std::atomic<bool> staged_pending_{false};
+
+  // Sparse patches of the update: per patch a SparseIndexReport (32 bytes)
+  // then the payloads, each at sparse_offsets_[p] in sparse_dev_ (device,
+  // grown as needed); the reports' host copy (pinned); bytes assembled per
+  // patch and the next piece (owner thread). sparse_names_/sparse_numel_
+  // are set before update_active_ and read by SparseVerdict.
+  uint8_t* sparse_dev_ = nullptr;
+  int64_t sparse_dev_bytes_ = 0;
+  void* sparse_host_ = nullptr;
+  int64_t sparse_host_bytes_ = 0;
+  std::vector<int64_t> sparse_offsets_, sparse_have_;
+  int sparse_next_piece_ = 0;
+  std::vector<std::string> sparse_names_;
+  std::vector<int64_t> sparse_numel_;
+  // Receipts of the update (PrepareReceipts): per chunk its batch (first
+  // region, count, tiles) in receipt_dev_ (sums, then the regions); the
+  // sums' host copy (pinned); receipt_groups_ is set before update_active_.
+  struct ReceiptBatch {
+    int64_t first = 0, count = 0, tiles = 0;
+  };
+  std::vector<ReceiptBatch> receipt_batches_;
+  uint8_t* receipt_dev_ = nullptr;
+  int64_t receipt_dev_bytes_ = 0;
+  uint64_t* receipt_host_ = nullptr;
+  int64_t receipt_host_groups_ = 0;
+  int receipt_groups_ = 0;
+  // The worker ended the last update itself with its GPU work complete (a
+  // refused patch): AbortUpdate then leaves the communicator alone.
+  std::atomic<bool> ended_clean_{false};
 
   // The enqueue of an update's broadcasts and scatters runs as its own owner
   // task after BeginUpdate returns: NCCL connects lazily, so the first

@@ -354,7 +354,9 @@ WS_HD bool SparseDestination(const SparseUse& u, int64_t cols, int64_t numel,
 // equals the host's sequential loop, where the last one wins. (Equal
 // indices that are not adjacent race on the GPU; SparseCheckIndices counts
 // them as "unsorted".)
-WS_HD bool SparseEntryWins(const int64_t* indices, int64_t nnz, int64_t k) {
+// I: the indices' type (int64_t, or uint32_t for 4-byte indices).
+template <typename I>
+WS_HD bool SparseEntryWins(const I* indices, int64_t nnz, int64_t k) {
   return k + 1 >= nnz || indices[k + 1] != indices[k];
 }
 

@@ -297,15 +297,17 @@ void CheckPatchesAgainstHost(cudaStream_t stream,
     ASSERT_CUDA_OK(cudaMemcpyAsync(dev_payload.get(), payload.data(),
                                    payload.size(), cudaMemcpyHostToDevice,
                                    stream));
-    const auto* indices = reinterpret_cast<const int64_t*>(dev_payload.get());
-    const uint8_t* values = dev_payload.get() + patch.nnz * 8;
+    const void* indices = dev_payload.get();
+    const uint8_t* values = dev_payload.get() + patch.nnz * patch.index_bytes;
     auto* report = reinterpret_cast<SparseIndexReport*>(report_buf.get());
-    ASSERT_CUDA_OK(
-        SparseCheckIndices(indices, patch.nnz, patch.numel, report, stream));
+    ASSERT_CUDA_OK(SparseCheckIndices(indices, patch.nnz, patch.numel, report,
+                                      stream, patch.index_bytes));
     for (const SparsePatch::Use& u : patch.uses) {
-      ASSERT_CUDA_OK(SparseApply(
-          indices, values, patch.dtype, patch.nnz, patch.cols, patch.numel,
-          patch_test::SparseUseOf(u, region.get()), stream));
+      // Guarded by the check, as the GPU worker applies them.
+      ASSERT_CUDA_OK(SparseApply(indices, values, patch.dtype, patch.nnz,
+                                 patch.cols, patch.numel,
+                                 patch_test::SparseUseOf(u, region.get()),
+                                 stream, patch.index_bytes, report));
     }
     SparseIndexReport got{};
     ASSERT_CUDA_OK(cudaMemcpyAsync(&got, report, sizeof(got),
@@ -346,6 +348,84 @@ TEST_F(PatchGpuTest, SparsePatchesMatchTheHostPath) {
         patch_test::SparseEngineUpdate(c.density, c.repeats, c.shuffle, seed),
         seed, !c.shuffle);
     ++seed;
+  }
+}
+
+// The same patches with 4-byte (uint32) indices on the wire
+// (sparse_index_bytes = 4).
+TEST_F(PatchGpuTest, FourByteIndicesMatchTheHostPath) {
+  for (bool repeats : {false, true}) {
+    patch_test::PatchUpdate u =
+        patch_test::SparseEngineUpdate(0.2, repeats, false, 21);
+    for (int i = 0; i < u.manifest.size(); ++i) {
+      const int64_t n = u.manifest.Get(i).sparse_nnz();
+      const std::string& wide = u.payloads[i];
+      std::string narrow(wide.size() - 4 * n, '\0');
+      for (int64_t k = 0; k < n; ++k) {
+        int64_t v;
+        std::memcpy(&v, &wide[k * 8], 8);
+        const uint32_t w = static_cast<uint32_t>(v);
+        std::memcpy(&narrow[k * 4], &w, 4);
+      }
+      std::memcpy(&narrow[n * 4], &wide[n * 8], wide.size() - 8 * n);
+      u.payloads[i] = std::move(narrow);
+      u.manifest.Mutable(i)->set_sparse_index_bytes(4);
+    }
+    SCOPED_TRACE(repeats);
+    CheckPatchesAgainstHost(stream_, u, 22, true);
+  }
+}
+
+// A patch with an index outside its tensor is refused whole when its apply
+// is guarded by the check's report (the GPU worker's way), while an
+// unguarded apply writes the indices in range and skips the other.
+TEST_F(PatchGpuTest, GuardedApplyWritesNothingOfABadPatch) {
+  for (int index_bytes : {8, 4}) {
+    SCOPED_TRACE(index_bytes);
+    const std::vector<int64_t> wide = {1, 4, 9, index_bytes == 8 ? -3 : 100};
+    DeviceBuffer idx(64), vals(64), param(64), report_buf(32);
+    std::vector<uint8_t> packed(wide.size() * index_bytes);
+    for (size_t k = 0; k < wide.size(); ++k) {
+      const uint32_t w = static_cast<uint32_t>(wide[k]);
+      std::memcpy(&packed[k * index_bytes],
+                  index_bytes == 8 ? static_cast<const void*>(&wide[k]) : &w,
+                  index_bytes);
+    }
+    const std::vector<float> values = {1.5f, 2.5f, 3.5f, 4.5f};
+    ASSERT_CUDA_OK(cudaMemcpy(idx.get(), packed.data(), packed.size(),
+                              cudaMemcpyHostToDevice));
+    ASSERT_CUDA_OK(
+        cudaMemcpy(vals.get(), values.data(), 16, cudaMemcpyHostToDevice));
+    ASSERT_CUDA_OK(cudaMemset(param.get(), 0, 64));
+    auto* report = reinterpret_cast<SparseIndexReport*>(report_buf.get());
+    SparseUse use{};
+    use.param = param.get();
+    use.dtype = v1::FLOAT32;
+    use.implicit = true;
+    ASSERT_CUDA_OK(
+        SparseCheckIndices(idx.get(), 4, 16, report, stream_, index_bytes));
+    ASSERT_CUDA_OK(SparseApply(idx.get(), vals.get(), v1::FLOAT32, 4, 1, 16,
+                               use, stream_, index_bytes, report));
+    std::vector<float> got(16, -1.0f);
+    ASSERT_CUDA_OK(cudaMemcpyAsync(got.data(), param.get(), 64,
+                                   cudaMemcpyDeviceToHost, stream_));
+    SparseIndexReport r{};
+    ASSERT_CUDA_OK(cudaMemcpyAsync(&r, report, sizeof(r),
+                                   cudaMemcpyDeviceToHost, stream_));
+    ASSERT_CUDA_OK(cudaStreamSynchronize(stream_));
+    EXPECT_EQ(r.out_of_range, 1);
+    EXPECT_EQ(r.first_out_of_range, 3);
+    EXPECT_EQ(got, std::vector<float>(16, 0.0f)) << "guarded: nothing written";
+    ASSERT_CUDA_OK(SparseApply(idx.get(), vals.get(), v1::FLOAT32, 4, 1, 16,
+                               use, stream_, index_bytes, nullptr));
+    ASSERT_CUDA_OK(cudaMemcpyAsync(got.data(), param.get(), 64,
+                                   cudaMemcpyDeviceToHost, stream_));
+    ASSERT_CUDA_OK(cudaStreamSynchronize(stream_));
+    std::vector<float> want(16, 0.0f);
+    want[1] = 1.5f;
+    want[4] = 2.5f;
+    want[9] = 3.5f;
+    EXPECT_EQ(got, want) << "unguarded: the indices in range";
   }
 }
 
@@ -437,10 +517,12 @@ void MakeDiffPair(int64_t n, int es, double density, uint64_t seed,
 }
 
 void CheckDiff(cudaStream_t stream, int64_t n, int es, double density,
-               int misalign_elems, int64_t capacity_cut, uint64_t seed) {
+               int misalign_elems, int64_t capacity_cut, uint64_t seed,
+               int index_bytes = 8) {
   SCOPED_TRACE(::testing::Message()
                << "n " << n << " es " << es << " density " << density
-               << " misalign " << misalign_elems << " cut " << capacity_cut);
+               << " misalign " << misalign_elems << " cut " << capacity_cut
+               << " index bytes " << index_bytes);
   std::vector<uint8_t> before, after;
   MakeDiffPair(n, es, density, seed, &before, &after);
   std::vector<int64_t> want_index;
@@ -462,30 +544,39 @@ void CheckDiff(cudaStream_t stream, int64_t n, int es, double density,
                             cudaMemcpyHostToDevice));
   ASSERT_CUDA_OK(cudaMemset(index.get(), 0xEE, index.bytes()));
   ASSERT_CUDA_OK(cudaMemset(values.get(), 0xEE, values.bytes()));
-  ASSERT_CUDA_OK(
-      DiffChanged(b.get() + off, a.get() + off, n, es, work.get(), work.bytes(),
-                  reinterpret_cast<int64_t*>(index.get()), values.get(),
-                  capacity, reinterpret_cast<int64_t*>(count.get()), stream));
+  ASSERT_CUDA_OK(DiffChanged(b.get() + off, a.get() + off, n, es, work.get(),
+                             work.bytes(), index.get(), values.get(), capacity,
+                             reinterpret_cast<int64_t*>(count.get()), stream,
+                             index_bytes));
   int64_t got_count = -1;
-  std::vector<int64_t> got_index(capacity + 4);
+  std::vector<uint8_t> got_index_bytes(index.bytes());
   std::vector<uint8_t> got_values((capacity + 4) * es);
   ASSERT_CUDA_OK(cudaMemcpyAsync(&got_count, count.get(), 8,
                                  cudaMemcpyDeviceToHost, stream));
-  ASSERT_CUDA_OK(cudaMemcpyAsync(got_index.data(), index.get(), index.bytes(),
-                                 cudaMemcpyDeviceToHost, stream));
+  ASSERT_CUDA_OK(cudaMemcpyAsync(got_index_bytes.data(), index.get(),
+                                 index.bytes(), cudaMemcpyDeviceToHost,
+                                 stream));
   ASSERT_CUDA_OK(cudaMemcpyAsync(got_values.data(), values.get(),
                                  values.bytes(), cudaMemcpyDeviceToHost,
                                  stream));
   ASSERT_CUDA_OK(cudaStreamSynchronize(stream));
+  // Entry k as written (index_bytes wide), zero-extended.
+  std::vector<uint64_t> got_index(capacity + 4, 0);
+  for (int64_t k = 0; k < capacity + 4; ++k) {
+    std::memcpy(&got_index[k], &got_index_bytes[k * index_bytes], index_bytes);
+  }
+  const uint64_t untouched =
+      index_bytes == 8 ? 0xEEEEEEEEEEEEEEEEull : 0xEEEEEEEEull;
   ASSERT_EQ(got_count, want_count);
   for (int64_t k = 0; k < written; ++k) {
-    ASSERT_EQ(got_index[k], want_index[k]) << "entry " << k;
+    ASSERT_EQ(got_index[k], static_cast<uint64_t>(want_index[k]))
+        << "entry " << k;
     ASSERT_EQ(std::memcmp(&got_values[k * es], &want_values[k * es], es), 0)
         << "value of entry " << k;
   }
   // Nothing past what fits.
   for (int64_t k = written; k < capacity + 4; ++k) {
-    ASSERT_EQ(static_cast<uint64_t>(got_index[k]), 0xEEEEEEEEEEEEEEEEull)
+    ASSERT_EQ(got_index[k], untouched)
         << "entry " << k << " written past the count or capacity";
   }
 }
@@ -503,6 +594,8 @@ TEST_F(PatchGpuTest, DiffMatchesAPlainLoop) {
       CheckDiff(stream_, n, es, 0.05, 1, 0, seed++);  // element by element
       CheckDiff(stream_, n, es, 0.05, 0, 7, seed++);  // capacity too small
       CheckDiff(stream_, n, es, 0.5, 3, n / 3, seed++);
+      CheckDiff(stream_, n, es, 0.05, 0, 0, seed++, /*index_bytes=*/4);
+      CheckDiff(stream_, n, es, 0.3, 1, 5, seed++, /*index_bytes=*/4);
       if (HasFatalFailure()) return;
     }
   }
@@ -525,6 +618,12 @@ TEST_F(PatchGpuTest, DiffRefusesWhatItCannotDo) {
   EXPECT_EQ(DiffChanged(p, p + 1024, 16, 4, p + 50000, 8, nullptr, nullptr, 16,
                         count, stream_),
             cudaErrorInvalidValue);  // nowhere to write
+  EXPECT_EQ(DiffChanged(p, p + 1024, 16, 4, p + 50000, 8, idx, p + 45000, 16,
+                        count, stream_, 2),
+            cudaErrorInvalidValue);  // index width
+  EXPECT_EQ(DiffChanged(p, p + 1024, (int64_t{1} << 32) + 1, 1, p + 50000, 8,
+                        idx, p + 45000, 16, count, stream_, 4),
+            cudaErrorInvalidValue);  // too many elements for 4-byte indices
   EXPECT_EQ(DiffWorkspaceBytes(0, 4), 0);
   EXPECT_EQ(DiffWorkspaceBytes(1, 4), 8);
   ASSERT_CUDA_OK(DiffChanged(nullptr, nullptr, 0, 2, nullptr, 0, nullptr,

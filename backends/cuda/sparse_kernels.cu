@@ -85,20 +85,21 @@ cudaError_t GridFor(int64_t n, int block, int64_t* grid) {
 
 constexpr int kCheckThreads = 256;
 
+template <typename I>
 __global__ void __launch_bounds__(kCheckThreads)
-    CheckIndicesKernel(const int64_t* __restrict__ indices, int64_t nnz,
+    CheckIndicesKernel(const I* __restrict__ indices, int64_t nnz,
                        int64_t numel, SparseIndexReport* report) {
   unsigned long long out_of_range = 0, unsorted = 0, repeated = 0;
   unsigned long long first = ~0ull;
   for (int64_t k = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; k < nnz;
        k += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t i = indices[k];
+    const int64_t i = static_cast<int64_t>(indices[k]);
     if (i < 0 || i >= numel) {
       ++out_of_range;
       first = min(first, static_cast<unsigned long long>(k));
     }
     if (k > 0) {
-      const int64_t prev = indices[k - 1];
+      const int64_t prev = static_cast<int64_t>(indices[k - 1]);
       unsorted += i < prev;
       repeated += i == prev;
     }
@@ -142,48 +143,64 @@ struct Copy {
 
 constexpr int kApplyThreads = 256;
 
-template <typename Conv>
+// `guard` (may be null): a report of SparseCheckIndices over the same
+// indices; any index out of range there and the kernel writes nothing.
+template <typename Conv, typename I>
 __global__ void __launch_bounds__(kApplyThreads)
-    ApplyKernel(const int64_t* __restrict__ indices,
+    ApplyKernel(const I* __restrict__ indices,
                 const typename Conv::From* __restrict__ values, int64_t nnz,
-                int64_t cols, int64_t numel, const SparseUse use) {
+                int64_t cols, int64_t numel, const SparseUse use,
+                const SparseIndexReport* __restrict__ guard) {
+  if (guard != nullptr && guard->out_of_range != 0) return;
   auto* param = static_cast<typename Conv::To*>(use.param);
   for (int64_t k = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; k < nnz;
        k += int64_t{gridDim.x} * blockDim.x) {
     if (!SparseEntryWins(indices, nnz, k)) continue;
     int64_t dst;
-    if (!SparseDestination(use, cols, numel, indices[k], &dst)) continue;
+    if (!SparseDestination(use, cols, numel, static_cast<int64_t>(indices[k]),
+                           &dst)) {
+      continue;
+    }
     param[dst] = Conv::Apply(values[k]);
   }
 }
 
+// What the apply launches share besides the conversion.
+struct ApplyArgs {
+  const void* indices;
+  int index_bytes;
+  const void* values;
+  int64_t nnz, cols, numel;
+  const SparseIndexReport* guard;
+};
+
 template <typename Conv>
-cudaError_t LaunchApply(const int64_t* indices, const void* values, int64_t nnz,
-                        int64_t cols, int64_t numel, const SparseUse& use,
+cudaError_t LaunchApply(const ApplyArgs& a, const SparseUse& use,
                         cudaStream_t stream) {
   int64_t grid = 0;
-  const cudaError_t err = GridFor(nnz, kApplyThreads, &grid);
+  const cudaError_t err = GridFor(a.nnz, kApplyThreads, &grid);
   if (err != cudaSuccess) return err;
-  return LaunchOn(ApplyKernel<Conv>, grid, kApplyThreads, stream, indices,
-                  static_cast<const typename Conv::From*>(values), nnz, cols,
-                  numel, use);
+  const auto* values = static_cast<const typename Conv::From*>(a.values);
+  if (a.index_bytes == 4) {
+    return LaunchOn(ApplyKernel<Conv, uint32_t>, grid, kApplyThreads, stream,
+                    static_cast<const uint32_t*>(a.indices), values, a.nnz,
+                    a.cols, a.numel, use, a.guard);
+  }
+  return LaunchOn(ApplyKernel<Conv, int64_t>, grid, kApplyThreads, stream,
+                  static_cast<const int64_t*>(a.indices), values, a.nnz, a.cols,
+                  a.numel, use, a.guard);
 }
 
 template <typename S>
-cudaError_t DispatchApplyDst(int dst_dtype, const int64_t* indices,
-                             const void* values, int64_t nnz, int64_t cols,
-                             int64_t numel, const SparseUse& use,
+cudaError_t DispatchApplyDst(const ApplyArgs& a, const SparseUse& use,
                              cudaStream_t stream) {
-  switch (dst_dtype) {
+  switch (use.dtype) {
     case kFloat32:
-      return LaunchApply<Convert<S, F32>>(indices, values, nnz, cols, numel,
-                                          use, stream);
+      return LaunchApply<Convert<S, F32>>(a, use, stream);
     case kBfloat16:
-      return LaunchApply<Convert<S, Bf16>>(indices, values, nnz, cols, numel,
-                                           use, stream);
+      return LaunchApply<Convert<S, Bf16>>(a, use, stream);
     case kFloat16:
-      return LaunchApply<Convert<S, F16>>(indices, values, nnz, cols, numel,
-                                          use, stream);
+      return LaunchApply<Convert<S, F16>>(a, use, stream);
     default:
       return cudaErrorInvalidValue;
   }
@@ -318,13 +335,12 @@ __global__ void __launch_bounds__(kScanThreads)
 
 // Writes each tile's changed elements from its first output position on, in
 // element order, stopping at `capacity`.
-template <int ES, bool kVec>
+template <int ES, bool kVec, typename I>
 __global__ void __launch_bounds__(kDiffThreads)
     DiffWriteKernel(const char* __restrict__ before,
                     const char* __restrict__ after, int64_t numel,
                     const int64_t* __restrict__ offsets, int64_t tiles,
-                    const int64_t* __restrict__ total,
-                    int64_t* __restrict__ indices,
+                    const int64_t* __restrict__ total, I* __restrict__ indices,
                     typename Raw<ES>::Storage* __restrict__ values,
                     int64_t capacity) {
   // Warp totals per round, double-buffered: one barrier per round.
@@ -360,7 +376,7 @@ __global__ void __launch_bounds__(kDiffThreads)
     while (mask != 0 && pos < capacity) {
       const int b = __ffs(mask) - 1;
       mask &= mask - 1;
-      indices[pos] = e0 + b;
+      indices[pos] = static_cast<I>(e0 + b);
       values[pos] = static_cast<typename Raw<ES>::Storage>(
           LoadBits<ES>(after + (e0 + b) * ES));
       ++pos;
@@ -370,48 +386,61 @@ __global__ void __launch_bounds__(kDiffThreads)
   }
 }
 
+// The diff launches' arguments besides the element size.
+struct DiffArgs {
+  const void* before;
+  const void* after;
+  int64_t numel;
+  int64_t* counts;  // the workspace
+  void* indices;
+  int index_bytes;
+  void* values;
+  int64_t capacity;
+  int64_t* device_count;
+};
+
 template <int ES, bool kVec>
-cudaError_t LaunchDiff(const void* before, const void* after, int64_t numel,
-                       int64_t* counts, int64_t* indices, void* values,
-                       int64_t capacity, int64_t* device_count,
-                       cudaStream_t stream) {
-  const auto* b = static_cast<const char*>(before);
-  const auto* a = static_cast<const char*>(after);
-  const int64_t tiles = DiffTiles(numel, ES);
+cudaError_t LaunchDiff(const DiffArgs& d, cudaStream_t stream) {
+  const auto* b = static_cast<const char*>(d.before);
+  const auto* a = static_cast<const char*>(d.after);
+  const int64_t tiles = DiffTiles(d.numel, ES);
   cudaError_t err = LaunchOn(DiffCountKernel<ES, kVec>, tiles, kDiffThreads,
-                             stream, b, a, numel, counts);
+                             stream, b, a, d.numel, d.counts);
   if (err != cudaSuccess) return err;
-  err = LaunchOn(DiffScanKernel, 1, kScanThreads, stream, counts, tiles,
-                 device_count);
+  err = LaunchOn(DiffScanKernel, 1, kScanThreads, stream, d.counts, tiles,
+                 d.device_count);
   if (err != cudaSuccess) return err;
-  return LaunchOn(DiffWriteKernel<ES, kVec>, tiles, kDiffThreads, stream, b, a,
-                  numel, static_cast<const int64_t*>(counts), tiles,
-                  static_cast<const int64_t*>(device_count), indices,
-                  static_cast<typename Raw<ES>::Storage*>(values), capacity);
+  auto* values = static_cast<typename Raw<ES>::Storage*>(d.values);
+  const auto* offsets = static_cast<const int64_t*>(d.counts);
+  const auto* total = static_cast<const int64_t*>(d.device_count);
+  if (d.index_bytes == 4) {
+    return LaunchOn(DiffWriteKernel<ES, kVec, uint32_t>, tiles, kDiffThreads,
+                    stream, b, a, d.numel, offsets, tiles, total,
+                    static_cast<uint32_t*>(d.indices), values, d.capacity);
+  }
+  return LaunchOn(DiffWriteKernel<ES, kVec, int64_t>, tiles, kDiffThreads,
+                  stream, b, a, d.numel, offsets, tiles, total,
+                  static_cast<int64_t*>(d.indices), values, d.capacity);
 }
 
 template <int ES>
-cudaError_t DispatchDiff(const void* before, const void* after, int64_t numel,
-                         int64_t* counts, int64_t* indices, void* values,
-                         int64_t capacity, int64_t* device_count,
-                         cudaStream_t stream) {
-  if (Aligned(before, 16) && Aligned(after, 16)) {
-    return LaunchDiff<ES, true>(before, after, numel, counts, indices, values,
-                                capacity, device_count, stream);
+cudaError_t DispatchDiff(const DiffArgs& d, cudaStream_t stream) {
+  if (Aligned(d.before, 16) && Aligned(d.after, 16)) {
+    return LaunchDiff<ES, true>(d, stream);
   }
-  return LaunchDiff<ES, false>(before, after, numel, counts, indices, values,
-                               capacity, device_count, stream);
+  return LaunchDiff<ES, false>(d, stream);
 }
 
 }  // namespace
 
-cudaError_t SparseCheckIndices(const int64_t* indices, int64_t nnz,
-                               int64_t numel, SparseIndexReport* device_report,
-                               cudaStream_t stream) {
-  if (nnz < 0 || device_report == nullptr || !Aligned(device_report, 8)) {
+cudaError_t SparseCheckIndices(const void* indices, int64_t nnz, int64_t numel,
+                               SparseIndexReport* device_report,
+                               cudaStream_t stream, int index_bytes) {
+  if (nnz < 0 || device_report == nullptr || !Aligned(device_report, 8) ||
+      (index_bytes != 4 && index_bytes != 8)) {
     return cudaErrorInvalidValue;
   }
-  if (nnz > 0 && (indices == nullptr || !Aligned(indices, 8))) {
+  if (nnz > 0 && (indices == nullptr || !Aligned(indices, index_bytes))) {
     return cudaErrorInvalidValue;
   }
   static_assert(sizeof(SparseIndexReport) == 32, "four counters");
@@ -422,14 +451,21 @@ cudaError_t SparseCheckIndices(const int64_t* indices, int64_t nnz,
   int64_t grid = 0;
   err = GridFor(nnz, kCheckThreads, &grid);
   if (err != cudaSuccess) return err;
-  return LaunchOn(CheckIndicesKernel, grid, kCheckThreads, stream, indices, nnz,
-                  numel, device_report);
+  if (index_bytes == 4) {
+    return LaunchOn(CheckIndicesKernel<uint32_t>, grid, kCheckThreads, stream,
+                    static_cast<const uint32_t*>(indices), nnz, numel,
+                    device_report);
+  }
+  return LaunchOn(CheckIndicesKernel<int64_t>, grid, kCheckThreads, stream,
+                  static_cast<const int64_t*>(indices), nnz, numel,
+                  device_report);
 }
 
-cudaError_t SparseApply(const int64_t* indices, const void* values,
+cudaError_t SparseApply(const void* indices, const void* values,
                         int value_dtype, int64_t nnz, int64_t tensor_cols,
                         int64_t tensor_numel, const SparseUse& use,
-                        cudaStream_t stream) {
+                        cudaStream_t stream, int index_bytes,
+                        const SparseIndexReport* guard) {
   const int64_t ss = ElemSize(value_dtype);
   const int64_t ds = ElemSize(use.dtype);
   const bool same = value_dtype == use.dtype;
@@ -438,40 +474,38 @@ cudaError_t SparseApply(const int64_t* indices, const void* values,
         (IsConvertibleFloat(value_dtype) && IsConvertibleFloat(use.dtype)))) {
     return cudaErrorInvalidValue;
   }
-  if (nnz < 0 || (!use.implicit && tensor_cols < 1)) {
+  if (nnz < 0 || (!use.implicit && tensor_cols < 1) ||
+      (index_bytes != 4 && index_bytes != 8) ||
+      (guard != nullptr && !Aligned(guard, 8))) {
     return cudaErrorInvalidValue;
   }
   if (nnz == 0) return cudaSuccess;
   if (indices == nullptr || values == nullptr || use.param == nullptr ||
-      !Aligned(indices, 8) || !Aligned(values, ss) || !Aligned(use.param, ds)) {
+      !Aligned(indices, index_bytes) || !Aligned(values, ss) ||
+      !Aligned(use.param, ds)) {
     return cudaErrorInvalidValue;
   }
+  const ApplyArgs a{indices,     index_bytes,  values, nnz,
+                    tensor_cols, tensor_numel, guard};
   if (same) {
     switch (ss) {
       case 1:
-        return LaunchApply<Copy<1>>(indices, values, nnz, tensor_cols,
-                                    tensor_numel, use, stream);
+        return LaunchApply<Copy<1>>(a, use, stream);
       case 2:
-        return LaunchApply<Copy<2>>(indices, values, nnz, tensor_cols,
-                                    tensor_numel, use, stream);
+        return LaunchApply<Copy<2>>(a, use, stream);
       case 4:
-        return LaunchApply<Copy<4>>(indices, values, nnz, tensor_cols,
-                                    tensor_numel, use, stream);
+        return LaunchApply<Copy<4>>(a, use, stream);
       default:
-        return LaunchApply<Copy<8>>(indices, values, nnz, tensor_cols,
-                                    tensor_numel, use, stream);
+        return LaunchApply<Copy<8>>(a, use, stream);
     }
   }
   switch (value_dtype) {
     case kFloat32:
-      return DispatchApplyDst<F32>(use.dtype, indices, values, nnz, tensor_cols,
-                                   tensor_numel, use, stream);
+      return DispatchApplyDst<F32>(a, use, stream);
     case kBfloat16:
-      return DispatchApplyDst<Bf16>(use.dtype, indices, values, nnz,
-                                    tensor_cols, tensor_numel, use, stream);
+      return DispatchApplyDst<Bf16>(a, use, stream);
     default:
-      return DispatchApplyDst<F16>(use.dtype, indices, values, nnz, tensor_cols,
-                                   tensor_numel, use, stream);
+      return DispatchApplyDst<F16>(a, use, stream);
   }
 }
 
@@ -482,10 +516,13 @@ size_t DiffWorkspaceBytes(int64_t numel, int es) {
 
 cudaError_t DiffChanged(const void* before, const void* after, int64_t numel,
                         int es, void* workspace, size_t workspace_bytes,
-                        int64_t* indices, void* values, int64_t capacity,
-                        int64_t* device_count, cudaStream_t stream) {
+                        void* indices, void* values, int64_t capacity,
+                        int64_t* device_count, cudaStream_t stream,
+                        int index_bytes) {
   if ((es != 1 && es != 2 && es != 4 && es != 8) || numel < 0 || capacity < 0 ||
-      device_count == nullptr || !Aligned(device_count, 8)) {
+      device_count == nullptr || !Aligned(device_count, 8) ||
+      (index_bytes != 4 && index_bytes != 8) ||
+      (index_bytes == 4 && numel > (int64_t{1} << 32))) {
     return cudaErrorInvalidValue;
   }
   if (numel == 0) {
@@ -496,26 +533,26 @@ cudaError_t DiffChanged(const void* before, const void* after, int64_t numel,
       workspace_bytes < DiffWorkspaceBytes(numel, es)) {
     return cudaErrorInvalidValue;
   }
-  if (capacity > 0 && (indices == nullptr || values == nullptr ||
-                       !Aligned(indices, 8) || !Aligned(values, es))) {
+  if (capacity > 0 &&
+      (indices == nullptr || values == nullptr ||
+       !Aligned(indices, index_bytes) || !Aligned(values, es))) {
     return cudaErrorInvalidValue;
   }
   // One block per tile: the grid's x dimension holds 2^31 - 1.
   if (DiffTiles(numel, es) > 0x7FFFFFFF) return cudaErrorInvalidValue;
-  auto* counts = static_cast<int64_t*>(workspace);
+  const DiffArgs d{
+      before,      after,       numel,  static_cast<int64_t*>(workspace),
+      indices,     index_bytes, values, capacity,
+      device_count};
   switch (es) {
     case 1:
-      return DispatchDiff<1>(before, after, numel, counts, indices, values,
-                             capacity, device_count, stream);
+      return DispatchDiff<1>(d, stream);
     case 2:
-      return DispatchDiff<2>(before, after, numel, counts, indices, values,
-                             capacity, device_count, stream);
+      return DispatchDiff<2>(d, stream);
     case 4:
-      return DispatchDiff<4>(before, after, numel, counts, indices, values,
-                             capacity, device_count, stream);
+      return DispatchDiff<4>(d, stream);
     default:
-      return DispatchDiff<8>(before, after, numel, counts, indices, values,
-                             capacity, device_count, stream);
+      return DispatchDiff<8>(d, stream);
   }
 }
 

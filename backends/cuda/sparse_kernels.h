@@ -1,7 +1,7 @@
 // Sparse patches on the GPU (docs/protocol.md, "Sparse patches"; issue 5):
-// applying a patch (int64 flat indices into a checkpoint tensor, values of
-// its dtype) through one use of the tensor, i.e. one segment of one engine
-// parameter, with dtype conversion; checking a patch's indices; and the
+// applying a patch (int64 or uint32 flat indices into a checkpoint tensor,
+// values of its dtype) through one use of the tensor, i.e. one segment of one
+// engine parameter, with dtype conversion; checking a patch's indices; and the
 // trainer's diff helper that turns two versions of a tensor into a patch.
 //
 // Stateless and thread-safe; nothing here synchronises: work is enqueued on
@@ -33,7 +33,7 @@ struct SparseIndexReport {
 };
 
 // Fills *device_report (device memory; it is reset first, on `stream`) for
-// the `nnz` indices at `indices` (device memory, 8-byte aligned) of a
+// the `nnz` indices at `indices` (device memory) of a
 // tensor of `numel` elements. The host path (ApplySparsePatch) refuses a
 // patch with any index out of range before writing anything; to do the
 // same, check, synchronise, read the report, and only then apply.
@@ -41,9 +41,10 @@ struct SparseIndexReport {
 // no repeats) guarantee that SparseApply writes exactly what the host path
 // writes. cudaErrorInvalidValue (nothing enqueued) for nnz < 0, a null or
 // misaligned pointer.
-cudaError_t SparseCheckIndices(const int64_t* indices, int64_t nnz,
-                               int64_t numel, SparseIndexReport* device_report,
-                               cudaStream_t stream);
+// index_bytes: 8 (int64 indices) or 4 (uint32), aligned to that.
+cudaError_t SparseCheckIndices(const void* indices, int64_t nnz, int64_t numel,
+                               SparseIndexReport* device_report,
+                               cudaStream_t stream, int index_bytes = 8);
 
 // Writes the patch (`nnz` indices, `values` of `value_dtype`, both in
 // memory the current device can read) into the parameter of `use`, exactly
@@ -70,10 +71,17 @@ cudaError_t SparseCheckIndices(const int64_t* indices, int64_t nnz,
 // indices, values or use.param not aligned to their element size. nnz == 0
 // is a no-op. use.param must be accessible from the current device (its own
 // memory, an IPC mapping opened on it, or a peer with peer access).
-cudaError_t SparseApply(const int64_t* indices, const void* values,
+//
+// index_bytes: 8 (int64 indices) or 4 (uint32). `guard` (device memory, may
+// be null): the report SparseCheckIndices wrote for these indices, earlier
+// on `stream`; if it counts any index out of range the apply writes
+// nothing, so a bad patch is refused whole without the host waiting for
+// the check (the host path's behaviour, asynchronously).
+cudaError_t SparseApply(const void* indices, const void* values,
                         int value_dtype, int64_t nnz, int64_t tensor_cols,
                         int64_t tensor_numel, const SparseUse& use,
-                        cudaStream_t stream);
+                        cudaStream_t stream, int index_bytes = 8,
+                        const SparseIndexReport* guard = nullptr);
 
 // Workspace bytes DiffChanged needs for `numel` elements of `es` bytes (8
 // per tile of 2048 vectors of 16 bytes). 0 for numel <= 0 or a bad es.
@@ -96,13 +104,17 @@ size_t DiffWorkspaceBytes(int64_t numel, int es);
 // memory, 8-byte aligned, not used by anything else until the call's work
 // has run.
 //
+// index_bytes: the indices are int64 (8) or uint32 (4, numel <= 2^32), as
+// the wire's sparse_index_bytes.
+//
 // cudaErrorInvalidValue, nothing enqueued: bad es, numel < 0, capacity < 0,
-// null or misaligned pointers, a workspace too small. numel == 0 writes a
-// count of 0.
+// null or misaligned pointers, a workspace too small, 4-byte indices for
+// more than 2^32 elements. numel == 0 writes a count of 0.
 cudaError_t DiffChanged(const void* before, const void* after, int64_t numel,
                         int es, void* workspace, size_t workspace_bytes,
-                        int64_t* indices, void* values, int64_t capacity,
-                        int64_t* device_count, cudaStream_t stream);
+                        void* indices, void* values, int64_t capacity,
+                        int64_t* device_count, cudaStream_t stream,
+                        int index_bytes = 8);
 
 }  // namespace cuda
 }  // namespace weightsync

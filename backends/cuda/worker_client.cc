@@ -7,10 +7,12 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "common/checksum.h"
 #include "common/dtype.h"
 #include "common/grpc_status.h"
+#include "common/status_macros.h"
 #include "glog/logging.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
@@ -285,7 +287,7 @@ absl::StatusOr<std::vector<uint64_t>> GpuWorkerSupervisor::ComputeReceipts(
   return std::vector<uint64_t>(resp.sums().begin(), resp.sums().end());
 }
 
-absl::StatusOr<absl::Duration> GpuWorkerSupervisor::WaitUpdate(
+absl::StatusOr<GpuWorkerSupervisor::Waited> GpuWorkerSupervisor::WaitUpdate(
     absl::Time deadline, bool received_only) {
   worker::v1::GpuWorker::Stub* stub;
   {
@@ -302,7 +304,10 @@ absl::StatusOr<absl::Duration> GpuWorkerSupervisor::WaitUpdate(
   auto ctx = Ctx(deadline + absl::Seconds(2));
   absl::Status s = FromGrpcStatus(stub->WaitUpdate(ctx.get(), req, &resp));
   if (!s.ok()) return s;
-  return absl::Seconds(resp.device_seconds());
+  Waited w;
+  w.device = absl::Seconds(resp.device_seconds());
+  w.receipt_sums.assign(resp.receipt_sums().begin(), resp.receipt_sums().end());
+  return w;
 }
 
 void GpuWorkerSupervisor::AbortUpdate(absl::Time deadline) {
@@ -356,19 +361,25 @@ absl::Status GpuDataPlane::CommitStaged(absl::Time deadline) {
   return sup_->CommitStaged(deadline);
 }
 
-absl::StatusOr<std::vector<v1::Receipt>> GpuDataPlane::DeviceReceipts(
-    const CopyPlan& plan, const absl::flat_hash_set<std::string>& sources,
-    const std::vector<bool>& skip, absl::Time deadline) {
-  // The regions ComputeReceipt walks on the host (daemon/core/receipt.cc),
-  // one group per engine: segment s of parameter p is rows x cols elements
-  // from element s.dest_offset, rows s.dest_row_stride elements apart.
-  std::vector<v1::Receipt> out(plan.engines.size());
-  worker::v1::ComputeReceiptsRequest req;
-  req.set_groups(plan.engines.size());
+namespace {
+
+// The regions ComputeReceipt walks on the host (daemon/core/receipt.cc),
+// one group per engine: segment s of parameter p is rows x cols elements
+// from element s.dest_offset, rows s.dest_row_stride elements apart. Fills
+// *req, the receipts' parameter and byte counts in *out (one per engine),
+// and each region's source tensor in *region_sources.
+absl::Status ReceiptRegionsOf(const CopyPlan& plan,
+                              const absl::flat_hash_set<std::string>& sources,
+                              const std::vector<bool>& skip,
+                              worker::v1::ComputeReceiptsRequest* req,
+                              std::vector<v1::Receipt>* out,
+                              std::vector<std::string>* region_sources) {
+  out->assign(plan.engines.size(), v1::Receipt());
+  req->set_groups(plan.engines.size());
   for (size_t e = 0; e < plan.engines.size(); ++e) {
     if (e < skip.size() && skip[e]) continue;
     const EngineLayout& engine = *plan.engines[e];
-    v1::Receipt& receipt = out[e];
+    v1::Receipt& receipt = (*out)[e];
     for (const ParameterLayout& p : engine.parameters) {
       const auto* region =
           dynamic_cast<const GpuRegion*>(engine.regions[p.region].get());
@@ -383,7 +394,7 @@ absl::StatusOr<std::vector<v1::Receipt>> GpuDataPlane::DeviceReceipts(
       for (const SegmentLayout& s : p.segments) {
         if (!sources.contains(s.source)) continue;
         touched = true;
-        worker::v1::ReceiptRegionSpec* g = req.add_regions();
+        worker::v1::ReceiptRegionSpec* g = req->add_regions();
         g->set_allocation_id(region->id());
         g->set_offset(p.offset + s.dest_offset * es);
         g->set_rows(s.row_count);
@@ -393,16 +404,70 @@ absl::StatusOr<std::vector<v1::Receipt>> GpuDataPlane::DeviceReceipts(
         g->set_salt(salt);
         g->set_first_index(static_cast<uint64_t>(s.dest_offset));
         g->set_group(static_cast<int32_t>(e));
+        region_sources->push_back(s.source);
         receipt.set_bytes(receipt.bytes() + s.row_count * s.col_count * es);
       }
       if (touched) receipt.set_parameters(receipt.parameters() + 1);
     }
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<v1::Receipt>> GpuDataPlane::DeviceReceipts(
+    const CopyPlan& plan, const absl::flat_hash_set<std::string>& sources,
+    const std::vector<bool>& skip, absl::Time deadline) {
+  {
+    // Computed by the worker as the update went (AddReceipts).
+    absl::MutexLock lock(&mu_);
+    if (inflight_receipts_ready_ && inflight_plan_ == &plan) {
+      std::vector<v1::Receipt> out = inflight_receipts_;
+      for (size_t e = 0; e < out.size(); ++e) {
+        if (e < skip.size() && skip[e]) out[e] = v1::Receipt();
+      }
+      return out;
+    }
+  }
+  std::vector<v1::Receipt> out;
+  worker::v1::ComputeReceiptsRequest req;
+  std::vector<std::string> region_sources;
+  WS_RETURN_IF_ERROR(
+      ReceiptRegionsOf(plan, sources, skip, &req, &out, &region_sources));
   absl::StatusOr<std::vector<uint64_t>> sums =
       sup_->ComputeReceipts(req, deadline);
   if (!sums.ok()) return sums.status();
   for (size_t e = 0; e < out.size(); ++e) out[e].set_checksum((*sums)[e]);
   return out;
+}
+
+absl::Status GpuDataPlane::AddReceipts(
+    const CopyPlan& plan, const v1::StartWeightUpdateRequest& request,
+    worker::v1::BeginUpdateRequest* req) {
+  // The sources receipts cover (the coordinator's: dense tensors), and the
+  // last chunk that carries each.
+  absl::flat_hash_set<std::string> sources;
+  absl::flat_hash_map<std::string, int64_t> last_chunk;
+  for (const v1::TensorSpec& t : request.tensors()) {
+    if (t.sparse_nnz() == 0) sources.insert(t.name());
+  }
+  for (const Chunk& c : plan.chunks.chunks) {
+    for (const Piece& piece : c.pieces) {
+      last_chunk[request.tensors(piece.tensor).name()] = c.index;
+    }
+  }
+  std::vector<v1::Receipt> receipts;
+  std::vector<std::string> region_sources;
+  WS_RETURN_IF_ERROR(ReceiptRegionsOf(
+      plan, sources, {}, req->mutable_receipts(), &receipts, &region_sources));
+  for (const std::string& source : region_sources) {
+    auto it = last_chunk.find(source);
+    // A tensor of no bytes rides in no chunk: after the first.
+    req->add_receipt_after_chunk(it == last_chunk.end() ? 0 : it->second);
+  }
+  absl::MutexLock lock(&mu_);
+  inflight_receipts_ = std::move(receipts);
+  return absl::OkStatus();
 }
 
 absl::Status GpuDataPlane::BeginImpl(
@@ -477,9 +542,80 @@ absl::Status GpuDataPlane::BeginImpl(
       g->set_dst_dtype(op.dst_dtype);
     }
   }
+  // Sparse patches: assembled, checked and applied by the worker on its GPU.
+  int64_t sparse_bytes = 0;
+  for (const SparsePatch& patch : plan->sparse) {
+    worker::v1::GpuSparsePatch* g = req.add_sparse();
+    g->set_name(patch.name);
+    g->set_nnz(patch.nnz);
+    g->set_numel(patch.numel);
+    g->set_index_bytes(patch.index_bytes);
+    g->set_dtype(patch.dtype);
+    g->set_cols(patch.cols);
+    g->set_payload_bytes(patch.payload_bytes);
+    sparse_bytes += (patch.payload_bytes + 255) / 256 * 256 + 32;
+    for (const SparsePatch::Use& u : patch.uses) {
+      const auto* region = dynamic_cast<const GpuRegion*>(
+          plan->engines[u.engine]->regions[u.region].get());
+      if (region == nullptr) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("engine '", plan->engines[u.engine]->engine_id,
+                         "' registered host memory; the ", name(),
+                         " backend writes GPU "
+                         "memory"));
+      }
+      worker::v1::GpuSparseUse* gu = g->add_uses();
+      gu->set_allocation_id(region->id());
+      gu->set_param_offset(u.param_offset);
+      gu->set_dtype(u.dtype);
+      gu->set_implicit(u.implicit);
+      gu->set_row_begin(u.row_begin);
+      gu->set_row_count(u.row_count);
+      gu->set_col_begin(u.col_begin);
+      gu->set_col_count(u.col_count);
+      gu->set_dest_offset(u.dest_offset);
+      gu->set_dest_row_stride(u.dest_row_stride);
+    }
+  }
+  for (size_t k = 0; k < plan->sparse_pieces_by_chunk.size(); ++k) {
+    for (const auto& [si, piece] : plan->sparse_pieces_by_chunk[k]) {
+      worker::v1::GpuSparsePiece* g = req.add_sparse_pieces();
+      g->set_chunk(k);
+      g->set_patch(si);
+      g->set_chunk_offset(piece.chunk_offset);
+      g->set_patch_offset(piece.tensor_offset);
+      g->set_length(piece.length);
+    }
+  }
+  // The patches' payloads live in the worker's GPU memory until applied:
+  // they count against the staging budget.
+  if (sparse_bytes > 0 &&
+      (backend_ == v1::BACKEND_IPC ? 0 : staging) + sparse_bytes >
+          o.staging_budget) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "GPU staging of ", backend_ == v1::BACKEND_IPC ? 0 : staging,
+        " bytes plus ", sparse_bytes,
+        " bytes of sparse patches exceeds the "
+        "budget of ",
+        o.staging_budget,
+        "; send the denser tensors dense or raise --gpu_staging_budget_bytes"));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    inflight_plan_ = nullptr;
+    inflight_receipts_ready_ = false;
+    inflight_receipts_.clear();
+  }
+  // Receipts (the GPU backends verify only when asked: VERIFY_ON) are
+  // computed by the worker chunk by chunk, overlapping the transfer.
+  const bool verify = request.verify() == v1::VERIFY_ON;
+  if (verify && !plan->chunks.chunks.empty()) {
+    WS_RETURN_IF_ERROR(AddReceipts(*plan, request, &req));
+  }
   absl::Status s =
       sup_->BeginUpdate(req, absl::Now() + sup_->options().call_timeout);
   absl::MutexLock lock(&mu_);
+  if (verify && !plan->chunks.chunks.empty()) inflight_plan_ = plan.get();
   chunks_ = plan->chunks.chunks.size();
   written_ = 0;
   ring_slots_ = request.ipc_ring_slots();
@@ -508,7 +644,12 @@ absl::Status GpuDataPlane::WaitChunks(int64_t n, absl::Time deadline) {
 }
 
 absl::Status GpuDataPlane::Drain(absl::Time deadline) {
-  absl::StatusOr<absl::Duration> s = sup_->WaitUpdate(deadline);
+  absl::StatusOr<GpuWorkerSupervisor::Waited> s = sup_->WaitUpdate(deadline);
+  if (!s.ok() && s.status().code() == absl::StatusCode::kInvalidArgument) {
+    // A refused sparse patch: the transfer itself completed and the worker
+    // ended the update; the communicator is intact.
+    return s.status();
+  }
   if (!s.ok()) {
     sup_->AbortUpdate(absl::Now() + absl::Seconds(5));
     return absl::AbortedError(
@@ -519,7 +660,18 @@ absl::Status GpuDataPlane::Drain(absl::Time deadline) {
   }
   absl::MutexLock lock(&mu_);
   written_ = chunks_;
-  device_time_ = *s;
+  device_time_ = s->device;
+  if (inflight_plan_ != nullptr) {
+    if (s->receipt_sums.size() != inflight_receipts_.size()) {
+      return absl::InternalError(absl::StrCat(
+          "the GPU worker returned ", s->receipt_sums.size(),
+          " receipt sums for ", inflight_receipts_.size(), " engines"));
+    }
+    for (size_t e = 0; e < inflight_receipts_.size(); ++e) {
+      inflight_receipts_[e].set_checksum(s->receipt_sums[e]);
+    }
+    inflight_receipts_ready_ = true;
+  }
   return absl::OkStatus();
 }
 

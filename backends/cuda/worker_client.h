@@ -56,8 +56,12 @@ class GpuWorkerSupervisor {
   // Returns the update's GPU time (first operation to last, CUDA events).
   // received_only: a staged update's chunks are all in staging (not yet
   // committed; returns zero).
-  absl::StatusOr<absl::Duration> WaitUpdate(absl::Time deadline,
-                                            bool received_only = false);
+  struct Waited {
+    absl::Duration device;               // GPU time of the update
+    std::vector<uint64_t> receipt_sums;  // BeginUpdateRequest.receipts'
+  };
+  absl::StatusOr<Waited> WaitUpdate(absl::Time deadline,
+                                    bool received_only = false);
   // Staged update: copy staging into engine memory (WaitUpdate waits).
   absl::Status CommitStaged(absl::Time deadline);
   // One checksum per group of regions (docs/protocol.md, "Receipts").
@@ -160,6 +164,11 @@ class GpuDataPlane : public DataPlane {
   absl::Status BeginImpl(std::shared_ptr<const CopyPlan> plan,
                          const v1::StartWeightUpdateRequest& request,
                          bool staged);
+  // VERIFY_ON: the receipts the worker computes as the update goes, for
+  // DeviceReceipts to return (their checksums filled in by Drain).
+  absl::Status AddReceipts(const CopyPlan& plan,
+                           const v1::StartWeightUpdateRequest& request,
+                           worker::v1::BeginUpdateRequest* req);
 
   const std::shared_ptr<GpuWorkerSupervisor> sup_;
   const v1::Backend backend_;
@@ -168,6 +177,11 @@ class GpuDataPlane : public DataPlane {
   int ring_slots_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t written_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Duration device_time_ ABSL_GUARDED_BY(mu_);
+  // The update's receipts computed by the worker as it went; valid once
+  // Drain succeeded (inflight_receipts_ready_).
+  const CopyPlan* inflight_plan_ ABSL_GUARDED_BY(mu_) = nullptr;
+  std::vector<v1::Receipt> inflight_receipts_ ABSL_GUARDED_BY(mu_);
+  bool inflight_receipts_ready_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace weightsync

@@ -300,12 +300,6 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
   // Plan every byte before moving any (invariant 2).
   WS_ASSIGN_OR_RETURN(std::shared_ptr<const CopyPlan> plan,
                       PlanFor(request.tensors(), chunk_bytes, layouts));
-  if (!plan->sparse.empty() && plane->ReceivesOwnBytes()) {
-    return absl::UnimplementedError(absl::StrCat(
-        "sparse patches on the ", plane->name(),
-        " backend are not supported yet; use the host backend or dense "
-        "tensors"));
-  }
   bool staged = request.mode() == v1::UPDATE_MODE_STAGED;
   // Where bytes arrive by themselves (NCCL), the data plane stages them in
   // its own (GPU) memory, one chunk-sized buffer per chunk.
@@ -835,6 +829,7 @@ absl::StatusOr<v1::FinishWeightUpdateResponse> Coordinator::FinishWeightUpdate(
   std::string id;
   int64_t version;
   absl::Time paused_at = absl::InfiniteFuture();
+  absl::Time started;
   {
     absl::MutexLock lock(&mu_);
     id = update_->id;
@@ -866,7 +861,7 @@ absl::StatusOr<v1::FinishWeightUpdateResponse> Coordinator::FinishWeightUpdate(
     response.set_version(version);
     paused_at = update_->paused_at;
     response.set_bytes(update_->plan->chunks.total_bytes);
-    response.set_seconds(absl::ToDoubleSeconds(absl::Now() - update_->started));
+    started = update_->started;
     v1::UpdateTimings* t = response.mutable_timings();
     *t = update_->timings;
     t->set_transfer_s(absl::ToDoubleSeconds(t_drained - update_->begun));
@@ -909,6 +904,8 @@ absl::StatusOr<v1::FinishWeightUpdateResponse> Coordinator::FinishWeightUpdate(
     if (!s.ok()) LOG(WARNING) << "new-version/resume notice: " << s;
   }
   const absl::Time t_committed = absl::Now();
+  // The whole update, its commit notices included (as the pause is).
+  response.set_seconds(absl::ToDoubleSeconds(t_committed - started));
   if (paused_at != absl::InfiniteFuture()) {
     response.set_pause_seconds(absl::ToDoubleSeconds(t_committed - paused_at));
   }

@@ -15,10 +15,19 @@
 #     commit; the staging budget refuses (RESOURCE_EXHAUSTED) or falls back
 #     to streaming; a trainer dying mid-staged-transfer leaves the engine
 #     untouched (not dirty, old version);
+# (e) sparse patches on a plain engine and a TP=2 pair (float32 checkpoint
+#     into bfloat16 and float16 parameters): per density 0.1%, 1%, 10% the
+#     trainer changes its weights, diffs them on the GPU, sends the patch,
+#     then the same weights dense; every engine's memory hash must be equal
+#     after both (and differ from before); a patch with an index outside its
+#     tensor, sent staged, is refused with the engines untouched; a staged
+#     sparse update then works;
 # (d) benchmark, Qwen3-8B bf16, 1 GiB chunks: the staged pause per update
 #     against a plain on-GPU copy of the same bytes on the engine's GPU
-#     (goal <= 1.5x), and the receipts' cost as a fraction of the update
-#     time (goal <= 5%). Writes LOG_DIR/staged.json and LOG_DIR/receipts.json.
+#     (goal <= 1.5x); the receipts' cost as the difference between updates
+#     with and without them (goal <= 5%); a 1% sparse update's bytes and
+#     time against the dense update of the same weights (goals <= 3% and
+#     <= 10%). Writes LOG_DIR/staged.json, receipts.json and sparse.json.
 # Every process runs under `timeout`. Prints the figures and a PASS/FAIL
 # table last; full logs under LOG_DIR.
 set -uo pipefail
@@ -175,6 +184,45 @@ if [ $trc = 0 ] && grep -q "mode streaming" "$LOG/trainer-fallback.log" \
 else record "(c) ... with allow_streaming_fallback: streamed, verified [rc $trc]" FAIL; fi
 stop_all
 
+# ---------------------------------------------------------------- (e)
+start_daemon sparse --finish_timeout_ms=20000
+for e in "plain --layout=plain --dtype=bfloat16 --device=1" \
+         "tp0 --layout=tp --tp_rank=0 --tp_size=2 --dtype=bfloat16 --device=0" \
+         "tp1 --layout=tp --tp_rank=1 --tp_size=2 --dtype=float16 --device=1"; do
+  # shellcheck disable=SC2086
+  engine sp-$e --model=$M --ckpt_dtype=float32 --verify=false --hash
+done
+wait_registered sp-plain sp-tp0 sp-tp1
+sleep 0.5
+# Steps: 0.1% (v2 sparse, v3 dense), 1% (v4, v5), 10% (v6, v7), 1% with a
+# bad index, staged (v8 refused, v9 dense), 1% staged (v10, v11).
+trainer trainer-sparse 150 --model=$M --dtype=float32 --updates=1 --chunk_mib=16 \
+  --sparse_densities=0.001,0.01,0.1,0.01,0.01 --sparse_staged_steps=3,4 --sparse_corrupt_step=3 \
+  --finish_timeout_ms=60000 --update_timeout_s=120
+trc=$?
+hash_of() { sed -n "s/.*version $2 hash \([0-9a-f]*\).*/\1/p" "$LOG/$1.log" | tail -1; }
+for pair in "0.1% 1 2 3" "1% 3 4 5" "10% 5 6 7" "1% staged 9 10 11"; do
+  set -- $pair
+  label="$1"; [ "$2" = staged ] && { label="$1 staged"; shift; }
+  ok=1; detail=""
+  for e in sp-plain sp-tp0 sp-tp1; do
+    before=$(hash_of $e "$2"); sparse=$(hash_of $e "$3"); dense=$(hash_of $e "$4")
+    if [ -z "$sparse" ] || [ "$sparse" != "$dense" ] || [ "$sparse" = "$before" ]; then
+      ok=0; detail="$detail $e:[$before $sparse $dense]"
+    fi
+  done
+  if [ $trc = 0 ] && [ $ok = 1 ]; then
+    record "(e) sparse $label: v$3 (patch) == v$4 (dense) != v$2 on 3 engines" PASS
+  else record "(e) sparse $label: patch == dense on 3 engines [rc $trc$detail]" FAIL; fi
+done
+grep "sparse step:" "$LOG/trainer-sparse.log" | sed 's/.*sparse step: /    /' | cut -c1-110 | while read -r l; do record "    $l" info; done
+if grep -q "refused: .*sparse index" "$LOG/trainer-sparse.log" \
+   && grep -q "engines untouched" "$LOG/trainer-sparse.log" \
+   && [ "$(grep -c 'ENGINE_READY, version 7' "$LOG/trainer-sparse.log")" = 3 ]; then
+  record "(e) bad index, staged: refused naming the tensor, 3 engines READY at v7" PASS
+else record "(e) bad index, staged: refused, engines untouched" FAIL; fi
+stop_all
+
 # ---------------------------------------------------------------- (d)
 # BENCH_MEMORY: how the engine shares its memory (vmm or ipc).
 MEM="${BENCH_MEMORY:-vmm}"
@@ -188,13 +236,14 @@ trainer bench-staged 150 --model=qwen3-8b --dtype=bfloat16 --updates=6 --same_da
 trainer bench-receipts 150 --model=qwen3-8b --dtype=bfloat16 --updates=6 --first_version=11 --same_data \
   --chunk_mib=1024 --receipts --check_receipts=false --finish_timeout_ms=120000 --update_timeout_s=120 \
   || record "(d) receipts benchmark ran" FAIL
-# BENCH_PLAIN=1: also streaming updates without receipts (for comparison;
-# costs another fill of the 16 GB buffer).
-if [ "${BENCH_PLAIN:-0}" = 1 ]; then
-  trainer bench-plain 150 --model=qwen3-8b --dtype=bfloat16 --updates=6 --first_version=21 --same_data \
-    --chunk_mib=1024 --finish_timeout_ms=120000 --update_timeout_s=120 \
-    || record "(d) streaming (no receipts) benchmark ran" FAIL
-fi
+# The same updates without receipts: their cost is the difference.
+trainer bench-plain 150 --model=qwen3-8b --dtype=bfloat16 --updates=6 --first_version=21 --same_data \
+  --chunk_mib=1024 --finish_timeout_ms=120000 --update_timeout_s=120 \
+  || record "(d) streaming (no receipts) benchmark ran" FAIL
+# Sparse at 1%: four steps, each a sparse update and the same weights dense.
+trainer bench-sparse 240 --model=qwen3-8b --dtype=bfloat16 --updates=1 --first_version=31 \
+  --chunk_mib=1024 --sparse_densities=0.01,0.01,0.01,0.01 --finish_timeout_ms=120000 --update_timeout_s=200 \
+  || record "(d) sparse benchmark ran" FAIL
 stop_all
 
 figures=$(timeout 60 python3 - "$LOG" "${COMMIT:-unknown}" "${KIND:-unknown}" "$MEM" <<'PY'
@@ -234,22 +283,54 @@ if staged and base:
                + (f"; streaming pause {r['streaming_pause_s_median']*1e3:.1f} ms" if plain else ""))
 else:
     out.append("STAGED: no figures")
-if rec:
+if rec and plain:
     nbytes = rec[0]["bytes"]
-    frac = statistics.median(r["receipts_s"] / r["seconds"] for r in rec)
+    with_s = statistics.median(r["seconds"] for r in rec)
+    without_s = statistics.median(r["seconds"] for r in plain)
+    frac = (with_s - without_s) / with_s
     r = {"date": today, "kind": kind, "commit": commit, "model": "qwen3-8b", "bytes": nbytes,
          "engine_memory": mem, "chunk_bytes": 1 << 30, "mode": "streaming, nccl",
-         "receipts_s_median": statistics.median(r["receipts_s"] for r in rec),
-         "update_s_median": statistics.median(r["seconds"] for r in rec),
-         "update_s_median_without_receipts": statistics.median(r["seconds"] for r in plain) if plain else None,
+         "method": "receipts are summed on the GPU chunk by chunk as the update goes; their cost is "
+                   "the median update time with VERIFY_ON minus the median without (same daemon, same run)",
+         "update_s_median": with_s, "update_s_median_without_receipts": without_s,
          "receipts_fraction": frac, "goal_fraction": 0.05,
-         "samples_receipts_s": [r["receipts_s"] for r in rec], "samples_s": [r["seconds"] for r in rec]}
+         "receipts_s_median_after_drain": statistics.median(r["receipts_s"] for r in rec),
+         "samples_s": [r["seconds"] for r in rec], "samples_s_without": [r["seconds"] for r in plain]}
     json.dump(r, open(os.path.join(log, "receipts.json"), "w"), indent=2)
-    out.append(f"RECEIPTS qwen3-8b bf16: {r['receipts_s_median']*1e3:.2f} ms of {r['update_s_median']*1e3:.1f} ms "
-               f"per update = {frac*100:.2f}% (goal <= 5%)"
-               + (f"; without receipts {r['update_s_median_without_receipts']*1e3:.1f} ms" if plain else ""))
+    out.append(f"RECEIPTS qwen3-8b bf16: update {with_s*1e3:.2f} ms with, {without_s*1e3:.2f} ms without: "
+               f"{frac*100:.2f}% (goal <= 5%)")
 else:
     out.append("RECEIPTS: no figures")
+sp = re.compile(r"sparse step: density ([0-9.e-]+) mode (\w+) sparse v\d+ dense v\d+: (\d+) of (\d+) tensors sparse, "
+                r"nnz (\d+), bytes (\d+) of (\d+) \([0-9.]+%\), sparse_s ([0-9.]+) dense_s ([0-9.]+) \([0-9.]+%\), "
+                r"diff_pack_s ([0-9.]+) .* sparse_device_s ([0-9.]+) dense_device_s ([0-9.]+)")
+steps = [dict(density=float(m[0]), sparse_tensors=int(m[2]), tensors=int(m[3]), nnz=int(m[4]),
+              sparse_bytes=int(m[5]), dense_bytes=int(m[6]), sparse_s=float(m[7]), dense_s=float(m[8]),
+              diff_pack_s=float(m[9]), sparse_device_s=float(m[10]), dense_device_s=float(m[11]))
+         for m in sp.findall(read("bench-sparse"))][1:]  # the first step warms up
+if steps:
+    med = lambda k: statistics.median(s[k] for s in steps)
+    bytes_frac = med("sparse_bytes") / med("dense_bytes")
+    time_frac = statistics.median(s["sparse_s"] / s["dense_s"] for s in steps)
+    with_diff = statistics.median((s["sparse_s"] + s["diff_pack_s"]) / s["dense_s"] for s in steps)
+    r = {"date": today, "kind": kind, "commit": commit, "model": "qwen3-8b", "checkpoint_dtype": "bfloat16",
+         "engine": "plain bfloat16, " + mem, "chunk_bytes": 1 << 30, "backend": "nccl, streaming",
+         "density": steps[0]["density"], "index_bytes": 4,
+         "baseline": "the dense update of the same weights, sent right after each sparse one (same run)",
+         "sparse_bytes_median": med("sparse_bytes"), "dense_bytes": steps[0]["dense_bytes"],
+         "bytes_fraction": bytes_frac, "goal_bytes_fraction": 0.03,
+         "sparse_s_median": med("sparse_s"), "dense_s_median": med("dense_s"),
+         "time_fraction": time_frac, "goal_time_fraction": 0.10,
+         "trainer_diff_pack_s_median": med("diff_pack_s"), "time_fraction_with_trainer_diff": with_diff,
+         "sparse_device_s_median": med("sparse_device_s"), "dense_device_s_median": med("dense_device_s"),
+         "sparse_tensors": steps[0]["sparse_tensors"], "tensors": steps[0]["tensors"], "steps": steps}
+    json.dump(r, open(os.path.join(log, "sparse.json"), "w"), indent=2)
+    out.append(f"SPARSE qwen3-8b bf16 1%: {r['sparse_bytes_median']/1e6:.1f} MB of {r['dense_bytes']/1e6:.1f} MB "
+               f"= {bytes_frac*100:.2f}% (goal <= 3%); {r['sparse_s_median']*1e3:.2f} ms vs dense "
+               f"{r['dense_s_median']*1e3:.2f} ms = {time_frac*100:.2f}% (goal <= 10%); with the trainer's GPU diff "
+               f"+ pack ({r['trainer_diff_pack_s_median']*1e3:.2f} ms) {with_diff*100:.2f}%")
+else:
+    out.append("SPARSE: no figures")
 print("\n".join(out))
 PY
 )
@@ -257,6 +338,8 @@ if [ -s "$LOG/staged.json" ]; then record "(d) staged benchmark figures (staged.
 else record "(d) staged benchmark figures (staged.json)" FAIL; fi
 if [ -s "$LOG/receipts.json" ]; then record "(d) receipts benchmark figures (receipts.json)" PASS
 else record "(d) receipts benchmark figures (receipts.json)" FAIL; fi
+if [ -s "$LOG/sparse.json" ]; then record "(d) sparse benchmark figures (sparse.json)" PASS
+else record "(d) sparse benchmark figures (sparse.json)" FAIL; fi
 
 echo
 echo "$figures"
