@@ -1,8 +1,11 @@
 """The torch-free logic of the GPU halves of the Python client, in CI (no
 GPU, no torch): the NCCL library lookup and its error message, the ctypes
 binding where a libnccl is installed, CUDA IPC handle parsing, GPU UUID
-formatting, allocation tables and the NCCL chunk schedule (checked by
-packing with numpy and comparing with the host path's packed stream).
+formatting, allocation tables, the NCCL chunk schedule (checked by
+packing with numpy and comparing with the host path's packed stream), and
+the GPU sparse diff and GPU receipts, whose code is written once for torch
+and numpy (weightsync._xp): run here on numpy and compared bit for bit
+with the host implementations (sparse.SparsePatch, receipts.expected_receipt).
 
     python3 client/python/tests/test_gpu_logic.py
 """
@@ -16,8 +19,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from weightsync import nccl, planner  # noqa: E402
-from weightsync import _gpu  # noqa: E402
+from weightsync import nccl, planner, receipts, sparse  # noqa: E402
+from weightsync import _gpu, _xp  # noqa: E402
+from weightsync._errors import WeightSyncError  # noqa: E402
+from weightsync._proto import v1  # noqa: E402
+from weightsync._tensors import STORAGE  # noqa: E402
 from weightsync.gpu_trainer import chunk_schedule  # noqa: E402
 
 
@@ -162,6 +168,351 @@ class DedupeTest(unittest.TestCase):
         self.assertEqual(dropped, {"lm_head": "embed"})
 
 
+def _rand_bits(rng, dtype, n, specials=()):
+    """n elements of weightsync dtype `dtype` with random bit patterns
+    (NaNs, infinities, subnormals included), plus `specials` (bit patterns)
+    at the start; as the dtype's storage array."""
+    es = planner.ELEMENT_SIZES[dtype]
+    u = rng.integers(0, 1 << (8 * es), n, dtype=np.uint64).astype(f"u{es}")
+    u[:len(specials)] = np.array(specials, dtype=np.uint64).astype(f"u{es}")[:n]
+    return u.view(STORAGE[dtype])
+
+
+# Bit patterns where conversions are delicate: ties to even, NaNs with
+# payloads and signs, infinities, overflow, subnormals, zeros.
+F32_SPECIALS = [0x3F808000, 0x3F818000, 0x3F800001, 0x7FC00001, 0xFFA00000, 0x7F800001,
+                0x7F800000, 0xFF800000, 0x477FF000, 0x477FEFFF, 0x33000000, 0x33000001,
+                0x38800000, 0x387FC000, 0x00000001, 0x80000000, 0x7F7FFFFF, 0x3F801000]
+F16_SPECIALS = [0x7C01, 0xFE01, 0x7FFF, 0x7C00, 0xFC00, 0x0001, 0x8000, 0x3FF, 0x7BFF]
+BF16_SPECIALS = [0x7FC1, 0xFF81, 0x7F80, 0x0001, 0x8000, 0x7F7F]
+SPECIALS = {"FLOAT32": F32_SPECIALS, "FLOAT16": F16_SPECIALS, "BFLOAT16": BF16_SPECIALS}
+FLOATS = ("FLOAT32", "BFLOAT16", "FLOAT16")
+
+
+def _f32_to_half(x):
+    """common/dtype.cc FloatToHalf, transcribed: an independent reference."""
+    sign = (x >> 16) & 0x8000
+    x &= 0x7FFFFFFF
+    if x >= 0x7F800000:
+        return sign | 0x7C00 | (0x200 if x > 0x7F800000 else 0)
+    if x >= 0x477FF000:
+        return sign | 0x7C00
+    if x < 0x38800000:
+        if x < 0x33000000:
+            return sign
+        mant = (x & 0x7FFFFF) | 0x800000
+        shift = 126 - (x >> 23)
+        h, rem, half = mant >> shift, mant & ((1 << shift) - 1), 1 << (shift - 1)
+        return sign | (h + (rem > half or (rem == half and h & 1)))
+    h, rem = (x - 0x38000000) >> 13, x & 0x1FFF
+    return sign | (h + (rem > 0x1000 or (rem == 0x1000 and h & 1)))
+
+
+def _f32_to_bf16(x):
+    """common/dtype.cc FloatToBf16."""
+    if (x & 0x7FFFFFFF) > 0x7F800000:
+        return ((x >> 16) | 0x40) & 0xFFFF
+    return ((x + 0x7FFF + ((x >> 16) & 1)) >> 16) & 0xFFFF
+
+
+def _half_to_f32(h):
+    """common/dtype.cc HalfToFloat."""
+    sign, exp, mant = (h & 0x8000) << 16, (h >> 10) & 0x1F, h & 0x3FF
+    if exp == 0:
+        if mant == 0:
+            return sign
+        exp = 127 - 15 + 1
+        while not mant & 0x400:
+            mant, exp = mant << 1, exp - 1
+        return sign | (exp << 23) | ((mant & 0x3FF) << 13)
+    if exp == 0x1F:
+        return sign | 0x7F800000 | (mant << 13)
+    return sign | ((exp + 127 - 15) << 23) | (mant << 13)
+
+
+def _daemon_convert(bits, src, dst):
+    """One element's bits converted as common/dtype.cc does (via float)."""
+    if src == dst:
+        return bits
+    u = bits if src == "FLOAT32" else bits << 16 if src == "BFLOAT16" else _half_to_f32(bits)
+    return u if dst == "FLOAT32" else _f32_to_bf16(u) if dst == "BFLOAT16" else _f32_to_half(u)
+
+
+class ConversionTest(unittest.TestCase):
+    def test_daemon_rules(self):
+        """receipts.convert_bits gives common/dtype.cc's bits (NaN rules
+        included, whatever numpy does with NaN payloads): checked against a
+        transcription of dtype.cc, on the delicate values and random ones."""
+        f32 = np.array([0x3F808000, 0x3F818000, 0x7FC00001, 0xFFA00000], np.uint32)
+        self.assertEqual([int(x) for x in receipts.convert_bits(f32.view(np.uint8), "FLOAT32",
+                                                                "BFLOAT16")],
+                         [0x3F80, 0x3F82, 0x7FC0, 0xFFE0])     # ties to even; NaN quieted
+        self.assertEqual([int(x) for x in receipts.convert_bits(f32.view(np.uint8), "FLOAT32",
+                                                                "FLOAT16")][2:],
+                         [0x7E00, 0xFE00])                    # NaN: sign + quiet bit
+        rng = np.random.default_rng(4)
+        for src in FLOATS:
+            x = _rand_bits(rng, src, 3000, SPECIALS[src])
+            bits = x.view(f"u{x.itemsize}")
+            for dst in FLOATS:
+                got = receipts.convert_bits(x.view(np.uint8), src, dst)
+                want = [_daemon_convert(int(b), src, dst) for b in bits]
+                self.assertEqual([int(g) for g in got], want, f"{src} -> {dst}")
+
+    def test_array_conversion_equals_host(self):
+        rng = np.random.default_rng(5)
+        ops = _xp.NumpyOps()
+        for src in FLOATS:
+            x = _rand_bits(rng, src, 50000, SPECIALS[src])
+            raw = x.view(np.uint8)
+            for dst in FLOATS:
+                want = receipts.convert_bits(raw, src, dst).astype(np.int64)
+                got = receipts.convert_element_bits(ops, x, src, dst)
+                self.assertEqual(got.dtype, np.int64)
+                np.testing.assert_array_equal(got, want, err_msg=f"{src} -> {dst}")
+        for dt, width in (("INT8", 1), ("INT64", 8), ("BOOL", 1)):
+            raw = rng.integers(0, 256, 8 * width, dtype=np.uint8)
+            if dt == "BOOL":
+                raw = raw & 1
+            np.testing.assert_array_equal(
+                receipts.convert_element_bits(ops, raw.view(STORAGE[dt]), dt, dt),
+                receipts.convert_bits(raw, dt, dt).astype(np.int64))
+        with self.assertRaises(ValueError):
+            receipts.convert_element_bits(ops, np.zeros(2, np.int32), "INT32", "FLOAT32")
+
+
+def _parameter(name, dtype, shape, segments=()):
+    p = v1.Parameter(name=name, dtype=getattr(v1, dtype), shape=list(shape))
+    for s in segments:
+        p.segments.add(**s)
+    return p
+
+
+def _receipt_case(rng):
+    """A layout of every kind of parameter, and what a trainer sent:
+    {name: (dtype, shape, storage array)}."""
+    shapes = {"plain": ("FLOAT32", (37, 23)), "q": ("BFLOAT16", (8, 12)),
+              "k": ("BFLOAT16", (4, 12)), "o": ("FLOAT16", (16, 40)),
+              "emb": ("FLOAT32", (50, 6)), "norm": ("BFLOAT16", (12,)),
+              "scale": ("FLOAT16", ()), "same": ("BFLOAT16", (5, 5)),
+              "bias": ("FLOAT32", (30,)), "empty": ("FLOAT32", (0, 4))}
+    sent = {n: (dt, shape, _rand_bits(rng, dt, int(np.prod(shape)), SPECIALS[dt]))
+            for n, (dt, shape) in shapes.items()}
+    layout = [
+        _parameter("plain", "BFLOAT16", (37, 23)),                       # no segments
+        _parameter("qkv", "FLOAT16", (12, 12), [                          # fused rows
+            {"source": "q", "source_shape": [8, 12], "row_count": 8, "col_count": 12},
+            {"source": "k", "source_shape": [4, 12], "row_count": 4, "col_count": 12,
+             "dest_offset": 96}]),
+        _parameter("o_shard", "FLOAT32", (16, 24), [                      # column shard,
+            {"source": "o", "source_shape": [16, 40], "row_begin": 0, "row_count": 16,
+             "col_begin": 20, "col_count": 20, "dest_offset": 2,       # padded rows
+             "dest_row_stride": 24}]),
+        _parameter("emb_shard", "BFLOAT16", (32, 6), [                    # vocab rows +
+            {"source": "emb", "source_shape": [50, 6], "row_begin": 25, "row_count": 25,
+             "col_count": 6}]),                                          # padding
+        _parameter("norm", "FLOAT32", (12,), [                            # 1-D source
+            {"source": "norm", "source_shape": [12], "row_begin": 3, "row_count": 9,
+             "col_count": 1, "dest_offset": 3}]),
+        _parameter("scale", "BFLOAT16", ()),                             # 0-d
+        _parameter("same", "BFLOAT16", (5, 5)),                          # no conversion
+        _parameter("bias", "FLOAT16", (30,)),
+        _parameter("gone", "FLOAT32", (4,)),                              # not sent
+        _parameter("half_sent", "FLOAT32", (20,), [
+            {"source": "nope", "source_shape": [10], "row_count": 10, "col_count": 1},
+            {"source": "bias", "source_shape": [30], "row_begin": 5, "row_count": 10,
+             "col_count": 1, "dest_offset": 10}]),
+        _parameter("empty", "FLOAT32", (0, 4)),
+    ]
+    return layout, sent
+
+
+class ReceiptArraysTest(unittest.TestCase):
+    """receipts.expected_receipt_arrays (the GPU receipt, run here on
+    numpy) equals receipts.expected_receipt (the host one) bit for bit."""
+
+    def host(self, layout, sent):
+        return receipts.expected_receipt(
+            layout, {n: (dt, shape, a.view(np.uint8)) for n, (dt, shape, a) in sent.items()})
+
+    def test_splitmix_of_signed_bits(self):
+        x = np.array([0, 1, 0x7FFFFFFFFFFFFFFF, 0x8000000000000000, 0xFFFFFFFFFFFFFFFF,
+                      0x123456789ABCDEF0], np.uint64)
+        want = receipts._splitmix(x)
+        got = receipts.splitmix_bits(x.view(np.int64))
+        np.testing.assert_array_equal(got.view(np.uint64), want)
+        self.assertEqual(int(want[0]), 0xE220A8397B1DCDAF)  # splitmix64's first output
+
+    def test_equals_host_on_every_layout_kind(self):
+        rng = np.random.default_rng(11)
+        layout, sent = _receipt_case(rng)
+        want = self.host(layout, sent)
+        self.assertEqual(want[1], 10)   # every parameter but "gone"
+        for block in (1 << 24, 64, 7, 1):
+            got = receipts.expected_receipt_arrays(layout, sent, _xp.NumpyOps(), block=block)
+            self.assertEqual(got, want, f"block {block}")
+        # The ops follow the data: numpy arrays need no ops argument.
+        self.assertEqual(receipts.expected_receipt_arrays(layout, sent), want)
+
+    def test_one_changed_bit_changes_both(self):
+        rng = np.random.default_rng(12)
+        layout, sent = _receipt_case(rng)
+        want = self.host(layout, sent)
+        for name, element in (("o", 20 * 1 + 3), ("emb", 6 * 30 + 1), ("norm", 5)):
+            dt, shape, a = sent[name]
+            b = a.copy()
+            b.view(f"u{b.itemsize}")[element] ^= 1 << (8 * b.itemsize - 6)  # an exponent bit
+            changed = dict(sent, **{name: (dt, shape, b)})
+            got = receipts.expected_receipt_arrays(layout, changed, block=16)
+            self.assertNotEqual(got[0], want[0], name)
+            self.assertEqual(got, self.host(layout, changed), name)
+        # Padding and elements outside a shard are not covered.
+        dt, shape, a = sent["emb"]
+        b = a.copy()
+        b.view(np.uint32)[6 * 3] ^= 1 << 30   # row 3: rank 0's rows, not emb_shard's
+        got = receipts.expected_receipt_arrays(layout, dict(sent, emb=(dt, shape, b)))
+        self.assertEqual(got, want)
+
+    def test_large_sums_wrap_mod_2_64(self):
+        # Enough elements that the 32-bit halves carry many times.
+        rng = np.random.default_rng(13)
+        a = rng.integers(0, 1 << 32, 300000, dtype=np.uint64).astype(np.uint32)
+        sent = {"w": ("FLOAT32", (300000,), a.view(np.float32))}
+        layout = [_parameter("w", "FLOAT32", (300000,))]
+        want = self.host(layout, sent)
+        for block in (1 << 24, 4096):
+            self.assertEqual(receipts.expected_receipt_arrays(layout, sent, block=block), want)
+
+
+class FakeStub:
+    def __init__(self, layouts):
+        self.layouts, self.calls = layouts, 0
+
+    def call(self, name, request=None, **fields):
+        assert name == "GetStatus" and fields.get("include_layouts")
+        self.calls += 1
+        r = v1.GetStatusResponse()
+        for eid, layout in self.layouts.items():
+            e = r.engines.add(engine_id=eid)
+            e.layout.extend(layout)
+        return r
+
+
+class ReceiptCheckTest(unittest.TestCase):
+    """Trainer._check_receipts, as the GPU path calls it (one result per
+    daemon, the expectation from expected_receipt_arrays)."""
+
+    def test_match_mismatch_and_replicas(self):
+        import weightsync
+        rng = np.random.default_rng(14)
+        layout, sent = _receipt_case(rng)
+        checksum, _, nbytes = receipts.expected_receipt_arrays(layout, sent)
+        stubs = [FakeStub({"a": layout, "b": layout}), FakeStub({"c": layout})]
+        trainer = weightsync.Trainer.__new__(weightsync.Trainer)
+        trainer._stubs = stubs
+        results = []
+        for engines in (("a", "b"), ("c",)):
+            f = v1.FinishWeightUpdateResponse()
+            for eid in engines:
+                f.engines.add(engine_id=eid).receipt.CopyFrom(
+                    v1.Receipt(checksum=checksum, bytes=nbytes))
+            results.append(f)
+        computed = []
+
+        def expected(lay):
+            computed.append(1)
+            return receipts.expected_receipt_arrays(lay, sent)
+
+        trainer._check_receipts(results, expected)
+        self.assertEqual(len(computed), 1)   # one layout: computed once
+        results[1].engines[0].receipt.checksum ^= 1 << 40
+        with self.assertRaises(WeightSyncError) as cm:
+            trainer._check_receipts(results, expected)
+        self.assertEqual(cm.exception.code, "DATA_LOSS")
+        self.assertIn("engine 'c'", cm.exception.message)
+        # A result without receipts (VERIFY_OFF) is not checked.
+        trainer._check_receipts([v1.FinishWeightUpdateResponse()], expected)
+
+
+class SparseArraysTest(unittest.TestCase):
+    """sparse.changed_elements and TorchSparsePatch (the GPU diff, run here
+    on numpy) against the host SparsePatch and its payload."""
+
+    def gpu_style(self, before, after, max_density=0.1, index_bytes=None):
+        found = sparse.changed_elements(_xp.NumpyOps(), before, after, max_density)
+        if found is None:
+            return None
+        return sparse.TorchSparsePatch(found[0], found[1], after.shape, index_bytes,
+                                       ops=_xp.NumpyOps())
+
+    def test_one_percent_round_trips_and_matches_host(self):
+        rng = np.random.default_rng(21)
+        for dtype in FLOATS:
+            before = _rand_bits(rng, dtype, 300 * 70).reshape(300, 70)
+            after = before.copy()
+            changed = rng.choice(after.size, after.size // 100, replace=False)
+            bits = after.reshape(-1).view(f"u{after.itemsize}")
+            bits[changed] ^= 1 + rng.integers(0, 100, len(changed)).astype(bits.dtype)
+            for ib in (None, 8):
+                p = self.gpu_style(before, after, 0.05, ib)
+                host = sparse.diff(before, after, 0.05, ib)
+                self.assertEqual(p.nnz, len(changed))
+                self.assertEqual(p.index_bytes, ib or 4)
+                self.assertTrue(np.all(np.diff(p.indices) > 0))   # increasing
+                np.testing.assert_array_equal(p.indices, np.sort(changed))
+                np.testing.assert_array_equal(p.indices, host.indices)
+                np.testing.assert_array_equal(p.payload(), host.payload())
+                self.assertEqual(len(p.payload()), planner.payload_bytes(
+                    dtype, [300, 70], p.nnz, p.index_bytes))
+                patched = before.copy()
+                patched.reshape(-1)[p.indices] = p.values
+                np.testing.assert_array_equal(patched.view(f"u{after.itemsize}"),
+                                              after.view(f"u{after.itemsize}"))
+
+    def test_bitwise_density_and_unchanged(self):
+        before = np.array([np.nan, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0], np.float32)
+        after = before.copy()
+        after[1] = -0.0          # -0 != +0: changed
+        after.view(np.uint32)[0] = 0x7FC00001   # another NaN: changed
+        p = self.gpu_style(before, after)
+        self.assertIsNone(p)                 # 2 of 10 > 10%
+        p = self.gpu_style(before, after, max_density=0.2)
+        self.assertEqual(list(p.indices), [0, 1])
+        same = self.gpu_style(before, before.copy())   # NaN == NaN bitwise
+        self.assertEqual((list(same.indices), same.nnz), ([0], 1))   # one unchanged element
+        host_same = sparse.diff(before, before.copy())
+        np.testing.assert_array_equal(same.payload(), host_same.payload())
+        self.assertIsNone(self.gpu_style(np.zeros(0, np.float32), np.zeros(0, np.float32)))
+        self.assertIsNone(sparse.diff(np.zeros(0, np.float32), np.zeros(0, np.float32)))
+
+    def test_uint32_indices_are_the_low_halves(self):
+        idx = np.array([0, 5, (1 << 31) + 7, (1 << 32) - 1], np.int64)
+        vals = np.arange(4, dtype=np.float16)
+        p = sparse.TorchSparsePatch(idx, vals, (1 << 32,), ops=_xp.NumpyOps())
+        host = sparse.SparsePatch(idx, vals, (1 << 32,))
+        self.assertEqual(p.index_bytes, 4)
+        np.testing.assert_array_equal(p.index_payload(), host.index_payload())
+        np.testing.assert_array_equal(p.payload(), host.payload())
+        wide = sparse.TorchSparsePatch(idx, vals, ((1 << 32) + 1,), ops=_xp.NumpyOps())
+        self.assertEqual(wide.index_bytes, 8)
+        np.testing.assert_array_equal(
+            wide.index_payload(),
+            sparse.SparsePatch(idx, vals, ((1 << 32) + 1,)).index_payload())
+        with self.assertRaises(ValueError):
+            sparse.TorchSparsePatch(idx, vals, ((1 << 32) + 1,), 4, ops=_xp.NumpyOps())
+
+    def test_patch_aliases(self):
+        a = sparse.TorchSparsePatch(np.zeros(1, np.int64), np.zeros(1, np.float32), (4,),
+                                    ops=_xp.NumpyOps(), source_key=("cuda", 0, 1000))
+        b = sparse.TorchSparsePatch(np.zeros(1, np.int64), np.zeros(1, np.float32), (4,),
+                                    ops=_xp.NumpyOps(), source_key=("cuda", 0, 1000))
+        host = sparse.SparsePatch([0], [1.0], (4,))
+        kept, dropped = _gpu.dedupe_aliases([("embed", a), ("lm_head", b), ("x", host),
+                                             ("y", host)])
+        self.assertEqual([n for n, _ in kept], ["embed", "x", "y"])
+        self.assertEqual(dropped, {"lm_head": "embed"})
+
+
 class ChunkScheduleTest(unittest.TestCase):
     """Packing by the schedule (numpy standing in for torch) gives exactly
     the bytes of the packed stream the host path sends."""
@@ -217,6 +568,30 @@ class ChunkScheduleTest(unittest.TestCase):
                     if direct and chunk == 256:
                         self.assertTrue(any(o["direct"] for o in
                                             chunk_schedule(plan, [True] * len(datas), ring)))
+
+    def test_sparse_payloads_in_the_stream(self):
+        # Patches travel packed like dense data: the planner sizes their
+        # payload (indices, then values) and the schedule packs it.
+        rng = np.random.default_rng(3)
+        manifest, datas = [], []
+        for i, dtype in enumerate(["BFLOAT16", "FLOAT32", "FLOAT16", "FLOAT32"]):
+            before = _rand_bits(rng, dtype, 5000)
+            after = before.copy()
+            after.view(f"u{after.itemsize}")[rng.choice(5000, 50 * (i + 1), replace=False)] ^= 1
+            found = sparse.changed_elements(_xp.NumpyOps(), before, after, 0.1)
+            if i == 3:
+                manifest.append({"name": f"t{i}", "dtype": dtype, "shape": [5000]})
+                datas.append(after.view(np.uint8))
+                continue
+            p = sparse.TorchSparsePatch(found[0], found[1], (5000,), 8 if i == 2 else None,
+                                        ops=_xp.NumpyOps())
+            manifest.append({"name": f"t{i}", "dtype": dtype, "shape": [5000],
+                             "sparse_nnz": p.nnz, "sparse_index_bytes": p.index_bytes})
+            datas.append(p.payload())
+        for chunk in (256, 4096):
+            plan, sent = self.pack(manifest, datas, chunk, [True] * 4, 2)
+            self.assertEqual(plan["payload_bytes"], [len(d) for d in datas])
+            np.testing.assert_array_equal(sent, self.reference(plan, datas))
 
     def test_qwen3_8b_shapes(self):
         from weightsync import layouts

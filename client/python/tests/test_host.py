@@ -147,6 +147,21 @@ class HostBackendTest(unittest.TestCase):
         self.assertGreaterEqual(result.bytes, 3 * (8 + 4))
         with self.assertRaises(ValueError):
             sparse.SparsePatch([0], [1.0], (10,), index_bytes=2)
+        # Nothing changed: a one-element patch (element 0, unchanged), which
+        # still travels as a patch and so still checks the base version.
+        same = sparse.diff(a3, a3.copy())
+        self.assertEqual((list(same.indices), same.nnz), ([0], 1))
+        result = self.trainer.update([("a", same), ("b", sparse.diff(b2, b2.copy()))],
+                                     version=4, base_version=3)
+        self.assertEqual(result.version, 4)
+        np.testing.assert_array_equal(w["a"], a3)
+        np.testing.assert_array_equal(w["b"], b2)
+        with self.assertRaises(WeightSyncError) as e:
+            self.trainer.update([("a", same)], version=5, base_version=3)
+        self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
+        with self.assertRaises(ValueError):   # sparse_nnz 0 would mean dense
+            self.trainer.update([("a", sparse.SparsePatch([], np.float32([]), a3.shape))],
+                                version=5, base_version=4)
 
     def test_segments_fuse_checkpoint_tensors(self):
         # qkv [6, 4] = q [4, 4] rows then k [2, 4] rows.

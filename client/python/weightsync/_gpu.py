@@ -19,6 +19,16 @@ TORCH_DTYPES = {
 }
 
 
+# weightsync.v1.DType enum name -> torch dtype attribute name
+TORCH_BY_NAME = {v: k[len("torch."):] for k, v in TORCH_DTYPES.items()}
+
+
+def elements(flat, dtype):
+    """The elements of a flat uint8 tensor of weightsync dtype `dtype`."""
+    import torch
+    return flat.view(getattr(torch, TORCH_BY_NAME[dtype]))
+
+
 def dtype_name(name, tensor):
     d = str(tensor.dtype)
     if d not in TORCH_DTYPES:
@@ -127,10 +137,15 @@ def alias_key(tensor):
 def dedupe_aliases(named_tensors):
     """Drops later names of a tensor already seen (tied embeddings:
     state_dict() lists lm_head.weight and embed_tokens.weight for one
-    tensor). Returns (kept pairs, {dropped name: kept name})."""
+    tensor). A sparse patch counts as the tensor it was computed from
+    (TorchSparsePatch.source_key; patches without one are always kept).
+    Returns (kept pairs, {dropped name: kept name})."""
     seen, kept, dropped = {}, [], {}
     for name, t in named_tensors:
-        key = alias_key(t) if t.numel() else None
+        if hasattr(t, "data_ptr"):
+            key = alias_key(t) if t.numel() else None
+        else:
+            key = getattr(t, "source_key", None)
         if key is not None and key in seen:
             dropped[name] = seen[key]
             continue

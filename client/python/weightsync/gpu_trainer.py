@@ -26,7 +26,8 @@ from weightsync import planner
 from weightsync._errors import WeightSyncError
 from weightsync._gpu import dedupe_aliases, dtype_name, flat_bytes, gpu_uuid, parse_storage_handle
 from weightsync._proto import v1
-from weightsync.sparse import SparsePatch
+from weightsync._tensors import describe
+from weightsync.sparse import SparsePatch, TorchSparsePatch
 
 
 def chunk_schedule(plan, direct_ok, ring_size):
@@ -82,12 +83,30 @@ class GpuSender:
     # -- manifest -------------------------------------------------------------
 
     def manifest(self, named_tensors):
+        """(names, flat uint8 payloads, manifest dicts, {dropped alias:
+        kept name}). A SparsePatch's payload (indices, then values) goes in
+        the stream in place of the tensor: a TorchSparsePatch's stays on its
+        device, a numpy one is copied to the trainer's GPU."""
+        import torch
         pairs, dropped = dedupe_aliases(list(named_tensors))
         names, flats, manifest = [], [], []
         for name, t in pairs:
             if isinstance(t, SparsePatch):
-                raise WeightSyncError("UNIMPLEMENTED", f"tensor '{name}': sparse patches "
-                                      "travel on the host backend only")
+                if not t.nnz:
+                    raise ValueError(f"tensor '{name}': an empty patch (sparse_nnz 0 means a "
+                                     "dense tensor on the wire); leave the tensor out or "
+                                     "send it dense (weightsync.sparse.diff never returns one)")
+                payload = t.payload()
+                if isinstance(t, TorchSparsePatch):
+                    dt = dtype_name(name, t.values)
+                else:
+                    dt = describe(name, t.values)[0]
+                    payload = torch.from_numpy(payload).to(self.device)
+                names.append(name)
+                flats.append(payload)
+                manifest.append({"name": name, "dtype": dt, "shape": [int(s) for s in t.shape],
+                                 "sparse_nnz": int(t.nnz), "sparse_index_bytes": t.index_bytes})
+                continue
             if not hasattr(t, "untyped_storage"):
                 raise ValueError(f"tensor '{name}': the {self.backend} backend sends torch "
                                  f"tensors, not {type(t).__name__}")
@@ -98,7 +117,9 @@ class GpuSender:
         return names, flats, manifest, dropped
 
     def plan(self, manifest, chunk_bytes):
-        key = (chunk_bytes, tuple((m["name"], m["dtype"], tuple(m["shape"])) for m in manifest))
+        key = (chunk_bytes, tuple((m["name"], m["dtype"], tuple(m["shape"]),
+                                   m.get("sparse_nnz", 0), m.get("sparse_index_bytes", 0))
+                                  for m in manifest))
         p = self._plans.get(key)
         if p is None:
             if len(self._plans) > 8:

@@ -28,9 +28,7 @@ from weightsync import planner
 from weightsync._errors import WeightSyncError
 from weightsync._proto import Stub, channel, default_target, v1
 from weightsync._tensors import describe
-from weightsync.sparse import SparsePatch
-
-import numpy as np
+from weightsync.sparse import SparsePatch, TorchSparsePatch
 
 
 class Trainer:
@@ -154,24 +152,39 @@ class Trainer:
         arrive and pause only for the commit copy. verify=True: the daemon
         returns receipts and this client recomputes them from what it sent
         (through every engine's segments), raising DATA_LOSS on a mismatch;
-        off by default here because on the host backend it costs several
-        times the update (see bench/RESULTS.md). A tensor may be a
-        weightsync.sparse.SparsePatch: only its elements travel, and the
-        update applies only on engines at `base_version`."""
+        on the nccl/ipc backends the expectation is computed on the GPU
+        where the tensors are (torch int64 ops). Off by default here: on
+        the host backend it costs several times the update (see
+        bench/RESULTS.md), on GPUs some twenty passes over the weights as
+        int64. A tensor may be a weightsync.sparse.SparsePatch (numpy, or a
+        TorchSparsePatch from sparse.diff of torch tensors, on the GPU):
+        only its elements travel, and the update applies only on engines at
+        `base_version`."""
         update_id = update_id or f"update-{version}-{uuid.uuid4().hex[:8]}"
         if self._backend in ("nccl", "ipc"):
             return self._update_gpu(named_tensors, version, chunk_bytes, update_id, engine_ids,
-                                    mode, allow_streaming_fallback, verify)
+                                    mode, allow_streaming_fallback, verify, base_version)
         if len(self._stubs) > 1:
             raise ValueError("the host backend talks to one daemon")
         names, data, manifest = [], [], []
         for name, tensor in named_tensors:
             if isinstance(tensor, SparsePatch):
-                dtype, _, values = describe(name, tensor.values)
+                if not tensor.nnz:
+                    raise ValueError(f"tensor '{name}': an empty patch (sparse_nnz 0 means a "
+                                     "dense tensor on the wire); leave the tensor out or "
+                                     "send it dense (weightsync.sparse.diff never returns one)")
+                payload = tensor.payload()
+                if isinstance(tensor, TorchSparsePatch):
+                    from weightsync._gpu import dtype_name
+                    dtype = dtype_name(name, tensor.values)
+                    if hasattr(payload, "cpu"):
+                        payload = payload.cpu().numpy()
+                else:
+                    dtype = describe(name, tensor.values)[0]
                 names.append(name)
-                data.append(np.concatenate([tensor.index_payload(), values]))
+                data.append(payload)
                 manifest.append({"name": name, "dtype": dtype, "shape": list(tensor.shape),
-                                 "sparse_nnz": len(tensor.indices),
+                                 "sparse_nnz": int(tensor.nnz),
                                  "sparse_index_bytes": tensor.index_bytes})
                 continue
             dtype, shape, raw = describe(name, tensor)
@@ -214,11 +227,14 @@ class Trainer:
             raise
         finished = self.finish(update_id)
         if verify:
-            self._check_receipts(finished, names, manifest, data)
+            from weightsync.receipts import expected_receipt
+            sent = {m["name"]: (m["dtype"], m["shape"], d) for m, d in zip(manifest, data)
+                    if not m.get("sparse_nnz")}  # receipts cover dense tensors
+            self._check_receipts([finished], lambda layout: expected_receipt(layout, sent))
         return finished
 
     def _update_gpu(self, named_tensors, version, chunk_bytes, update_id, engine_ids, mode,
-                    allow_streaming_fallback, verify):
+                    allow_streaming_fallback, verify, base_version=0):
         """NCCL / IPC update of torch tensors (see weightsync.gpu_trainer).
         Returns the FinishWeightUpdateResponse (a list of them, one per
         daemon, for several daemons); self.last_results holds the list."""
@@ -232,8 +248,11 @@ class Trainer:
                   "staged": v1.UPDATE_MODE_STAGED}[mode],
             allow_streaming_fallback=allow_streaming_fallback,
             verify=v1.VERIFY_ON if verify else v1.VERIFY_OFF,
+            sparse_base_version=base_version,
             tensors=[v1.TensorSpec(name=m["name"], dtype=getattr(v1, m["dtype"]),
-                                   shape=m["shape"]) for m in manifest])
+                                   shape=m["shape"], sparse_nnz=m.get("sparse_nnz", 0),
+                                   sparse_index_bytes=m.get("sparse_index_bytes", 0))
+                     for m in manifest])
         if gpu.backend == "ipc":
             # Offsets and total size don't depend on the chunk size.
             layout = gpu.plan(manifest, chunk_bytes or (1 << 30))
@@ -244,9 +263,11 @@ class Trainer:
             self._stub.call("StartWeightUpdate", request)
             finished = self.finish(update_id)   # the daemon copied; buf may change now
             t1 = time.perf_counter()
-            gpu.last_timings = {"prepare_s": t_packed - t0, "start_to_finish_s": t1 - t_packed,
-                                "total_s": t1 - t0}
+            gpu.last_timings = {"prepare_s": t_packed - t0, "start_to_finish_s": t1 - t_packed}
             self.last_results = [finished]
+            if verify:
+                self._check_gpu_receipts([finished], manifest, flats)
+            gpu.last_timings["total_s"] = time.perf_counter() - t0
             return finished
         # With the chunk size known, the first chunks are packed while Start
         # runs on the daemons.
@@ -300,9 +321,28 @@ class Trainer:
         t1 = time.perf_counter()
         gpu.last_timings = {"prepare_s": t_start - t0, "start_s": t_started - t_start,
                             "enqueue_s": t_enqueued - t_started,
-                            "start_to_finish_s": t1 - t_start, "total_s": t1 - t0}
+                            "start_to_finish_s": t1 - t_start}
         self.last_results = results
+        if verify:
+            self._check_gpu_receipts(results, manifest, flats)
+        gpu.last_timings["total_s"] = time.perf_counter() - t0
         return results[0] if len(results) == 1 else results
+
+    def _check_gpu_receipts(self, results, manifest, flats):
+        """Receipts of a GPU update, the expectation computed on the GPU
+        from the tensors as sent (weightsync.receipts.expected_receipt_arrays
+        on torch tensors, on the current stream of their device: after the
+        work that produced them, before update() returns and they may
+        change). Adds receipts_s to last_timings."""
+        from weightsync._gpu import elements
+        from weightsync.receipts import expected_receipt_arrays
+        t = time.perf_counter()
+        sent = {m["name"]: (m["dtype"], m["shape"], elements(f, m["dtype"]))
+                for m, f in zip(manifest, flats) if not m.get("sparse_nnz")}
+        try:
+            self._check_receipts(results, lambda layout: expected_receipt_arrays(layout, sent))
+        finally:
+            self._gpu.last_timings["receipts_s"] = time.perf_counter() - t
 
     def _abort_started(self, update_id, count, reason):
         detail = ""
@@ -313,21 +353,32 @@ class Trainer:
                 detail += f"; abort on a daemon: {e}"
         return detail
 
-    def _check_receipts(self, finished, names, manifest, data):
-        from weightsync.receipts import expected_receipt
-        sent = {m["name"]: (m["dtype"], m["shape"], d) for m, d in zip(manifest, data)
-                if not m.get("sparse_nnz")}  # receipts cover dense tensors
-        layouts = {e.engine_id: e.layout
-                   for e in self._stub.call("GetStatus", include_layouts=True).engines}
-        for r in finished.engines:
-            if not r.HasField("receipt") or r.lost or r.engine_id not in layouts:
+    def _check_receipts(self, results, expected):
+        """Compares every engine's receipt in `results` (one
+        FinishWeightUpdateResponse per daemon, in self._stubs order) with
+        expected(layout) -> (checksum, parameters, bytes) for the layout
+        the engine registered; raises DATA_LOSS naming the engine. Engines
+        with one layout (replicas) are computed once."""
+        cache = {}
+        for stub, finished in zip(self._stubs, results):
+            if not any(r.HasField("receipt") for r in finished.engines):
                 continue
-            checksum, _, nbytes = expected_receipt(layouts[r.engine_id], sent)
-            if checksum != r.receipt.checksum or nbytes != r.receipt.bytes:
-                raise WeightSyncError(
-                    "DATA_LOSS", f"engine '{r.engine_id}' receipt {r.receipt.checksum:016x} "
-                    f"over {r.receipt.bytes} bytes does not match {checksum:016x} over "
-                    f"{nbytes} bytes computed from what was sent")
+            layouts = {e.engine_id: e.layout
+                       for e in stub.call("GetStatus", include_layouts=True).engines}
+            for r in finished.engines:
+                if not r.HasField("receipt") or r.lost or r.engine_id not in layouts:
+                    continue
+                layout = layouts[r.engine_id]
+                key = tuple(p.SerializeToString(deterministic=True) for p in layout)
+                if key not in cache:
+                    cache[key] = expected(layout)
+                checksum, _, nbytes = cache[key]
+                if checksum != r.receipt.checksum or nbytes != r.receipt.bytes:
+                    raise WeightSyncError(
+                        "DATA_LOSS", f"engine '{r.engine_id}' receipt "
+                        f"{r.receipt.checksum:016x} over {r.receipt.bytes} bytes does not "
+                        f"match {checksum:016x} over {nbytes} bytes computed from what was "
+                        "sent")
 
     def finish(self, update_id):
         # The daemon waits two thirds of our deadline for the bytes, so its
