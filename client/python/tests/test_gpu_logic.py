@@ -348,7 +348,7 @@ class ReceiptArraysTest(unittest.TestCase):
         layout, sent = _receipt_case(rng)
         want = self.host(layout, sent)
         self.assertEqual(want[1], 10)   # every parameter but "gone"
-        for block in (1 << 24, 64, 7, 1):
+        for block in (1 << 22, 64, 7, 1):
             got = receipts.expected_receipt_arrays(layout, sent, _xp.NumpyOps(), block=block)
             self.assertEqual(got, want, f"block {block}")
         # The ops follow the data: numpy arrays need no ops argument.
@@ -373,6 +373,24 @@ class ReceiptArraysTest(unittest.TestCase):
         got = receipts.expected_receipt_arrays(layout, dict(sent, emb=(dt, shape, b)))
         self.assertEqual(got, want)
 
+    def test_llama_tensor_parallel_layouts(self):
+        from weightsync import layouts
+        config = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
+                  "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+                  "head_dim": 16, "model_type": "qwen3", "tie_word_embeddings": False}
+        rng = np.random.default_rng(15)
+        for src in FLOATS:
+            sent = {n: (src, list(shape), _rand_bits(rng, src, int(np.prod(shape))))
+                    for n, shape in layouts.checkpoint_shapes(config)}
+            for dst in FLOATS:
+                for rank in (0, 1):
+                    specs, segs = layouts.llama_engine_layout(config, rank, 2, dtype=dst)
+                    layout = [_parameter(n, dt, shape, segs.get(n, [])) for n, dt, shape in specs]
+                    want = self.host(layout, sent)
+                    self.assertEqual(want[1], len(specs))
+                    self.assertEqual(receipts.expected_receipt_arrays(layout, sent, block=999),
+                                     want, f"{src} -> {dst} rank {rank}")
+
     def test_large_sums_wrap_mod_2_64(self):
         # Enough elements that the 32-bit halves carry many times.
         rng = np.random.default_rng(13)
@@ -380,7 +398,7 @@ class ReceiptArraysTest(unittest.TestCase):
         sent = {"w": ("FLOAT32", (300000,), a.view(np.float32))}
         layout = [_parameter("w", "FLOAT32", (300000,))]
         want = self.host(layout, sent)
-        for block in (1 << 24, 4096):
+        for block in (1 << 22, 4096):
             self.assertEqual(receipts.expected_receipt_arrays(layout, sent, block=block), want)
 
 

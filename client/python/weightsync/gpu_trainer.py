@@ -18,6 +18,12 @@ caching-allocator segment base (the daemon opens the handle and reads
 from offset 0); StartWeightUpdate carries its handle as ipc_source, the
 daemon copies, Finish returns when done; the buffer is not touched until
 Finish returns.
+
+Sparse patches (weightsync.sparse.diff of torch tensors, computed on the
+GPU) travel in both: a patch's payload (indices, then values) takes the
+tensor's place in the packed stream, on the GPU. Receipts (verify=True)
+are checked after Finish against an expectation computed on the GPU from
+the tensors as sent (weightsync.receipts.expected_receipt_arrays).
 """
 
 import time
