@@ -1,5 +1,5 @@
-// weightsync_gpu_trainer: a fake trainer on a GPU for the NCCL backend. It
-// creates the NCCL unique id, hands it to weightsyncd in InitWeightTransfer
+// weightsync_gpu_trainer: a fake trainer on a GPU for the NCCL backend (or,
+// with --backend=ipc, colocated on the engines' GPU). For NCCL it creates the NCCL unique id, hands it to weightsyncd in InitWeightTransfer
 // (world size 2, daemon at rank 1), joins as rank 0, and per update calls
 // Start, broadcasts every chunk of the shared chunk plan, and calls Finish.
 // Its tensors sit in one device buffer laid out exactly as the plan packs
@@ -18,7 +18,8 @@
 // (DiffChanged; 4-byte indices), sends a sparse update (tensors whose
 // change is too large go dense), then sends the same weights again as a
 // dense update: an engine must end up bit for bit the same after both
-// (weightsync_gpu_engine --hash prints what to compare). NCCL only.
+// (weightsync_gpu_engine --hash prints what to compare). NCCL, or with
+// --backend=ipc (one GPU) the patches in a buffer shared by IPC handle.
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 #include <unistd.h>
@@ -87,7 +88,7 @@ DEFINE_bool(allow_streaming_fallback, false,
             "--mode=staged: stream when over the staging budget");
 DEFINE_string(sparse_densities, "",
               "comma-separated densities: a sparse step, then the same "
-              "weights dense, per density (NCCL)");
+              "weights dense, per density (NCCL, or IPC without a ring)");
 DEFINE_string(sparse_staged_steps, "",
               "comma-separated step numbers (0-based) of --sparse_densities "
               "whose sparse update is sent staged");
@@ -165,15 +166,18 @@ struct Sent {
   double seconds = 0;
 };
 
-// Start, broadcast every chunk of `plan` from `buf`, Finish.
-absl::StatusOr<Sent> SendNccl(TrainerClient& client,
-                              const v1::StartWeightUpdateRequest& req,
-                              const ChunkPlan& plan, uint8_t* buf,
-                              ncclComm_t comm, cudaStream_t stream) {
+// Start, broadcast every chunk of `plan` from `buf`, Finish. With no
+// `comm` (the IPC backend) the request names the shared buffer and the
+// daemon pulls the bytes itself.
+absl::StatusOr<Sent> Send(TrainerClient& client,
+                          const v1::StartWeightUpdateRequest& req,
+                          const ChunkPlan& plan, uint8_t* buf, ncclComm_t comm,
+                          cudaStream_t stream) {
   const absl::Time t0 = absl::Now();
   auto started = client.StartWeightUpdate(req);
   if (!started.ok()) return started.status();
   for (const Chunk& c : plan.chunks) {
+    if (comm == nullptr) break;
     CHECK_NCCL(ncclBroadcast(buf + c.offset, buf + c.offset, c.size, ncclUint8,
                              0, comm, stream));
   }
@@ -183,13 +187,28 @@ absl::StatusOr<Sent> SendNccl(TrainerClient& client,
   return Sent{*done, absl::ToDoubleSeconds(absl::Now() - t0)};
 }
 
-// The sparse steps of --sparse_densities (NCCL). `flat` / `flat_dev`: the
-// weights sent last, on the host and on the device.
+// A legacy CUDA IPC handle of `size` bytes at `ptr` on `device`.
+v1::Allocation IpcSource(void* ptr, int64_t size, int device) {
+  cudaIpcMemHandle_t handle;
+  CHECK_CUDA(cudaIpcGetMemHandle(&handle, ptr));
+  v1::Allocation source;
+  source.set_kind(v1::MEMORY_CUDA_IPC);
+  source.set_handle(
+      std::string(reinterpret_cast<char*>(&handle), sizeof(handle)));
+  source.set_size(size);
+  source.set_device_uuid(GpuUuid(device));
+  return source;
+}
+
+// The sparse steps of --sparse_densities. `flat` / `flat_dev`: the weights
+// sent last, on the host and on the device. NCCL, or with `dense_source`
+// (the IPC handle of `flat_dev`) the IPC backend: the patches then go in a
+// buffer of their own, shared the same way.
 int SparseSeries(TrainerClient& client,
                  const std::vector<v1::TensorSpec>& specs,
                  const ChunkPlan& dense_plan, std::vector<uint8_t>& flat,
                  uint8_t* flat_dev, ncclComm_t comm, cudaStream_t stream,
-                 int64_t version) {
+                 int64_t version, const v1::Allocation* dense_source) {
   std::vector<double> densities;
   for (absl::string_view d : absl::StrSplit(FLAGS_sparse_densities, ',')) {
     double v = 0;
@@ -218,6 +237,7 @@ int SparseSeries(TrainerClient& client,
   CHECK_CUDA(cudaMalloc(&counts_dev, n * sizeof(int64_t)));
   uint8_t* patch_dev = nullptr;
   int64_t patch_bytes = 0;
+  v1::Allocation patch_source;
   std::vector<int> staged_steps;
   for (absl::string_view d :
        absl::StrSplit(FLAGS_sparse_staged_steps, ',', absl::SkipEmpty())) {
@@ -270,6 +290,9 @@ int SparseSeries(TrainerClient& client,
       if (patch_dev != nullptr) CHECK_CUDA(cudaFree(patch_dev));
       CHECK_CUDA(cudaMalloc(&patch_dev, plan->total_bytes));
       patch_bytes = plan->total_bytes;
+      if (dense_source != nullptr) {
+        patch_source = IpcSource(patch_dev, patch_bytes, FLAGS_device);
+      }
     }
     for (int i = 0; i < n; ++i) {
       uint8_t* out = patch_dev + plan->tensor_offsets[i];
@@ -310,7 +333,8 @@ int SparseSeries(TrainerClient& client,
     req.set_verify(v1::VERIFY_OFF);
     if (staged) req.set_mode(v1::UPDATE_MODE_STAGED);
     *req.mutable_tensors() = manifest;
-    auto sparse = SendNccl(client, req, *plan, patch_dev, comm, stream);
+    if (dense_source != nullptr) *req.mutable_ipc_source() = patch_source;
+    auto sparse = Send(client, req, *plan, patch_dev, comm, stream);
     if (!sparse.ok() && corrupt) {
       std::printf("sparse update v%lld (%s) refused: %s\n",
                   static_cast<long long>(version),
@@ -345,7 +369,8 @@ int SparseSeries(TrainerClient& client,
     req.set_chunk_bytes(FLAGS_chunk_mib << 20);
     req.set_verify(v1::VERIFY_OFF);
     for (const auto& s : specs) *req.add_tensors() = s;
-    auto dense = SendNccl(client, req, dense_plan, flat_dev, comm, stream);
+    if (dense_source != nullptr) *req.mutable_ipc_source() = *dense_source;
+    auto dense = Send(client, req, dense_plan, flat_dev, comm, stream);
     if (!dense.ok()) {
       std::printf("dense update v%lld failed: %s\n",
                   static_cast<long long>(version),
@@ -442,14 +467,7 @@ int Main() {
     source.set_size(vmm.size);
   } else {
     CHECK_CUDA(cudaMalloc(&shared, shared_bytes));
-    if (ipc) {
-      cudaIpcMemHandle_t handle;
-      CHECK_CUDA(cudaIpcGetMemHandle(&handle, shared));
-      source.set_kind(v1::MEMORY_CUDA_IPC);
-      source.set_handle(
-          std::string(reinterpret_cast<char*>(&handle), sizeof(handle)));
-      source.set_size(shared_bytes);
-    }
+    if (ipc) source = IpcSource(shared, shared_bytes, FLAGS_device);
   }
   source.set_device_uuid(GpuUuid(FLAGS_device));
   if (!ring) flat_dev = shared;
@@ -526,6 +544,13 @@ int Main() {
       auto chunks = (*client)->OpenIpcChunks(req.update_id());
       absl::Status s;
       for (const Chunk& c : plan->chunks) {
+        if (FLAGS_die_after_chunks >= 0 && c.index == FLAGS_die_after_chunks) {
+          std::printf("trainer: dying after %lld chunks of update-%lld\n",
+                      static_cast<long long>(c.index),
+                      static_cast<long long>(version));
+          std::fflush(stdout);
+          _exit(9);
+        }
         if (c.index >= slots) s = chunks->WaitDone(c.index - slots + 1);
         if (!s.ok()) break;
         CHECK_CUDA(
@@ -610,12 +635,13 @@ int Main() {
     }
   }
   if (!FLAGS_sparse_densities.empty()) {
-    CHECK(!ipc) << "--sparse_densities: NCCL only";
+    CHECK(!ipc || !ring) << "--sparse_densities: not with --ipc_ring_slots";
     CHECK_GE(FLAGS_updates, 1) << "--sparse_densities: the first step needs "
                                   "a dense update to patch";
     const int rc = SparseSeries(**client, specs, *plan, flat,
                                 static_cast<uint8_t*>(flat_dev), comm, stream,
-                                FLAGS_first_version + FLAGS_updates - 1);
+                                FLAGS_first_version + FLAGS_updates - 1,
+                                ipc ? &source : nullptr);
     if (rc != 0) return rc;
   }
   if (FLAGS_pause_series) {

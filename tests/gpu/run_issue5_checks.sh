@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# Issue 5 on GPUs (receipts and staged mode on the NCCL backend), on a
-# two-GPU machine, one command:
+# Issue 5 on GPUs (receipts, staged mode and sparse patches), on a
+# two-GPU machine (NCCL backend), one command:
 #   COMMIT=<sha> KIND=<kind> bash tests/gpu/run_issue5_checks.sh [BIN_DIR=.dev/bin] [LOG_DIR=/tmp/ws-issue5]
 # BIN_DIR holds weightsyncd, weightsync_gpu_worker, weightsync_gpu_engine and
-# weightsync_gpu_trainer. Trainer on GPU 0, daemon rank on GPU 1.
+# weightsync_gpu_trainer. Trainer on GPU 0, daemon rank on GPU 1. On a
+# machine with one GPU everything runs on GPU 0 and the trainer uses the IPC
+# backend instead (the daemon reads its shared buffer; the trainer that dies
+# mid-transfer shares a ring of 2 chunk slots so that it can die between
+# chunks); the labels and the JSON files say which backend ran.
 # (a) NCCL updates with receipts ON (computed on the GPU by the daemon's
 #     worker) into a plain engine and a TP=2 pair: the trainer checks them
 #     against what it sent, the engines compare every parameter bit for bit;
@@ -56,12 +60,16 @@ stop_all() {
 trap stop_all EXIT
 sock=""
 T0=$(date +%s)
+NGPU=$(nvidia-smi -L | wc -l)
+if [ "$NGPU" -ge 2 ]; then DEV_T=0 DEV_D=1 BACKEND=nccl DIE_RING=""
+else DEV_T=0 DEV_D=0 BACKEND=ipc DIE_RING="--ipc_ring_slots=2"; fi
+B=${BACKEND^^}
 
 start_daemon() {  # tag, extra flags
   local tag="$1"; shift
   sock="$LOG/$tag.sock"  # one per daemon: an old one exiting can't unlink it
   rm -f "$sock"
-  timeout 300 "$BIN/weightsyncd" --socket="$sock" --gpu=1 --gpu_worker="$BIN/weightsync_gpu_worker" \
+  timeout 300 "$BIN/weightsyncd" --socket="$sock" --gpu=$DEV_D --gpu_worker="$BIN/weightsync_gpu_worker" \
     --notice_timeout_ms=60000 --max_chunk_bytes=$((1<<30)) "$@" >>"$LOG/daemon-$tag.log" 2>&1 &
   pids+=($!)
   for _ in $(seq 100); do [ -S "$sock" ] && return 0; sleep 0.1; done
@@ -87,16 +95,16 @@ wait_registered() {  # names...
 count() { local n; n=$(grep -c "$2" "$LOG/$1.log" 2>/dev/null); echo "${n:-0}"; }
 trainer() {  # log name, time limit, flags
   local name="$1" limit="$2"; shift 2
-  timeout "$limit" "$BIN/weightsync_gpu_trainer" --target="unix:$sock" --device=0 "$@" \
+  timeout "$limit" "$BIN/weightsync_gpu_trainer" --target="unix:$sock" --device=$DEV_T --backend=$BACKEND "$@" \
     >"$LOG/$name.log" 2>&1
 }
 
 # ---------------------------------------------------------------- (a) (b)
 M=demo
 start_daemon receipts --finish_timeout_ms=20000
-engine plain --model=$M --layout=plain --dtype=bfloat16 --ckpt_dtype=float32 --device=1
+engine plain --model=$M --layout=plain --dtype=bfloat16 --ckpt_dtype=float32 --device=$DEV_D
 engine tp0 --model=$M --layout=tp --tp_rank=0 --tp_size=2 --dtype=bfloat16 --ckpt_dtype=float32 --device=0
-engine tp1 --model=$M --layout=tp --tp_rank=1 --tp_size=2 --dtype=float16 --ckpt_dtype=float32 --device=1
+engine tp1 --model=$M --layout=tp --tp_rank=1 --tp_size=2 --dtype=float16 --ckpt_dtype=float32 --device=$DEV_D
 wait_registered plain tp0 tp1
 sleep 0.5
 trainer trainer-receipts 120 --model=$M --dtype=float32 --updates=3 --chunk_mib=16 \
@@ -105,8 +113,8 @@ trc=$?
 r=$(count trainer-receipts 'receipts ok (3 engines)')
 v=$(( $(count plain 'verified') + $(count tp0 'verified') + $(count tp1 'verified') ))
 if [ $trc = 0 ] && [ "$r" = 3 ] && [ "$v" = 9 ]; then
-  record "(a) 3 NCCL updates, receipts ON: trainer checks 3x3, engines 9/9" PASS
-else record "(a) 3 NCCL updates, receipts ON [receipts $r/3, engines $v/9, rc $trc]" FAIL; fi
+  record "(a) 3 $B updates, receipts ON: trainer checks 3x3, engines 9/9" PASS
+else record "(a) 3 $B updates, receipts ON [receipts $r/3, engines $v/9, rc $trc]" FAIL; fi
 
 trainer trainer-corrupt 60 --model=$M --dtype=float32 --updates=1 --first_version=4 --chunk_mib=16 \
   --receipts --corrupt_version=4 --finish_timeout_ms=60000 --update_timeout_s=50
@@ -127,7 +135,7 @@ stop_all
 
 # ---------------------------------------------------------------- (c)
 start_daemon staged --finish_timeout_ms=20000 --gpu_staging_budget_bytes=$((2<<30))
-engine reader --model=$M --layout=plain --dtype=bfloat16 --ckpt_dtype=bfloat16 --device=1 --read_loop
+engine reader --model=$M --layout=plain --dtype=bfloat16 --ckpt_dtype=bfloat16 --device=$DEV_D --read_loop
 wait_registered reader
 sleep 1
 trainer trainer-staged 150 --model=$M --dtype=bfloat16 --updates=5 --chunk_mib=16 \
@@ -136,8 +144,8 @@ trc=$?
 st=$(grep -c "mode staged" "$LOG/trainer-staged.log")
 vs=$(count reader 'verified')
 if [ $trc = 0 ] && [ "$st" = 5 ] && [ "$vs" = 5 ]; then
-  record "(c) 5 staged NCCL updates, engine bit-exact after each" PASS
-else record "(c) 5 staged NCCL updates [staged $st/5, verified $vs/5, rc $trc]" FAIL; fi
+  record "(c) 5 staged $B updates, engine bit-exact after each" PASS
+else record "(c) 5 staged $B updates [staged $st/5, verified $vs/5, rc $trc]" FAIL; fi
 # One staged update with receipts as well (they run inside the commit pause).
 trainer trainer-staged-receipts 60 --model=$M --dtype=bfloat16 --updates=1 --first_version=6 \
   --chunk_mib=16 --mode=staged --receipts --finish_timeout_ms=60000 --update_timeout_s=50
@@ -147,7 +155,7 @@ if [ $trc = 0 ] && [ "$(count trainer-staged-receipts 'receipts ok (1 engines)')
 else record "(c) staged update v6 with receipts [rc $trc]" FAIL; fi
 # The trainer dies mid-transfer: Finish fails, the engine is untouched.
 trainer trainer-staged-dies 60 --model=$M --dtype=bfloat16 --updates=1 --first_version=7 \
-  --chunk_mib=16 --mode=staged --die_after_chunks=3
+  --chunk_mib=16 --mode=staged --die_after_chunks=3 $DIE_RING
 trainer finish-staged-dies 60 --finish_only=update-7 --finish_timeout_ms=30000
 if grep -q "ABORTED" "$LOG/finish-staged-dies.log" && grep -q "engines untouched" "$LOG/finish-staged-dies.log" \
    && grep -q "engine reader: ENGINE_READY, version 6" "$LOG/finish-staged-dies.log"; then
@@ -169,7 +177,7 @@ else record "(c) read loop during staged updates: only whole versions [$final]" 
 record "    ${final#*] }" info
 # Staging budget: 64 MiB can't hold the demo model.
 start_daemon budget --finish_timeout_ms=20000 --gpu_staging_budget_bytes=$((64<<20))
-engine reader2 --model=$M --layout=plain --dtype=bfloat16 --ckpt_dtype=bfloat16 --device=1
+engine reader2 --model=$M --layout=plain --dtype=bfloat16 --ckpt_dtype=bfloat16 --device=$DEV_D
 wait_registered reader2
 trainer trainer-over-budget 60 --model=$M --dtype=bfloat16 --updates=1 --chunk_mib=16 --mode=staged
 if grep -q "start failed: RESOURCE_EXHAUSTED" "$LOG/trainer-over-budget.log"; then
@@ -186,9 +194,9 @@ stop_all
 
 # ---------------------------------------------------------------- (e)
 start_daemon sparse --finish_timeout_ms=20000
-for e in "plain --layout=plain --dtype=bfloat16 --device=1" \
+for e in "plain --layout=plain --dtype=bfloat16 --device=$DEV_D" \
          "tp0 --layout=tp --tp_rank=0 --tp_size=2 --dtype=bfloat16 --device=0" \
-         "tp1 --layout=tp --tp_rank=1 --tp_size=2 --dtype=float16 --device=1"; do
+         "tp1 --layout=tp --tp_rank=1 --tp_size=2 --dtype=float16 --device=$DEV_D"; do
   # shellcheck disable=SC2086
   engine sp-$e --model=$M --ckpt_dtype=float32 --verify=false --hash
 done
@@ -227,7 +235,7 @@ stop_all
 # BENCH_MEMORY: how the engine shares its memory (vmm or ipc).
 MEM="${BENCH_MEMORY:-vmm}"
 start_daemon bench --finish_timeout_ms=60000 --gpu_staging_budget_bytes=$((24<<30))
-engine bench --model=qwen3-8b --layout=plain --dtype=bfloat16 --ckpt_dtype=bfloat16 --device=1 \
+engine bench --model=qwen3-8b --layout=plain --dtype=bfloat16 --ckpt_dtype=bfloat16 --device=$DEV_D \
   --verify=false --time_copy --memory="$MEM"
 wait_registered bench
 trainer bench-staged 150 --model=qwen3-8b --dtype=bfloat16 --updates=6 --same_data --chunk_mib=1024 \
@@ -246,9 +254,9 @@ trainer bench-sparse 240 --model=qwen3-8b --dtype=bfloat16 --updates=1 --first_v
   || record "(d) sparse benchmark ran" FAIL
 stop_all
 
-figures=$(timeout 60 python3 - "$LOG" "${COMMIT:-unknown}" "${KIND:-unknown}" "$MEM" <<'PY'
+figures=$(timeout 60 python3 - "$LOG" "${COMMIT:-unknown}" "${KIND:-unknown}" "$MEM" "$BACKEND" <<'PY'
 import json, re, sys, datetime, statistics, os
-log, commit, kind, mem = sys.argv[1:5]
+log, commit, kind, mem, backend = sys.argv[1:6]
 def read(name):
     try:
         return open(os.path.join(log, name + ".log")).read()
@@ -269,7 +277,7 @@ if staged and base:
     copy_s = float(base.group(2))
     pause = statistics.median(r["pause_s"] for r in staged)
     r = {"date": today, "kind": kind, "commit": commit, "model": "qwen3-8b", "bytes": nbytes,
-         "engine_memory": mem, "chunk_bytes": 1 << 30,
+         "engine_memory": mem, "chunk_bytes": 1 << 30, "backend": backend,
          "baseline": "plain on-GPU copy (cudaMemcpy D2D) of the engine's parameter bytes on the engine's GPU",
          "copy_s": copy_s, "copy_bytes": int(base.group(1)),
          "pause_s_median": pause, "pause_over_copy": pause / copy_s, "goal_pause_over_copy": 1.5,
@@ -289,7 +297,7 @@ if rec and plain:
     without_s = statistics.median(r["seconds"] for r in plain)
     frac = (with_s - without_s) / with_s
     r = {"date": today, "kind": kind, "commit": commit, "model": "qwen3-8b", "bytes": nbytes,
-         "engine_memory": mem, "chunk_bytes": 1 << 30, "mode": "streaming, nccl",
+         "engine_memory": mem, "chunk_bytes": 1 << 30, "mode": "streaming, " + backend,
          "method": "receipts are summed on the GPU chunk by chunk as the update goes; their cost is "
                    "the median update time with VERIFY_ON minus the median without (same daemon, same run)",
          "update_s_median": with_s, "update_s_median_without_receipts": without_s,
@@ -314,7 +322,7 @@ if steps:
     time_frac = statistics.median(s["sparse_s"] / s["dense_s"] for s in steps)
     with_diff = statistics.median((s["sparse_s"] + s["diff_pack_s"]) / s["dense_s"] for s in steps)
     r = {"date": today, "kind": kind, "commit": commit, "model": "qwen3-8b", "checkpoint_dtype": "bfloat16",
-         "engine": "plain bfloat16, " + mem, "chunk_bytes": 1 << 30, "backend": "nccl, streaming",
+         "engine": "plain bfloat16, " + mem, "chunk_bytes": 1 << 30, "backend": backend + ", streaming",
          "density": steps[0]["density"], "index_bytes": 4,
          "baseline": "the dense update of the same weights, sent right after each sparse one (same run)",
          "sparse_bytes_median": med("sparse_bytes"), "dense_bytes": steps[0]["dense_bytes"],
