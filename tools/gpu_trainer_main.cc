@@ -1,9 +1,10 @@
 // weightsync_gpu_trainer: a fake trainer on a GPU for the NCCL backend (or,
-// with --backend=ipc, colocated on the engines' GPU). For NCCL it creates the NCCL unique id, hands it to weightsyncd in InitWeightTransfer
-// (world size 2, daemon at rank 1), joins as rank 0, and per update calls
-// Start, broadcasts every chunk of the shared chunk plan, and calls Finish.
-// Its tensors sit in one device buffer laid out exactly as the plan packs
-// them, so each chunk is broadcast in place. Modes for fault tests:
+// with --backend=ipc, colocated on the engines' GPU). For NCCL it creates the
+// NCCL unique id, hands it to weightsyncd in InitWeightTransfer (world size 2,
+// daemon at rank 1), joins as rank 0, and per update calls Start, broadcasts
+// every chunk of the shared chunk plan, and calls Finish. Its tensors sit in
+// one device buffer laid out exactly as the plan packs them, so each chunk is
+// broadcast in place. Modes for fault tests:
 // --die_after_chunks (exit mid-transfer) and --finish_only (call Finish on
 // an update someone else started and report the outcome). Issue 5:
 // --receipts asks for receipts (VERIFY_ON) and checks them against what was

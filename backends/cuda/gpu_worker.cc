@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
 
@@ -638,13 +639,23 @@ absl::Status GpuWorker::EnqueueIpcUpdate(
 
 absl::Status GpuWorker::OpenIpcSource(
     const worker::v1::BeginUpdateRequest& request) {
-  // Mapping a large allocation costs far more than copying it: keep the
-  // trainer's buffer mapped across updates while it sends the same handle.
-  if (ipc_source_ != nullptr &&
-      ipc_source_handle_ == request.ipc_source_handle()) {
-    return absl::OkStatus();
+  for (size_t i = 0; i < ipc_sources_.size(); ++i) {
+    if (ipc_sources_[i].handle == request.ipc_source_handle() &&
+        ipc_sources_[i].size == request.ipc_source_size()) {
+      std::rotate(ipc_sources_.begin() + i, ipc_sources_.begin() + i + 1,
+                  ipc_sources_.end());
+      ipc_source_ = ipc_sources_.back().mapping.ptr;
+      return absl::OkStatus();
+    }
   }
-  CloseIpcSource();
+  ipc_source_ = nullptr;
+  if (ipc_sources_.size() >= kIpcSources) {
+    cudaSetDevice(scatter_device_);
+    if (scatter_stream_ != nullptr) cudaStreamSynchronize(scatter_stream_);
+    if (recv_stream_ != nullptr) cudaStreamSynchronize(recv_stream_);
+    Unmap(&ipc_sources_.front().mapping);
+    ipc_sources_.erase(ipc_sources_.begin());
+  }
   absl::StatusOr<Allocation> m =
       MapShared(request.ipc_source_handle(), request.ipc_source_size(),
                 request.ipc_source_vmm());
@@ -652,19 +663,20 @@ absl::Status GpuWorker::OpenIpcSource(
     return absl::Status(m.status().code(),
                         absl::StrCat("ipc_source: ", m.status().message()));
   }
-  ipc_source_mapping_ = *m;
+  ipc_sources_.push_back(
+      {request.ipc_source_handle(), request.ipc_source_size(), *m});
   ipc_source_ = m->ptr;
-  ipc_source_handle_ = request.ipc_source_handle();
   return absl::OkStatus();
 }
 
 void GpuWorker::CloseIpcSource() {
-  if (ipc_source_ == nullptr) return;
+  ipc_source_ = nullptr;
+  if (ipc_sources_.empty()) return;
   cudaSetDevice(scatter_device_);
   if (scatter_stream_ != nullptr) cudaStreamSynchronize(scatter_stream_);
-  Unmap(&ipc_source_mapping_);
-  ipc_source_ = nullptr;
-  ipc_source_handle_.clear();
+  if (recv_stream_ != nullptr) cudaStreamSynchronize(recv_stream_);
+  for (IpcSource& source : ipc_sources_) Unmap(&source.mapping);
+  ipc_sources_.clear();
 }
 
 absl::Status GpuWorker::EnsureStaging(int64_t chunk_bytes, int buffers) {
@@ -762,11 +774,20 @@ absl::Status GpuWorker::EnqueueStagedReceive(
   // memory is not touched until CommitStaged. Sparse payloads are assembled
   // and their indices checked as their chunks arrive (scatter stream), so
   // that a bad patch is refused before the commit.
+  // IPC (the whole update shared): each chunk is copied out of the
+  // trainer's buffer instead of broadcast.
   const absl::flat_hash_map<int64_t, Allocation> none;
+  const bool ipc = !request.ipc_source_handle().empty();
   for (int64_t k = 0; k < request.chunk_sizes_size(); ++k) {
     uint8_t* buf = staging_[k];
-    absl::Status received = ReceiveChunk(buf, request.chunk_sizes(k));
-    if (!received.ok()) return received;
+    if (ipc) {
+      WS_CUDA(cudaMemcpyAsync(buf, ipc_source_ + k * request.chunk_bytes(),
+                              request.chunk_sizes(k), cudaMemcpyDeviceToDevice,
+                              recv_stream_));
+    } else {
+      absl::Status received = ReceiveChunk(buf, request.chunk_sizes(k));
+      if (!received.ok()) return received;
+    }
     if (sparse_next_piece_ < request.sparse_pieces_size() &&
         request.sparse_pieces(sparse_next_piece_).chunk() == k) {
       WS_CUDA(cudaEventRecord(recv_done_[k], recv_stream_));
@@ -795,15 +816,17 @@ grpc::Status GpuWorker::BeginUpdate(
           return absl::FailedPreconditionError("an update is in progress");
         }
         const bool ipc = !request->ipc_source_handle().empty();
-        if (ipc && request->staged()) {
-          return absl::UnimplementedError(
-              "staged updates on the ipc backend are not supported");
-        }
         absl::Status s = EnsureStreams();
         if (!s.ok()) return s;
         if (ipc) {
           s = OpenIpcSource(*request);
           if (!s.ok()) return s;
+          // Staged: the chunks are copied into staging as they are read.
+          if (request->staged()) {
+            s = EnsureStaging(request->chunk_bytes(),
+                              request->chunk_sizes_size());
+            if (!s.ok()) return s;
+          }
         } else {
           if (request->staging_buffers() < 2 && !request->staged()) {
             return absl::InvalidArgumentError("at least 2 staging buffers");
@@ -843,6 +866,8 @@ grpc::Status GpuWorker::BeginUpdate(
                 request->ipc_source_size(), " bytes"));
           }
           ring_ = *request;
+          staged_pending_ = request->staged();
+          if (request->staged()) staged_ = *request;
           ring_slots_ = request->ipc_ring_slots();
           ring_next_chunk_ = 0;
           ring_next_op_ = 0;
@@ -860,9 +885,9 @@ grpc::Status GpuWorker::BeginUpdate(
         staged_pending_ = request->staged();
         if (request->staged()) staged_ = *request;
         owner_.Post([this, ipc, req = *request] {
-          absl::Status s = ipc            ? EnqueueIpcUpdate(req)
-                           : req.staged() ? EnqueueStagedReceive(req)
-                                          : EnqueueUpdate(req);
+          absl::Status s = req.staged() ? EnqueueStagedReceive(req)
+                           : ipc        ? EnqueueIpcUpdate(req)
+                                        : EnqueueUpdate(req);
           if (!s.ok()) LOG(WARNING) << "update enqueue: " << s;
           absl::MutexLock lock(&enqueue_mu_);
           enqueue_status_ = s;
@@ -967,20 +992,35 @@ grpc::Status GpuWorker::CopyChunk(grpc::ServerContext* ctx,
           allocs = allocations_;
         }
         const int slot = k % ring_.ipc_ring_slots();
-        if (k == 0) WS_CUDA(cudaEventRecord(first_op_, scatter_stream_));
-        absl::Status s =
-            EnqueueChunk(ring_, k, ipc_source_ + slot * ring_.chunk_bytes(),
-                         allocs, sm_copies_, &ring_next_op_);
+        const uint8_t* in = ipc_source_ + slot * ring_.chunk_bytes();
+        absl::Status s;
+        if (ring_.staged()) {
+          // Into staging (and a patch's piece assembled and checked);
+          // engine memory waits for CommitStaged.
+          WS_CUDA(cudaMemcpyAsync(staging_[k], in, ring_.chunk_sizes(k),
+                                  cudaMemcpyDeviceToDevice, scatter_stream_));
+          if (sparse_next_piece_ < ring_.sparse_pieces_size() &&
+              ring_.sparse_pieces(sparse_next_piece_).chunk() == k) {
+            s = EnqueueChunkSparse(ring_, k, staging_[k], {}, false);
+          }
+        } else {
+          if (k == 0) WS_CUDA(cudaEventRecord(first_op_, scatter_stream_));
+          s = EnqueueChunk(ring_, k, in, allocs, sm_copies_, &ring_next_op_);
+        }
         if (!s.ok()) return s;
         WS_CUDA(cudaEventRecord(slot_done_[slot], scatter_stream_));
         ++ring_next_chunk_;
         ring_enqueued_ = ring_next_chunk_;
         if (ring_next_chunk_ == ring_.chunk_sizes_size()) {
           s = CopyReportsOut();
-          if (s.ok()) s = CopyReceiptsOut();
+          if (s.ok() && !ring_.staged()) s = CopyReceiptsOut();
           if (!s.ok()) return s;
-          WS_CUDA(cudaEventRecord(last_op_, scatter_stream_));
-          WS_CUDA(cudaEventRecord(all_done_, scatter_stream_));
+          if (ring_.staged()) {
+            WS_CUDA(cudaEventRecord(received_, scatter_stream_));
+          } else {
+            WS_CUDA(cudaEventRecord(last_op_, scatter_stream_));
+            WS_CUDA(cudaEventRecord(all_done_, scatter_stream_));
+          }
           absl::MutexLock lock(&enqueue_mu_);
           enqueue_done_ = true;
         }

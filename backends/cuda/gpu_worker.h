@@ -191,9 +191,18 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   // Timed: the update's first GPU operation and its last (recorded just
   // before all_done_, so it has completed once all_done_ has).
   cudaEvent_t first_op_ = nullptr, last_op_ = nullptr;
+  // The trainer's shared buffer of the current IPC update, and the last
+  // kIpcSources buffers mapped (most recent last): mapping a large
+  // allocation costs far more than copying it, and a trainer may alternate
+  // between buffers (weights and patches, double buffering).
+  static constexpr int kIpcSources = 2;
+  struct IpcSource {
+    std::string handle;  // its bytes
+    int64_t size = 0;
+    Allocation mapping;
+  };
   uint8_t* ipc_source_ = nullptr;
-  Allocation ipc_source_mapping_;
-  std::string ipc_source_handle_;  // bytes of the handle ipc_source_ maps
+  std::vector<IpcSource> ipc_sources_;
   std::atomic<bool> update_active_{false};
   std::atomic<int64_t> update_chunks_{0};
   // IPC ring mode (owner thread): the update's ops, the next chunk and op

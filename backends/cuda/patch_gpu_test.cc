@@ -509,8 +509,9 @@ void MakeDiffPair(int64_t n, int es, double density, uint64_t seed,
       std::memset(p, 0, es);
       p[es - 1] = 0x80;
     } else {
-      do {
-        FillRandom(p, es, rng());
+      do {  // es <= 8: one draw (seeding a generator per element is slow)
+        const uint64_t r = rng();
+        std::memcpy(p, &r, es);
       } while (std::memcmp(p, before->data() + i * es, es) == 0);
     }
   }

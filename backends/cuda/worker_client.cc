@@ -342,15 +342,13 @@ absl::Status GpuDataPlane::Begin(std::shared_ptr<const CopyPlan> plan,
 absl::Status GpuDataPlane::BeginStaged(
     std::shared_ptr<const CopyPlan> plan,
     const v1::StartWeightUpdateRequest& request) {
-  if (backend_ != v1::BACKEND_NCCL) {
-    return absl::UnimplementedError(absl::StrCat(
-        "staged updates on the ", name(), " backend are not supported"));
-  }
   return BeginImpl(std::move(plan), request, /*staged=*/true);
 }
 
+// NCCL and IPC alike: a staged update is copied into GPU staging, one
+// chunk-sized buffer per chunk, before the commit writes engine memory.
 int64_t GpuDataPlane::DeviceStagingBudget() const {
-  return backend_ == v1::BACKEND_NCCL ? sup_->options().staging_budget : -1;
+  return sup_->options().staging_budget;
 }
 
 absl::Status GpuDataPlane::WaitStaged(absl::Time deadline) {

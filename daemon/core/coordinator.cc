@@ -301,8 +301,8 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
   WS_ASSIGN_OR_RETURN(std::shared_ptr<const CopyPlan> plan,
                       PlanFor(request.tensors(), chunk_bytes, layouts));
   bool staged = request.mode() == v1::UPDATE_MODE_STAGED;
-  // Where bytes arrive by themselves (NCCL), the data plane stages them in
-  // its own (GPU) memory, one chunk-sized buffer per chunk.
+  // Where bytes arrive by themselves (NCCL, IPC), the data plane stages them
+  // in its own (GPU) memory, one chunk-sized buffer per chunk.
   const bool device_staging = plane->ReceivesOwnBytes();
   if (staged && device_staging && plane->DeviceStagingBudget() < 0) {
     return absl::UnimplementedError(absl::StrCat(
