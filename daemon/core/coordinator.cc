@@ -516,10 +516,12 @@ absl::Status Coordinator::PushChunk(const std::string& update_id, int64_t index,
     }
     ++update_->next_chunk;
     update_->received_bytes += chunks[index].size;
-    if (update_->staged) {
+    if (update_->staged && !update_->device_staged) {
       update_->staged_chunks[index] = std::move(data);
       return absl::OkStatus();
     }
+    // Device staging (an IPC ring): the data plane copies the chunk out of
+    // its slot into GPU staging; engine memory waits for the commit.
     ++update_->submits_in_flight;
     plane = update_->data_plane;
   }

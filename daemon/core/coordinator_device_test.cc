@@ -46,8 +46,10 @@ class FakeDevicePlane : public DataPlane {
     log_->Add("Begin");
     return absl::OkStatus();
   }
-  absl::Status SubmitChunk(int64_t, std::string, absl::Time) override {
-    return absl::UnimplementedError("NCCL");
+  // Only an IPC ring's chunks come this way (announced, not carried).
+  absl::Status SubmitChunk(int64_t index, std::string, absl::Time) override {
+    log_->Add(absl::StrCat("SubmitChunk ", index));
+    return absl::OkStatus();
   }
   absl::Status Drain(absl::Time) override {
     log_->Add("Drain");
@@ -57,7 +59,7 @@ class FakeDevicePlane : public DataPlane {
   void MarkEngineLost(int) override {}
   int64_t chunks_written() const override { return 0; }
   bool ReceivesOwnBytes() const override { return true; }
-  std::string name() const override { return "nccl"; }
+  std::string name() const override { return plane_name; }
   absl::StatusOr<std::vector<v1::Receipt>> DeviceReceipts(
       const CopyPlan& plan, const absl::flat_hash_set<std::string>& sources,
       const std::vector<bool>& skip, absl::Time) override {
@@ -83,6 +85,7 @@ class FakeDevicePlane : public DataPlane {
   }
 
   int64_t budget = int64_t{1} << 30;
+  std::string plane_name = "nccl";
   absl::Status wait_status;
   absl::Status receipts_status;
 
@@ -248,8 +251,28 @@ TEST_F(CoordinatorDeviceTest, StagedOverTheDeviceBudget) {
   ASSERT_TRUE(Finish("u1").ok());
 }
 
+TEST_F(CoordinatorDeviceTest, StagedOverAnIpcRingStagesEachAnnouncedChunk) {
+  plane_->plane_name = "ipc";
+  v1::StartWeightUpdateRequest req =
+      Request(1, v1::UPDATE_MODE_STAGED, v1::VERIFY_OFF);
+  req.set_ipc_ring_slots(2);
+  req.set_chunk_bytes(256);  // one chunk: the 64 bytes of "w"
+  auto started = coordinator_->StartWeightUpdate(req);
+  ASSERT_TRUE(started.ok()) << started.status();
+  EXPECT_EQ(started->mode(), v1::UPDATE_MODE_STAGED);
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  ASSERT_TRUE(coordinator_->PushChunk("u1", 0, "", deadline).ok());
+  // The engine serves on while the chunks go into (device) staging.
+  EXPECT_EQ(Engine().state(), v1::ENGINE_READY);
+  ASSERT_TRUE(Finish("u1").ok());
+  EXPECT_THAT(log_.Get(),
+              ElementsAre("BeginStaged", "SubmitChunk 0", "WaitStaged", "pause",
+                          "CommitStaged", "Drain", "new_version", "resume"));
+  EXPECT_EQ(Engine().version(), 1);
+}
+
 TEST_F(CoordinatorDeviceTest, StagedWhereTheDataPlaneCantStage) {
-  plane_->budget = -1;  // e.g. ipc
+  plane_->budget = -1;  // a backend without device staging
   auto started = coordinator_->StartWeightUpdate(
       Request(1, v1::UPDATE_MODE_STAGED, v1::VERIFY_OFF));
   EXPECT_EQ(started.status().code(), absl::StatusCode::kUnimplemented)
