@@ -28,6 +28,10 @@
   layouts of bfloat16/float16/float32 engines.
 
     python3 tests/gpu/test_torch_gpu.py WEIGHTSYNCD WEIGHTSYNC_GPU_WORKER
+
+With WS_GPUS=1 (a machine with one GPU) everything runs on GPU 0 and every
+version travels by IPC instead (the same six versions, patches and
+receipts); tests/gpu/run_python_checks.sh sets it from nvidia-smi.
 """
 
 import os
@@ -48,6 +52,10 @@ SENTINEL = 7.0
 PLAN = [(1, "bfloat16", "nccl", 1 << 20, 0, False), (2, "bfloat16", "nccl", 0, 0, False),
         (3, "bfloat16", "nccl", 16 << 10, 2, True), (4, "float32", "nccl", 4 << 20, 0, True),
         (5, "bfloat16", "ipc", 0, 0, True), (6, "bfloat16", "ipc", 0, 5, True)]
+ONE_GPU = os.environ.get("WS_GPUS", "2") == "1"
+if ONE_GPU:
+    PLAN = [(v, d, "ipc", c, b, r) for v, d, _, c, b, r in PLAN]
+ENGINE_GPU = 0 if ONE_GPU else 1
 MAX_DENSITY = 0.05
 CHANGED_WHOLE = "model.norm.weight"                       # a patch would be dense: dense
 UNCHANGED = "model.layers.0.input_layernorm.weight"       # a one-element patch
@@ -100,7 +108,7 @@ def engine_main(conn, target, engine_id, layout):
     import torch
     import weightsync
     from weightsync import layouts
-    dev = torch.device("cuda", 1)
+    dev = torch.device("cuda", ENGINE_GPU)
     torch.cuda.set_device(dev)
     results = []
     if layout == "plain":
@@ -150,7 +158,7 @@ def trainer_main(conn, target):
     sent = {}   # what the previous version sent: the base of the patches
     corrupt = None
     for version, dtype, how, chunk, base, verify in PLAN:
-        dev = torch.device("cuda", 0 if how == "nccl" else 1)
+        dev = torch.device("cuda", 0 if how == "nccl" else ENGINE_GPU)
         torch.cuda.set_device(dev)
         if how != backend:
             (trainer.init_nccl if how == "nccl" else trainer.init_ipc)(device=dev)
@@ -311,7 +319,7 @@ def main():
     except Exception as ex:
         check(False, f"local GPU checks: {type(ex).__name__}: {ex}")
 
-    daemon = C.Daemon(daemon_bin, worker_bin, gpu=1)
+    daemon = C.Daemon(daemon_bin, worker_bin, gpu=ENGINE_GPU)
     try:
         engines = {eid: C.Worker(engine_main, daemon.target, eid, layout)
                    for eid, layout in (("plain", "plain"), ("tp0", "tp0"), ("tp1", "tp1"))}

@@ -112,7 +112,13 @@ class TorchOps:
         return x.detach().contiguous().reshape(-1)
 
     def contiguous(self, x):
-        return x.contiguous()
+        y = x.contiguous()
+        # A tensor of one element counts as contiguous whatever its stride
+        # (a one-element patch's every-other-int32 index view has stride 2),
+        # but .view() as a dtype of another size needs a last stride of 1.
+        if y.dim() and y.stride(-1) != 1:
+            y = self._t.empty(y.shape, dtype=y.dtype, device=y.device).copy_(y)
+        return y
 
     def arange(self, n, like=None):
         return self._t.arange(n, dtype=self._t.int64,
