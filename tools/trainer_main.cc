@@ -28,7 +28,7 @@ DEFINE_int64(chunk_bytes, 0, "chunk size (0: the daemon's default)");
 DEFINE_string(verify, "",
               "engines to verify after each update: id:plain or "
               "id:tp:rank:size, with :dtype appended, comma separated");
-DEFINE_bool(receipts, false,
+DEFINE_bool(receipts, true,
             "ask for receipts (the daemon checksums what it installed and the "
             "client checks it; costs about 2x the update on the host backend)");
 DEFINE_int32(repeat_bytes, 1,

@@ -367,11 +367,9 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
   update->timings.set_begin_s(absl::ToDoubleSeconds(t_begun - t_paused));
   update->staged = staged;
   update->device_staged = staged && device_staging;
-  // Receipts are on by default where the daemon can read engine memory;
-  // on the GPU backends only with VERIFY_ON (docs/protocol.md, "Receipts").
-  update->verify =
-      request.verify() == v1::VERIFY_ON ||
-      (request.verify() == v1::VERIFY_DEFAULT && !plane->ReceivesOwnBytes());
+  // Receipts are on unless the trainer turns them off (VERIFY_OFF), on
+  // every backend (docs/protocol.md, "Receipts").
+  update->verify = request.verify() != v1::VERIFY_OFF;
   for (const v1::TensorSpec& t : request.tensors()) {
     // Receipts cover dense tensors: a patch's other elements are not the
     // trainer's to vouch for.

@@ -280,10 +280,23 @@ TEST_F(CoordinatorDeviceTest, StagedWhereTheDataPlaneCantStage) {
   EXPECT_THAT(log_.Get(), IsEmpty());
 }
 
-TEST_F(CoordinatorDeviceTest, ReceiptsAreOptInOnGpuBackends) {
+TEST_F(CoordinatorDeviceTest, ReceiptsAreOnByDefaultOnGpuBackends) {
   ASSERT_TRUE(coordinator_
                   ->StartWeightUpdate(
                       Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_DEFAULT))
+                  .ok());
+  auto done = Finish("u1");
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ(done->engines(0).receipt().checksum(), 42u);
+  EXPECT_THAT(log_.Get(),
+              ElementsAre("pause", "Begin", "Drain", "DeviceReceipts",
+                          "new_version", "resume"));
+}
+
+TEST_F(CoordinatorDeviceTest, ReceiptsCanBeTurnedOff) {
+  ASSERT_TRUE(coordinator_
+                  ->StartWeightUpdate(
+                      Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF))
                   .ok());
   auto done = Finish("u1");
   ASSERT_TRUE(done.ok()) << done.status();

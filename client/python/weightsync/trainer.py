@@ -142,7 +142,7 @@ class Trainer:
             self.resume(timeout=timeout)
 
     def update(self, named_tensors, version, chunk_bytes=0, update_id=None, engine_ids=(),
-               mode="streaming", allow_streaming_fallback=False, verify=False,
+               mode="streaming", allow_streaming_fallback=False, verify=True,
                base_version=0):
         """Sends every (name, tensor) as weight version `version` (host
         backend: numpy arrays or CPU torch tensors). Returns the daemon's
@@ -153,10 +153,10 @@ class Trainer:
         returns receipts and this client recomputes them from what it sent
         (through every engine's segments), raising DATA_LOSS on a mismatch;
         on the nccl/ipc backends the expectation is computed on the GPU
-        where the tensors are (torch int64 ops). Off by default here: on
-        the host backend it costs several times the update (see
-        bench/RESULTS.md), on GPUs some twenty passes over the weights as
-        int64. A tensor may be a weightsync.sparse.SparsePatch (numpy, or a
+        where the tensors are (torch int64 ops). On by default;
+        verify=False turns it off on both sides (VERIFY_OFF): the check
+        costs some twenty int64 passes over the weights (on the host
+        backend in numpy, on GPUs in torch; see bench/RESULTS.md). A tensor may be a weightsync.sparse.SparsePatch (numpy, or a
         TorchSparsePatch from sparse.diff of torch tensors, on the GPU):
         only its elements travel, and the update applies only on engines at
         `base_version`."""
