@@ -362,6 +362,8 @@ absl::Status GpuWorker::PrepareSparse(
   const int n = request.sparse_size();
   sparse_offsets_.assign(n, 0);
   sparse_have_.assign(n, 0);
+  sparse_payload_.assign(n, nullptr);
+  jobs_used_ = 0;
   sparse_next_piece_ = 0;
   sparse_names_.clear();
   sparse_numel_.clear();
@@ -369,8 +371,10 @@ absl::Status GpuWorker::PrepareSparse(
   // Reports first (8-byte aligned), then each payload 256-byte aligned, so
   // indices and values are aligned to their sizes.
   int64_t at = (n * kReportBytes + 255) / 256 * 256;
+  int64_t jobs = n;
   for (int p = 0; p < n; ++p) {
     const worker::v1::GpuSparsePatch& g = request.sparse(p);
+    jobs += g.uses_size();
     const int64_t es = cuda::DTypeSize(g.dtype());
     if ((g.index_bytes() != 4 && g.index_bytes() != 8) || es == 0 ||
         g.nnz() < 0 || g.numel() < 0 || g.cols() < 1 ||
@@ -419,14 +423,22 @@ absl::Status GpuWorker::PrepareSparse(
     WS_CUDA(cudaMallocHost(&sparse_host_, n * kReportBytes));
     sparse_host_bytes_ = n * kReportBytes;
   }
+  if (jobs > jobs_cap_) {
+    WS_CUDA(cudaSetDevice(device_));
+    if (jobs_host_ != nullptr) cudaFreeHost(jobs_host_);
+    if (jobs_dev_ != nullptr) cudaFree(jobs_dev_);
+    jobs_host_ = nullptr;
+    jobs_dev_ = nullptr;
+    jobs_cap_ = 0;
+    WS_CUDA(cudaMallocHost(&jobs_host_, jobs * sizeof(cuda::SparseJob)));
+    WS_CUDA(cudaMalloc(&jobs_dev_, jobs * sizeof(cuda::SparseJob)));
+    jobs_cap_ = jobs;
+  }
   // No patch refused until checked (a patch with no pieces: nnz 0).
   std::memset(sparse_host_, 0, n * kReportBytes);
-  for (int p = 0; p < n; ++p) {
-    if (request.sparse(p).payload_bytes() == 0) {
-      WS_CUDA(cudaMemsetAsync(sparse_dev_ + p * kReportBytes, 0, kReportBytes,
-                              scatter_stream_));
-    }
-  }
+  WS_CUDA(cuda::SparseResetReports(
+      reinterpret_cast<cuda::SparseIndexReport*>(sparse_dev_), n,
+      scatter_stream_));
   return absl::OkStatus();
 }
 
@@ -434,6 +446,7 @@ absl::Status GpuWorker::EnqueueChunkSparse(
     const worker::v1::BeginUpdateRequest& request, int64_t k,
     const uint8_t* chunk,
     const absl::flat_hash_map<int64_t, Allocation>& allocs, bool apply) {
+  std::vector<int> done;
   for (; sparse_next_piece_ < request.sparse_pieces_size() &&
          request.sparse_pieces(sparse_next_piece_).chunk() == k;
        ++sparse_next_piece_) {
@@ -441,38 +454,61 @@ absl::Status GpuWorker::EnqueueChunkSparse(
         request.sparse_pieces(sparse_next_piece_);
     const int p = piece.patch();
     const worker::v1::GpuSparsePatch& g = request.sparse(p);
+    const uint8_t* in = chunk + piece.chunk_offset();
     uint8_t* payload = sparse_dev_ + sparse_offsets_[p];
-    WS_CUDA(cudaMemcpyAsync(payload + piece.patch_offset(),
-                            chunk + piece.chunk_offset(), piece.length(),
-                            cudaMemcpyDeviceToDevice, scatter_stream_));
-    sparse_have_[p] += piece.length();
-    if (sparse_have_[p] != g.payload_bytes()) continue;
-    auto* report = reinterpret_cast<cuda::SparseIndexReport*>(sparse_dev_ +
-                                                              p * kReportBytes);
-    WS_CUDA(cuda::SparseCheckIndices(payload, g.nnz(), g.numel(), report,
-                                     scatter_stream_, g.index_bytes()));
-    if (apply) {
-      absl::Status s = ApplyPatch(request, p, allocs);
-      if (!s.ok()) return s;
+    if (piece.patch_offset() == 0 && piece.length() == g.payload_bytes() &&
+        reinterpret_cast<uintptr_t>(in) % 8 == 0) {
+      sparse_payload_[p] = in;  // whole in this chunk: no copy
+    } else {
+      WS_CUDA(cudaMemcpyAsync(payload + piece.patch_offset(), in,
+                              piece.length(), cudaMemcpyDeviceToDevice,
+                              scatter_stream_));
+      sparse_payload_[p] = payload;
     }
+    sparse_have_[p] += piece.length();
+    if (sparse_have_[p] == g.payload_bytes()) done.push_back(p);
   }
-  return absl::OkStatus();
+  if (done.empty()) return absl::OkStatus();
+  const int64_t checks = jobs_used_;
+  for (int p : done) AddCheckJob(request, p);
+  absl::Status s = LaunchJobs(checks, /*apply=*/false);
+  if (!s.ok() || !apply) return s;
+  const int64_t applies = jobs_used_;
+  for (int p : done) {
+    s = AddApplyJobs(request, p, allocs);
+    if (!s.ok()) return s;
+  }
+  return LaunchJobs(applies, /*apply=*/true);
 }
 
-absl::Status GpuWorker::ApplyPatch(
+void GpuWorker::AddCheckJob(const worker::v1::BeginUpdateRequest& request,
+                            int p) {
+  const worker::v1::GpuSparsePatch& g = request.sparse(p);
+  cuda::SparseJob& j = jobs_host_[jobs_used_++];
+  j = cuda::SparseJob{};
+  j.indices = sparse_payload_[p];
+  j.values = sparse_payload_[p] + g.nnz() * g.index_bytes();
+  j.report = reinterpret_cast<cuda::SparseIndexReport*>(sparse_dev_ +
+                                                        p * kReportBytes);
+  j.nnz = g.nnz();
+  j.cols = g.cols();
+  j.numel = g.numel();
+  j.index_bytes = g.index_bytes();
+  j.value_dtype = g.dtype();
+}
+
+absl::Status GpuWorker::AddApplyJobs(
     const worker::v1::BeginUpdateRequest& request, int p,
     const absl::flat_hash_map<int64_t, Allocation>& allocs) {
   const worker::v1::GpuSparsePatch& g = request.sparse(p);
-  const uint8_t* payload = sparse_dev_ + sparse_offsets_[p];
-  const auto* report = reinterpret_cast<const cuda::SparseIndexReport*>(
-      sparse_dev_ + p * kReportBytes);
   for (const worker::v1::GpuSparseUse& u : g.uses()) {
     auto it = allocs.find(u.allocation_id());
     if (it == allocs.end()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "allocation ", u.allocation_id(), " is not open in the worker"));
     }
-    cuda::SparseUse use{};
+    AddCheckJob(request, p);  // the same patch fields; the report guards
+    cuda::SparseUse& use = jobs_host_[jobs_used_ - 1].use;
     use.param = it->second.ptr + u.param_offset();
     use.dtype = u.dtype();
     use.implicit = u.implicit();
@@ -482,10 +518,24 @@ absl::Status GpuWorker::ApplyPatch(
     use.col_count = u.col_count();
     use.dest_offset = u.dest_offset();
     use.dest_row_stride = u.dest_row_stride();
-    WS_CUDA(cuda::SparseApply(payload, payload + g.nnz() * g.index_bytes(),
-                              g.dtype(), g.nnz(), g.cols(), g.numel(), use,
-                              scatter_stream_, g.index_bytes(), report));
   }
+  return absl::OkStatus();
+}
+
+absl::Status GpuWorker::LaunchJobs(int64_t first, bool apply) {
+  const int64_t n = jobs_used_ - first;
+  if (n == 0) return absl::OkStatus();
+  int64_t tiles = 0;
+  WS_CUDA(cuda::PlanSparseJobs(jobs_host_ + first, n, apply, &tiles));
+  // Each slot is written once per update, so the host array needs no
+  // synchronisation with this copy.
+  WS_CUDA(cudaMemcpyAsync(jobs_dev_ + first, jobs_host_ + first,
+                          n * sizeof(cuda::SparseJob), cudaMemcpyHostToDevice,
+                          scatter_stream_));
+  WS_CUDA(apply ? cuda::SparseApplyBatch(jobs_dev_ + first, n, tiles,
+                                         scatter_stream_)
+                : cuda::SparseCheckBatch(jobs_dev_ + first, n, tiles,
+                                         scatter_stream_));
   return absl::OkStatus();
 }
 
@@ -1129,11 +1179,15 @@ grpc::Status GpuWorker::CommitStaged(grpc::ServerContext* ctx,
               EnqueueChunkOps(staged_, k, staging_[k], allocs, false, &op);
           if (!s.ok()) return s;
         }
-        // The patches were assembled and checked while receiving.
+        // The patches were assembled and checked while receiving: one
+        // apply launch for all of them.
+        const int64_t applies = jobs_used_;
         for (int p = 0; p < staged_.sparse_size(); ++p) {
-          absl::Status s = ApplyPatch(staged_, p, allocs);
+          absl::Status s = AddApplyJobs(staged_, p, allocs);
           if (!s.ok()) return s;
         }
+        absl::Status applied = LaunchJobs(applies, /*apply=*/true);
+        if (!applied.ok()) return applied;
         for (int64_t k = 0; k < staged_.chunk_sizes_size(); ++k) {
           absl::Status s = EnqueueReceiptsAfter(k);
           if (!s.ok()) return s;

@@ -34,6 +34,9 @@
 #include "weightsync/worker/v1/gpu_worker.grpc.pb.h"
 
 namespace weightsync {
+namespace cuda {
+struct SparseJob;  // sparse_kernels.h
+}  // namespace cuda
 
 // One thread that runs posted closures in order. Joined on destruction.
 class OwnerThread {
@@ -134,16 +137,23 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   // Sparse patches (owner thread). PrepareSparse, at BeginUpdate: checks the
   // patches and pieces, lays out their payloads and reports in sparse_dev_.
   absl::Status PrepareSparse(const worker::v1::BeginUpdateRequest& request);
-  // Copies chunk k's sparse pieces into their payloads on scatter_stream_;
-  // a payload completed by them gets its indices checked and, with `apply`,
-  // is applied (guarded by the check).
+  // Chunk k's sparse pieces, on scatter_stream_: a patch whole in the chunk
+  // is used where it lies (the chunk's buffer outlives its apply), pieces
+  // are copied into the patch's payload; the patches the chunk completes
+  // get their indices checked (one batched launch) and, with `apply`, are
+  // applied (one more, guarded by the checks).
   absl::Status EnqueueChunkSparse(
       const worker::v1::BeginUpdateRequest& request, int64_t k,
       const uint8_t* chunk,
       const absl::flat_hash_map<int64_t, Allocation>& allocs, bool apply);
-  absl::Status ApplyPatch(
+  // Adds patch p's check job, or one apply job per use, to jobs_host_.
+  void AddCheckJob(const worker::v1::BeginUpdateRequest& request, int p);
+  absl::Status AddApplyJobs(
       const worker::v1::BeginUpdateRequest& request, int p,
       const absl::flat_hash_map<int64_t, Allocation>& allocs);
+  // Plans jobs [first, jobs_used_), copies them to the device and launches
+  // SparseCheckBatch or SparseApplyBatch on scatter_stream_.
+  absl::Status LaunchJobs(int64_t first, bool apply);
   // Copies the index reports to the host (scatter_stream_), to be read by
   // SparseVerdict once the update's last event has completed.
   absl::Status CopyReportsOut();
@@ -234,6 +244,14 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   int sparse_next_piece_ = 0;
   std::vector<std::string> sparse_names_;
   std::vector<int64_t> sparse_numel_;
+  // Per patch: where its complete payload is (device).
+  std::vector<const uint8_t*> sparse_payload_;
+  // The update's sparse jobs, each slot used once (one check per patch, one
+  // apply per patch use): pinned host array, its device copy, capacity,
+  // slots used.
+  cuda::SparseJob* jobs_host_ = nullptr;
+  cuda::SparseJob* jobs_dev_ = nullptr;
+  int64_t jobs_cap_ = 0, jobs_used_ = 0;
   // Receipts of the update (PrepareReceipts): per chunk its batch (first
   // region, count, tiles) in receipt_dev_ (sums, then the regions); the
   // sums' host copy (pinned); receipt_groups_ is set before update_active_.

@@ -267,9 +267,80 @@ TEST_F(PatchGpuTest, ReceiptRefusesWhatItCannotRead) {
 // Runs every patch of `update` through the host path on its engine's heap
 // memory and through SparseCheckIndices and SparseApply on a device copy of
 // the same bytes, and compares the whole region.
+// Every patch of `update` through SparseCheckBatch + SparseApplyBatch at
+// once, as the GPU worker launches them, into `region` (device); the host
+// path has written `host` already. Checks the reports.
+void ApplyBatched(cudaStream_t stream, const patch_test::PatchUpdate& update,
+                  const CopyPlan& plan, uint8_t* region, bool expect_sorted) {
+  const int n = plan.sparse.size();
+  std::vector<int64_t> at(n);
+  int64_t total = 0;
+  for (int p = 0; p < n; ++p) {
+    at[p] = total;
+    total += (plan.sparse[p].payload_bytes + 255) / 256 * 256;
+  }
+  DeviceBuffer payloads(std::max<int64_t>(total, 256));
+  DeviceBuffer reports(n * sizeof(SparseIndexReport) + 8);
+  auto* report0 = reinterpret_cast<SparseIndexReport*>(reports.get());
+  std::vector<SparseJob> checks, applies;
+  for (int p = 0; p < n; ++p) {
+    const SparsePatch& patch = plan.sparse[p];
+    const std::string& payload = update.payloads[patch.tensor];
+    ASSERT_CUDA_OK(cudaMemcpy(payloads.get() + at[p], payload.data(),
+                              payload.size(), cudaMemcpyHostToDevice));
+    SparseJob j{};
+    j.indices = payloads.get() + at[p];
+    j.values = payloads.get() + at[p] + patch.nnz * patch.index_bytes;
+    j.report = report0 + p;
+    j.nnz = patch.nnz;
+    j.cols = patch.cols;
+    j.numel = patch.numel;
+    j.index_bytes = patch.index_bytes;
+    j.value_dtype = patch.dtype;
+    checks.push_back(j);
+    for (const SparsePatch::Use& u : patch.uses) {
+      j.use = patch_test::SparseUseOf(u, region);
+      applies.push_back(j);
+    }
+  }
+  int64_t check_tiles = 0, apply_tiles = 0;
+  ASSERT_CUDA_OK(
+      PlanSparseJobs(checks.data(), checks.size(), false, &check_tiles));
+  ASSERT_CUDA_OK(
+      PlanSparseJobs(applies.data(), applies.size(), true, &apply_tiles));
+  DeviceBuffer check_jobs(checks.size() * sizeof(SparseJob) + 8);
+  DeviceBuffer apply_jobs(applies.size() * sizeof(SparseJob) + 8);
+  ASSERT_CUDA_OK(cudaMemcpy(check_jobs.get(), checks.data(),
+                            checks.size() * sizeof(SparseJob),
+                            cudaMemcpyHostToDevice));
+  ASSERT_CUDA_OK(cudaMemcpy(apply_jobs.get(), applies.data(),
+                            applies.size() * sizeof(SparseJob),
+                            cudaMemcpyHostToDevice));
+  ASSERT_CUDA_OK(SparseResetReports(report0, n, stream));
+  ASSERT_CUDA_OK(
+      SparseCheckBatch(reinterpret_cast<const SparseJob*>(check_jobs.get()),
+                       checks.size(), check_tiles, stream));
+  ASSERT_CUDA_OK(
+      SparseApplyBatch(reinterpret_cast<const SparseJob*>(apply_jobs.get()),
+                       applies.size(), apply_tiles, stream));
+  std::vector<SparseIndexReport> got(n);
+  ASSERT_CUDA_OK(cudaMemcpyAsync(got.data(), report0, n * sizeof(got[0]),
+                                 cudaMemcpyDeviceToHost, stream));
+  ASSERT_CUDA_OK(cudaStreamSynchronize(stream));
+  for (int p = 0; p < n; ++p) {
+    SCOPED_TRACE(plan.sparse[p].name);
+    EXPECT_EQ(got[p].out_of_range, 0);
+    EXPECT_EQ(got[p].first_out_of_range, ~0ull);
+    if (expect_sorted) {
+      EXPECT_EQ(got[p].unsorted, 0);
+    }
+  }
+}
+
 void CheckPatchesAgainstHost(cudaStream_t stream,
                              const patch_test::PatchUpdate& update,
-                             uint64_t seed, bool expect_sorted) {
+                             uint64_t seed, bool expect_sorted,
+                             bool batched = false) {
   testing::HeapMapper mapper;
   auto layout = BuildEngineLayout(update.engine, mapper);
   ASSERT_TRUE(layout.ok()) << layout.status();
@@ -292,6 +363,7 @@ void CheckPatchesAgainstHost(cudaStream_t stream,
                     **plan, patch,
                     reinterpret_cast<const uint8_t*>(payload.data()), nullptr)
                     .ok());
+    if (batched) continue;
 
     DeviceBuffer dev_payload(payload.size());
     ASSERT_CUDA_OK(cudaMemcpyAsync(dev_payload.get(), payload.data(),
@@ -319,6 +391,10 @@ void CheckPatchesAgainstHost(cudaStream_t stream,
       EXPECT_EQ(got.unsorted, 0);
     }
   }
+  if (batched) {
+    ApplyBatched(stream, update, **plan, region.get(), expect_sorted);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
   std::vector<uint8_t> want(host.data(), host.data() + host.size());
   std::vector<uint8_t> got(host.size());
   ASSERT_CUDA_OK(
@@ -343,10 +419,13 @@ TEST_F(PatchGpuTest, SparsePatchesMatchTheHostPath) {
   for (const Case& c : cases) {
     SCOPED_TRACE(::testing::Message() << "density " << c.density << " repeats "
                                       << c.repeats << " shuffle " << c.shuffle);
-    CheckPatchesAgainstHost(
-        stream_,
-        patch_test::SparseEngineUpdate(c.density, c.repeats, c.shuffle, seed),
-        seed, !c.shuffle);
+    for (bool batched : {false, true}) {
+      SCOPED_TRACE(batched ? "batched" : "one by one");
+      CheckPatchesAgainstHost(
+          stream_,
+          patch_test::SparseEngineUpdate(c.density, c.repeats, c.shuffle, seed),
+          seed, !c.shuffle, batched);
+    }
     ++seed;
   }
 }
@@ -373,6 +452,7 @@ TEST_F(PatchGpuTest, FourByteIndicesMatchTheHostPath) {
     }
     SCOPED_TRACE(repeats);
     CheckPatchesAgainstHost(stream_, u, 22, true);
+    CheckPatchesAgainstHost(stream_, u, 22, true, /*batched=*/true);
   }
 }
 
@@ -432,6 +512,84 @@ TEST_F(PatchGpuTest, GuardedApplyWritesNothingOfABadPatch) {
 // Every float pair on every bfloat16 / float16 pattern and 2^20 random
 // float32 patterns, and every other dtype bytewise
 // (patch_test::ConversionUpdate): bit for bit as ConvertElements.
+// In a batch, a patch with an index outside its tensor writes nothing
+// while the good patches beside it land; the planner refuses what
+// SparseApply refuses.
+TEST_F(PatchGpuTest, BatchRefusesOnlyTheBadPatch) {
+  DeviceBuffer buf(1 << 16);
+  uint8_t* p = buf.get();
+  auto* reports = reinterpret_cast<SparseIndexReport*>(p);  // 2 reports
+  auto* idx = reinterpret_cast<uint32_t*>(p + 1024);        // 2 x 4 indices
+  auto* vals = reinterpret_cast<float*>(p + 2048);          // 2 x 4 values
+  auto* param = reinterpret_cast<float*>(p + 4096);         // 2 x 16 floats
+  const uint32_t host_idx[8] = {1, 4, 9, 15, 0, 2, 99, 3};  // 99: bad
+  const float host_vals[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+  ASSERT_CUDA_OK(cudaMemcpy(idx, host_idx, 32, cudaMemcpyHostToDevice));
+  ASSERT_CUDA_OK(cudaMemcpy(vals, host_vals, 32, cudaMemcpyHostToDevice));
+  ASSERT_CUDA_OK(cudaMemset(param, 0, 128));
+  std::vector<SparseJob> jobs(2);
+  for (int k = 0; k < 2; ++k) {
+    SparseJob& j = jobs[k];
+    j = SparseJob{};
+    j.indices = idx + 4 * k;
+    j.values = vals + 4 * k;
+    j.report = reports + k;
+    j.nnz = 4;
+    j.cols = 16;
+    j.numel = 16;
+    j.index_bytes = 4;
+    j.value_dtype = v1::FLOAT32;
+    j.use.param = param + 16 * k;
+    j.use.dtype = v1::FLOAT32;
+    j.use.implicit = true;
+  }
+  int64_t tiles = 0;
+  ASSERT_CUDA_OK(PlanSparseJobs(jobs.data(), 2, true, &tiles));
+  EXPECT_EQ(tiles, 2);
+  DeviceBuffer dev_jobs(2 * sizeof(SparseJob));
+  ASSERT_CUDA_OK(cudaMemcpy(dev_jobs.get(), jobs.data(), 2 * sizeof(SparseJob),
+                            cudaMemcpyHostToDevice));
+  const auto* dj = reinterpret_cast<const SparseJob*>(dev_jobs.get());
+  ASSERT_CUDA_OK(SparseResetReports(reports, 2, stream_));
+  ASSERT_CUDA_OK(SparseCheckBatch(dj, 2, tiles, stream_));
+  ASSERT_CUDA_OK(SparseApplyBatch(dj, 2, tiles, stream_));
+  std::vector<float> got(32, -1.0f);
+  SparseIndexReport r[2];
+  ASSERT_CUDA_OK(
+      cudaMemcpyAsync(got.data(), param, 128, cudaMemcpyDeviceToHost, stream_));
+  ASSERT_CUDA_OK(
+      cudaMemcpyAsync(r, reports, sizeof(r), cudaMemcpyDeviceToHost, stream_));
+  ASSERT_CUDA_OK(cudaStreamSynchronize(stream_));
+  std::vector<float> want(32, 0.0f);
+  want[1] = 1;
+  want[4] = 2;
+  want[9] = 3;
+  want[15] = 4;
+  EXPECT_EQ(got, want);  // the second patch: nothing
+  EXPECT_EQ(r[0].out_of_range, 0u);
+  EXPECT_EQ(r[0].first_out_of_range, ~0ull);
+  EXPECT_EQ(r[1].out_of_range, 1u);
+  EXPECT_EQ(r[1].first_out_of_range, 2u);
+  EXPECT_EQ(r[1].unsorted, 1u);  // 3 after 99
+
+  // What SparseApply refuses, the planner refuses.
+  SparseJob bad = jobs[0];
+  bad.use.dtype = v1::INT32;  // float32 -> int32: no conversion
+  EXPECT_EQ(PlanSparseJobs(&bad, 1, true, &tiles), cudaErrorInvalidValue);
+  bad = jobs[0];
+  bad.index_bytes = 2;
+  EXPECT_EQ(PlanSparseJobs(&bad, 1, false, &tiles), cudaErrorInvalidValue);
+  bad = jobs[0];
+  bad.report = nullptr;  // a check needs somewhere to write
+  EXPECT_EQ(PlanSparseJobs(&bad, 1, false, &tiles), cudaErrorInvalidValue);
+  bad = jobs[0];
+  bad.values = vals + 1;  // fine: 4-byte aligned
+  bad.indices = reinterpret_cast<const uint8_t*>(idx) + 2;  // misaligned
+  EXPECT_EQ(PlanSparseJobs(&bad, 1, true, &tiles), cudaErrorInvalidValue);
+  EXPECT_EQ(SparseApplyBatch(nullptr, 1, 1, stream_), cudaErrorInvalidValue);
+  EXPECT_EQ(SparseApplyBatch(dj, 2, 0, stream_), cudaSuccess);  // no tiles
+}
+
 TEST_F(PatchGpuTest, EveryConversionMatchesTheHostPath) {
   CheckPatchesAgainstHost(stream_, patch_test::ConversionUpdate(), 8, true);
 }

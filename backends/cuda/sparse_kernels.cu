@@ -207,6 +207,172 @@ cudaError_t DispatchApplyDst(const ApplyArgs& a, const SparseUse& use,
 }
 
 // ---------------------------------------------------------------------------
+// Batches (SparseCheckBatch, SparseApplyBatch): a block takes tiles
+// blockIdx.x, + gridDim.x, ...; a tile is kSparseTileEntries entries of one
+// job, found by binary search over the jobs' tile_begin.
+
+constexpr int kBatchThreads = 256;
+
+__device__ __forceinline__ void TileRange(const SparseJob& j, int64_t t,
+                                          int64_t* lo, int64_t* hi) {
+  *lo = (t - j.tile_begin) * kSparseTileEntries;
+  *hi = min(*lo + kSparseTileEntries, j.nnz);
+}
+
+template <typename I>
+__device__ __forceinline__ void CheckRange(const SparseJob& j, int64_t lo,
+                                           int64_t hi) {
+  const I* indices = static_cast<const I*>(j.indices);
+  unsigned long long out_of_range = 0, unsorted = 0, repeated = 0;
+  unsigned long long first = ~0ull;
+  for (int64_t k = lo + threadIdx.x; k < hi; k += blockDim.x) {
+    const int64_t i = static_cast<int64_t>(indices[k]);
+    if (i < 0 || i >= j.numel) {
+      ++out_of_range;
+      first = min(first, static_cast<unsigned long long>(k));
+    }
+    if (k > 0) {
+      const int64_t prev = static_cast<int64_t>(indices[k - 1]);
+      unsorted += i < prev;
+      repeated += i == prev;
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    out_of_range += __shfl_down_sync(0xFFFFFFFFu, out_of_range, o);
+    unsorted += __shfl_down_sync(0xFFFFFFFFu, unsorted, o);
+    repeated += __shfl_down_sync(0xFFFFFFFFu, repeated, o);
+    first = min(first, __shfl_down_sync(0xFFFFFFFFu, first, o));
+  }
+  if ((threadIdx.x & 31) == 0) {
+    SparseIndexReport* report = j.report;
+    if (out_of_range != 0) {
+      atomicAdd(&report->out_of_range, out_of_range);
+      atomicMin(&report->first_out_of_range, first);
+    }
+    if (unsorted != 0) atomicAdd(&report->unsorted, unsorted);
+    if (repeated != 0) atomicAdd(&report->repeated, repeated);
+  }
+}
+
+__global__ void __launch_bounds__(kBatchThreads)
+    CheckBatchKernel(const SparseJob* __restrict__ jobs, int64_t n,
+                     int64_t total_tiles) {
+  for (int64_t t = blockIdx.x; t < total_tiles; t += gridDim.x) {
+    const SparseJob& j = jobs[FindReceiptRegion(jobs, n, t)];
+    int64_t lo, hi;
+    TileRange(j, t, &lo, &hi);
+    if (j.index_bytes == 4) {
+      CheckRange<uint32_t>(j, lo, hi);
+    } else {
+      CheckRange<int64_t>(j, lo, hi);
+    }
+  }
+}
+
+template <typename Conv, typename I>
+__device__ __forceinline__ void ApplyRange(const SparseJob& j, int64_t lo,
+                                           int64_t hi) {
+  const I* indices = static_cast<const I*>(j.indices);
+  const auto* values = static_cast<const typename Conv::From*>(j.values);
+  auto* param = static_cast<typename Conv::To*>(j.use.param);
+  for (int64_t k = lo + threadIdx.x; k < hi; k += blockDim.x) {
+    if (!SparseEntryWins(indices, j.nnz, k)) continue;
+    int64_t dst;
+    if (!SparseDestination(j.use, j.cols, j.numel,
+                           static_cast<int64_t>(indices[k]), &dst)) {
+      continue;
+    }
+    param[dst] = Conv::Apply(values[k]);
+  }
+}
+
+template <typename Conv>
+__device__ __forceinline__ void ApplyRangeOf(const SparseJob& j, int64_t lo,
+                                             int64_t hi) {
+  if (j.index_bytes == 4) {
+    ApplyRange<Conv, uint32_t>(j, lo, hi);
+  } else {
+    ApplyRange<Conv, int64_t>(j, lo, hi);
+  }
+}
+
+template <typename S>
+__device__ __forceinline__ void ApplyConverted(const SparseJob& j, int64_t lo,
+                                               int64_t hi) {
+  switch (j.use.dtype) {
+    case kFloat32:
+      ApplyRangeOf<Convert<S, F32>>(j, lo, hi);
+      break;
+    case kBfloat16:
+      ApplyRangeOf<Convert<S, Bf16>>(j, lo, hi);
+      break;
+    default:
+      ApplyRangeOf<Convert<S, F16>>(j, lo, hi);
+      break;
+  }
+}
+
+__global__ void __launch_bounds__(kBatchThreads)
+    ApplyBatchKernel(const SparseJob* __restrict__ jobs, int64_t n,
+                     int64_t total_tiles) {
+  for (int64_t t = blockIdx.x; t < total_tiles; t += gridDim.x) {
+    const SparseJob& j = jobs[FindReceiptRegion(jobs, n, t)];
+    if (j.report != nullptr && j.report->out_of_range != 0) continue;
+    int64_t lo, hi;
+    TileRange(j, t, &lo, &hi);
+    if (j.value_dtype == j.use.dtype) {  // the job's kind is uniform
+      switch (j.value_bytes) {
+        case 1:
+          ApplyRangeOf<Copy<1>>(j, lo, hi);
+          break;
+        case 2:
+          ApplyRangeOf<Copy<2>>(j, lo, hi);
+          break;
+        case 4:
+          ApplyRangeOf<Copy<4>>(j, lo, hi);
+          break;
+        default:
+          ApplyRangeOf<Copy<8>>(j, lo, hi);
+          break;
+      }
+      continue;
+    }
+    switch (j.value_dtype) {
+      case kFloat32:
+        ApplyConverted<F32>(j, lo, hi);
+        break;
+      case kBfloat16:
+        ApplyConverted<Bf16>(j, lo, hi);
+        break;
+      default:
+        ApplyConverted<F16>(j, lo, hi);
+        break;
+    }
+  }
+}
+
+__global__ void ResetReportsKernel(SparseIndexReport* reports, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    reports[i] = SparseIndexReport{0, 0, 0, ~0ull};
+  }
+}
+
+cudaError_t LaunchBatch(void (*kernel)(const SparseJob*, int64_t, int64_t),
+                        const SparseJob* jobs, int64_t n, int64_t total_tiles,
+                        cudaStream_t stream) {
+  if (n < 0 || total_tiles < 0) return cudaErrorInvalidValue;
+  if (n == 0 || total_tiles == 0) return cudaSuccess;
+  if (jobs == nullptr || !Aligned(jobs, 8)) return cudaErrorInvalidValue;
+  int64_t grid = 0;
+  const cudaError_t err =
+      GridFor(total_tiles * kBatchThreads, kBatchThreads, &grid);
+  if (err != cudaSuccess) return err;
+  return LaunchOn(kernel, grid, kBatchThreads, stream, jobs, n, total_tiles);
+}
+
+// ---------------------------------------------------------------------------
 // The diff helper. A tile is kDiffRounds rounds of kDiffThreads vectors of
 // kV = 16 / ES elements; in round j thread t owns the elements
 // [tile * kTe + (j * kDiffThreads + t) * kV, ... + kV): a warp's accesses
@@ -507,6 +673,69 @@ cudaError_t SparseApply(const void* indices, const void* values,
     default:
       return DispatchApplyDst<F16>(a, use, stream);
   }
+}
+
+cudaError_t PlanSparseJobs(SparseJob* jobs, int64_t n, bool apply,
+                           int64_t* total_tiles) {
+  if (n < 0 || total_tiles == nullptr || (n > 0 && jobs == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  int64_t total = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    SparseJob& j = jobs[i];
+    if (j.nnz < 0 || (j.index_bytes != 4 && j.index_bytes != 8) ||
+        (j.report != nullptr && !Aligned(j.report, 8)) ||
+        (!apply && j.report == nullptr) ||
+        (j.nnz > 0 &&
+         (j.indices == nullptr || !Aligned(j.indices, j.index_bytes)))) {
+      return cudaErrorInvalidValue;
+    }
+    if (apply) {
+      const int64_t ss = ElemSize(j.value_dtype);
+      const int64_t ds = ElemSize(j.use.dtype);
+      const bool same = j.value_dtype == j.use.dtype;
+      if (ss == 0 || ds == 0 ||
+          !(same || (IsConvertibleFloat(j.value_dtype) &&
+                     IsConvertibleFloat(j.use.dtype))) ||
+          (!j.use.implicit && j.cols < 1)) {
+        return cudaErrorInvalidValue;
+      }
+      if (j.nnz > 0 && (j.values == nullptr || j.use.param == nullptr ||
+                        !Aligned(j.values, ss) || !Aligned(j.use.param, ds))) {
+        return cudaErrorInvalidValue;
+      }
+      j.value_bytes = static_cast<int32_t>(ss);
+      j.param_bytes = static_cast<int32_t>(ds);
+    }
+    j.tile_begin = total;
+    j.tiles = (j.nnz + kSparseTileEntries - 1) / kSparseTileEntries;
+    total += j.tiles;
+  }
+  *total_tiles = total;
+  return cudaSuccess;
+}
+
+cudaError_t SparseResetReports(SparseIndexReport* device_reports, int64_t n,
+                               cudaStream_t stream) {
+  if (n < 0 ||
+      (n > 0 && (device_reports == nullptr || !Aligned(device_reports, 8)))) {
+    return cudaErrorInvalidValue;
+  }
+  if (n == 0) return cudaSuccess;
+  int64_t grid = 0;
+  const cudaError_t err = GridFor(n, 256, &grid);
+  if (err != cudaSuccess) return err;
+  return LaunchOn(ResetReportsKernel, grid, 256, stream, device_reports, n);
+}
+
+cudaError_t SparseCheckBatch(const SparseJob* device_jobs, int64_t n,
+                             int64_t total_tiles, cudaStream_t stream) {
+  return LaunchBatch(CheckBatchKernel, device_jobs, n, total_tiles, stream);
+}
+
+cudaError_t SparseApplyBatch(const SparseJob* device_jobs, int64_t n,
+                             int64_t total_tiles, cudaStream_t stream) {
+  return LaunchBatch(ApplyBatchKernel, device_jobs, n, total_tiles, stream);
 }
 
 size_t DiffWorkspaceBytes(int64_t numel, int es) {
