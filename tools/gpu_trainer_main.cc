@@ -124,20 +124,24 @@ void Fill(const std::vector<v1::TensorSpec>& specs, const ChunkPlan& plan,
   for (auto& th : pool) th.join();
 }
 
+// One line per engine: its state and version.
+void PrintEngines(TrainerClient& client) {
+  auto status = client.GetStatus();
+  if (!status.ok()) return;
+  for (const auto& e : status->engines()) {
+    std::printf("engine %s: %s, version %lld\n", e.engine_id().c_str(),
+                v1::EngineState_Name(e.state()).c_str(),
+                static_cast<long long>(e.version()));
+  }
+}
+
 int FinishOnly(TrainerClient& client) {
   const absl::Time t0 = absl::Now();
   auto done = client.FinishWeightUpdate(FLAGS_finish_only);
   const double s = absl::ToDoubleSeconds(absl::Now() - t0);
   std::printf("finish %s: %s after %.2f s\n", FLAGS_finish_only.c_str(),
               done.ok() ? "OK" : done.status().ToString().c_str(), s);
-  auto status = client.GetStatus();
-  if (status.ok()) {
-    for (const auto& e : status->engines()) {
-      std::printf("engine %s: %s, version %lld\n", e.engine_id().c_str(),
-                  v1::EngineState_Name(e.state()).c_str(),
-                  static_cast<long long>(e.version()));
-    }
-  }
+  PrintEngines(client);
   return done.ok() ? 0 : 3;
 }
 
@@ -341,14 +345,7 @@ int SparseSeries(TrainerClient& client,
                   static_cast<long long>(version),
                   staged ? "staged" : "streaming",
                   sparse.status().ToString().c_str());
-      auto status = client.GetStatus();
-      if (status.ok()) {
-        for (const auto& e : status->engines()) {
-          std::printf("engine %s: %s, version %lld\n", e.engine_id().c_str(),
-                      v1::EngineState_Name(e.state()).c_str(),
-                      static_cast<long long>(e.version()));
-        }
-      }
+      PrintEngines(client);
       std::fflush(stdout);
     } else if (!sparse.ok()) {
       std::printf("sparse update v%lld failed: %s\n",

@@ -313,6 +313,16 @@ absl::Status GpuWorker::EnsureStreams() {
   return absl::OkStatus();
 }
 
+absl::StatusOr<uint8_t*> GpuWorker::BaseOf(
+    const absl::flat_hash_map<int64_t, Allocation>& allocs, int64_t id) {
+  auto it = allocs.find(id);
+  if (it == allocs.end()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("allocation ", id, " is not open in the worker"));
+  }
+  return it->second.ptr;
+}
+
 absl::Status GpuWorker::EnqueueChunkOps(
     const worker::v1::BeginUpdateRequest& request, int64_t k,
     const uint8_t* chunk,
@@ -320,12 +330,9 @@ absl::Status GpuWorker::EnqueueChunkOps(
     int* op) {
   for (; *op < request.ops_size() && request.ops(*op).chunk() == k; ++*op) {
     const worker::v1::GpuOp& o = request.ops(*op);
-    auto it = allocs.find(o.allocation_id());
-    if (it == allocs.end()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "allocation ", o.allocation_id(), " is not open in the worker"));
-    }
-    uint8_t* dst = it->second.ptr + o.dst_offset();
+    absl::StatusOr<uint8_t*> base = BaseOf(allocs, o.allocation_id());
+    if (!base.ok()) return base.status();
+    uint8_t* dst = *base + o.dst_offset();
     if (sm_copies_ && ipc_source_ != nullptr &&
         o.src_dtype() == o.dst_dtype()) {
       const int64_t width = o.cols() * cuda::DTypeSize(o.src_dtype());
@@ -354,6 +361,21 @@ absl::Status GpuWorker::EnqueueChunk(
 }
 
 namespace {
+
+// Grows a buffer of device memory (pinned host memory with `pinned`) on the
+// current device to at least `bytes`, keeping nothing of its contents.
+template <typename T>
+absl::Status Grow(T** p, int64_t* have, int64_t bytes, bool pinned) {
+  if (bytes <= *have) return absl::OkStatus();
+  if (*p != nullptr) pinned ? cudaFreeHost(*p) : cudaFree(*p);
+  *p = nullptr;
+  *have = 0;
+  void* d = nullptr;
+  WS_CUDA(pinned ? cudaMallocHost(&d, bytes) : cudaMalloc(&d, bytes));
+  *p = static_cast<T*>(d);
+  *have = bytes;
+  return absl::OkStatus();
+}
 constexpr int64_t kReportBytes = sizeof(cuda::SparseIndexReport);
 }  // namespace
 
@@ -404,36 +426,15 @@ absl::Status GpuWorker::PrepareSparse(
     }
     prev_chunk = piece.chunk();
   }
-  if (at > sparse_dev_bytes_) {
-    WS_CUDA(cudaSetDevice(device_));
-    if (sparse_dev_ != nullptr) {
-      WS_CUDA(cudaFree(sparse_dev_));
-      sparse_dev_ = nullptr;
-      sparse_dev_bytes_ = 0;
-    }
-    void* d = nullptr;
-    WS_CUDA(cudaMalloc(&d, at));
-    sparse_dev_ = static_cast<uint8_t*>(d);
-    sparse_dev_bytes_ = at;
+  WS_CUDA(cudaSetDevice(device_));
+  const int64_t job_bytes = jobs * sizeof(cuda::SparseJob);
+  absl::Status s = Grow(&sparse_dev_, &sparse_dev_bytes_, at, false);
+  if (s.ok()) {
+    s = Grow(&sparse_host_, &sparse_host_bytes_, n * kReportBytes, true);
   }
-  if (n * kReportBytes > sparse_host_bytes_) {
-    if (sparse_host_ != nullptr) cudaFreeHost(sparse_host_);
-    sparse_host_ = nullptr;
-    sparse_host_bytes_ = 0;
-    WS_CUDA(cudaMallocHost(&sparse_host_, n * kReportBytes));
-    sparse_host_bytes_ = n * kReportBytes;
-  }
-  if (jobs > jobs_cap_) {
-    WS_CUDA(cudaSetDevice(device_));
-    if (jobs_host_ != nullptr) cudaFreeHost(jobs_host_);
-    if (jobs_dev_ != nullptr) cudaFree(jobs_dev_);
-    jobs_host_ = nullptr;
-    jobs_dev_ = nullptr;
-    jobs_cap_ = 0;
-    WS_CUDA(cudaMallocHost(&jobs_host_, jobs * sizeof(cuda::SparseJob)));
-    WS_CUDA(cudaMalloc(&jobs_dev_, jobs * sizeof(cuda::SparseJob)));
-    jobs_cap_ = jobs;
-  }
+  if (s.ok()) s = Grow(&jobs_host_, &jobs_host_bytes_, job_bytes, true);
+  if (s.ok()) s = Grow(&jobs_dev_, &jobs_dev_bytes_, job_bytes, false);
+  if (!s.ok()) return s;
   // No patch refused until checked (a patch with no pieces: nnz 0).
   std::memset(sparse_host_, 0, n * kReportBytes);
   WS_CUDA(cuda::SparseResetReports(
@@ -502,14 +503,11 @@ absl::Status GpuWorker::AddApplyJobs(
     const absl::flat_hash_map<int64_t, Allocation>& allocs) {
   const worker::v1::GpuSparsePatch& g = request.sparse(p);
   for (const worker::v1::GpuSparseUse& u : g.uses()) {
-    auto it = allocs.find(u.allocation_id());
-    if (it == allocs.end()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "allocation ", u.allocation_id(), " is not open in the worker"));
-    }
+    absl::StatusOr<uint8_t*> base = BaseOf(allocs, u.allocation_id());
+    if (!base.ok()) return base.status();
     AddCheckJob(request, p);  // the same patch fields; the report guards
     cuda::SparseUse& use = jobs_host_[jobs_used_ - 1].use;
-    use.param = it->second.ptr + u.param_offset();
+    use.param = *base + u.param_offset();
     use.dtype = u.dtype();
     use.implicit = u.implicit();
     use.row_begin = u.row_begin();
@@ -591,24 +589,11 @@ absl::Status GpuWorker::PrepareReceipts(
   const int64_t sum_bytes = sizeof(uint64_t) * groups;
   const int64_t need = sum_bytes + sizeof(cuda::ReceiptRegion) * regions.size();
   WS_CUDA(cudaSetDevice(scatter_device_));
-  if (need > receipt_dev_bytes_) {
-    if (receipt_dev_ != nullptr) WS_CUDA(cudaFree(receipt_dev_));
-    receipt_dev_ = nullptr;
-    receipt_dev_bytes_ = 0;
-    void* d = nullptr;
-    WS_CUDA(cudaMalloc(&d, need));
-    receipt_dev_ = static_cast<uint8_t*>(d);
-    receipt_dev_bytes_ = need;
+  absl::Status grown = Grow(&receipt_dev_, &receipt_dev_bytes_, need, false);
+  if (grown.ok()) {
+    grown = Grow(&receipt_host_, &receipt_host_bytes_, sum_bytes, true);
   }
-  if (groups > receipt_host_groups_) {
-    if (receipt_host_ != nullptr) cudaFreeHost(receipt_host_);
-    receipt_host_ = nullptr;
-    receipt_host_groups_ = 0;
-    void* h = nullptr;
-    WS_CUDA(cudaMallocHost(&h, sum_bytes));
-    receipt_host_ = static_cast<uint64_t*>(h);
-    receipt_host_groups_ = groups;
-  }
+  if (!grown.ok()) return grown;
   auto* out = reinterpret_cast<unsigned long long*>(receipt_dev_);
   std::vector<cuda::ReceiptRegion> ordered;
   ordered.reserve(regions.size());

@@ -120,6 +120,10 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   absl::Status OpenIpcSource(const worker::v1::BeginUpdateRequest& request);
   void CloseIpcSource();
   absl::Status EnqueueIpcUpdate(const worker::v1::BeginUpdateRequest& request);
+  // Where allocation `id` of `allocs` is mapped (FAILED_PRECONDITION if it
+  // is not open).
+  static absl::StatusOr<uint8_t*> BaseOf(
+      const absl::flat_hash_map<int64_t, Allocation>& allocs, int64_t id);
   // Enqueues the ops of chunk `k` (from *op on) reading from `chunk`;
   // `sm_copies`: same-dtype blocks by kernel rather than copy engines.
   absl::Status EnqueueChunkOps(
@@ -251,7 +255,7 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   // slots used.
   cuda::SparseJob* jobs_host_ = nullptr;
   cuda::SparseJob* jobs_dev_ = nullptr;
-  int64_t jobs_cap_ = 0, jobs_used_ = 0;
+  int64_t jobs_host_bytes_ = 0, jobs_dev_bytes_ = 0, jobs_used_ = 0;
   // Receipts of the update (PrepareReceipts): per chunk its batch (first
   // region, count, tiles) in receipt_dev_ (sums, then the regions); the
   // sums' host copy (pinned); receipt_groups_ is set before update_active_.
@@ -262,7 +266,7 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   uint8_t* receipt_dev_ = nullptr;
   int64_t receipt_dev_bytes_ = 0;
   uint64_t* receipt_host_ = nullptr;
-  int64_t receipt_host_groups_ = 0;
+  int64_t receipt_host_bytes_ = 0;
   int receipt_groups_ = 0;
   // The worker ended the last update itself with its GPU work complete (a
   // refused patch): AbortUpdate then leaves the communicator alone.

@@ -85,14 +85,17 @@ cudaError_t GridFor(int64_t n, int block, int64_t* grid) {
 
 constexpr int kCheckThreads = 256;
 
+// Checks indices[k] for k = begin, begin + step, ... < end (of a patch of
+// a tensor of `numel` elements) and adds what it found to *report, one
+// atomic per warp and counter. Every lane of the warp calls it.
 template <typename I>
-__global__ void __launch_bounds__(kCheckThreads)
-    CheckIndicesKernel(const I* __restrict__ indices, int64_t nnz,
-                       int64_t numel, SparseIndexReport* report) {
+__device__ __forceinline__ void CheckStrided(const I* __restrict__ indices,
+                                             int64_t begin, int64_t end,
+                                             int64_t step, int64_t numel,
+                                             SparseIndexReport* report) {
   unsigned long long out_of_range = 0, unsorted = 0, repeated = 0;
   unsigned long long first = ~0ull;
-  for (int64_t k = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; k < nnz;
-       k += int64_t{gridDim.x} * blockDim.x) {
+  for (int64_t k = begin; k < end; k += step) {
     const int64_t i = static_cast<int64_t>(indices[k]);
     if (i < 0 || i >= numel) {
       ++out_of_range;
@@ -121,6 +124,14 @@ __global__ void __launch_bounds__(kCheckThreads)
   }
 }
 
+template <typename I>
+__global__ void __launch_bounds__(kCheckThreads)
+    CheckIndicesKernel(const I* __restrict__ indices, int64_t nnz,
+                       int64_t numel, SparseIndexReport* report) {
+  CheckStrided(indices, blockIdx.x * int64_t{blockDim.x} + threadIdx.x, nnz,
+               int64_t{gridDim.x} * blockDim.x, numel, report);
+}
+
 // ---------------------------------------------------------------------------
 // Applying a patch.
 
@@ -143,6 +154,27 @@ struct Copy {
 
 constexpr int kApplyThreads = 256;
 
+// Writes entries k = begin, begin + step, ... < end of a patch (nnz
+// entries of a tensor with `cols` columns and `numel` elements) through
+// `use`, converted by Conv.
+template <typename Conv, typename I>
+__device__ __forceinline__ void ApplyStrided(
+    const I* __restrict__ indices,
+    const typename Conv::From* __restrict__ values, int64_t nnz, int64_t cols,
+    int64_t numel, const SparseUse& use, int64_t begin, int64_t end,
+    int64_t step) {
+  auto* param = static_cast<typename Conv::To*>(use.param);
+  for (int64_t k = begin; k < end; k += step) {
+    if (!SparseEntryWins(indices, nnz, k)) continue;
+    int64_t dst;
+    if (!SparseDestination(use, cols, numel, static_cast<int64_t>(indices[k]),
+                           &dst)) {
+      continue;
+    }
+    param[dst] = Conv::Apply(values[k]);
+  }
+}
+
 // `guard` (may be null): a report of SparseCheckIndices over the same
 // indices; any index out of range there and the kernel writes nothing.
 template <typename Conv, typename I>
@@ -152,17 +184,9 @@ __global__ void __launch_bounds__(kApplyThreads)
                 int64_t cols, int64_t numel, const SparseUse use,
                 const SparseIndexReport* __restrict__ guard) {
   if (guard != nullptr && guard->out_of_range != 0) return;
-  auto* param = static_cast<typename Conv::To*>(use.param);
-  for (int64_t k = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; k < nnz;
-       k += int64_t{gridDim.x} * blockDim.x) {
-    if (!SparseEntryWins(indices, nnz, k)) continue;
-    int64_t dst;
-    if (!SparseDestination(use, cols, numel, static_cast<int64_t>(indices[k]),
-                           &dst)) {
-      continue;
-    }
-    param[dst] = Conv::Apply(values[k]);
-  }
+  ApplyStrided<Conv>(indices, values, nnz, cols, numel, use,
+                     blockIdx.x * int64_t{blockDim.x} + threadIdx.x, nnz,
+                     int64_t{gridDim.x} * blockDim.x);
 }
 
 // What the apply launches share besides the conversion.
@@ -219,42 +243,6 @@ __device__ __forceinline__ void TileRange(const SparseJob& j, int64_t t,
   *hi = min(*lo + kSparseTileEntries, j.nnz);
 }
 
-template <typename I>
-__device__ __forceinline__ void CheckRange(const SparseJob& j, int64_t lo,
-                                           int64_t hi) {
-  const I* indices = static_cast<const I*>(j.indices);
-  unsigned long long out_of_range = 0, unsorted = 0, repeated = 0;
-  unsigned long long first = ~0ull;
-  for (int64_t k = lo + threadIdx.x; k < hi; k += blockDim.x) {
-    const int64_t i = static_cast<int64_t>(indices[k]);
-    if (i < 0 || i >= j.numel) {
-      ++out_of_range;
-      first = min(first, static_cast<unsigned long long>(k));
-    }
-    if (k > 0) {
-      const int64_t prev = static_cast<int64_t>(indices[k - 1]);
-      unsorted += i < prev;
-      repeated += i == prev;
-    }
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    out_of_range += __shfl_down_sync(0xFFFFFFFFu, out_of_range, o);
-    unsorted += __shfl_down_sync(0xFFFFFFFFu, unsorted, o);
-    repeated += __shfl_down_sync(0xFFFFFFFFu, repeated, o);
-    first = min(first, __shfl_down_sync(0xFFFFFFFFu, first, o));
-  }
-  if ((threadIdx.x & 31) == 0) {
-    SparseIndexReport* report = j.report;
-    if (out_of_range != 0) {
-      atomicAdd(&report->out_of_range, out_of_range);
-      atomicMin(&report->first_out_of_range, first);
-    }
-    if (unsorted != 0) atomicAdd(&report->unsorted, unsorted);
-    if (repeated != 0) atomicAdd(&report->repeated, repeated);
-  }
-}
-
 __global__ void __launch_bounds__(kBatchThreads)
     CheckBatchKernel(const SparseJob* __restrict__ jobs, int64_t n,
                      int64_t total_tiles) {
@@ -263,37 +251,27 @@ __global__ void __launch_bounds__(kBatchThreads)
     int64_t lo, hi;
     TileRange(j, t, &lo, &hi);
     if (j.index_bytes == 4) {
-      CheckRange<uint32_t>(j, lo, hi);
+      CheckStrided(static_cast<const uint32_t*>(j.indices), lo + threadIdx.x,
+                   hi, blockDim.x, j.numel, j.report);
     } else {
-      CheckRange<int64_t>(j, lo, hi);
+      CheckStrided(static_cast<const int64_t*>(j.indices), lo + threadIdx.x, hi,
+                   blockDim.x, j.numel, j.report);
     }
-  }
-}
-
-template <typename Conv, typename I>
-__device__ __forceinline__ void ApplyRange(const SparseJob& j, int64_t lo,
-                                           int64_t hi) {
-  const I* indices = static_cast<const I*>(j.indices);
-  const auto* values = static_cast<const typename Conv::From*>(j.values);
-  auto* param = static_cast<typename Conv::To*>(j.use.param);
-  for (int64_t k = lo + threadIdx.x; k < hi; k += blockDim.x) {
-    if (!SparseEntryWins(indices, j.nnz, k)) continue;
-    int64_t dst;
-    if (!SparseDestination(j.use, j.cols, j.numel,
-                           static_cast<int64_t>(indices[k]), &dst)) {
-      continue;
-    }
-    param[dst] = Conv::Apply(values[k]);
   }
 }
 
 template <typename Conv>
 __device__ __forceinline__ void ApplyRangeOf(const SparseJob& j, int64_t lo,
                                              int64_t hi) {
+  const auto* values = static_cast<const typename Conv::From*>(j.values);
   if (j.index_bytes == 4) {
-    ApplyRange<Conv, uint32_t>(j, lo, hi);
+    ApplyStrided<Conv>(static_cast<const uint32_t*>(j.indices), values, j.nnz,
+                       j.cols, j.numel, j.use, lo + threadIdx.x, hi,
+                       blockDim.x);
   } else {
-    ApplyRange<Conv, int64_t>(j, lo, hi);
+    ApplyStrided<Conv>(static_cast<const int64_t*>(j.indices), values, j.nnz,
+                       j.cols, j.numel, j.use, lo + threadIdx.x, hi,
+                       blockDim.x);
   }
 }
 
