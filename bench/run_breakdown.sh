@@ -9,7 +9,7 @@
 set -uo pipefail
 BIN="$(cd "${1:-.dev/bin}" && pwd)"
 LOG="${2:-/tmp/ws-breakdown}"
-mkdir -p "$LOG"
+mkdir -p "$LOG" && chmod 750 "$LOG"  # the socket lives here: weightsyncd refuses an open dir
 export NCCL_NVLS_ENABLE=0
 pkill -KILL -f "$BIN/weightsync_" 2>/dev/null
 sock="$LOG/d.sock"

@@ -21,7 +21,7 @@ for model in qwen3-8b qwen3-1.7b; do
 done
 
 pkill -KILL -f "weightsync_" 2>/dev/null; sleep 1  # nothing of an earlier run may share the GPUs
-sock=/tmp/ws-bench.sock
+sock="$LOG/d.sock"; chmod 750 "$LOG"  # weightsyncd refuses an open socket dir
 run_ws() {  # model chunk_mib buffers -> prints median seconds of updates 2..5
   local model=$1 chunk=$2 bufs=$3 tag="$1-c$2-b$3"
   rm -f "$sock"

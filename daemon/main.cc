@@ -7,8 +7,11 @@
 
 #include <cstdlib>
 #include <string>
+#include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "backends/cuda/cuda_support.h"
 #include "backends/cuda/worker_client.h"
@@ -46,6 +49,17 @@ DEFINE_int64(gpu_staging_budget_bytes, int64_t{4} << 30,
              "bytes of GPU staging the daemon never exceeds");
 DEFINE_int64(shutdown_grace_ms, 2000,
              "on SIGTERM, how long open calls may run before cancellation");
+DEFINE_string(allow_uids, "",
+              "comma-separated uids allowed to connect to the Unix socket "
+              "(besides the daemon's own uid and root)");
+DEFINE_string(allow_gids, "",
+              "comma-separated gids allowed to connect (besides the daemon's "
+              "group and --socket_group)");
+DEFINE_int64(socket_group, -1,
+             "gid of the socket file and of a socket directory the daemon "
+             "creates (-1: the daemon's own)");
+DEFINE_bool(allow_open_socket_dir, false,
+            "let the socket live in a directory any user can enter");
 
 namespace weightsync {
 namespace {
@@ -57,6 +71,20 @@ std::string DefaultSocket() {
                               : absl::StrCat("/tmp/weightsync-", getuid());
   mkdir(dir.c_str(), 0700);
   return dir + "/weightsyncd.sock";
+}
+
+// The --allow_uids / --allow_gids list, or false on a bad entry.
+template <typename T>
+bool ParseIds(const std::string& flag, const char* name, std::vector<T>* out) {
+  for (absl::string_view s : absl::StrSplit(flag, ',', absl::SkipEmpty())) {
+    int64_t v = -1;
+    if (!absl::SimpleAtoi(s, &v) || v < 0 || v > 0xFFFFFFFE) {
+      LOG(ERROR) << "--" << name << ": '" << s << "' is not a uid/gid";
+      return false;
+    }
+    out->push_back(static_cast<T>(v));
+  }
+  return true;
 }
 
 bool ValidFlags() {
@@ -103,6 +131,7 @@ int Main() {
   host.staging_buffers = FLAGS_staging_buffers;
   host.staging_budget = FLAGS_staging_budget_bytes;
   std::shared_ptr<GpuWorkerSupervisor> gpu;
+  std::string worker_dir;
   std::string worker = FLAGS_gpu_worker;
   if (worker.empty()) {
     char self[4096];
@@ -120,7 +149,15 @@ int Main() {
     g.ipc_sm_copies = FLAGS_ipc_sm_copies;
     g.staging_buffers = FLAGS_gpu_staging_buffers;
     g.staging_budget = FLAGS_gpu_staging_budget_bytes;
-    g.socket_path = absl::StrCat("/tmp/weightsync-worker-", getpid(), ".sock");
+    // The worker's socket in a directory of the daemon's own (mode 0700):
+    // only this uid (and root) can reach it.
+    char tmpl[] = "/tmp/weightsync-worker.XXXXXX";
+    if (mkdtemp(tmpl) == nullptr) {
+      LOG(ERROR) << "can't create a private directory for the GPU worker";
+      return 1;
+    }
+    worker_dir = tmpl;
+    g.socket_path = worker_dir + "/worker.sock";
     gpu = std::make_shared<GpuWorkerSupervisor>(g);
     LOG(INFO) << "GPU backends via " << worker << " (started on first use)";
   }
@@ -133,6 +170,18 @@ int Main() {
   server_options.tcp_address = FLAGS_tcp;
   server_options.max_message_bytes =
       static_cast<int>(FLAGS_max_chunk_bytes + (1 << 20));
+  PeerPolicy& policy = server_options.peer_policy;
+  policy.uids = {getuid(), 0};
+  policy.gids = {getgid()};
+  if (FLAGS_socket_group >= 0) {
+    policy.group = static_cast<gid_t>(FLAGS_socket_group);
+    policy.gids.push_back(policy.group);
+  }
+  policy.allow_open_dir = FLAGS_allow_open_socket_dir;
+  if (!ParseIds(FLAGS_allow_uids, "allow_uids", &policy.uids) ||
+      !ParseIds(FLAGS_allow_gids, "allow_gids", &policy.gids)) {
+    return 2;
+  }
   auto server = Server::BuildAndStart(server_options, &core);
   if (!server.ok()) {
     LOG(ERROR) << server.status();
@@ -151,6 +200,10 @@ int Main() {
   // then stop the server and release every mapping.
   core.Shutdown();
   (*server)->Shutdown(absl::Milliseconds(FLAGS_shutdown_grace_ms));
+  if (!worker_dir.empty()) {
+    unlink((worker_dir + "/worker.sock").c_str());
+    rmdir(worker_dir.c_str());
+  }
   LOG(INFO) << "weightsyncd stopped";
   return 0;
 }

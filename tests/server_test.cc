@@ -5,6 +5,7 @@
 // protocol says so, marked dirty).
 #include "daemon/server/server.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -739,5 +740,118 @@ TEST_F(ServerTest, BadRegistrationsAreRejectedAndLeaveNothingBehind) {
   arena->region().Unlink();
 }
 
+// Every request is bounded (issue 6): a manifest tensor's name and rank.
+TEST_F(ServerTest, OversizedManifestEntriesAreRefused) {
+  AddEngine("e0");
+  Init();
+  v1::StartWeightUpdateRequest req;
+  req.set_update_id("big");
+  req.set_target_version(1);
+  v1::TensorSpec* t = req.add_tensors();
+  t->set_name(std::string(5000, 'x'));
+  t->set_dtype(v1::FLOAT32);
+  t->add_shape(4);
+  auto s = trainer_->StartWeightUpdate(req);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.status().message(), HasSubstr("a name of 5000 bytes"));
+  t->set_name("w");
+  for (int i = 0; i < 20; ++i) t->add_shape(1);
+  s = trainer_->StartWeightUpdate(req);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.status().message(), HasSubstr("21 dimensions"));
+  // Nothing started: the engine is untouched and serving.
+  EXPECT_EQ(trainer_->GetStatus()->engines(0).state(), v1::ENGINE_READY);
+}
+
+// Security (issue 6): an engine registers only its own memory.
+TEST_F(ServerTest, AnEngineCanRegisterOnlyItsOwnMemory) {
+  auto engine = *EngineClient::Connect(options_);
+  auto arena = *HostArena::Create(
+      absl::StrCat("/wstest-", dir_.substr(dir_.rfind('.') + 1), "-own"),
+      synthetic::EngineParameters(model_, synthetic::Layout::kPlain, 0, 1,
+                                  v1::BFLOAT16));
+  // A CUDA VMM handle names the process whose memory it is: another pid's
+  // is refused before anything is mapped.
+  v1::RegisterEngineRequest r = arena->Registration();
+  r.set_engine_id("thief");
+  r.mutable_allocations(0)->set_kind(v1::MEMORY_CUDA_VMM);
+  r.mutable_allocations(0)->set_handle(absl::StrCat(getpid() + 1, ":3"));
+  auto s = engine->Register(r);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(s.status().message(),
+              HasSubstr(absl::StrCat("caller is pid ", getpid())));
+  EXPECT_EQ(trainer_->GetStatus()->engines_size(), 0);
+  // Shared memory must belong to the caller's uid (checked directly: the
+  // test can't connect as another user).
+  r = arena->Registration();
+  PeerCred other{getpid(), getuid() + 4242, getgid()};
+  absl::Status own = CheckOwnAllocations(r, other);
+  EXPECT_EQ(own.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(own.message(), HasSubstr("allocation 0: shared memory"));
+  PeerCred me{getpid(), getuid(), getgid()};
+  EXPECT_TRUE(CheckOwnAllocations(r, me).ok());
+  r.set_engine_id("own");
+  EXPECT_TRUE(engine->Register(r).ok());
+  arena->region().Unlink();
+}
+
+// Security (issue 6): the Unix socket's peers are checked (SO_PEERCRED)
+// against the allow list; the socket is 0660 in a directory others can't
+// enter.
+TEST_F(ServerTest, OnlyAllowedPeersGetThroughTheUnixSocket) {
+  struct stat st;
+  ASSERT_EQ(stat((dir_ + "/d.sock").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0660);
+  PeerCred me{getpid(), getuid(), getgid()};
+  PeerPolicy policy;
+  policy.uids = {getuid() + 4242};
+  policy.gids = {getgid() + 4242};
+  EXPECT_FALSE(PeerAllowed(policy, me, {}));
+  EXPECT_TRUE(PeerAllowed(policy, me, {getgid() + 4242}));  // supplementary
+  policy.uids.push_back(getuid());
+  EXPECT_TRUE(PeerAllowed(policy, me, {}));
+  EXPECT_TRUE(PeerAllowed(PeerPolicy(), me, {}));  // no list: the modes decide
+
+  // A daemon that lets nobody like us in.
+  const std::string sock = dir_ + "/strict.sock";
+  ServerOptions so;
+  so.unix_socket = sock;
+  so.peer_policy.uids = {getuid() + 4242};
+  so.peer_policy.gids = {getgid() + 4242};
+  auto strict = Server::BuildAndStart(so, core_.get());
+  ASSERT_TRUE(strict.ok()) << strict.status();
+  ClientOptions o = options_;
+  o.target = "unix:" + sock;
+  o.connect_timeout = absl::Seconds(1);
+  auto client = TrainerClient::Connect(o);  // closed at once: never ready
+  EXPECT_EQ(client.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_GE((*strict)->refused_connections(), 1);
+  (*strict)->Shutdown(absl::ZeroDuration());
+  EXPECT_NE(access(sock.c_str(), F_OK), 0);  // removed at shutdown
+
+  // A socket directory any user can enter is refused, naming it.
+  const std::string open_dir = dir_ + "/open";
+  ASSERT_EQ(mkdir(open_dir.c_str(), 0755), 0);
+  so = ServerOptions();
+  so.unix_socket = open_dir + "/d.sock";
+  auto refused = Server::BuildAndStart(so, core_.get());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("can be entered by any user (mode 0755)"));
+  so.peer_policy.allow_open_dir = true;
+  auto allowed = Server::BuildAndStart(so, core_.get());
+  ASSERT_TRUE(allowed.ok()) << allowed.status();
+  (*allowed)->Shutdown(absl::ZeroDuration());
+  // A missing directory is created, mode 0750.
+  so = ServerOptions();
+  so.unix_socket = dir_ + "/made/d.sock";
+  auto made = Server::BuildAndStart(so, core_.get());
+  ASSERT_TRUE(made.ok()) << made.status();
+  ASSERT_EQ(stat((dir_ + "/made").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0750);
+  (*made)->Shutdown(absl::ZeroDuration());
+  rmdir((dir_ + "/made").c_str());
+  rmdir(open_dir.c_str());
+}
 }  // namespace
 }  // namespace weightsync

@@ -231,6 +231,19 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
         absl::StrCat("manifest has ", request.tensors_size(),
                      " tensors; the limit is ", options_.max_manifest_tensors));
   }
+  // Bounded like registrations (issue 6): names and ranks.
+  for (int i = 0; i < request.tensors_size(); ++i) {
+    const v1::TensorSpec& t = request.tensors(i);
+    if (static_cast<int64_t>(t.name().size()) >
+            options_.limits.max_name_length ||
+        t.shape_size() > CoordinatorOptions::kMaxTensorRank) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor ", i, " ('", t.name().substr(0, 64), "'): a name of ",
+          t.name().size(), " bytes and ", t.shape_size(),
+          " dimensions; the limits are ", options_.limits.max_name_length,
+          " and ", CoordinatorOptions::kMaxTensorRank));
+    }
+  }
   const int64_t chunk_bytes = request.chunk_bytes() == 0
                                   ? options_.default_chunk_bytes
                                   : request.chunk_bytes();

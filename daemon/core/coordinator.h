@@ -49,6 +49,8 @@ struct CoordinatorOptions {
   int64_t default_chunk_bytes = int64_t{8} << 20;
   int64_t max_chunk_bytes = int64_t{64} << 20;
   int64_t max_manifest_tensors = 1 << 20;
+  // A manifest tensor's rank (its name is bounded by limits.max_name_length).
+  static constexpr int kMaxTensorRank = 16;
   // Staged updates hold the whole packed update in daemon memory until
   // commit; above this, Start refuses (or falls back to streaming).
   int64_t staged_budget_bytes = int64_t{4} << 30;

@@ -30,22 +30,14 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   if (!options.unix_socket.empty()) {
-    if (options.unix_socket.size() > 107) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("Unix socket path is ", options.unix_socket.size(),
-                       " bytes; the limit is 107: ", options.unix_socket));
-    }
-    struct stat st;
-    if (lstat(options.unix_socket.c_str(), &st) == 0) {
-      if (!S_ISSOCK(st.st_mode)) {
-        return absl::FailedPreconditionError(
-            absl::StrCat(options.unix_socket, " exists and is not a socket"));
-      }
-      unlink(options.unix_socket.c_str());  // stale socket of a dead daemon
-    }
-    builder.AddListeningPort("unix:" + options.unix_socket,
-                             grpc::InsecureServerCredentials());
-    server->unix_socket_ = options.unix_socket;
+    // Accepted by the daemon, which checks each peer (unix_listener.h).
+    auto listener =
+        UnixListener::Bind(options.unix_socket, options.peer_policy);
+    if (!listener.ok()) return listener.status();
+    server->listener_ = *std::move(listener);
+    UnixListener* l = server->listener_.get();
+    server->engine_.set_peer_lookup(
+        [l](const std::string& peer) { return l->PeerOf(peer); });
   }
   if (!options.tcp_address.empty()) {
     builder.AddListeningPort(options.tcp_address,
@@ -57,12 +49,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr ||
       (!options.tcp_address.empty() && server->tcp_port_ == 0)) {
-    return absl::UnavailableError(absl::StrCat(
-        "could not listen on ",
-        options.unix_socket.empty() ? "" : "unix:" + options.unix_socket, " ",
-        options.tcp_address));
+    return absl::UnavailableError(
+        absl::StrCat("could not listen on ", options.tcp_address));
   }
   server->server_->GetHealthCheckService()->SetServingStatus(true);
+  if (server->listener_ != nullptr)
+    server->listener_->Serve(server->server_.get());
   return server;
 }
 
@@ -75,10 +67,10 @@ void Server::Wait() { server_->Wait(); }
 void Server::Shutdown(absl::Duration grace) {
   if (server_ == nullptr) return;
   server_->GetHealthCheckService()->SetServingStatus(false);
+  if (listener_ != nullptr) listener_->Stop();
   server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
   server_->Wait();
   server_.reset();
-  if (!unix_socket_.empty()) unlink(unix_socket_.c_str());
 }
 
 }  // namespace weightsync

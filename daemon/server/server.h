@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "daemon/core/coordinator.h"
 #include "daemon/server/services.h"
+#include "daemon/server/unix_listener.h"
 #include "grpcpp/server.h"
 
 namespace weightsync {
@@ -23,6 +24,9 @@ struct ServerOptions {
   std::string tcp_address;
   // Largest message accepted; must hold one chunk plus framing.
   int max_message_bytes = (64 << 20) + (1 << 20);
+  // Who may connect to the Unix socket, its group and directory rules
+  // (unix_listener.h).
+  PeerPolicy peer_policy;
 };
 
 class Server {
@@ -35,13 +39,17 @@ class Server {
   // Stops accepting, cancels open streams after `grace`, returns when done.
   void Shutdown(absl::Duration grace);
   int tcp_port() const { return tcp_port_; }
+  // Connections the Unix listener refused (peer not allowed).
+  int64_t refused_connections() const {
+    return listener_ != nullptr ? listener_->refused() : 0;
+  }
 
  private:
   Server(Coordinator* core) : trainer_(core), engine_(core) {}
   TrainerServiceImpl trainer_;
   EngineServiceImpl engine_;
+  std::unique_ptr<UnixListener> listener_;
   std::unique_ptr<grpc::Server> server_;
-  std::string unix_socket_;
   int tcp_port_ = 0;
 };
 

@@ -1,9 +1,15 @@
 #include "daemon/server/services.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <memory>
 #include <string>
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/grpc_status.h"
@@ -174,9 +180,48 @@ grpc::Status TrainerServiceImpl::GetStatus(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
+absl::Status CheckOwnAllocations(const v1::RegisterEngineRequest& request,
+                                 const PeerCred& peer) {
+  for (int i = 0; i < request.allocations_size(); ++i) {
+    const v1::Allocation& a = request.allocations(i);
+    if (a.kind() == v1::MEMORY_CUDA_VMM) {
+      const size_t colon = a.handle().find(':');
+      int64_t pid = -1;
+      if (colon != std::string::npos &&
+          absl::SimpleAtoi(a.handle().substr(0, colon), &pid) &&
+          pid != peer.pid) {
+        return absl::PermissionDeniedError(
+            absl::StrCat("allocation ", i, ": a CUDA VMM handle of pid ", pid,
+                         ", but the caller is pid ", peer.pid,
+                         ": an engine registers only its own memory"));
+      }
+    } else if (a.kind() == v1::MEMORY_HOST_SHM && peer.uid != 0) {
+      const int fd = shm_open(a.handle().c_str(), O_RDONLY, 0);
+      if (fd < 0) continue;  // the mapper names what is wrong
+      struct stat st;
+      const bool owned = fstat(fd, &st) == 0 && st.st_uid == peer.uid;
+      close(fd);
+      if (!owned) {
+        return absl::PermissionDeniedError(absl::StrCat(
+            "allocation ", i, ": shared memory '", a.handle(),
+            "' belongs to uid ", st.st_uid, ", not to the caller (uid ",
+            peer.uid, "): an engine registers only its own memory"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 grpc::Status EngineServiceImpl::RegisterEngine(
-    grpc::ServerContext*, const v1::RegisterEngineRequest* request,
+    grpc::ServerContext* ctx, const v1::RegisterEngineRequest* request,
     v1::RegisterEngineResponse* response) {
+  if (peer_of_) {
+    const std::optional<PeerCred> peer = peer_of_(ctx->peer());
+    if (peer.has_value()) {
+      absl::Status own = CheckOwnAllocations(*request, *peer);
+      if (!own.ok()) return ToGrpcStatus(own);
+    }
+  }
   return Answer(response, [&] { return core_->RegisterEngine(*request); });
 }
 

@@ -5,8 +5,12 @@
 #ifndef WEIGHTSYNC_DAEMON_SERVER_SERVICES_H_
 #define WEIGHTSYNC_DAEMON_SERVER_SERVICES_H_
 
+#include <functional>
+#include <optional>
+
 #include "absl/time/time.h"
 #include "daemon/core/coordinator.h"
+#include "daemon/server/unix_listener.h"
 #include "weightsync/v1/engine_service.grpc.pb.h"
 #include "weightsync/v1/trainer_service.grpc.pb.h"
 
@@ -51,9 +55,24 @@ class TrainerServiceImpl final : public v1::TrainerService::Service {
   Coordinator* const core_;
 };
 
+// The credentials of the peer gRPC names `grpc_peer`, where known (a
+// connection through the daemon's own Unix listener).
+using PeerLookup =
+    std::function<std::optional<PeerCred>(const std::string& grpc_peer)>;
+
+// OK if every allocation `request` registers is the caller's own: a CUDA
+// VMM handle ("pid:fd") must name the caller's pid, and a host shared
+// memory object must belong to the caller's uid (root may register any).
+// PERMISSION_DENIED naming the allocation otherwise. Legacy CUDA IPC
+// handles carry no owner (docs/security.md).
+absl::Status CheckOwnAllocations(const v1::RegisterEngineRequest& request,
+                                 const PeerCred& peer);
+
 class EngineServiceImpl final : public v1::EngineService::Service {
  public:
   explicit EngineServiceImpl(Coordinator* core) : core_(core) {}
+  // Set before the server starts.
+  void set_peer_lookup(PeerLookup lookup) { peer_of_ = std::move(lookup); }
 
   grpc::Status RegisterEngine(grpc::ServerContext* ctx,
                               const v1::RegisterEngineRequest* request,
@@ -68,6 +87,7 @@ class EngineServiceImpl final : public v1::EngineService::Service {
 
  private:
   Coordinator* const core_;
+  PeerLookup peer_of_;
 };
 
 }  // namespace weightsync

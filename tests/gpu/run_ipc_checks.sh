@@ -14,7 +14,7 @@
 set -uo pipefail
 BIN="$(cd "${1:-.dev/bin}" && pwd)"
 LOG="${2:-/tmp/ws-ipc}"
-mkdir -p "$LOG"
+mkdir -p "$LOG" && chmod 750 "$LOG"  # the socket lives here: weightsyncd refuses an open dir
 results=()
 record() { results+=("$(printf '%-58s %s' "$1" "$2")"); }
 pids=()

@@ -37,7 +37,7 @@
 set -uo pipefail
 BIN="$(cd "${1:-.dev/bin}" && pwd)"
 LOG="${2:-/tmp/ws-issue5}"
-mkdir -p "$LOG"
+mkdir -p "$LOG" && chmod 750 "$LOG"  # the socket lives here: weightsyncd refuses an open dir
 rm -f "$LOG"/*.log "$LOG"/*.json
 export NCCL_NVLS_ENABLE=0
 results=()
