@@ -9,6 +9,7 @@ PKGS=(
   libgtest-dev libgmock-dev libbenchmark-dev
   python3-grpcio python3-protobuf python3-numpy
   clang-format
+  clang libclang-rt-14-dev   # libFuzzer targets (tests/fuzz, --config=fuzz)
 )
 missing=()
 for p in "${PKGS[@]}"; do

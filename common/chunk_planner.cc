@@ -88,6 +88,13 @@ absl::StatusOr<ChunkPlan> PlanChunks(const Manifest& manifest,
     next = plan.total_bytes;
   }
   const int64_t num_chunks = (plan.total_bytes + chunk_bytes - 1) / chunk_bytes;
+  if (num_chunks > kMaxChunks) {
+    // Checked before anything is allocated: a plan is ~100 bytes a chunk.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the update packs ", plan.total_bytes, " bytes into ", num_chunks,
+        " chunks of ", chunk_bytes, " bytes; the limit is ", kMaxChunks,
+        " chunks: use larger chunks"));
+  }
   plan.chunks.resize(num_chunks);
   // Tensors are in stream order, so one forward sweep assigns every piece.
   int tensor = 0;

@@ -16,6 +16,9 @@
 namespace weightsync {
 
 inline constexpr int64_t kChunkAlignment = 256;
+// Most chunks one update may have (PlanChunks refuses more before
+// allocating its plan; found by tests/fuzz/proto_fuzzer).
+inline constexpr int64_t kMaxChunks = int64_t{1} << 20;
 
 // A contiguous run of one tensor's payload inside one chunk.
 struct Piece {

@@ -76,14 +76,15 @@ absl::Status CheckSegments(const std::string& engine, ParameterLayout& p,
               .status());
       int64_t rows, cols;
       SourceMatrix(l.source_shape, &rows, &cols);
-      if (l.row_begin + l.row_count > rows ||
-          l.col_begin + l.col_count > cols) {
-        return Invalid(
-            engine, absl::StrCat(seg, ": block rows [", l.row_begin, ", ",
-                                 l.row_begin + l.row_count, ") cols [",
-                                 l.col_begin, ", ", l.col_begin + l.col_count,
-                                 ") lies outside source shape ",
-                                 ShapeString(l.source_shape)));
+      // Subtracted, not added: begin + count may not fit in 64 bits
+      // (found by tests/fuzz/update_fuzzer).
+      if (l.row_begin > rows || l.row_count > rows - l.row_begin ||
+          l.col_begin > cols || l.col_count > cols - l.col_begin) {
+        return Invalid(engine,
+                       absl::StrCat(seg, ": block rows ", l.row_begin, "+",
+                                    l.row_count, " cols ", l.col_begin, "+",
+                                    l.col_count, " lies outside source shape ",
+                                    ShapeString(l.source_shape)));
       }
     }
     // Last element written: dest + (rows-1)*stride + cols, within numel.

@@ -38,6 +38,7 @@ ALIGNMENT = 256
 
 # Any byte count above this is rejected (keeps all sums inside int64).
 MAX_BYTES = 2**62
+MAX_CHUNKS = 2**20  # chunks of one update (common/chunk_planner.h kMaxChunks)
 
 # Element size in bytes, keyed by the weightsync.v1.DType enum name.
 ELEMENT_SIZES = {
@@ -237,6 +238,10 @@ def plan_chunks(tensors, chunk_bytes):
 
     chunks = []
     num_chunks = (total + chunk_bytes - 1) // chunk_bytes
+    if num_chunks > MAX_CHUNKS:
+        raise ValueError(f"the update packs {total} bytes into {num_chunks} chunks of "
+                         f"{chunk_bytes} bytes; the limit is {MAX_CHUNKS} chunks: use larger "
+                         "chunks")
     first = 0  # first tensor that may still intersect the current chunk
     for k in range(num_chunks):
         c_begin = k * chunk_bytes
@@ -405,6 +410,7 @@ def vector_errors():
          [_t("big_narrow", "INT8", [2**32 + 1], sparse_nnz=1, sparse_index_bytes=4)],
          "big_narrow"),
         ("size_overflow", 1024, [_t("huge", "FLOAT32", [2**40, 2**40])], "huge"),
+        ("too_many_chunks", 256, [_t("w", "UINT8", [2**28, 2])], "chunks"),
     ]
 
 
