@@ -49,6 +49,9 @@ DEFINE_int64(gpu_staging_budget_bytes, int64_t{4} << 30,
              "bytes of GPU staging the daemon never exceeds");
 DEFINE_int64(shutdown_grace_ms, 2000,
              "on SIGTERM, how long open calls may run before cancellation");
+DEFINE_int64(update_idle_timeout_ms, 300000,
+             "end an update whose trainer shows no sign (no chunk, call or "
+             "data-plane progress) for this long; 0: never");
 DEFINE_string(allow_uids, "",
               "comma-separated uids allowed to connect to the Unix socket "
               "(besides the daemon's own uid and root)");
@@ -126,6 +129,8 @@ int Main() {
   core_options.staged_budget_bytes = FLAGS_staged_budget_bytes;
   core_options.notice_timeout = absl::Milliseconds(FLAGS_notice_timeout_ms);
   core_options.finish_timeout = absl::Milliseconds(FLAGS_finish_timeout_ms);
+  core_options.update_idle_timeout =
+      absl::Milliseconds(FLAGS_update_idle_timeout_ms);
   core_options.build_info = CudaBuildInfo();
   HostDataPlane::Options host;
   host.staging_buffers = FLAGS_staging_buffers;

@@ -740,6 +740,45 @@ TEST_F(ServerTest, BadRegistrationsAreRejectedAndLeaveNothingBehind) {
   arena->region().Unlink();
 }
 
+// Reliability (issue 6): a trainer that freezes (or vanishes without
+// closing anything) after Start can't hold the engines paused forever: the
+// update is ended once its trainer shows no sign for update_idle_timeout.
+TEST_F(ServerTest, AnAbandonedUpdateIsEndedAfterItsIdleTimeout) {
+  core_options_.update_idle_timeout = absl::Milliseconds(400);
+  RestartCore();
+  AddEngine("e0");
+  const std::vector<uint8_t> before = Memory(0);
+  Init();
+  v1::StartWeightUpdateRequest req = StartRequest(1, Tensors(1));
+  req.set_update_id("frozen");
+  const absl::Time t0 = absl::Now();
+  auto started = trainer_->StartWeightUpdate(req);
+  ASSERT_TRUE(started.ok()) << started.status();
+  EXPECT_EQ(trainer_->GetStatus()->engines(0).state(), v1::ENGINE_UPDATING);
+  // ... and then nothing: no chunk, no Finish.
+  v1::GetStatusResponse st;
+  for (int i = 0; i < 100; ++i) {
+    st = *trainer_->GetStatus();
+    if (st.update().phase() == "failed") break;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  const absl::Duration detected = absl::Now() - t0;
+  EXPECT_EQ(st.update().phase(), "failed");
+  EXPECT_THAT(st.update().error(), HasSubstr("abandoned"));
+  EXPECT_GE(detected, absl::Milliseconds(400));
+  EXPECT_LT(detected, absl::Seconds(3));
+  // Nothing was written: the engine serves its old weights, resumed.
+  EXPECT_EQ(st.engines(0).state(), v1::ENGINE_READY);
+  EXPECT_EQ(st.engines(0).version(), 0);
+  EXPECT_EQ(Memory(0), before);
+  // A late Finish learns that the update is gone; the next one works.
+  auto late = trainer_->FinishWeightUpdate("frozen");
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kFailedPrecondition);
+  const std::vector<HostTensor> t2 = Tensors(2);
+  auto done = trainer_->Update(StartRequest(2, t2), t2);
+  EXPECT_TRUE(done.ok()) << done.status();
+}
+
 // Every request is bounded (issue 6): a manifest tensor's name and rank.
 TEST_F(ServerTest, OversizedManifestEntriesAreRefused) {
   AddEngine("e0");

@@ -51,9 +51,67 @@ Coordinator::Coordinator(CoordinatorOptions options,
                          std::shared_ptr<DataPlaneFactory> data_planes)
     : options_(std::move(options)),
       mapper_(std::move(mapper)),
-      data_planes_(std::move(data_planes)) {}
+      data_planes_(std::move(data_planes)) {
+  if (options_.update_idle_timeout > absl::ZeroDuration()) {
+    watchdog_ = std::thread([this] { WatchIdle(); });
+  }
+}
 
-Coordinator::~Coordinator() { Shutdown(); }
+Coordinator::~Coordinator() {
+  {
+    absl::MutexLock lock(&watch_mu_);
+    watch_stop_ = true;
+  }
+  if (watchdog_.joinable()) watchdog_.join();
+  Shutdown();
+}
+
+void Coordinator::WatchIdle() {
+  const absl::Duration period =
+      std::min(absl::Milliseconds(200), options_.update_idle_timeout / 4);
+  while (true) {
+    {
+      absl::MutexLock lock(&watch_mu_);
+      auto stop = [this]() ABSL_SHARED_LOCKS_REQUIRED(watch_mu_) {
+        return watch_stop_;
+      };
+      if (watch_mu_.AwaitWithTimeout(absl::Condition(&stop), period)) return;
+    }
+    std::string id;
+    absl::Duration idle;
+    {
+      absl::MutexLock lock(&mu_);
+      if (update_ == nullptr || shut_down_) continue;
+      const absl::Time now = absl::Now();
+      // Bytes that arrive by themselves (NCCL, IPC) show up as progress.
+      const int64_t written = update_->data_plane->chunks_written();
+      if (written != update_->last_written) {
+        update_->last_written = written;
+        update_->last_activity = now;
+      }
+      idle = now - update_->last_activity;
+      if (idle < options_.update_idle_timeout) continue;
+      id = update_->id;
+    }
+    // As Abort does, after a Finish or Abort in progress (they hold
+    // control_mu_ and end the update themselves).
+    absl::MutexLock control(&control_mu_);
+    {
+      absl::MutexLock lock(&mu_);
+      if (update_ == nullptr || update_->id != id ||
+          absl::Now() - update_->last_activity < options_.update_idle_timeout) {
+        continue;
+      }
+    }
+    LOG(WARNING) << "update " << id << ": no word from its trainer for " << idle
+                 << "; ending it";
+    EndFailedUpdate(absl::DeadlineExceededError(absl::StrCat(
+        "update '", id,
+        "' abandoned: no chunk, call or progress from its "
+        "trainer for ",
+        absl::FormatDuration(idle), " (--update_idle_timeout_ms)")));
+  }
+}
 
 // ---------------------------------------------------------------- engines
 
@@ -373,6 +431,7 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
   update->lost.assign(ids.size(), false);
   update->data_plane = plane;
   update->started = t_entry;
+  update->last_activity = absl::Now();
   update->ipc_ring_slots = request.ipc_ring_slots();
   update->begun = t_begun;
   update->timings.set_validate_s(absl::ToDoubleSeconds(t_planned - t_entry));
@@ -479,6 +538,7 @@ absl::Status Coordinator::BeginPushStream(const std::string& update_id) {
         "update '", update_id, "' already has a PushChunks stream open"));
   }
   update_->stream_open = true;
+  update_->last_activity = absl::Now();
   return absl::OkStatus();
 }
 
@@ -527,6 +587,7 @@ absl::Status Coordinator::PushChunk(const std::string& update_id, int64_t index,
     }
     ++update_->next_chunk;
     update_->received_bytes += chunks[index].size;
+    update_->last_activity = absl::Now();
     if (update_->staged && !update_->device_staged) {
       update_->staged_chunks[index] = std::move(data);
       return absl::OkStatus();
@@ -558,6 +619,7 @@ absl::StatusOr<int64_t> Coordinator::IpcChunkAck(const std::string& update_id,
     }
     // Before it packs chunk index+1 into slot (index+1) % slots, the
     // trainer needs chunk index+1-slots out of it.
+    update_->last_activity = absl::Now();
     need = index + 2 - update_->ipc_ring_slots;
     if (need <= 0) return 0;
     ++update_->submits_in_flight;

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -58,6 +59,11 @@ struct CoordinatorOptions {
   absl::Duration notice_timeout = absl::Seconds(10);
   // Deadline for Finish to see every byte written when it names none.
   absl::Duration finish_timeout = absl::Seconds(60);
+  // An update with no sign of its trainer for this long (no chunk, no
+  // call, no progress of a data plane that receives by itself) is ended as
+  // if aborted: a trainer that froze or vanished without closing its
+  // stream would otherwise hold the engines paused forever. Zero: never.
+  absl::Duration update_idle_timeout = absl::Minutes(5);
   RegistrationLimits limits;
   std::string build_info;
 };
@@ -134,7 +140,11 @@ class Coordinator {
     bool stream_open = false;
     int submits_in_flight = 0;  // PushChunk calls past the checks
     absl::Time started;         // Start called
-    absl::Time begun;           // Start's data plane ready
+    // The last sign of the trainer (Start, a chunk, a call, data plane
+    // progress) and the data plane's chunks_written() then (the watchdog).
+    absl::Time last_activity;
+    int64_t last_written = 0;
+    absl::Time begun;  // Start's data plane ready
     int ipc_ring_slots = 0;
     v1::UpdateTimings timings;
     // Staged mode: chunks wait here, engines serve on, until Finish commits.
@@ -206,6 +216,11 @@ class Coordinator {
   std::unique_ptr<Update> update_ ABSL_GUARDED_BY(mu_);
   v1::UpdateStatus last_update_ ABSL_GUARDED_BY(mu_);
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
+  // Ends an update idle past options_.update_idle_timeout (WatchIdle).
+  void WatchIdle();
+  absl::Mutex watch_mu_;
+  bool watch_stop_ ABSL_GUARDED_BY(watch_mu_) = false;
+  std::thread watchdog_;
 };
 
 }  // namespace weightsync
