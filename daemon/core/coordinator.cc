@@ -66,6 +66,29 @@ Coordinator::~Coordinator() {
   Shutdown();
 }
 
+// How long a failed update waits for its trainer's Finish or Abort before
+// the daemon ends it (WatchIdle).
+constexpr absl::Duration kFailedGrace = absl::Seconds(2);
+
+void Coordinator::NoteTrainerCall() {
+  absl::MutexLock lock(&mu_);
+  last_trainer_call_ = absl::Now();
+  if (update_ != nullptr) update_->last_activity = last_trainer_call_;
+}
+
+void Coordinator::EndIfFailed(absl::string_view by) {
+  bool failed;
+  {
+    absl::MutexLock lock(&mu_);
+    failed = update_ != nullptr && update_->phase == Phase::kFailed;
+    if (failed) {
+      LOG(WARNING) << "update " << update_->id << " failed (" << update_->error
+                   << ") and nobody ended it; " << by << " ends it";
+    }
+  }
+  if (failed) EndFailedUpdate(absl::AbortedError("superseded"));
+}
+
 void Coordinator::WatchIdle() {
   const absl::Duration period =
       std::min(absl::Milliseconds(200), options_.update_idle_timeout / 4);
@@ -79,6 +102,32 @@ void Coordinator::WatchIdle() {
     }
     std::string id;
     absl::Duration idle;
+    std::vector<std::string> orphaned;  // paused by a trainer gone silent
+    {
+      absl::MutexLock lock(&mu_);
+      if (update_ == nullptr && !shut_down_ &&
+          absl::Now() - last_trainer_call_ >= options_.update_idle_timeout) {
+        for (auto& [eid, r] : engines_) {
+          if (r.paused && !r.paused_by_update) orphaned.push_back(eid);
+        }
+      }
+    }
+    if (!orphaned.empty()) {
+      absl::MutexLock control(&control_mu_);
+      {
+        absl::MutexLock lock(&mu_);
+        if (update_ != nullptr ||
+            absl::Now() - last_trainer_call_ < options_.update_idle_timeout) {
+          continue;
+        }
+      }
+      LOG(WARNING) << "engines " << absl::StrJoin(orphaned, ", ")
+                   << " were paused by a trainer that has not called for "
+                   << options_.update_idle_timeout << "; resuming them";
+      ResumeEngines(orphaned, absl::Now() + options_.notice_timeout)
+          .IgnoreError();
+      continue;
+    }
     {
       absl::MutexLock lock(&mu_);
       if (update_ == nullptr || shut_down_) continue;
@@ -90,7 +139,13 @@ void Coordinator::WatchIdle() {
         update_->last_activity = now;
       }
       idle = now - update_->last_activity;
-      if (idle < options_.update_idle_timeout) continue;
+      // A failed update can't complete: its trainer gets a short grace to
+      // call Finish or Abort (and hear why), then the daemon ends it.
+      const bool failed_long =
+          update_->phase == Phase::kFailed &&
+          now - update_->failed_at >=
+              std::min(kFailedGrace, options_.update_idle_timeout);
+      if (idle < options_.update_idle_timeout && !failed_long) continue;
       id = update_->id;
     }
     // As Abort does, after a Finish or Abort in progress (they hold
@@ -99,11 +154,17 @@ void Coordinator::WatchIdle() {
     {
       absl::MutexLock lock(&mu_);
       if (update_ == nullptr || update_->id != id ||
-          absl::Now() - update_->last_activity < options_.update_idle_timeout) {
+          (absl::Now() - update_->last_activity <
+               options_.update_idle_timeout &&
+           update_->phase != Phase::kFailed)) {
         continue;
       }
     }
-    LOG(WARNING) << "update " << id << ": no word from its trainer for " << idle
+    LOG(WARNING) << "update " << id << ": "
+                 << (idle < options_.update_idle_timeout
+                         ? "failed, and its trainer did not end it"
+                         : absl::StrCat("no word from its trainer for ",
+                                        absl::FormatDuration(idle)))
                  << "; ending it";
     EndFailedUpdate(absl::DeadlineExceededError(absl::StrCat(
         "update '", id,
@@ -231,6 +292,8 @@ absl::StatusOr<std::vector<std::string>> Coordinator::SelectEngines(
 absl::StatusOr<v1::InitWeightTransferResponse> Coordinator::InitWeightTransfer(
     const v1::InitWeightTransferRequest& request) {
   absl::MutexLock control(&control_mu_);
+  NoteTrainerCall();
+  EndIfFailed("InitWeightTransfer");
   {
     absl::MutexLock lock(&mu_);
     if (update_ != nullptr) {
@@ -315,6 +378,10 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
   std::vector<std::shared_ptr<const EngineLayout>> layouts;
   std::vector<std::string> to_pause;
   std::shared_ptr<DataPlane> plane;
+  NoteTrainerCall();
+  // A failed update that nobody ended (its trainer gone) can never
+  // complete: a new Start supersedes it.
+  EndIfFailed("StartWeightUpdate");
   {
     absl::MutexLock lock(&mu_);
     if (shut_down_) return absl::UnavailableError("daemon is shutting down");
@@ -651,6 +718,7 @@ void Coordinator::PushStreamEnded(const std::string& update_id,
 void Coordinator::FailUpdateLocked(const absl::Status& reason) {
   if (update_->phase == Phase::kFailed) return;
   update_->phase = Phase::kFailed;
+  update_->failed_at = absl::Now();
   update_->error = reason;
   // Engines that may hold part of this update are dirty from now on. Bytes
   // that arrive by themselves (NCCL) may have landed from Begin on.
@@ -820,6 +888,7 @@ absl::Status Coordinator::CommitStaged(absl::Time deadline) {
 absl::StatusOr<v1::FinishWeightUpdateResponse> Coordinator::FinishWeightUpdate(
     const v1::FinishWeightUpdateRequest& request) {
   absl::MutexLock control(&control_mu_);
+  NoteTrainerCall();
   const absl::Time deadline =
       DeadlineFrom(request.timeout_ms(), options_.finish_timeout);
   std::shared_ptr<DataPlane> plane;
@@ -998,6 +1067,7 @@ absl::StatusOr<v1::FinishWeightUpdateResponse> Coordinator::FinishWeightUpdate(
 absl::StatusOr<v1::AbortWeightUpdateResponse> Coordinator::AbortWeightUpdate(
     const v1::AbortWeightUpdateRequest& request) {
   absl::MutexLock control(&control_mu_);
+  NoteTrainerCall();
   {
     absl::MutexLock lock(&mu_);
     if (update_ == nullptr || update_->id != request.update_id()) {
@@ -1036,6 +1106,7 @@ absl::StatusOr<std::vector<std::string>> Coordinator::PauseAll(
 absl::StatusOr<v1::PauseResponse> Coordinator::Pause(
     const v1::PauseRequest& request) {
   absl::MutexLock control(&control_mu_);
+  NoteTrainerCall();
   std::vector<std::string> ids, to_pause;
   {
     absl::MutexLock lock(&mu_);
@@ -1068,6 +1139,7 @@ absl::StatusOr<v1::PauseResponse> Coordinator::Pause(
 absl::StatusOr<v1::ResumeResponse> Coordinator::Resume(
     const v1::ResumeRequest& request) {
   absl::MutexLock control(&control_mu_);
+  NoteTrainerCall();
   std::vector<std::string> ids, to_resume;
   {
     absl::MutexLock lock(&mu_);

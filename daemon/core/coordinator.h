@@ -144,7 +144,8 @@ class Coordinator {
     // progress) and the data plane's chunks_written() then (the watchdog).
     absl::Time last_activity;
     int64_t last_written = 0;
-    absl::Time begun;  // Start's data plane ready
+    absl::Time failed_at;  // FailUpdateLocked
+    absl::Time begun;      // Start's data plane ready
     int ipc_ring_slots = 0;
     v1::UpdateTimings timings;
     // Staged mode: chunks wait here, engines serve on, until Finish commits.
@@ -216,8 +217,16 @@ class Coordinator {
   std::unique_ptr<Update> update_ ABSL_GUARDED_BY(mu_);
   v1::UpdateStatus last_update_ ABSL_GUARDED_BY(mu_);
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
-  // Ends an update idle past options_.update_idle_timeout (WatchIdle).
+  // Ends an update idle past options_.update_idle_timeout, and resumes
+  // engines a trainer paused and then left alone that long (WatchIdle).
   void WatchIdle();
+  // A trainer called (any TrainerService call but GetStatus and
+  // GetWorldSize): the pause lease and the update are alive.
+  void NoteTrainerCall();
+  // Ends the update if it failed and nobody ended it (its trainer gone).
+  void EndIfFailed(absl::string_view by)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(control_mu_);
+  absl::Time last_trainer_call_ ABSL_GUARDED_BY(mu_) = absl::Now();
   absl::Mutex watch_mu_;
   bool watch_stop_ ABSL_GUARDED_BY(watch_mu_) = false;
   std::thread watchdog_;

@@ -1,0 +1,292 @@
+#!/usr/bin/env python3
+"""Fault injection on the host backend (issue 6): every fault at every
+phase, against the real daemon binary, real gRPC over its Unix socket, and
+separate trainer and engine processes.
+
+    WEIGHTSYNCD=bazel-bin/daemon/weightsyncd python3 tests/faults/faults.py [--json OUT]
+
+For each (fault, phase) a fresh daemon (short deadlines: update idle 1.5 s,
+notices 1 s, Finish 2 s) gets two engine processes (Python clients,
+numpy memory in shared memory) and a trainer process that walks the
+update protocol up to the phase and then stops there, waiting. The driver
+injects the fault when the trainer says it has reached the phase, then:
+
+* detection: polls GetStatus until the daemon no longer shows an update
+  in progress (or, for faults that need no detection, notes 0); the time
+  from injection is the time to detect; never detected within 15 s = hang;
+* survival: the daemon process is the same one and answers;
+* engine state: every surviving engine is READY at its old version, READY
+  at the new one, or DIRTY, and none is left PAUSED or UPDATING;
+* recovery: a fresh trainer (this process) sends a dense update with
+  receipts on (verify=True: the daemon checksums what it installed and the
+  client recomputes it from what it sent) and every surviving engine
+  reaches that version.
+
+Prints a table (fault x phase: detected, time to detect, survived, hang,
+engine states, next update) and exits 1 if any row fails.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "client", "python"))
+
+import numpy as np  # noqa: E402
+
+import weightsync  # noqa: E402
+from weightsync._proto import v1  # noqa: E402
+
+PARAMS = [("w0", (512, 1024)), ("w1", (1024,)), ("w2", (256, 512))]  # float32
+CHUNK = 64 << 10
+PHASES = ["init", "start", "mid", "finish", "pause"]
+FAULTS = ["trainer_killed", "trainer_frozen", "engine_killed", "engine_unregisters"]
+DETECT_LIMIT_S = 15.0
+
+
+def weights(version):
+    rng = np.random.default_rng(version)
+    return [(n, rng.standard_normal(s).astype(np.float32)) for n, s in PARAMS]
+
+
+ENGINE = r"""
+import os, signal, sys, time
+sys.path.insert(0, {client!r})
+import numpy as np, weightsync
+eid, target = sys.argv[1], sys.argv[2]
+e = weightsync.Engine(eid, target, timeout=10)
+e.register_host([(n, "FLOAT32", s) for n, s in {params!r}])
+def unregister(*_):
+    e.close()
+    print("unregistered", flush=True)
+signal.signal(signal.SIGUSR1, unregister)
+e.start()
+print("ready", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+TRAINER = r"""
+import sys, time
+sys.path.insert(0, {client!r})
+import numpy as np, weightsync
+from weightsync import planner
+from weightsync._proto import v1
+import signal
+target, phase = sys.argv[1], sys.argv[2]
+version = int(sys.argv[3]) if len(sys.argv) > 3 else 99
+go = []
+signal.signal(signal.SIGUSR1, lambda *_: go.append(1))
+def at(p):
+    # Parked at phase p until the driver lets it go on (SIGUSR1).
+    print("at", p, flush=True)
+    while not go:
+        time.sleep(0.01)
+t = weightsync.Trainer(target, timeout=10)
+if phase == "pause":
+    t.pause()
+    at("pause")
+    t.resume(allow_dirty=True)
+    print("done", flush=True)
+    at("end")
+t.init_host()
+if phase == "init":
+    at("init")
+rng = np.random.default_rng(99)
+tensors = [(n, rng.standard_normal(s).astype(np.float32)) for n, s in {params!r}]
+manifest = [dict(name=n, dtype="FLOAT32", shape=list(a.shape)) for n, a in tensors]
+req = v1.StartWeightUpdateRequest(update_id="faulty", target_version=version, chunk_bytes={chunk},
+    verify=v1.VERIFY_OFF,
+    tensors=[v1.TensorSpec(name=m["name"], dtype=v1.FLOAT32, shape=m["shape"]) for m in manifest])
+started = t._stub.call("StartWeightUpdate", req)
+if phase == "start":
+    at("start")
+plan = planner.plan_chunks(manifest, started.chunk_bytes)
+data = [a.view(np.uint8).reshape(-1) for _, a in tensors]
+half = len(plan["chunks"]) // 2
+def chunks(stop_at):
+    for c in plan["chunks"]:
+        if c["index"] == stop_at:
+            at("mid")
+        buf = bytearray(c["size"])
+        for p in c["pieces"]:
+            buf[p["chunk_offset"]:p["chunk_offset"] + p["length"]] = \
+                data[p["tensor"]][p["tensor_offset"]:p["tensor_offset"] + p["length"]].tobytes()
+        yield v1.PushChunksRequest(update_id="faulty", chunk_index=c["index"], data=bytes(buf))
+t._stub.call("PushChunks", chunks(half if phase == "mid" else -1), timeout=60)
+if phase == "finish":
+    at("finish")
+r = t._stub.call("FinishWeightUpdate", update_id="faulty", timeout=10)
+print("done", r.version, sorted(e.engine_id for e in r.engines if not e.lost), flush=True)
+go.clear()
+at("end")
+"""
+
+
+class Proc:
+    def __init__(self, args, log):
+        self.log = open(log, "w")
+        self.p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self.log, text=True)
+
+    def wait_line(self, prefix, timeout=15.0):
+        import select
+        end = time.time() + timeout
+        while time.time() < end:
+            r, _, _ = select.select([self.p.stdout], [], [], 0.1)
+            if r:
+                line = self.p.stdout.readline()
+                if line.startswith(prefix):
+                    return line.strip()
+                if not line:
+                    break
+        raise RuntimeError(f"no '{prefix}' from {self.p.args[:3]}")
+
+    def kill(self, sig=signal.SIGKILL):
+        try:
+            self.p.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+    def reap(self):
+        self.kill(signal.SIGCONT)
+        self.kill(signal.SIGKILL)
+        try:
+            self.p.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def status(stub):
+    return stub.call("GetStatus", v1.GetStatusRequest(), timeout=2)
+
+
+def run_case(daemon_bin, fault, phase, work):
+    client = os.path.join(HERE, "..", "..", "client", "python")
+    sock = os.path.join(work, "d.sock")
+    daemon = subprocess.Popen(
+        [daemon_bin, f"--socket={sock}", "--update_idle_timeout_ms=1500",
+         "--notice_timeout_ms=1000", "--finish_timeout_ms=2000",
+         f"--max_chunk_bytes={1 << 20}", f"--chunk_bytes={CHUNK}"],
+        stderr=open(os.path.join(work, f"daemon-{fault}-{phase}.log"), "w"))
+    procs = []
+    row = dict(fault=fault, phase=phase)
+    try:
+        for _ in range(100):
+            if os.path.exists(sock):
+                break
+            time.sleep(0.05)
+        target = "unix:" + sock
+        engine_src = ENGINE.format(client=client, params=PARAMS)
+        engines = {}
+        for eid in ("e0", "e1"):
+            engines[eid] = Proc([sys.executable, "-c", engine_src, eid, target],
+                                os.path.join(work, f"{eid}-{fault}-{phase}.log"))
+            procs.append(engines[eid])
+            engines[eid].wait_line("ready")
+        stub = weightsync.Trainer(target, timeout=10)._stub
+        for _ in range(100):  # control streams attached
+            if all(e.connected for e in status(stub).engines):
+                break
+            time.sleep(0.02)
+        trainer = Proc([sys.executable, "-c",
+                        TRAINER.format(client=client, params=PARAMS, chunk=CHUNK), target, phase],
+                       os.path.join(work, f"trainer-{fault}-{phase}.log"))
+        procs.append(trainer)
+        trainer.wait_line("at")
+        # Inject.
+        t0 = time.time()
+        if fault == "trainer_killed":
+            trainer.kill(signal.SIGKILL)
+        elif fault == "trainer_frozen":
+            trainer.kill(signal.SIGSTOP)
+        elif fault == "engine_killed":
+            engines["e1"].kill(signal.SIGKILL)
+        elif fault == "engine_unregisters":
+            engines["e1"].kill(signal.SIGUSR1)
+        gone = fault in ("engine_killed", "engine_unregisters")
+        if gone:
+            # The trainer is healthy: it goes on with its update, which must
+            # complete on the engine that is left.
+            time.sleep(0.2)
+            trainer.kill(signal.SIGUSR1)
+            done = trainer.wait_line("done")
+            row["trainer_saw"] = done
+            if phase != "pause" and not done.endswith("99 ['e0']"):
+                raise RuntimeError(f"the update did not complete on e0 alone: {done}")
+        # Detect: no update in progress, no engine paused.
+        detected, hang = None, False
+        while True:
+            st = status(stub)
+            busy = st.update.phase == "receiving" or any(
+                e.state in (v1.ENGINE_PAUSED, v1.ENGINE_UPDATING) for e in st.engines)
+
+            if not busy:
+                detected = time.time() - t0
+                break
+            if time.time() - t0 > DETECT_LIMIT_S:
+                hang = True
+                break
+            time.sleep(0.02)
+        row["hang"] = hang
+        row["detect_s"] = round(detected, 3) if detected is not None else None
+        row["daemon_alive"] = daemon.poll() is None
+        st = status(stub)
+        row["states"] = {e.engine_id: f"{v1.enum_name('EngineState', e.state)}@v{e.version}"
+                         for e in st.engines}
+        ok_states = all(e.state in (v1.ENGINE_READY, v1.ENGINE_DIRTY) and
+                        e.version in (0, 99) and
+                        (e.state == v1.ENGINE_READY or e.version == 0)
+                        for e in st.engines)
+        row["states_ok"] = ok_states
+        # Recovery: a new trainer, a verified dense update.
+        trainer.reap()
+        t = weightsync.Trainer(target, timeout=10)
+        t.init_host()
+        r = t.update(weights(7), version=100, chunk_bytes=CHUNK, verify=True)
+        survivors = {"e0"} | (set() if gone else {"e1"})
+        row["next_update"] = (r.version == 100 and
+                              {e.engine_id for e in r.engines if not e.lost} >= survivors)
+        row["ok"] = (not hang and row["daemon_alive"] and ok_states and row["next_update"])
+    except Exception as ex:  # a failure of the row, not of the driver
+        row.update(ok=False, error=f"{type(ex).__name__}: {ex}")
+    finally:
+        for p in procs:
+            p.reap()
+        daemon.send_signal(signal.SIGTERM)
+        try:
+            daemon.wait(5)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+    return row
+
+
+def main():
+    daemon_bin = os.environ["WEIGHTSYNCD"]
+    out = sys.argv[sys.argv.index("--json") + 1] if "--json" in sys.argv else None
+    work = tempfile.mkdtemp(prefix="ws-faults.", dir="/tmp")
+    rows = []
+    for fault in FAULTS:
+        for phase in PHASES:
+            if fault.startswith("engine") and phase == "init":
+                continue  # no update, nothing engine-side to break
+            row = run_case(daemon_bin, fault, phase, work)
+            rows.append(row)
+            print(f"{fault:20s} {phase:7s} detect {str(row.get('detect_s')):>6s} s  "
+                  f"hang {row.get('hang')!s:5s} daemon {row.get('daemon_alive')!s:5s} "
+                  f"states {row.get('states')} next {row.get('next_update')} "
+                  f"{'PASS' if row['ok'] else 'FAIL ' + row.get('error', '')}", flush=True)
+    if out:
+        with open(out, "w") as f:
+            json.dump(rows, f, indent=1)
+    bad = [r for r in rows if not r["ok"]]
+    print(f"faults: {len(rows) - len(bad)} of {len(rows)} cases pass; logs in {work}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

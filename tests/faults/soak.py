@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""Leak check on the host backend (issue 6): one daemon, two engine
+processes, CYCLES verified updates (receipts on), and every 10th cycle a
+trainer killed in mid-transfer (its update is failed and superseded by the
+next Init). After every cycle the daemon's open file descriptors, threads
+and resident memory are read from /proc; the slope (least squares over the
+cycles after the first 50, which warm up allocators and caches) must be
+about zero:
+
+    WEIGHTSYNCD=bazel-bin/daemon/weightsyncd python3 tests/faults/soak.py [CYCLES=200] [--json OUT]
+
+Limits: fds and threads grow by less than 1 over the measured cycles (slope
+< 0.01 per cycle) and end where they started, resident memory by less than
+16 KiB per cycle. Prints the slopes and exits 1 if one is over.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import faults as F  # noqa: E402
+import weightsync  # noqa: E402
+
+
+def proc_stats(pid):
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    threads = rss = 0
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("Threads:"):
+                threads = int(line.split()[1])
+            elif line.startswith("VmRSS:"):
+                rss = int(line.split()[1])  # KiB
+    return fds, threads, rss
+
+
+def slope(ys):
+    n = len(ys)
+    mx = (n - 1) / 2
+    my = sum(ys) / n
+    num = sum((i - mx) * (y - my) for i, y in enumerate(ys))
+    den = sum((i - mx) ** 2 for i in range(n))
+    return num / den if den else 0.0
+
+
+def main():
+    cycles = int(next((a for a in sys.argv[1:] if a.isdigit()), "200"))
+    out = sys.argv[sys.argv.index("--json") + 1] if "--json" in sys.argv else None
+    work = tempfile.mkdtemp(prefix="ws-soak.", dir="/tmp")
+    sock = os.path.join(work, "d.sock")
+    client = os.path.join(HERE, "..", "..", "client", "python")
+    daemon = subprocess.Popen(
+        [os.environ["WEIGHTSYNCD"], f"--socket={sock}", "--notice_timeout_ms=2000",
+         f"--max_chunk_bytes={1 << 20}", f"--chunk_bytes={F.CHUNK}"],
+        stderr=open(os.path.join(work, "daemon.log"), "w"))
+    procs = []
+    try:
+        for _ in range(100):
+            if os.path.exists(sock):
+                break
+            time.sleep(0.05)
+        target = "unix:" + sock
+        for eid in ("e0", "e1"):
+            p = F.Proc([sys.executable, "-c", F.ENGINE.format(client=client, params=F.PARAMS),
+                        eid, target], os.path.join(work, f"{eid}.log"))
+            procs.append(p)
+            p.wait_line("ready")
+        time.sleep(0.3)
+        samples, faults, t0 = [], 0, time.time()
+        version = 0
+        for c in range(cycles):
+            if c % 10 == 9:
+                trainer = F.Proc([sys.executable, "-c", F.TRAINER.format(
+                    client=client, params=F.PARAMS, chunk=F.CHUNK), target, "mid",
+                    str(version + 1)],
+                    os.path.join(work, "trainer.log"))
+                trainer.wait_line("at")
+                trainer.reap()  # SIGKILL mid-transfer
+                faults += 1
+            t = weightsync.Trainer(target, timeout=10)
+            t.init_host()  # supersedes a failed update
+            version += 2
+            r = t.update(F.weights(c), version=version, chunk_bytes=F.CHUNK, verify=True)
+            t.close()
+            if r.version != version or len([e for e in r.engines if not e.lost]) != 2:
+                raise RuntimeError(f"cycle {c}: update v{version} -> {r}")
+            samples.append(proc_stats(daemon.pid))
+        elapsed = time.time() - t0
+    finally:
+        for p in procs:
+            p.reap()
+        daemon.send_signal(signal.SIGTERM)
+        try:
+            daemon.wait(5)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+    warm = samples[50:] if len(samples) > 60 else samples
+    names = ("fds", "threads", "rss_kib")
+    result = {"cycles": cycles, "faults": faults, "seconds": round(elapsed, 1)}
+    ok = True
+    for i, name in enumerate(names):
+        ys = [s[i] for s in warm]
+        result[name] = {"first": samples[0][i], "warm": ys[0], "last": ys[-1],
+                        "max": max(ys), "slope_per_cycle": round(slope(ys), 4)}
+    ok &= result["fds"]["slope_per_cycle"] < 0.01 and result["fds"]["last"] <= result["fds"]["warm"]
+    ok &= (result["threads"]["slope_per_cycle"] < 0.01 and
+           result["threads"]["last"] <= result["threads"]["warm"])
+    ok &= result["rss_kib"]["slope_per_cycle"] < 16
+    result["ok"] = ok
+    print(json.dumps(result))
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+    print(f"soak: {cycles} verified updates, {faults} trainers killed mid-transfer, "
+          f"{elapsed:.1f} s: fds {result['fds']['warm']}->{result['fds']['last']}, threads "
+          f"{result['threads']['warm']}->{result['threads']['last']}, rss slope "
+          f"{result['rss_kib']['slope_per_cycle']} KiB/cycle: {'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
