@@ -197,6 +197,13 @@ absl::StatusOr<v1::RegisterEngineResponse> Coordinator::RegisterEngine(
   r.layout = layout;
   r.parameters = request.parameters();
   r.version = request.version();
+  if (request.dirty()) {
+    // Paused by an update its old daemon never finished: dirty, and paused
+    // until an update cleans it, which then resumes it.
+    r.dirty = true;
+    r.paused = true;
+    r.paused_by_update = true;
+  }
   LOG(INFO) << "engine " << id << " registered: " << layout->parameters.size()
             << " parameters, " << layout->total_bytes << " bytes, version "
             << r.version;

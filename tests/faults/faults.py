@@ -45,7 +45,8 @@ from weightsync._proto import v1  # noqa: E402
 PARAMS = [("w0", (512, 1024)), ("w1", (1024,)), ("w2", (256, 512))]  # float32
 CHUNK = 64 << 10
 PHASES = ["init", "start", "mid", "finish", "pause"]
-FAULTS = ["trainer_killed", "trainer_frozen", "engine_killed", "engine_unregisters"]
+FAULTS = ["trainer_killed", "trainer_frozen", "engine_killed", "engine_unregisters",
+          "daemon_restarted"]
 DETECT_LIMIT_S = 15.0
 
 
@@ -87,44 +88,52 @@ def at(p):
     print("at", p, flush=True)
     while not go:
         time.sleep(0.01)
-t = weightsync.Trainer(target, timeout=10)
-if phase == "pause":
-    t.pause()
-    at("pause")
-    t.resume(allow_dirty=True)
-    print("done", flush=True)
+def main():
+    global t
+    t = weightsync.Trainer(target, timeout=10)
+    if phase == "pause":
+        t.pause()
+        at("pause")
+        t.resume(allow_dirty=True)
+        print("done", flush=True)
+        at("end")
+    t.init_host()
+    if phase == "init":
+        at("init")
+    rng = np.random.default_rng(99)
+    tensors = [(n, rng.standard_normal(s).astype(np.float32)) for n, s in {params!r}]
+    manifest = [dict(name=n, dtype="FLOAT32", shape=list(a.shape)) for n, a in tensors]
+    req = v1.StartWeightUpdateRequest(update_id="faulty", target_version=version, chunk_bytes={chunk},
+        verify=v1.VERIFY_OFF,
+        tensors=[v1.TensorSpec(name=m["name"], dtype=v1.FLOAT32, shape=m["shape"]) for m in manifest])
+    started = t._stub.call("StartWeightUpdate", req)
+    if phase == "start":
+        at("start")
+    plan = planner.plan_chunks(manifest, started.chunk_bytes)
+    data = [a.view(np.uint8).reshape(-1) for _, a in tensors]
+    half = len(plan["chunks"]) // 2
+    def chunks(stop_at):
+        for c in plan["chunks"]:
+            if c["index"] == stop_at:
+                at("mid")
+            buf = bytearray(c["size"])
+            for p in c["pieces"]:
+                buf[p["chunk_offset"]:p["chunk_offset"] + p["length"]] = \
+                    data[p["tensor"]][p["tensor_offset"]:p["tensor_offset"] + p["length"]].tobytes()
+            yield v1.PushChunksRequest(update_id="faulty", chunk_index=c["index"], data=bytes(buf))
+    t._stub.call("PushChunks", chunks(half if phase == "mid" else -1), timeout=60)
+    if phase == "finish":
+        at("finish")
+    r = t._stub.call("FinishWeightUpdate", update_id="faulty", timeout=10)
+    print("done", r.version, sorted(e.engine_id for e in r.engines if not e.lost), flush=True)
+    go.clear()
     at("end")
-t.init_host()
-if phase == "init":
-    at("init")
-rng = np.random.default_rng(99)
-tensors = [(n, rng.standard_normal(s).astype(np.float32)) for n, s in {params!r}]
-manifest = [dict(name=n, dtype="FLOAT32", shape=list(a.shape)) for n, a in tensors]
-req = v1.StartWeightUpdateRequest(update_id="faulty", target_version=version, chunk_bytes={chunk},
-    verify=v1.VERIFY_OFF,
-    tensors=[v1.TensorSpec(name=m["name"], dtype=v1.FLOAT32, shape=m["shape"]) for m in manifest])
-started = t._stub.call("StartWeightUpdate", req)
-if phase == "start":
-    at("start")
-plan = planner.plan_chunks(manifest, started.chunk_bytes)
-data = [a.view(np.uint8).reshape(-1) for _, a in tensors]
-half = len(plan["chunks"]) // 2
-def chunks(stop_at):
-    for c in plan["chunks"]:
-        if c["index"] == stop_at:
-            at("mid")
-        buf = bytearray(c["size"])
-        for p in c["pieces"]:
-            buf[p["chunk_offset"]:p["chunk_offset"] + p["length"]] = \
-                data[p["tensor"]][p["tensor_offset"]:p["tensor_offset"] + p["length"]].tobytes()
-        yield v1.PushChunksRequest(update_id="faulty", chunk_index=c["index"], data=bytes(buf))
-t._stub.call("PushChunks", chunks(half if phase == "mid" else -1), timeout=60)
-if phase == "finish":
-    at("finish")
-r = t._stub.call("FinishWeightUpdate", update_id="faulty", timeout=10)
-print("done", r.version, sorted(e.engine_id for e in r.engines if not e.lost), flush=True)
-go.clear()
-at("end")
+try:
+    main()
+except weightsync.WeightSyncError as e:
+    print("error", e.code, e.message.replace("\n", " "), flush=True)
+    go.clear()
+    at("end")
 """
 
 
@@ -165,21 +174,27 @@ def status(stub):
     return stub.call("GetStatus", v1.GetStatusRequest(), timeout=2)
 
 
-def run_case(daemon_bin, fault, phase, work):
-    client = os.path.join(HERE, "..", "..", "client", "python")
-    sock = os.path.join(work, "d.sock")
+def start_daemon(daemon_bin, sock, log):
     daemon = subprocess.Popen(
         [daemon_bin, f"--socket={sock}", "--update_idle_timeout_ms=1500",
          "--notice_timeout_ms=1000", "--finish_timeout_ms=2000",
          f"--max_chunk_bytes={1 << 20}", f"--chunk_bytes={CHUNK}"],
-        stderr=open(os.path.join(work, f"daemon-{fault}-{phase}.log"), "w"))
+        stderr=open(log, "a"))
+    for _ in range(200):
+        if os.path.exists(sock):
+            break
+        time.sleep(0.025)
+    return daemon
+
+
+def run_case(daemon_bin, fault, phase, work):
+    client = os.path.join(HERE, "..", "..", "client", "python")
+    sock = os.path.join(work, "d.sock")
+    log = os.path.join(work, f"daemon-{fault}-{phase}.log")
+    daemon = start_daemon(daemon_bin, sock, log)
     procs = []
     row = dict(fault=fault, phase=phase)
     try:
-        for _ in range(100):
-            if os.path.exists(sock):
-                break
-            time.sleep(0.05)
         target = "unix:" + sock
         engine_src = ENGINE.format(client=client, params=PARAMS)
         engines = {}
@@ -208,6 +223,23 @@ def run_case(daemon_bin, fault, phase, work):
             engines["e1"].kill(signal.SIGKILL)
         elif fault == "engine_unregisters":
             engines["e1"].kill(signal.SIGUSR1)
+        elif fault == "daemon_restarted":
+            daemon.kill()
+            daemon.wait()
+            daemon = start_daemon(daemon_bin, sock, log)
+            # Detected when both engines are registered again (by their
+            # clients' reconnect) with their control streams open.
+            while time.time() - t0 < DETECT_LIMIT_S:
+                try:
+                    st = status(stub)
+                    if len(st.engines) == 2 and all(e.connected for e in st.engines):
+                        break
+                except Exception:
+                    pass
+                time.sleep(0.02)
+            # The trainer, let go, hears a clear error and can start over.
+            trainer.kill(signal.SIGUSR1)
+            row["trainer_saw"] = trainer.wait_line(("error", "done"))
         gone = fault in ("engine_killed", "engine_unregisters")
         if gone:
             # The trainer is healthy: it goes on with its update, which must
@@ -270,13 +302,16 @@ def main():
     out = sys.argv[sys.argv.index("--json") + 1] if "--json" in sys.argv else None
     work = tempfile.mkdtemp(prefix="ws-faults.", dir="/tmp")
     rows = []
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
     for fault in FAULTS:
+        if only and fault != only:
+            continue
         for phase in PHASES:
             if fault.startswith("engine") and phase == "init":
                 continue  # no update, nothing engine-side to break
             row = run_case(daemon_bin, fault, phase, work)
             rows.append(row)
-            print(f"{fault:20s} {phase:7s} detect {str(row.get('detect_s')):>6s} s  "
+            print(f"{fault:18s} {phase:7s} detect {str(row.get('detect_s')):>6s} s  "
                   f"hang {row.get('hang')!s:5s} daemon {row.get('daemon_alive')!s:5s} "
                   f"states {row.get('states')} next {row.get('next_update')} "
                   f"{'PASS' if row['ok'] else 'FAIL ' + row.get('error', '')}", flush=True)

@@ -19,6 +19,7 @@ GPU (torch CUDA parameters, registered in place by CUDA IPC handle):
 import os
 import queue
 import threading
+import time
 from multiprocessing import shared_memory
 
 import numpy as np
@@ -44,6 +45,9 @@ class Engine:
         self.dirty = False
         self.aliases = {}
         self._torch_params = None
+        self._registration = None
+        self._closing = False
+        self.reconnects = 0   # re-registrations after the daemon went away
 
     def register_host(self, params, version=0, segments=None):
         """Lays out `params` [(name, dtype enum name, shape)] in shared
@@ -72,6 +76,7 @@ class Engine:
             arrays[name] = np.ndarray(shape, dtype=STORAGE[dtype], buffer=self._shm.buf,
                                       offset=off) if count else np.zeros(shape, STORAGE[dtype])
         self._stub.call("RegisterEngine", request)
+        self._registration = request
         self.version = version
         return arrays
 
@@ -121,49 +126,90 @@ class Engine:
                 p.segments.add(**seg)
             out[reg] = t
         self._stub.call("RegisterEngine", request)
+        self._registration = request
         self._torch_params = out   # keep the memory alive while registered
         self.version = version
         return out
 
     def start(self, on_pause=None, on_resume=None, on_new_version=None, on_dirty=None):
         """Opens the control stream and serves notices on a daemon thread.
-        A hook that raises refuses the notice (the daemon sees the message)."""
-        self._outbox = queue.Queue()
-        hello = v1.EngineMessage()
-        hello.hello.engine_id = self.engine_id
-        self._outbox.put(hello)
+        A hook that raises refuses the notice (the daemon sees the message).
 
-        def requests():
-            while True:
-                m = self._outbox.get()
-                if m is None:
-                    return
-                yield m
-
-        self._responses = self._stub.stream("Control", requests())
+        If the stream breaks because the daemon went away (it crashed or
+        was restarted), the thread re-registers the same memory with the
+        engine's current version, then reopens the stream, retrying with
+        backoff until close(). An engine paused for an update when its
+        daemon vanished may hold part of that update: it re-registers as
+        dirty (RegisterEngineRequest.dirty) and stays paused until an
+        update cleans it."""
         hooks = {"pause": on_pause, "resume": on_resume, "new_version": on_new_version,
                  "dirty": on_dirty}
+        self._open_stream()
 
         def serve():
-            try:
-                for notice in self._responses:
-                    kind = notice.WhichOneof("kind")
-                    ok, message = True, ""
+            backoff = 0.05
+            while not self._closing:
+                try:
+                    for notice in self._responses:
+                        backoff = 0.05
+                        kind = notice.WhichOneof("kind")
+                        ok, message = True, ""
+                        try:
+                            self._apply(kind, notice, hooks.get(kind))
+                        except Exception as e:  # the engine refuses: tell the daemon
+                            ok, message = False, f"{type(e).__name__}: {e}"
+                        ack = v1.EngineMessage()
+                        ack.ack.notice_id = notice.notice_id
+                        ack.ack.ok = ok
+                        ack.ack.message = message
+                        self._outbox.put(ack)
+                except Exception:
+                    pass  # stream broken (close(), or the daemon went away)
+                # The daemon went away: register again and reopen the stream.
+                while not self._closing:
+                    time.sleep(backoff)
+                    backoff = min(2.0, backoff * 2)
                     try:
-                        self._apply(kind, notice, hooks.get(kind))
-                    except Exception as e:  # the engine refuses: tell the daemon
-                        ok, message = False, f"{type(e).__name__}: {e}"
-                    ack = v1.EngineMessage()
-                    ack.ack.notice_id = notice.notice_id
-                    ack.ack.ok = ok
-                    ack.ack.message = message
-                    self._outbox.put(ack)
-            except Exception:
-                pass  # stream closed (close() or the daemon went away)
+                        self._reregister()
+                        self._open_stream()
+                        self.reconnects += 1
+                        break
+                    except Exception:
+                        continue
 
         self._thread = threading.Thread(target=serve, name=f"weightsync-{self.engine_id}",
                                         daemon=True)
         self._thread.start()
+
+    def _open_stream(self):
+        if self._outbox is not None:
+            self._outbox.put(None)  # ends the old request iterator
+        outbox = queue.Queue()
+        hello = v1.EngineMessage()
+        hello.hello.engine_id = self.engine_id
+        outbox.put(hello)
+
+        def requests():
+            while True:
+                m = outbox.get()
+                if m is None:
+                    return
+                yield m
+
+        self._outbox = outbox
+        self._responses = self._stub.stream("Control", requests())
+
+    def _reregister(self):
+        if self._registration is None:
+            raise WeightSyncError("FAILED_PRECONDITION", "never registered")
+        request = v1.RegisterEngineRequest()
+        request.CopyFrom(self._registration)
+        request.version = self.version
+        # Paused for an update when the daemon vanished: maybe half written.
+        request.dirty = self.dirty or self.paused
+        self._stub.call("RegisterEngine", request)
+        if request.dirty:
+            self.dirty = True
 
     def _apply(self, kind, notice, hook):
         if kind == "pause":
@@ -193,6 +239,7 @@ class Engine:
     def close(self):
         """Ends the control stream (the daemon forgets the engine) and frees
         the shared memory."""
+        self._closing = True
         if self._outbox is not None:
             self._outbox.put(None)
         if self._responses is not None:
