@@ -10,6 +10,7 @@ PKGS=(
   python3-grpcio python3-protobuf python3-numpy
   clang-format
   clang libclang-rt-14-dev   # libFuzzer targets (tests/fuzz, --config=fuzz)
+  openssl                    # server_test makes a TLS certificate
 )
 missing=()
 for p in "${PKGS[@]}"; do

@@ -16,8 +16,20 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> ConnectChannel(
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   args.SetMaxSendMessageSize(options.max_message_bytes);
-  auto channel = grpc::CreateCustomChannel(
-      options.target, grpc::InsecureChannelCredentials(), args);
+  std::shared_ptr<grpc::ChannelCredentials> creds =
+      grpc::InsecureChannelCredentials();
+  if (!options.tls_ca_pem.empty()) {
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = options.tls_ca_pem;
+    ssl.pem_private_key = options.tls_key_pem;
+    ssl.pem_cert_chain = options.tls_cert_pem;
+    creds = grpc::SslCredentials(ssl);
+    if (!options.token.empty()) {
+      creds = grpc::CompositeChannelCredentials(
+          creds, grpc::AccessTokenCredentials(options.token));
+    }
+  }
+  auto channel = grpc::CreateCustomChannel(options.target, creds, args);
   if (!channel->WaitForConnected(
           absl::ToChronoTime(absl::Now() + options.connect_timeout))) {
     return absl::UnavailableError(absl::StrCat(

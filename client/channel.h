@@ -22,6 +22,12 @@ struct ClientOptions {
   // How long Connect waits for the daemon to accept.
   absl::Duration connect_timeout = absl::Seconds(10);
   int max_message_bytes = (64 << 20) + (1 << 20);
+  // TCP targets (docs/security.md): PEM of the CA that signed the daemon's
+  // certificate (a non-empty value turns TLS on), the bearer token sent with
+  // every call, and optionally this client's certificate and key.
+  std::string tls_ca_pem;
+  std::string token;
+  std::string tls_cert_pem, tls_key_pem;
 };
 
 // Opens a channel and waits until it is connected, or UNAVAILABLE.

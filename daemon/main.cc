@@ -5,7 +5,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -24,7 +27,17 @@
 DEFINE_string(socket, "",
               "Unix socket path; default $XDG_RUNTIME_DIR/weightsync/"
               "weightsyncd.sock, or /tmp/weightsync-$UID/weightsyncd.sock");
-DEFINE_string(tcp, "", "host:port to also listen on TCP (off when empty)");
+DEFINE_string(tcp, "",
+              "host:port to also listen on TCP (off when empty); needs "
+              "--tls_cert, --tls_key and --token_file");
+DEFINE_string(tls_cert, "", "PEM certificate (chain) of the TCP listener");
+DEFINE_string(tls_key, "", "PEM private key of --tls_cert");
+DEFINE_string(tls_client_ca, "",
+              "PEM CA certificates: TCP clients must present a certificate "
+              "they signed (empty: no client certificates)");
+DEFINE_string(token_file, "",
+              "file holding the bearer token every TCP call must carry "
+              "(never logged)");
 DEFINE_int64(chunk_bytes, 8 << 20, "chunk size when a trainer asks for none");
 DEFINE_int64(max_chunk_bytes, 64 << 20, "largest chunk a trainer may ask for");
 DEFINE_int32(staging_buffers, 4, "host staging buffers (chunks in flight)");
@@ -86,6 +99,26 @@ bool ParseIds(const std::string& flag, const char* name, std::vector<T>* out) {
       return false;
     }
     out->push_back(static_cast<T>(v));
+  }
+  return true;
+}
+
+// The contents of `path` (trailing whitespace dropped), or false.
+bool ReadFlagFile(const std::string& path, const char* flag, std::string* out) {
+  if (path.empty()) return true;
+  std::ifstream f(path);
+  if (!f) {
+    LOG(ERROR) << "--" << flag << ": can't read " << path;
+    return false;
+  }
+  out->assign(std::istreambuf_iterator<char>(f), {});
+  while (!out->empty() &&
+         std::isspace(static_cast<unsigned char>(out->back()))) {
+    out->pop_back();
+  }
+  if (out->empty()) {
+    LOG(ERROR) << "--" << flag << ": " << path << " is empty";
+    return false;
   }
   return true;
 }
@@ -173,6 +206,13 @@ int Main() {
   server_options.unix_socket =
       FLAGS_socket.empty() ? DefaultSocket() : FLAGS_socket;
   server_options.tcp_address = FLAGS_tcp;
+  if (!ReadFlagFile(FLAGS_tls_cert, "tls_cert", &server_options.tls_cert_pem) ||
+      !ReadFlagFile(FLAGS_tls_key, "tls_key", &server_options.tls_key_pem) ||
+      !ReadFlagFile(FLAGS_tls_client_ca, "tls_client_ca",
+                    &server_options.tls_client_ca_pem) ||
+      !ReadFlagFile(FLAGS_token_file, "token_file", &server_options.token)) {
+    return 2;
+  }
   server_options.max_message_bytes =
       static_cast<int>(FLAGS_max_chunk_bytes + (1 << 20));
   PeerPolicy& policy = server_options.peer_policy;

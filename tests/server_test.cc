@@ -8,7 +8,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -35,6 +39,32 @@ const bool kGrpcInitialised = (grpc_init(), true);
 
 using ::testing::HasSubstr;
 
+// A self-signed certificate for 127.0.0.1, made once by openssl.
+struct TlsFiles {
+  std::string cert, key;
+};
+const TlsFiles& Tls() {
+  static const TlsFiles* tls = [] {
+    char tmpl[] = "/tmp/wstls.XXXXXX";
+    const std::string dir = mkdtemp(tmpl);
+    const std::string cmd = absl::StrCat(
+        "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost"
+        " -addext subjectAltName=IP:127.0.0.1,DNS:localhost -keyout ",
+        dir, "/k.pem -out ", dir, "/c.pem 2>/dev/null");
+    EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    auto read = [](const std::string& path) {
+      std::ifstream f(path);
+      return std::string(std::istreambuf_iterator<char>(f), {});
+    };
+    auto* t = new TlsFiles{read(dir + "/c.pem"), read(dir + "/k.pem")};
+    std::remove((dir + "/c.pem").c_str());
+    std::remove((dir + "/k.pem").c_str());
+    rmdir(dir.c_str());
+    return t;
+  }();
+  return *tls;
+}
+
 class ServerTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -57,6 +87,9 @@ class ServerTest : public ::testing::Test {
     ServerOptions so;
     so.unix_socket = dir_ + "/d.sock";
     so.tcp_address = "127.0.0.1:0";
+    so.tls_cert_pem = Tls().cert;
+    so.tls_key_pem = Tls().key;
+    so.token = "s3cret-token";
     auto server = Server::BuildAndStart(so, core_.get());
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);
@@ -235,23 +268,54 @@ TEST_F(ServerTest, ReusedPlanFollowsAReRegisteredEngine) {
 }
 
 TEST_F(ServerTest, HealthServiceAndTcpListenerAnswer) {
-  for (const std::string target :
-       {options_.target, absl::StrCat("127.0.0.1:", server_->tcp_port())}) {
-    auto channel =
-        grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
-    auto health = grpc::health::v1::Health::NewStub(channel);
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-    grpc::health::v1::HealthCheckRequest req;
-    grpc::health::v1::HealthCheckResponse resp;
-    ASSERT_TRUE(health->Check(&ctx, req, &resp).ok()) << target;
-    EXPECT_EQ(resp.status(), grpc::health::v1::HealthCheckResponse::SERVING);
-  }
+  // The Unix socket: plain gRPC (peers are checked by SO_PEERCRED).
+  auto channel =
+      grpc::CreateChannel(options_.target, grpc::InsecureChannelCredentials());
+  auto health = grpc::health::v1::Health::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  grpc::health::v1::HealthCheckRequest req;
+  grpc::health::v1::HealthCheckResponse resp;
+  ASSERT_TRUE(health->Check(&ctx, req, &resp).ok());
+  EXPECT_EQ(resp.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+  // TCP: TLS and the bearer token on every call.
   ClientOptions tcp = options_;
   tcp.target = absl::StrCat("127.0.0.1:", server_->tcp_port());
+  tcp.tls_ca_pem = Tls().cert;
+  tcp.token = "s3cret-token";
   auto remote = TrainerClient::Connect(tcp);
-  ASSERT_TRUE(remote.ok());
+  ASSERT_TRUE(remote.ok()) << remote.status();
   EXPECT_TRUE((*remote)->GetStatus().ok());
+}
+
+// Security (issue 6): TCP is TLS only, and every call needs the token.
+TEST_F(ServerTest, TcpNeedsTlsAndTheToken) {
+  ClientOptions tcp = options_;
+  tcp.target = absl::StrCat("127.0.0.1:", server_->tcp_port());
+  tcp.connect_timeout = absl::Seconds(2);
+  tcp.tls_ca_pem = Tls().cert;
+  tcp.token = "wrong";
+  auto wrong = TrainerClient::Connect(tcp);
+  ASSERT_TRUE(wrong.ok()) << wrong.status();  // TLS is fine; the call isn't
+  auto st = (*wrong)->GetStatus();
+  EXPECT_EQ(st.status().code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_THAT(st.status().message(), HasSubstr("wrong bearer token"));
+  tcp.token = "";
+  auto none = TrainerClient::Connect(tcp);
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ((*none)->GetStatus().status().code(),
+            absl::StatusCode::kUnauthenticated);
+  // Plaintext to the TLS port never connects.
+  tcp.tls_ca_pem = "";
+  EXPECT_EQ(TrainerClient::Connect(tcp).status().code(),
+            absl::StatusCode::kUnavailable);
+  // A daemon won't listen on TCP without TLS and a token.
+  ServerOptions so;
+  so.unix_socket = dir_ + "/plain.sock";
+  so.tcp_address = "127.0.0.1:0";
+  auto refused = Server::BuildAndStart(so, core_.get());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(), HasSubstr("TCP needs TLS"));
 }
 
 TEST_F(ServerTest, OutOfOrderCallsAreFailedPrecondition) {

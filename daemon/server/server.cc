@@ -10,10 +10,48 @@
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/security/auth_metadata_processor.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
 
 namespace weightsync {
+namespace {
+
+// Every call on the TCP port must carry "authorization: Bearer <token>";
+// compared in constant time, never logged.
+class TokenChecker : public grpc::AuthMetadataProcessor {
+ public:
+  explicit TokenChecker(std::string token)
+      : expected_("Bearer " + std::move(token)) {}
+  bool IsBlocking() const override { return false; }
+  grpc::Status Process(const InputMetadata& metadata, grpc::AuthContext*,
+                       OutputMetadata* consumed,
+                       OutputMetadata* /*response*/) override {
+    auto it = metadata.find("authorization");
+    if (it != metadata.end() && Equal(it->second)) {
+      consumed->insert(
+          {"authorization", std::string(it->second.data(), it->second.size())});
+      return grpc::Status::OK;
+    }
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                        it == metadata.end()
+                            ? "no bearer token (authorization metadata)"
+                            : "wrong bearer token");
+  }
+
+ private:
+  bool Equal(grpc::string_ref got) const {
+    unsigned diff = got.size() ^ expected_.size();
+    for (size_t i = 0; i < expected_.size(); ++i) {
+      diff |= static_cast<unsigned char>(expected_[i]) ^
+              static_cast<unsigned char>(i < got.size() ? got.data()[i] : 0);
+    }
+    return diff == 0;
+  }
+  const std::string expected_;
+};
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
     const ServerOptions& options, Coordinator* core) {
@@ -40,9 +78,23 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
         [l](const std::string& peer) { return l->PeerOf(peer); });
   }
   if (!options.tcp_address.empty()) {
-    builder.AddListeningPort(options.tcp_address,
-                             grpc::InsecureServerCredentials(),
-                             &server->tcp_port_);
+    if (options.tls_cert_pem.empty() || options.tls_key_pem.empty() ||
+        options.token.empty()) {
+      return absl::InvalidArgumentError(
+          "TCP needs TLS and a token: --tls_cert, --tls_key and --token_file "
+          "(docs/security.md)");
+    }
+    grpc::SslServerCredentialsOptions ssl(
+        options.tls_client_ca_pem.empty()
+            ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+            : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+    ssl.pem_root_certs = options.tls_client_ca_pem;
+    ssl.pem_key_cert_pairs.push_back(
+        {options.tls_key_pem, options.tls_cert_pem});
+    auto creds = grpc::SslServerCredentials(ssl);
+    creds->SetAuthMetadataProcessor(
+        std::make_shared<TokenChecker>(options.token));
+    builder.AddListeningPort(options.tcp_address, creds, &server->tcp_port_);
   }
   builder.RegisterService(&server->trainer_);
   builder.RegisterService(&server->engine_);

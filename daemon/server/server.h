@@ -19,9 +19,16 @@ struct ServerOptions {
   // Path of the Unix socket; a stale socket file there is replaced. Empty:
   // no Unix socket.
   std::string unix_socket;
-  // "host:port" to listen on TCP (insecure until issue 6 adds TLS); empty:
-  // off. Port 0 picks a free port (see Server::tcp_port).
+  // "host:port" to listen on TCP; empty: off. Port 0 picks a free port
+  // (see Server::tcp_port). TCP needs TLS (tls_cert_pem, tls_key_pem) and a
+  // bearer token checked on every call (docs/security.md).
   std::string tcp_address;
+  std::string tls_cert_pem, tls_key_pem;
+  // PEM of the CAs whose client certificates are required; empty: clients
+  // need no certificate.
+  std::string tls_client_ca_pem;
+  // Every call on TCP must carry "authorization: Bearer <token>".
+  std::string token;
   // Largest message accepted; must hold one chunk plus framing.
   int max_message_bytes = (64 << 20) + (1 << 20);
   // Who may connect to the Unix socket, its group and directory rules

@@ -97,12 +97,36 @@ class Stub:
 
 
 def channel(target, max_message_bytes=(64 << 20) + (1 << 20)):
+    """A channel to weightsyncd. Unix sockets are plain (the daemon checks
+    the peer's uid/gid). TCP targets use TLS and a bearer token when
+    WEIGHTSYNC_TLS_CA (PEM file of the CA that signed the daemon's
+    certificate) and WEIGHTSYNC_TOKEN_FILE are set (docs/security.md);
+    WEIGHTSYNC_TLS_CERT / WEIGHTSYNC_TLS_KEY add a client certificate."""
     if target.startswith("/"):
         target = "unix:" + target
-    return grpc.insecure_channel(target, options=[
+    options = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-    ])
+    ]
+    ca = os.environ.get("WEIGHTSYNC_TLS_CA")
+    if target.startswith("unix:") or not ca:
+        return grpc.insecure_channel(target, options=options)
+
+    def read(name):
+        path = os.environ.get(name)
+        if not path:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    creds = grpc.ssl_channel_credentials(root_certificates=read("WEIGHTSYNC_TLS_CA"),
+                                         private_key=read("WEIGHTSYNC_TLS_KEY"),
+                                         certificate_chain=read("WEIGHTSYNC_TLS_CERT"))
+    token = read("WEIGHTSYNC_TOKEN_FILE")
+    if token:
+        creds = grpc.composite_channel_credentials(
+            creds, grpc.access_token_call_credentials(token.decode().strip()))
+    return grpc.secure_channel(target, creds, options=options)
 
 
 def default_target():
