@@ -1,5 +1,6 @@
 #include "client/engine_client.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -30,6 +31,7 @@ absl::StatusOr<v1::RegisterEngineResponse> EngineClient::Register(
   v1::RegisterEngineResponse response;
   grpc::Status s = stub_->RegisterEngine(&ctx, request, &response);
   if (!s.ok()) return FromGrpcStatus(s);
+  registration_ = request;
   engine_id_ = request.engine_id();
   version_ = response.version();
   return response;
@@ -52,18 +54,73 @@ absl::Status EngineClient::StartControl(EngineHooks hooks) {
     return absl::FailedPreconditionError("control stream already open");
   }
   hooks_ = std::move(hooks);
-  control_ctx_ = std::make_unique<grpc::ClientContext>();
-  control_ = stub_->Control(control_ctx_.get());
-  v1::EngineMessage hello;
-  hello.mutable_hello()->set_engine_id(engine_id_);
-  if (!control_->Write(hello)) {
-    return FromGrpcStatus(control_->Finish());
+  {
+    absl::MutexLock lock(&stream_mu_);
+    WS_RETURN_IF_ERROR(OpenStreamLocked());
   }
   thread_ = std::thread([this] { Run(); });
   return absl::OkStatus();
 }
 
+absl::Status EngineClient::OpenStreamLocked() {
+  control_ctx_ = std::make_unique<grpc::ClientContext>();
+  control_ = stub_->Control(control_ctx_.get());
+  v1::EngineMessage hello;
+  hello.mutable_hello()->set_engine_id(engine_id_);
+  if (!control_->Write(hello)) {
+    absl::Status s = FromGrpcStatus(control_->Finish());
+    control_.reset();
+    return s.ok() ? absl::UnavailableError("control stream closed") : s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status EngineClient::Reregister() {
+  v1::RegisterEngineRequest request = registration_;
+  request.set_version(version_.load());
+  // Paused for an update when the daemon vanished: maybe half written.
+  request.set_dirty(dirty_.load() || paused_.load());
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.call_timeout));
+  v1::RegisterEngineResponse response;
+  WS_RETURN_IF_ERROR(
+      FromGrpcStatus(stub_->RegisterEngine(&ctx, request, &response)));
+  if (request.dirty()) dirty_ = true;
+  return absl::OkStatus();
+}
+
 void EngineClient::Run() {
+  absl::Duration backoff = absl::Milliseconds(50);
+  while (true) {
+    Serve();
+    // The stream ended: Close, or the daemon went away.
+    absl::MutexLock lock(&stream_mu_);
+    if (control_ != nullptr) {
+      control_->Finish().IgnoreError();
+      control_.reset();
+    }
+    while (!closing_) {
+      auto closing = [this]() ABSL_SHARED_LOCKS_REQUIRED(stream_mu_) {
+        return closing_;
+      };
+      if (stream_mu_.AwaitWithTimeout(absl::Condition(&closing), backoff)) {
+        return;
+      }
+      backoff = std::min(backoff * 2, absl::Seconds(2));
+      stream_mu_.Unlock();
+      const absl::Status registered = Reregister();
+      stream_mu_.Lock();
+      if (registered.ok() && !closing_ && OpenStreamLocked().ok()) {
+        ++reconnects_;
+        backoff = absl::Milliseconds(50);
+        break;
+      }
+    }
+    if (closing_) return;
+  }
+}
+
+void EngineClient::Serve() {
   v1::DaemonMessage m;
   while (control_->Read(&m)) {
     absl::Status result;
@@ -105,10 +162,15 @@ bool EngineClient::WaitForVersion(int64_t version, absl::Time deadline) {
 }
 
 void EngineClient::Close() {
-  if (control_ctx_ != nullptr) control_ctx_->TryCancel();
+  {
+    absl::MutexLock lock(&stream_mu_);
+    closing_ = true;
+    if (control_ctx_ != nullptr) control_ctx_->TryCancel();
+  }
   if (thread_.joinable()) thread_.join();
+  absl::MutexLock lock(&stream_mu_);
   if (control_ != nullptr) {
-    control_->Finish().ok();
+    control_->Finish().IgnoreError();
     control_.reset();
   }
   control_ctx_.reset();

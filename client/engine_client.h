@@ -2,7 +2,11 @@
 // to weightsyncd. Register once, then StartControl: a background thread
 // receives pause / resume / new-version / dirty notices, runs the engine's
 // hooks and acknowledges each one. version() is the committed weight version
-// (tag responses with it). Thread-safe; Close (or the destructor) joins.
+// (tag responses with it). If the daemon goes away (crash, restart), the
+// thread registers the same memory again with the current version (dirty if
+// the engine was paused for an update: its memory may hold part of it) and
+// reopens the stream, retrying with backoff until Close. Thread-safe; Close
+// (or the destructor) joins.
 #ifndef WEIGHTSYNC_CLIENT_ENGINE_CLIENT_H_
 #define WEIGHTSYNC_CLIENT_ENGINE_CLIENT_H_
 
@@ -44,6 +48,8 @@ class EngineClient {
   void Close();
 
   int64_t version() const { return version_.load(); }
+  // Times the thread registered again after the daemon went away.
+  int64_t reconnects() const { return reconnects_.load(); }
   bool paused() const { return paused_.load(); }
   bool dirty() const { return dirty_.load(); }
   // Blocks until version() >= `version` or `deadline`; true if reached.
@@ -53,6 +59,12 @@ class EngineClient {
  private:
   EngineClient(ClientOptions options, std::shared_ptr<grpc::Channel> channel);
   void Run();
+  // Reads notices until the stream ends.
+  void Serve();
+  // Opens the control stream and says hello (stream_mu_ held).
+  absl::Status OpenStreamLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(stream_mu_);
+  // Registers again after the daemon went away.
+  absl::Status Reregister();
 
   const ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
@@ -64,6 +76,10 @@ class EngineClient {
       grpc::ClientReaderWriter<v1::EngineMessage, v1::DaemonMessage>>
       control_;
   std::thread thread_;
+  v1::RegisterEngineRequest registration_;
+  absl::Mutex stream_mu_;  // control_ctx_ / control_ replaced on reconnect
+  bool closing_ ABSL_GUARDED_BY(stream_mu_) = false;
+  std::atomic<int64_t> reconnects_{0};
   std::atomic<int64_t> version_{0};
   std::atomic<bool> paused_{false};
   std::atomic<bool> dirty_{false};

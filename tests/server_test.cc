@@ -843,6 +843,52 @@ TEST_F(ServerTest, AnAbandonedUpdateIsEndedAfterItsIdleTimeout) {
   EXPECT_TRUE(done.ok()) << done.status();
 }
 
+// Reliability (issue 6): after its daemon restarts, a C++ engine client
+// registers again by itself (dirty if it was paused for an update, since
+// its memory may hold part of it), and the next update cleans it.
+TEST_F(ServerTest, EnginesComeBackAfterTheDaemonRestarts) {
+  EngineClient* idle = AddEngine("idle");
+  EngineClient* busy = AddEngine("busy");
+  Init();
+  // "busy" is paused for an update when the daemon goes away.
+  v1::StartWeightUpdateRequest req = StartRequest(1, Tensors(1));
+  req.add_engine_ids("busy");
+  ASSERT_TRUE(trainer_->StartWeightUpdate(req).ok());
+  ASSERT_TRUE(busy->paused());
+  RestartCore();  // a new daemon on the same socket, knowing nothing
+  v1::GetStatusResponse st;
+  for (int i = 0; i < 200; ++i) {
+    st = *trainer_->GetStatus();
+    if (st.engines_size() == 2 && st.engines(0).connected() &&
+        st.engines(1).connected()) {
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(25));
+  }
+  ASSERT_EQ(st.engines_size(), 2);
+  for (const v1::EngineStatus& e : st.engines()) {
+    EXPECT_TRUE(e.connected()) << e.engine_id();
+    EXPECT_EQ(e.version(), 0) << e.engine_id();
+    EXPECT_EQ(e.state(),
+              e.engine_id() == "busy" ? v1::ENGINE_DIRTY : v1::ENGINE_READY)
+        << e.engine_id();
+  }
+  EXPECT_EQ(idle->reconnects(), 1);
+  EXPECT_EQ(busy->reconnects(), 1);
+  // The next update cleans "busy" and resumes it.
+  Init();
+  const std::vector<HostTensor> t2 = Tensors(2);
+  auto done = trainer_->Update(StartRequest(2, t2), t2);
+  ASSERT_TRUE(done.ok()) << done.status();
+  st = *trainer_->GetStatus();
+  for (const v1::EngineStatus& e : st.engines()) {
+    EXPECT_EQ(e.state(), v1::ENGINE_READY) << e.engine_id();
+    EXPECT_EQ(e.version(), 2) << e.engine_id();
+  }
+  EXPECT_TRUE(busy->WaitForVersion(2, absl::Now() + absl::Seconds(5)));
+  EXPECT_FALSE(busy->paused());
+}
+
 // Every request is bounded (issue 6): a manifest tensor's name and rank.
 TEST_F(ServerTest, OversizedManifestEntriesAreRefused) {
   AddEngine("e0");

@@ -168,6 +168,13 @@ class Proc:
             self.p.wait(5)
         except subprocess.TimeoutExpired:
             pass
+        # A killed engine leaves its shared memory behind (weightsync.Engine
+        # names it weightsync-<id>-<pid>).
+        if len(self.p.args) > 3 and self.p.args[1] == "-c" and "register_host" in self.p.args[2]:
+            try:
+                os.unlink(f"/dev/shm/weightsync-{self.p.args[3]}-{self.p.pid}")
+            except OSError:
+                pass
 
 
 def status(stub):

@@ -61,8 +61,14 @@ class Engine:
             offset = planner.align_up(offset)
             offsets.append(offset)
             offset += planner.payload_bytes(dtype, list(shape))
-        self._shm = shared_memory.SharedMemory(
-            name=f"weightsync-{self.engine_id}-{os.getpid()}", create=True, size=max(offset, 1))
+        name = f"weightsync-{self.engine_id}-{os.getpid()}"
+        try:
+            self._shm = shared_memory.SharedMemory(name=name, create=True, size=max(offset, 1))
+        except FileExistsError:
+            # Left by a killed engine of the same id whose pid this process
+            # now has (pid namespaces restart at 1): it is dead, take over.
+            shared_memory.SharedMemory(name=name).unlink()
+            self._shm = shared_memory.SharedMemory(name=name, create=True, size=max(offset, 1))
         request = v1.RegisterEngineRequest(engine_id=self.engine_id, version=version)
         request.allocations.add(kind=v1.MEMORY_HOST_SHM, handle=("/" + self._shm.name).encode(),
                                 size=self._shm.size, device_uuid="host")
