@@ -194,6 +194,17 @@ def start_daemon(daemon_bin, sock, log):
     return daemon
 
 
+def stop_all(procs, daemon):
+    """Kills `procs`, then stops the daemon (SIGTERM, SIGKILL after 5 s)."""
+    for p in procs:
+        p.reap()
+    daemon.send_signal(signal.SIGTERM)
+    try:
+        daemon.wait(5)
+    except subprocess.TimeoutExpired:
+        daemon.kill()
+
+
 def run_case(daemon_bin, fault, phase, work):
     client = os.path.join(HERE, "..", "..", "client", "python")
     sock = os.path.join(work, "d.sock")
@@ -294,13 +305,7 @@ def run_case(daemon_bin, fault, phase, work):
     except Exception as ex:  # a failure of the row, not of the driver
         row.update(ok=False, error=f"{type(ex).__name__}: {ex}")
     finally:
-        for p in procs:
-            p.reap()
-        daemon.send_signal(signal.SIGTERM)
-        try:
-            daemon.wait(5)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
+        stop_all(procs, daemon)
     return row
 
 

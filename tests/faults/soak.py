@@ -16,8 +16,6 @@ Limits: fds and threads grow by less than 1 over the measured cycles (slope
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -56,16 +54,9 @@ def main():
     work = tempfile.mkdtemp(prefix="ws-soak.", dir="/tmp")
     sock = os.path.join(work, "d.sock")
     client = os.path.join(HERE, "..", "..", "client", "python")
-    daemon = subprocess.Popen(
-        [os.environ["WEIGHTSYNCD"], f"--socket={sock}", "--notice_timeout_ms=2000",
-         f"--max_chunk_bytes={1 << 20}", f"--chunk_bytes={F.CHUNK}"],
-        stderr=open(os.path.join(work, "daemon.log"), "w"))
+    daemon = F.start_daemon(os.environ["WEIGHTSYNCD"], sock, os.path.join(work, "daemon.log"))
     procs = []
     try:
-        for _ in range(100):
-            if os.path.exists(sock):
-                break
-            time.sleep(0.05)
         target = "unix:" + sock
         for eid in ("e0", "e1"):
             p = F.Proc([sys.executable, "-c", F.ENGINE.format(client=client, params=F.PARAMS),
@@ -94,13 +85,7 @@ def main():
             samples.append(proc_stats(daemon.pid))
         elapsed = time.time() - t0
     finally:
-        for p in procs:
-            p.reap()
-        daemon.send_signal(signal.SIGTERM)
-        try:
-            daemon.wait(5)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
+        F.stop_all(procs, daemon)
     warm = samples[50:] if len(samples) > 60 else samples
     names = ("fds", "threads", "rss_kib")
     result = {"cycles": cycles, "faults": faults, "seconds": round(elapsed, 1)}
