@@ -889,6 +889,26 @@ TEST_F(ServerTest, EnginesComeBackAfterTheDaemonRestarts) {
   EXPECT_FALSE(busy->paused());
 }
 
+// Reliability (issue 6): a trainer's pause is a lease. Engines it paused
+// are resumed once no trainer has called for update_idle_timeout.
+TEST_F(ServerTest, APauseWhoseTrainerFellSilentIsReleased) {
+  core_options_.update_idle_timeout = absl::Milliseconds(300);
+  RestartCore();
+  EngineClient* e = AddEngine("e0");
+  v1::PauseRequest pause;
+  pause.set_mode(v1::PAUSE_MODE_KEEP);
+  ASSERT_TRUE(trainer_->Pause(pause).ok());
+  EXPECT_TRUE(e->paused());
+  EXPECT_EQ(trainer_->GetStatus()->engines(0).state(), v1::ENGINE_PAUSED);
+  // GetStatus is no sign of a trainer: only calls that steer count.
+  for (int i = 0; i < 100 && e->paused(); ++i) {
+    EXPECT_TRUE(trainer_->GetStatus().ok());
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_FALSE(e->paused());
+  EXPECT_EQ(trainer_->GetStatus()->engines(0).state(), v1::ENGINE_READY);
+}
+
 // Every request is bounded (issue 6): a manifest tensor's name and rank.
 TEST_F(ServerTest, OversizedManifestEntriesAreRefused) {
   AddEngine("e0");

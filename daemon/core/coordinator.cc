@@ -108,7 +108,10 @@ void Coordinator::WatchIdle() {
       if (update_ == nullptr && !shut_down_ &&
           absl::Now() - last_trainer_call_ >= options_.update_idle_timeout) {
         for (auto& [eid, r] : engines_) {
-          if (r.paused && !r.paused_by_update) orphaned.push_back(eid);
+          // A dirty engine stays paused until an update cleans it.
+          if (r.paused && !r.paused_by_update && !r.dirty) {
+            orphaned.push_back(eid);
+          }
         }
       }
     }
