@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# GPU leak check (issue 6), one GPU, the IPC backend, one command:
+#   COMMIT=<sha> KIND=<kind> bash tests/gpu/run_leak_checks.sh [BIN_DIR=.dev/bin] [LOG_DIR=/tmp/ws-leak] [ROUNDS=20]
+# A daemon and two engines (demo model, bf16, VMM memory) on GPU 0; ROUNDS
+# trainer processes, each a new IPC source (new handles for the worker to
+# map) sending 10 updates; every 4th trainer instead dies mid-transfer
+# (ring of 2 slots, after 3 chunks), so its update fails and the next
+# trainer supersedes it. After every round: the GPU worker's open fds,
+# threads, resident memory and GPU memory (nvidia-smi), and its IPC mappings
+# (/proc/PID/maps lines of /dev/nvidia*). Slopes over the rounds after the
+# first 4 must be ~0; writes LOG_DIR/gpu_leak.json and prints a PASS/FAIL
+# line. Every process runs under `timeout`.
+set -uo pipefail
+BIN="$(cd "${1:-.dev/bin}" && pwd)"
+LOG="${2:-/tmp/ws-leak}"
+ROUNDS="${3:-20}"
+mkdir -p "$LOG" && chmod 750 "$LOG"  # the socket lives here
+rm -f "$LOG"/*.log "$LOG"/*.json
+export NCCL_NVLS_ENABLE=0
+sock="$LOG/d.sock"
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null; done; }
+trap cleanup EXIT
+timeout 900 "$BIN/weightsyncd" --socket="$sock" --gpu=0 --gpu_worker="$BIN/weightsync_gpu_worker" \
+  --update_idle_timeout_ms=3000 --notice_timeout_ms=30000 --max_chunk_bytes=$((1<<30)) \
+  >"$LOG/daemon.log" 2>&1 &
+pids+=($!)
+for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
+for e in a b; do
+  timeout 900 "$BIN/weightsync_gpu_engine" --target="unix:$sock" --engine_id="$e" --model=demo \
+    --layout=plain --dtype=bfloat16 --ckpt_dtype=bfloat16 --device=0 --memory=vmm --verify=false \
+    >"$LOG/engine-$e.log" 2>&1 &
+  pids+=($!)
+done
+for _ in $(seq 300); do
+  [ "$(grep -l registered "$LOG"/engine-*.log 2>/dev/null | wc -l)" = 2 ] && break; sleep 0.1
+done
+sample() {  # round -> one line of numbers
+  local w; w=$(pgrep -f weightsync_gpu_worker | head -1)
+  local fds threads rss gpu maps
+  fds=$(ls /proc/"$w"/fd 2>/dev/null | wc -l)
+  threads=$(awk '/^Threads:/{print $2}' /proc/"$w"/status)
+  rss=$(awk '/^VmRSS:/{print $2}' /proc/"$w"/status)
+  gpu=$(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits \
+        | awk -F', ' -v p="$w" '$1==p{print $2}')
+  maps=$(grep -c nvidia /proc/"$w"/maps)
+  echo "$1 $w ${fds:-0} ${threads:-0} ${rss:-0} ${gpu:-0} ${maps:-0}" >>"$LOG/samples.txt"
+}
+v=1; ok_updates=0; died=0
+for r in $(seq 1 "$ROUNDS"); do
+  if [ $((r % 4)) = 0 ]; then
+    timeout 120 "$BIN/weightsync_gpu_trainer" --target="unix:$sock" --backend=ipc --device=0 \
+      --model=demo --dtype=bfloat16 --updates=1 --first_version=$v --chunk_mib=16 \
+      --ipc_ring_slots=2 --die_after_chunks=3 >>"$LOG/trainer.log" 2>&1
+    died=$((died + 1)); v=$((v + 1))
+  else
+    timeout 120 "$BIN/weightsync_gpu_trainer" --target="unix:$sock" --backend=ipc --device=0 \
+      --model=demo --dtype=bfloat16 --updates=10 --first_version=$v --chunk_mib=64 \
+      --finish_timeout_ms=60000 --update_timeout_s=60 >>"$LOG/trainer.log" 2>&1 \
+      && ok_updates=$((ok_updates + 10))
+    v=$((v + 10))
+  fi
+  sample "$r"
+done
+figures=$(python3 - "$LOG" "${COMMIT:-unknown}" "${KIND:-unknown}" "$ROUNDS" "$ok_updates" "$died" <<'PY'
+import json, sys, datetime
+log, commit, kind, rounds, ok_updates, died = sys.argv[1:7]
+rows = [list(map(int, l.split())) for l in open(f"{log}/samples.txt")]
+names = ["fds", "threads", "rss_kib", "gpu_mib", "nvidia_maps"]
+def slope(ys):
+    n = len(ys); mx = (n - 1) / 2; my = sum(ys) / n
+    den = sum((i - mx) ** 2 for i in range(n))
+    return sum((i - mx) * (y - my) for i, y in enumerate(ys)) / den if den else 0.0
+warm = rows[4:] if len(rows) > 8 else rows
+out = {"date": datetime.date.today().isoformat(), "kind": kind, "commit": commit,
+       "backend": "ipc (one GPU)", "rounds": int(rounds), "verified_updates": int(ok_updates),
+       "trainers_died_mid_transfer": int(died), "worker_pids": sorted({r[1] for r in rows})}
+ok = len(out["worker_pids"]) == 1 and int(ok_updates) >= 10 * (int(rounds) - int(died))
+for i, n in enumerate(names):
+    ys = [r[2 + i] for r in warm]
+    out[n] = {"first": rows[0][2 + i], "warm": ys[0], "last": ys[-1], "max": max(ys),
+              "slope_per_round": round(slope(ys), 3)}
+limits = {"fds": 0.1, "threads": 0.1, "rss_kib": 2048, "gpu_mib": 1, "nvidia_maps": 0.5}
+for n, lim in limits.items():
+    ok &= out[n]["slope_per_round"] < lim
+out["limits_per_round"] = limits
+out["ok"] = ok
+json.dump(out, open(f"{log}/gpu_leak.json", "w"), indent=1)
+print(json.dumps(out))
+print(("PASS" if ok else "FAIL") + f" GPU leak check: {rounds} trainers ({died} died mid-transfer), "
+      f"{ok_updates} updates: " + ", ".join(f"{n} {out[n]['warm']}->{out[n]['last']} "
+      f"(slope {out[n]['slope_per_round']})" for n in names))
+PY
+)
+echo "$figures"
+echo "$figures" | tail -1 | grep -q '^PASS'
