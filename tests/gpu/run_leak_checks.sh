@@ -36,7 +36,9 @@ for _ in $(seq 300); do
   [ "$(grep -l registered "$LOG"/engine-*.log 2>/dev/null | wc -l)" = 2 ] && break; sleep 0.1
 done
 sample() {  # round -> one line of numbers
-  local w; w=$(pgrep -f weightsync_gpu_worker | head -1)
+  # The worker itself (its command line starts with its binary), not the
+  # daemon, whose command line names the worker too.
+  local w; w=$(pgrep -f "^$BIN/weightsync_gpu_worker --socket" | head -1)
   local fds threads rss gpu maps
   fds=$(ls /proc/"$w"/fd 2>/dev/null | wc -l)
   threads=$(awk '/^Threads:/{print $2}' /proc/"$w"/status)
