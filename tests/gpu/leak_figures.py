@@ -1,0 +1,54 @@
+#!/usr/bin/env python3
+"""Judges the samples tests/gpu/run_leak_checks.sh took after each round
+(LOG/samples.txt: round, worker pid, fds, threads, resident KiB, GPU MiB,
+driver mappings) and writes LOG/gpu_leak.json:
+
+    python3 tests/gpu/leak_figures.py LOG COMMIT KIND ROUNDS OK_UPDATES DIED
+
+Rounds repeat with a period of 4 (three trainers that finish, one that dies
+mid-transfer), and GPU memory follows that period (IPC sources mapped and
+released), so a straight-line slope over a window that ends high is not a
+leak. The test: over each metric, the maximum of the last period against
+the maximum of the first period after warm-up (rounds 5-8): growth must
+stay within the limits below. Slopes are reported as well.
+"""
+import datetime
+import json
+import sys
+
+log, commit, kind, rounds, ok_updates, died = sys.argv[1:7]
+rows = [list(map(int, line.split())) for line in open(f"{log}/samples.txt")]
+names = ["fds", "threads", "rss_kib", "gpu_mib", "nvidia_maps"]
+limits = {"fds": 0, "threads": 0, "rss_kib": 1024, "gpu_mib": 2, "nvidia_maps": 0}
+PERIOD = 4
+
+
+def slope(ys):
+    n = len(ys)
+    mx, my = (n - 1) / 2, sum(ys) / n
+    den = sum((i - mx) ** 2 for i in range(n))
+    return sum((i - mx) * (y - my) for i, y in enumerate(ys)) / den if den else 0.0
+
+
+out = {"date": datetime.date.today().isoformat(), "kind": kind, "commit": commit,
+       "backend": "ipc (one GPU)", "rounds": int(rounds), "verified_updates": int(ok_updates),
+       "trainers_died_mid_transfer": int(died), "worker_pids": sorted({r[1] for r in rows}),
+       "method": "max of the last 4 rounds minus max of rounds 5-8 (one period: three trainers "
+                 "finishing, one dying mid-transfer), per metric of the GPU worker process",
+       "growth_limits": limits}
+ok = (len(out["worker_pids"]) == 1 and len(rows) >= 3 * PERIOD
+      and int(ok_updates) >= 10 * (int(rounds) - int(died)))
+for i, n in enumerate(names):
+    col = [r[2 + i] for r in rows]
+    first, last = col[PERIOD:2 * PERIOD], col[-PERIOD:]
+    growth = max(last) - max(first)
+    out[n] = {"round1": col[0], "first_period_max": max(first), "last_period_max": max(last),
+              "growth": growth, "slope_per_round": round(slope(col[PERIOD:]), 3),
+              "samples": col}
+    ok &= growth <= limits[n]
+out["ok"] = ok
+json.dump(out, open(f"{log}/gpu_leak.json", "w"), indent=1)
+print(("PASS" if ok else "FAIL") + f" GPU leak check: {rounds} trainers ({died} died "
+      f"mid-transfer), {ok_updates} updates, worker {out['worker_pids']}: " +
+      ", ".join(f"{n} {out[n]['first_period_max']}->{out[n]['last_period_max']}" for n in names))
+sys.exit(0 if ok else 1)
