@@ -950,6 +950,15 @@ TEST_F(ServerTest, AnEngineCanRegisterOnlyItsOwnMemory) {
   EXPECT_THAT(s.status().message(),
               HasSubstr(absl::StrCat("caller is pid ", getpid())));
   EXPECT_EQ(trainer_->GetStatus()->engines_size(), 0);
+  // A trainer's IPC source likewise (refused before any backend check).
+  Init();
+  v1::StartWeightUpdateRequest start = StartRequest(1, Tensors(1));
+  start.mutable_ipc_source()->set_kind(v1::MEMORY_CUDA_VMM);
+  start.mutable_ipc_source()->set_handle(absl::StrCat(getpid() + 1, ":4"));
+  auto started = trainer_->StartWeightUpdate(start);
+  EXPECT_EQ(started.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(started.status().message(),
+              HasSubstr("ipc_source: a CUDA VMM handle of pid"));
   // Shared memory must belong to the caller's uid (checked directly: the
   // test can't connect as another user).
   r = arena->Registration();

@@ -74,8 +74,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
     if (!listener.ok()) return listener.status();
     server->listener_ = *std::move(listener);
     UnixListener* l = server->listener_.get();
-    server->engine_.set_peer_lookup(
-        [l](const std::string& peer) { return l->PeerOf(peer); });
+    auto lookup = [l](const std::string& peer) { return l->PeerOf(peer); };
+    server->engine_.set_peer_lookup(lookup);
+    server->trainer_.set_peer_lookup(lookup);
   }
   if (!options.tcp_address.empty()) {
     if (options.tls_cert_pem.empty() || options.tls_key_pem.empty() ||

@@ -66,8 +66,15 @@ grpc::Status TrainerServiceImpl::InitWeightTransfer(
 }
 
 grpc::Status TrainerServiceImpl::StartWeightUpdate(
-    grpc::ServerContext*, const v1::StartWeightUpdateRequest* request,
+    grpc::ServerContext* ctx, const v1::StartWeightUpdateRequest* request,
     v1::StartWeightUpdateResponse* response) {
+  if (peer_of_) {
+    const std::optional<PeerCred> peer = peer_of_(ctx->peer());
+    if (peer.has_value()) {
+      absl::Status own = CheckOwnSource(*request, *peer);
+      if (!own.ok()) return ToGrpcStatus(own);
+    }
+  }
   return Answer(response, [&] { return core_->StartWeightUpdate(*request); });
 }
 
@@ -180,21 +187,41 @@ grpc::Status TrainerServiceImpl::GetStatus(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
+namespace {
+
+// A CUDA VMM handle ("pid:fd") must name the caller's pid: the daemon takes
+// the descriptor out of that process (pidfd_getfd).
+absl::Status CheckVmmOwner(const v1::Allocation& a, const PeerCred& peer,
+                           absl::string_view what, absl::string_view rule) {
+  if (a.kind() != v1::MEMORY_CUDA_VMM) return absl::OkStatus();
+  const size_t colon = a.handle().find(':');
+  int64_t pid = -1;
+  if (colon != std::string::npos &&
+      absl::SimpleAtoi(a.handle().substr(0, colon), &pid) && pid != peer.pid) {
+    return absl::PermissionDeniedError(
+        absl::StrCat(what, ": a CUDA VMM handle of pid ", pid,
+                     ", but the caller is pid ", peer.pid, ": ", rule));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckOwnSource(const v1::StartWeightUpdateRequest& request,
+                            const PeerCred& peer) {
+  if (!request.has_ipc_source()) return absl::OkStatus();
+  return CheckVmmOwner(request.ipc_source(), peer, "ipc_source",
+                       "a trainer shares only its own memory");
+}
+
 absl::Status CheckOwnAllocations(const v1::RegisterEngineRequest& request,
                                  const PeerCred& peer) {
   for (int i = 0; i < request.allocations_size(); ++i) {
     const v1::Allocation& a = request.allocations(i);
     if (a.kind() == v1::MEMORY_CUDA_VMM) {
-      const size_t colon = a.handle().find(':');
-      int64_t pid = -1;
-      if (colon != std::string::npos &&
-          absl::SimpleAtoi(a.handle().substr(0, colon), &pid) &&
-          pid != peer.pid) {
-        return absl::PermissionDeniedError(
-            absl::StrCat("allocation ", i, ": a CUDA VMM handle of pid ", pid,
-                         ", but the caller is pid ", peer.pid,
-                         ": an engine registers only its own memory"));
-      }
+      absl::Status s = CheckVmmOwner(a, peer, absl::StrCat("allocation ", i),
+                                     "an engine registers only its own memory");
+      if (!s.ok()) return s;
     } else if (a.kind() == v1::MEMORY_HOST_SHM && peer.uid != 0) {
       const int fd = shm_open(a.handle().c_str(), O_RDONLY, 0);
       if (fd < 0) continue;  // the mapper names what is wrong

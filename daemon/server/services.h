@@ -16,9 +16,29 @@
 
 namespace weightsync {
 
+// The credentials of the peer gRPC names `grpc_peer`, where known (a
+// connection through the daemon's own Unix listener).
+using PeerLookup =
+    std::function<std::optional<PeerCred>(const std::string& grpc_peer)>;
+
+// OK if every allocation `request` registers is the caller's own: a CUDA
+// VMM handle ("pid:fd") must name the caller's pid, and a host shared
+// memory object must belong to the caller's uid (root may register any).
+// PERMISSION_DENIED naming the allocation otherwise. Legacy CUDA IPC
+// handles carry no owner (docs/security.md).
+absl::Status CheckOwnAllocations(const v1::RegisterEngineRequest& request,
+                                 const PeerCred& peer);
+// The same for a trainer's StartWeightUpdateRequest.ipc_source: the daemon
+// reads from it, so it must be the caller's own (a CUDA VMM handle of its
+// pid).
+absl::Status CheckOwnSource(const v1::StartWeightUpdateRequest& request,
+                            const PeerCred& peer);
+
 class TrainerServiceImpl final : public v1::TrainerService::Service {
  public:
   explicit TrainerServiceImpl(Coordinator* core) : core_(core) {}
+  // Set before the server starts.
+  void set_peer_lookup(PeerLookup lookup) { peer_of_ = std::move(lookup); }
 
   grpc::Status InitWeightTransfer(
       grpc::ServerContext* ctx, const v1::InitWeightTransferRequest* request,
@@ -53,20 +73,8 @@ class TrainerServiceImpl final : public v1::TrainerService::Service {
 
  private:
   Coordinator* const core_;
+  PeerLookup peer_of_;
 };
-
-// The credentials of the peer gRPC names `grpc_peer`, where known (a
-// connection through the daemon's own Unix listener).
-using PeerLookup =
-    std::function<std::optional<PeerCred>(const std::string& grpc_peer)>;
-
-// OK if every allocation `request` registers is the caller's own: a CUDA
-// VMM handle ("pid:fd") must name the caller's pid, and a host shared
-// memory object must belong to the caller's uid (root may register any).
-// PERMISSION_DENIED naming the allocation otherwise. Legacy CUDA IPC
-// handles carry no owner (docs/security.md).
-absl::Status CheckOwnAllocations(const v1::RegisterEngineRequest& request,
-                                 const PeerCred& peer);
 
 class EngineServiceImpl final : public v1::EngineService::Service {
  public:
