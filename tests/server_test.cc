@@ -909,6 +909,43 @@ TEST_F(ServerTest, APauseWhoseTrainerFellSilentIsReleased) {
   EXPECT_EQ(trainer_->GetStatus()->engines(0).state(), v1::ENGINE_READY);
 }
 
+// Security (issue 6): the transfer group belongs to the uid whose trainer
+// formed it; another user's trainer can neither steer it nor take it over
+// (root can). Driven through the service with chosen peer credentials: the
+// test can't connect as two users.
+TEST_F(ServerTest, TheTransferGroupBelongsToTheUidThatFormedIt) {
+  TrainerServiceImpl svc(core_.get());
+  PeerCred who{getpid(), 4001, 4001};
+  svc.set_peer_lookup(
+      [&who](const std::string&) { return std::optional<PeerCred>(who); });
+  grpc::ServerContext ctx;
+  v1::InitWeightTransferRequest init;
+  init.set_backend(v1::BACKEND_HOST);
+  v1::InitWeightTransferResponse ir;
+  ASSERT_TRUE(svc.InitWeightTransfer(&ctx, &init, &ir).ok());
+  who.uid = 4002;  // another user's trainer
+  v1::PauseRequest pause;
+  v1::PauseResponse pr;
+  grpc::Status s = svc.Pause(&ctx, &pause, &pr);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_THAT(s.error_message(), HasSubstr("belongs to uid 4001"));
+  v1::StartWeightUpdateRequest start = StartRequest(1, Tensors(1));
+  v1::StartWeightUpdateResponse sr;
+  EXPECT_EQ(svc.StartWeightUpdate(&ctx, &start, &sr).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  s = svc.InitWeightTransfer(&ctx, &init, &ir);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_THAT(s.error_message(), HasSubstr("can't take it over"));
+  who.uid = 4001;  // the owner, from another process, may go on
+  who.pid += 1;
+  EXPECT_TRUE(svc.InitWeightTransfer(&ctx, &init, &ir).ok());
+  who.uid = 0;  // root may take it over
+  EXPECT_TRUE(svc.InitWeightTransfer(&ctx, &init, &ir).ok());
+  who.uid = 4001;
+  EXPECT_EQ(svc.InitWeightTransfer(&ctx, &init, &ir).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+}
+
 // Every request is bounded (issue 6): a manifest tensor's name and rank.
 TEST_F(ServerTest, OversizedManifestEntriesAreRefused) {
   AddEngine("e0");

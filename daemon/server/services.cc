@@ -59,15 +59,43 @@ class StreamChannel : public ControlChannel {
 
 }  // namespace
 
+grpc::Status TrainerServiceImpl::CheckOwner(grpc::ServerContext* ctx,
+                                            bool forming) {
+  if (!peer_of_) return grpc::Status::OK;
+  const std::optional<PeerCred> peer = peer_of_(ctx->peer());
+  if (!peer.has_value() || peer->uid == 0) return grpc::Status::OK;
+  absl::MutexLock lock(&owner_mu_);
+  if (!owner_.has_value() || *owner_ == peer->uid) return grpc::Status::OK;
+  return ToGrpcStatus(absl::PermissionDeniedError(absl::StrCat(
+      "the transfer group belongs to uid ", *owner_,
+      ", not to the caller (uid ", peer->uid, ", pid ", peer->pid, ")",
+      forming ? ": another user's trainer can't take it over" : "")));
+}
+
+void TrainerServiceImpl::TakeOwnership(grpc::ServerContext* ctx) {
+  if (!peer_of_) return;
+  const std::optional<PeerCred> peer = peer_of_(ctx->peer());
+  if (!peer.has_value()) return;
+  absl::MutexLock lock(&owner_mu_);
+  owner_ = peer->uid;
+}
+
 grpc::Status TrainerServiceImpl::InitWeightTransfer(
-    grpc::ServerContext*, const v1::InitWeightTransferRequest* request,
+    grpc::ServerContext* ctx, const v1::InitWeightTransferRequest* request,
     v1::InitWeightTransferResponse* response) {
-  return Answer(response, [&] { return core_->InitWeightTransfer(*request); });
+  grpc::Status owner = CheckOwner(ctx, /*forming=*/true);
+  if (!owner.ok()) return owner;
+  grpc::Status s =
+      Answer(response, [&] { return core_->InitWeightTransfer(*request); });
+  if (s.ok()) TakeOwnership(ctx);
+  return s;
 }
 
 grpc::Status TrainerServiceImpl::StartWeightUpdate(
     grpc::ServerContext* ctx, const v1::StartWeightUpdateRequest* request,
     v1::StartWeightUpdateResponse* response) {
+  grpc::Status owner = CheckOwner(ctx, false);
+  if (!owner.ok()) return owner;
   if (peer_of_) {
     const std::optional<PeerCred> peer = peer_of_(ctx->peer());
     if (peer.has_value()) {
@@ -109,6 +137,8 @@ grpc::Status ServeChunkStream(grpc::ServerContext* ctx, Stream* stream,
 grpc::Status TrainerServiceImpl::PushChunks(
     grpc::ServerContext* ctx, grpc::ServerReader<v1::PushChunksRequest>* reader,
     v1::PushChunksResponse* response) {
+  grpc::Status owner = CheckOwner(ctx, false);
+  if (!owner.ok()) return owner;
   return ServeChunkStream<v1::PushChunksRequest>(
       ctx, reader, core_, "PushChunks",
       [&](const std::string& update_id, v1::PushChunksRequest& request,
@@ -129,6 +159,8 @@ grpc::Status TrainerServiceImpl::IpcChunks(
     grpc::ServerContext* ctx,
     grpc::ServerReaderWriter<v1::IpcChunksResponse, v1::IpcChunksRequest>*
         stream) {
+  grpc::Status owner = CheckOwner(ctx, false);
+  if (!owner.ok()) return owner;
   return ServeChunkStream<v1::IpcChunksRequest>(
       ctx, stream, core_, "IpcChunks",
       [&](const std::string& update_id, v1::IpcChunksRequest& request,
@@ -150,26 +182,34 @@ grpc::Status TrainerServiceImpl::IpcChunks(
 }
 
 grpc::Status TrainerServiceImpl::FinishWeightUpdate(
-    grpc::ServerContext*, const v1::FinishWeightUpdateRequest* request,
+    grpc::ServerContext* ctx, const v1::FinishWeightUpdateRequest* request,
     v1::FinishWeightUpdateResponse* response) {
+  grpc::Status owner = CheckOwner(ctx, false);
+  if (!owner.ok()) return owner;
   return Answer(response, [&] { return core_->FinishWeightUpdate(*request); });
 }
 
 grpc::Status TrainerServiceImpl::AbortWeightUpdate(
-    grpc::ServerContext*, const v1::AbortWeightUpdateRequest* request,
+    grpc::ServerContext* ctx, const v1::AbortWeightUpdateRequest* request,
     v1::AbortWeightUpdateResponse* response) {
+  grpc::Status owner = CheckOwner(ctx, false);
+  if (!owner.ok()) return owner;
   return Answer(response, [&] { return core_->AbortWeightUpdate(*request); });
 }
 
-grpc::Status TrainerServiceImpl::Pause(grpc::ServerContext*,
+grpc::Status TrainerServiceImpl::Pause(grpc::ServerContext* ctx,
                                        const v1::PauseRequest* request,
                                        v1::PauseResponse* response) {
+  grpc::Status owner = CheckOwner(ctx, false);
+  if (!owner.ok()) return owner;
   return Answer(response, [&] { return core_->Pause(*request); });
 }
 
-grpc::Status TrainerServiceImpl::Resume(grpc::ServerContext*,
+grpc::Status TrainerServiceImpl::Resume(grpc::ServerContext* ctx,
                                         const v1::ResumeRequest* request,
                                         v1::ResumeResponse* response) {
+  grpc::Status owner = CheckOwner(ctx, false);
+  if (!owner.ok()) return owner;
   return Answer(response, [&] { return core_->Resume(*request); });
 }
 

@@ -72,8 +72,19 @@ class TrainerServiceImpl final : public v1::TrainerService::Service {
                          v1::GetStatusResponse* response) override;
 
  private:
+  // The transfer group belongs to the uid whose trainer formed it (over the
+  // Unix socket): calls that steer updates or pauses from another uid (not
+  // root) are PERMISSION_DENIED, so one local user can't drive or hijack
+  // another's updates. `forming`: InitWeightTransfer, which takes the group
+  // over when allowed.
+  grpc::Status CheckOwner(grpc::ServerContext* ctx, bool forming);
+  // After a successful InitWeightTransfer.
+  void TakeOwnership(grpc::ServerContext* ctx);
+
   Coordinator* const core_;
   PeerLookup peer_of_;
+  absl::Mutex owner_mu_;
+  std::optional<uid_t> owner_ ABSL_GUARDED_BY(owner_mu_);
 };
 
 class EngineServiceImpl final : public v1::EngineService::Service {
