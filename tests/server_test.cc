@@ -107,15 +107,23 @@ class ServerTest : public ::testing::Test {
     rmdir(dir_.c_str());
   }
 
-  // Starts an engine (plain bf16 or TP rank) with memory and control stream.
-  EngineClient* AddEngine(const std::string& id, bool tp = false, int rank = 0,
-                          EngineHooks hooks = {}) {
-    auto arena = HostArena::Create(
+  // Shared memory for an engine `id` (plain bf16 or TP rank) of the model,
+  // named for this test's directory.
+  absl::StatusOr<std::unique_ptr<HostArena>> Arena(const std::string& id,
+                                                   bool tp = false,
+                                                   int rank = 0) {
+    return HostArena::Create(
         absl::StrCat("/wstest-", dir_.substr(dir_.rfind('.') + 1), "-", id),
         synthetic::EngineParameters(
             model_,
             tp ? synthetic::Layout::kTensorParallel : synthetic::Layout::kPlain,
             rank, tp ? 2 : 1, v1::BFLOAT16));
+  }
+
+  // Starts an engine (plain bf16 or TP rank) with memory and control stream.
+  EngineClient* AddEngine(const std::string& id, bool tp = false, int rank = 0,
+                          EngineHooks hooks = {}) {
+    auto arena = Arena(id, tp, rank);
     EXPECT_TRUE(arena.ok()) << arena.status();
     auto engine = *EngineClient::Connect(options_);
     v1::RegisterEngineRequest r = (*arena)->Registration();
@@ -779,10 +787,7 @@ TEST_F(ServerTest, PauseWithoutAcknowledgementHitsTheDeadline) {
 
 TEST_F(ServerTest, BadRegistrationsAreRejectedAndLeaveNothingBehind) {
   auto engine = *EngineClient::Connect(options_);
-  auto arena = *HostArena::Create(
-      absl::StrCat("/wstest-", dir_.substr(dir_.rfind('.') + 1), "-bad"),
-      synthetic::EngineParameters(model_, synthetic::Layout::kPlain, 0, 1,
-                                  v1::BFLOAT16));
+  auto arena = *Arena("bad");
   v1::RegisterEngineRequest r = arena->Registration();
   r.set_engine_id("bad");
   r.mutable_parameters(2)->set_offset(r.parameters(1).offset());
@@ -972,10 +977,7 @@ TEST_F(ServerTest, OversizedManifestEntriesAreRefused) {
 // Security (issue 6): an engine registers only its own memory.
 TEST_F(ServerTest, AnEngineCanRegisterOnlyItsOwnMemory) {
   auto engine = *EngineClient::Connect(options_);
-  auto arena = *HostArena::Create(
-      absl::StrCat("/wstest-", dir_.substr(dir_.rfind('.') + 1), "-own"),
-      synthetic::EngineParameters(model_, synthetic::Layout::kPlain, 0, 1,
-                                  v1::BFLOAT16));
+  auto arena = *Arena("own");
   // A CUDA VMM handle names the process whose memory it is: another pid's
   // is refused before anything is mapped.
   v1::RegisterEngineRequest r = arena->Registration();
