@@ -38,6 +38,15 @@ DEFINE_string(tls_client_ca, "",
 DEFINE_string(token_file, "",
               "file holding the bearer token every TCP call must carry "
               "(never logged)");
+DEFINE_int32(keepalive_ms, 10000,
+             "ping a connection with calls open after this long without "
+             "traffic (0: never); clients may ping every keepalive_ms / 2");
+DEFINE_int32(keepalive_timeout_ms, 5000,
+             "close a connection whose ping is not answered within this "
+             "(a peer cut off the network)");
+DEFINE_int32(max_connection_idle_ms, 300000,
+             "close a connection with no call open for this long (clients "
+             "reconnect by themselves; 0: never)");
 DEFINE_int64(chunk_bytes, 8 << 20, "chunk size when a trainer asks for none");
 DEFINE_int64(max_chunk_bytes, 64 << 20, "largest chunk a trainer may ask for");
 DEFINE_int32(staging_buffers, 4, "host staging buffers (chunks in flight)");
@@ -213,6 +222,9 @@ int Main() {
       !ReadFlagFile(FLAGS_token_file, "token_file", &server_options.token)) {
     return 2;
   }
+  server_options.keepalive_ms = FLAGS_keepalive_ms;
+  server_options.keepalive_timeout_ms = FLAGS_keepalive_timeout_ms;
+  server_options.max_idle_ms = FLAGS_max_connection_idle_ms;
   server_options.max_message_bytes =
       static_cast<int>(FLAGS_max_chunk_bytes + (1 << 20));
   PeerPolicy& policy = server_options.peer_policy;

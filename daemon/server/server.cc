@@ -9,6 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
+#include "grpc/grpc.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/auth_metadata_processor.h"
 #include "grpcpp/security/server_credentials.h"
@@ -65,6 +66,30 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   // can wait for an idle poller (the library default is 10 s).
   builder.SetSyncServerOption(
       grpc::ServerBuilder::SyncServerOption::CQ_TIMEOUT_MSEC, 200);
+  if (options.keepalive_ms > 0) {
+    // Pings only while calls are open: an idle Python client does not poll
+    // its channel and would never answer. Idle connections are closed by
+    // max_idle_ms instead.
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS,
+                               options.keepalive_ms);
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+                               options.keepalive_timeout_ms);
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 0);
+    // Else gRPC holds back pings on a connection that sends no data (at
+    // most 2, one per 5 min) and the keepalive watchdog closes a healthy
+    // connection in the middle of a long Finish.
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+    builder.AddChannelArgument(
+        GRPC_ARG_HTTP2_MIN_SENT_PING_INTERVAL_WITHOUT_DATA_MS,
+        options.keepalive_ms);
+    builder.AddChannelArgument(
+        GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+        options.keepalive_ms / 2);
+  }
+  if (options.max_idle_ms > 0) {
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS,
+                               options.max_idle_ms);
+  }
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   if (!options.unix_socket.empty()) {

@@ -31,6 +31,17 @@ struct ServerOptions {
   std::string token;
   // Largest message accepted; must hold one chunk plus framing.
   int max_message_bytes = (64 << 20) + (1 << 20);
+  // HTTP/2 keepalive while calls are open: the daemon pings a connection
+  // after `keepalive_ms` without traffic and closes it when no answer comes
+  // within `keepalive_timeout_ms`, so a peer cut off the network (no FIN, no
+  // RST) does not hold a handler thread and its stream forever. Clients may
+  // ping as often as every `keepalive_ms / 2`. 0 turns the pings off.
+  int keepalive_ms = 10000;
+  int keepalive_timeout_ms = 5000;
+  // A connection with no call open for this long is closed (clients
+  // reconnect on their next call); it also frees the connections of peers
+  // cut off between calls. 0: never.
+  int max_idle_ms = 300000;
   // Who may connect to the Unix socket, its group and directory rules
   // (unix_listener.h).
   PeerPolicy peer_policy;

@@ -108,6 +108,19 @@ def channel(target, max_message_bytes=(64 << 20) + (1 << 20)):
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
     ]
+    if not target.startswith("unix:"):
+        # A daemon cut off the network sends no FIN or RST: pings during a
+        # call find it (the daemon allows one every --keepalive_ms / 2, 5 s
+        # by default). None while idle: nothing would answer them here.
+        keepalive = int(os.environ.get("WEIGHTSYNC_KEEPALIVE_MS", "10000"))
+        options += [("grpc.keepalive_time_ms", keepalive),
+                    ("grpc.keepalive_timeout_ms", max(keepalive // 2, 1000)),
+                    ("grpc.keepalive_permit_without_calls", 0),
+                    # Else gRPC holds back pings on a call that sends no
+                    # data (at most 2, one per 5 min) and the keepalive
+                    # watchdog closes a healthy connection.
+                    ("grpc.http2.max_pings_without_data", 0),
+                    ("grpc.http2.min_time_between_pings_ms", keepalive)]
     ca = os.environ.get("WEIGHTSYNC_TLS_CA")
     if target.startswith("unix:") or not ca:
         return grpc.insecure_channel(target, options=options)
