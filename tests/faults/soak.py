@@ -86,7 +86,7 @@ def main():
             samples.append(proc_stats(daemon.pid))
         elapsed = time.time() - t0
     finally:
-        F.stop_all(procs, daemon)
+        daemon_exit = F.stop_all(procs, daemon)
     warm = samples[50:] if len(samples) > 60 else samples
     names = ("fds", "threads", "rss_kib")
     result = {"cycles": cycles, "faults": faults, "seconds": round(elapsed, 1)}
@@ -109,8 +109,12 @@ def main():
     result["rss_judged"] = "ASAN_OPTIONS" not in os.environ
     if result["rss_judged"]:
         ok &= result["rss_kib"]["slope_per_cycle"] < 16
+    # A clean shutdown; under --config=asan, also no leak at exit.
+    result["daemon_exit"] = daemon_exit
+    ok &= daemon_exit == 0
     result["ok"] = ok
     print(json.dumps(result))
+    result["rss_kib_per_cycle"] = [s[2] for s in samples]
     if out:
         with open(out, "w") as f:
             json.dump(result, f, indent=1)
