@@ -1,9 +1,21 @@
 #include "daemon/backends.h"
 
+#include <dirent.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <vector>
+
 #include "absl/status/status.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "backends/cuda/cuda_support.h"
 #include "backends/host/shm_memory.h"
+#include "glog/logging.h"
 
 namespace weightsync {
 namespace {
@@ -97,6 +109,71 @@ std::shared_ptr<DataPlaneFactory> MakeDataPlaneFactory(
     HostDataPlane::Options host_options,
     std::shared_ptr<GpuWorkerSupervisor> gpu) {
   return std::make_shared<Factory>(host_options, std::move(gpu));
+}
+
+namespace {
+
+constexpr char kWorkerDirPrefix[] = "weightsync-worker.";
+
+// True if `path` is a stale worker directory of this uid: its daemon's pid
+// (the name's middle part) no longer runs, and it holds only worker.sock.
+bool StaleWorkerDir(const std::string& path, const std::string& name) {
+  std::vector<std::string> parts = absl::StrSplit(name, '.');
+  pid_t pid = 0;
+  if (parts.size() != 3 || !absl::SimpleAtoi(parts[1], &pid) || pid <= 0) {
+    return false;  // not ours (older daemons used no pid: left alone)
+  }
+  struct stat st;
+  if (lstat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) ||
+      st.st_uid != geteuid()) {
+    return false;
+  }
+  if (kill(pid, 0) == 0 || errno != ESRCH) return false;  // still running
+  DIR* dir = opendir(path.c_str());
+  if (dir == nullptr) return false;
+  bool only_socket = true;
+  while (dirent* e = readdir(dir)) {
+    const std::string entry = e->d_name;
+    if (entry == "." || entry == "..") continue;
+    struct stat es;
+    if (entry != "worker.sock" ||
+        lstat((path + "/" + entry).c_str(), &es) != 0 ||
+        !S_ISSOCK(es.st_mode)) {
+      only_socket = false;
+    }
+  }
+  closedir(dir);
+  return only_socket;
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> MakeWorkerDir(const std::string& parent) {
+  if (DIR* dir = opendir(parent.c_str())) {
+    std::vector<std::string> stale;
+    while (dirent* e = readdir(dir)) {
+      const std::string name = e->d_name;
+      if (name.rfind(kWorkerDirPrefix, 0) != 0) continue;
+      const std::string path = parent + "/" + name;
+      if (StaleWorkerDir(path, name)) stale.push_back(path);
+    }
+    closedir(dir);
+    for (const std::string& path : stale) {
+      unlink((path + "/worker.sock").c_str());
+      if (rmdir(path.c_str()) == 0) {
+        LOG(INFO) << "removed " << path
+                  << ", left by a GPU worker whose daemon is gone";
+      }
+    }
+  }
+  std::string tmpl =
+      absl::StrCat(parent, "/", kWorkerDirPrefix, getpid(), ".XXXXXX");
+  if (mkdtemp(tmpl.data()) == nullptr) {
+    return absl::InternalError(
+        absl::StrCat("can't create a private directory for the GPU worker in ",
+                     parent, ": ", std::strerror(errno)));
+  }
+  return tmpl;
 }
 
 }  // namespace weightsync

@@ -4,7 +4,9 @@
 #define WEIGHTSYNC_DAEMON_BACKENDS_H_
 
 #include <memory>
+#include <string>
 
+#include "absl/status/statusor.h"
 #include "backends/cuda/worker_client.h"
 #include "backends/host/host_data_plane.h"
 #include "daemon/core/coordinator.h"
@@ -21,6 +23,15 @@ std::shared_ptr<MemoryMapper> MakeMemoryMapper(
 std::shared_ptr<DataPlaneFactory> MakeDataPlaneFactory(
     HostDataPlane::Options host_options,
     std::shared_ptr<GpuWorkerSupervisor> gpu = nullptr);
+
+// Makes the private directory (mode 0700) for the GPU worker's socket:
+// `<parent>/weightsync-worker.<pid>.XXXXXX`, so only this uid (and root)
+// can reach the worker. First removes the directories that daemons of this
+// uid which no longer run left behind (killed with SIGKILL, they could not
+// clean up): a directory is swept only if it is ours, its pid is gone and
+// it holds nothing but a socket named worker.sock. Returns the new
+// directory's path.
+absl::StatusOr<std::string> MakeWorkerDir(const std::string& parent = "/tmp");
 
 }  // namespace weightsync
 

@@ -198,12 +198,12 @@ int Main() {
     g.staging_budget = FLAGS_gpu_staging_budget_bytes;
     // The worker's socket in a directory of the daemon's own (mode 0700):
     // only this uid (and root) can reach it.
-    char tmpl[] = "/tmp/weightsync-worker.XXXXXX";
-    if (mkdtemp(tmpl) == nullptr) {
-      LOG(ERROR) << "can't create a private directory for the GPU worker";
+    absl::StatusOr<std::string> dir = MakeWorkerDir();
+    if (!dir.ok()) {
+      LOG(ERROR) << dir.status().message();
       return 1;
     }
-    worker_dir = tmpl;
+    worker_dir = *dir;
     g.socket_path = worker_dir + "/worker.sock";
     gpu = std::make_shared<GpuWorkerSupervisor>(g);
     LOG(INFO) << "GPU backends via " << worker << " (started on first use)";
