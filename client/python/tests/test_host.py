@@ -83,6 +83,22 @@ class HostBackendTest(unittest.TestCase):
         self.assertEqual(status.engines[0].version, 3)
         self.assertEqual(status.update.phase, "committed")
 
+    def test_engine_ids_with_any_characters_get_shared_memory(self):
+        # ":" (allowed in ids) used to crash Python's shared-memory
+        # resource tracker.
+        engine, w = self.engine("node-1:gpu0", [("a", "FLOAT32", (7,))])
+        self.trainer.init_host()
+        a = np.arange(7, dtype=np.float32)
+        self.assertEqual(self.trainer.update([("a", a)], version=1).version, 1)
+        np.testing.assert_array_equal(w["a"], a)
+        self.assertEqual([s.engine_id for s in self.trainer.status().engines], ["node-1:gpu0"])
+        # A refused registration leaves no shared memory behind.
+        bad = weightsync.Engine("bad/id", self.target, timeout=10)
+        with self.assertRaises(WeightSyncError) as ctx:
+            bad.register_host([("a", "FLOAT32", (7,))])
+        self.assertEqual(ctx.exception.code, "INVALID_ARGUMENT")
+        self.assertFalse([f for f in os.listdir("/dev/shm") if f.startswith("weightsync-bad_id-")])
+
     def test_staged_update_pauses_only_for_the_commit(self):
         events = []
         engine, w = self.engine("st", [("a", "FLOAT32", (64, 64))],

@@ -17,6 +17,7 @@ GPU (torch CUDA parameters, registered in place by CUDA IPC handle):
 """
 
 import os
+import re
 import queue
 import threading
 import time
@@ -61,7 +62,11 @@ class Engine:
             offset = planner.align_up(offset)
             offsets.append(offset)
             offset += planner.payload_bytes(dtype, list(shape))
-        name = f"weightsync-{self.engine_id}-{os.getpid()}"
+        # Shared-memory names allow no "/" and Python's resource tracker
+        # splits on ":", both legal in engine ids: anything but [\w.-]
+        # becomes "_" (the id itself is sent as it is).
+        safe_id = re.sub(r"[^\w.-]", "_", self.engine_id)
+        name = f"weightsync-{safe_id}-{os.getpid()}"
         try:
             self._shm = shared_memory.SharedMemory(name=name, create=True, size=max(offset, 1))
         except FileExistsError:
@@ -81,7 +86,15 @@ class Engine:
             count = int(np.prod(shape)) if len(shape) else 1
             arrays[name] = np.ndarray(shape, dtype=STORAGE[dtype], buffer=self._shm.buf,
                                       offset=off) if count else np.zeros(shape, STORAGE[dtype])
-        self._stub.call("RegisterEngine", request)
+        try:
+            self._stub.call("RegisterEngine", request)
+        except BaseException:
+            # Refused (or unreachable): leave no shared memory behind.
+            arrays.clear()
+            self._shm.close()
+            self._shm.unlink()
+            self._shm = None
+            raise
         self._registration = request
         self.version = version
         return arrays
