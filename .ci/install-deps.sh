@@ -11,6 +11,7 @@ PKGS=(
   clang-format
   clang libclang-rt-14-dev   # libFuzzer targets (tests/fuzz, --config=fuzz)
   openssl                    # server_test makes a TLS certificate
+  systemd python3-yaml       # deploy_test: systemd-analyze, systemd-sysusers; manifests
 )
 missing=()
 for p in "${PKGS[@]}"; do

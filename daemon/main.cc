@@ -21,6 +21,7 @@
 #include "daemon/backends.h"
 #include "daemon/core/coordinator.h"
 #include "daemon/server/server.h"
+#include "daemon/server/systemd_notify.h"
 #include "gflags/gflags.h"
 #include "glog/logging.h"
 
@@ -249,10 +250,19 @@ int Main() {
                     ? ""
                     : absl::StrCat(" and tcp port ", (*server)->tcp_port()))
             << " (" << core_options.build_info << ")";
+  // Type=notify under systemd (no-op without $NOTIFY_SOCKET); the watchdog
+  // pings only while a status snapshot, under the lock every request takes,
+  // returns in time (docs/deploy.md).
+  SystemdNotifier systemd(SystemdNotifier::FromEnvironment(), [&core] {
+    core.GetStatus();
+    return true;
+  });
+  systemd.Ready(absl::StrCat("serving on unix:", server_options.unix_socket));
 
   int sig = 0;
   sigwait(&stop, &sig);
   LOG(INFO) << "signal " << sig << ": shutting down";
+  systemd.Stopping(absl::StrCat("shutting down (signal ", sig, ")"));
   // Abort any update and tell the engines while their streams are open,
   // then stop the server and release every mapping.
   core.Shutdown();
