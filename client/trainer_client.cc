@@ -182,6 +182,14 @@ absl::StatusOr<v1::GetStatusResponse> TrainerClient::GetStatus(
       stub_.get(), &v1::TrainerService::Stub::GetStatus, Context().get(), r);
 }
 
+absl::StatusOr<v1::CheckEngineResponse> TrainerClient::CheckEngine(
+    const std::string& engine_id) {
+  v1::CheckEngineRequest r;
+  r.set_engine_id(engine_id);
+  return Call<v1::CheckEngineResponse>(
+      stub_.get(), &v1::TrainerService::Stub::CheckEngine, Context().get(), r);
+}
+
 absl::StatusOr<v1::FinishWeightUpdateResponse> TrainerClient::Update(
     v1::StartWeightUpdateRequest request,
     const std::vector<HostTensor>& tensors) {

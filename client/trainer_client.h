@@ -73,6 +73,9 @@ class TrainerClient {
   absl::StatusOr<v1::ResumeResponse> Resume(const v1::ResumeRequest& request);
   absl::StatusOr<int> GetWorldSize();
   absl::StatusOr<v1::GetStatusResponse> GetStatus(bool include_layouts = false);
+  // The receipt of everything `engine_id` holds now (weightsyncctl check).
+  absl::StatusOr<v1::CheckEngineResponse> CheckEngine(
+      const std::string& engine_id);
 
   // Start, PushTensors and Finish in one call. If sending fails, Finish
   // still runs so the daemon ends the update (and reports dirty engines);

@@ -573,6 +573,48 @@ TEST_F(ServerTest, ReceiptsProveTheEnginesHoldWhatWasSent) {
   for (const auto& e : unverified->engines()) EXPECT_FALSE(e.has_receipt());
 }
 
+TEST_F(ServerTest, CheckReadsAnEnginesWeightsAsAReceipt) {
+  AddEngine("plain");
+  AddEngine("tp0", true, 0);
+  Init();
+  auto t = Tensors(1);
+  auto done = trainer_->Update(StartRequest(1, t), t);
+  ASSERT_TRUE(done.ok()) << done.status();
+  // A full update's receipt covers every parameter: check reads the same.
+  for (const auto& e : done->engines()) {
+    auto check = trainer_->CheckEngine(e.engine_id());
+    ASSERT_TRUE(check.ok()) << check.status();
+    EXPECT_EQ(check->version(), 1);
+    EXPECT_EQ(check->state(), v1::ENGINE_READY);
+    EXPECT_EQ(check->receipt().checksum(), e.receipt().checksum())
+        << e.engine_id();
+    EXPECT_EQ(check->receipt().bytes(), e.receipt().bytes());
+  }
+  // One changed byte in the engine's memory changes its receipt.
+  auto before = trainer_->CheckEngine("plain");
+  ASSERT_TRUE(before.ok());
+  uint8_t* mem = const_cast<uint8_t*>(arenas_[0]->region().data());
+  const int64_t at = arenas_[0]->parameters()[0].offset();
+  mem[at] ^= 0x01;
+  auto after = trainer_->CheckEngine("plain");
+  ASSERT_TRUE(after.ok());
+  EXPECT_NE(after->receipt().checksum(), before->receipt().checksum());
+  mem[at] ^= 0x01;
+  EXPECT_EQ(trainer_->CheckEngine("nosuch").status().code(),
+            absl::StatusCode::kNotFound);
+  // While an update writes the engine, check refuses and names it.
+  auto t2 = Tensors(2);
+  ASSERT_TRUE(trainer_->StartWeightUpdate(StartRequest(2, t2)).ok());
+  auto busy = trainer_->CheckEngine("plain");
+  EXPECT_EQ(busy.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(busy.status().message(), HasSubstr("u2"));
+  ASSERT_TRUE(trainer_->PushTensors("u2", t2, 4096).ok());
+  ASSERT_TRUE(trainer_->FinishWeightUpdate("u2").ok());
+  auto v2 = trainer_->CheckEngine("plain");
+  ASSERT_TRUE(v2.ok());
+  EXPECT_EQ(v2->version(), 2);
+}
+
 // A sparse patch of `name` (float32): every 97th element gets a new value.
 // Returns the wire payload and applies the patch to data_ (the reference).
 std::vector<uint8_t> SparsePatchOf(synthetic::CheckpointData& data,

@@ -1243,6 +1243,58 @@ v1::GetStatusResponse Coordinator::GetStatus(bool include_layouts) {
   return response;
 }
 
+absl::StatusOr<v1::CheckEngineResponse> Coordinator::CheckEngine(
+    const v1::CheckEngineRequest& request) {
+  const std::string& id = request.engine_id();
+  std::shared_ptr<const EngineLayout> layout;
+  v1::CheckEngineResponse response;
+  response.set_engine_id(id);
+  auto busy = [&](const EngineRecord& r) -> absl::Status {
+    if (!r.updating) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "engine '", id, "' is being written by update '",
+        update_ != nullptr ? update_->id : "", "'; check it after Finish"));
+  };
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = engines_.find(id);
+    if (it == engines_.end()) {
+      return absl::NotFoundError(
+          absl::StrCat("no engine '", id, "' is registered"));
+    }
+    WS_RETURN_IF_ERROR(busy(it->second));
+    layout = it->second.layout;
+    const v1::EngineStatus status = EngineStatusLocked(id, it->second);
+    response.set_version(status.version());
+    response.set_state(status.state());
+  }
+  absl::flat_hash_set<std::string> sources;
+  for (const auto& [source, uses] : layout->uses_by_source) {
+    sources.insert(source);
+  }
+  const absl::Time t0 = absl::Now();
+  absl::StatusOr<v1::Receipt> receipt = ComputeReceipt(*layout, sources);
+  if (!receipt.ok()) {
+    return absl::Status(
+        receipt.status().code(),
+        absl::StrCat("engine '", id, "': ", receipt.status().message(),
+                     " (GPU engines get receipts with every update: "
+                     "FinishWeightUpdate)"));
+  }
+  response.set_seconds(absl::ToDoubleSeconds(absl::Now() - t0));
+  *response.mutable_receipt() = *std::move(receipt);
+  absl::MutexLock lock(&mu_);
+  auto it = engines_.find(id);
+  if (it == engines_.end() || it->second.layout != layout ||
+      it->second.version != response.version() || !busy(it->second).ok()) {
+    return absl::AbortedError(absl::StrCat(
+        "engine '", id,
+        "' changed while it was read (an update or a new registration); "
+        "check again"));
+  }
+  return response;
+}
+
 void Coordinator::Shutdown() {
   absl::MutexLock control(&control_mu_);
   bool active;

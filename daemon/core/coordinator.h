@@ -109,6 +109,12 @@ class Coordinator {
   absl::StatusOr<v1::ResumeResponse> Resume(const v1::ResumeRequest& request);
   v1::GetWorldSizeResponse GetWorldSize();
   v1::GetStatusResponse GetStatus(bool include_layouts = false);
+  // The receipt of every parameter `engine_id` holds, read from its memory
+  // now (weightsyncctl check). Doesn't pause the engine: the daemon is the
+  // only writer, and it refuses (FAILED_PRECONDITION) while an update
+  // writes the engine and answers ABORTED if one began while it read.
+  absl::StatusOr<v1::CheckEngineResponse> CheckEngine(
+      const v1::CheckEngineRequest& request);
 
   // Aborts an update in flight and releases every mapping (SIGTERM).
   void Shutdown();

@@ -227,6 +227,12 @@ grpc::Status TrainerServiceImpl::GetStatus(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
+grpc::Status TrainerServiceImpl::CheckEngine(
+    grpc::ServerContext*, const v1::CheckEngineRequest* request,
+    v1::CheckEngineResponse* response) {
+  return Answer(response, [&] { return core_->CheckEngine(*request); });
+}
+
 namespace {
 
 // A CUDA VMM handle ("pid:fd") must name the caller's pid: the daemon takes

@@ -70,6 +70,9 @@ class TrainerServiceImpl final : public v1::TrainerService::Service {
   grpc::Status GetStatus(grpc::ServerContext* ctx,
                          const v1::GetStatusRequest* request,
                          v1::GetStatusResponse* response) override;
+  grpc::Status CheckEngine(grpc::ServerContext* ctx,
+                           const v1::CheckEngineRequest* request,
+                           v1::CheckEngineResponse* response) override;
 
  private:
   // The transfer group belongs to the uid whose trainer formed it (over the

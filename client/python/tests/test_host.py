@@ -99,6 +99,20 @@ class HostBackendTest(unittest.TestCase):
         self.assertEqual(ctx.exception.code, "INVALID_ARGUMENT")
         self.assertFalse([f for f in os.listdir("/dev/shm") if f.startswith("weightsync-bad_id-")])
 
+    def test_check_reads_the_receipt_an_update_would_give(self):
+        _, w = self.engine("e0", [("a", "BFLOAT16", (64, 3)), ("b", "FLOAT32", (5,))])
+        self.trainer.init_host()
+        rng = np.random.default_rng(3)
+        r = self.trainer.update([("a", rng.standard_normal((64, 3)).astype(np.float32)),
+                                 ("b", rng.standard_normal(5).astype(np.float32))], version=4)
+        got = self.trainer.check("e0")
+        self.assertEqual((got.version, got.receipt.checksum), (4, r.engines[0].receipt.checksum))
+        w["b"][2] += 1  # the engine's memory changes: so does its receipt
+        self.assertNotEqual(self.trainer.check("e0").receipt.checksum, got.receipt.checksum)
+        with self.assertRaises(WeightSyncError) as ctx:
+            self.trainer.check("nosuch")
+        self.assertEqual(ctx.exception.code, "NOT_FOUND")
+
     def test_staged_update_pauses_only_for_the_commit(self):
         events = []
         engine, w = self.engine("st", [("a", "FLOAT32", (64, 64))],

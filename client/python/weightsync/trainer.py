@@ -119,6 +119,12 @@ class Trainer:
     def status(self):
         return self._stub.call("GetStatus")
 
+    def check(self, engine_id):
+        """Reads `engine_id`'s memory now and returns a CheckEngineResponse
+        (version, state, receipt: the checksum of everything it holds, as a
+        full update's receipt would be). Host memory only for now."""
+        return self._stub.call("CheckEngine", engine_id=engine_id)
+
     def pause(self, mode="keep", timeout=10.0, engine_ids=()):
         mode_value = {"abort": v1.PAUSE_MODE_ABORT, "wait": v1.PAUSE_MODE_WAIT,
                       "keep": v1.PAUSE_MODE_KEEP}[mode]
