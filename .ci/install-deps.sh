@@ -12,6 +12,7 @@ PKGS=(
   clang libclang-rt-14-dev   # libFuzzer targets (tests/fuzz, --config=fuzz)
   openssl                    # server_test makes a TLS certificate
   systemd python3-yaml       # deploy_test: systemd-analyze, systemd-sysusers; manifests
+  prometheus-cpp-dev         # the /metrics endpoint (daemon/server/metrics.cc)
 )
 missing=()
 for p in "${PKGS[@]}"; do

@@ -20,6 +20,7 @@
 #include "backends/cuda/worker_client.h"
 #include "daemon/backends.h"
 #include "daemon/core/coordinator.h"
+#include "daemon/server/metrics.h"
 #include "daemon/server/server.h"
 #include "daemon/server/systemd_notify.h"
 #include "gflags/gflags.h"
@@ -48,6 +49,10 @@ DEFINE_int32(keepalive_timeout_ms, 5000,
 DEFINE_int32(max_connection_idle_ms, 300000,
              "close a connection with no call open for this long (clients "
              "reconnect by themselves; 0: never)");
+DEFINE_string(metrics_address, "",
+              "host:port to serve Prometheus metrics on (http://.../metrics; "
+              "off when empty). Unauthenticated: bind it to an address only "
+              "the scraper reaches");
 DEFINE_int64(chunk_bytes, 8 << 20, "chunk size when a trainer asks for none");
 DEFINE_int64(max_chunk_bytes, 64 << 20, "largest chunk a trainer may ask for");
 DEFINE_int32(staging_buffers, 4, "host staging buffers (chunks in flight)");
@@ -211,6 +216,19 @@ int Main() {
   }
   Coordinator core(core_options, MakeMemoryMapper(gpu),
                    MakeDataPlaneFactory(host, gpu));
+
+  // Prometheus /metrics (off unless --metrics_address).
+  std::unique_ptr<Metrics> metrics;
+  if (!FLAGS_metrics_address.empty()) {
+    auto m = Metrics::Start(FLAGS_metrics_address, &core);
+    if (!m.ok()) {
+      LOG(ERROR) << m.status().message();
+      return 1;
+    }
+    metrics = *std::move(m);
+    LOG(INFO) << "metrics on http://" << FLAGS_metrics_address << " (port "
+              << metrics->port() << ")/metrics";
+  }
 
   ServerOptions server_options;
   server_options.unix_socket =

@@ -515,6 +515,9 @@ absl::Status GpuDataPlane::BeginImpl(
         plan->chunks.chunk_bytes, " bytes exceeds the budget of ",
         o.staging_budget, "; use a smaller chunk_bytes"));
   }
+  // GPU staging the worker holds for this update (ipc streaming copies
+  // straight from the trainer's buffer).
+  staging_bytes_ = backend_ == v1::BACKEND_NCCL || staged ? staging : 0;
   req.set_chunk_bytes(plan->chunks.chunk_bytes);
   req.set_staging_buffers(o.staging_buffers);
   for (const Chunk& c : plan->chunks.chunks) req.add_chunk_sizes(c.size);

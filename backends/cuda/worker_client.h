@@ -12,6 +12,7 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <deque>
 #include <map>
 #include <memory>
@@ -145,6 +146,7 @@ class GpuDataPlane : public DataPlane {
   int64_t chunks_written() const override;
   absl::Duration device_time() const override;
   bool ReceivesOwnBytes() const override { return true; }
+  int64_t staging_bytes() const override { return staging_bytes_; }
   std::string name() const override {
     return backend_ == v1::BACKEND_IPC ? "ipc" : "nccl";
   }
@@ -172,6 +174,7 @@ class GpuDataPlane : public DataPlane {
 
   const std::shared_ptr<GpuWorkerSupervisor> sup_;
   const v1::Backend backend_;
+  std::atomic<int64_t> staging_bytes_{0};
   mutable absl::Mutex mu_;
   int64_t chunks_ ABSL_GUARDED_BY(mu_) = 0;
   int ring_slots_ ABSL_GUARDED_BY(mu_) = 0;

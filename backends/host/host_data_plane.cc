@@ -168,6 +168,13 @@ void HostDataPlane::MarkEngineLost(int engine) {
   }
 }
 
+int64_t HostDataPlane::staging_bytes() const {
+  absl::MutexLock lock(&mu_);
+  int64_t bytes = 0;
+  for (const auto& [index, data] : queue_) bytes += data.size();
+  return bytes;
+}
+
 int64_t HostDataPlane::chunks_written() const {
   absl::MutexLock lock(&mu_);
   return written_;

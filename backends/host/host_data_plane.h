@@ -49,6 +49,7 @@ class HostDataPlane : public DataPlane {
   void MarkEngineLost(int engine) override;
   int64_t chunks_written() const override;
   std::string name() const override { return "host"; }
+  int64_t staging_bytes() const override;
 
  private:
   void Run();

@@ -204,7 +204,7 @@ absl::StatusOr<v1::RegisterEngineResponse> Coordinator::RegisterEngine(
     // Paused by an update its old daemon never finished: dirty, and paused
     // until an update cleans it, which then resumes it.
     r.dirty = true;
-    r.paused = true;
+    SetPaused(r, true);
     r.paused_by_update = true;
   }
   LOG(INFO) << "engine " << id << " registered: " << layout->parameters.size()
@@ -544,7 +544,7 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
     EngineRecord& r = it->second;
     r.updating = true;
     if (!r.paused) {
-      r.paused = true;
+      SetPaused(r, true);
       r.paused_by_update = true;
     }
   }
@@ -730,6 +730,18 @@ void Coordinator::FailUpdateLocked(const absl::Status& reason) {
   update_->phase = Phase::kFailed;
   update_->failed_at = absl::Now();
   update_->error = reason;
+  if (listener_) {
+    UpdateOutcome o;
+    o.update_id = update_->id;
+    o.backend = update_->data_plane->name();
+    o.staged = update_->staged;
+    o.code = reason.code() == absl::StatusCode::kOk ? absl::StatusCode::kUnknown
+                                                    : reason.code();
+    o.version = update_->target_version;
+    o.bytes = update_->received_bytes;
+    o.seconds = absl::ToDoubleSeconds(update_->failed_at - update_->started);
+    listener_(o);
+  }
   // Engines that may hold part of this update are dirty from now on. Bytes
   // that arrive by themselves (NCCL) may have landed from Begin on.
   const bool wrote =
@@ -822,7 +834,7 @@ absl::Status Coordinator::ResumeEngines(const std::vector<std::string>& engines,
   for (const auto& [id, s] : acks) {
     auto it = engines_.find(id);
     if (s.ok() && it != engines_.end()) {
-      it->second.paused = false;
+      SetPaused(it->second, false);
       it->second.paused_by_update = false;
     }
     if (!s.ok()) LOG(WARNING) << "resume: " << s;
@@ -864,7 +876,7 @@ absl::Status Coordinator::CommitStaged(absl::Time deadline) {
     for (const std::string& id : paused) {
       auto it = engines_.find(id);
       if (it == engines_.end()) continue;
-      it->second.paused = true;
+      SetPaused(it->second, true);
       it->second.paused_by_update = true;
     }
     for (size_t i = 0; i < update_->engine_ids.size(); ++i) {
@@ -1049,7 +1061,7 @@ absl::StatusOr<v1::FinishWeightUpdateResponse> Coordinator::FinishWeightUpdate(
     for (const std::string& e : resume) {
       auto it = engines_.find(e);
       if (acks.at(e).ok() && it != engines_.end()) {
-        it->second.paused = false;
+        SetPaused(it->second, false);
         it->second.paused_by_update = false;
       }
     }
@@ -1065,6 +1077,18 @@ absl::StatusOr<v1::FinishWeightUpdateResponse> Coordinator::FinishWeightUpdate(
   }
   v1::UpdateTimings* t = response.mutable_timings();
   t->set_commit_s(absl::ToDoubleSeconds(t_committed - t_receipts));
+  if (listener_) {
+    UpdateOutcome o;
+    o.update_id = id;
+    o.backend = plane->name();
+    o.staged = staged;
+    o.version = version;
+    o.bytes = response.bytes();
+    o.seconds = response.seconds();
+    o.pause_seconds = response.pause_seconds();
+    absl::MutexLock lock(&mu_);  // as for the failures' calls
+    listener_(o);
+  }
   LOG(INFO) << "update " << id << " committed version " << version << " on "
             << absl::StrJoin(committed, ",") << " in " << response.seconds()
             << " s (pause " << t->pause_s() << ", begin " << t->begin_s()
@@ -1140,7 +1164,7 @@ absl::StatusOr<v1::PauseResponse> Coordinator::Pause(
   for (const std::string& id : ids) {
     auto it = engines_.find(id);
     if (it == engines_.end()) continue;
-    it->second.paused = true;
+    SetPaused(it->second, true);
     *response.add_engines() = EngineStatusLocked(id, it->second);
   }
   return response;
@@ -1194,6 +1218,11 @@ v1::EngineStatus Coordinator::EngineStatusLocked(const std::string& id,
   s.set_bytes(r.layout->total_bytes);
   for (const std::string& u : r.layout->device_uuids) s.add_device_uuids(u);
   s.set_connected(hub_.Connected(id));
+  absl::Duration paused = r.paused_total;
+  if (r.paused_since != absl::InfiniteFuture()) {
+    paused += absl::Now() - r.paused_since;
+  }
+  s.set_paused_seconds(absl::ToDoubleSeconds(paused));
   s.set_state(r.dirty      ? v1::ENGINE_DIRTY
               : r.updating ? v1::ENGINE_UPDATING
               : r.paused   ? v1::ENGINE_PAUSED
@@ -1233,6 +1262,9 @@ v1::GetStatusResponse Coordinator::GetStatus(bool include_layouts) {
     if (update_ != nullptr) {
       u->set_received_bytes(update_->received_bytes);
       u->set_received_chunks(update_->next_chunk);
+      int64_t staging = update_->data_plane->staging_bytes();
+      for (const std::string& c : update_->staged_chunks) staging += c.size();
+      u->set_staging_bytes(staging);
     } else if (u->phase() == "committed") {
       u->set_received_bytes(u->total_bytes());
       u->set_received_chunks(u->total_chunks());
@@ -1241,6 +1273,15 @@ v1::GetStatusResponse Coordinator::GetStatus(bool include_layouts) {
   response.set_backend(backend_);
   response.set_build_info(options_.build_info);
   return response;
+}
+
+void Coordinator::SetPaused(EngineRecord& r, bool paused) {
+  if (paused && !r.paused) r.paused_since = absl::Now();
+  if (!paused && r.paused && r.paused_since != absl::InfiniteFuture()) {
+    r.paused_total += absl::Now() - r.paused_since;
+    r.paused_since = absl::InfiniteFuture();
+  }
+  r.paused = paused;
 }
 
 absl::StatusOr<v1::CheckEngineResponse> Coordinator::CheckEngine(

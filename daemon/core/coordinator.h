@@ -12,6 +12,7 @@
 #define WEIGHTSYNC_DAEMON_CORE_COORDINATOR_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -44,6 +45,20 @@ class DataPlaneFactory {
   // Ranks this daemon contributes to a group of `backend`.
   virtual int LocalWorldSize(v1::Backend backend) const = 0;
 };
+
+// How an update ended, for metrics (UpdateListener): committed (code OK)
+// or failed with `code`.
+struct UpdateOutcome {
+  std::string update_id;
+  std::string backend;  // "host", "nccl", "ipc"
+  bool staged = false;
+  absl::StatusCode code = absl::StatusCode::kOk;
+  int64_t version = 0;       // committed (OK) or targeted
+  int64_t bytes = 0;         // committed: the update's bytes; failed: received
+  double seconds = 0;        // Start to commit (or failure)
+  double pause_seconds = 0;  // committed: how long its engines were paused
+};
+using UpdateListener = std::function<void(const UpdateOutcome&)>;
 
 struct CoordinatorOptions {
   // Chunk size when Start asks for none, and the largest accepted.
@@ -116,6 +131,12 @@ class Coordinator {
   absl::StatusOr<v1::CheckEngineResponse> CheckEngine(
       const v1::CheckEngineRequest& request);
 
+  // Called once for every update that ends (metrics); set before serving.
+  // Runs under the core's lock: it must be quick and must not call back.
+  void set_update_listener(UpdateListener listener) {
+    listener_ = std::move(listener);
+  }
+
   // Aborts an update in flight and releases every mapping (SIGTERM).
   void Shutdown();
 
@@ -128,9 +149,15 @@ class Coordinator {
     int64_t version = 0;
     bool paused = false;
     bool paused_by_update = false;  // Finish resumes it
+    // Time spent paused, for GetStatus (paused_seconds) and metrics: the
+    // closed pauses, and when the open one began.
+    absl::Duration paused_total;
+    absl::Time paused_since = absl::InfiniteFuture();
     bool dirty = false;
     bool updating = false;
   };
+  // Sets r.paused and keeps its paused time.
+  static void SetPaused(EngineRecord& r, bool paused);
   enum class Phase { kReceiving, kFailed };
   struct Update {
     std::string id;
@@ -219,6 +246,7 @@ class Coordinator {
       ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, EngineRecord> engines_ ABSL_GUARDED_BY(mu_);
   v1::Backend backend_ ABSL_GUARDED_BY(mu_) = v1::BACKEND_UNSPECIFIED;
+  UpdateListener listener_;
   std::shared_ptr<DataPlane> data_plane_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<Update> update_ ABSL_GUARDED_BY(mu_);
   v1::UpdateStatus last_update_ ABSL_GUARDED_BY(mu_);

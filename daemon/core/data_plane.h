@@ -65,6 +65,8 @@ class DataPlane {
   virtual bool ReceivesOwnBytes() const { return false; }
 
   virtual std::string name() const = 0;
+  // Bytes of staging the update in progress holds now (metrics).
+  virtual int64_t staging_bytes() const { return 0; }
 
   // Receipts of memory only the data plane can read (GPU): per engine of
   // `plan`, bit for bit what ComputeReceipt (daemon/core/receipt.h) returns
