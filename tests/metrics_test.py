@@ -179,6 +179,17 @@ def main():
     finally:
         code = F.stop_all(procs, daemon)
     check("daemon exits 0 after SIGTERM", code == 0, code)
+    # Logs: one event line per engine and update event, with its fields.
+    text = open(log).read()
+    for pattern in (r"event=engine\.registered version=0 engine=e0: ",
+                    r"event=group\.formed: ",
+                    r"event=update\.started update=\S+ version=1 engine=e0,e1: streaming",
+                    r"event=update\.committed update=\S+ version=2 engine=e0,e1: ",
+                    r"event=update\.failed update=doomed version=3 engine=e0,e1: ",
+                    r"event=update\.started update=staged version=4 engine=e0,e1: staged",
+                    r"event=update\.committed update=staged version=4 engine=e0,e1: ",
+                    r"event=engine\.removed engine=e1: "):
+        check(f"daemon log has /{pattern}/", re.search(pattern, text) is not None)
     print(f"metrics: {'PASS' if not check.failures else 'FAIL'}; logs in {work}")
     return 1 if check.failures else 0
 

@@ -8,6 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "daemon/core/event_log.h"
 #include "daemon/core/receipt.h"
 #include "glog/logging.h"
 
@@ -82,8 +83,10 @@ void Coordinator::EndIfFailed(absl::string_view by) {
     absl::MutexLock lock(&mu_);
     failed = update_ != nullptr && update_->phase == Phase::kFailed;
     if (failed) {
-      LOG(WARNING) << "update " << update_->id << " failed (" << update_->error
-                   << ") and nobody ended it; " << by << " ends it";
+      LOG(WARNING) << Event("update.ended", update_->id,
+                            update_->target_version)
+                   << "failed (" << update_->error << ") and nobody ended it; "
+                   << by << " ends it";
     }
   }
   if (failed) EndFailedUpdate(absl::AbortedError("superseded"));
@@ -124,8 +127,9 @@ void Coordinator::WatchIdle() {
           continue;
         }
       }
-      LOG(WARNING) << "engines " << absl::StrJoin(orphaned, ", ")
-                   << " were paused by a trainer that has not called for "
+      LOG(WARNING) << Event("engine.pause_expired", "", -1,
+                            absl::StrJoin(orphaned, ","))
+                   << "paused by a trainer that has not called for "
                    << options_.update_idle_timeout << "; resuming them";
       ResumeEngines(orphaned, absl::Now() + options_.notice_timeout)
           .IgnoreError();
@@ -163,7 +167,7 @@ void Coordinator::WatchIdle() {
         continue;
       }
     }
-    LOG(WARNING) << "update " << id << ": "
+    LOG(WARNING) << Event("update.abandoned", id)
                  << (idle < options_.update_idle_timeout
                          ? "failed, and its trainer did not end it"
                          : absl::StrCat("no word from its trainer for ",
@@ -207,9 +211,12 @@ absl::StatusOr<v1::RegisterEngineResponse> Coordinator::RegisterEngine(
     SetPaused(r, true);
     r.paused_by_update = true;
   }
-  LOG(INFO) << "engine " << id << " registered: " << layout->parameters.size()
-            << " parameters, " << layout->total_bytes << " bytes, version "
-            << r.version;
+  LOG(INFO) << Event("engine.registered", "", r.version, id)
+            << layout->parameters.size() << " parameters, "
+            << layout->total_bytes << " bytes"
+            << (request.dirty() ? ", dirty (its old daemon did not finish "
+                                  "an update)"
+                                : "");
   v1::RegisterEngineResponse response;
   response.set_parameters(layout->parameters.size());
   response.set_bytes(layout->total_bytes);
@@ -235,14 +242,15 @@ void Coordinator::RemoveEngineLocked(const std::string& engine_id,
   // A cached plan holds the layouts, and so the engine's mappings.
   last_plan_.reset();
   last_plan_layouts_.clear();
-  LOG(INFO) << "engine " << engine_id << " removed: " << why;
+  LOG(INFO) << Event("engine.removed", "", -1, engine_id) << why;
   if (update_ == nullptr) return;
   for (size_t i = 0; i < update_->engine_ids.size(); ++i) {
     if (update_->engine_ids[i] == engine_id && !update_->lost[i]) {
       update_->lost[i] = true;
       update_->data_plane->MarkEngineLost(i);
-      LOG(WARNING) << "update " << update_->id << ": engine " << engine_id
-                   << " lost (" << why << ")";
+      LOG(WARNING) << Event("engine.lost", update_->id, update_->target_version,
+                            engine_id)
+                   << why;
     }
   }
   // The update's plan keeps the regions mapped until it ends; then the last
@@ -334,8 +342,9 @@ absl::StatusOr<v1::InitWeightTransferResponse> Coordinator::InitWeightTransfer(
       absl::StrFormat("%016x", absl::Uniform<uint64_t>(absl::BitGen())));
   response.set_local_world_size(data_planes_->LocalWorldSize(backend_));
   response.set_build_info(options_.build_info);
-  LOG(INFO) << "transfer group " << response.group_id() << " on "
-            << data_plane_->name();
+  LOG(INFO) << Event("group.formed") << "transfer group " << response.group_id()
+            << " on " << data_plane_->name() << ", world size "
+            << request.world_size();
   return response;
 }
 
@@ -471,8 +480,9 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
           " bytes of ", device_staging ? "GPU " : "", "staging; the budget is ",
           staging_budget, " (allow_streaming_fallback to stream instead)"));
     }
-    LOG(INFO) << "update " << request.update_id()
-              << ": over the staging budget, falling back to streaming";
+    LOG(INFO) << Event("update.fallback", request.update_id(),
+                       request.target_version())
+              << "over the staging budget, falling back to streaming";
     staged = false;
   }
   // Streaming writes into live memory: pause the engines first (an IPC data
@@ -558,11 +568,11 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
   response.set_mode(staged ? v1::UPDATE_MODE_STAGED
                            : v1::UPDATE_MODE_STREAMING);
   for (const std::string& id : ids) response.add_engine_ids(id);
-  LOG(INFO) << "update " << request.update_id() << " started: version "
-            << request.target_version() << ", " << request.tensors_size()
+  LOG(INFO) << Event("update.started", request.update_id(),
+                     request.target_version(), absl::StrJoin(ids, ","))
+            << (staged ? "staged, " : "streaming, ") << request.tensors_size()
             << " tensors, " << plan->chunks.total_bytes << " bytes in "
-            << plan->chunks.chunks.size() << " chunks, engines "
-            << absl::StrJoin(ids, ",");
+            << plan->chunks.chunks.size() << " chunks";
   return response;
 }
 
@@ -754,7 +764,9 @@ void Coordinator::FailUpdateLocked(const absl::Status& reason) {
       if (!update_->lost[i] && it != engines_.end()) it->second.dirty = true;
     }
   }
-  LOG(WARNING) << "update " << update_->id << " failed: " << reason;
+  LOG(WARNING) << Event("update.failed", update_->id, update_->target_version,
+                        absl::StrJoin(update_->engine_ids, ","))
+               << reason;
   RecordUpdateStatusLocked("failed");
 }
 
@@ -837,7 +849,8 @@ absl::Status Coordinator::ResumeEngines(const std::vector<std::string>& engines,
       SetPaused(it->second, false);
       it->second.paused_by_update = false;
     }
-    if (!s.ok()) LOG(WARNING) << "resume: " << s;
+    if (s.ok()) VLOG(1) << Event("engine.resumed", "", -1, id);
+    if (!s.ok()) LOG(WARNING) << Event("engine.resume_failed", "", -1, id) << s;
   }
   return FirstError(acks);
 }
@@ -1067,7 +1080,10 @@ absl::StatusOr<v1::FinishWeightUpdateResponse> Coordinator::FinishWeightUpdate(
     }
   }
   for (const auto& [e, s] : acks) {
-    if (!s.ok()) LOG(WARNING) << "new-version/resume notice: " << s;
+    if (s.ok()) VLOG(1) << Event("engine.new_version", id, version, e);
+    if (!s.ok()) {
+      LOG(WARNING) << Event("engine.notice_failed", id, version, e) << s;
+    }
   }
   const absl::Time t_committed = absl::Now();
   // The whole update, its commit notices included (as the pause is).
@@ -1089,12 +1105,12 @@ absl::StatusOr<v1::FinishWeightUpdateResponse> Coordinator::FinishWeightUpdate(
     absl::MutexLock lock(&mu_);  // as for the failures' calls
     listener_(o);
   }
-  LOG(INFO) << "update " << id << " committed version " << version << " on "
-            << absl::StrJoin(committed, ",") << " in " << response.seconds()
-            << " s (pause " << t->pause_s() << ", begin " << t->begin_s()
-            << ", transfer " << t->transfer_s() << ", device " << t->device_s()
-            << ", receipts " << t->receipts_s() << ", commit " << t->commit_s()
-            << ")";
+  LOG(INFO) << Event("update.committed", id, version,
+                     absl::StrJoin(committed, ","))
+            << "in " << response.seconds() << " s (pause " << t->pause_s()
+            << ", begin " << t->begin_s() << ", transfer " << t->transfer_s()
+            << ", device " << t->device_s() << ", receipts " << t->receipts_s()
+            << ", commit " << t->commit_s() << ")";
   return response;
 }
 
@@ -1125,8 +1141,15 @@ absl::StatusOr<std::vector<std::string>> Coordinator::PauseAll(
   if (engines.empty()) return std::vector<std::string>();
   const auto acks = hub_.Broadcast(engines, PauseNotice(mode), deadline);
   std::vector<std::string> paused, failed;
-  for (const auto& [id, s] : acks) (s.ok() ? paused : failed).push_back(id);
+  for (const auto& [id, s] : acks) {
+    (s.ok() ? paused : failed).push_back(id);
+    if (s.ok()) VLOG(1) << Event("engine.paused", "", -1, id) << why;
+  }
   if (failed.empty()) return paused;
+  LOG(WARNING) << Event("engine.pause_failed", "", -1,
+                        absl::StrJoin(failed, ","))
+               << why << ": " << acks.at(failed.front())
+               << "; resuming the others";
   // All or nothing: undo the pauses that did happen.
   hub_.Broadcast(paused, ResumeNotice(), absl::Now() + options_.notice_timeout);
   const absl::Status first = acks.at(failed.front());

@@ -240,8 +240,9 @@ class CutNet:
                         f"subjectAltName=IP:{self.daemon_ip}", "-keyout", key, "-out", cert],
                        check=True, capture_output=True)
         token = os.path.join(work, "token")
+        self.token = os.urandom(16).hex()
         with open(os.open(token, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            f.write(os.urandom(16).hex())
+            f.write(self.token)
         self.daemon_args = [f"--tcp={self.target}", f"--tls_cert={cert}",
                             f"--tls_key={key}", f"--token_file={token}",
                             "--keepalive_ms=1000", "--keepalive_timeout_ms=1000",
@@ -450,6 +451,8 @@ def run_case(daemon_bin, fault, phase, work):
         row["daemon_exit"] = stop_all(procs, daemon)
         if net:
             net.close()
+    if net and net.token in open(log).read():
+        row.update(ok=False, error=row.get("error", "") + " the bearer token is in the daemon log")
     if row["daemon_exit"] != 0:
         row.update(ok=False, error=row.get("error", "") +
                    f" daemon exit status {row['daemon_exit']} (see its log)")
