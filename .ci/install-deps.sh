@@ -13,6 +13,7 @@ PKGS=(
   openssl                    # server_test makes a TLS certificate
   systemd python3-yaml       # deploy_test: systemd-analyze, systemd-sysusers; manifests
   prometheus-cpp-dev         # the /metrics endpoint (daemon/server/metrics.cc)
+  tmux                       # weightsyncctl_test drives `watch` on a terminal
 )
 missing=()
 for p in "${PKGS[@]}"; do

@@ -8,6 +8,7 @@
 #include <cctype>
 #include <cstdlib>
 #include <fstream>
+#include <iostream>
 #include <iterator>
 #include <string>
 #include <vector>
@@ -19,6 +20,7 @@
 #include "backends/cuda/cuda_support.h"
 #include "backends/cuda/worker_client.h"
 #include "daemon/backends.h"
+#include "daemon/config_file.h"
 #include "daemon/core/coordinator.h"
 #include "daemon/server/metrics.h"
 #include "daemon/server/server.h"
@@ -26,6 +28,12 @@
 #include "gflags/gflags.h"
 #include "glog/logging.h"
 
+DEFINE_string(config, "",
+              "configuration file: 'name = value' lines of these flags "
+              "(docs/operations.md); flags on the command line win");
+DEFINE_bool(dump_config, false,
+            "print the effective configuration (every flag below, after "
+            "--config) as a configuration file and exit");
 DEFINE_string(socket, "",
               "Unix socket path; default $XDG_RUNTIME_DIR/weightsync/"
               "weightsyncd.sock, or /tmp/weightsync-$UID/weightsyncd.sock");
@@ -301,5 +309,16 @@ int main(int argc, char** argv) {
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   FLAGS_logtostderr = true;
   google::InitGoogleLogging(argv[0]);
+  if (!FLAGS_config.empty()) {
+    const absl::Status s = weightsync::ApplyConfigFile(FLAGS_config);
+    if (!s.ok()) {
+      LOG(ERROR) << s.message();
+      return 2;
+    }
+  }
+  if (FLAGS_dump_config) {
+    std::cout << weightsync::DumpConfig("daemon/main.cc");
+    return 0;
+  }
   return weightsync::Main();
 }

@@ -1,0 +1,833 @@
+// weightsyncctl: the operator's command line for a running weightsyncd
+// (docs/weightsyncctl.md).
+//
+//   weightsyncctl status                  engines, GPUs, versions, the update
+//   weightsyncctl watch [--until_done]    live progress of the current update
+//   weightsyncctl pause [--mode=keep|wait|abort] [ENGINE_ID...]
+//   weightsyncctl resume [--allow_dirty] [ENGINE_ID...]
+//   weightsyncctl check ENGINE_ID         receipt of an engine's weights now
+//
+// Text for people; --json for scripts (watch: one object per sample and
+// line). Exit status: 0 done; 1 a call failed ("weightsyncctl: CODE:
+// message" on stderr) or the update `watch --until_done` followed failed;
+// 2 usage. The bearer token of --token_file is sent, never printed.
+#include <sys/ioctl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <iterator>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "client/channel.h"
+#include "gflags/gflags.h"
+#include "google/protobuf/util/json_util.h"
+#include "grpcpp/client_context.h"
+#include "weightsync/v1/trainer_service.grpc.pb.h"
+
+DEFINE_string(socket, "",
+              "Unix socket of the daemon; empty: the daemon's default "
+              "($XDG_RUNTIME_DIR/weightsync/weightsyncd.sock, else "
+              "/tmp/weightsync-<uid>/weightsyncd.sock)");
+DEFINE_string(target, "",
+              "gRPC target instead of --socket: unix:PATH or host:port (TCP "
+              "is TLS: give --tls_ca, and --token_file)");
+DEFINE_string(tls_ca, "", "TCP: PEM file of the CA of the daemon's cert");
+DEFINE_string(token_file, "", "TCP: file holding the bearer token");
+DEFINE_string(tls_cert, "", "TCP, mutual TLS: PEM file of this client's cert");
+DEFINE_string(tls_key, "", "TCP, mutual TLS: PEM file of this client's key");
+DEFINE_bool(json, false, "print JSON instead of text (watch: one per line)");
+DEFINE_int32(timeout_ms, 15000,
+             "deadline for connecting and for each call; pause/resume give "
+             "engines 2/3 of it to acknowledge");
+DEFINE_int32(interval_ms, 200, "watch: time between two samples");
+DEFINE_bool(once, false, "watch: print one sample and exit");
+DEFINE_bool(until_done, false,
+            "watch: exit when the update followed ends (0 committed, 1 "
+            "failed)");
+DEFINE_string(mode, "keep",
+              "pause: what engines do with requests in flight: keep (freeze, "
+              "continue after resume), wait (let them finish) or abort");
+DEFINE_bool(allow_dirty, false,
+            "resume: also resume engines whose memory is DIRTY");
+
+namespace weightsync {
+namespace {
+
+constexpr char kUsage[] =
+    R"(usage: weightsyncctl [FLAGS] COMMAND [ARGS]
+
+commands:
+  status                      engines (state, version, GPUs), backend and
+                              the current or last update
+  watch                       progress of the current update: bytes, rate, ETA
+        [--interval_ms=200] [--once] [--until_done]
+  pause [ENGINE_ID...]        pause engines (all without ids)
+        [--mode=keep|wait|abort]
+  resume [ENGINE_ID...]       resume engines (all without ids)
+        [--allow_dirty]
+  check ENGINE_ID             read the engine's memory and print its receipt
+
+flags:
+  --socket=PATH               the daemon's Unix socket (default: the daemon's)
+  --target=unix:PATH|HOST:PORT  with --tls_ca=PEM --token_file=FILE for TCP
+  --json                      JSON for scripts
+  --timeout_ms=15000          deadline for connecting and for each call
+
+exit status: 0 ok, 1 a call failed or the watched update failed, 2 usage
+)";
+
+constexpr char kProg[] = "weightsyncctl";
+
+int Usage(const std::string& why) {
+  std::fprintf(stderr, "%s: %s\n\n%s", kProg, why.c_str(), kUsage);
+  return 2;
+}
+
+int Fail(absl::StatusCode code, const std::string& message) {
+  std::fprintf(stderr, "%s: %s: %s\n", kProg,
+               absl::StatusCodeToString(code).c_str(), message.c_str());
+  return 1;
+}
+
+int Fail(const grpc::Status& status) {
+  return Fail(static_cast<absl::StatusCode>(status.error_code()),
+              status.error_message());
+}
+
+// The daemon's default socket (daemon/main.cc DefaultSocket), without
+// creating its directory.
+std::string DefaultSocket() {
+  const char* runtime = std::getenv("XDG_RUNTIME_DIR");
+  const std::string dir = runtime != nullptr && *runtime != '\0'
+                              ? absl::StrCat(runtime, "/weightsync")
+                              : absl::StrCat("/tmp/weightsync-", getuid());
+  return dir + "/weightsyncd.sock";
+}
+
+bool ReadFile(const std::string& path, std::string* out) {
+  std::ifstream f(path);
+  if (!f) return false;
+  out->assign(std::istreambuf_iterator<char>(f), {});
+  while (!out->empty() &&
+         std::isspace(static_cast<unsigned char>(out->back()))) {
+    out->pop_back();
+  }
+  return true;
+}
+
+// ---- Formatting ----
+
+// "ENGINE_READY" -> "READY"; `prefix` stripped when present.
+std::string StripPrefix(const std::string& name, absl::string_view prefix) {
+  return absl::StartsWith(name, prefix) ? name.substr(prefix.size()) : name;
+}
+
+std::string StateName(v1::EngineState state) {
+  if (state == v1::ENGINE_STATE_UNSPECIFIED) return "UNSPECIFIED";
+  return StripPrefix(v1::EngineState_Name(state), "ENGINE_");
+}
+
+std::string BackendName(v1::Backend backend) {
+  if (backend == v1::BACKEND_UNSPECIFIED) return "none (no transfer group)";
+  return absl::AsciiStrToLower(
+      StripPrefix(v1::Backend_Name(backend), "BACKEND_"));
+}
+
+std::string ModeName(v1::UpdateMode mode) {
+  return absl::AsciiStrToLower(
+      StripPrefix(v1::UpdateMode_Name(mode), "UPDATE_MODE_"));
+}
+
+constexpr const char* kUnits[] = {"B", "kB", "MB", "GB", "TB", "PB"};
+
+// Decimal units, as the demo and bench print them: "442.6 MB".
+std::string HumanBytes(double bytes, int decimals = 1) {
+  int unit = 0;
+  while (bytes >= 1000 && unit < 5) {
+    bytes /= 1000;
+    ++unit;
+  }
+  if (unit == 0) return absl::StrFormat("%.0f B", bytes);
+  return absl::StrFormat("%.*f %s", decimals, bytes, kUnits[unit]);
+}
+
+// "1.21/2.50 GB": both in the unit of `total`.
+std::string BytesOf(int64_t done, int64_t total) {
+  double scale = 1;
+  int unit = 0;
+  while (total / scale >= 1000 && unit < 5) {
+    scale *= 1000;
+    ++unit;
+  }
+  if (unit == 0) return absl::StrFormat("%d/%d B", done, total);
+  return absl::StrFormat("%.2f/%.2f %s", done / scale, total / scale,
+                         kUnits[unit]);
+}
+
+std::string Duration(double s) {
+  if (s < 10) return absl::StrFormat("%.1fs", s);
+  if (s < 60) return absl::StrFormat("%.0fs", s);
+  const int64_t total = static_cast<int64_t>(s + 0.5);
+  if (total < 3600) return absl::StrFormat("%dm%02ds", total / 60, total % 60);
+  return absl::StrFormat("%dh%02dm", total / 3600, total % 3600 / 60);
+}
+
+// "GPU-3f0a1b2c-5d6e-..." -> "GPU-3f0a1b2c"; "host" stays.
+std::string ShortDevice(const std::string& uuid) {
+  if (absl::StartsWith(uuid, "GPU-") && uuid.size() > 12) {
+    return uuid.substr(0, 12);
+  }
+  return uuid.size() > 16 ? uuid.substr(0, 16) : uuid;
+}
+
+std::string JsonString(absl::string_view s) {
+  std::string out = "\"";
+  for (const char c : s) {
+    switch (c) {
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          absl::StrAppendFormat(&out, "\\u%04x", c);
+        } else {
+          out += c;
+        }
+    }
+  }
+  return out + "\"";
+}
+
+// One JSON object on one line: proto field names, enums by name, every
+// field (zero values too). 64-bit integers are strings (proto3 JSON).
+int PrintJson(const google::protobuf::Message& message) {
+  google::protobuf::util::JsonPrintOptions options;
+  options.always_print_primitive_fields = true;
+  options.preserve_proto_field_names = true;
+  std::string out;
+  const auto status =
+      google::protobuf::util::MessageToJsonString(message, &out, options);
+  if (!status.ok()) {
+    return Fail(absl::StatusCode::kInternal,
+                absl::StrCat("printing JSON: ", status.ToString()));
+  }
+  std::printf("%s\n", out.c_str());
+  return 0;
+}
+
+// Columns separated by two spaces; `right` columns are right-aligned.
+void PrintTable(const std::vector<std::vector<std::string>>& rows,
+                const std::vector<bool>& right) {
+  std::vector<size_t> width(rows[0].size(), 0);
+  for (const auto& row : rows) {
+    for (size_t i = 0; i < row.size(); ++i) {
+      width[i] = std::max(width[i], row[i].size());
+    }
+  }
+  for (const auto& row : rows) {
+    std::string line;
+    for (size_t i = 0; i < row.size(); ++i) {
+      const bool last = i + 1 == row.size();
+      const std::string pad(width[i] - row[i].size(), ' ');
+      if (right[i]) {
+        line += pad + row[i];
+      } else {
+        line += row[i] + (last ? "" : pad);
+      }
+      if (!last) line += "  ";
+    }
+    std::printf("%s\n", line.c_str());
+  }
+}
+
+void PrintEngines(
+    const google::protobuf::RepeatedPtrField<v1::EngineStatus>& engines) {
+  if (engines.empty()) {
+    std::printf("no engines registered\n");
+    return;
+  }
+  std::vector<std::vector<std::string>> rows = {{"ENGINE", "STATE", "VERSION",
+                                                 "CONNECTED", "PARAMETERS",
+                                                 "BYTES", "DEVICES"}};
+  for (const v1::EngineStatus& e : engines) {
+    std::vector<std::string> devices;
+    for (const std::string& d : e.device_uuids()) {
+      devices.push_back(ShortDevice(d));
+    }
+    rows.push_back({e.engine_id(), StateName(e.state()),
+                    absl::StrCat(e.version()), e.connected() ? "yes" : "no",
+                    absl::StrCat(e.parameters()), HumanBytes(e.bytes()),
+                    devices.empty() ? "-" : absl::StrJoin(devices, ",")});
+  }
+  PrintTable(rows, {false, false, true, false, true, true, false});
+}
+
+bool InProgress(const v1::GetStatusResponse& status) {
+  return status.has_update() && status.update().phase() != "committed" &&
+         status.update().phase() != "failed";
+}
+
+double Percent(const v1::UpdateStatus& u) {
+  return u.total_bytes() > 0 ? 100.0 * u.received_bytes() / u.total_bytes() : 0;
+}
+
+// ---- Commands ----
+
+class Ctl {
+ public:
+  Ctl(std::shared_ptr<grpc::Channel> channel, absl::Duration timeout)
+      : stub_(v1::TrainerService::NewStub(channel)), timeout_(timeout) {}
+
+  int Status();
+  int Watch();
+  int Pause(const std::vector<std::string>& ids, v1::PauseMode mode);
+  int Resume(const std::vector<std::string>& ids);
+  int Check(const std::string& id);
+
+ private:
+  std::unique_ptr<grpc::ClientContext> Context() const {
+    auto context = std::make_unique<grpc::ClientContext>();
+    context->set_deadline(absl::ToChronoTime(absl::Now() + timeout_));
+    return context;
+  }
+  grpc::Status GetStatus(v1::GetStatusResponse* response) const {
+    return stub_->GetStatus(Context().get(), v1::GetStatusRequest(), response);
+  }
+  // Engines get 2/3 of our deadline to acknowledge, so that the daemon's
+  // answer (naming an engine that did not) arrives before we give up.
+  int64_t NoticeTimeoutMs() const {
+    return std::max<int64_t>(1, absl::ToInt64Milliseconds(timeout_) * 2 / 3);
+  }
+
+  std::unique_ptr<v1::TrainerService::Stub> stub_;
+  const absl::Duration timeout_;
+};
+
+int Ctl::Status() {
+  v1::GetStatusResponse status;
+  const grpc::Status s = GetStatus(&status);
+  if (!s.ok()) return Fail(s);
+  if (FLAGS_json) return PrintJson(status);
+  std::printf("backend: %s", BackendName(status.backend()).c_str());
+  if (!status.build_info().empty()) {
+    std::printf("   build: %s", status.build_info().c_str());
+  }
+  std::printf("\n\n");
+  PrintEngines(status.engines());
+  std::printf("\n");
+  if (!status.has_update()) {
+    std::printf("update: none since the daemon started\n");
+    return 0;
+  }
+  const v1::UpdateStatus& u = status.update();
+  std::printf("%s update: %s  version %" PRId64 "  %s  %s\n",
+              InProgress(status) ? "current" : "last", u.update_id().c_str(),
+              u.target_version(), ModeName(u.mode()).c_str(),
+              u.phase().c_str());
+  if (u.phase() == "failed" && u.received_chunks() == 0) {
+    // Once a failed update has ended, the daemon keeps no count of what it
+    // received.
+    std::printf("  total %s, %" PRId64 " chunks",
+                HumanBytes(u.total_bytes(), 2).c_str(), u.total_chunks());
+  } else {
+    std::printf("  received %s (%.1f%%), %" PRId64 "/%" PRId64 " chunks",
+                BytesOf(u.received_bytes(), u.total_bytes()).c_str(),
+                Percent(u), u.received_chunks(), u.total_chunks());
+  }
+  if (!u.engine_ids().empty()) {
+    std::printf("; engines %s", absl::StrJoin(u.engine_ids(), ", ").c_str());
+  }
+  std::printf("\n");
+  if (!u.error().empty()) std::printf("  error: %s\n", u.error().c_str());
+  return 0;
+}
+
+// Follows GetStatus every --interval_ms. The update followed is the one in
+// progress, or one that started (and maybe ended) between two samples: any
+// update other than the last one of the first sample.
+class Watcher {
+ public:
+  explicit Watcher(bool tty) : tty_(tty) {}
+
+  // Takes one sample; returns true when the followed update just ended
+  // (*failed tells how).
+  bool Sample(const v1::GetStatusResponse& status, absl::Time now,
+              bool* failed) {
+    const bool has = status.has_update();
+    const v1::UpdateStatus& u = status.update();
+    const std::string key =
+        has ? absl::StrCat(u.update_id(), "\n", u.target_version()) : "";
+    const std::string state = absl::StrCat(key, "\n", u.phase());
+    if (first_) {
+      first_ = false;
+      initial_ = state;
+    }
+    const bool in_progress = InProgress(status);
+    if (in_progress) {
+      // A retry may reuse the id and version of an update that failed.
+      if (reported_ == key) reported_.clear();
+      if (key != last_key_) samples_.clear();
+      samples_.push_back({now, u.received_bytes()});
+      while (samples_.size() > 2 && now - samples_[1].time >= kWindow) {
+        samples_.pop_front();
+      }
+      last_key_ = key;
+      last_bytes_ = u.received_bytes();
+    } else {
+      samples_.clear();
+    }
+    Rate(&rate_, &eta_, u);
+    const bool ended =
+        has && !in_progress && state != initial_ && reported_ != key;
+    if (ended) reported_ = key;
+    *failed = ended && u.phase() == "failed";
+    if (FLAGS_json) {
+      PrintSample(status, now, in_progress, ended, Received(u, key));
+    } else if (ended) {
+      Draw(FinalLine(u, key), "", /*final=*/true);
+    } else if (in_progress) {
+      Draw(ProgressLine(u),
+           absl::StrCat(key, "\n", u.phase(), "\n", u.received_bytes()), false);
+    } else {
+      const std::string line = IdleLine(status);
+      Draw(line, line, false);
+    }
+    return ended;
+  }
+
+  // --once: ends the line a TTY draw left open.
+  void Finish() {
+    if (open_) std::printf("\n");
+    open_ = false;
+    std::fflush(stdout);
+  }
+
+ private:
+  struct Point {
+    absl::Time time;
+    int64_t bytes;
+  };
+  static constexpr absl::Duration kWindow = absl::Seconds(2);
+
+  // Bytes per second over the samples of the last 2 s (< 0: not known
+  // yet); ETA = bytes left / rate (< 0: not known, or stalled).
+  void Rate(double* rate, double* eta, const v1::UpdateStatus& u) const {
+    *rate = *eta = -1;
+    if (samples_.size() < 2) return;
+    const double dt =
+        absl::ToDoubleSeconds(samples_.back().time - samples_.front().time);
+    if (dt <= 0) return;
+    *rate = (samples_.back().bytes - samples_.front().bytes) / dt;
+    if (*rate > 0) {
+      *eta = std::max<double>(0, u.total_bytes() - u.received_bytes()) / *rate;
+    }
+  }
+
+  std::string Title(const v1::UpdateStatus& u) const {
+    return absl::StrCat("update ", u.update_id(), " v", u.target_version(), " ",
+                        u.phase());
+  }
+
+  std::string ProgressLine(const v1::UpdateStatus& u) const {
+    const double pct = Percent(u);
+    const int fill = static_cast<int>(kBar * std::min(pct, 100.0) / 100);
+    return absl::StrCat(Title(u), "  [", std::string(fill, '#'),
+                        std::string(kBar - fill, '.'), "]  ",
+                        absl::StrFormat("%5.1f%%", pct), "  ",
+                        BytesOf(u.received_bytes(), u.total_bytes()), "  ",
+                        rate_ < 0 ? "-- B/s" : HumanBytes(rate_) + "/s",
+                        "  ETA ", eta_ < 0 ? "--" : Duration(eta_));
+  }
+
+  std::string FinalLine(const v1::UpdateStatus& u,
+                        const std::string& key) const {
+    if (u.phase() == "committed") {
+      return absl::StrCat(Title(u), "  ", HumanBytes(u.total_bytes()), "  ",
+                          u.total_chunks(), " chunks  engines ",
+                          absl::StrJoin(u.engine_ids(), ", "));
+    }
+    return absl::StrCat(Title(u), " after ",
+                        BytesOf(Received(u, key), u.total_bytes()), ": ",
+                        u.error().empty() ? "(no reason)" : u.error());
+  }
+
+  // A failed update's status no longer counts what it received (0): our
+  // last sample of it does.
+  int64_t Received(const v1::UpdateStatus& u, const std::string& key) const {
+    if (u.phase() != "failed" || key != last_key_) return u.received_bytes();
+    return std::max(u.received_bytes(), last_bytes_);
+  }
+
+  std::string IdleLine(const v1::GetStatusResponse& status) const {
+    if (!status.has_update()) return "no update in progress (last: none)";
+    const v1::UpdateStatus& u = status.update();
+    return absl::StrCat("no update in progress (last: ", u.update_id(), " v",
+                        u.target_version(), " ", u.phase(), ")");
+  }
+
+  // A TTY gets one line redrawn in place (carriage return, erase to the
+  // end); a pipe gets a line each time `change` (what the line shows, less
+  // rate and ETA) differs from the last one's, and every final line.
+  void Draw(std::string line, const std::string& change, bool final) {
+    if (!tty_) {
+      if (change != printed_ || final) std::printf("%s\n", line.c_str());
+      printed_ = final ? "" : change;
+      std::fflush(stdout);
+      return;
+    }
+    const size_t cols = Columns();
+    if (cols > 1 && line.size() >= cols) line.resize(cols - 1);
+    std::printf("\r%s\x1b[K%s", line.c_str(), final ? "\n" : "");
+    open_ = !final;
+    std::fflush(stdout);
+  }
+
+  static size_t Columns() {
+    struct winsize ws;
+    if (ioctl(STDOUT_FILENO, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 0) {
+      return ws.ws_col;
+    }
+    return 0;
+  }
+
+  void PrintSample(const v1::GetStatusResponse& status, absl::Time now,
+                   bool in_progress, bool done, int64_t bytes) const {
+    const v1::UpdateStatus& u = status.update();
+    const auto number = [](double v, const char* format) {
+      return v < 0 ? std::string("null") : absl::StrFormat(format, v);
+    };
+    std::printf(
+        "{\"t\":%.3f,\"in_progress\":%s,\"done\":%s,\"update_id\":%s,"
+        "\"target_version\":%" PRId64
+        ",\"mode\":%s,\"phase\":%s,\"bytes\":%" PRId64 ",\"total\":%" PRId64
+        ",\"chunks\":%" PRId64 ",\"total_chunks\":%" PRId64
+        ",\"rate_bytes_per_s\":%s,\"eta_s\":%s,\"error\":%s}\n",
+        absl::ToDoubleSeconds(now - absl::UnixEpoch()),
+        in_progress ? "true" : "false", done ? "true" : "false",
+        JsonString(u.update_id()).c_str(), u.target_version(),
+        JsonString(status.has_update() ? ModeName(u.mode()) : "").c_str(),
+        JsonString(status.has_update() ? u.phase() : "none").c_str(), bytes,
+        u.total_bytes(), u.received_chunks(), u.total_chunks(),
+        number(in_progress ? rate_ : -1, "%.0f").c_str(),
+        number(in_progress ? eta_ : -1, "%.3f").c_str(),
+        JsonString(u.error()).c_str());
+    std::fflush(stdout);
+  }
+
+  static constexpr int kBar = 20;
+  const bool tty_;
+  bool first_ = true;
+  std::string initial_;        // update key and phase of the first sample
+  std::string reported_;       // key of the update whose end was printed
+  std::deque<Point> samples_;  // of update last_key_ while in progress
+  std::string last_key_;       // last update seen in progress
+  int64_t last_bytes_ = 0;     // its bytes then
+  double rate_ = -1, eta_ = -1;
+  std::string printed_;  // `change` of the last line printed (not a TTY)
+  bool open_ = false;    // a TTY line without its newline yet
+};
+
+int Ctl::Watch() {
+  Watcher watcher(isatty(STDOUT_FILENO) == 1);
+  const absl::Duration interval = absl::Milliseconds(FLAGS_interval_ms);
+  while (true) {
+    const absl::Time t = absl::Now();
+    v1::GetStatusResponse status;
+    const grpc::Status s = GetStatus(&status);
+    if (!s.ok()) {
+      watcher.Finish();
+      return Fail(s);
+    }
+    bool failed = false;
+    const bool ended = watcher.Sample(status, absl::Now(), &failed);
+    if (FLAGS_once) {
+      watcher.Finish();
+      return 0;
+    }
+    if (ended && FLAGS_until_done) {
+      watcher.Finish();
+      return failed ? 1 : 0;
+    }
+    absl::SleepFor(interval - (absl::Now() - t));
+  }
+}
+
+int Ctl::Pause(const std::vector<std::string>& ids, v1::PauseMode mode) {
+  v1::PauseRequest request;
+  request.set_mode(mode);
+  request.set_timeout_ms(NoticeTimeoutMs());
+  for (const std::string& id : ids) request.add_engine_ids(id);
+  v1::PauseResponse response;
+  const grpc::Status s = stub_->Pause(Context().get(), request, &response);
+  if (!s.ok()) return Fail(s);
+  if (FLAGS_json) return PrintJson(response);
+  PrintEngines(response.engines());
+  return 0;
+}
+
+int Ctl::Resume(const std::vector<std::string>& ids) {
+  v1::ResumeRequest request;
+  request.set_allow_dirty(FLAGS_allow_dirty);
+  request.set_timeout_ms(NoticeTimeoutMs());
+  for (const std::string& id : ids) request.add_engine_ids(id);
+  v1::ResumeResponse response;
+  const grpc::Status s = stub_->Resume(Context().get(), request, &response);
+  if (!s.ok()) return Fail(s);
+  if (FLAGS_json) return PrintJson(response);
+  PrintEngines(response.engines());
+  return 0;
+}
+
+int Ctl::Check(const std::string& id) {
+  v1::CheckEngineRequest request;
+  request.set_engine_id(id);
+  v1::CheckEngineResponse response;
+  const grpc::Status s =
+      stub_->CheckEngine(Context().get(), request, &response);
+  if (!s.ok()) return Fail(s);
+  if (FLAGS_json) return PrintJson(response);
+  const v1::Receipt& r = response.receipt();
+  std::printf("engine %s v%" PRId64 " %s receipt 0x%016" PRIx64 " (%" PRId64
+              " parameters, %s, read in %.2f s)\n",
+              response.engine_id().c_str(), response.version(),
+              StateName(response.state()).c_str(), r.checksum(), r.parameters(),
+              HumanBytes(r.bytes()).c_str(), response.seconds());
+  return 0;
+}
+
+// ---- Command line ----
+
+// gflags exits 1 on an unknown flag or a bad value; usage errors here exit
+// 2, so the flags are checked first. Returns false (with *why) on the first
+// bad one; *help on --help or -h.
+bool CheckFlags(int argc, char** argv, bool* help, std::string* why) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--") break;
+    if (arg.size() < 2 || arg[0] != '-') continue;  // an argument
+    std::string name = arg.substr(arg[1] == '-' ? 2 : 1);
+    if (name == "help" || name == "h") {
+      *help = true;
+      return true;
+    }
+    std::string value;
+    const size_t eq = name.find('=');
+    const bool has_value = eq != std::string::npos;
+    if (has_value) {
+      value = name.substr(eq + 1);
+      name.resize(eq);
+    }
+    gflags::CommandLineFlagInfo info;
+    if (!gflags::GetCommandLineFlagInfo(name.c_str(), &info)) {
+      if (!has_value && absl::StartsWith(name, "no") &&
+          gflags::GetCommandLineFlagInfo(name.substr(2).c_str(), &info) &&
+          info.type == "bool") {
+        continue;  // --nojson
+      }
+      *why = absl::StrCat("unknown flag --", name);
+      return false;
+    }
+    if (!has_value) {
+      if (info.type == "bool") continue;
+      if (i + 1 >= argc) {
+        *why = absl::StrCat("flag --", name, " needs a value");
+        return false;
+      }
+      value = argv[++i];
+    }
+    if (name == "flagfile" || name == "fromenv" || name == "tryfromenv") {
+      continue;  // gflags reads those itself
+    }
+    gflags::FlagSaver saver;  // puts every flag back when it goes
+    if (gflags::SetCommandLineOption(name.c_str(), value.c_str()).empty()) {
+      *why = absl::StrCat("bad value '", value, "' for --", name);
+      return false;
+    }
+  }
+  return true;
+}
+
+// A flag of one command given to another is a mistake, not a no-op.
+bool FlagsFit(const std::string& command, std::string* why) {
+  struct Owned {
+    const char* flag;
+    const char* command;
+  };
+  for (const Owned& o : {Owned{"interval_ms", "watch"}, Owned{"once", "watch"},
+                         Owned{"until_done", "watch"}, Owned{"mode", "pause"},
+                         Owned{"allow_dirty", "resume"}}) {
+    gflags::CommandLineFlagInfo info;
+    gflags::GetCommandLineFlagInfo(o.flag, &info);
+    if (command != o.command && info.current_value != info.default_value) {
+      *why = absl::StrCat("--", o.flag, " is a flag of '", o.command, "'");
+      return false;
+    }
+  }
+  return true;
+}
+
+int Main(const std::vector<std::string>& args) {
+  if (args.empty()) return Usage("no command given");
+  const std::string& command = args[0];
+  if (command == "help") {
+    std::printf("%s", kUsage);
+    return 0;
+  }
+  const std::vector<std::string> rest(args.begin() + 1, args.end());
+  if (command != "status" && command != "watch" && command != "pause" &&
+      command != "resume" && command != "check") {
+    return Usage(absl::StrCat("unknown command '", command, "'"));
+  }
+  std::string why;
+  if (!FlagsFit(command, &why)) return Usage(why);
+  if ((command == "status" || command == "watch") && !rest.empty()) {
+    return Usage(absl::StrCat("'", command, "' takes no arguments"));
+  }
+  if (command == "check" && rest.size() != 1) {
+    return Usage("'check' takes one engine id");
+  }
+  v1::PauseMode mode = v1::PAUSE_MODE_KEEP;
+  if (command == "pause") {
+    const std::string m = absl::AsciiStrToLower(FLAGS_mode);
+    if (m == "keep") {
+      mode = v1::PAUSE_MODE_KEEP;
+    } else if (m == "wait") {
+      mode = v1::PAUSE_MODE_WAIT;
+    } else if (m == "abort") {
+      mode = v1::PAUSE_MODE_ABORT;
+    } else {
+      return Usage(absl::StrCat("--mode is keep, wait or abort, not '",
+                                FLAGS_mode, "'"));
+    }
+  }
+  if (FLAGS_timeout_ms <= 0) return Usage("--timeout_ms must be positive");
+  if (FLAGS_interval_ms <= 0) return Usage("--interval_ms must be positive");
+  if (FLAGS_once && FLAGS_until_done) {
+    return Usage("--once and --until_done exclude each other");
+  }
+  if (!FLAGS_socket.empty() && !FLAGS_target.empty()) {
+    return Usage("give --socket or --target, not both");
+  }
+
+  ClientOptions options;
+  options.target =
+      FLAGS_target.empty()
+          ? absl::StrCat("unix:",
+                         FLAGS_socket.empty() ? DefaultSocket() : FLAGS_socket)
+          : FLAGS_target;
+  if (absl::StartsWith(options.target, "/")) {
+    options.target = absl::StrCat("unix:", options.target);
+  }
+  const bool tcp = !absl::StartsWith(options.target, "unix:") &&
+                   !absl::StartsWith(options.target, "unix-abstract:");
+  if (tcp && FLAGS_tls_ca.empty()) {
+    return Usage(
+        "a TCP --target needs --tls_ca (weightsyncd's TCP listener "
+        "is TLS only)");
+  }
+  if (!tcp && (!FLAGS_tls_ca.empty() || !FLAGS_token_file.empty())) {
+    return Usage("--tls_ca and --token_file are for TCP targets");
+  }
+  const struct {
+    const std::string& path;
+    const char* flag;
+    std::string* out;
+  } files[] = {{FLAGS_tls_ca, "tls_ca", &options.tls_ca_pem},
+               {FLAGS_token_file, "token_file", &options.token},
+               {FLAGS_tls_cert, "tls_cert", &options.tls_cert_pem},
+               {FLAGS_tls_key, "tls_key", &options.tls_key_pem}};
+  for (const auto& f : files) {
+    if (!f.path.empty() && !ReadFile(f.path, f.out)) {
+      return Usage(absl::StrCat("can't read --", f.flag, "=", f.path));
+    }
+  }
+  const absl::Duration timeout = absl::Milliseconds(FLAGS_timeout_ms);
+  options.call_timeout = timeout;
+  options.connect_timeout = timeout;
+  if (FLAGS_target.empty()) {
+    // gRPC would retry a missing socket until the deadline; say it now.
+    const std::string path = options.target.substr(strlen("unix:"));
+    struct stat st;
+    if (stat(path.c_str(), &st) != 0) {
+      return Fail(
+          absl::StatusCode::kUnavailable,
+          absl::StrCat("no daemon socket at ", path, ": ", std::strerror(errno),
+                       " (is weightsyncd running? --socket=PATH)"));
+    }
+  }
+  if (!tcp) {
+    // A local daemon accepts at once; a stale socket file would make gRPC
+    // retry until the deadline.
+    options.connect_timeout = std::min(timeout, absl::Seconds(5));
+  }
+  auto channel = ConnectChannel(options);
+  if (!channel.ok()) {
+    return Fail(channel.status().code(),
+                std::string(channel.status().message()));
+  }
+  Ctl ctl(*channel, timeout);
+  if (command == "status") return ctl.Status();
+  if (command == "watch") return ctl.Watch();
+  if (command == "pause") return ctl.Pause(rest, mode);
+  if (command == "resume") return ctl.Resume(rest);
+  return ctl.Check(rest[0]);
+}
+
+}  // namespace
+}  // namespace weightsync
+
+int main(int argc, char** argv) {
+  gflags::SetUsageMessage(weightsync::kUsage);
+  bool help = false;
+  std::string why;
+  if (!weightsync::CheckFlags(argc, argv, &help, &why)) {
+    return weightsync::Usage(why);
+  }
+  if (help) {
+    std::printf("%s", weightsync::kUsage);
+    return 0;
+  }
+  // Everything after "--" is an argument (an engine id starting with '-').
+  // gflags would move the arguments before it behind those after it.
+  int flags_argc = 1;
+  while (flags_argc < argc && std::strcmp(argv[flags_argc], "--") != 0) {
+    ++flags_argc;
+  }
+  const std::vector<std::string> tail(argv + std::min(flags_argc + 1, argc),
+                                      argv + argc);
+  gflags::ParseCommandLineFlags(&flags_argc, &argv, true);
+  std::vector<std::string> args(argv + 1, argv + flags_argc);
+  args.insert(args.end(), tail.begin(), tail.end());
+  return weightsync::Main(args);
+}
