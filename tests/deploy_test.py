@@ -31,6 +31,7 @@ import subprocess
 import tempfile
 import time
 import unittest
+import urllib.request
 import xml.etree.ElementTree as ET
 
 import yaml
@@ -406,6 +407,12 @@ class LiveDaemonTest(unittest.TestCase):
         sock = vol + sock_in_pod[len(volume_root):]
         args = [a if not a.startswith("--socket=") else f"--socket={sock}"
                 for a in d["args"]]
+        # $(POD_IP), which kubelet expands from the env's fieldRef: here.
+        self.assertIn("--metrics_address=$(POD_IP):9464", args)
+        self.assertIn({"name": "POD_IP", "valueFrom": {"fieldRef": {
+            "fieldPath": "status.podIP"}}}, d["env"])
+        self.assertIn({"name": "metrics", "containerPort": 9464}, d["ports"])
+        args = [a.replace("$(POD_IP):9464", "127.0.0.1:0") for a in args]
         env = dict(os.environ, NOTIFY_SOCKET=os.path.join(self.tmp, "notify"),
                    WATCHDOG_USEC="1000000")  # a ping every 0.5 s
         env.pop("WATCHDOG_PID", None)
@@ -427,6 +434,13 @@ class LiveDaemonTest(unittest.TestCase):
             self.assertIn(m, ("WATCHDOG=1", None), m)
             pings += m == "WATCHDOG=1"
         self.assertGreaterEqual(pings, 3, self.log())
+
+        # The metrics endpoint the pod's annotations point Prometheus at.
+        port = re.search(r"\(port (\d+)\)/metrics", self.log())
+        self.assertIsNotNone(port, self.log())
+        body = urllib.request.urlopen(
+            f"http://127.0.0.1:{port.group(1)}/metrics", timeout=5).read().decode()
+        self.assertIn("weightsync_engines 0", body)
 
         # The probe command of the manifest, on this socket.
         probe = d["livenessProbe"]["exec"]["command"]
