@@ -47,6 +47,13 @@ class Mapper : public MemoryMapper {
         return absl::InvalidArgumentError("unknown memory kind");
     }
   }
+  absl::StatusOr<v1::Receipt> DeviceReceipt(
+      const EngineLayout& engine,
+      const absl::flat_hash_set<std::string>& sources,
+      absl::Time deadline) override {
+    if (gpu_ == nullptr) return NoGpu("GPU memory");
+    return GpuMapper(gpu_).DeviceReceipt(engine, sources, deadline);
+  }
 
  private:
   ShmMapper shm_;

@@ -366,17 +366,17 @@ namespace {
 // from element s.dest_offset, rows s.dest_row_stride elements apart. Fills
 // *req, the receipts' parameter and byte counts in *out (one per engine),
 // and each region's source tensor in *region_sources.
-absl::Status ReceiptRegionsOf(const CopyPlan& plan,
+absl::Status ReceiptRegionsOf(const std::vector<const EngineLayout*>& engines,
                               const absl::flat_hash_set<std::string>& sources,
                               const std::vector<bool>& skip,
                               worker::v1::ComputeReceiptsRequest* req,
                               std::vector<v1::Receipt>* out,
                               std::vector<std::string>* region_sources) {
-  out->assign(plan.engines.size(), v1::Receipt());
-  req->set_groups(plan.engines.size());
-  for (size_t e = 0; e < plan.engines.size(); ++e) {
+  out->assign(engines.size(), v1::Receipt());
+  req->set_groups(engines.size());
+  for (size_t e = 0; e < engines.size(); ++e) {
     if (e < skip.size() && skip[e]) continue;
-    const EngineLayout& engine = *plan.engines[e];
+    const EngineLayout& engine = *engines[e];
     v1::Receipt& receipt = (*out)[e];
     for (const ParameterLayout& p : engine.parameters) {
       const auto* region =
@@ -411,7 +411,28 @@ absl::Status ReceiptRegionsOf(const CopyPlan& plan,
   return absl::OkStatus();
 }
 
+std::vector<const EngineLayout*> EnginesOf(const CopyPlan& plan) {
+  std::vector<const EngineLayout*> engines;
+  for (const auto& e : plan.engines) engines.push_back(e.get());
+  return engines;
+}
+
 }  // namespace
+
+absl::StatusOr<v1::Receipt> GpuMapper::DeviceReceipt(
+    const EngineLayout& engine, const absl::flat_hash_set<std::string>& sources,
+    absl::Time deadline) {
+  std::vector<v1::Receipt> out;
+  worker::v1::ComputeReceiptsRequest req;
+  std::vector<std::string> region_sources;
+  WS_RETURN_IF_ERROR(
+      ReceiptRegionsOf({&engine}, sources, {}, &req, &out, &region_sources));
+  absl::StatusOr<std::vector<uint64_t>> sums =
+      sup_->ComputeReceipts(req, deadline);
+  if (!sums.ok()) return sums.status();
+  out[0].set_checksum((*sums)[0]);
+  return out[0];
+}
 
 absl::StatusOr<std::vector<v1::Receipt>> GpuDataPlane::DeviceReceipts(
     const CopyPlan& plan, const absl::flat_hash_set<std::string>& sources,
@@ -430,8 +451,8 @@ absl::StatusOr<std::vector<v1::Receipt>> GpuDataPlane::DeviceReceipts(
   std::vector<v1::Receipt> out;
   worker::v1::ComputeReceiptsRequest req;
   std::vector<std::string> region_sources;
-  WS_RETURN_IF_ERROR(
-      ReceiptRegionsOf(plan, sources, skip, &req, &out, &region_sources));
+  WS_RETURN_IF_ERROR(ReceiptRegionsOf(EnginesOf(plan), sources, skip, &req,
+                                      &out, &region_sources));
   absl::StatusOr<std::vector<uint64_t>> sums =
       sup_->ComputeReceipts(req, deadline);
   if (!sums.ok()) return sums.status();
@@ -456,8 +477,9 @@ absl::Status GpuDataPlane::AddReceipts(
   }
   std::vector<v1::Receipt> receipts;
   std::vector<std::string> region_sources;
-  WS_RETURN_IF_ERROR(ReceiptRegionsOf(
-      plan, sources, {}, req->mutable_receipts(), &receipts, &region_sources));
+  WS_RETURN_IF_ERROR(ReceiptRegionsOf(EnginesOf(plan), sources, {},
+                                      req->mutable_receipts(), &receipts,
+                                      &region_sources));
   for (const std::string& source : region_sources) {
     auto it = last_chunk.find(source);
     // A tensor of no bytes rides in no chunk: after the first.

@@ -121,6 +121,11 @@ class GpuMapper : public MemoryMapper {
       : sup_(std::move(sup)) {}
   absl::StatusOr<std::shared_ptr<MappedRegion>> Open(
       const v1::Allocation& allocation) override;
+  // Computed by the worker from the engine's GPU memory.
+  absl::StatusOr<v1::Receipt> DeviceReceipt(
+      const EngineLayout& engine,
+      const absl::flat_hash_set<std::string>& sources,
+      absl::Time deadline) override;
 
  private:
   const std::shared_ptr<GpuWorkerSupervisor> sup_;

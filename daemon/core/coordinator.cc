@@ -1338,12 +1338,15 @@ absl::StatusOr<v1::CheckEngineResponse> Coordinator::CheckEngine(
   }
   const absl::Time t0 = absl::Now();
   absl::StatusOr<v1::Receipt> receipt = ComputeReceipt(*layout, sources);
+  if (receipt.status().code() == absl::StatusCode::kUnimplemented) {
+    // GPU memory: the GPU worker reads it.
+    receipt = mapper_->DeviceReceipt(*layout, sources,
+                                     absl::Now() + options_.finish_timeout);
+  }
   if (!receipt.ok()) {
     return absl::Status(
         receipt.status().code(),
-        absl::StrCat("engine '", id, "': ", receipt.status().message(),
-                     " (GPU engines get receipts with every update: "
-                     "FinishWeightUpdate)"));
+        absl::StrCat("engine '", id, "': ", receipt.status().message()));
   }
   response.set_seconds(absl::ToDoubleSeconds(absl::Now() - t0));
   *response.mutable_receipt() = *std::move(receipt);

@@ -8,13 +8,18 @@
 #include <memory>
 #include <string>
 
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "weightsync/v1/types.pb.h"
 
 namespace weightsync {
 
 // One opened engine allocation. Immutable after Open; safe to share across
 // threads. The destructor closes the mapping.
+struct EngineLayout;  // engine_layout.h
+
 class MappedRegion {
  public:
   virtual ~MappedRegion() = default;
@@ -36,6 +41,14 @@ class MemoryMapper {
   // UNIMPLEMENTED for a kind this build can't open.
   virtual absl::StatusOr<std::shared_ptr<MappedRegion>> Open(
       const v1::Allocation& allocation) = 0;
+  // The receipt (common/checksum.h) of the segments of `engine` whose
+  // source is in `sources`, for memory the daemon can't read itself (GPU
+  // memory: computed on the GPU). UNIMPLEMENTED where it can't.
+  virtual absl::StatusOr<v1::Receipt> DeviceReceipt(
+      const EngineLayout& engine,
+      const absl::flat_hash_set<std::string>& sources, absl::Time deadline) {
+    return absl::UnimplementedError("receipts of device memory");
+  }
 };
 
 }  // namespace weightsync

@@ -25,7 +25,7 @@ cleanup() { for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null; done; }
 trap cleanup EXIT
 timeout 900 "$BIN/weightsyncd" --socket="$sock" --gpu=0 --gpu_worker="$BIN/weightsync_gpu_worker" \
   --update_idle_timeout_ms=3000 --notice_timeout_ms=30000 --max_chunk_bytes=$((1<<30)) \
-  >"$LOG/daemon.log" 2>&1 &
+  --metrics_address=127.0.0.1:0 >"$LOG/daemon.log" 2>&1 &
 pids+=($!)
 for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
 for e in a b; do
@@ -66,7 +66,26 @@ for r in $(seq 1 "$ROUNDS"); do
   fi
   sample "$r"
 done
+# Operations on a GPU (issue 7), on this daemon after the rounds: the
+# metrics count what happened, and weightsyncctl reads both engines' GPU
+# memory (check: CheckEngine, computed by the worker); engines a and b have
+# one layout and took the same updates, so their receipts must be equal.
+ops=PASS
+port=$(grep -o "(port [0-9]*)/metrics" "$LOG/daemon.log" | grep -o "[0-9][0-9]*" | head -1)
+timeout 20 python3 -c "import urllib.request,sys; sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:$port/metrics').read().decode())" \
+  >"$LOG/metrics.txt" 2>&1 || ops=FAIL
+committed=$(awk '/^weightsync_updates_total\{.*backend="ipc".*result="committed"/{s+=$2} END{print s+0}' "$LOG/metrics.txt")
+failed=$(awk '/^weightsync_updates_total\{.*backend="ipc".*result="failed"/{s+=$2} END{print s+0}' "$LOG/metrics.txt")
+[ "$committed" = "$ok_updates" ] && [ "$failed" -ge "$died" ] || ops=FAIL
+CTL="$BIN/weightsyncctl --socket=$sock"
+timeout 30 $CTL status >"$LOG/ctl-status.txt" 2>&1 || ops=FAIL
+ra=$(timeout 60 $CTL check a 2>&1 | tee "$LOG/ctl-check.txt" | grep -o "receipt 0x[0-9a-f]*")
+rb=$(timeout 60 $CTL check b 2>&1 | tee -a "$LOG/ctl-check.txt" | grep -o "receipt 0x[0-9a-f]*")
+[ -n "$ra" ] && [ "$ra" = "$rb" ] || ops=FAIL
+echo "$ops metrics: $committed committed / $failed failed ipc updates counted (trainers reported $ok_updates / $died died); weightsyncctl check a, b: ${ra:-none}, ${rb:-none}" \
+  | tee "$LOG/ops_verdict.txt"
+cat "$LOG/ctl-status.txt" "$LOG/ctl-check.txt"
 figures=$(python3 "$(dirname "$0")/leak_figures.py" "$LOG" "${COMMIT:-unknown}" "${KIND:-unknown}" \
   "$ROUNDS" "$ok_updates" "$died")
 echo "$figures"
-echo "$figures" | tail -1 | grep -q '^PASS'
+echo "$figures" | tail -1 | grep -q '^PASS' && [ "$ops" = PASS ]

@@ -184,6 +184,15 @@ def trainer_main(conn, target):
                     "dense_bytes": sum(t.numel() * t.element_size() for _, t in tensors),
                     "kinds": kinds})
         if version == 5:
+            # weightsyncctl check's RPC: the daemon reads each engine's GPU
+            # memory now; after this full dense update it must give the
+            # receipt the update returned.
+            checks = {}
+            for e in r.engines:
+                c = trainer.check(e.engine_id)
+                checks[e.engine_id] = [c.receipt.checksum == e.receipt.checksum,
+                                       c.version, round(c.seconds, 4)]
+            out[-1]["checks"] = checks
             # The receipts just matched (verify=True); an expectation from a
             # tensor with one flipped bit must not: the trainer raises
             # DATA_LOSS naming the engine.
@@ -354,6 +363,11 @@ def main():
                       f"v{u['version']}: {u['bytes']} bytes sent, "
                       f"{100 * u['bytes'] / u['dense_bytes']:.2f}% of the dense "
                       f"{u['dense_bytes']}")
+        v5 = next(u for u in t["updates"] if u["version"] == 5)
+        check(sorted(v5.get("checks", {})) == ["plain", "tp0", "tp1"] and
+              all(ok and v == 5 for ok, v, _ in v5["checks"].values()),
+              f"CheckEngine (weightsyncctl check) reads each engine's GPU memory: "
+              f"the receipt v5's update returned ({v5.get('checks')})")
         err = t["corrupt_error"]
         check(err is not None and err[0] == "DATA_LOSS" and "engine '" in err[1],
               f"an expectation one bit off raises DATA_LOSS naming the engine ({err})")
