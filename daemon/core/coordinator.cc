@@ -1315,6 +1315,13 @@ absl::StatusOr<v1::CheckEngineResponse> Coordinator::CheckEngine(
   response.set_engine_id(id);
   auto busy = [&](const EngineRecord& r) -> absl::Status {
     if (!r.updating) return absl::OkStatus();
+    if (update_ != nullptr && update_->phase == Phase::kFailed) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "engine '", id, "' was being written by update '", update_->id,
+          "', which failed and is not ended yet (by its trainer's Finish or "
+          "Abort, the next Start, or the daemon within seconds); check it "
+          "then"));
+    }
     return absl::FailedPreconditionError(absl::StrCat(
         "engine '", id, "' is being written by update '",
         update_ != nullptr ? update_->id : "", "'; check it after Finish"));
