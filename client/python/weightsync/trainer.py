@@ -122,7 +122,7 @@ class Trainer:
     def check(self, engine_id):
         """Reads `engine_id`'s memory now and returns a CheckEngineResponse
         (version, state, receipt: the checksum of everything it holds, as a
-        full update's receipt would be). Host memory only for now."""
+        full update's receipt would be), on host or GPU memory."""
         return self._stub.call("CheckEngine", engine_id=engine_id)
 
     def pause(self, mode="keep", timeout=10.0, engine_ids=()):
