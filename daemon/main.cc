@@ -5,11 +5,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <cctype>
 #include <cstdlib>
-#include <fstream>
 #include <iostream>
-#include <iterator>
 #include <string>
 #include <vector>
 
@@ -19,6 +16,7 @@
 #include "absl/time/time.h"
 #include "backends/cuda/cuda_support.h"
 #include "backends/cuda/worker_client.h"
+#include "common/local_files.h"
 #include "daemon/backends.h"
 #include "daemon/config_file.h"
 #include "daemon/core/coordinator.h"
@@ -104,12 +102,9 @@ namespace weightsync {
 namespace {
 
 std::string DefaultSocket() {
-  const char* runtime = std::getenv("XDG_RUNTIME_DIR");
-  const std::string dir = runtime != nullptr && *runtime != '\0'
-                              ? absl::StrCat(runtime, "/weightsync")
-                              : absl::StrCat("/tmp/weightsync-", getuid());
-  mkdir(dir.c_str(), 0700);
-  return dir + "/weightsyncd.sock";
+  const std::string path = DefaultSocketPath();
+  mkdir(path.substr(0, path.rfind('/')).c_str(), 0700);
+  return path;
 }
 
 // The --allow_uids / --allow_gids list, or false on a bad entry.
@@ -129,15 +124,9 @@ bool ParseIds(const std::string& flag, const char* name, std::vector<T>* out) {
 // The contents of `path` (trailing whitespace dropped), or false.
 bool ReadFlagFile(const std::string& path, const char* flag, std::string* out) {
   if (path.empty()) return true;
-  std::ifstream f(path);
-  if (!f) {
+  if (!ReadTrimmedFile(path, out)) {
     LOG(ERROR) << "--" << flag << ": can't read " << path;
     return false;
-  }
-  out->assign(std::istreambuf_iterator<char>(f), {});
-  while (!out->empty() &&
-         std::isspace(static_cast<unsigned char>(out->back()))) {
-    out->pop_back();
   }
   if (out->empty()) {
     LOG(ERROR) << "--" << flag << ": " << path << " is empty";

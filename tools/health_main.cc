@@ -6,15 +6,13 @@
 //
 // Exit status: 0 SERVING; 1 NOT_SERVING, unreachable, refused or any other
 // answer; 2 bad flags. One line on stdout says which.
-#include <cctype>
 #include <cstdio>
-#include <fstream>
-#include <iterator>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "client/channel.h"
+#include "common/local_files.h"
 #include "gflags/gflags.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/client_context.h"
@@ -30,17 +28,6 @@ DEFINE_string(token_file, "", "TCP: file holding the bearer token");
 namespace weightsync {
 namespace {
 
-bool ReadFile(const std::string& path, std::string* out) {
-  std::ifstream f(path);
-  if (!f) return false;
-  out->assign(std::istreambuf_iterator<char>(f), {});
-  while (!out->empty() &&
-         std::isspace(static_cast<unsigned char>(out->back()))) {
-    out->pop_back();
-  }
-  return true;
-}
-
 int Main() {
   ClientOptions options;
   options.target =
@@ -51,9 +38,10 @@ int Main() {
                  "positive --timeout_ms\n");
     return 2;
   }
-  if ((!FLAGS_tls_ca.empty() && !ReadFile(FLAGS_tls_ca, &options.tls_ca_pem)) ||
+  if ((!FLAGS_tls_ca.empty() &&
+       !ReadTrimmedFile(FLAGS_tls_ca, &options.tls_ca_pem)) ||
       (!FLAGS_token_file.empty() &&
-       !ReadFile(FLAGS_token_file, &options.token))) {
+       !ReadTrimmedFile(FLAGS_token_file, &options.token))) {
     std::fprintf(stderr,
                  "weightsync_health: can't read --tls_ca/--token_file\n");
     return 2;

@@ -16,15 +16,12 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cerrno>
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
-#include <fstream>
-#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -38,6 +35,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/channel.h"
+#include "common/local_files.h"
 #include "gflags/gflags.h"
 #include "google/protobuf/util/json_util.h"
 #include "grpcpp/client_context.h"
@@ -115,24 +113,6 @@ int Fail(const grpc::Status& status) {
 
 // The daemon's default socket (daemon/main.cc DefaultSocket), without
 // creating its directory.
-std::string DefaultSocket() {
-  const char* runtime = std::getenv("XDG_RUNTIME_DIR");
-  const std::string dir = runtime != nullptr && *runtime != '\0'
-                              ? absl::StrCat(runtime, "/weightsync")
-                              : absl::StrCat("/tmp/weightsync-", getuid());
-  return dir + "/weightsyncd.sock";
-}
-
-bool ReadFile(const std::string& path, std::string* out) {
-  std::ifstream f(path);
-  if (!f) return false;
-  out->assign(std::istreambuf_iterator<char>(f), {});
-  while (!out->empty() &&
-         std::isspace(static_cast<unsigned char>(out->back()))) {
-    out->pop_back();
-  }
-  return true;
-}
 
 // ---- Formatting ----
 
@@ -743,8 +723,8 @@ int Main(const std::vector<std::string>& args) {
   ClientOptions options;
   options.target =
       FLAGS_target.empty()
-          ? absl::StrCat("unix:",
-                         FLAGS_socket.empty() ? DefaultSocket() : FLAGS_socket)
+          ? absl::StrCat("unix:", FLAGS_socket.empty() ? DefaultSocketPath()
+                                                       : FLAGS_socket)
           : FLAGS_target;
   if (absl::StartsWith(options.target, "/")) {
     options.target = absl::StrCat("unix:", options.target);
@@ -768,7 +748,7 @@ int Main(const std::vector<std::string>& args) {
                {FLAGS_tls_cert, "tls_cert", &options.tls_cert_pem},
                {FLAGS_tls_key, "tls_key", &options.tls_key_pem}};
   for (const auto& f : files) {
-    if (!f.path.empty() && !ReadFile(f.path, f.out)) {
+    if (!f.path.empty() && !ReadTrimmedFile(f.path, f.out)) {
       return Usage(absl::StrCat("can't read --", f.flag, "=", f.path));
     }
   }
