@@ -37,6 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
 import _common as C  # noqa: E402  (also puts client/python on sys.path)
+from step_gate import StepGate  # noqa: E402
 
 TP = 2
 
@@ -68,50 +69,6 @@ def expected_param(shape, segs, sd, name, torch):
     return flat.reshape(shape)
 
 
-class StepGate:
-    def __init__(self, device):
-        self.device = device
-        self.cv = threading.Condition()
-        self.paused = False
-        self.running = 0
-        self.violations = 0
-        self.events = []
-
-    def on_pause(self, mode):
-        import torch
-        with self.cv:
-            self.events.append(f"pause {mode}")
-            self.paused = True
-            if not self.cv.wait_for(lambda: self.running == 0, timeout=5):
-                self.paused = False
-                raise RuntimeError("a step did not finish within 5 s")
-        # The hook runs on the client's control thread, whose current CUDA
-        # device is not the worker's: name it.
-        torch.cuda.synchronize(self.device)
-
-    def on_resume(self):
-        with self.cv:
-            self.events.append("resume")
-            self.paused = False
-            self.cv.notify_all()
-
-    def on_new_version(self, v):
-        self.events.append(f"version {v}")
-
-    def step(self, fn):
-        with self.cv:
-            self.cv.wait_for(lambda: not self.paused)
-            self.running += 1
-        try:
-            if self.paused:
-                self.violations += 1
-            return fn()
-        finally:
-            with self.cv:
-                self.running -= 1
-                self.cv.notify_all()
-
-
 def engine_main(conn, target, tmp):
     import torch
     import weightsync
@@ -127,7 +84,9 @@ def engine_main(conn, target, tmp):
         check_against(specs, model.items())
         engine = weightsync.Engine(f"node0.r0.tp{rank}", target, timeout=60)
         engine.register_torch(model.items(), segments=segments)
-        gate = StepGate(dev)
+        # The pause hook runs on the client's control thread, whose current
+        # CUDA device is not the worker's: name it.
+        gate = StepGate(drain=lambda: torch.cuda.synchronize(dev))
         engine.start(on_pause=gate.on_pause, on_resume=gate.on_resume,
                      on_new_version=gate.on_new_version)
         ranks.append((engine, model, segments, gate))

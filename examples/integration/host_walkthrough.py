@@ -34,55 +34,13 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "client", "python"))
 import numpy as np  # noqa: E402
 
 import weightsync  # noqa: E402
+from step_gate import StepGate  # noqa: E402
 from weightsync import layouts, sparse  # noqa: E402
 from vllm_layout import vllm_llama_layout  # noqa: E402
 
 CONFIG = dict(vocab_size=1100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=8, num_key_value_heads=4, head_dim=8, model_type="qwen3")
 TP = 4
-
-
-class StepGate:
-    """What a worker wraps around each forward pass. on_pause returns (and
-    so acknowledges) only once no step is running; steps wait while paused."""
-
-    def __init__(self):
-        self.cv = threading.Condition()
-        self.paused = False
-        self.running = 0
-        self.violations = 0      # steps that ran while paused: must stay 0
-        self.events = []
-
-    def on_pause(self, mode):
-        with self.cv:
-            self.events.append(f"pause {mode}")
-            self.paused = True
-            if not self.cv.wait_for(lambda: self.running == 0, timeout=5):
-                self.paused = False
-                raise RuntimeError("a forward pass did not finish within 5 s")
-
-    def on_resume(self):
-        with self.cv:
-            self.events.append("resume")
-            self.paused = False
-            self.cv.notify_all()
-
-    def on_new_version(self, version):
-        # A real engine resets its prefix cache here (KV of old weights).
-        self.events.append(f"version {version}")
-
-    def step(self, fn):
-        with self.cv:
-            self.cv.wait_for(lambda: not self.paused)
-            self.running += 1
-        try:
-            if self.paused:
-                self.violations += 1
-            return fn()
-        finally:
-            with self.cv:
-                self.running -= 1
-                self.cv.notify_all()
 
 
 def checkpoint(seed):
