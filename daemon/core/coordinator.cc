@@ -878,10 +878,39 @@ absl::Status Coordinator::CommitStaged(absl::Time deadline) {
   }
   // The engines generated on the old weights all along; they stop only for
   // the copy from staging into their memory.
-  WS_ASSIGN_OR_RETURN(const std::vector<std::string> paused,
-                      PauseAll(to_pause, v1::PAUSE_MODE_KEEP,
-                               absl::Now() + options_.notice_timeout,
-                               "could not pause for the commit"));
+  absl::StatusOr<std::vector<std::string>> pause = PauseAll(
+      to_pause, v1::PAUSE_MODE_KEEP, absl::Now() + options_.notice_timeout,
+      "could not pause for the commit");
+  if (!pause.ok()) {
+    // Engines that left (died, unregistered) while being paused are lost to
+    // this update, as in a streaming one: commit the others. PauseAll
+    // resumed them; pause them again.
+    std::vector<std::string> staying;
+    {
+      absl::MutexLock lock(&mu_);
+      for (size_t i = 0; i < update_->engine_ids.size(); ++i) {
+        const std::string& id = update_->engine_ids[i];
+        if (std::find(to_pause.begin(), to_pause.end(), id) == to_pause.end())
+          continue;
+        if (engines_.contains(id) && hub_.Connected(id)) {
+          staying.push_back(id);
+        } else if (!update_->lost[i]) {
+          update_->lost[i] = true;
+          update_->data_plane->MarkEngineLost(i);
+          LOG(WARNING) << Event("engine.lost", update_->id,
+                                update_->target_version, id)
+                       << "left while the commit paused it";
+        }
+      }
+    }
+    if (staying.size() < to_pause.size()) {
+      pause = PauseAll(staying, v1::PAUSE_MODE_KEEP,
+                       absl::Now() + options_.notice_timeout,
+                       "could not pause for the commit");
+    }
+  }
+  WS_RETURN_IF_ERROR(pause.status());
+  const std::vector<std::string>& paused = *pause;
   std::vector<std::string> chunks;
   {
     absl::MutexLock lock(&mu_);

@@ -288,14 +288,26 @@ absl::Status CheckOwnAllocations(const v1::RegisterEngineRequest& request,
 grpc::Status EngineServiceImpl::RegisterEngine(
     grpc::ServerContext* ctx, const v1::RegisterEngineRequest* request,
     v1::RegisterEngineResponse* response) {
+  std::optional<PeerCred> peer;
   if (peer_of_) {
-    const std::optional<PeerCred> peer = peer_of_(ctx->peer());
+    peer = peer_of_(ctx->peer());
     if (peer.has_value()) {
       absl::Status own = CheckOwnAllocations(*request, *peer);
       if (!own.ok()) return ToGrpcStatus(own);
     }
   }
-  return Answer(response, [&] { return core_->RegisterEngine(*request); });
+  grpc::Status s =
+      Answer(response, [&] { return core_->RegisterEngine(*request); });
+  if (s.ok() && peer.has_value()) {
+    Owner owner{peer->pid, peer->uid, {}};
+    for (const v1::Allocation& a : request->allocations()) {
+      if (a.kind() == v1::MEMORY_HOST_SHM)
+        owner.shm_names.push_back(a.handle());
+    }
+    absl::MutexLock lock(&owners_mu_);
+    owners_[request->engine_id()] = std::move(owner);
+  }
+  return s;
 }
 
 grpc::Status EngineServiceImpl::UnregisterEngine(
@@ -322,6 +334,17 @@ grpc::Status EngineServiceImpl::Control(
   }
   channel->Close();
   core_->DetachControl(engine, channel.get());
+  // If the engine's process died, nobody else will remove its shared
+  // memory (shm_reaper.h).
+  {
+    absl::MutexLock lock(&owners_mu_);
+    auto it = owners_.find(engine);
+    if (it != owners_.end()) {
+      reaper_.UnlinkWhenGone(it->second.pid, it->second.uid,
+                             it->second.shm_names);
+      owners_.erase(it);
+    }
+  }
   return grpc::Status::OK;
 }
 

@@ -8,8 +8,11 @@
 #include <functional>
 #include <optional>
 
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/core/coordinator.h"
+#include "daemon/server/shm_reaper.h"
 #include "daemon/server/unix_listener.h"
 #include "weightsync/v1/engine_service.grpc.pb.h"
 #include "weightsync/v1/trainer_service.grpc.pb.h"
@@ -108,8 +111,18 @@ class EngineServiceImpl final : public v1::EngineService::Service {
       override;
 
  private:
+  // Who registered each engine's shared memory: when its control stream
+  // closes, the reaper removes the objects once that process is gone.
+  struct Owner {
+    pid_t pid = 0;
+    uid_t uid = 0;
+    std::vector<std::string> shm_names;
+  };
   Coordinator* const core_;
   PeerLookup peer_of_;
+  ShmReaper reaper_;
+  absl::Mutex owners_mu_;
+  absl::flat_hash_map<std::string, Owner> owners_ ABSL_GUARDED_BY(owners_mu_);
 };
 
 }  // namespace weightsync

@@ -44,7 +44,7 @@ from weightsync._proto import v1  # noqa: E402
 
 PARAMS = [("w0", (512, 1024)), ("w1", (1024,)), ("w2", (256, 512))]  # float32
 CHUNK = 64 << 10
-PHASES = ["init", "start", "mid", "finish", "finishing", "pause"]
+PHASES = ["init", "start", "mid", "finish", "finishing", "committing", "pause"]
 FAULTS = ["trainer_killed", "trainer_frozen", "engine_killed", "engine_unregisters",
           "daemon_restarted", "tcp_cut"]
 DETECT_LIMIT_S = 15.0
@@ -61,15 +61,24 @@ sys.path.insert(0, {client!r})
 import numpy as np, weightsync
 eid, target = sys.argv[1], sys.argv[2]
 slow = len(sys.argv) > 3 and sys.argv[3] == "slow"
+slowpause = len(sys.argv) > 3 and sys.argv[3] == "slowpause"
 e = weightsync.Engine(eid, target, timeout=10)
 e.register_host([(n, "FLOAT32", s) for n, s in {params!r}])
+# Python's resource tracker (a child process) would unlink the shared memory
+# of a killed engine; an OOM kill of the whole container, or a C++ engine,
+# leaves nothing to do it but the daemon (engine_killed checks it does).
+from multiprocessing import resource_tracker
+resource_tracker.unregister(e._shm._name, "shared_memory")
 def unregister(*_):
     e.close()
     print("unregistered", flush=True)
 signal.signal(signal.SIGUSR1, unregister)
 # "slow": takes 0.8 s to acknowledge a new version, so that a fault can land
 # while Finish waits for it (the "finishing" phase).
-e.start(on_new_version=(lambda v: time.sleep(0.8)) if slow else None)
+# "slowpause": takes 0.8 s to acknowledge a pause, so that a fault can land
+# while a staged update's commit pauses the engines (the "committing" phase).
+e.start(on_new_version=(lambda v: time.sleep(0.8)) if slow else None,
+        on_pause=(lambda mode: time.sleep(0.8)) if slowpause else None)
 print("ready", flush=True)
 while True:
     time.sleep(1)
@@ -108,6 +117,7 @@ def main():
     manifest = [dict(name=n, dtype="FLOAT32", shape=list(a.shape)) for n, a in tensors]
     req = v1.StartWeightUpdateRequest(update_id="faulty", target_version=version, chunk_bytes={chunk},
         verify=v1.VERIFY_OFF,
+        mode=v1.UPDATE_MODE_STAGED if phase == "committing" else v1.UPDATE_MODE_STREAMING,
         tensors=[v1.TensorSpec(name=m["name"], dtype=v1.FLOAT32, shape=m["shape"]) for m in manifest])
     started = t._stub.call("StartWeightUpdate", req)
     if phase == "start":
@@ -127,8 +137,8 @@ def main():
     t._stub.call("PushChunks", chunks(half if phase == "mid" else -1), timeout=60)
     if phase == "finish":
         at("finish")
-    if phase == "finishing":  # the driver strikes while Finish waits
-        print("at finishing", flush=True)
+    if phase in ("finishing", "committing"):  # the driver strikes in Finish
+        print("at", phase, flush=True)
     r = t._stub.call("FinishWeightUpdate", update_id="faulty", timeout=10)
     print("done", r.version, sorted(e.engine_id for e in r.engines if not e.lost), flush=True)
     go.clear()
@@ -326,7 +336,8 @@ def run_case(daemon_bin, fault, phase, work):
         engine_src = ENGINE.format(client=client, params=PARAMS)
         engines = {}
         for eid in ("e0", "e1"):
-            slow = ["slow"] if phase == "finishing" and eid == "e1" else []
+            slow = ({"finishing": ["slow"], "committing": ["slowpause"]}.get(phase, [])
+                    if eid == "e1" else [])
             engines[eid] = Proc([sys.executable, "-c", engine_src, eid, target] + slow,
                                 os.path.join(work, f"{eid}-{fault}-{phase}.log"))
             procs.append(engines[eid])
@@ -344,7 +355,7 @@ def run_case(daemon_bin, fault, phase, work):
                        env=net.trainer_env if net else None)
         procs.append(trainer)
         trainer.wait_line("at")
-        if phase == "finishing":
+        if phase in ("finishing", "committing"):
             time.sleep(0.3)  # Finish is waiting for e1's acknowledgement now
         # Inject.
         t0 = time.time()
@@ -406,6 +417,16 @@ def run_case(daemon_bin, fault, phase, work):
             time.sleep(0.02)
         row["hang"] = hang
         row["detect_s"] = round(detected, 3) if detected is not None else None
+        if fault == "engine_killed":
+            # Nobody but the daemon can remove a killed engine's shared
+            # memory (daemon/server/shm_reaper.h).
+            shm = f"/dev/shm/weightsync-e1-{engines['e1'].p.pid}"
+            while os.path.exists(shm) and time.time() - t0 < DETECT_LIMIT_S:
+                time.sleep(0.05)
+            row["shm_removed_s"] = (None if os.path.exists(shm)
+                                    else round(time.time() - t0, 3))
+            if row["shm_removed_s"] is None:
+                raise RuntimeError(f"{shm} of the killed engine is still there")
         if net:
             # The cut connection must not live on in the daemon (a handler
             # thread blocked on a stream that will never speak again): its

@@ -1,0 +1,71 @@
+#include "daemon/server/shm_reaper.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+
+namespace weightsync {
+namespace {
+
+std::string MakeShm(const std::string& tag) {
+  const std::string name = absl::StrCat("/wsreaper-", getpid(), "-", tag);
+  const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  EXPECT_GE(fd, 0) << name;
+  close(fd);
+  return name;
+}
+
+bool Exists(const std::string& name) {
+  const int fd = shm_open(name.c_str(), O_RDONLY, 0);
+  if (fd < 0) return false;
+  close(fd);
+  return true;
+}
+
+bool WaitGone(const std::string& name, absl::Duration limit) {
+  const absl::Time end = absl::Now() + limit;
+  while (Exists(name) && absl::Now() < end) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return !Exists(name);
+}
+
+TEST(ShmReaperTest, RemovesTheObjectsOfAProcessThatDied) {
+  ShmReaper reaper;
+  const std::string name = MakeShm("dead");
+  const pid_t child = fork();
+  if (child == 0) _exit(0);
+  // Not reaped yet: a zombie counts as gone.
+  reaper.UnlinkWhenGone(child, geteuid(), {name});
+  EXPECT_TRUE(WaitGone(name, absl::Seconds(5)));
+  EXPECT_EQ(reaper.unlinked(), 1);
+  waitpid(child, nullptr, 0);
+}
+
+TEST(ShmReaperTest, KeepsTheObjectsOfALiveProcessAndOfOtherOwners) {
+  ShmReaper reaper(absl::Milliseconds(300));
+  const std::string alive = MakeShm("alive");
+  reaper.UnlinkWhenGone(getpid(), geteuid(), {alive});
+  const std::string other = MakeShm("other");
+  const pid_t child = fork();
+  if (child == 0) _exit(0);
+  waitpid(child, nullptr, 0);
+  // The object isn't owned by the uid that registered it: left alone.
+  reaper.UnlinkWhenGone(child, geteuid() + 1, {other});
+  absl::SleepFor(absl::Milliseconds(600));  // past the patience
+  EXPECT_TRUE(Exists(alive));
+  EXPECT_TRUE(Exists(other));
+  EXPECT_EQ(reaper.unlinked(), 0);
+  shm_unlink(alive.c_str());
+  shm_unlink(other.c_str());
+}
+
+}  // namespace
+}  // namespace weightsync
