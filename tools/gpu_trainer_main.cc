@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -58,6 +59,10 @@ DEFINE_int64(first_version, 1, "version of the first update");
 DEFINE_int64(chunk_mib, 64, "chunk size in MiB (0: the daemon's default)");
 DEFINE_int32(device, 0, "CUDA ordinal of the trainer's GPU");
 DEFINE_int32(die_after_chunks, -1, "exit after broadcasting this many chunks");
+DEFINE_int32(stall_after_chunks, -1,
+             "stop itself (SIGSTOP: a frozen trainer) after sending this many "
+             "chunks of the first update; the number of chunks or more: "
+             "after the last one, before Finish (tests/gpu/gpu_faults.py)");
 DEFINE_string(finish_only, "", "only call Finish on this update id");
 DEFINE_string(backend, "nccl",
               "nccl (trainer on another GPU) or ipc (colocated: the daemon "
@@ -106,6 +111,21 @@ namespace weightsync {
 
 #define CHECK_CUDA(x) CHECK_EQ((x), cudaSuccess) << #x
 #define CHECK_NCCL(x) CHECK_EQ((x), ncclSuccess) << #x
+
+// --stall_after_chunks: the first update stops here, after `index` chunks,
+// as a frozen trainer would (SIGSTOP; the fault tests SIGCONT or kill it).
+void StallAt(int64_t index, int64_t version) {
+  static bool stalled = false;
+  if (FLAGS_stall_after_chunks < 0 || index != FLAGS_stall_after_chunks ||
+      stalled) {
+    return;
+  }
+  stalled = true;
+  std::printf("trainer: stalled after %lld chunks of update-%lld\n",
+              static_cast<long long>(index), static_cast<long long>(version));
+  std::fflush(stdout);
+  raise(SIGSTOP);
+}
 
 // Fills the flat host buffer with every tensor's contents at `version`.
 void Fill(const std::vector<v1::TensorSpec>& specs, const ChunkPlan& plan,
@@ -549,6 +569,7 @@ int Main() {
           std::fflush(stdout);
           _exit(9);
         }
+        StallAt(c.index, version);
         if (c.index >= slots) s = chunks->WaitDone(c.index - slots + 1);
         if (!s.ok()) break;
         CHECK_CUDA(
@@ -574,10 +595,17 @@ int Main() {
         std::fflush(stdout);
         _exit(9);
       }
+      if (c.index == FLAGS_stall_after_chunks) {
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+        StallAt(c.index, version);
+      }
       uint8_t* p = static_cast<uint8_t*>(flat_dev) + c.offset;
       CHECK_NCCL(ncclBroadcast(p, p, c.size, ncclUint8, 0, comm, stream));
     }
     CHECK_CUDA(cudaStreamSynchronize(stream));
+    if (FLAGS_stall_after_chunks >= static_cast<int64_t>(plan->chunks.size())) {
+      StallAt(FLAGS_stall_after_chunks, version);
+    }
     auto done = (*client)->FinishWeightUpdate(req.update_id());
     const double s = absl::ToDoubleSeconds(absl::Now() - t0);
     if (!done.ok()) {
