@@ -18,8 +18,8 @@ Then, as tests/faults/faults.py on the host backend: detection (polling
 is paused or updating; a hang is none within 30 s), the daemon alive,
 every engine READY at v0 / v99 or DIRTY, and a new trainer's update v100
 (receipts on) committed and verified bit for bit by every surviving
-engine. Prints a table, exits 1 if a row fails. Every process runs under
-`timeout`.
+engine. Prints a table, exits 1 if a row fails. Every wait is bounded;
+the driver kills what it started at the end of each case.
 """
 
 import json
@@ -40,10 +40,6 @@ CHUNK_MIB = 16               # the demo model (221 MB) in 14 chunks
 PHASES = {"start": 0, "mid": 3, "finish": 1000}
 FAULTS = ["trainer_killed", "trainer_frozen", "engine_killed", "daemon_restarted"]
 DETECT_LIMIT_S = 30
-
-
-def t(secs, args):
-    return ["timeout", "-k", "5", str(secs)] + args
 
 
 class Case:
@@ -80,10 +76,12 @@ class Case:
         return d
 
     def engine(self, eid):
-        return self.spawn(f"engine-{eid}", t(600, [
+        # Not under `timeout`: the fault is sent to this very process (the
+        # driver kills everything it started when the case ends).
+        return self.spawn(f"engine-{eid}", [
             os.path.join(BIN, "weightsync_gpu_engine"), f"--target=unix:{self.sock}",
             f"--engine_id={eid}", "--model=demo", "--layout=plain", "--dtype=bfloat16",
-            "--ckpt_dtype=bfloat16", f"--device={DEV}", "--memory=vmm", "--verify=true"]))
+            "--ckpt_dtype=bfloat16", f"--device={DEV}", "--memory=vmm", "--verify=true"])
 
     def trainer(self, name, version, stall=-1):
         args = [os.path.join(BIN, "weightsync_gpu_trainer"), f"--target=unix:{self.sock}",
@@ -93,11 +91,14 @@ class Case:
                 f"--stall_after_chunks={stall}"]
         if not NCCL:
             args += ["--backend=ipc", "--ipc_ring_slots=2"]
-        return self.spawn(name, t(240, args))
+        return self.spawn(name, args)
 
     def status(self):
-        r = subprocess.run(t(10, [os.path.join(BIN, "weightsyncctl"), f"--socket={self.sock}",
-                                  "--json", "status"]), capture_output=True, text=True)
+        try:
+            r = subprocess.run([os.path.join(BIN, "weightsyncctl"), f"--socket={self.sock}",
+                                "--json", "status"], capture_output=True, text=True, timeout=10)
+        except subprocess.TimeoutExpired:
+            return None
         return json.loads(r.stdout) if r.returncode == 0 else None
 
     def stop(self):
@@ -132,7 +133,7 @@ def run_case(fault, phase):
         while time.time() < end and not all("registered" in c.log(f"engine-{e}") for e in engines):
             time.sleep(0.1)
         trainer = c.trainer("trainer", 99, stall=PHASES[phase])
-        end = time.time() + 120
+        end = time.time() + 60
         while time.time() < end and not stopped(trainer.pid):
             if trainer.poll() is not None:
                 raise RuntimeError(f"the trainer exited before its phase: {c.log('trainer')[-400:]}")
@@ -180,7 +181,7 @@ def run_case(fault, phase):
                 pass
         trainer.wait(10)
         nxt = c.trainer("trainer-next", 100)
-        rc = nxt.wait(240)
+        rc = nxt.wait(120)
         survivors = ["a"] if fault == "engine_killed" else ["a", "b"]
         end = time.time() + 30
         while time.time() < end and not all(
