@@ -335,6 +335,9 @@ int Main() {
   // Verify inside the notice, before acknowledging it: Finish waits for the
   // acknowledgement, so the next update can't overwrite memory mid-check.
   hooks.on_new_version = [&](int64_t v) {
+    // The client's control thread: its current device is 0, and VMM memory
+    // is mapped for --device only.
+    cudaSetDevice(FLAGS_device);
     reader.known = v;
     if (FLAGS_read_loop) {
       std::printf("[%s] read_loop at version %lld: %s\n", id.c_str(),

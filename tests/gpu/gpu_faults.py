@@ -18,7 +18,8 @@ Then, as tests/faults/faults.py on the host backend: detection (polling
 is paused or updating; a hang is none within 30 s), the daemon alive,
 every engine READY at v0 / v99 or DIRTY, and a new trainer's update v100
 (receipts on) committed and verified bit for bit by every surviving
-engine. Prints a table, exits 1 if a row fails. Every wait is bounded;
+engine. (engine killed: the trainer goes on after the kill and its update
+must complete on engine a alone, READY at v99.) Prints a table, exits 1 if a row fails. Every wait is bounded;
 the driver kills what it started at the end of each case.
 """
 
@@ -144,7 +145,11 @@ def run_case(fault, phase):
         if fault == "trainer_killed":
             trainer.send_signal(signal.SIGKILL)
         elif fault == "engine_killed":
+            # The trainer is healthy: it goes on, and its update must
+            # complete on engine a alone.
             engines["b"].send_signal(signal.SIGKILL)
+            time.sleep(0.5)
+            trainer.send_signal(signal.SIGCONT)
         elif fault == "daemon_restarted":
             daemon.send_signal(signal.SIGKILL)
             daemon.wait()
@@ -172,6 +177,10 @@ def run_case(fault, phase):
         row["states_ok"] = bool(st) and all(
             e["state"] in ("ENGINE_READY", "ENGINE_DIRTY") and int(e["version"]) in (0, 99)
             for e in st.get("engines", []))
+        if fault == "engine_killed":
+            trainer.wait(60)
+            row["trainer_saw"] = c.log("trainer").strip().splitlines()[-1:]
+            row["states_ok"] &= row["states"] == {"a": "READY@v99"}
         # The frozen trainer (killed now) was holding rank 0 of the old
         # NCCL group: a new trainer forms a new one.
         for sig in (signal.SIGKILL, signal.SIGCONT):
