@@ -993,6 +993,52 @@ TEST_F(ServerTest, TheTransferGroupBelongsToTheUidThatFormedIt) {
             grpc::StatusCode::PERMISSION_DENIED);
 }
 
+// Security (issue 6): an engine names the trainers' uids that may write it.
+TEST_F(ServerTest, AnEngineAcceptsOnlyTheTrainersItNames) {
+  auto arena = Arena("picky");
+  ASSERT_TRUE(arena.ok());
+  auto engine = *EngineClient::Connect(options_);
+  v1::RegisterEngineRequest r = (*arena)->Registration();
+  r.set_engine_id("picky");
+  r.add_trainer_uids(4001);
+  ASSERT_TRUE(engine->Register(r).ok());
+  ASSERT_TRUE(engine->StartControl({}).ok());
+  arenas_.push_back(*std::move(arena));
+  engines_.push_back(std::move(engine));
+  const std::vector<uint8_t> before = Memory(0);
+
+  TrainerServiceImpl svc(core_.get());
+  PeerCred who{getpid(), 4002, 4002};
+  svc.set_peer_lookup(
+      [&who](const std::string&) { return std::optional<PeerCred>(who); });
+  grpc::ServerContext ctx;
+  v1::InitWeightTransferRequest init;
+  init.set_backend(v1::BACKEND_HOST);
+  v1::InitWeightTransferResponse ir;
+  ASSERT_TRUE(svc.InitWeightTransfer(&ctx, &init, &ir).ok());
+  auto t = Tensors(1);
+  v1::StartWeightUpdateRequest start = StartRequest(1, t);
+  v1::StartWeightUpdateResponse sr;
+  grpc::Status s = svc.StartWeightUpdate(&ctx, &start, &sr);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_THAT(s.error_message(),
+              HasSubstr("engine 'picky' accepts updates only from trainers "
+                        "of uid 4001"));
+  EXPECT_EQ(Memory(0), before);  // nothing written, nothing paused
+  auto st = trainer_->GetStatus();
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->engines(0).state(), v1::ENGINE_READY);
+  EXPECT_FALSE(st->has_update() && st->update().phase() == "receiving");
+  // The uid it names may (a daemon whose group nobody formed yet): the
+  // update goes through.
+  TrainerServiceImpl named(core_.get());
+  named.set_peer_lookup([](const std::string&) {
+    return std::optional<PeerCred>(PeerCred{getpid(), 4001, 4001});
+  });
+  ASSERT_TRUE(named.InitWeightTransfer(&ctx, &init, &ir).ok());
+  EXPECT_TRUE(named.StartWeightUpdate(&ctx, &start, &sr).ok());
+}
+
 // Every request is bounded (issue 6): a manifest tensor's name and rank.
 TEST_F(ServerTest, OversizedManifestEntriesAreRefused) {
   AddEngine("e0");

@@ -204,6 +204,8 @@ absl::StatusOr<v1::RegisterEngineResponse> Coordinator::RegisterEngine(
   r.layout = layout;
   r.parameters = request.parameters();
   r.version = request.version();
+  r.trainer_uids.assign(request.trainer_uids().begin(),
+                        request.trainer_uids().end());
   if (request.dirty()) {
     // Paused by an update its old daemon never finished: dirty, and paused
     // until an update cleans it, which then resumes it.
@@ -1325,6 +1327,26 @@ v1::GetStatusResponse Coordinator::GetStatus(bool include_layouts) {
   response.set_backend(backend_);
   response.set_build_info(options_.build_info);
   return response;
+}
+
+absl::Status Coordinator::CheckTrainerUid(
+    const google::protobuf::RepeatedPtrField<std::string>& engine_ids,
+    uint32_t uid) {
+  if (uid == 0) return absl::OkStatus();
+  absl::MutexLock lock(&mu_);
+  WS_ASSIGN_OR_RETURN(const std::vector<std::string> ids,
+                      SelectEngines(engine_ids));
+  for (const std::string& id : ids) {
+    const std::vector<uint32_t>& allowed = engines_.at(id).trainer_uids;
+    if (allowed.empty() ||
+        std::find(allowed.begin(), allowed.end(), uid) != allowed.end()) {
+      continue;
+    }
+    return absl::PermissionDeniedError(absl::StrCat(
+        "engine '", id, "' accepts updates only from trainers of uid ",
+        absl::StrJoin(allowed, ", "), " (and root), not uid ", uid));
+  }
+  return absl::OkStatus();
 }
 
 void Coordinator::SetPaused(EngineRecord& r, bool paused) {

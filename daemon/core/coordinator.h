@@ -92,6 +92,12 @@ class Coordinator {
   // Engine side.
   absl::StatusOr<v1::RegisterEngineResponse> RegisterEngine(
       const v1::RegisterEngineRequest& request);
+  // PERMISSION_DENIED unless every engine `engine_ids` selects (empty: all)
+  // accepts trainers of `uid` (RegisterEngineRequest.trainer_uids; root
+  // always may).
+  absl::Status CheckTrainerUid(
+      const google::protobuf::RepeatedPtrField<std::string>& engine_ids,
+      uint32_t uid);
   absl::Status UnregisterEngine(const std::string& engine_id);
   // A control stream opened (NOT_FOUND for an unregistered engine).
   absl::Status AttachControl(const std::string& engine_id,
@@ -155,6 +161,7 @@ class Coordinator {
     absl::Time paused_since = absl::InfiniteFuture();
     bool dirty = false;
     bool updating = false;
+    std::vector<uint32_t> trainer_uids;  // empty: any
   };
   // Sets r.paused and keeps its paused time.
   static void SetPaused(EngineRecord& r, bool paused);

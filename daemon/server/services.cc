@@ -100,6 +100,8 @@ grpc::Status TrainerServiceImpl::StartWeightUpdate(
     const std::optional<PeerCred> peer = peer_of_(ctx->peer());
     if (peer.has_value()) {
       absl::Status own = CheckOwnSource(*request, *peer);
+      if (own.ok())
+        own = core_->CheckTrainerUid(request->engine_ids(), peer->uid);
       if (!own.ok()) return ToGrpcStatus(own);
     }
   }

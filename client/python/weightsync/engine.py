@@ -32,8 +32,11 @@ from weightsync import planner
 
 
 class Engine:
-    def __init__(self, engine_id, target=None, timeout=30.0):
+    def __init__(self, engine_id, target=None, timeout=30.0, trainer_uids=()):
+        """`trainer_uids`: only trainers running as these uids (or root)
+        may update this engine (empty: any trainer the daemon admits)."""
         self.engine_id = engine_id
+        self._trainer_uids = list(trainer_uids)
         self._channel = channel(target or default_target())
         self._stub = Stub(self._channel, "EngineService", timeout)
         self._shm = None
@@ -74,7 +77,8 @@ class Engine:
             # now has (pid namespaces restart at 1): it is dead, take over.
             shared_memory.SharedMemory(name=name).unlink()
             self._shm = shared_memory.SharedMemory(name=name, create=True, size=max(offset, 1))
-        request = v1.RegisterEngineRequest(engine_id=self.engine_id, version=version)
+        request = v1.RegisterEngineRequest(engine_id=self.engine_id, version=version,
+                                           trainer_uids=self._trainer_uids)
         request.allocations.add(kind=v1.MEMORY_HOST_SHM, handle=("/" + self._shm.name).encode(),
                                 size=self._shm.size, device_uuid="host")
         arrays = {}
@@ -133,7 +137,8 @@ class Engine:
         for d in devices:
             torch.cuda.synchronize(d)   # initialised before the daemon may write
         allocations, placements = allocation_table(entries)
-        request = v1.RegisterEngineRequest(engine_id=self.engine_id, version=version)
+        request = v1.RegisterEngineRequest(engine_id=self.engine_id, version=version,
+                                           trainer_uids=self._trainer_uids)
         for a in allocations:
             request.allocations.add(kind=v1.MEMORY_CUDA_IPC, handle=a["handle"], size=a["size"],
                                     device_uuid=a["device_uuid"])
