@@ -42,5 +42,8 @@ echo "== trainer: 3 updates, float32 checkpoint -> bfloat16 engines"
 "$(bin tools/weightsync_trainer)" --target="unix:$sock" --model="$MODEL" \
   --updates=3 --dtype=float32 \
   --verify="$tag-plain:plain:bfloat16,$tag-tp0:tp:0:2:bfloat16,$tag-tp1:tp:1:2:bfloat16"
+echo "== weightsyncctl status, and a receipt read back from the plain engine's memory"
+"$(bin tools/weightsyncctl)" --socket="$sock" status
+"$(bin tools/weightsyncctl)" --socket="$sock" check "$tag-plain"
 echo "== daemon log (last lines)"
 tail -n 6 "$dir/daemon.log"
