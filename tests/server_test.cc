@@ -157,6 +157,21 @@ class ServerTest : public ::testing::Test {
     ASSERT_TRUE(trainer_->InitWeightTransfer(init).ok());
   }
 
+  // The trainer service as seen by a peer with the credentials in *who
+  // (read at each call), with a host-backend group formed by that peer:
+  // tests can't connect as several users.
+  std::unique_ptr<TrainerServiceImpl> ServiceAs(PeerCred* who) {
+    auto svc = std::make_unique<TrainerServiceImpl>(core_.get());
+    svc->set_peer_lookup(
+        [who](const std::string&) { return std::optional<PeerCred>(*who); });
+    grpc::ServerContext ctx;
+    v1::InitWeightTransferRequest init;
+    init.set_backend(v1::BACKEND_HOST);
+    v1::InitWeightTransferResponse ir;
+    EXPECT_TRUE(svc->InitWeightTransfer(&ctx, &init, &ir).ok());
+    return svc;
+  }
+
   // The tiny model's checkpoint at `version`, as HostTensors pointing into
   // data_ (valid until the next call).
   std::vector<HostTensor> Tensors(int64_t version) {
@@ -961,15 +976,13 @@ TEST_F(ServerTest, APauseWhoseTrainerFellSilentIsReleased) {
 // (root can). Driven through the service with chosen peer credentials: the
 // test can't connect as two users.
 TEST_F(ServerTest, TheTransferGroupBelongsToTheUidThatFormedIt) {
-  TrainerServiceImpl svc(core_.get());
   PeerCred who{getpid(), 4001, 4001};
-  svc.set_peer_lookup(
-      [&who](const std::string&) { return std::optional<PeerCred>(who); });
+  std::unique_ptr<TrainerServiceImpl> owned = ServiceAs(&who);
+  TrainerServiceImpl& svc = *owned;
   grpc::ServerContext ctx;
   v1::InitWeightTransferRequest init;
   init.set_backend(v1::BACKEND_HOST);
   v1::InitWeightTransferResponse ir;
-  ASSERT_TRUE(svc.InitWeightTransfer(&ctx, &init, &ir).ok());
   who.uid = 4002;  // another user's trainer
   v1::PauseRequest pause;
   v1::PauseResponse pr;
@@ -1007,19 +1020,13 @@ TEST_F(ServerTest, AnEngineAcceptsOnlyTheTrainersItNames) {
   engines_.push_back(std::move(engine));
   const std::vector<uint8_t> before = Memory(0);
 
-  TrainerServiceImpl svc(core_.get());
   PeerCred who{getpid(), 4002, 4002};
-  svc.set_peer_lookup(
-      [&who](const std::string&) { return std::optional<PeerCred>(who); });
+  std::unique_ptr<TrainerServiceImpl> svc = ServiceAs(&who);
   grpc::ServerContext ctx;
-  v1::InitWeightTransferRequest init;
-  init.set_backend(v1::BACKEND_HOST);
-  v1::InitWeightTransferResponse ir;
-  ASSERT_TRUE(svc.InitWeightTransfer(&ctx, &init, &ir).ok());
   auto t = Tensors(1);
   v1::StartWeightUpdateRequest start = StartRequest(1, t);
   v1::StartWeightUpdateResponse sr;
-  grpc::Status s = svc.StartWeightUpdate(&ctx, &start, &sr);
+  grpc::Status s = svc->StartWeightUpdate(&ctx, &start, &sr);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_THAT(s.error_message(),
               HasSubstr("engine 'picky' accepts updates only from trainers "
@@ -1031,12 +1038,8 @@ TEST_F(ServerTest, AnEngineAcceptsOnlyTheTrainersItNames) {
   EXPECT_FALSE(st->has_update() && st->update().phase() == "receiving");
   // The uid it names may (a daemon whose group nobody formed yet): the
   // update goes through.
-  TrainerServiceImpl named(core_.get());
-  named.set_peer_lookup([](const std::string&) {
-    return std::optional<PeerCred>(PeerCred{getpid(), 4001, 4001});
-  });
-  ASSERT_TRUE(named.InitWeightTransfer(&ctx, &init, &ir).ok());
-  EXPECT_TRUE(named.StartWeightUpdate(&ctx, &start, &sr).ok());
+  PeerCred named_uid{getpid(), 4001, 4001};
+  EXPECT_TRUE(ServiceAs(&named_uid)->StartWeightUpdate(&ctx, &start, &sr).ok());
 }
 
 // Every request is bounded (issue 6): a manifest tensor's name and rank.
