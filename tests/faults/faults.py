@@ -208,6 +208,16 @@ class Proc:
                 pass
 
 
+def start_engine(eid, target, log, *extra):
+    """An engine process (Python client, host memory, the PARAMS layout)
+    registered and serving; `extra`: "slow" or "slowpause"."""
+    client = os.path.join(HERE, "..", "..", "client", "python")
+    p = Proc([sys.executable, "-c", ENGINE.format(client=client, params=PARAMS), eid, target,
+              *extra], log)
+    p.wait_line("ready")
+    return p
+
+
 def status(stub):
     return stub.call("GetStatus", v1.GetStatusRequest(), timeout=2)
 
@@ -333,15 +343,13 @@ def run_case(daemon_bin, fault, phase, work):
     procs = []
     try:
         target = "unix:" + sock
-        engine_src = ENGINE.format(client=client, params=PARAMS)
         engines = {}
         for eid in ("e0", "e1"):
             slow = ({"finishing": ["slow"], "committing": ["slowpause"]}.get(phase, [])
                     if eid == "e1" else [])
-            engines[eid] = Proc([sys.executable, "-c", engine_src, eid, target] + slow,
-                                os.path.join(work, f"{eid}-{fault}-{phase}.log"))
+            engines[eid] = start_engine(eid, target,
+                                        os.path.join(work, f"{eid}-{fault}-{phase}.log"), *slow)
             procs.append(engines[eid])
-            engines[eid].wait_line("ready")
         stub = weightsync.Trainer(target, timeout=10)._stub
         for _ in range(100):  # control streams attached
             if all(e.connected for e in status(stub).engines):

@@ -60,10 +60,7 @@ def main():
     try:
         target = "unix:" + sock
         for eid in ("e0", "e1"):
-            p = F.Proc([sys.executable, "-c", F.ENGINE.format(client=client, params=F.PARAMS),
-                        eid, target], os.path.join(work, f"{eid}.log"))
-            procs.append(p)
-            p.wait_line("ready")
+            procs.append(F.start_engine(eid, target, os.path.join(work, f"{eid}.log")))
         time.sleep(0.3)
         samples, faults, t0 = [], 0, time.time()
         version = 0
