@@ -73,6 +73,14 @@ def main():
                 trainer.wait_line("at")
                 trainer.reap()  # SIGKILL mid-transfer
                 faults += 1
+                # Until the daemon sees the stream break (milliseconds; more
+                # under ASan) the update is still receiving and a new Init
+                # is refused: wait for that, as a restarted trainer would.
+                stub = weightsync.Trainer(target, timeout=10)._stub
+                end = time.time() + 10
+                while (time.time() < end and
+                       F.status(stub).update.phase == "receiving"):
+                    time.sleep(0.01)
             t = weightsync.Trainer(target, timeout=10)
             t.init_host()  # supersedes a failed update
             version += 2
