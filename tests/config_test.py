@@ -14,6 +14,7 @@ defaults, against the real weightsyncd binary.
 """
 
 import os
+import shutil
 import re
 import subprocess
 import sys
@@ -111,6 +112,8 @@ def main():
     d.terminate()
     check("and stops cleanly", d.wait(10) == 0)
     print(f"config: {'PASS' if not failures else 'FAIL'} ({len(failures)} failures)")
+    if not failures:
+        shutil.rmtree(work, ignore_errors=True)  # kept when something failed
     return 1 if failures else 0
 
 

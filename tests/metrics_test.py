@@ -8,6 +8,7 @@ pause and a staged update in progress must have made of it.
 """
 
 import os
+import shutil
 import re
 import sys
 import tempfile
@@ -184,7 +185,10 @@ def main():
                     r"event=update\.started update=staged version=4 engine=e0,e1: staged",
                     r"event=update\.committed update=staged version=4 engine=e0,e1: "):
         check(f"daemon log has /{pattern}/", re.search(pattern, text) is not None)
-    print(f"metrics: {'PASS' if not check.failures else 'FAIL'}; logs in {work}")
+    print(f"metrics: {'PASS' if not check.failures else 'FAIL'}; "
+          + (f"logs in {work}" if check.failures else "logs removed"))
+    if not check.failures:
+        shutil.rmtree(work, ignore_errors=True)
     return 1 if check.failures else 0
 
 

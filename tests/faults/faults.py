@@ -28,6 +28,7 @@ engine states, next update) and exits 1 if any row fails.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -514,7 +515,9 @@ def main():
     skipped = [r for r in rows if r.get("skipped")]
     bad = [r for r in rows if not r["ok"] and not r.get("skipped")]
     print(f"faults: {len(rows) - len(bad) - len(skipped)} of {len(rows)} cases pass, "
-          f"{len(skipped)} skipped; logs in {work}")
+          f"{len(skipped)} skipped; " + (f"logs in {work}" if bad else "logs removed"))
+    if not bad:
+        shutil.rmtree(work, ignore_errors=True)  # kept when something failed
     return 1 if bad else 0
 
 

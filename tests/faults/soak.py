@@ -17,6 +17,7 @@ closing), resident memory by less than 16 KiB per cycle. Prints the slopes and e
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -127,6 +128,10 @@ def main():
           f"{elapsed:.1f} s: fds {result['fds']['warm']}->{result['fds']['last']}, threads "
           f"{result['threads']['warm']}->{result['threads']['last']}, rss slope "
           f"{result['rss_kib']['slope_per_cycle']} KiB/cycle: {'PASS' if ok else 'FAIL'}")
+    if ok:
+        shutil.rmtree(work, ignore_errors=True)  # kept when something failed
+    else:
+        print(f"logs in {work}")
     return 0 if ok else 1
 
 
