@@ -150,12 +150,8 @@ def main():
 
         def chunks():
             for c in plan["chunks"]:
-                buf = bytearray(c["size"])
-                for p in c["pieces"]:
-                    buf[p["chunk_offset"]:p["chunk_offset"] + p["length"]] = \
-                        data[p["tensor"]][p["tensor_offset"]:p["tensor_offset"] + p["length"]].tobytes()
                 yield v1.PushChunksRequest(update_id="staged", chunk_index=c["index"],
-                                           data=bytes(buf))
+                                           data=planner.pack_chunk(c, data))
         t._stub.call("PushChunks", chunks(), timeout=60)
         s = scrape(port)
         check(f"staged update in progress holds its {nbytes} bytes of staging",

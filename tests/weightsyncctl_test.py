@@ -84,11 +84,8 @@ def chunks():
     for c in plan["chunks"]:
         if abort_after is not None and c["index"] == abort_after:
             return
-        buf = bytearray(c["size"])
-        for p in c["pieces"]:
-            buf[p["chunk_offset"]:p["chunk_offset"] + p["length"]] = \
-                data[p["tensor"]][p["tensor_offset"]:p["tensor_offset"] + p["length"]].tobytes()
-        yield v1.PushChunksRequest(update_id=update_id, chunk_index=c["index"], data=bytes(buf))
+        yield v1.PushChunksRequest(update_id=update_id, chunk_index=c["index"],
+                                   data=planner.pack_chunk(c, data))
         time.sleep({slow})
 t._stub.call("PushChunks", chunks(), timeout=120)
 if abort_after is not None:

@@ -37,6 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
 import _common as C  # noqa: E402  (also puts client/python on sys.path)
+from segments import expected_param  # noqa: E402
 from step_gate import StepGate  # noqa: E402
 
 TP = 2
@@ -53,20 +54,9 @@ def cfg_dict(cfg):
         "model_type")}
 
 
-def expected_param(shape, segs, sd, name, torch):
-    if not segs:
-        return sd[name].to(torch.bfloat16).reshape(shape)
-    flat = torch.zeros(int(torch.tensor(shape).prod()), dtype=torch.bfloat16)
-    for s in segs:
-        src = sd[s["source"]].to(torch.bfloat16)
-        src = src.reshape(src.shape[0], -1)
-        block = src[s["row_begin"]:s["row_begin"] + s["row_count"],
-                    s["col_begin"]:s["col_begin"] + s["col_count"]]
-        stride = s["dest_row_stride"] or s["col_count"]
-        for i in range(s["row_count"]):
-            o = s["dest_offset"] + i * stride
-            flat[o:o + s["col_count"]] = block[i]
-    return flat.reshape(shape)
+def expected_param_bf16(shape, segs, sd, name, torch):
+    return expected_param(shape, segs, lambda n: sd[n].to(torch.bfloat16), name,
+                          torch.zeros(int(torch.tensor(shape).prod()), dtype=torch.bfloat16))
 
 
 def engine_main(conn, target, tmp):
@@ -112,7 +102,7 @@ def engine_main(conn, target, tmp):
                 bad.append(f"{engine.engine_id} at v{engine.version}")
                 continue
             for n, t in model.items():
-                want = expected_param(tuple(t.shape), segments.get(n), sd, n, torch)
+                want = expected_param_bf16(tuple(t.shape), segments.get(n), sd, n, torch)
                 have = t.detach().cpu()
                 if segments.get(n) and n.endswith(("embed_tokens.weight", "lm_head.weight")):
                     rows = sum(s["row_count"] for s in segments[n])

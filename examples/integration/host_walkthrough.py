@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "client", "python"))
 import numpy as np  # noqa: E402
 
 import weightsync  # noqa: E402
+from segments import expected_param  # noqa: E402
 from step_gate import StepGate  # noqa: E402
 from weightsync import layouts, sparse  # noqa: E402
 from vllm_layout import vllm_llama_layout  # noqa: E402
@@ -50,19 +51,8 @@ def checkpoint(seed):
 
 
 def expected(shape, segs, ckpt, name):
-    out = np.full(int(np.prod(shape)), np.nan, np.float32)
-    if not segs:
-        return ckpt[name].reshape(shape)
-    for s in segs:
-        src = ckpt[s["source"]]
-        src = src.reshape(src.shape[0], -1)
-        block = src[s["row_begin"]:s["row_begin"] + s["row_count"],
-                    s["col_begin"]:s["col_begin"] + s["col_count"]]
-        stride = s["dest_row_stride"] or s["col_count"]
-        for i in range(s["row_count"]):
-            o = s["dest_offset"] + i * stride
-            out[o:o + s["col_count"]] = block[i]
-    return out.reshape(shape)
+    return expected_param(shape, segs, ckpt.__getitem__, name,
+                          np.full(int(np.prod(shape)), np.nan, np.float32))
 
 
 def main():

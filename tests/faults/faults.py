@@ -130,11 +130,8 @@ def main():
         for c in plan["chunks"]:
             if c["index"] == stop_at:
                 at("mid")
-            buf = bytearray(c["size"])
-            for p in c["pieces"]:
-                buf[p["chunk_offset"]:p["chunk_offset"] + p["length"]] = \
-                    data[p["tensor"]][p["tensor_offset"]:p["tensor_offset"] + p["length"]].tobytes()
-            yield v1.PushChunksRequest(update_id="faulty", chunk_index=c["index"], data=bytes(buf))
+            yield v1.PushChunksRequest(update_id="faulty", chunk_index=c["index"],
+                                       data=planner.pack_chunk(c, data))
     t._stub.call("PushChunks", chunks(half if phase == "mid" else -1), timeout=60)
     if phase == "finish":
         at("finish")

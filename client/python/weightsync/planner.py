@@ -276,6 +276,17 @@ def plan_chunks(tensors, chunk_bytes):
 # Test vectors (tests/vectors/chunk_plan.json)
 # ---------------------------------------------------------------------------
 
+def pack_chunk(chunk, payloads):
+    """The bytes of one chunk of a plan_chunks plan: each piece copied from
+    `payloads[piece["tensor"]]` (a flat uint8 numpy array, or anything whose
+    slices have .tobytes()), padding zero."""
+    buf = bytearray(chunk["size"])
+    for p in chunk["pieces"]:
+        buf[p["chunk_offset"]:p["chunk_offset"] + p["length"]] = \
+            payloads[p["tensor"]][p["tensor_offset"]:p["tensor_offset"] + p["length"]].tobytes()
+    return bytes(buf)
+
+
 def _t(name, dtype, shape, sparse_nnz=0, sparse_index_bytes=0):
     t = {"name": name, "dtype": dtype, "shape": list(shape), "sparse_nnz": sparse_nnz}
     if sparse_index_bytes:

@@ -214,13 +214,8 @@ class Trainer:
 
         def chunks():
             for chunk in plan["chunks"]:
-                buf = bytearray(chunk["size"])  # padding stays zero
-                for p in chunk["pieces"]:
-                    src = data[p["tensor"]]
-                    buf[p["chunk_offset"]:p["chunk_offset"] + p["length"]] = \
-                        src[p["tensor_offset"]:p["tensor_offset"] + p["length"]].tobytes()
                 yield v1.PushChunksRequest(update_id=update_id, chunk_index=chunk["index"],
-                                           data=bytes(buf))
+                                           data=planner.pack_chunk(chunk, data))
 
         try:
             self._stub.call("PushChunks", chunks(), timeout=self._stream_timeout)
