@@ -10,6 +10,11 @@
 //       bfloat16 (whole parameter; and a column shard, half the columns),
 //       bfloat16 -> bfloat16; against the dense copies of the same tensor
 //       (cudaMemcpy; CopyConvert2D float32 -> bfloat16).
+//   sparse_model: a --density patch of every bfloat16 parameter of
+//       --sparse_model through the worker's batched check and apply
+//       (SparseCheckBatch, SparseApplyBatch), against a cudaMemcpy of all
+//       the parameters, and probe kernels (bench/sparse_probe.h) that tell
+//       how much of the apply is the scattered 2-byte writes themselves.
 //   diff: DiffChanged of two bfloat16 tensors of --sparse_gib differing at
 //       --density, and of two equal ones.
 //
@@ -23,8 +28,11 @@
 #include <cstdlib>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 #include "gflags/gflags.h"
 #include "tools/synthetic/synthetic_model.h"
 
@@ -34,6 +42,7 @@
 #include "backends/cuda/receipt_kernels.h"
 #include "backends/cuda/scatter.h"
 #include "backends/cuda/sparse_kernels.h"
+#include "bench/sparse_probe.h"
 #endif
 
 DEFINE_int32(device, 0, "CUDA device ordinal");
@@ -41,6 +50,11 @@ DEFINE_string(model, "qwen3-8b", "synthetic model shapes for the receipt");
 DEFINE_int32(repeats, 5, "timed runs per figure (after one warm-up)");
 DEFINE_double(sparse_gib, 1.0, "size of the patched tensor, GiB");
 DEFINE_double(density, 0.01, "fraction of elements a patch changes");
+DEFINE_string(sparse_model, "qwen3-8b",
+              "model whose every bfloat16 parameter gets a --density patch "
+              "for the batched apply and its probes (empty: skip)");
+DEFINE_string(sections, "receipt,sparse,sparse_model",
+              "which sections to run, comma-separated");
 
 namespace weightsync {
 namespace {
@@ -320,6 +334,164 @@ void Sparse(cudaStream_t stream, Timer& timer) {
   }
 }
 
+// A --density patch of every bfloat16 parameter of --sparse_model (uint32
+// indices, one per 1/density elements at a random offset in its step), laid
+// out as one chunk of the wire would hold them (indices then values per
+// patch, 256-byte aligned), applied by the worker's batched launches into
+// parameters that sit in one allocation like an engine's: how long the
+// check and the apply take, against a cudaMemcpy of all the parameters'
+// bytes (a dense on-GPU update), and against probe kernels that isolate
+// the cost of the scattered 2-byte writes (bench/sparse_probe.h).
+void SparseModel(cudaStream_t stream, Timer& timer) {
+  auto model = synthetic::ModelByName(FLAGS_sparse_model);
+  if (!model.ok()) Die(model.status().ToString());
+  const std::vector<v1::TensorSpec> tensors =
+      synthetic::Checkpoint(*model, v1::BFLOAT16);
+  const int64_t step = std::max<int64_t>(1, std::llround(1 / FLAGS_density));
+  auto align = [](int64_t b) { return (b + 255) / 256 * 256; };
+  std::vector<int64_t> numel, nnz, param_at, patch_at;
+  int64_t param_bytes = 0, patch_bytes = 0, total_nnz = 0;
+  for (const v1::TensorSpec& t : tensors) {
+    int64_t n = 1;
+    for (int64_t d : t.shape()) n *= d;
+    numel.push_back(n);
+    nnz.push_back(n / step);
+    param_at.push_back(param_bytes);
+    patch_at.push_back(patch_bytes);
+    param_bytes += align(n * 2);
+    patch_bytes += align(nnz.back() * 4) + align(nnz.back() * 2);
+    total_nnz += nnz.back();
+  }
+  std::printf(
+      "\nsparse model: %s, %zu bfloat16 parameters (%.2f GB), a %.3f%% patch "
+      "of each: %lld entries, %.1f MB with 4-byte indices\n",
+      FLAGS_sparse_model.c_str(), tensors.size(), param_bytes / 1e9,
+      100.0 / step, static_cast<long long>(total_nnz), patch_bytes / 1e6);
+  uint8_t* params = Malloc(param_bytes);
+  uint8_t* copy = Malloc(param_bytes);
+  uint8_t* patch = Malloc(patch_bytes);
+  FillPattern(params, param_bytes, stream);
+  FillPattern(patch, patch_bytes, stream);  // values; indices below
+  {
+    std::vector<uint32_t> host;
+    uint64_t x = 7;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      host.resize(nnz[i]);
+      for (int64_t k = 0; k < nnz[i]; ++k) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        host[k] = static_cast<uint32_t>(k * step +
+                                        static_cast<int64_t>((x >> 33) % step));
+      }
+      CHECK_CUDA(cudaMemcpy(patch + patch_at[i], host.data(), nnz[i] * 4,
+                            cudaMemcpyHostToDevice));
+    }
+  }
+  const int64_t n = tensors.size();
+  uint8_t* reports = Malloc(n * sizeof(cuda::SparseIndexReport));
+  std::vector<cuda::SparseJob> checks(n), applies(n);
+  for (int64_t i = 0; i < n; ++i) {
+    cuda::SparseJob& j = checks[i];
+    j = cuda::SparseJob{};
+    j.indices = patch + patch_at[i];
+    j.values = patch + patch_at[i] + align(nnz[i] * 4);
+    j.report = reinterpret_cast<cuda::SparseIndexReport*>(reports) + i;
+    j.nnz = nnz[i];
+    j.cols = 1;
+    j.numel = numel[i];
+    j.index_bytes = 4;
+    j.value_dtype = 2;  // BFLOAT16
+    applies[i] = j;
+    applies[i].use.param = params + param_at[i];
+    applies[i].use.dtype = 2;
+    applies[i].use.implicit = true;
+  }
+  int64_t check_tiles = 0, apply_tiles = 0;
+  CHECK_CUDA(cuda::PlanSparseJobs(checks.data(), n, false, &check_tiles));
+  CHECK_CUDA(cuda::PlanSparseJobs(applies.data(), n, true, &apply_tiles));
+  uint8_t* jobs = Malloc(2 * n * sizeof(cuda::SparseJob));
+  auto* check_dev = reinterpret_cast<cuda::SparseJob*>(jobs);
+  auto* apply_dev = check_dev + n;
+  CHECK_CUDA(cudaMemcpy(check_dev, checks.data(), n * sizeof(cuda::SparseJob),
+                        cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(apply_dev, applies.data(), n * sizeof(cuda::SparseJob),
+                        cudaMemcpyHostToDevice));
+
+  const double memcpy_sec = timer.Median([&] {
+    CHECK_CUDA(cudaMemcpyAsync(copy, params, param_bytes,
+                               cudaMemcpyDeviceToDevice, stream));
+  });
+  Line("cudaMemcpy D2D of every parameter (dense)", param_bytes, memcpy_sec,
+       memcpy_sec);
+  const double check_sec = timer.Median([&] {
+    CHECK_CUDA(cuda::SparseResetReports(
+        reinterpret_cast<cuda::SparseIndexReport*>(reports), n, stream));
+    CHECK_CUDA(cuda::SparseCheckBatch(check_dev, n, check_tiles, stream));
+  });
+  Line("SparseCheckBatch (+ reset), every patch", total_nnz * 4, check_sec,
+       memcpy_sec);
+  const double apply_sec = timer.Median([&] {
+    CHECK_CUDA(cuda::SparseApplyBatch(apply_dev, n, apply_tiles, stream));
+  });
+  Line("SparseApplyBatch, every patch (guarded)", total_nnz * 6, apply_sec,
+       memcpy_sec);
+
+  // The probes' tile tables.
+  std::vector<bench::ProbePatch> probes(n);
+  std::vector<int32_t> tile_patch;
+  std::vector<int64_t> tile_first;
+  for (int64_t i = 0; i < n; ++i) {
+    probes[i] = bench::ProbePatch{
+        reinterpret_cast<const uint32_t*>(patch + patch_at[i]),
+        reinterpret_cast<const uint16_t*>(patch + patch_at[i] +
+                                          align(nnz[i] * 4)),
+        reinterpret_cast<uint16_t*>(params + param_at[i]), nnz[i]};
+    for (int64_t k = 0; k < nnz[i]; k += bench::kProbeTileEntries) {
+      tile_patch.push_back(static_cast<int32_t>(i));
+      tile_first.push_back(k);
+    }
+  }
+  const int64_t tiles = tile_patch.size();
+  uint8_t* probe_mem = Malloc(n * sizeof(bench::ProbePatch) + tiles * 12 + 16);
+  auto* probe_dev = reinterpret_cast<bench::ProbePatch*>(probe_mem);
+  auto* first_dev =
+      reinterpret_cast<int64_t*>(probe_mem + n * sizeof(bench::ProbePatch));
+  auto* tp_dev = reinterpret_cast<int32_t*>(first_dev + tiles);
+  CHECK_CUDA(cudaMemcpy(probe_dev, probes.data(), n * sizeof(bench::ProbePatch),
+                        cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(first_dev, tile_first.data(), tiles * 8,
+                        cudaMemcpyHostToDevice));
+  CHECK_CUDA(
+      cudaMemcpy(tp_dev, tile_patch.data(), tiles * 4, cudaMemcpyHostToDevice));
+  const std::pair<bench::Probe, const char*> kProbes[] = {
+      {bench::Probe::kStoreOnly, "probe: scattered stores only"},
+      {bench::Probe::kStridedRegs, "probe: apply, strided, loads first"},
+      {bench::Probe::kRunPerThread, "probe: apply, 8 consecutive per thread"},
+      {bench::Probe::kStreaming, "probe: apply, strided, streaming stores"},
+      {bench::Probe::kSectorRmw, "probe: read + write whole 32 B sectors"},
+  };
+  for (const auto& [probe, what] : kProbes) {
+    const double sec = timer.Median([&, probe = probe] {
+      CHECK_CUDA(bench::LaunchProbe(probe, probe_dev, tp_dev, first_dev, tiles,
+                                    stream));
+    });
+    Line(what, total_nnz * 6, sec, memcpy_sec);
+  }
+  std::printf(
+      "sparse model: (check + apply) / dense copy = %.3f; %.1f G entries/s "
+      "applied\n",
+      (check_sec + apply_sec) / memcpy_sec, total_nnz / apply_sec / 1e9);
+  for (uint8_t* p : {params, copy, patch, reports, jobs, probe_mem}) {
+    CHECK_CUDA(cudaFree(p));
+  }
+}
+
+bool Section(const char* name) {
+  for (absl::string_view s : absl::StrSplit(FLAGS_sections, ',')) {
+    if (s == name) return true;
+  }
+  return false;
+}
+
 int Run() {
   CHECK_CUDA(cudaSetDevice(FLAGS_device));
   cudaDeviceProp prop;
@@ -329,8 +501,11 @@ int Run() {
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   Timer timer(stream);
-  Receipts(stream, timer);
-  Sparse(stream, timer);
+  if (Section("receipt")) Receipts(stream, timer);
+  if (Section("sparse")) Sparse(stream, timer);
+  if (Section("sparse_model") && !FLAGS_sparse_model.empty()) {
+    SparseModel(stream, timer);
+  }
   CHECK_CUDA(cudaStreamDestroy(stream));
   return 0;
 }

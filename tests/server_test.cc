@@ -360,6 +360,31 @@ TEST_F(ServerTest, OutOfOrderCallsAreFailedPrecondition) {
   ExpectInstalled(0);
 }
 
+TEST_F(ServerTest, BadInitArgumentsNameTheFieldAndKeepTheGroup) {
+  AddEngine("e0");
+  Init();
+  v1::InitWeightTransferRequest init;
+  init.set_backend(v1::BACKEND_HOST);
+  init.set_timeout_ms(-5);
+  auto s = trainer_->InitWeightTransfer(init);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.status().message(), HasSubstr("timeout_ms must be >= 0"));
+  EXPECT_THAT(s.status().message(), HasSubstr("not -5"));
+  init.set_timeout_ms(0);
+  init.set_world_size(2);
+  init.set_rank_offset(2);
+  s = trainer_->InitWeightTransfer(init);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.status().message(),
+              HasSubstr("rank_offset 2 must lie inside world_size 2"));
+  // The group formed before the refusals still carries an update.
+  auto t = Tensors(1);
+  ASSERT_TRUE(trainer_->StartWeightUpdate(StartRequest(1, t)).ok());
+  ASSERT_TRUE(trainer_->PushTensors("u1", t, 4096).ok());
+  ASSERT_TRUE(trainer_->FinishWeightUpdate("u1").ok());
+  ExpectInstalled(0);
+}
+
 TEST_F(ServerTest, IpcChunkAnnouncementsOnAHostUpdateFailIt) {
   // IpcChunks carries no bytes: on a host-backend update an announcement is
   // a chunk of the wrong size, so the update fails and nothing is written.

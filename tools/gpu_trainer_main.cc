@@ -189,7 +189,20 @@ void ChangeSome(uint8_t* t, int64_t n, int es, double density, int64_t version,
 struct Sent {
   v1::FinishWeightUpdateResponse done;
   double seconds = 0;
+  double start_s = 0;  // StartWeightUpdate's round trip
 };
+
+// Where a sent update's time went, in ms: "start S (validate V pause P begin
+// B) transfer T device D commit C".
+std::string Breakdown(const Sent& s) {
+  const v1::UpdateTimings& t = s.done.timings();
+  return absl::StrFormat(
+      "start %.2f (validate %.2f pause %.2f begin %.2f) transfer %.2f device "
+      "%.2f commit %.2f",
+      s.start_s * 1e3, t.validate_s() * 1e3, t.pause_s() * 1e3,
+      t.begin_s() * 1e3, t.transfer_s() * 1e3, t.device_s() * 1e3,
+      t.commit_s() * 1e3);
+}
 
 // Start, broadcast every chunk of `plan` from `buf`, Finish. With no
 // `comm` (the IPC backend) the request names the shared buffer and the
@@ -201,6 +214,7 @@ absl::StatusOr<Sent> Send(TrainerClient& client,
   const absl::Time t0 = absl::Now();
   auto started = client.StartWeightUpdate(req);
   if (!started.ok()) return started.status();
+  const double start_s = absl::ToDoubleSeconds(absl::Now() - t0);
   for (const Chunk& c : plan.chunks) {
     if (comm == nullptr) break;
     CHECK_NCCL(ncclBroadcast(buf + c.offset, buf + c.offset, c.size, ncclUint8,
@@ -209,7 +223,7 @@ absl::StatusOr<Sent> Send(TrainerClient& client,
   CHECK_CUDA(cudaStreamSynchronize(stream));
   auto done = client.FinishWeightUpdate(req.update_id());
   if (!done.ok()) return done.status();
-  return Sent{*done, absl::ToDoubleSeconds(absl::Now() - t0)};
+  return Sent{*done, absl::ToDoubleSeconds(absl::Now() - t0), start_s};
 }
 
 // A legacy CUDA IPC handle of `size` bytes at `ptr` on `device`.
@@ -402,7 +416,8 @@ int SparseSeries(TrainerClient& client,
         "tensors "
         "sparse, nnz %lld, bytes %lld of %lld (%.3f%%), sparse_s %.6f "
         "dense_s %.6f (%.2f%%), diff_pack_s %.6f (with it %.2f%%), "
-        "sparse_device_s %.6f dense_device_s %.6f\n",
+        "sparse_device_s %.6f dense_device_s %.6f; sparse ms: %s; dense ms: "
+        "%s\n",
         density, staged ? "staged" : "streaming",
         static_cast<long long>(version - 1), static_cast<long long>(version),
         sparse_tensors, n, static_cast<long long>(nnz_total),
@@ -411,7 +426,8 @@ int SparseSeries(TrainerClient& client,
         100.0 * plan->total_bytes / dense_plan.total_bytes, sparse->seconds,
         dense->seconds, 100.0 * sparse->seconds / dense->seconds, diff_s,
         100.0 * (sparse->seconds + diff_s) / dense->seconds,
-        sparse->done.timings().device_s(), dense->done.timings().device_s());
+        sparse->done.timings().device_s(), dense->done.timings().device_s(),
+        Breakdown(*sparse).c_str(), Breakdown(*dense).c_str());
     std::fflush(stdout);
   }
   return 0;

@@ -262,6 +262,9 @@ grpc::Status GpuWorker::InitGroup(grpc::ServerContext* ctx,
           comm_ = nullptr;
         }
         update_active_ = false;
+        enqueue_timeout_ = request->timeout_ms() > 0
+                               ? absl::Milliseconds(request->timeout_ms())
+                               : kDefaultEnqueueTimeout;
         device_ = request->device();
         WS_CUDA(cudaSetDevice(device_));
         absl::Status streams = EnsureStreams();
@@ -786,14 +789,17 @@ absl::Status GpuWorker::ReceiveChunk(uint8_t* buf, int64_t bytes) {
   if (r == ncclInProgress) {
     // Non-blocking communicator: the enqueue completes asynchronously (the
     // first one waits for the trainer to connect).
-    const absl::Time deadline = absl::Now() + absl::Minutes(10);
+    const absl::Time deadline = absl::Now() + enqueue_timeout_;
     ncclResult_t state = ncclInProgress;
     while (state == ncclInProgress) {
       WS_NCCL(ncclCommGetAsyncError(comm_, &state));
       if (state != ncclInProgress) break;
       if (abort_requested_) return absl::AbortedError("update aborted");
       if (absl::Now() > deadline) {
-        return absl::DeadlineExceededError("broadcast enqueue timed out");
+        return absl::DeadlineExceededError(absl::StrCat(
+            "broadcast enqueue timed out after ",
+            absl::FormatDuration(enqueue_timeout_),
+            " (InitWeightTransfer timeout_ms): is the trainer broadcasting?"));
       }
       absl::SleepFor(absl::Microseconds(10));
     }

@@ -58,6 +58,11 @@ class OwnerThread {
   std::thread thread_;
 };
 
+// How long one NCCL broadcast's enqueue waits for the trainer's side when
+// InitGroupRequest.timeout_ms is 0 (InitWeightTransferRequest.timeout_ms
+// reaches the worker as that field).
+inline constexpr absl::Duration kDefaultEnqueueTimeout = absl::Minutes(10);
+
 class GpuWorker final : public worker::v1::GpuWorker::Service {
  public:
   // `device` receives and scatters every update; all engine allocations
@@ -196,6 +201,9 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   // Owned by the owner thread.
   ncclComm_t comm_ = nullptr;
   bool comm_ready_ = false;
+  // How long one broadcast's enqueue may wait for the trainer's side (the
+  // group's InitGroupRequest.timeout_ms; kDefaultEnqueueTimeout for 0).
+  absl::Duration enqueue_timeout_ = kDefaultEnqueueTimeout;
   int device_ = -1;
   cudaStream_t recv_stream_ = nullptr, scatter_stream_ = nullptr;
   std::vector<uint8_t*> staging_;

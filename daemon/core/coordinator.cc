@@ -334,6 +334,11 @@ absl::StatusOr<v1::InitWeightTransferResponse> Coordinator::InitWeightTransfer(
         absl::StrCat("rank_offset ", request.rank_offset(),
                      " must lie inside world_size ", request.world_size()));
   }
+  if (request.timeout_ms() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("timeout_ms must be >= 0 (0: the default, 10 min), not ",
+                     request.timeout_ms()));
+  }
   WS_ASSIGN_OR_RETURN(std::shared_ptr<DataPlane> plane,
                       data_planes_->Create(request));
   absl::MutexLock lock(&mu_);

@@ -316,6 +316,15 @@ steps = [dict(density=float(m[0]), sparse_tensors=int(m[2]), tensors=int(m[3]), 
               sparse_bytes=int(m[5]), dense_bytes=int(m[6]), sparse_s=float(m[7]), dense_s=float(m[8]),
               diff_pack_s=float(m[9]), sparse_device_s=float(m[10]), dense_device_s=float(m[11]))
          for m in sp.findall(read("bench-sparse"))][1:]  # the first step warms up
+# Where each update's time went (ms), when the trainer printed it.
+bd = re.compile(r"sparse ms: start ([0-9.]+) \(validate ([0-9.]+) pause ([0-9.]+) begin ([0-9.]+)\) "
+                r"transfer ([0-9.]+) device ([0-9.]+) commit ([0-9.]+); dense ms: start ([0-9.]+) "
+                r"\(validate ([0-9.]+) pause ([0-9.]+) begin ([0-9.]+)\) transfer ([0-9.]+) device ([0-9.]+) "
+                r"commit ([0-9.]+)")
+keys = ["start", "validate", "pause", "begin", "transfer", "device", "commit"]
+for s, m in zip(steps, bd.findall(read("bench-sparse"))[1:]):
+    s["sparse_ms"] = dict(zip(keys, map(float, m[:7])))
+    s["dense_ms"] = dict(zip(keys, map(float, m[7:])))
 if steps:
     med = lambda k: statistics.median(s[k] for s in steps)
     bytes_frac = med("sparse_bytes") / med("dense_bytes")
@@ -332,6 +341,11 @@ if steps:
          "trainer_diff_pack_s_median": med("diff_pack_s"), "time_fraction_with_trainer_diff": with_diff,
          "sparse_device_s_median": med("sparse_device_s"), "dense_device_s_median": med("dense_device_s"),
          "sparse_tensors": steps[0]["sparse_tensors"], "tensors": steps[0]["tensors"], "steps": steps}
+    if all("sparse_ms" in s for s in steps):
+        r["sparse_ms_median"] = {k: statistics.median(s["sparse_ms"][k] for s in steps) for k in keys}
+        r["dense_ms_median"] = {k: statistics.median(s["dense_ms"][k] for s in steps) for k in keys}
+        out.append("SPARSE breakdown, ms (sparse / dense): " + ", ".join(
+            f"{k} {r['sparse_ms_median'][k]:.2f} / {r['dense_ms_median'][k]:.2f}" for k in keys))
     json.dump(r, open(os.path.join(log, "sparse.json"), "w"), indent=2)
     out.append(f"SPARSE qwen3-8b bf16 1%: {r['sparse_bytes_median']/1e6:.1f} MB of {r['dense_bytes']/1e6:.1f} MB "
                f"= {bytes_frac*100:.2f}% (goal <= 3%); {r['sparse_s_median']*1e3:.2f} ms vs dense "

@@ -1,0 +1,124 @@
+#include "bench/sparse_probe.h"
+
+namespace weightsync {
+namespace bench {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kPer = kProbeTileEntries / kThreads;  // 8
+
+__global__ void __launch_bounds__(kThreads)
+    StoreOnly(const ProbePatch* patches, const int32_t* tile_patch,
+              const int64_t* tile_first) {
+  const ProbePatch& p = patches[tile_patch[blockIdx.x]];
+  const int64_t lo = tile_first[blockIdx.x];
+  const int64_t hi = min(lo + kProbeTileEntries, p.nnz);
+  for (int64_t k = lo + threadIdx.x; k < hi; k += kThreads) {
+    p.param[p.indices[k]] = 0x3F80;
+  }
+}
+
+template <bool kStream>
+__global__ void __launch_bounds__(kThreads)
+    StridedRegs(const ProbePatch* patches, const int32_t* tile_patch,
+                const int64_t* tile_first) {
+  const ProbePatch& p = patches[tile_patch[blockIdx.x]];
+  const int64_t lo = tile_first[blockIdx.x];
+  const int64_t hi = min(lo + kProbeTileEntries, p.nnz);
+  uint32_t idx[kPer], next[kPer];
+  uint16_t val[kPer];
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) {
+    const int64_t k = lo + threadIdx.x + e * kThreads;
+    if (k < hi) {
+      idx[e] = p.indices[k];
+      next[e] = k + 1 < p.nnz ? p.indices[k + 1] : ~idx[e];
+      val[e] = p.values[k];
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) {
+    const int64_t k = lo + threadIdx.x + e * kThreads;
+    if (k < hi && next[e] != idx[e]) {
+      if (kStream) {
+        __stcs(reinterpret_cast<unsigned short*>(p.param) + idx[e], val[e]);
+      } else {
+        p.param[idx[e]] = val[e];
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    RunPerThread(const ProbePatch* patches, const int32_t* tile_patch,
+                 const int64_t* tile_first) {
+  const ProbePatch& p = patches[tile_patch[blockIdx.x]];
+  const int64_t lo = tile_first[blockIdx.x] + int64_t{threadIdx.x} * kPer;
+  const int64_t hi = min(tile_first[blockIdx.x] + kProbeTileEntries, p.nnz);
+  uint32_t idx[kPer + 1];
+  uint16_t val[kPer];
+#pragma unroll
+  for (int e = 0; e <= kPer; ++e) {
+    const int64_t k = lo + e;
+    idx[e] = k < p.nnz ? p.indices[k] : 0xFFFFFFFFu;
+    if (e < kPer && k < hi) val[e] = p.values[k];
+  }
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) {
+    const int64_t k = lo + e;
+    if (k < hi && (k + 1 >= p.nnz || idx[e + 1] != idx[e])) {
+      p.param[idx[e]] = val[e];
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    SectorRmw(const ProbePatch* patches, const int32_t* tile_patch,
+              const int64_t* tile_first) {
+  const ProbePatch& p = patches[tile_patch[blockIdx.x]];
+  const int64_t lo = tile_first[blockIdx.x];
+  const int64_t hi = min(lo + kProbeTileEntries, p.nnz);
+  for (int64_t k = lo + threadIdx.x; k < hi; k += kThreads) {
+    const uint32_t i = p.indices[k];
+    // The 32-byte sector of element i (parameters are 256-byte aligned).
+    uint4* sector = reinterpret_cast<uint4*>(p.param + (i & ~15u));
+    uint4 a = sector[0], b = sector[1];
+    uint16_t* h = (i & 8u) ? reinterpret_cast<uint16_t*>(&b)
+                           : reinterpret_cast<uint16_t*>(&a);
+    h[i & 7u] = p.values[k];
+    sector[0] = a;
+    sector[1] = b;
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchProbe(Probe probe, const ProbePatch* patches,
+                        const int32_t* tile_patch, const int64_t* tile_first,
+                        int64_t tiles, cudaStream_t stream) {
+  if (tiles <= 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>(tiles)), block(kThreads);
+  switch (probe) {
+    case Probe::kStoreOnly:
+      StoreOnly<<<grid, block, 0, stream>>>(patches, tile_patch, tile_first);
+      break;
+    case Probe::kStridedRegs:
+      StridedRegs<false>
+          <<<grid, block, 0, stream>>>(patches, tile_patch, tile_first);
+      break;
+    case Probe::kStreaming:
+      StridedRegs<true>
+          <<<grid, block, 0, stream>>>(patches, tile_patch, tile_first);
+      break;
+    case Probe::kRunPerThread:
+      RunPerThread<<<grid, block, 0, stream>>>(patches, tile_patch, tile_first);
+      break;
+    case Probe::kSectorRmw:
+      SectorRmw<<<grid, block, 0, stream>>>(patches, tile_patch, tile_first);
+      break;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace bench
+}  // namespace weightsync
