@@ -57,6 +57,10 @@ DEFINE_string(dtype, "float32", "checkpoint dtype");
 DEFINE_int32(updates, 3, "number of updates");
 DEFINE_int64(first_version, 1, "version of the first update");
 DEFINE_int64(chunk_mib, 64, "chunk size in MiB (0: the daemon's default)");
+DEFINE_int64(sparse_chunk_mib, 0,
+             "chunk size in MiB of the sparse steps' patches (0: "
+             "--chunk_mib); smaller chunks let the daemon apply chunk k "
+             "while chunk k+1 is on the wire");
 DEFINE_int32(device, 0, "CUDA ordinal of the trainer's GPU");
 DEFINE_int32(die_after_chunks, -1, "exit after broadcasting this many chunks");
 DEFINE_int32(stall_after_chunks, -1,
@@ -323,7 +327,10 @@ int SparseSeries(TrainerClient& client,
         nnz_total += counts[i];
       }
     }
-    auto plan = PlanChunks(manifest, FLAGS_chunk_mib << 20);
+    const int64_t patch_chunk =
+        (FLAGS_sparse_chunk_mib > 0 ? FLAGS_sparse_chunk_mib : FLAGS_chunk_mib)
+        << 20;
+    auto plan = PlanChunks(manifest, patch_chunk);
     CHECK(plan.ok()) << plan.status();
     if (plan->total_bytes > patch_bytes) {
       if (patch_dev != nullptr) CHECK_CUDA(cudaFree(patch_dev));
@@ -367,7 +374,7 @@ int SparseSeries(TrainerClient& client,
     v1::StartWeightUpdateRequest req;
     req.set_update_id(absl::StrCat("update-", version));
     req.set_target_version(version);
-    req.set_chunk_bytes(FLAGS_chunk_mib << 20);
+    req.set_chunk_bytes(patch_chunk);
     req.set_sparse_base_version(last_committed);
     req.set_verify(v1::VERIFY_OFF);
     if (staged) req.set_mode(v1::UPDATE_MODE_STAGED);

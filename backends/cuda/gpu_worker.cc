@@ -717,8 +717,10 @@ void GpuWorker::CloseIpcSource() {
   ipc_sources_.clear();
 }
 
-absl::Status GpuWorker::EnsureStaging(int64_t chunk_bytes, int buffers) {
-  if (staging_chunk_ == chunk_bytes &&
+absl::Status GpuWorker::EnsureStaging(int64_t chunk_bytes, int buffers,
+                                      bool larger_ok) {
+  if ((staging_chunk_ == chunk_bytes ||
+       (larger_ok && staging_chunk_ > chunk_bytes)) &&
       static_cast<int>(staging_.size()) == buffers) {
     return absl::OkStatus();
   }
@@ -865,7 +867,7 @@ grpc::Status GpuWorker::BeginUpdate(
           // Staged: the chunks are copied into staging as they are read.
           if (request->staged()) {
             s = EnsureStaging(request->chunk_bytes(),
-                              request->chunk_sizes_size());
+                              request->chunk_sizes_size(), /*larger_ok=*/false);
             if (!s.ok()) return s;
           }
         } else {
@@ -876,9 +878,14 @@ grpc::Status GpuWorker::BeginUpdate(
           if (!s.ok()) return s;
           WS_CUDA(cudaSetDevice(device_));
           // Staged: one buffer per chunk (the daemon checked the budget).
+          // Streaming keeps larger buffers it already has: a trainer that
+          // sends sparse updates in small chunks (to overlap their apply
+          // with the receive) between dense ones in large chunks would
+          // otherwise reallocate them, synchronising the GPU, every update.
           s = EnsureStaging(request->chunk_bytes(),
                             request->staged() ? request->chunk_sizes_size()
-                                              : request->staging_buffers());
+                                              : request->staging_buffers(),
+                            /*larger_ok=*/!request->staged());
           if (!s.ok()) return s;
         }
         s = PrepareSparse(*request);

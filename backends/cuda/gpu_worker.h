@@ -116,7 +116,9 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   absl::StatusOr<Allocation> MapShared(const std::string& handle, int64_t size,
                                        bool vmm);
   void Unmap(Allocation* a);
-  absl::Status EnsureStaging(int64_t chunk_bytes, int buffers);
+  // `buffers` staging buffers of at least `chunk_bytes` (exactly, unless
+  // `larger_ok`).
+  absl::Status EnsureStaging(int64_t chunk_bytes, int buffers, bool larger_ok);
   absl::Status EnsureStreams();
   // Enqueues the NCCL receive of `bytes` into `buf` on recv_stream_,
   // waiting (bounded, abortable) while the non-blocking enqueue completes.

@@ -260,18 +260,53 @@ __global__ void __launch_bounds__(kBatchThreads)
   }
 }
 
+// Entries each thread of a batch block takes from its tile.
+constexpr int kTilePerThread =
+    static_cast<int>(kSparseTileEntries / kBatchThreads);
+static_assert(kSparseTileEntries % kBatchThreads == 0, "whole tiles");
+
+// Writes entries [lo, hi) (hi - lo <= kSparseTileEntries) of job j's patch,
+// entry lo + t + e * kBatchThreads by thread t: every load of the tile is
+// issued before its first store. The stores are scattered 2-to-8-byte
+// writes that cost a DRAM read-modify-write each and bound the apply
+// (bench/gpu_kernels_bench "sparse model": stores alone take 97% of the
+// apply's time); loading first keeps more of them in flight (4.27 against
+// 4.60 ms for a 1% patch of Qwen3-8B on an H200).
+template <typename Conv, typename I>
+__device__ __forceinline__ void ApplyTile(const SparseJob& j, int64_t lo,
+                                          int64_t hi) {
+  const auto* indices = static_cast<const I*>(j.indices);
+  const auto* values = static_cast<const typename Conv::From*>(j.values);
+  auto* param = static_cast<typename Conv::To*>(j.use.param);
+  I index[kTilePerThread];
+  typename Conv::From value[kTilePerThread];
+  bool wins[kTilePerThread];
+#pragma unroll
+  for (int e = 0; e < kTilePerThread; ++e) {
+    const int64_t k = lo + threadIdx.x + int64_t{e} * kBatchThreads;
+    wins[e] = k < hi && SparseEntryWins(indices, j.nnz, k);
+    if (k < hi) {
+      index[e] = indices[k];
+      value[e] = values[k];
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < kTilePerThread; ++e) {
+    int64_t dst;
+    if (wins[e] && SparseDestination(j.use, j.cols, j.numel,
+                                     static_cast<int64_t>(index[e]), &dst)) {
+      param[dst] = Conv::Apply(value[e]);
+    }
+  }
+}
+
 template <typename Conv>
 __device__ __forceinline__ void ApplyRangeOf(const SparseJob& j, int64_t lo,
                                              int64_t hi) {
-  const auto* values = static_cast<const typename Conv::From*>(j.values);
   if (j.index_bytes == 4) {
-    ApplyStrided<Conv>(static_cast<const uint32_t*>(j.indices), values, j.nnz,
-                       j.cols, j.numel, j.use, lo + threadIdx.x, hi,
-                       blockDim.x);
+    ApplyTile<Conv, uint32_t>(j, lo, hi);
   } else {
-    ApplyStrided<Conv>(static_cast<const int64_t*>(j.indices), values, j.nnz,
-                       j.cols, j.numel, j.use, lo + threadIdx.x, hi,
-                       blockDim.x);
+    ApplyTile<Conv, int64_t>(j, lo, hi);
   }
 }
 

@@ -249,14 +249,20 @@ trainer bench-plain 150 --model=qwen3-8b --dtype=bfloat16 --updates=6 --first_ve
   --chunk_mib=1024 --finish_timeout_ms=120000 --update_timeout_s=120 \
   || record "(d) streaming (no receipts) benchmark ran" FAIL
 # Sparse at 1%: four steps, each a sparse update and the same weights dense.
+# On NCCL the patches travel in 64 MiB chunks (SPARSE_CHUNK_MIB), so that
+# the daemon applies chunk k while chunk k+1 is on the wire; the dense
+# updates keep 1 GiB chunks. IPC copies from the trainer's buffer: no wire.
+SPARSE_CHUNK_MIB=${SPARSE_CHUNK_MIB:-$([ "$BACKEND" = nccl ] && echo 64 || echo 1024)}
 trainer bench-sparse 240 --model=qwen3-8b --dtype=bfloat16 --updates=1 --first_version=31 \
-  --chunk_mib=1024 --sparse_densities=0.01,0.01,0.01,0.01 --finish_timeout_ms=120000 --update_timeout_s=200 \
+  --chunk_mib=1024 --sparse_chunk_mib="$SPARSE_CHUNK_MIB" --sparse_densities=0.01,0.01,0.01,0.01 \
+  --finish_timeout_ms=120000 --update_timeout_s=200 \
   || record "(d) sparse benchmark ran" FAIL
 stop_all
 
-figures=$(timeout 60 python3 - "$LOG" "${COMMIT:-unknown}" "${KIND:-unknown}" "$MEM" "$BACKEND" <<'PY'
+figures=$(timeout 60 python3 - "$LOG" "${COMMIT:-unknown}" "${KIND:-unknown}" "$MEM" "$BACKEND" "$SPARSE_CHUNK_MIB" <<'PY'
 import json, re, sys, datetime, statistics, os
 log, commit, kind, mem, backend = sys.argv[1:6]
+sparse_chunk_bytes = int(sys.argv[6]) << 20
 def read(name):
     try:
         return open(os.path.join(log, name + ".log")).read()
@@ -331,8 +337,8 @@ if steps:
     time_frac = statistics.median(s["sparse_s"] / s["dense_s"] for s in steps)
     with_diff = statistics.median((s["sparse_s"] + s["diff_pack_s"]) / s["dense_s"] for s in steps)
     r = {"date": today, "kind": kind, "commit": commit, "model": "qwen3-8b", "checkpoint_dtype": "bfloat16",
-         "engine": "plain bfloat16, " + mem, "chunk_bytes": 1 << 30, "backend": backend + ", streaming",
-         "density": steps[0]["density"], "index_bytes": 4,
+         "engine": "plain bfloat16, " + mem, "chunk_bytes": 1 << 30, "sparse_chunk_bytes": sparse_chunk_bytes,
+         "backend": backend + ", streaming", "density": steps[0]["density"], "index_bytes": 4,
          "baseline": "the dense update of the same weights, sent right after each sparse one (same run)",
          "sparse_bytes_median": med("sparse_bytes"), "dense_bytes": steps[0]["dense_bytes"],
          "bytes_fraction": bytes_frac, "goal_bytes_fraction": 0.03,
