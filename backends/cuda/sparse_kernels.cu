@@ -270,8 +270,8 @@ static_assert(kSparseTileEntries % kBatchThreads == 0, "whole tiles");
 // issued before its first store. The stores are scattered 2-to-8-byte
 // writes that cost a DRAM read-modify-write each and bound the apply
 // (bench/gpu_kernels_bench "sparse model": stores alone take 97% of the
-// apply's time); loading first keeps more of them in flight (4.27 against
-// 4.60 ms for a 1% patch of Qwen3-8B on an H200).
+// apply's time); loading first keeps more of them in flight (4.30 against
+// 4.60 ms for a 1% patch of Qwen3-8B on an H200, bench/RESULTS.md).
 template <typename Conv, typename I>
 __device__ __forceinline__ void ApplyTile(const SparseJob& j, int64_t lo,
                                           int64_t hi) {
