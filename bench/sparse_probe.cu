@@ -7,12 +7,22 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kPer = kProbeTileEntries / kThreads;  // 8
 
+// This block's tile: its patch, and its entries [*lo, *hi).
+__device__ __forceinline__ const ProbePatch& TileOf(const ProbePatch* patches,
+                                                    const int32_t* tile_patch,
+                                                    const int64_t* tile_first,
+                                                    int64_t* lo, int64_t* hi) {
+  const ProbePatch& p = patches[tile_patch[blockIdx.x]];
+  *lo = tile_first[blockIdx.x];
+  *hi = min(*lo + kProbeTileEntries, p.nnz);
+  return p;
+}
+
 __global__ void __launch_bounds__(kThreads)
     StoreOnly(const ProbePatch* patches, const int32_t* tile_patch,
               const int64_t* tile_first) {
-  const ProbePatch& p = patches[tile_patch[blockIdx.x]];
-  const int64_t lo = tile_first[blockIdx.x];
-  const int64_t hi = min(lo + kProbeTileEntries, p.nnz);
+  int64_t lo, hi;
+  const ProbePatch& p = TileOf(patches, tile_patch, tile_first, &lo, &hi);
   for (int64_t k = lo + threadIdx.x; k < hi; k += kThreads) {
     p.param[p.indices[k]] = 0x3F80;
   }
@@ -22,9 +32,8 @@ template <bool kStream>
 __global__ void __launch_bounds__(kThreads)
     StridedRegs(const ProbePatch* patches, const int32_t* tile_patch,
                 const int64_t* tile_first) {
-  const ProbePatch& p = patches[tile_patch[blockIdx.x]];
-  const int64_t lo = tile_first[blockIdx.x];
-  const int64_t hi = min(lo + kProbeTileEntries, p.nnz);
+  int64_t lo, hi;
+  const ProbePatch& p = TileOf(patches, tile_patch, tile_first, &lo, &hi);
   uint32_t idx[kPer], next[kPer];
   uint16_t val[kPer];
 #pragma unroll
@@ -52,9 +61,9 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads)
     RunPerThread(const ProbePatch* patches, const int32_t* tile_patch,
                  const int64_t* tile_first) {
-  const ProbePatch& p = patches[tile_patch[blockIdx.x]];
-  const int64_t lo = tile_first[blockIdx.x] + int64_t{threadIdx.x} * kPer;
-  const int64_t hi = min(tile_first[blockIdx.x] + kProbeTileEntries, p.nnz);
+  int64_t first, hi;
+  const ProbePatch& p = TileOf(patches, tile_patch, tile_first, &first, &hi);
+  const int64_t lo = first + int64_t{threadIdx.x} * kPer;
   uint32_t idx[kPer + 1];
   uint16_t val[kPer];
 #pragma unroll
@@ -75,9 +84,8 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads)
     SectorRmw(const ProbePatch* patches, const int32_t* tile_patch,
               const int64_t* tile_first) {
-  const ProbePatch& p = patches[tile_patch[blockIdx.x]];
-  const int64_t lo = tile_first[blockIdx.x];
-  const int64_t hi = min(lo + kProbeTileEntries, p.nnz);
+  int64_t lo, hi;
+  const ProbePatch& p = TileOf(patches, tile_patch, tile_first, &lo, &hi);
   for (int64_t k = lo + threadIdx.x; k < hi; k += kThreads) {
     const uint32_t i = p.indices[k];
     // The 32-byte sector of element i (parameters are 256-byte aligned).

@@ -853,11 +853,13 @@ grpc::Status GpuWorker::BeginUpdate(
     grpc::ServerContext* ctx, const worker::v1::BeginUpdateRequest* request,
     worker::v1::Empty*) {
   const absl::Time deadline = Deadline(ctx);
+  const absl::Time t_call = absl::Now();
   return ToGrpcStatus(owner_.Run(
       [&]() -> absl::Status {
         if (update_active_) {
           return absl::FailedPreconditionError("an update is in progress");
         }
+        const absl::Time t_run = absl::Now();
         const bool ipc = !request->ipc_source_handle().empty();
         absl::Status s = EnsureStreams();
         if (!s.ok()) return s;
@@ -888,9 +890,20 @@ grpc::Status GpuWorker::BeginUpdate(
                             /*larger_ok=*/!request->staged());
           if (!s.ok()) return s;
         }
+        const absl::Time t_data = absl::Now();
         s = PrepareSparse(*request);
+        const absl::Time t_sparse = absl::Now();
         if (s.ok()) s = PrepareReceipts(*request);
         if (!s.ok()) return s;
+        VLOG(1) << "begin update (" << request->chunk_sizes_size()
+                << " chunks, " << request->ops_size() << " copies, "
+                << request->sparse_size() << " patches), ms: owner thread "
+                << absl::ToDoubleMilliseconds(t_run - t_call)
+                << ", streams + source/staging "
+                << absl::ToDoubleMilliseconds(t_data - t_run) << ", sparse "
+                << absl::ToDoubleMilliseconds(t_sparse - t_data)
+                << ", receipts "
+                << absl::ToDoubleMilliseconds(absl::Now() - t_sparse);
         ended_clean_ = false;
         update_active_ = true;
         update_chunks_ = request->chunk_sizes_size();

@@ -493,6 +493,7 @@ absl::Status GpuDataPlane::AddReceipts(
 absl::Status GpuDataPlane::BeginImpl(
     std::shared_ptr<const CopyPlan> plan,
     const v1::StartWeightUpdateRequest& request, bool staged) {
+  const absl::Time t_entry = absl::Now();
   const auto& o = sup_->options();
   // Staged: one buffer per chunk, the whole update.
   const int64_t staging =
@@ -635,8 +636,13 @@ absl::Status GpuDataPlane::BeginImpl(
   if (verify && !plan->chunks.chunks.empty()) {
     WS_RETURN_IF_ERROR(AddReceipts(*plan, request, &req));
   }
+  const absl::Time t_rpc = absl::Now();
   absl::Status s =
       sup_->BeginUpdate(req, absl::Now() + sup_->options().call_timeout);
+  VLOG(1) << "begin: request of " << req.ByteSizeLong() << " bytes built in "
+          << absl::ToDoubleMilliseconds(t_rpc - t_entry)
+          << " ms, the worker's BeginUpdate answered in "
+          << absl::ToDoubleMilliseconds(absl::Now() - t_rpc) << " ms";
   absl::MutexLock lock(&mu_);
   if (verify && !plan->chunks.chunks.empty()) inflight_plan_ = plan.get();
   chunks_ = plan->chunks.chunks.size();
