@@ -57,6 +57,11 @@ DEFINE_string(dtype, "float32", "checkpoint dtype");
 DEFINE_int32(updates, 3, "number of updates");
 DEFINE_int64(first_version, 1, "version of the first update");
 DEFINE_int64(chunk_mib, 64, "chunk size in MiB (0: the daemon's default)");
+DEFINE_int32(settle_ms, 0,
+             "sparse steps: idle this long before the sparse update and "
+             "before the dense one, so that both start from the same idle "
+             "state (an RL trainer computes between updates; a call after "
+             "tens of ms idle costs several times a back-to-back one)");
 DEFINE_int64(sparse_chunk_mib, 0,
              "chunk size in MiB of the sparse steps' patches (0: "
              "--chunk_mib); smaller chunks let the daemon apply chunk k "
@@ -380,6 +385,7 @@ int SparseSeries(TrainerClient& client,
     if (staged) req.set_mode(v1::UPDATE_MODE_STAGED);
     *req.mutable_tensors() = manifest;
     if (dense_source != nullptr) *req.mutable_ipc_source() = patch_source;
+    absl::SleepFor(absl::Milliseconds(FLAGS_settle_ms));
     auto sparse = Send(client, req, *plan, patch_dev, comm, stream);
     if (!sparse.ok() && corrupt) {
       std::printf("sparse update v%lld (%s) refused: %s\n",
@@ -409,6 +415,7 @@ int SparseSeries(TrainerClient& client,
     req.set_verify(v1::VERIFY_OFF);
     for (const auto& s : specs) *req.add_tensors() = s;
     if (dense_source != nullptr) *req.mutable_ipc_source() = *dense_source;
+    absl::SleepFor(absl::Milliseconds(FLAGS_settle_ms));
     auto dense = Send(client, req, dense_plan, flat_dev, comm, stream);
     if (!dense.ok()) {
       std::printf("dense update v%lld failed: %s\n",

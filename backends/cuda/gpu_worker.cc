@@ -854,6 +854,10 @@ grpc::Status GpuWorker::BeginUpdate(
     worker::v1::Empty*) {
   const absl::Time deadline = Deadline(ctx);
   const absl::Time t_call = absl::Now();
+  const absl::Cleanup answered = [t_call] {
+    VLOG(1) << "BeginUpdate answers after "
+            << absl::ToDoubleMilliseconds(absl::Now() - t_call) << " ms";
+  };
   return ToGrpcStatus(owner_.Run(
       [&]() -> absl::Status {
         if (update_active_) {
@@ -946,10 +950,14 @@ grpc::Status GpuWorker::BeginUpdate(
         staged_pending_ = request->staged();
         if (request->staged()) staged_ = *request;
         owner_.Post([this, ipc, req = *request] {
+          const absl::Time t_enqueue = absl::Now();
           absl::Status s = req.staged() ? EnqueueStagedReceive(req)
                            : ipc        ? EnqueueIpcUpdate(req)
                                         : EnqueueUpdate(req);
           if (!s.ok()) LOG(WARNING) << "update enqueue: " << s;
+          VLOG(1) << "update enqueued in "
+                  << absl::ToDoubleMilliseconds(absl::Now() - t_enqueue)
+                  << " ms";
           absl::MutexLock lock(&enqueue_mu_);
           enqueue_status_ = s;
           enqueue_done_ = true;

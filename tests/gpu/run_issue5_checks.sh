@@ -248,13 +248,15 @@ trainer bench-receipts 150 --model=qwen3-8b --dtype=bfloat16 --updates=6 --first
 trainer bench-plain 150 --model=qwen3-8b --dtype=bfloat16 --updates=6 --first_version=21 --same_data \
   --chunk_mib=1024 --finish_timeout_ms=120000 --update_timeout_s=120 \
   || record "(d) streaming (no receipts) benchmark ran" FAIL
-# Sparse at 1%: four steps, each a sparse update and the same weights dense.
+# Sparse at 1%: four steps, each a sparse update and the same weights dense,
+# each after 200 ms idle (the sparse one used to follow seconds of trainer
+# work while the dense one followed it at once: cold against warm calls).
 # On NCCL the patches travel in 64 MiB chunks (SPARSE_CHUNK_MIB), so that
 # the daemon applies chunk k while chunk k+1 is on the wire; the dense
 # updates keep 1 GiB chunks. IPC copies from the trainer's buffer: no wire.
 SPARSE_CHUNK_MIB=${SPARSE_CHUNK_MIB:-$([ "$BACKEND" = nccl ] && echo 64 || echo 1024)}
 trainer bench-sparse 240 --model=qwen3-8b --dtype=bfloat16 --updates=1 --first_version=31 \
-  --chunk_mib=1024 --sparse_chunk_mib="$SPARSE_CHUNK_MIB" --sparse_densities=0.01,0.01,0.01,0.01 \
+  --chunk_mib=1024 --sparse_chunk_mib="$SPARSE_CHUNK_MIB" --settle_ms=200 --sparse_densities=0.01,0.01,0.01,0.01 \
   --finish_timeout_ms=120000 --update_timeout_s=200 \
   || record "(d) sparse benchmark ran" FAIL
 stop_all
@@ -338,6 +340,7 @@ if steps:
     with_diff = statistics.median((s["sparse_s"] + s["diff_pack_s"]) / s["dense_s"] for s in steps)
     r = {"date": today, "kind": kind, "commit": commit, "model": "qwen3-8b", "checkpoint_dtype": "bfloat16",
          "engine": "plain bfloat16, " + mem, "chunk_bytes": 1 << 30, "sparse_chunk_bytes": sparse_chunk_bytes,
+         "settle_ms": 200,
          "backend": backend + ", streaming", "density": steps[0]["density"], "index_bytes": 4,
          "baseline": "the dense update of the same weights, sent right after each sparse one (same run)",
          "sparse_bytes_median": med("sparse_bytes"), "dense_bytes": steps[0]["dense_bytes"],
