@@ -304,6 +304,7 @@ int SparseSeries(TrainerClient& client,
     }
     CHECK_CUDA(cudaMemcpy(after_dev, flat.data(), flat.size(),
                           cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaDeviceSynchronize());
     // Diff on the GPU against what was sent last, then pack the patches
     // (and the tensors that changed too much, dense) as the plan says.
     const absl::Time t_diff = absl::Now();
@@ -370,6 +371,7 @@ int SparseSeries(TrainerClient& client,
         const uint64_t far = ~uint64_t{0} >> 1;  // past any tensor
         CHECK_CUDA(cudaMemcpy(patch_dev + plan->tensor_offsets[i], &far, ib[i],
                               cudaMemcpyHostToDevice));
+        CHECK_CUDA(cudaDeviceSynchronize());
         std::printf("trainer: index 0 of the patch of '%s' set outside it\n",
                     specs[i].name().c_str());
         break;
@@ -407,6 +409,12 @@ int SparseSeries(TrainerClient& client,
     // The same weights, dense, as the next version.
     CHECK_CUDA(cudaMemcpy(flat_dev, after_dev, dense_plan.total_bytes,
                           cudaMemcpyDeviceToDevice));
+    // cudaMemcpy returns before a device-to-device copy has run: without
+    // this the daemon (IPC) or the broadcast on our non-blocking stream
+    // read flat_dev while it was still being written, and the dense update
+    // of the sparse benchmark raced this 16 GB copy for HBM (20 instead of
+    // ~10-13 ms on one H200, 2026-11-24).
+    CHECK_CUDA(cudaDeviceSynchronize());
     ++version;
     req.Clear();
     req.set_update_id(absl::StrCat("update-", version));
@@ -541,6 +549,9 @@ int Main() {
       Fill(specs, *plan, data_version, &flat);
       CHECK_CUDA(cudaMemcpy(flat_dev, flat.data(), flat.size(),
                             cudaMemcpyHostToDevice));
+      // A pageable upload may return before its DMA lands: wait, since
+      // the daemon (IPC) and our non-blocking stream read it next.
+      CHECK_CUDA(cudaDeviceSynchronize());
       filled = data_version;
     }
     if (version == FLAGS_corrupt_version && !specs.empty()) {
@@ -551,6 +562,7 @@ int Main() {
       uint8_t byte = flat[at] ^ 0x40;
       CHECK_CUDA(cudaMemcpy(static_cast<uint8_t*>(flat_dev) + at, &byte, 1,
                             cudaMemcpyHostToDevice));
+      CHECK_CUDA(cudaDeviceSynchronize());
       filled = -1;  // restore it for the next version
       std::printf("trainer: corrupted byte %lld of the v%lld broadcast\n",
                   static_cast<long long>(at), static_cast<long long>(version));
