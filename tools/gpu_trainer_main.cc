@@ -83,6 +83,10 @@ DEFINE_bool(same_data, false,
 DEFINE_int64(finish_timeout_ms, 30000, "Finish deadline");
 DEFINE_bool(pause_series, false,
             "Pause the engines once before the updates and Resume after");
+DEFINE_string(stall_phase, "",
+              "stop this process (SIGSTOP) before the first Start, as a "
+              "frozen trainer would: 'init' (group formed), 'pause' (group "
+              "formed and the engines paused, as --pause_series)");
 DEFINE_int32(ipc_ring_slots, 0,
              "--backend=ipc: 0 = share the whole packed update; N >= 2 = "
              "share a ring of N chunk slots, filled chunk by chunk");
@@ -458,6 +462,12 @@ int SparseSeries(TrainerClient& client,
 int Main() {
   auto model = synthetic::ModelByName(FLAGS_model);
   if (!model.ok()) return 2;
+  if (!FLAGS_stall_phase.empty() && FLAGS_stall_phase != "init" &&
+      FLAGS_stall_phase != "pause") {
+    LOG(ERROR) << "--stall_phase must be init or pause, not '"
+               << FLAGS_stall_phase << "'";
+    return 2;
+  }
   const v1::DType dtype = FLAGS_dtype == "bfloat16"  ? v1::BFLOAT16
                           : FLAGS_dtype == "float16" ? v1::FLOAT16
                                                      : v1::FLOAT32;
@@ -532,7 +542,8 @@ int Main() {
   std::vector<uint8_t> flat;
   int64_t filled = -1;
   static std::atomic<int64_t> finished{0};
-  if (FLAGS_pause_series) {
+  const bool pause_series = FLAGS_pause_series || FLAGS_stall_phase == "pause";
+  if (pause_series) {
     // Engines paused once for the whole series: Start then pauses nothing
     // and Finish resumes nothing (the RL loop of a trainer that syncs
     // several times in a row).
@@ -540,6 +551,13 @@ int Main() {
     pause.set_mode(v1::PAUSE_MODE_KEEP);
     auto paused = (*client)->Pause(pause);
     CHECK(paused.ok()) << paused.status();
+  }
+  if (!FLAGS_stall_phase.empty()) {
+    std::printf("trainer: stalled at %s, before update-%lld\n",
+                FLAGS_stall_phase.c_str(),
+                static_cast<long long>(FLAGS_first_version));
+    std::fflush(stdout);
+    raise(SIGSTOP);
   }
   for (int u = 0; u < FLAGS_updates; ++u) {
     const int64_t version = FLAGS_first_version + u;
@@ -712,7 +730,7 @@ int Main() {
                                 ipc ? &source : nullptr);
     if (rc != 0) return rc;
   }
-  if (FLAGS_pause_series) {
+  if (pause_series) {
     auto resumed = (*client)->Resume(v1::ResumeRequest());
     CHECK(resumed.ok()) << resumed.status();
   }

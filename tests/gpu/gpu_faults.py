@@ -9,8 +9,10 @@ BIN_DIR holds weightsyncd, weightsync_gpu_worker, weightsync_gpu_engine,
 weightsync_gpu_trainer and weightsyncctl. For each fault x phase: a fresh
 daemon, two engines (demo model, bf16, CUDA VMM memory, each verifying
 every version it gets against the reference), and a trainer that stops
-itself (SIGSTOP) at the phase: start (after Start, before any byte), mid
-(after 3 chunks), finish (every chunk sent, Finish not called). Then the
+itself (SIGSTOP) at the phase: init (group formed, before Start), start
+(after Start, before any byte), mid (after 3 chunks), finish (every chunk
+sent, Finish not called), pause (group formed and engines paused by the
+trainer's Pause, before Start). Then the
 fault: trainer killed (SIGKILL), trainer frozen (it stays stopped), engine
 b killed, daemon killed and restarted (engines re-register by themselves).
 Then, as tests/faults/faults.py on the host backend: detection (polling
@@ -38,7 +40,11 @@ NCCL = GPUS >= 2
 DEV = 1 if NCCL else 0       # daemon and engines
 TRAINER_DEV = 0
 CHUNK_MIB = 16               # the demo model (221 MB) in 14 chunks
-PHASES = {"start": 0, "mid": 3, "finish": 1000}
+# Where the trainer stops itself: before the first Start (init: the group
+# formed; pause: the group formed and the engines paused by its Pause), or
+# after this many chunks of its update (start: after Start, before any
+# byte; mid; finish: every chunk sent, Finish not called).
+PHASES = {"init": "init", "start": 0, "mid": 3, "finish": 1000, "pause": "pause"}
 FAULTS = ["trainer_killed", "trainer_frozen", "engine_killed", "daemon_restarted"]
 DETECT_LIMIT_S = 30
 
@@ -88,8 +94,9 @@ class Case:
         args = [os.path.join(BIN, "weightsync_gpu_trainer"), f"--target=unix:{self.sock}",
                 f"--device={TRAINER_DEV}", "--model=demo", "--dtype=bfloat16", "--updates=1",
                 f"--first_version={version}", f"--chunk_mib={CHUNK_MIB}", "--receipts=true",
-                "--finish_timeout_ms=30000", "--update_timeout_s=90",
-                f"--stall_after_chunks={stall}"]
+                "--finish_timeout_ms=30000", "--update_timeout_s=90"]
+        args.append(f"--stall_phase={stall}" if isinstance(stall, str)
+                    else f"--stall_after_chunks={stall}")
         if not NCCL:
             args += ["--backend=ipc", "--ipc_ring_slots=2"]
         return self.spawn(name, args)

@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
-# GPU leak check (issue 6), one GPU, the IPC backend, one command:
+# GPU leak check (issue 6), one command:
 #   COMMIT=<sha> KIND=<kind> bash tests/gpu/run_leak_checks.sh [BIN_DIR=.dev/bin] [LOG_DIR=/tmp/ws-leak] [ROUNDS=20]
-# A daemon and two engines (demo model, bf16, VMM memory) on GPU 0; ROUNDS
-# trainer processes, each a new IPC source (new handles for the worker to
-# map) sending 10 updates; every 4th trainer instead dies mid-transfer
-# (ring of 2 slots, after 3 chunks), so its update fails and the next
+# One GPU: the IPC backend, daemon, engines and trainers on GPU 0. Two GPUs:
+# the NCCL backend, trainers on GPU 0, daemon and engines on GPU 1 (every
+# trainer forms a new communicator, and a dying one leaves the worker to
+# abort its communicator: the NCCL resources a long run churns through).
+# A daemon and two engines (demo model, bf16, VMM memory); ROUNDS trainer
+# processes, each a new IPC source (IPC) or a new communicator (NCCL),
+# sending 10 updates; every 4th trainer instead dies mid-transfer (after 3
+# chunks; on IPC from a ring of 2 slots), so its update fails and the next
 # trainer supersedes it. After every round: the GPU worker's open fds,
-# threads, resident memory and GPU memory (nvidia-smi), and its IPC mappings
-# (/proc/PID/maps lines of /dev/nvidia*). tests/gpu/leak_figures.py judges
-# the samples: rounds repeat with a period of 4 (three whole trainers, one
-# that dies), so the last period must not exceed the first measured one;
-# writes LOG_DIR/gpu_leak.json and prints a PASS/FAIL line. Every process
-# runs under `timeout`.
+# threads, resident memory and GPU memory (nvidia-smi), and its driver
+# mappings (/proc/PID/maps lines of /dev/nvidia*). tests/gpu/leak_figures.py
+# judges the samples: rounds repeat with a period of 4 (three whole
+# trainers, one that dies), so the last period must not exceed the first
+# measured one; writes LOG_DIR/gpu_leak.json and prints a PASS/FAIL line.
+# Every process runs under `timeout`.
 set -uo pipefail
 BIN="$(cd "${1:-.dev/bin}" && pwd)"
 LOG="${2:-/tmp/ws-leak}"
@@ -20,17 +24,20 @@ mkdir -p "$LOG" && chmod 750 "$LOG"  # the socket lives here
 rm -f "$LOG"/*.log "$LOG"/*.json
 export NCCL_NVLS_ENABLE=0
 sock="$LOG/d.sock"
+NGPU=$(nvidia-smi -L | wc -l)
+if [ "$NGPU" -ge 2 ]; then DEV_D=1 BACKEND=nccl RING=""
+else DEV_D=0 BACKEND=ipc RING="--ipc_ring_slots=2"; fi
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null; done; }
 trap cleanup EXIT
-timeout 900 "$BIN/weightsyncd" --socket="$sock" --gpu=0 --gpu_worker="$BIN/weightsync_gpu_worker" \
+timeout 900 "$BIN/weightsyncd" --socket="$sock" --gpu=$DEV_D --gpu_worker="$BIN/weightsync_gpu_worker" \
   --update_idle_timeout_ms=3000 --notice_timeout_ms=30000 --max_chunk_bytes=$((1<<30)) \
   --metrics_address=127.0.0.1:0 >"$LOG/daemon.log" 2>&1 &
 pids+=($!)
 for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
 for e in a b; do
   timeout 900 "$BIN/weightsync_gpu_engine" --target="unix:$sock" --engine_id="$e" --model=demo \
-    --layout=plain --dtype=bfloat16 --ckpt_dtype=bfloat16 --device=0 --memory=vmm --verify=false \
+    --layout=plain --dtype=bfloat16 --ckpt_dtype=bfloat16 --device=$DEV_D --memory=vmm --verify=false \
     >"$LOG/engine-$e.log" 2>&1 &
   pids+=($!)
 done
@@ -53,12 +60,12 @@ sample() {  # round -> one line of numbers
 v=1; ok_updates=0; died=0
 for r in $(seq 1 "$ROUNDS"); do
   if [ $((r % 4)) = 0 ]; then
-    timeout 120 "$BIN/weightsync_gpu_trainer" --target="unix:$sock" --backend=ipc --device=0 \
+    timeout 120 "$BIN/weightsync_gpu_trainer" --target="unix:$sock" --backend=$BACKEND --device=0 \
       --model=demo --dtype=bfloat16 --updates=1 --first_version=$v --chunk_mib=16 \
-      --ipc_ring_slots=2 --die_after_chunks=3 >>"$LOG/trainer.log" 2>&1
+      $RING --die_after_chunks=3 >>"$LOG/trainer.log" 2>&1
     died=$((died + 1)); v=$((v + 1))
   else
-    timeout 120 "$BIN/weightsync_gpu_trainer" --target="unix:$sock" --backend=ipc --device=0 \
+    timeout 120 "$BIN/weightsync_gpu_trainer" --target="unix:$sock" --backend=$BACKEND --device=0 \
       --model=demo --dtype=bfloat16 --updates=10 --first_version=$v --chunk_mib=64 \
       --finish_timeout_ms=60000 --update_timeout_s=60 >>"$LOG/trainer.log" 2>&1 \
       && ok_updates=$((ok_updates + 10))
@@ -71,7 +78,7 @@ done
 # memory (check: CheckEngine, computed by the worker); engines a and b have
 # one layout and took the same updates, so their receipts must be equal.
 # The last round's trainer died: one more update cleans the engines first.
-timeout 120 "$BIN/weightsync_gpu_trainer" --target="unix:$sock" --backend=ipc --device=0 \
+timeout 120 "$BIN/weightsync_gpu_trainer" --target="unix:$sock" --backend=$BACKEND --device=0 \
   --model=demo --dtype=bfloat16 --updates=1 --first_version=$v --chunk_mib=64 \
   --finish_timeout_ms=60000 --update_timeout_s=60 >>"$LOG/trainer.log" 2>&1 \
   && ok_updates=$((ok_updates + 1))
@@ -79,18 +86,18 @@ ops=PASS
 port=$(grep -o "(port [0-9]*)/metrics" "$LOG/daemon.log" | grep -o "[0-9][0-9]*" | head -1)
 timeout 20 python3 -c "import urllib.request,sys; sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:$port/metrics').read().decode())" \
   >"$LOG/metrics.txt" 2>&1 || ops=FAIL
-committed=$(awk '/^weightsync_updates_total\{.*backend="ipc".*result="committed"/{s+=$2} END{print s+0}' "$LOG/metrics.txt")
-failed=$(awk '/^weightsync_updates_total\{.*backend="ipc".*result="failed"/{s+=$2} END{print s+0}' "$LOG/metrics.txt")
+committed=$(awk -v b="backend=\"$BACKEND\"" '/^weightsync_updates_total\{/ && index($0, b) && /result="committed"/{s+=$2} END{print s+0}' "$LOG/metrics.txt")
+failed=$(awk -v b="backend=\"$BACKEND\"" '/^weightsync_updates_total\{/ && index($0, b) && /result="failed"/{s+=$2} END{print s+0}' "$LOG/metrics.txt")
 [ "$committed" = "$ok_updates" ] && [ "$failed" -ge "$died" ] || ops=FAIL
 CTL="$BIN/weightsyncctl --socket=$sock"
 timeout 30 $CTL status >"$LOG/ctl-status.txt" 2>&1 || ops=FAIL
 ra=$(timeout 60 $CTL check a 2>&1 | tee "$LOG/ctl-check.txt" | grep -o "receipt 0x[0-9a-f]*")
 rb=$(timeout 60 $CTL check b 2>&1 | tee -a "$LOG/ctl-check.txt" | grep -o "receipt 0x[0-9a-f]*")
 [ -n "$ra" ] && [ "$ra" = "$rb" ] || ops=FAIL
-echo "$ops metrics: $committed committed / $failed failed ipc updates counted (trainers reported $ok_updates / $died died); weightsyncctl check a, b: ${ra:-none}, ${rb:-none}" \
+echo "$ops metrics: $committed committed / $failed failed $BACKEND updates counted (trainers reported $ok_updates / $died died); weightsyncctl check a, b: ${ra:-none}, ${rb:-none}" \
   | tee "$LOG/ops_verdict.txt"
 cat "$LOG/ctl-status.txt" "$LOG/ctl-check.txt"
 figures=$(python3 "$(dirname "$0")/leak_figures.py" "$LOG" "${COMMIT:-unknown}" "${KIND:-unknown}" \
-  "$ROUNDS" "$ok_updates" "$died")
+  "$ROUNDS" "$ok_updates" "$died" "$BACKEND")
 echo "$figures"
 echo "$figures" | tail -1 | grep -q '^PASS' && [ "$ops" = PASS ]
