@@ -3,7 +3,7 @@
 on GPU 0, daemon and engines on GPU 1), or the IPC backend (ring of 2
 slots) on one GPU. One command, on a device machine:
 
-    python3 tests/gpu/gpu_faults.py BIN_DIR LOG_DIR [--json OUT]
+    python3 tests/gpu/gpu_faults.py BIN_DIR LOG_DIR [--json OUT] [--only FAULT,...]
 
 BIN_DIR holds weightsyncd, weightsync_gpu_worker, weightsync_gpu_engine,
 weightsync_gpu_trainer and weightsyncctl. For each fault x phase: a fresh
@@ -34,6 +34,8 @@ import time
 
 BIN, LOG = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
 OUT = sys.argv[sys.argv.index("--json") + 1] if "--json" in sys.argv else None
+# --only FAULT[,FAULT...]: rerun some faults (every phase).
+ONLY = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else None
 GPUS = len(subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
            .stdout.strip().splitlines())
 NCCL = GPUS >= 2
@@ -185,8 +187,13 @@ def run_case(fault, phase):
             e["state"] in ("ENGINE_READY", "ENGINE_DIRTY") and int(e["version"]) in (0, 99)
             for e in st.get("engines", []))
         if fault == "engine_killed":
+            # The trainer's update runs after the detection (at init and
+            # pause it has not started yet): judge the states once it ended.
             trainer.wait(60)
             row["trainer_saw"] = c.log("trainer").strip().splitlines()[-1:]
+            st = c.status() or {}
+            row["states"] = {e["engine_id"]: f"{e['state'][7:]}@v{e['version']}"
+                             for e in st.get("engines", [])}
             row["states_ok"] &= row["states"] == {"a": "READY@v99"}
         # The frozen trainer (killed now) was holding rank 0 of the old
         # NCCL group: a new trainer forms a new one.
@@ -226,6 +233,8 @@ def main():
           f"; commit {os.environ.get('COMMIT', '?')}; {GPUS} GPU(s)", flush=True)
     rows = []
     for fault in FAULTS:
+        if ONLY and fault not in ONLY:
+            continue
         for phase in PHASES:
             r = run_case(fault, phase)
             rows.append(r)
