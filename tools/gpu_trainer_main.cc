@@ -205,16 +205,18 @@ struct Sent {
   double start_s = 0;  // StartWeightUpdate's round trip
 };
 
-// Where a sent update's time went, in ms: "start S (validate V pause P begin
-// B) transfer T device D commit C".
-std::string Breakdown(const Sent& s) {
-  const v1::UpdateTimings& t = s.done.timings();
+// Where an update's time went, in ms: "start S (validate V pause P begin
+// B) transfer T device D commit C" (start_s: Start's round trip as the
+// trainer saw it; the rest as the daemon timed it).
+std::string Breakdown(double start_s, const v1::UpdateTimings& t) {
   return absl::StrFormat(
       "start %.2f (validate %.2f pause %.2f begin %.2f) transfer %.2f device "
       "%.2f commit %.2f",
-      s.start_s * 1e3, t.validate_s() * 1e3, t.pause_s() * 1e3,
-      t.begin_s() * 1e3, t.transfer_s() * 1e3, t.device_s() * 1e3,
-      t.commit_s() * 1e3);
+      start_s * 1e3, t.validate_s() * 1e3, t.pause_s() * 1e3, t.begin_s() * 1e3,
+      t.transfer_s() * 1e3, t.device_s() * 1e3, t.commit_s() * 1e3);
+}
+std::string Breakdown(const Sent& s) {
+  return Breakdown(s.start_s, s.done.timings());
 }
 
 // Start, broadcast every chunk of `plan` from `buf`, Finish. With no
@@ -676,15 +678,13 @@ int Main() {
     const v1::UpdateTimings& t = done->timings();
     std::printf(
         "update v%lld: %zu tensors, %.1f MB, %lld chunks, %.4f s, "
-        "%.1f GB/s, %d engines; ms: start %.2f (validate %.2f pause %.2f "
-        "begin %.2f) transfer %.2f device %.2f commit %.2f; receipts %.2f; "
+        "%.1f GB/s, %d engines; ms: %s; receipts %.2f; "
         "mode %s pause_seconds %.6f receipts_s %.6f seconds %.6f bytes %lld\n",
         static_cast<long long>(version), specs.size(), plan->total_bytes / 1e6,
         static_cast<long long>(plan->chunks.size()), s,
         plan->total_bytes / s / 1e9, done->engines_size(),
-        absl::ToDoubleMilliseconds(t_started - t0), t.validate_s() * 1e3,
-        t.pause_s() * 1e3, t.begin_s() * 1e3, t.transfer_s() * 1e3,
-        t.device_s() * 1e3, t.commit_s() * 1e3, t.receipts_s() * 1e3,
+        Breakdown(absl::ToDoubleSeconds(t_started - t0), t).c_str(),
+        t.receipts_s() * 1e3,
         started->mode() == v1::UPDATE_MODE_STAGED ? "staged" : "streaming",
         done->pause_seconds(), t.receipts_s(), done->seconds(),
         static_cast<long long>(plan->total_bytes));
