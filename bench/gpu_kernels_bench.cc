@@ -467,6 +467,8 @@ void SparseModel(cudaStream_t stream, Timer& timer) {
       {bench::Probe::kStridedRegs, "probe: apply, strided, loads first"},
       {bench::Probe::kRunPerThread, "probe: apply, 8 consecutive per thread"},
       {bench::Probe::kStreaming, "probe: apply, strided, streaming stores"},
+      {bench::Probe::kQuarterTiles, "probe: apply, a quarter tile per block"},
+      {bench::Probe::kEighthTiles, "probe: apply, an eighth tile per block"},
       {bench::Probe::kSectorRmw, "probe: read + write whole 32 B sectors"},
   };
   for (const auto& [probe, what] : kProbes) {

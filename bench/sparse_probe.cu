@@ -58,6 +58,35 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The apply over 1/kParts of a tile per block (grid: tiles x kParts): the
+// blocks in flight then cover a kParts times narrower span of addresses.
+template <int kParts>
+__global__ void __launch_bounds__(kThreads)
+    SmallTiles(const ProbePatch* patches, const int32_t* tile_patch,
+               const int64_t* tile_first) {
+  constexpr int kEach = kPer / kParts;
+  const int tile = blockIdx.x / kParts, part = blockIdx.x % kParts;
+  const ProbePatch& p = patches[tile_patch[tile]];
+  const int64_t lo = tile_first[tile] + int64_t{part} * kEach * kThreads;
+  const int64_t hi = min(lo + kEach * kThreads, p.nnz);
+  uint32_t idx[kEach], next[kEach];
+  uint16_t val[kEach];
+#pragma unroll
+  for (int e = 0; e < kEach; ++e) {
+    const int64_t k = lo + threadIdx.x + e * kThreads;
+    if (k < hi) {
+      idx[e] = p.indices[k];
+      next[e] = k + 1 < p.nnz ? p.indices[k + 1] : ~idx[e];
+      val[e] = p.values[k];
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < kEach; ++e) {
+    const int64_t k = lo + threadIdx.x + e * kThreads;
+    if (k < hi && next[e] != idx[e]) p.param[idx[e]] = val[e];
+  }
+}
+
 __global__ void __launch_bounds__(kThreads)
     RunPerThread(const ProbePatch* patches, const int32_t* tile_patch,
                  const int64_t* tile_first) {
@@ -120,6 +149,16 @@ cudaError_t LaunchProbe(Probe probe, const ProbePatch* patches,
       break;
     case Probe::kRunPerThread:
       RunPerThread<<<grid, block, 0, stream>>>(patches, tile_patch, tile_first);
+      break;
+    case Probe::kQuarterTiles:
+      SmallTiles<4>
+          <<<dim3(static_cast<unsigned>(tiles * 4)), block, 0, stream>>>(
+              patches, tile_patch, tile_first);
+      break;
+    case Probe::kEighthTiles:
+      SmallTiles<8>
+          <<<dim3(static_cast<unsigned>(tiles * 8)), block, 0, stream>>>(
+              patches, tile_patch, tile_first);
       break;
     case Probe::kSectorRmw:
       SectorRmw<<<grid, block, 0, stream>>>(patches, tile_patch, tile_first);

@@ -28,6 +28,9 @@ enum class Probe {
   kStridedRegs,   // the apply, each thread's 8 strided entries loaded first
   kRunPerThread,  // the apply, each thread 8 consecutive entries
   kStreaming,     // kStridedRegs with streaming (evict-first) stores
+  kQuarterTiles,  // kStridedRegs, a quarter tile (2 entries a thread) per
+                  // block: in-flight writes span 4x fewer addresses
+  kEighthTiles,   // the same, an eighth (1 entry a thread)
   kSectorRmw,     // read the 32-byte sector, merge, write it whole (racy:
                   // timing only, the result is not checked)
 };
