@@ -408,9 +408,11 @@ void SparseModel(cudaStream_t stream, Timer& timer) {
   int64_t check_tiles = 0, apply_tiles = 0;
   CHECK_CUDA(cuda::PlanSparseJobs(checks.data(), n, false, &check_tiles));
   CHECK_CUDA(cuda::PlanSparseJobs(applies.data(), n, true, &apply_tiles));
-  uint8_t* jobs = Malloc(2 * n * sizeof(cuda::SparseJob));
+  uint8_t* jobs = Malloc(2 * n * sizeof(cuda::SparseJob) +
+                         std::max(check_tiles, apply_tiles) * 4);
   auto* check_dev = reinterpret_cast<cuda::SparseJob*>(jobs);
   auto* apply_dev = check_dev + n;
+  auto* tile_jobs = reinterpret_cast<int32_t*>(apply_dev + n);
   CHECK_CUDA(cudaMemcpy(check_dev, checks.data(), n * sizeof(cuda::SparseJob),
                         cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(apply_dev, applies.data(), n * sizeof(cuda::SparseJob),
@@ -425,12 +427,14 @@ void SparseModel(cudaStream_t stream, Timer& timer) {
   const double check_sec = timer.Median([&] {
     CHECK_CUDA(cuda::SparseResetReports(
         reinterpret_cast<cuda::SparseIndexReport*>(reports), n, stream));
-    CHECK_CUDA(cuda::SparseCheckBatch(check_dev, n, check_tiles, stream));
+    CHECK_CUDA(
+        cuda::SparseCheckBatch(check_dev, n, check_tiles, tile_jobs, stream));
   });
   Line("SparseCheckBatch (+ reset), every patch", total_nnz * 4, check_sec,
        memcpy_sec);
   const double apply_sec = timer.Median([&] {
-    CHECK_CUDA(cuda::SparseApplyBatch(apply_dev, n, apply_tiles, stream));
+    CHECK_CUDA(
+        cuda::SparseApplyBatch(apply_dev, n, apply_tiles, tile_jobs, stream));
   });
   Line("SparseApplyBatch, every patch (guarded)", total_nnz * 6, apply_sec,
        memcpy_sec);

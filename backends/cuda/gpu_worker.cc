@@ -397,9 +397,12 @@ absl::Status GpuWorker::PrepareSparse(
   // indices and values are aligned to their sizes.
   int64_t at = (n * kReportBytes + 255) / 256 * 256;
   int64_t jobs = n;
+  int64_t tiles = 0;  // at least as many as any one batch has
   for (int p = 0; p < n; ++p) {
     const worker::v1::GpuSparsePatch& g = request.sparse(p);
     jobs += g.uses_size();
+    tiles += (std::max<int64_t>(g.nnz(), 0) + cuda::kSparseTileEntries - 1) /
+             cuda::kSparseTileEntries * std::max(1, g.uses_size());
     const int64_t es = cuda::DTypeSize(g.dtype());
     if ((g.index_bytes() != 4 && g.index_bytes() != 8) || es == 0 ||
         g.nnz() < 0 || g.numel() < 0 || g.cols() < 1 ||
@@ -437,6 +440,10 @@ absl::Status GpuWorker::PrepareSparse(
   }
   if (s.ok()) s = Grow(&jobs_host_, &jobs_host_bytes_, job_bytes, true);
   if (s.ok()) s = Grow(&jobs_dev_, &jobs_dev_bytes_, job_bytes, false);
+  if (s.ok()) {
+    s = Grow(&tile_jobs_dev_, &tile_jobs_bytes_,
+             std::max<int64_t>(tiles, 1) * sizeof(int32_t), false);
+  }
   if (!s.ok()) return s;
   // No patch refused until checked (a patch with no pieces: nnz 0).
   std::memset(sparse_host_, 0, n * kReportBytes);
@@ -528,15 +535,20 @@ absl::Status GpuWorker::LaunchJobs(int64_t first, bool apply) {
   if (n == 0) return absl::OkStatus();
   int64_t tiles = 0;
   WS_CUDA(cuda::PlanSparseJobs(jobs_host_ + first, n, apply, &tiles));
+  if (tiles * static_cast<int64_t>(sizeof(int32_t)) > tile_jobs_bytes_) {
+    return absl::InternalError(absl::StrCat(
+        "sparse batch of ", tiles, " tiles exceeds the ",
+        tile_jobs_bytes_ / sizeof(int32_t), " PrepareSparse sized"));
+  }
   // Each slot is written once per update, so the host array needs no
   // synchronisation with this copy.
   WS_CUDA(cudaMemcpyAsync(jobs_dev_ + first, jobs_host_ + first,
                           n * sizeof(cuda::SparseJob), cudaMemcpyHostToDevice,
                           scatter_stream_));
   WS_CUDA(apply ? cuda::SparseApplyBatch(jobs_dev_ + first, n, tiles,
-                                         scatter_stream_)
+                                         tile_jobs_dev_, scatter_stream_)
                 : cuda::SparseCheckBatch(jobs_dev_ + first, n, tiles,
-                                         scatter_stream_));
+                                         tile_jobs_dev_, scatter_stream_));
   return absl::OkStatus();
 }
 

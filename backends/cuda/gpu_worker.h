@@ -266,6 +266,11 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   cuda::SparseJob* jobs_host_ = nullptr;
   cuda::SparseJob* jobs_dev_ = nullptr;
   int64_t jobs_host_bytes_ = 0, jobs_dev_bytes_ = 0, jobs_used_ = 0;
+  // Which job each tile of a batch belongs to (device; sized by
+  // PrepareSparse for the update's largest batch, reused batch after batch
+  // on scatter_stream_).
+  int32_t* tile_jobs_dev_ = nullptr;
+  int64_t tile_jobs_bytes_ = 0;
   // Receipts of the update (PrepareReceipts): per chunk its batch (first
   // region, count, tiles) in receipt_dev_ (sums, then the regions); the
   // sums' host copy (pinned); receipt_groups_ is set before update_active_.

@@ -316,13 +316,16 @@ void ApplyBatched(cudaStream_t stream, const patch_test::PatchUpdate& update,
   ASSERT_CUDA_OK(cudaMemcpy(apply_jobs.get(), applies.data(),
                             applies.size() * sizeof(SparseJob),
                             cudaMemcpyHostToDevice));
+  // One tile table serves both batches (stream order).
+  DeviceBuffer tile_jobs(std::max(check_tiles, apply_tiles) * 4 + 4);
+  auto* table = reinterpret_cast<int32_t*>(tile_jobs.get());
   ASSERT_CUDA_OK(SparseResetReports(report0, n, stream));
   ASSERT_CUDA_OK(
       SparseCheckBatch(reinterpret_cast<const SparseJob*>(check_jobs.get()),
-                       checks.size(), check_tiles, stream));
+                       checks.size(), check_tiles, table, stream));
   ASSERT_CUDA_OK(
       SparseApplyBatch(reinterpret_cast<const SparseJob*>(apply_jobs.get()),
-                       applies.size(), apply_tiles, stream));
+                       applies.size(), apply_tiles, table, stream));
   std::vector<SparseIndexReport> got(n);
   ASSERT_CUDA_OK(cudaMemcpyAsync(got.data(), report0, n * sizeof(got[0]),
                                  cudaMemcpyDeviceToHost, stream));
@@ -550,9 +553,11 @@ TEST_F(PatchGpuTest, BatchRefusesOnlyTheBadPatch) {
   ASSERT_CUDA_OK(cudaMemcpy(dev_jobs.get(), jobs.data(), 2 * sizeof(SparseJob),
                             cudaMemcpyHostToDevice));
   const auto* dj = reinterpret_cast<const SparseJob*>(dev_jobs.get());
+  DeviceBuffer tile_jobs(2 * sizeof(int32_t));
+  auto* table = reinterpret_cast<int32_t*>(tile_jobs.get());
   ASSERT_CUDA_OK(SparseResetReports(reports, 2, stream_));
-  ASSERT_CUDA_OK(SparseCheckBatch(dj, 2, tiles, stream_));
-  ASSERT_CUDA_OK(SparseApplyBatch(dj, 2, tiles, stream_));
+  ASSERT_CUDA_OK(SparseCheckBatch(dj, 2, tiles, table, stream_));
+  ASSERT_CUDA_OK(SparseApplyBatch(dj, 2, tiles, table, stream_));
   std::vector<float> got(32, -1.0f);
   SparseIndexReport r[2];
   ASSERT_CUDA_OK(
@@ -586,8 +591,11 @@ TEST_F(PatchGpuTest, BatchRefusesOnlyTheBadPatch) {
   bad.values = vals + 1;  // fine: 4-byte aligned
   bad.indices = reinterpret_cast<const uint8_t*>(idx) + 2;  // misaligned
   EXPECT_EQ(PlanSparseJobs(&bad, 1, true, &tiles), cudaErrorInvalidValue);
-  EXPECT_EQ(SparseApplyBatch(nullptr, 1, 1, stream_), cudaErrorInvalidValue);
-  EXPECT_EQ(SparseApplyBatch(dj, 2, 0, stream_), cudaSuccess);  // no tiles
+  EXPECT_EQ(SparseApplyBatch(nullptr, 1, 1, table, stream_),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(SparseApplyBatch(dj, 2, 2, nullptr, stream_),
+            cudaErrorInvalidValue);  // no tile table
+  EXPECT_EQ(SparseApplyBatch(dj, 2, 0, table, stream_), cudaSuccess);
 }
 
 TEST_F(PatchGpuTest, EveryConversionMatchesTheHostPath) {

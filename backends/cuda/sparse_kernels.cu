@@ -231,9 +231,9 @@ cudaError_t DispatchApplyDst(const ApplyArgs& a, const SparseUse& use,
 }
 
 // ---------------------------------------------------------------------------
-// Batches (SparseCheckBatch, SparseApplyBatch): a block takes tiles
-// blockIdx.x, + gridDim.x, ...; a tile is kSparseTileEntries entries of one
-// job, found by binary search over the jobs' tile_begin.
+// Batches (SparseCheckBatch, SparseApplyBatch): block t takes tile t, the
+// kSparseTileEntries entries of one job from (t - tile_begin) times that
+// on; tile_jobs[t] (filled by FillTileJobsKernel first) names the job.
 
 constexpr int kBatchThreads = 256;
 
@@ -243,20 +243,30 @@ __device__ __forceinline__ void TileRange(const SparseJob& j, int64_t t,
   *hi = min(*lo + kSparseTileEntries, j.nnz);
 }
 
-__global__ void __launch_bounds__(kBatchThreads)
-    CheckBatchKernel(const SparseJob* __restrict__ jobs, int64_t n,
-                     int64_t total_tiles) {
-  for (int64_t t = blockIdx.x; t < total_tiles; t += gridDim.x) {
-    const SparseJob& j = jobs[FindReceiptRegion(jobs, n, t)];
-    int64_t lo, hi;
-    TileRange(j, t, &lo, &hi);
-    if (j.index_bytes == 4) {
-      CheckStrided(static_cast<const uint32_t*>(j.indices), lo + threadIdx.x,
-                   hi, blockDim.x, j.numel, j.report);
-    } else {
-      CheckStrided(static_cast<const int64_t*>(j.indices), lo + threadIdx.x, hi,
-                   blockDim.x, j.numel, j.report);
+// tile_jobs[tile_begin .. + tiles) = the job's index, for every job.
+__global__ void FillTileJobsKernel(const SparseJob* __restrict__ jobs,
+                                   int64_t n, int32_t* __restrict__ tile_jobs) {
+  for (int64_t i = blockIdx.x; i < n; i += gridDim.x) {
+    const int64_t begin = jobs[i].tile_begin, tiles = jobs[i].tiles;
+    for (int64_t t = threadIdx.x; t < tiles; t += blockDim.x) {
+      tile_jobs[begin + t] = static_cast<int32_t>(i);
     }
+  }
+}
+
+__global__ void __launch_bounds__(kBatchThreads)
+    CheckBatchKernel(const SparseJob* __restrict__ jobs,
+                     const int32_t* __restrict__ tile_jobs) {
+  const int64_t t = blockIdx.x;
+  const SparseJob& j = jobs[tile_jobs[t]];
+  int64_t lo, hi;
+  TileRange(j, t, &lo, &hi);
+  if (j.index_bytes == 4) {
+    CheckStrided(static_cast<const uint32_t*>(j.indices), lo + threadIdx.x, hi,
+                 blockDim.x, j.numel, j.report);
+  } else {
+    CheckStrided(static_cast<const int64_t*>(j.indices), lo + threadIdx.x, hi,
+                 blockDim.x, j.numel, j.report);
   }
 }
 
@@ -266,12 +276,10 @@ constexpr int kTilePerThread =
 static_assert(kSparseTileEntries % kBatchThreads == 0, "whole tiles");
 
 // Writes entries [lo, hi) (hi - lo <= kSparseTileEntries) of job j's patch,
-// entry lo + t + e * kBatchThreads by thread t: every load of the tile is
-// issued before its first store. The stores are scattered 2-to-8-byte
-// writes that cost a DRAM read-modify-write each and bound the apply
-// (bench/gpu_kernels_bench "sparse model": stores alone take 97% of the
-// apply's time); loading first keeps more of them in flight (4.30 against
-// 4.60 ms for a 1% patch of Qwen3-8B on an H200, bench/RESULTS.md).
+// entry lo + t + e * kBatchThreads by thread t, every load before the first
+// store. The stores are scattered 2-to-8-byte writes that cost a DRAM
+// read-modify-write each and bound the apply (bench/gpu_kernels_bench
+// "sparse model": stores alone take 97% of the apply's time).
 template <typename Conv, typename I>
 __device__ __forceinline__ void ApplyTile(const SparseJob& j, int64_t lo,
                                           int64_t hi) {
@@ -327,41 +335,40 @@ __device__ __forceinline__ void ApplyConverted(const SparseJob& j, int64_t lo,
 }
 
 __global__ void __launch_bounds__(kBatchThreads)
-    ApplyBatchKernel(const SparseJob* __restrict__ jobs, int64_t n,
-                     int64_t total_tiles) {
-  for (int64_t t = blockIdx.x; t < total_tiles; t += gridDim.x) {
-    const SparseJob& j = jobs[FindReceiptRegion(jobs, n, t)];
-    if (j.report != nullptr && j.report->out_of_range != 0) continue;
-    int64_t lo, hi;
-    TileRange(j, t, &lo, &hi);
-    if (j.value_dtype == j.use.dtype) {  // the job's kind is uniform
-      switch (j.value_bytes) {
-        case 1:
-          ApplyRangeOf<Copy<1>>(j, lo, hi);
-          break;
-        case 2:
-          ApplyRangeOf<Copy<2>>(j, lo, hi);
-          break;
-        case 4:
-          ApplyRangeOf<Copy<4>>(j, lo, hi);
-          break;
-        default:
-          ApplyRangeOf<Copy<8>>(j, lo, hi);
-          break;
-      }
-      continue;
-    }
-    switch (j.value_dtype) {
-      case kFloat32:
-        ApplyConverted<F32>(j, lo, hi);
+    ApplyBatchKernel(const SparseJob* __restrict__ jobs,
+                     const int32_t* __restrict__ tile_jobs) {
+  const int64_t t = blockIdx.x;
+  const SparseJob& j = jobs[tile_jobs[t]];
+  if (j.report != nullptr && j.report->out_of_range != 0) return;
+  int64_t lo, hi;
+  TileRange(j, t, &lo, &hi);
+  if (j.value_dtype == j.use.dtype) {  // the job's kind is uniform
+    switch (j.value_bytes) {
+      case 1:
+        ApplyRangeOf<Copy<1>>(j, lo, hi);
         break;
-      case kBfloat16:
-        ApplyConverted<Bf16>(j, lo, hi);
+      case 2:
+        ApplyRangeOf<Copy<2>>(j, lo, hi);
+        break;
+      case 4:
+        ApplyRangeOf<Copy<4>>(j, lo, hi);
         break;
       default:
-        ApplyConverted<F16>(j, lo, hi);
+        ApplyRangeOf<Copy<8>>(j, lo, hi);
         break;
     }
+    return;
+  }
+  switch (j.value_dtype) {
+    case kFloat32:
+      ApplyConverted<F32>(j, lo, hi);
+      break;
+    case kBfloat16:
+      ApplyConverted<Bf16>(j, lo, hi);
+      break;
+    default:
+      ApplyConverted<F16>(j, lo, hi);
+      break;
   }
 }
 
@@ -372,17 +379,21 @@ __global__ void ResetReportsKernel(SparseIndexReport* reports, int64_t n) {
   }
 }
 
-cudaError_t LaunchBatch(void (*kernel)(const SparseJob*, int64_t, int64_t),
+cudaError_t LaunchBatch(void (*kernel)(const SparseJob*, const int32_t*),
                         const SparseJob* jobs, int64_t n, int64_t total_tiles,
-                        cudaStream_t stream) {
+                        int32_t* tile_jobs, cudaStream_t stream) {
   if (n < 0 || total_tiles < 0) return cudaErrorInvalidValue;
   if (n == 0 || total_tiles == 0) return cudaSuccess;
-  if (jobs == nullptr || !Aligned(jobs, 8)) return cudaErrorInvalidValue;
-  int64_t grid = 0;
+  if (jobs == nullptr || !Aligned(jobs, 8) || tile_jobs == nullptr ||
+      !Aligned(tile_jobs, 4) || n > 0x7FFFFFFF || total_tiles > 0x7FFFFFFF) {
+    return cudaErrorInvalidValue;
+  }
   const cudaError_t err =
-      GridFor(total_tiles * kBatchThreads, kBatchThreads, &grid);
+      LaunchOn(FillTileJobsKernel, std::min<int64_t>(n, 65535), kBatchThreads,
+               stream, jobs, n, tile_jobs);
   if (err != cudaSuccess) return err;
-  return LaunchOn(kernel, grid, kBatchThreads, stream, jobs, n, total_tiles);
+  return LaunchOn(kernel, total_tiles, kBatchThreads, stream, jobs,
+                  static_cast<const int32_t*>(tile_jobs));
 }
 
 // ---------------------------------------------------------------------------
@@ -742,13 +753,17 @@ cudaError_t SparseResetReports(SparseIndexReport* device_reports, int64_t n,
 }
 
 cudaError_t SparseCheckBatch(const SparseJob* device_jobs, int64_t n,
-                             int64_t total_tiles, cudaStream_t stream) {
-  return LaunchBatch(CheckBatchKernel, device_jobs, n, total_tiles, stream);
+                             int64_t total_tiles, int32_t* device_tile_jobs,
+                             cudaStream_t stream) {
+  return LaunchBatch(CheckBatchKernel, device_jobs, n, total_tiles,
+                     device_tile_jobs, stream);
 }
 
 cudaError_t SparseApplyBatch(const SparseJob* device_jobs, int64_t n,
-                             int64_t total_tiles, cudaStream_t stream) {
-  return LaunchBatch(ApplyBatchKernel, device_jobs, n, total_tiles, stream);
+                             int64_t total_tiles, int32_t* device_tile_jobs,
+                             cudaStream_t stream) {
+  return LaunchBatch(ApplyBatchKernel, device_jobs, n, total_tiles,
+                     device_tile_jobs, stream);
 }
 
 size_t DiffWorkspaceBytes(int64_t numel, int es) {
