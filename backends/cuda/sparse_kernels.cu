@@ -107,6 +107,11 @@ __device__ __forceinline__ void CheckStrided(const I* __restrict__ indices,
       repeated += i == prev;
     }
   }
+  // Almost always nothing was found: one vote instead of four reductions
+  // (a batch block checks one entry per thread).
+  if (!__any_sync(0xFFFFFFFFu, (out_of_range | unsorted | repeated) != 0)) {
+    return;
+  }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     out_of_range += __shfl_down_sync(0xFFFFFFFFu, out_of_range, o);
