@@ -259,19 +259,27 @@ __global__ void FillTileJobsKernel(const SparseJob* __restrict__ jobs,
   }
 }
 
+// Tiles a check block takes: the check only reads (no span of writes to
+// keep narrow), and per-block costs dominate one-entry-per-thread blocks.
+constexpr int kCheckTilesPerBlock = 8;
+
 __global__ void __launch_bounds__(kBatchThreads)
     CheckBatchKernel(const SparseJob* __restrict__ jobs,
-                     const int32_t* __restrict__ tile_jobs) {
-  const int64_t t = blockIdx.x;
-  const SparseJob& j = jobs[tile_jobs[t]];
-  int64_t lo, hi;
-  TileRange(j, t, &lo, &hi);
-  if (j.index_bytes == 4) {
-    CheckStrided(static_cast<const uint32_t*>(j.indices), lo + threadIdx.x, hi,
-                 blockDim.x, j.numel, j.report);
-  } else {
-    CheckStrided(static_cast<const int64_t*>(j.indices), lo + threadIdx.x, hi,
-                 blockDim.x, j.numel, j.report);
+                     const int32_t* __restrict__ tile_jobs,
+                     int64_t total_tiles) {
+  const int64_t first = int64_t{blockIdx.x} * kCheckTilesPerBlock;
+  const int64_t end = min(first + kCheckTilesPerBlock, total_tiles);
+  for (int64_t t = first; t < end; ++t) {
+    const SparseJob& j = jobs[tile_jobs[t]];
+    int64_t lo, hi;
+    TileRange(j, t, &lo, &hi);
+    if (j.index_bytes == 4) {
+      CheckStrided(static_cast<const uint32_t*>(j.indices), lo + threadIdx.x,
+                   hi, blockDim.x, j.numel, j.report);
+    } else {
+      CheckStrided(static_cast<const int64_t*>(j.indices), lo + threadIdx.x, hi,
+                   blockDim.x, j.numel, j.report);
+    }
   }
 }
 
@@ -341,7 +349,7 @@ __device__ __forceinline__ void ApplyConverted(const SparseJob& j, int64_t lo,
 
 __global__ void __launch_bounds__(kBatchThreads)
     ApplyBatchKernel(const SparseJob* __restrict__ jobs,
-                     const int32_t* __restrict__ tile_jobs) {
+                     const int32_t* __restrict__ tile_jobs, int64_t) {
   const int64_t t = blockIdx.x;
   const SparseJob& j = jobs[tile_jobs[t]];
   if (j.report != nullptr && j.report->out_of_range != 0) return;
@@ -384,9 +392,12 @@ __global__ void ResetReportsKernel(SparseIndexReport* reports, int64_t n) {
   }
 }
 
-cudaError_t LaunchBatch(void (*kernel)(const SparseJob*, const int32_t*),
-                        const SparseJob* jobs, int64_t n, int64_t total_tiles,
-                        int32_t* tile_jobs, cudaStream_t stream) {
+// `kernel` over `total_tiles` tiles, `per_block` of them a block.
+cudaError_t LaunchBatch(void (*kernel)(const SparseJob*, const int32_t*,
+                                       int64_t),
+                        int64_t per_block, const SparseJob* jobs, int64_t n,
+                        int64_t total_tiles, int32_t* tile_jobs,
+                        cudaStream_t stream) {
   if (n < 0 || total_tiles < 0) return cudaErrorInvalidValue;
   if (n == 0 || total_tiles == 0) return cudaSuccess;
   if (jobs == nullptr || !Aligned(jobs, 8) || tile_jobs == nullptr ||
@@ -397,8 +408,9 @@ cudaError_t LaunchBatch(void (*kernel)(const SparseJob*, const int32_t*),
       LaunchOn(FillTileJobsKernel, std::min<int64_t>(n, 65535), kBatchThreads,
                stream, jobs, n, tile_jobs);
   if (err != cudaSuccess) return err;
-  return LaunchOn(kernel, total_tiles, kBatchThreads, stream, jobs,
-                  static_cast<const int32_t*>(tile_jobs));
+  return LaunchOn(kernel, (total_tiles + per_block - 1) / per_block,
+                  kBatchThreads, stream, jobs,
+                  static_cast<const int32_t*>(tile_jobs), total_tiles);
 }
 
 // ---------------------------------------------------------------------------
@@ -760,14 +772,14 @@ cudaError_t SparseResetReports(SparseIndexReport* device_reports, int64_t n,
 cudaError_t SparseCheckBatch(const SparseJob* device_jobs, int64_t n,
                              int64_t total_tiles, int32_t* device_tile_jobs,
                              cudaStream_t stream) {
-  return LaunchBatch(CheckBatchKernel, device_jobs, n, total_tiles,
-                     device_tile_jobs, stream);
+  return LaunchBatch(CheckBatchKernel, kCheckTilesPerBlock, device_jobs, n,
+                     total_tiles, device_tile_jobs, stream);
 }
 
 cudaError_t SparseApplyBatch(const SparseJob* device_jobs, int64_t n,
                              int64_t total_tiles, int32_t* device_tile_jobs,
                              cudaStream_t stream) {
-  return LaunchBatch(ApplyBatchKernel, device_jobs, n, total_tiles,
+  return LaunchBatch(ApplyBatchKernel, 1, device_jobs, n, total_tiles,
                      device_tile_jobs, stream);
 }
 
