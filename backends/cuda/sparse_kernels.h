@@ -108,8 +108,8 @@ struct SparseJob {
 
 // Entries per tile of a batch: a tile is what one thread block takes, one
 // entry per thread. Small tiles keep the scattered writes in flight within
-// a narrow span of addresses: a 1% patch of Qwen3-8B applied in 3.8 ms
-// with 256-entry tiles against 4.4 ms with 2048 (bench/RESULTS.md).
+// a narrow span of addresses: a 1% patch of Qwen3-8B applied in 3.9 ms
+// with 256-entry tiles against 4.3 ms with 2048 (bench/RESULTS.md).
 constexpr int64_t kSparseTileEntries = 256;
 
 // Plans jobs[0, n) for SparseCheckBatch (apply false) or SparseApplyBatch
