@@ -28,47 +28,20 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <bool kStream>
+// The apply, each thread's entries loaded before its first store, over
+// 1/kParts of a tile per block (grid: tiles x kParts; kParts > 1: the
+// blocks in flight cover a kParts times narrower span of addresses);
+// kStream: streaming (evict-first) stores.
+template <int kParts, bool kStream>
 __global__ void __launch_bounds__(kThreads)
-    StridedRegs(const ProbePatch* patches, const int32_t* tile_patch,
-                const int64_t* tile_first) {
-  int64_t lo, hi;
-  const ProbePatch& p = TileOf(patches, tile_patch, tile_first, &lo, &hi);
-  uint32_t idx[kPer], next[kPer];
-  uint16_t val[kPer];
-#pragma unroll
-  for (int e = 0; e < kPer; ++e) {
-    const int64_t k = lo + threadIdx.x + e * kThreads;
-    if (k < hi) {
-      idx[e] = p.indices[k];
-      next[e] = k + 1 < p.nnz ? p.indices[k + 1] : ~idx[e];
-      val[e] = p.values[k];
-    }
-  }
-#pragma unroll
-  for (int e = 0; e < kPer; ++e) {
-    const int64_t k = lo + threadIdx.x + e * kThreads;
-    if (k < hi && next[e] != idx[e]) {
-      if (kStream) {
-        __stcs(reinterpret_cast<unsigned short*>(p.param) + idx[e], val[e]);
-      } else {
-        p.param[idx[e]] = val[e];
-      }
-    }
-  }
-}
-
-// The apply over 1/kParts of a tile per block (grid: tiles x kParts): the
-// blocks in flight then cover a kParts times narrower span of addresses.
-template <int kParts>
-__global__ void __launch_bounds__(kThreads)
-    SmallTiles(const ProbePatch* patches, const int32_t* tile_patch,
+    LoadsFirst(const ProbePatch* patches, const int32_t* tile_patch,
                const int64_t* tile_first) {
   constexpr int kEach = kPer / kParts;
   const int tile = blockIdx.x / kParts, part = blockIdx.x % kParts;
   const ProbePatch& p = patches[tile_patch[tile]];
   const int64_t lo = tile_first[tile] + int64_t{part} * kEach * kThreads;
-  const int64_t hi = min(lo + kEach * kThreads, p.nnz);
+  const int64_t hi = min(
+      min(lo + kEach * kThreads, tile_first[tile] + kProbeTileEntries), p.nnz);
   uint32_t idx[kEach], next[kEach];
   uint16_t val[kEach];
 #pragma unroll
@@ -83,7 +56,13 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int e = 0; e < kEach; ++e) {
     const int64_t k = lo + threadIdx.x + e * kThreads;
-    if (k < hi && next[e] != idx[e]) p.param[idx[e]] = val[e];
+    if (k < hi && next[e] != idx[e]) {
+      if (kStream) {
+        __stcs(reinterpret_cast<unsigned short*>(p.param) + idx[e], val[e]);
+      } else {
+        p.param[idx[e]] = val[e];
+      }
+    }
   }
 }
 
@@ -140,23 +119,23 @@ cudaError_t LaunchProbe(Probe probe, const ProbePatch* patches,
       StoreOnly<<<grid, block, 0, stream>>>(patches, tile_patch, tile_first);
       break;
     case Probe::kStridedRegs:
-      StridedRegs<false>
+      LoadsFirst<1, false>
           <<<grid, block, 0, stream>>>(patches, tile_patch, tile_first);
       break;
     case Probe::kStreaming:
-      StridedRegs<true>
+      LoadsFirst<1, true>
           <<<grid, block, 0, stream>>>(patches, tile_patch, tile_first);
       break;
     case Probe::kRunPerThread:
       RunPerThread<<<grid, block, 0, stream>>>(patches, tile_patch, tile_first);
       break;
     case Probe::kQuarterTiles:
-      SmallTiles<4>
+      LoadsFirst<4, false>
           <<<dim3(static_cast<unsigned>(tiles * 4)), block, 0, stream>>>(
               patches, tile_patch, tile_first);
       break;
     case Probe::kEighthTiles:
-      SmallTiles<8>
+      LoadsFirst<8, false>
           <<<dim3(static_cast<unsigned>(tiles * 8)), block, 0, stream>>>(
               patches, tile_patch, tile_first);
       break;
