@@ -83,10 +83,11 @@ cudaError_t SparseApply(const void* indices, const void* values,
                         cudaStream_t stream, int index_bytes = 8,
                         const SparseIndexReport* guard = nullptr);
 
-// Batches: what the GPU worker launches, one check launch and one apply
-// launch for all the patches a chunk completes, instead of a few launches
-// per patch (a Qwen3-8B update has 399 tensors; per-patch launches cost
-// ~5 us each and dominated the sparse update's GPU time).
+// Batches: what the GPU worker launches, one check and one apply (two
+// launches each: the tile table, then the kernel) for all the patches a
+// chunk completes, instead of a few launches per patch (a Qwen3-8B update has
+// 399 tensors; per-patch launches cost ~5 us each and dominated the sparse
+// update's GPU time).
 //
 // A job is one patch to check (report: where SparseCheckIndices would
 // write, reset beforehand by SparseResetReports), or one patch and one use
