@@ -109,7 +109,12 @@ def main():
         at("pause")
         t.resume(allow_dirty=True)
         print("done", flush=True)
+        # Park for good: the SIGUSR1 that let it go is still in `go`, and
+        # without clearing it this trainer would run on into an update of
+        # its own and race the driver's recovery trainer.
+        go.clear()
         at("end")
+        return
     t.init_host()
     if phase == "init":
         at("init")
