@@ -11,7 +11,7 @@ engine="$root/tools/weightsync_engine"
 trainer="$root/tools/weightsync_trainer"
 dir="$(mktemp -d /tmp/ws-e2e.XXXXXX)"
 sock="$dir/d.sock"
-tag="e2e$$"
+tag="e2e$$r$RANDOM"  # unique also across pid namespaces (sandboxes share /dev/shm)
 pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null || true; done

@@ -18,6 +18,7 @@ the update are written to watch_panes.txt there (docs/weightsyncctl.md
 shows one).
 """
 
+import glob
 import json
 import os
 import re
@@ -178,10 +179,12 @@ class WeightsyncctlTest(unittest.TestCase):
             p.kill()
             p.wait()
             p.stdout.close()
-            try:  # weightsync.Engine names its memory weightsync-<id>-<pid>
-                os.unlink(f"/dev/shm/weightsync-{p.args[3]}-{p.pid}")
-            except OSError:
-                pass
+            # weightsync.Engine names its memory weightsync-<id>-<pid>-<random>
+            for f in glob.glob(f"/dev/shm/weightsync-{p.args[3]}-{p.pid}-*"):
+                try:
+                    os.unlink(f)
+                except OSError:
+                    pass
         if hasattr(cls, "trainer"):
             cls.trainer.close()
         cls.daemon.send_signal(signal.SIGTERM)

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <random>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -15,7 +16,11 @@ namespace weightsync {
 namespace {
 
 std::string MakeShm(const std::string& tag) {
-  const std::string name = absl::StrCat("/wsreaper-", getpid(), "-", tag);
+  // The pid alone is not unique: tests in other pid namespaces (Bazel's
+  // sandboxes) share /dev/shm and may have the same one.
+  static const unsigned salt = std::random_device{}();
+  const std::string name =
+      absl::StrCat("/wsreaper-", getpid(), "-", absl::Hex(salt), "-", tag);
   const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   EXPECT_GE(fd, 0) << name;
   close(fd);

@@ -26,6 +26,7 @@ Prints a table (fault x phase: detected, time to detect, survived, hang,
 engine states, next update) and exits 1 if any row fails.
 """
 
+import glob
 import json
 import os
 import shutil
@@ -203,12 +204,19 @@ class Proc:
         except subprocess.TimeoutExpired:
             pass
         # A killed engine leaves its shared memory behind (weightsync.Engine
-        # names it weightsync-<id>-<pid>).
+        # names it weightsync-<id>-<pid>-<random>).
         if len(self.p.args) > 3 and self.p.args[1] == "-c" and "register_host" in self.p.args[2]:
-            try:
-                os.unlink(f"/dev/shm/weightsync-{self.p.args[3]}-{self.p.pid}")
-            except OSError:
-                pass
+            for f in engine_shm(self.p.args[3], self.p.pid):
+                try:
+                    os.unlink(f)
+                except OSError:
+                    pass
+
+
+def engine_shm(eid, pid):
+    """The shared-memory objects weightsync.Engine `eid` in process `pid`
+    holds: weightsync-<id>-<pid>-<random>."""
+    return glob.glob(f"/dev/shm/weightsync-{eid}-{pid}-*")
 
 
 def start_engine(eid, target, log, *extra):
@@ -375,6 +383,10 @@ def run_case(daemon_bin, fault, phase, work):
         elif fault == "trainer_frozen":
             trainer.kill(signal.SIGSTOP)
         elif fault == "engine_killed":
+            shm = engine_shm("e1", engines["e1"].p.pid)
+            if len(shm) != 1:
+                raise RuntimeError(f"engine e1 should hold one shared-memory object: {shm}")
+            shm = shm[0]
             engines["e1"].kill(signal.SIGKILL)
         elif fault == "engine_unregisters":
             engines["e1"].kill(signal.SIGUSR1)
@@ -431,7 +443,6 @@ def run_case(daemon_bin, fault, phase, work):
         if fault == "engine_killed":
             # Nobody but the daemon can remove a killed engine's shared
             # memory (daemon/server/shm_reaper.h).
-            shm = f"/dev/shm/weightsync-e1-{engines['e1'].p.pid}"
             while os.path.exists(shm) and time.time() - t0 < DETECT_LIMIT_S:
                 time.sleep(0.05)
             row["shm_removed_s"] = (None if os.path.exists(shm)

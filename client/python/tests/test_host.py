@@ -99,6 +99,38 @@ class HostBackendTest(unittest.TestCase):
         self.assertEqual(ctx.exception.code, "INVALID_ARGUMENT")
         self.assertFalse([f for f in os.listdir("/dev/shm") if f.startswith("weightsync-bad_id-")])
 
+    def test_shared_memory_of_another_namespace_is_never_taken_over(self):
+        # Processes in different pid namespaces (containers, sandboxed
+        # tests) share /dev/shm and can have this process's pid. An object
+        # already under the name the client draws belongs to such an engine:
+        # it must be left alone and another name drawn. (The client used to
+        # unlink it and take the name, so the other engine's daemon could
+        # map this engine's memory.)
+        from multiprocessing import shared_memory
+        from weightsync import engine as engine_mod
+        taken = f"weightsync-e7-{os.getpid()}-aaaaaaaa"
+        other = shared_memory.SharedMemory(name=taken, create=True, size=64)
+        other.buf[:4] = b"live"
+        drawn = iter(["aaaaaaaa", "bbbbbbbb"])
+        real = engine_mod.secrets.token_hex
+        engine_mod.secrets.token_hex = lambda n: next(drawn)
+        try:
+            _, w = self.engine("e7", [("a", "FLOAT32", (7,))])
+        finally:
+            engine_mod.secrets.token_hex = real
+        try:
+            self.assertEqual(self.engines[-1]._shm.name, f"weightsync-e7-{os.getpid()}-bbbbbbbb")
+            self.trainer.init_host()
+            a = np.arange(7, dtype=np.float32)
+            self.assertEqual(self.trainer.update([("a", a)], version=1).version, 1)
+            np.testing.assert_array_equal(w["a"], a)
+            peek = shared_memory.SharedMemory(name=taken)
+            self.assertEqual(bytes(peek.buf[:4]), b"live")
+            peek.close()
+        finally:
+            other.close()
+            other.unlink()
+
     def test_check_reads_the_receipt_an_update_would_give(self):
         _, w = self.engine("e0", [("a", "BFLOAT16", (64, 3)), ("b", "FLOAT32", (5,))])
         self.trainer.init_host()

@@ -19,6 +19,7 @@ GPU (torch CUDA parameters, registered in place by CUDA IPC handle):
 import os
 import re
 import queue
+import secrets
 import threading
 import time
 from multiprocessing import shared_memory
@@ -29,6 +30,24 @@ from weightsync._errors import WeightSyncError
 from weightsync._proto import Stub, channel, default_target, v1
 from weightsync._tensors import STORAGE
 from weightsync import planner
+
+
+
+def _create_shm(prefix, size):
+    """Creates a new shared-memory object named prefix-<random>. The pid in
+    the prefix is not enough: processes in different pid namespaces (two
+    containers, two sandboxed tests) share /dev/shm and can have the same
+    pid. An existing name is never taken over (it may be a live engine's,
+    which its daemon may be about to open): a name that exists is skipped
+    (O_EXCL) and another drawn."""
+    for _ in range(8):
+        try:
+            return shared_memory.SharedMemory(name=f"{prefix}-{secrets.token_hex(4)}",
+                                              create=True, size=size)
+        except FileExistsError:
+            continue
+    raise WeightSyncError("ALREADY_EXISTS", f"no free shared-memory name {prefix}-<random> "
+                          "after 8 tries: is /dev/shm full of stale weightsync objects?")
 
 
 class Engine:
@@ -69,14 +88,7 @@ class Engine:
         # splits on ":", both legal in engine ids: anything but [\w.-]
         # becomes "_" (the id itself is sent as it is).
         safe_id = re.sub(r"[^\w.-]", "_", self.engine_id)
-        name = f"weightsync-{safe_id}-{os.getpid()}"
-        try:
-            self._shm = shared_memory.SharedMemory(name=name, create=True, size=max(offset, 1))
-        except FileExistsError:
-            # Left by a killed engine of the same id whose pid this process
-            # now has (pid namespaces restart at 1): it is dead, take over.
-            shared_memory.SharedMemory(name=name).unlink()
-            self._shm = shared_memory.SharedMemory(name=name, create=True, size=max(offset, 1))
+        self._shm = _create_shm(f"weightsync-{safe_id}-{os.getpid()}", max(offset, 1))
         request = v1.RegisterEngineRequest(engine_id=self.engine_id, version=version,
                                            trainer_uids=self._trainer_uids)
         request.allocations.add(kind=v1.MEMORY_HOST_SHM, handle=("/" + self._shm.name).encode(),
