@@ -106,20 +106,22 @@ class HostBackendTest(unittest.TestCase):
         # it must be left alone and another name drawn. (The client used to
         # unlink it and take the name, so the other engine's daemon could
         # map this engine's memory.)
+        import secrets
         from multiprocessing import shared_memory
         from weightsync import engine as engine_mod
-        taken = f"weightsync-e7-{os.getpid()}-aaaaaaaa"
+        first, second = secrets.token_hex(4), secrets.token_hex(4)  # this run's own
+        taken = f"weightsync-e7-{os.getpid()}-{first}"
         other = shared_memory.SharedMemory(name=taken, create=True, size=64)
-        other.buf[:4] = b"live"
-        drawn = iter(["aaaaaaaa", "bbbbbbbb"])
-        real = engine_mod.secrets.token_hex
-        engine_mod.secrets.token_hex = lambda n: next(drawn)
         try:
-            _, w = self.engine("e7", [("a", "FLOAT32", (7,))])
-        finally:
-            engine_mod.secrets.token_hex = real
-        try:
-            self.assertEqual(self.engines[-1]._shm.name, f"weightsync-e7-{os.getpid()}-bbbbbbbb")
+            other.buf[:4] = b"live"
+            drawn = iter([first, second])
+            real = engine_mod.secrets.token_hex
+            engine_mod.secrets.token_hex = lambda n: next(drawn)
+            try:
+                _, w = self.engine("e7", [("a", "FLOAT32", (7,))])
+            finally:
+                engine_mod.secrets.token_hex = real
+            self.assertEqual(self.engines[-1]._shm.name, f"weightsync-e7-{os.getpid()}-{second}")
             self.trainer.init_host()
             a = np.arange(7, dtype=np.float32)
             self.assertEqual(self.trainer.update([("a", a)], version=1).version, 1)
