@@ -30,7 +30,9 @@ std::unique_ptr<grpc::ClientContext> Ctx(absl::Time deadline) {
 }  // namespace
 
 GpuWorkerSupervisor::GpuWorkerSupervisor(Options options)
-    : options_(std::move(options)), closer_([this] { CloserLoop(); }) {}
+    : options_(std::move(options)),
+      closer_([this] { CloserLoop(); }),
+      warmer_([this] { WarmerLoop(); }) {}
 
 GpuWorkerSupervisor::~GpuWorkerSupervisor() {
   {
@@ -38,6 +40,7 @@ GpuWorkerSupervisor::~GpuWorkerSupervisor() {
     stop_ = true;
   }
   closer_.join();
+  warmer_.join();
   absl::MutexLock lock(&mu_);
   KillLocked();
 }
@@ -206,6 +209,28 @@ void GpuWorkerSupervisor::CloserLoop() {
   }
 }
 
+void GpuWorkerSupervisor::WarmAsync() {
+  absl::MutexLock lock(&mu_);
+  warm_requested_ = true;
+}
+
+void GpuWorkerSupervisor::WarmerLoop() {
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stop_ || warm_requested_;
+      };
+      mu_.Await(absl::Condition(&ready));
+      if (stop_) return;
+      warm_requested_ = false;
+    }
+    // Unlocked: the update's own calls must not wait behind this one. A
+    // failure is of no interest here; the update's calls report their own.
+    Ping(absl::Now() + absl::Milliseconds(500)).IgnoreError();
+  }
+}
+
 absl::Status GpuWorkerSupervisor::InitGroup(
     const worker::v1::InitGroupRequest& request) {
   absl::MutexLock lock(&mu_);
@@ -235,13 +260,22 @@ absl::Status GpuWorkerSupervisor::BeginUpdate(
   return FromGrpcStatus(stub_->BeginUpdate(ctx.get(), request, &resp));
 }
 
-worker::v1::GpuWorker::Stub* GpuWorkerSupervisor::Stub() {
+std::shared_ptr<worker::v1::GpuWorker::Stub> GpuWorkerSupervisor::Stub() {
   absl::MutexLock lock(&mu_);
-  return stub_.get();
+  return stub_;
+}
+
+absl::Status GpuWorkerSupervisor::Ping(absl::Time deadline) {
+  std::shared_ptr<worker::v1::GpuWorker::Stub> stub = Stub();
+  if (stub == nullptr) return absl::UnavailableError("no GPU worker running");
+  worker::v1::PingRequest req;
+  worker::v1::PingResponse resp;
+  auto ctx = Ctx(deadline);
+  return FromGrpcStatus(stub->Ping(ctx.get(), req, &resp));
 }
 
 absl::Status GpuWorkerSupervisor::CopyChunk(int64_t k, absl::Time deadline) {
-  worker::v1::GpuWorker::Stub* stub = Stub();
+  std::shared_ptr<worker::v1::GpuWorker::Stub> stub = Stub();
   if (stub == nullptr) return absl::AbortedError("GPU worker is gone");
   worker::v1::CopyChunkRequest req;
   req.set_chunk(k);
@@ -251,7 +285,7 @@ absl::Status GpuWorkerSupervisor::CopyChunk(int64_t k, absl::Time deadline) {
 }
 
 absl::Status GpuWorkerSupervisor::WaitChunks(int64_t n, absl::Time deadline) {
-  worker::v1::GpuWorker::Stub* stub = Stub();
+  std::shared_ptr<worker::v1::GpuWorker::Stub> stub = Stub();
   if (stub == nullptr) return absl::AbortedError("GPU worker is gone");
   worker::v1::WaitChunksRequest req;
   req.set_chunks(n);
@@ -263,7 +297,7 @@ absl::Status GpuWorkerSupervisor::WaitChunks(int64_t n, absl::Time deadline) {
 }
 
 absl::Status GpuWorkerSupervisor::CommitStaged(absl::Time deadline) {
-  worker::v1::GpuWorker::Stub* stub = Stub();
+  std::shared_ptr<worker::v1::GpuWorker::Stub> stub = Stub();
   if (stub == nullptr) return absl::AbortedError("GPU worker is gone");
   worker::v1::Empty req, resp;
   auto ctx = Ctx(deadline);
@@ -272,7 +306,7 @@ absl::Status GpuWorkerSupervisor::CommitStaged(absl::Time deadline) {
 
 absl::StatusOr<std::vector<uint64_t>> GpuWorkerSupervisor::ComputeReceipts(
     const worker::v1::ComputeReceiptsRequest& request, absl::Time deadline) {
-  worker::v1::GpuWorker::Stub* stub = Stub();
+  std::shared_ptr<worker::v1::GpuWorker::Stub> stub = Stub();
   if (stub == nullptr) return absl::AbortedError("GPU worker is gone");
   worker::v1::ComputeReceiptsResponse resp;
   auto ctx = Ctx(deadline);
@@ -289,11 +323,7 @@ absl::StatusOr<std::vector<uint64_t>> GpuWorkerSupervisor::ComputeReceipts(
 
 absl::StatusOr<GpuWorkerSupervisor::Waited> GpuWorkerSupervisor::WaitUpdate(
     absl::Time deadline, bool received_only) {
-  worker::v1::GpuWorker::Stub* stub;
-  {
-    absl::MutexLock lock(&mu_);
-    stub = stub_.get();
-  }
+  std::shared_ptr<worker::v1::GpuWorker::Stub> stub = Stub();
   if (stub == nullptr) return absl::AbortedError("GPU worker is gone");
   worker::v1::WaitUpdateRequest req;
   req.set_received_only(received_only);

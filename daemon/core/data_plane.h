@@ -25,6 +25,11 @@ class DataPlane {
  public:
   virtual ~DataPlane() = default;
 
+  // A hint, at the start of StartWeightUpdate, that Begin follows within a
+  // millisecond or two: wake what a call after idle time would find asleep
+  // (the GPU worker's channel). Returns at once; changes nothing.
+  virtual void Warm() {}
+
   // Prepares for `plan` (staging, streams) of `request`. FAILED_PRECONDITION
   // if an update is still in progress; RESOURCE_EXHAUSTED over the staging
   // budget.
