@@ -20,8 +20,19 @@ for r in $(seq "$ROUNDS"); do
   for which in before after; do
     bin=$AFTER; [ "$which" = before ] && bin=$BEFORE
     out="$LOG/$which-$r.txt"
+    # The last run's processes must be gone (their GPU memory with them).
+    for _ in $(seq 60); do
+      [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader)" ] && break
+      sleep 0.5
+    done
+    echo "### $which, round $r ($(nvidia-smi --query-gpu=memory.used --format=csv,noheader) in use before)"
     bash "$HERE/run_sparse_breakdown.sh" "$bin" "$LOG/$which-$r" 1024 >"$out" 2>&1
-    echo "### $which, round $r"; cat "$out"
+    cat "$out"
+    if ! grep -q "trainer rc 0 ===" "$out"; then
+      echo "--- trainer.log (tail)"; tail -20 "$LOG/$which-$r/trainer.log"
+      echo "--- daemon.log (tail)"; tail -20 "$LOG/$which-$r/daemon.log"
+      echo "--- engine.log (tail)"; tail -5 "$LOG/$which-$r/engine.log"
+    fi
   done
 done
 python3 - "$LOG" "$ROUNDS" <<'PY'
