@@ -22,19 +22,7 @@ if [ "$NGPU" -ge 2 ]; then DEV_D=1 BACKEND=nccl; else DEV_D=0 BACKEND=ipc; fi
 sock="$LOG/d.sock"
 rm -f "$sock"
 pids=()
-# TERM first: each pid is a `timeout`, which passes TERM on to its child
-# (the daemon then stops its GPU worker); a KILL would leave the child
-# running, with its GPU memory (each run left ~33 GB behind before).
-stop_all() {
-  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done
-  for _ in $(seq 100); do
-    local alive=0
-    for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
-    [ $alive = 0 ] && break
-    sleep 0.1
-  done
-  for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null; done
-}
+source "$(dirname "$0")/../tests/gpu/stop_all.sh"
 trap stop_all EXIT
 GLOG_v=1 timeout 300 "$BIN/weightsyncd" --socket="$sock" --gpu=$DEV_D \
   --gpu_worker="$BIN/weightsync_gpu_worker" --notice_timeout_ms=60000 \

@@ -46,17 +46,7 @@ pids=()
 # SIGTERM, then up to 10 s for everything to exit (the daemon has a 2 s
 # shutdown grace and kills its GPU worker; an engine prints its read-loop
 # counts), then SIGKILL.
-stop_all() {
-  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done
-  for _ in $(seq 100); do
-    local alive=0
-    for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
-    [ $alive = 0 ] && break
-    sleep 0.1
-  done
-  for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null; done
-  pids=(); true
-}
+source "$(dirname "$0")/stop_all.sh"
 trap stop_all EXIT
 sock=""
 T0=$(date +%s)

@@ -28,8 +28,8 @@ NGPU=$(nvidia-smi -L | wc -l)
 if [ "$NGPU" -ge 2 ]; then DEV_D=1 BACKEND=nccl RING=""
 else DEV_D=0 BACKEND=ipc RING="--ipc_ring_slots=2"; fi
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null; done; }
-trap cleanup EXIT
+source "$(dirname "$0")/stop_all.sh"
+trap stop_all EXIT
 timeout 900 "$BIN/weightsyncd" --socket="$sock" --gpu=$DEV_D --gpu_worker="$BIN/weightsync_gpu_worker" \
   --update_idle_timeout_ms=3000 --notice_timeout_ms=30000 --max_chunk_bytes=$((1<<30)) \
   --metrics_address=127.0.0.1:0 >"$LOG/daemon.log" 2>&1 &
