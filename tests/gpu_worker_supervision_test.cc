@@ -340,6 +340,37 @@ TEST_F(GpuWorkerSupervisionTest, WedgedWorkerIsReplacedAfterADeadline) {
   EXPECT_NE(fresh, wedged);
 }
 
+// Start's warm-up (DataPlane::Warm) pings from a background thread: it
+// must never start a worker (that takes seconds, and belongs to Init),
+// never hold the supervisor's lock while it waits on the worker (the
+// update's own calls would queue behind it), and never hold up shutdown.
+TEST_F(GpuWorkerSupervisionTest, WarmAsyncStartsNothingAndBlocksNothing) {
+  sup_->WarmAsync();
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_THAT(ProcessesWithArg(socket_arg_), testing::IsEmpty());
+  EXPECT_EQ(sup_->Ping(absl::Now() + absl::Seconds(1)).code(),
+            absl::StatusCode::kUnavailable);
+
+  ExpectInvisibleGpu(sup_->OpenAllocation(CudaAllocation(kIpcHandleBytes)));
+  const pid_t worker = TheWorker();
+  ASSERT_GT(worker, 0);
+  EXPECT_TRUE(sup_->Ping(absl::Now() + absl::Seconds(5)).ok());
+  // A worker that answers nothing: the warm-up's Ping waits out its 500 ms.
+  ASSERT_EQ(kill(worker, SIGSTOP), 0);
+  ASSERT_TRUE(AllThreadsStopped(worker));
+  sup_->WarmAsync();
+  absl::SleepFor(absl::Milliseconds(50));  // the Ping is in flight now
+  const absl::Time t = absl::Now();
+  EXPECT_EQ(sup_->restarts(), 0);  // takes the supervisor's lock
+  EXPECT_LT(absl::Now() - t, absl::Milliseconds(250))
+      << "the warm-up held the supervisor's lock while it waited";
+  // Shutdown waits for that Ping at most (500 ms), not for the worker.
+  const absl::Time t2 = absl::Now();
+  sup_.reset();
+  EXPECT_LT(absl::Now() - t2, absl::Seconds(3));
+  EXPECT_EQ(StateOf(worker), '\0');  // killed and reaped
+}
+
 TEST_F(GpuWorkerSupervisionTest, MissingBinaryIsUnavailable) {
   GpuWorkerSupervisor::Options o = options_;
   o.worker_binary = dir_ + "/no_such_worker";
