@@ -32,7 +32,6 @@ from weightsync._tensors import STORAGE
 from weightsync import planner
 
 
-
 def _create_shm(prefix, size):
     """Creates a new shared-memory object named prefix-<random>. The pid in
     the prefix is not enough: processes in different pid namespaces (two
