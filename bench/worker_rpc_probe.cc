@@ -77,8 +77,12 @@ int Main() {
   worker::v1::InitGroupRequest start;
   start.set_nccl_unique_id("x");
   sup.InitGroup(start).IgnoreError();
-  auto warm_stub = worker::v1::GpuWorker::NewStub(grpc::CreateChannel(
-      "unix:" + o.socket_path, grpc::InsecureChannelCredentials()));
+  // --warm_by=channel2 only: a second channel to the same worker.
+  std::unique_ptr<worker::v1::GpuWorker::Stub> warm_stub;
+  if (FLAGS_warm_by == "channel2") {
+    warm_stub = worker::v1::GpuWorker::NewStub(grpc::CreateChannel(
+        "unix:" + o.socket_path, grpc::InsecureChannelCredentials()));
+  }
   std::vector<int> warms = {-1};
   for (absl::string_view w :
        absl::StrSplit(FLAGS_warm_ms, ',', absl::SkipEmpty())) {
@@ -89,7 +93,7 @@ int Main() {
   for (absl::string_view idle : absl::StrSplit(FLAGS_idle_ms, ',')) {
     int idle_ms = 0;
     if (!absl::SimpleAtoi(idle, &idle_ms)) return 2;
-    for (int warm : warms)
+    for (int warm : warms) {
       for (int patches : {0, 399}) {
         const worker::v1::BeginUpdateRequest req = Request(patches);
         std::vector<double> ms;
@@ -97,7 +101,7 @@ int Main() {
           absl::SleepFor(absl::Milliseconds(idle_ms));
           std::thread pinger;
           if (warm >= 0) {
-            if (FLAGS_warm_by == "channel2") {
+            if (warm_stub != nullptr) {
               pinger = std::thread([&] {
                 grpc::ClientContext ctx;
                 worker::v1::PingRequest preq;
@@ -120,6 +124,7 @@ int Main() {
             "patches): median %.3f ms\n",
             idle_ms, warm, req.ByteSizeLong(), patches, ms[ms.size() / 2]);
       }
+    }
   }
   return 0;
 }
