@@ -1,0 +1,133 @@
+#include "daemon/core/source_registry.h"
+
+#include <memory>
+#include <string>
+
+#include "gtest/gtest.h"
+#include "tests/testing/heap_memory.h"
+
+namespace weightsync {
+namespace {
+
+v1::RegisterSourceRequest Manifest2() {
+  v1::RegisterSourceRequest r;
+  v1::TensorSpec* a = r.add_tensors();
+  a->set_name("a");
+  a->set_dtype(v1::BFLOAT16);
+  a->add_shape(4);
+  a->add_shape(8);
+  v1::TensorSpec* b = r.add_tensors();
+  b->set_name("b");
+  b->set_dtype(v1::FLOAT32);
+  b->add_shape(3);
+  return r;
+}
+
+v1::RegisterSourceRequest WithMemory(int64_t size, int64_t offset_b) {
+  v1::RegisterSourceRequest r = Manifest2();
+  v1::Allocation* al = r.add_allocations();
+  al->set_kind(v1::MEMORY_CUDA_IPC);
+  al->set_handle(std::string(64, 'h'));
+  al->set_size(size);
+  al->set_device_uuid("GPU-0");
+  v1::SourcePlacement* pa = r.add_placements();
+  pa->set_offset(0);
+  v1::SourcePlacement* pb = r.add_placements();
+  pb->set_offset(offset_b);
+  return r;
+}
+
+TEST(SourceRegistryTest, SameContentSameSourceOtherContentNew) {
+  testing::HeapMapper mapper;
+  SourceRegistry reg(SourceLimits{});
+  auto s1 = reg.Register(Manifest2(), mapper, false);
+  ASSERT_TRUE(s1.ok()) << s1.status();
+  EXPECT_EQ((*s1)->total_bytes, 4 * 8 * 2 + 3 * 4);
+  EXPECT_FALSE((*s1)->has_memory());
+  auto again = reg.Register(Manifest2(), mapper, false);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->get(), s1->get());
+  v1::RegisterSourceRequest other = Manifest2();
+  other.mutable_tensors(1)->set_shape(0, 4);  // a changed shape: new source
+  auto s2 = reg.Register(other, mapper, false);
+  ASSERT_TRUE(s2.ok());
+  EXPECT_NE((*s2)->id, (*s1)->id);
+  EXPECT_EQ(reg.Find((*s1)->id).value().get(), s1->get());
+}
+
+TEST(SourceRegistryTest, RefusesBadManifestsNamingTheTensor) {
+  testing::HeapMapper mapper;
+  SourceRegistry reg(SourceLimits{});
+  v1::RegisterSourceRequest dup = Manifest2();
+  dup.mutable_tensors(1)->set_name("a");
+  auto s = reg.Register(dup, mapper, false);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.status().message().find("'a' appears twice"), std::string::npos);
+  v1::RegisterSourceRequest sparse = Manifest2();
+  sparse.mutable_tensors(0)->set_sparse_nnz(3);
+  s = reg.Register(sparse, mapper, false);
+  EXPECT_NE(s.status().message().find("'a' is a sparse patch"),
+            std::string::npos);
+  v1::RegisterSourceRequest none;
+  EXPECT_EQ(reg.Register(none, mapper, false).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(reg.size(), 0);
+  EXPECT_TRUE(mapper.opened.empty());
+}
+
+TEST(SourceRegistryTest, MemoryIsCheckedBeforeAnythingIsOpened) {
+  testing::HeapMapper mapper;
+  SourceRegistry reg(SourceLimits{});
+  // b (12 bytes) at 60 ends past a 64-byte allocation.
+  auto s = reg.Register(WithMemory(64, 60), mapper, true);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.status().message().find("'b': bytes [60, +12) lie outside"),
+            std::string::npos)
+      << s.status();
+  v1::RegisterSourceRequest bad_index = WithMemory(256, 64);
+  bad_index.mutable_placements(1)->set_allocation(1);
+  EXPECT_NE(reg.Register(bad_index, mapper, true)
+                .status()
+                .message()
+                .find("allocation 1 is not one of the 1"),
+            std::string::npos);
+  v1::RegisterSourceRequest host_kind = WithMemory(256, 64);
+  host_kind.mutable_allocations(0)->set_kind(v1::MEMORY_HOST_SHM);
+  EXPECT_EQ(reg.Register(host_kind, mapper, true).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // Memory where the backend can't copy from it (host, nccl).
+  EXPECT_EQ(reg.Register(WithMemory(256, 64), mapper, false).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(mapper.opened.empty());
+  auto ok = reg.Register(WithMemory(256, 64), mapper, true);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_TRUE((*ok)->has_memory());
+  EXPECT_EQ((*ok)->placements[1].offset, 64);
+  EXPECT_EQ(mapper.opened.size(), 1u);
+}
+
+TEST(SourceRegistryTest, DropsLeastRecentlyUsedAndClearClosesMemory) {
+  testing::HeapMapper mapper;
+  SourceLimits limits;
+  limits.max_sources = 2;
+  SourceRegistry reg(limits);
+  auto first = reg.Register(WithMemory(256, 64), mapper, true).value();
+  std::string first_id = first->id;
+  std::weak_ptr<MappedRegion> region = first->regions[0];
+  first.reset();
+  auto second = reg.Register(Manifest2(), mapper, false).value();
+  ASSERT_TRUE(reg.Find(first_id).ok());  // first is now the most recent
+  v1::RegisterSourceRequest third = Manifest2();
+  third.mutable_tensors(0)->set_name("c");
+  ASSERT_TRUE(reg.Register(third, mapper, false).ok());
+  EXPECT_EQ(reg.Find(second->id).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(reg.Find(first_id).ok());
+  mapper.opened.clear();
+  reg.Clear();
+  EXPECT_EQ(reg.size(), 0);
+  EXPECT_TRUE(region.expired());  // the trainer's memory is closed
+  EXPECT_EQ(reg.Find(first_id).status().code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace weightsync
