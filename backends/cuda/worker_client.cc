@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <utility>
 #include <vector>
 
@@ -366,13 +367,23 @@ absl::StatusOr<std::shared_ptr<MappedRegion>> GpuMapper::Open(
 
 absl::Status GpuDataPlane::Begin(std::shared_ptr<const CopyPlan> plan,
                                  const v1::StartWeightUpdateRequest& request) {
-  return BeginImpl(std::move(plan), request, /*staged=*/false);
+  return BeginImpl(std::move(plan), request, /*staged=*/false, nullptr);
+}
+
+absl::Status GpuDataPlane::BeginFromSource(
+    std::shared_ptr<const CopyPlan> plan,
+    const v1::StartWeightUpdateRequest& request, const Source& source) {
+  if (backend_ != v1::BACKEND_IPC || !source.has_memory()) {
+    return absl::InvalidArgumentError(
+        "only the ipc backend copies from a source's registered memory");
+  }
+  return BeginImpl(std::move(plan), request, /*staged=*/false, &source);
 }
 
 absl::Status GpuDataPlane::BeginStaged(
     std::shared_ptr<const CopyPlan> plan,
     const v1::StartWeightUpdateRequest& request) {
-  return BeginImpl(std::move(plan), request, /*staged=*/true);
+  return BeginImpl(std::move(plan), request, /*staged=*/true, nullptr);
 }
 
 // NCCL and IPC alike: a staged update is copied into GPU staging, one
@@ -497,12 +508,12 @@ absl::Status GpuDataPlane::AddReceipts(
   // last chunk that carries each.
   absl::flat_hash_set<std::string> sources;
   absl::flat_hash_map<std::string, int64_t> last_chunk;
-  for (const v1::TensorSpec& t : request.tensors()) {
+  for (const v1::TensorSpec& t : plan.manifest) {
     if (t.sparse_nnz() == 0) sources.insert(t.name());
   }
   for (const Chunk& c : plan.chunks.chunks) {
     for (const Piece& piece : c.pieces) {
-      last_chunk[request.tensors(piece.tensor).name()] = c.index;
+      last_chunk[plan.manifest[piece.tensor].name()] = c.index;
     }
   }
   std::vector<v1::Receipt> receipts;
@@ -520,9 +531,98 @@ absl::Status GpuDataPlane::AddReceipts(
   return absl::OkStatus();
 }
 
+absl::Status GpuDataPlane::SetIpcSource(
+    const CopyPlan& plan, const v1::StartWeightUpdateRequest& request,
+    const Source* source, worker::v1::BeginUpdateRequest* req) {
+  if (source != nullptr) {
+    if (request.has_ipc_source() || request.ipc_ring_slots() != 0) {
+      return absl::InvalidArgumentError(
+          "an update from a source with registered memory copies from the "
+          "trainer's tensors: leave ipc_source and ipc_ring_slots unset");
+    }
+    req->set_ipc_registered_source(true);
+    return absl::OkStatus();
+  }
+  const v1::Allocation& src = request.ipc_source();
+  if ((src.kind() != v1::MEMORY_CUDA_IPC &&
+       src.kind() != v1::MEMORY_CUDA_VMM) ||
+      src.handle().empty()) {
+    return absl::InvalidArgumentError(
+        "the ipc backend needs ipc_source: the CUDA IPC handle (or CUDA "
+        "VMM \"pid:fd\") of the trainer's packed update");
+  }
+  const int slots = request.ipc_ring_slots();
+  if (slots < 0 || slots == 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ipc_ring_slots is ", slots, "; use 0 (whole update) or >= 2"));
+  }
+  const int64_t need =
+      slots > 0 ? slots * plan.chunks.chunk_bytes : plan.chunks.total_bytes;
+  if (src.size() < need) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ipc_source holds ", src.size(), " bytes; ",
+        slots > 0 ? absl::StrCat(slots, " ring slots of ",
+                                 plan.chunks.chunk_bytes, " bytes need ")
+                  : std::string("the update packs "),
+        need));
+  }
+  req->set_ipc_ring_slots(slots);
+  req->set_ipc_source_handle(src.handle());
+  req->set_ipc_source_size(src.size());
+  req->set_ipc_source_uuid(src.device_uuid());
+  req->set_ipc_source_vmm(src.kind() == v1::MEMORY_CUDA_VMM);
+  return absl::OkStatus();
+}
+
+absl::Status GpuDataPlane::AddOps(const CopyPlan& plan, const Source* source,
+                                  worker::v1::BeginUpdateRequest* req) {
+  const std::vector<int64_t>& starts = plan.chunks.tensor_offsets;
+  for (size_t k = 0; k < plan.ops_by_chunk.size(); ++k) {
+    for (const CopyOp& op : plan.ops_by_chunk[k]) {
+      const auto* region = dynamic_cast<const GpuRegion*>(
+          plan.engines[op.engine]->regions[op.region].get());
+      if (region == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "engine '", plan.engines[op.engine]->engine_id,
+            "' registered host memory; the nccl backend writes GPU memory"));
+      }
+      worker::v1::GpuOp* g = req->add_ops();
+      g->set_chunk(k);
+      g->set_allocation_id(region->id());
+      g->set_src_offset(op.src_offset);
+      g->set_src_stride(op.src_stride);
+      g->set_dst_offset(op.dst_offset);
+      g->set_dst_stride(op.dst_stride);
+      g->set_rows(op.rows);
+      g->set_cols(op.cols);
+      g->set_src_dtype(op.src_dtype);
+      g->set_dst_dtype(op.dst_dtype);
+      if (source != nullptr) {
+        // The op reads bytes [packed, ...) of the packed stream: the same
+        // bytes of the tensor that starts at or before them, in place.
+        const int64_t packed = k * plan.chunks.chunk_bytes + op.src_offset;
+        int64_t t = std::upper_bound(starts.begin(), starts.end(), packed) -
+                    starts.begin() - 1;
+        while (t > 0 && plan.chunks.payload_bytes[t] == 0) --t;
+        const Source::Placement& p = source->placements[t];
+        const auto* src =
+            dynamic_cast<const GpuRegion*>(source->regions[p.region].get());
+        if (src == nullptr) {
+          return absl::InvalidArgumentError(
+              "a registered source's memory is not GPU memory");
+        }
+        g->set_src_allocation_id(src->id());
+        g->set_src_offset(p.offset + packed - starts[t]);
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status GpuDataPlane::BeginImpl(
     std::shared_ptr<const CopyPlan> plan,
-    const v1::StartWeightUpdateRequest& request, bool staged) {
+    const v1::StartWeightUpdateRequest& request, bool staged,
+    const Source* source) {
   const absl::Time t_entry = absl::Now();
   const auto& o = sup_->options();
   // Staged: one buffer per chunk, the whole update.
@@ -533,34 +633,7 @@ absl::Status GpuDataPlane::BeginImpl(
   worker::v1::BeginUpdateRequest req;
   req.set_staged(staged);
   if (backend_ == v1::BACKEND_IPC) {
-    const v1::Allocation& src = request.ipc_source();
-    if ((src.kind() != v1::MEMORY_CUDA_IPC &&
-         src.kind() != v1::MEMORY_CUDA_VMM) ||
-        src.handle().empty()) {
-      return absl::InvalidArgumentError(
-          "the ipc backend needs ipc_source: the CUDA IPC handle (or CUDA "
-          "VMM \"pid:fd\") of the trainer's packed update");
-    }
-    const int slots = request.ipc_ring_slots();
-    if (slots < 0 || slots == 1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "ipc_ring_slots is ", slots, "; use 0 (whole update) or >= 2"));
-    }
-    const int64_t need =
-        slots > 0 ? slots * plan->chunks.chunk_bytes : plan->chunks.total_bytes;
-    if (src.size() < need) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "ipc_source holds ", src.size(), " bytes; ",
-          slots > 0 ? absl::StrCat(slots, " ring slots of ",
-                                   plan->chunks.chunk_bytes, " bytes need ")
-                    : std::string("the update packs "),
-          need));
-    }
-    req.set_ipc_ring_slots(slots);
-    req.set_ipc_source_handle(src.handle());
-    req.set_ipc_source_size(src.size());
-    req.set_ipc_source_uuid(src.device_uuid());
-    req.set_ipc_source_vmm(src.kind() == v1::MEMORY_CUDA_VMM);
+    WS_RETURN_IF_ERROR(SetIpcSource(*plan, request, source, &req));
   } else if (staging > o.staging_budget) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "GPU staging of ",
@@ -574,28 +647,7 @@ absl::Status GpuDataPlane::BeginImpl(
   req.set_chunk_bytes(plan->chunks.chunk_bytes);
   req.set_staging_buffers(o.staging_buffers);
   for (const Chunk& c : plan->chunks.chunks) req.add_chunk_sizes(c.size);
-  for (size_t k = 0; k < plan->ops_by_chunk.size(); ++k) {
-    for (const CopyOp& op : plan->ops_by_chunk[k]) {
-      const auto* region = dynamic_cast<const GpuRegion*>(
-          plan->engines[op.engine]->regions[op.region].get());
-      if (region == nullptr) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "engine '", plan->engines[op.engine]->engine_id,
-            "' registered host memory; the nccl backend writes GPU memory"));
-      }
-      worker::v1::GpuOp* g = req.add_ops();
-      g->set_chunk(k);
-      g->set_allocation_id(region->id());
-      g->set_src_offset(op.src_offset);
-      g->set_src_stride(op.src_stride);
-      g->set_dst_offset(op.dst_offset);
-      g->set_dst_stride(op.dst_stride);
-      g->set_rows(op.rows);
-      g->set_cols(op.cols);
-      g->set_src_dtype(op.src_dtype);
-      g->set_dst_dtype(op.dst_dtype);
-    }
-  }
+  WS_RETURN_IF_ERROR(AddOps(*plan, source, &req));
   // Sparse patches: assembled, checked and applied by the worker on its GPU.
   int64_t sparse_bytes = 0;
   for (const SparsePatch& patch : plan->sparse) {

@@ -155,6 +155,10 @@ class GpuDataPlane : public DataPlane {
   void Warm() override { sup_->WarmAsync(); }
   absl::Status Begin(std::shared_ptr<const CopyPlan> plan,
                      const v1::StartWeightUpdateRequest& request) override;
+  // ipc only: copies from the trainer's registered tensors.
+  absl::Status BeginFromSource(std::shared_ptr<const CopyPlan> plan,
+                               const v1::StartWeightUpdateRequest& request,
+                               const Source& source) override;
   // IPC ring mode only: chunk `index` is in its slot (data empty).
   absl::Status SubmitChunk(int64_t index, std::string data,
                            absl::Time deadline) override;
@@ -184,7 +188,17 @@ class GpuDataPlane : public DataPlane {
  private:
   absl::Status BeginImpl(std::shared_ptr<const CopyPlan> plan,
                          const v1::StartWeightUpdateRequest& request,
-                         bool staged);
+                         bool staged, const Source* source);
+  // The ipc source of `req`: the trainer's packed buffer (ipc_source), or
+  // with `source` its registered tensors (set on each op by AddOps).
+  absl::Status SetIpcSource(const CopyPlan& plan,
+                            const v1::StartWeightUpdateRequest& request,
+                            const Source* source,
+                            worker::v1::BeginUpdateRequest* req);
+  // The plan's copies as worker ops; with `source`, each reads the trainer's
+  // tensor in place of the packed stream.
+  absl::Status AddOps(const CopyPlan& plan, const Source* source,
+                      worker::v1::BeginUpdateRequest* req);
   // VERIFY_ON: the receipts the worker computes as the update goes, for
   // DeviceReceipts to return (their checksums filled in by Drain).
   absl::Status AddReceipts(const CopyPlan& plan,

@@ -161,6 +161,7 @@ absl::StatusOr<std::shared_ptr<const CopyPlan>> BuildCopyPlan(
     std::vector<std::shared_ptr<const EngineLayout>> engines) {
   auto plan = std::make_shared<CopyPlan>();
   WS_ASSIGN_OR_RETURN(plan->chunks, PlanChunks(manifest, chunk_bytes));
+  plan->manifest = manifest;
   plan->engines = std::move(engines);
   const int num_engines = plan->engines.size();
   plan->bytes_by_engine.assign(num_engines, 0);

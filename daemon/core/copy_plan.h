@@ -54,6 +54,7 @@ struct SparsePatch {
 };
 
 struct CopyPlan {
+  Manifest manifest;  // what was planned (names for the data planes)
   ChunkPlan chunks;
   std::vector<std::shared_ptr<const EngineLayout>> engines;
   std::vector<std::vector<CopyOp>> ops_by_chunk;  // one list per chunk

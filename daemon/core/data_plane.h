@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "daemon/core/copy_plan.h"
+#include "daemon/core/source_registry.h"
 #include "weightsync/v1/trainer_service.pb.h"
 
 namespace weightsync {
@@ -35,6 +36,18 @@ class DataPlane {
   // budget.
   virtual absl::Status Begin(std::shared_ptr<const CopyPlan> plan,
                              const v1::StartWeightUpdateRequest& request) = 0;
+
+  // Begin for an update from a registered source with memory
+  // (source_registry.h): the bytes are copied from the source's tensors,
+  // where the trainer keeps them, instead of from a packed buffer. The
+  // caller keeps `source` alive until the update ends. UNIMPLEMENTED where
+  // the backend can't read the trainer's memory.
+  virtual absl::Status BeginFromSource(
+      std::shared_ptr<const CopyPlan> plan,
+      const v1::StartWeightUpdateRequest& request, const Source& source) {
+    return absl::UnimplementedError(
+        "copying from a registered source's memory (the ipc backend does)");
+  }
 
   // Queues chunk `index` (exactly its planned size) for writing. Blocks
   // while every staging buffer is busy, at most until `deadline`.
