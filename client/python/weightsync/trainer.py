@@ -43,6 +43,9 @@ class Trainer:
         self._stream_timeout = stream_timeout
         self._backend = None
         self._gpu = None
+        self._ipc_packed = False
+        self._source = None    # (key, source_id, manifest, flats) of the registered source
+        self._layouts = {}     # layout_id -> layout (for receipts)
         self.last_results = []
 
     def close(self):
@@ -98,10 +101,19 @@ class Trainer:
         self._backend = "nccl"
         return groups
 
-    def init_ipc(self, device=None):
-        """Forms an IPC transfer group (trainer on the engines' GPU): each
-        update is packed into one CUDA buffer whose IPC handle goes with
-        StartWeightUpdate, and the daemon copies from it."""
+    def init_ipc(self, device=None, packed=False):
+        """Forms an IPC transfer group (trainer on the engines' GPU). By
+        default the trainer's tensors are a registered source: update()
+        registers them with the daemon once (CUDA IPC handles of their
+        caching-allocator blocks, offsets, dtypes, shapes), and each update
+        is then one call in which the daemon copies straight from them into
+        the engines' tensors, with no pack buffer; tensors that moved (a new
+        data pointer, dtype or shape) are registered again before the
+        update. Sparse patches, staged mode, non-contiguous tensors and
+        packed=True take the packed path: each update is packed into one
+        CUDA buffer whose IPC handle goes with StartWeightUpdate."""
+        self._ipc_packed = packed
+        self._source = None
         from weightsync.gpu_trainer import GpuSender, _device
         if len(self._stubs) > 1:
             raise ValueError("the ipc backend talks to the local daemon only")
@@ -241,6 +253,13 @@ class Trainer:
         daemon, for several daemons); self.last_results holds the list."""
         gpu = self._gpu
         t0 = time.perf_counter()
+        ipc_packed = self._ipc_packed
+        if gpu.backend == "ipc" and mode == "streaming" and not ipc_packed:
+            named_tensors = list(named_tensors)
+            out = self._update_from_source(named_tensors, version, chunk_bytes, update_id,
+                                           engine_ids, verify, t0)
+            if out is not None:
+                return out
         names, flats, manifest, _ = gpu.manifest(named_tensors)
         request = v1.StartWeightUpdateRequest(
             update_id=update_id, target_version=version, chunk_bytes=chunk_bytes,
@@ -328,6 +347,81 @@ class Trainer:
             self._check_gpu_receipts(results, manifest, flats)
         gpu.last_timings["total_s"] = time.perf_counter() - t0
         return results[0] if len(results) == 1 else results
+
+    def _source_for(self, pairs):
+        """The registered source for (name, tensor) `pairs`: the one already
+        registered if every tensor is where it was (same data pointer,
+        dtype, shape), else a new registration. None where the packed path
+        must carry the update (a sparse patch, a non-contiguous tensor)."""
+        key = []
+        for name, t in pairs:
+            if not hasattr(t, "data_ptr") or not t.is_contiguous() or t.device != self._gpu.device:
+                return None
+            key.append((name, t.data_ptr(), t.dtype, t.shape))
+        key = tuple(key)
+        if self._source is not None and self._source[0] == key:
+            return self._source
+        from weightsync._gpu import allocation_table, dtype_name, flat_bytes, ipc_location
+        entries, manifest, flats, shared = [], [], [], {}
+        for name, t in pairs:
+            dt = dtype_name(name, t)
+            handle, uuid, offset, nbytes = ipc_location(name, t.detach(), shared)
+            entries.append((name, handle, uuid, offset, nbytes))
+            manifest.append({"name": name, "dtype": dt, "shape": [int(s) for s in t.shape]})
+            flats.append(flat_bytes(name, t))
+        allocations, placements = allocation_table(entries)
+        request = v1.RegisterSourceRequest(
+            tensors=[v1.TensorSpec(name=m["name"], dtype=getattr(v1, m["dtype"]),
+                                   shape=m["shape"]) for m in manifest],
+            allocations=[v1.Allocation(kind=v1.MEMORY_CUDA_IPC, handle=a["handle"],
+                                       size=a["size"], device_uuid=a["device_uuid"])
+                         for a in allocations],
+            placements=[v1.SourcePlacement(allocation=i, offset=o) for _, i, o in placements])
+        source_id = self._stub.call("RegisterSource", request).source_id
+        self._source = (key, source_id, manifest, flats)
+        return self._source
+
+    def _update_from_source(self, named_tensors, version, chunk_bytes, update_id, engine_ids,
+                            verify, t0):
+        """One-call IPC update from the registered source (init_ipc): the
+        daemon copies from the trainer's tensors in place. Returns None
+        where the packed path must carry it."""
+        import torch
+        from weightsync._gpu import dedupe_aliases
+        from weightsync.sparse import SparsePatch
+        pairs = named_tensors if isinstance(named_tensors, list) else list(named_tensors)
+        if any(isinstance(t, SparsePatch) for _, t in pairs):
+            return None
+        pairs, _ = dedupe_aliases(pairs)
+        gpu = self._gpu
+        for attempt in (0, 1):
+            source = self._source_for(pairs)
+            if source is None:
+                return None
+            # The daemon's worker reads these tensors from another process:
+            # the work that wrote them must be done first.
+            torch.cuda.current_stream(gpu.device).synchronize()
+            t_ready = time.perf_counter()
+            request = v1.StartWeightUpdateRequest(
+                update_id=update_id, target_version=version, chunk_bytes=chunk_bytes,
+                engine_ids=list(engine_ids), mode=v1.UPDATE_MODE_STREAMING,
+                verify=v1.VERIFY_ON if verify else v1.VERIFY_OFF, source_id=source[1],
+                finish=True, finish_timeout_ms=int(self._timeout * 1000 * 2 / 3))
+            try:
+                finished = self._stub.call("StartWeightUpdate", request).finished
+                break
+            except WeightSyncError as e:
+                # The group was initialised again or the source dropped.
+                if e.code != "NOT_FOUND" or attempt:
+                    raise
+                self._source = None
+        t1 = time.perf_counter()
+        gpu.last_timings = {"prepare_s": t_ready - t0, "start_to_finish_s": t1 - t_ready}
+        self.last_results = [finished]
+        if verify:
+            self._check_gpu_receipts([finished], source[2], source[3])
+        gpu.last_timings["total_s"] = time.perf_counter() - t0
+        return finished
 
     def _check_gpu_receipts(self, results, manifest, flats):
         """Receipts of a GPU update, the expectation computed on the GPU

@@ -1,0 +1,190 @@
+#!/usr/bin/env python3
+"""The Python user's colocated update on ONE GPU, from where the user
+stands: Qwen3-8B-shaped bf16 tensors (399, 16.4 GB) in a trainer process,
+the same shapes registered by an engine process (Engine.register_torch), the
+daemon's IPC data plane on the same GPU. In one run:
+
+  copy_s                 plain on-GPU copy of the same bytes (per tensor
+                         copy_ in the trainer process): the ceiling
+  update_s_receipts_off  Trainer.update(..., verify=False), call to return
+  update_s_default       Trainer.update(...) as documented (receipts on)
+  packed_s_receipts_off  the packed path (init_ipc(packed=True)) for comparison
+  expected_receipts_s    the trainer's expected receipt for the manifest alone
+
+medians of REPEATS updates after a first one (which registers the source).
+
+    python3 bench/python_ipc_bench.py WEIGHTSYNCD WEIGHTSYNC_GPU_WORKER [OUT_JSON]
+
+Writes OUT_JSON (default bench/results/python_ipc.json) with the fields the
+issue names; BENCH_MODEL=small for a quick dry run.
+"""
+
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+import _common as C  # noqa: E402
+
+QWEN3_8B = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+            "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "head_dim": 128, "model_type": "qwen3", "tie_word_embeddings": False}
+MODEL = os.environ.get("BENCH_MODEL", "qwen3-8b")
+REPEATS = int(os.environ.get("BENCH_REPEATS", "7"))
+GPU = 0
+
+
+def shapes():
+    from weightsync import layouts
+    cfg = dict(QWEN3_8B)
+    if MODEL == "small":
+        cfg.update(vocab_size=8192, hidden_size=512, intermediate_size=1024,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    return layouts.checkpoint_shapes(cfg)
+
+
+def engine_main(conn, target):
+    import torch
+    import weightsync
+    dev = torch.device("cuda", GPU)
+    torch.cuda.set_device(dev)
+    params = [(n, torch.zeros(s, dtype=torch.bfloat16, device=dev)) for n, s in shapes()]
+    engine = weightsync.Engine("bench-engine", target, timeout=120)
+    t = time.perf_counter()
+    engine.register_torch(params)
+    reg = time.perf_counter() - t
+    engine.start()
+    C.send(conn, {"ready": True, "register_s": reg})
+    C.recv(conn, 1800, "the end")
+    C.send(conn, {"version": engine.version})
+
+
+def timed_cuda(fn, dev):
+    import torch
+    torch.cuda.synchronize(dev)
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize(dev)
+    return time.perf_counter() - t
+
+
+def trainer_main(conn, target):
+    import torch
+    import weightsync
+    from weightsync import receipts
+    dev = torch.device("cuda", GPU)
+    torch.cuda.set_device(dev)
+    pairs = []
+    for i, (n, s) in enumerate(shapes()):
+        t = torch.empty(s, dtype=torch.bfloat16, device=dev)
+        t.normal_(generator=torch.Generator(device=dev).manual_seed(i + 1))
+        pairs.append((n, t))
+    nbytes = sum(t.numel() * t.element_size() for _, t in pairs)
+    out = {"bytes": nbytes, "tensors": len(pairs)}
+    # The ceiling: the same bytes copied once on the GPU.
+    dst = [torch.empty_like(t) for _, t in pairs]
+
+    def copy_all():
+        for d, (_, t) in zip(dst, pairs):
+            d.copy_(t)
+    copy_all()
+    out["copy_s"] = statistics.median(timed_cuda(copy_all, dev) for _ in range(REPEATS))
+    del dst
+    torch.cuda.empty_cache()
+    trainer = weightsync.Trainer(target, timeout=300)
+    version = [0]
+
+    def series(verify, key):
+        times, timings = [], []
+        for i in range(REPEATS + 1):
+            version[0] += 1
+            torch.cuda.synchronize(dev)
+            t = time.perf_counter()
+            trainer.update(pairs, version=version[0], verify=verify)
+            dt = time.perf_counter() - t
+            if i:   # the first registers the source / warms the worker
+                times.append(dt)
+                timings.append(trainer.last_timings)
+            else:
+                out[key + "_first"] = dt
+        out[key] = statistics.median(times)
+        out[key + "_all"] = times
+        out[key + "_timings"] = timings[len(timings) // 2]
+
+    trainer.init_ipc(device=GPU)
+    series(False, "update_s_receipts_off")
+    series(True, "update_s_default")
+    out["daemon_timings_default"] = str(trainer.last_results[0].timings).replace("\n", " ")
+    # The trainer's expectation alone, for the layout the engine registered.
+    layout = trainer.status().engines  # noqa: F841 (warms the channel)
+    layouts = {e.engine_id: e.layout for e in
+               trainer._stub.call("GetStatus", include_layouts=True).engines}
+    from weightsync._gpu import dtype_name, flat_bytes, elements
+    sent = {n: (dtype_name(n, t), list(t.shape), elements(flat_bytes(n, t),
+                                                          dtype_name(n, t)))
+            for n, t in pairs}
+    exp = []
+    for _ in range(3):
+        torch.cuda.synchronize(dev)
+        t = time.perf_counter()
+        receipts.expected_receipt_arrays(layouts["bench-engine"], sent)
+        torch.cuda.synchronize(dev)
+        exp.append(time.perf_counter() - t)
+    out["expected_receipts_s"] = statistics.median(exp)
+    trainer.init_ipc(device=GPU, packed=True)
+    series(False, "packed_s_receipts_off")
+    out["version"] = version[0]
+    C.send(conn, out)
+    C.recv(conn, 60, "the end")
+
+
+def main():
+    daemon_bin, worker_bin = C.binaries(sys.argv)
+    out_path = sys.argv[3] if len(sys.argv) > 3 else os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "results", "python_ipc.json")
+    d = C.Daemon(daemon_bin, worker_bin, gpu=GPU)
+    engine = trainer = None
+    try:
+        engine = C.Worker(engine_main, d.target)
+        e = engine.recv(600, "the engine's registration")
+        trainer = C.Worker(trainer_main, d.target)
+        r = trainer.recv(1800, "the trainer's figures")
+        trainer.send({"end": True})
+        engine.send({"end": True})
+        engine.recv(60, "the engine's version")
+    finally:
+        for w in (trainer, engine):
+            if w is not None:
+                w.stop()
+        d.stop()
+    kind = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                          capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    res = {"date": datetime.date.today().isoformat(), "kind": kind, "commit": commit,
+           "model": f"{MODEL} bf16 shapes -> bf16 engine, one GPU, ipc", **r,
+           "engine_register_s": e["register_s"]}
+    res["ratio_receipts_off"] = res["copy_s"] / res["update_s_receipts_off"]
+    res["ratio_default"] = res["copy_s"] / res["update_s_default"]
+    res["ratio_packed_receipts_off"] = res["copy_s"] / res["packed_s_receipts_off"]
+    res.setdefault("cpp_ratio_receipts_off", None)
+    res.setdefault("cpp_ratio_default", None)
+    os.makedirs(os.path.dirname(out_path), exist_ok=True)
+    with open(out_path, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"{res['tensors']} tensors, {res['bytes'] / 1e9:.2f} GB on {kind}")
+    print(f"copy (ceiling)            {res['copy_s'] * 1e3:8.2f} ms")
+    for k in ("update_s_receipts_off", "update_s_default", "packed_s_receipts_off"):
+        print(f"{k:25s} {res[k] * 1e3:8.2f} ms  ratio {res['copy_s'] / res[k]:.3f}"
+              f"  (first {res[k + '_first'] * 1e3:.1f} ms)")
+    print(f"expected receipts alone   {res['expected_receipts_s'] * 1e3:8.2f} ms")
+    print(f"wrote {out_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
