@@ -3,6 +3,20 @@
 // daemon (after writing) and a trainer client (from what it sent, mapped
 // through the engine's segments) compute the same value independently, and
 // a GPU can compute it as a parallel reduction. Pure functions.
+//
+// The function (v2), all in 32-bit arithmetic mod 2^32 but the sum:
+//   salt(p)    = FNV-1a 64 of p's name; s = lo32(salt) ^ hi32(salt)
+//   key(p, i)  = s + lo32(i) * 0x9E3779B1 + hi32(i) * 0x85EBCA77
+//   bits32(e)  = lo32(b) ^ hi32(b) * 0x27D4EB2F, b = e's bytes,
+//                little-endian, zero-extended to 64 bits
+//   fmix32(x)  = murmur3's finaliser
+//   term(p, i) = fmix32(bits32(p[i]) ^ key(p, i))
+//   checksum   = sum of the terms (32-bit values) mod 2^64
+// Only 32-bit multiplies, so a GPU computes it at memory speed and a CPU
+// vectorises it. Implementations that must agree bit for bit:
+// backends/cuda/kernel_math.h (the GPU kernel), client/python/weightsync/
+// receipts.py (numpy, torch, Triton); tests/vectors/receipts.json holds
+// values computed by an independent implementation (tools/receipt_vectors.py).
 #ifndef WEIGHTSYNC_COMMON_CHECKSUM_H_
 #define WEIGHTSYNC_COMMON_CHECKSUM_H_
 
@@ -12,12 +26,9 @@
 
 namespace weightsync {
 
-inline uint64_t SplitMix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
+constexpr uint32_t kReceiptIndexLo = 0x9E3779B1u;
+constexpr uint32_t kReceiptIndexHi = 0x85EBCA77u;
+constexpr uint32_t kReceiptBitsHi = 0x27D4EB2Fu;
 
 // FNV-1a of a parameter's name: its salt.
 inline uint64_t ParameterSalt(const std::string& name) {
@@ -26,10 +37,35 @@ inline uint64_t ParameterSalt(const std::string& name) {
   return h;
 }
 
-// One element's term: element `index` of the parameter salted `salt`,
-// holding `bits` (its raw bytes, little-endian, zero-extended).
+// The 32-bit salt the terms use.
+inline uint32_t Salt32(uint64_t salt) {
+  return static_cast<uint32_t>(salt) ^ static_cast<uint32_t>(salt >> 32);
+}
+
+inline uint32_t ReceiptKey(uint32_t salt32, uint64_t index) {
+  return salt32 + static_cast<uint32_t>(index) * kReceiptIndexLo +
+         static_cast<uint32_t>(index >> 32) * kReceiptIndexHi;
+}
+
+inline uint32_t Bits32(uint64_t bits) {
+  return static_cast<uint32_t>(bits) ^
+         static_cast<uint32_t>(bits >> 32) * kReceiptBitsHi;
+}
+
+inline uint32_t Fmix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x85EBCA6Bu;
+  x ^= x >> 13;
+  x *= 0xC2B2AE35u;
+  x ^= x >> 16;
+  return x;
+}
+
+// One element's term: element `index` of the parameter salted `salt`
+// (ParameterSalt), holding `bits` (its raw bytes, little-endian,
+// zero-extended). A 32-bit value.
 inline uint64_t ElementTerm(uint64_t salt, uint64_t index, uint64_t bits) {
-  return SplitMix64(((salt + index) * 0x9E3779B97F4A7C15ull) ^ bits);
+  return Fmix32(Bits32(bits) ^ ReceiptKey(Salt32(salt), index));
 }
 
 // Raw bits of an element of `size` bytes at `p`.
@@ -39,16 +75,42 @@ inline uint64_t ElementBits(const uint8_t* p, int64_t size) {
   return bits;
 }
 
-// Sum of the terms of `n` consecutive elements of `es` bytes at `p`, the
+// Sum of the terms of `n` consecutive elements of kSize bytes at `p`, the
 // first being element `index` of the parameter salted `salt`.
 template <int kSize>
 inline uint64_t RunTermsOf(uint64_t salt, uint64_t index, const uint8_t* p,
                            int64_t n) {
+  const uint32_t s = Salt32(salt);
   uint64_t sum = 0;
-  for (int64_t k = 0; k < n; ++k) {
-    uint64_t bits = 0;
-    std::memcpy(&bits, p + k * kSize, kSize);  // fixed size: a plain load
-    sum += ElementTerm(salt, index + k, bits);
+  while (n > 0) {
+    // Split where lo32(index) wraps: within a piece hi32(index) is fixed,
+    // so key(index + k) = key(index) + k * kReceiptIndexLo and the loop is
+    // 32-bit arithmetic only (the compiler vectorises it).
+    const uint64_t to_wrap = (uint64_t{1} << 32) - (index & 0xFFFFFFFFull);
+    const int64_t m =
+        static_cast<uint64_t>(n) < to_wrap ? n : static_cast<int64_t>(to_wrap);
+    const uint32_t key0 = ReceiptKey(s, index);
+    uint32_t step = 0;
+    for (int64_t k = 0; k < m; ++k, step += kReceiptIndexLo) {
+      uint32_t x;
+      if constexpr (kSize == 8) {
+        uint32_t w[2];
+        std::memcpy(w, p + k * 8, 8);
+        x = w[0] ^ w[1] * kReceiptBitsHi;
+      } else if constexpr (kSize == 4) {
+        std::memcpy(&x, p + k * 4, 4);
+      } else if constexpr (kSize == 2) {
+        uint16_t h;
+        std::memcpy(&h, p + k * 2, 2);
+        x = h;
+      } else {
+        x = p[k];
+      }
+      sum += Fmix32(x ^ (key0 + step));
+    }
+    p += m * kSize;
+    index += static_cast<uint64_t>(m);
+    n -= m;
   }
   return sum;
 }

@@ -24,22 +24,36 @@ namespace cuda {
 // ---------------------------------------------------------------------------
 // Receipts (docs/protocol.md, "Receipts"; common/checksum.h).
 
-constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
+// common/checksum.h's function (v2), in 32-bit operations only: a GPU has
+// no 64-bit multiplier (it emulates one with several 32-bit ones), so
+// these keep the kernel bound by memory, not by the SMs' integer units.
+constexpr uint32_t kKeyLo = 0x9E3779B1u;   // kReceiptIndexLo
+constexpr uint32_t kKeyHi = 0x85EBCA77u;   // kReceiptIndexHi
+constexpr uint32_t kBitsHi = 0x27D4EB2Fu;  // kReceiptBitsHi
 
-// common/checksum.h's SplitMix64.
-WS_HD uint64_t Mix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
+// Salt32: the 32-bit salt from ParameterSalt's 64 bits.
+WS_HD uint32_t SaltOf(uint64_t salt) {
+  return static_cast<uint32_t>(salt) ^ static_cast<uint32_t>(salt >> 32);
 }
 
-// common/checksum.h's ElementTerm(salt, index, bits), written as
-// Mix64(y ^ bits) with y = (salt + index) * kGolden, so that consecutive
-// elements can step y by kGolden instead of multiplying again.
-WS_HD uint64_t TermOf(uint64_t y, uint64_t bits) { return Mix64(y ^ bits); }
-WS_HD uint64_t TermY(uint64_t salt, uint64_t index) {
-  return (salt + index) * kGolden;
+// ReceiptKey(s, index).
+WS_HD uint32_t KeyOf(uint32_t s, uint64_t index) {
+  return s + static_cast<uint32_t>(index) * kKeyLo +
+         static_cast<uint32_t>(index >> 32) * kKeyHi;
+}
+
+WS_HD uint32_t Fmix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x85EBCA6Bu;
+  x ^= x >> 13;
+  x *= 0xC2B2AE35u;
+  x ^= x >> 16;
+  return x;
+}
+
+// ElementTerm given the element's key and its Bits32.
+WS_HD uint32_t TermOf(uint32_t key, uint32_t bits32) {
+  return Fmix32(bits32 ^ key);
 }
 
 // One 2-D run of a parameter's installed elements, e.g. one segment of it:
@@ -186,10 +200,9 @@ WS_HD Words4 Load16(const char* p) {
 #endif
 }
 
-// The raw bits of one element of ES bytes at `p` (aligned to ES),
-// zero-extended.
+// Bits32 of one element of ES bytes at `p` (aligned to ES).
 template <int ES>
-WS_HD uint64_t LoadBits(const char* p) {
+WS_HD uint32_t LoadBits(const char* p) {
 #if defined(__CUDA_ARCH__)
   if constexpr (ES == 1) {
     return *reinterpret_cast<const uint8_t*>(p);
@@ -198,18 +211,25 @@ WS_HD uint64_t LoadBits(const char* p) {
   } else if constexpr (ES == 4) {
     return *reinterpret_cast<const uint32_t*>(p);
   } else {
-    return *reinterpret_cast<const unsigned long long*>(p);
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    return v.x ^ v.y * kBitsHi;
   }
 #else
-  uint64_t bits = 0;
-  std::memcpy(&bits, p, ES);
-  return bits;
+  if constexpr (ES == 8) {
+    uint32_t w[2];
+    std::memcpy(w, p, 8);
+    return w[0] ^ w[1] * kBitsHi;
+  } else {
+    uint32_t bits = 0;
+    std::memcpy(&bits, p, ES);
+    return bits;
+  }
 #endif
 }
 
-// Bits of element j of a 16-byte vector of ES-byte elements.
+// Bits32 of element j of a 16-byte vector of ES-byte elements.
 template <int ES>
-WS_HD uint64_t VecBits(const Words4& v, int j) {
+WS_HD uint32_t VecBits(const Words4& v, int j) {
   if constexpr (ES == 1) {
     return (v.w[j >> 2] >> (8 * (j & 3))) & 0xFFu;
   } else if constexpr (ES == 2) {
@@ -217,22 +237,30 @@ WS_HD uint64_t VecBits(const Words4& v, int j) {
   } else if constexpr (ES == 4) {
     return v.w[j];
   } else {
-    return v.w[2 * j] | (static_cast<uint64_t>(v.w[2 * j + 1]) << 32);
+    return v.w[2 * j] ^ v.w[2 * j + 1] * kBitsHi;
   }
 }
 
 // Sum of the terms of the 16 / ES elements of `v`, the first being element
-// `index` of the parameter salted `salt`.
+// `index` of the parameter whose 32-bit salt is `s`.
 template <int ES>
-WS_HD uint64_t VecTerms(uint64_t salt, uint64_t index, const Words4& v) {
+WS_HD uint64_t VecTerms(uint32_t s, uint64_t index, const Words4& v) {
   constexpr int kV = 16 / ES;
-  const uint64_t y = TermY(salt, index);
+  const uint32_t key = KeyOf(s, index);
   uint64_t sum = 0;
+  if (static_cast<uint32_t>(index) <= 0xFFFFFFFFu - (kV - 1)) {
+    // lo32(index) does not wrap within the vector: the keys step by kKeyLo
+    // (constants once unrolled), one add per element.
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
-  for (int j = 0; j < kV; ++j) {
-    sum += TermOf(y + static_cast<uint64_t>(j) * kGolden, VecBits<ES>(v, j));
+    for (int j = 0; j < kV; ++j) {
+      sum += TermOf(key + static_cast<uint32_t>(j) * kKeyLo, VecBits<ES>(v, j));
+    }
+  } else {
+    for (int j = 0; j < kV; ++j) {
+      sum += TermOf(KeyOf(s, index + j), VecBits<ES>(v, j));
+    }
   }
   return sum;
 }
@@ -246,6 +274,7 @@ WS_HD uint64_t ReceiptTileThreadSum(const ReceiptRegion& r, int64_t t,
   constexpr int64_t kTe = kReceiptTileBytes / ES;  // elements per tile
   constexpr int kV = 16 / ES;                      // elements per vector
   const char* base = static_cast<const char*>(r.base);
+  const uint32_t s = SaltOf(r.salt);
   uint64_t sum = 0;
   if (r.rows_per_tile > 1) {
     // Whole narrow rows, element by element (at most kTe elements, so
@@ -259,13 +288,13 @@ WS_HD uint64_t ReceiptTileThreadSum(const ReceiptRegion& r, int64_t t,
       const uint32_t rr = e / cols;
       const uint32_t c = e - rr * cols;
       const int64_t row = r0 + rr;
-      const uint64_t bits =
+      const uint32_t bits =
           LoadBits<ES>(base + row * r.row_stride_bytes + int64_t{c} * ES);
       const uint64_t index = r.first_index +
                              static_cast<uint64_t>(row) *
                                  static_cast<uint64_t>(r.index_row_stride) +
                              c;
-      sum += TermOf(TermY(r.salt, index), bits);
+      sum += TermOf(KeyOf(s, index), bits);
     }
     return sum;
   }
@@ -284,11 +313,11 @@ WS_HD uint64_t ReceiptTileThreadSum(const ReceiptRegion& r, int64_t t,
   const int64_t nvec = (n - head) / kV;
   const int64_t tail0 = head + nvec * kV;
   if (tid < head) {
-    sum += TermOf(TermY(r.salt, index0 + tid), LoadBits<ES>(p + tid * ES));
+    sum += TermOf(KeyOf(s, index0 + tid), LoadBits<ES>(p + tid * ES));
   }
   if (tid < n - tail0) {
     const int64_t e = tail0 + tid;
-    sum += TermOf(TermY(r.salt, index0 + e), LoadBits<ES>(p + e * ES));
+    sum += TermOf(KeyOf(s, index0 + e), LoadBits<ES>(p + e * ES));
   }
   const char* body = p + head * ES;
   Words4 in[kReceiptUnroll];
@@ -305,7 +334,7 @@ WS_HD uint64_t ReceiptTileThreadSum(const ReceiptRegion& r, int64_t t,
   for (int k = 0; k < kReceiptUnroll; ++k) {
     const int64_t v = tid + k * kReceiptThreads;
     if (v < nvec) {
-      sum += VecTerms<ES>(r.salt, index0 + head + v * kV, in[k]);
+      sum += VecTerms<ES>(s, index0 + head + v * kV, in[k]);
     }
   }
   return sum;

@@ -72,12 +72,34 @@ void EmulateReceiptKernel(const std::vector<ReceiptRegion>& regions,
   }
 }
 
-TEST(KernelMathTest, Mix64IsSplitMix64) {
+// The kernel's 32-bit pieces are common/checksum.h's function, including
+// keys whose lo32(index) wraps inside a 16-byte vector.
+TEST(KernelMathTest, TermsAreTheHostFunction) {
   std::mt19937_64 rng(1);
   for (int i = 0; i < 1000; ++i) {
-    const uint64_t x = rng(), salt = rng(), index = rng(), bits = rng();
-    EXPECT_EQ(Mix64(x), SplitMix64(x));
-    EXPECT_EQ(TermOf(TermY(salt, index), bits), ElementTerm(salt, index, bits));
+    const uint64_t salt = rng(), index = rng(), bits = rng();
+    EXPECT_EQ(TermOf(KeyOf(SaltOf(salt), index), Bits32(bits)),
+              ElementTerm(salt, index, bits));
+    EXPECT_EQ(Fmix32(static_cast<uint32_t>(bits)),
+              weightsync::Fmix32(static_cast<uint32_t>(bits)));
+  }
+  for (uint64_t index : {uint64_t{0}, uint64_t{0xFFFFFFFAull},
+                         uint64_t{0x1FFFFFFFFull}, ~uint64_t{0} - 3}) {
+    Words4 v;
+    for (int w = 0; w < 4; ++w) v.w[w] = static_cast<uint32_t>(rng());
+    const uint64_t salt = rng();
+    uint8_t bytes[16];
+    std::memcpy(bytes, v.w, 16);
+    EXPECT_EQ(VecTerms<1>(SaltOf(salt), index, v),
+              RunTerms(salt, index, bytes, 16, 1));
+    EXPECT_EQ(VecTerms<2>(SaltOf(salt), index, v),
+              RunTerms(salt, index, bytes, 8, 2));
+    EXPECT_EQ(VecTerms<4>(SaltOf(salt), index, v),
+              RunTerms(salt, index, bytes, 4, 4));
+    EXPECT_EQ(VecTerms<8>(SaltOf(salt), index, v),
+              RunTerms(salt, index, bytes, 2, 8));
+    EXPECT_EQ(LoadBits<8>(reinterpret_cast<const char*>(bytes)),
+              Bits32(ElementBits(bytes, 8)));
   }
 }
 
