@@ -335,13 +335,12 @@ class ReceiptArraysTest(unittest.TestCase):
         return receipts.expected_receipt(
             layout, {n: (dt, shape, a.view(np.uint8)) for n, (dt, shape, a) in sent.items()})
 
-    def test_splitmix_of_signed_bits(self):
-        x = np.array([0, 1, 0x7FFFFFFFFFFFFFFF, 0x8000000000000000, 0xFFFFFFFFFFFFFFFF,
-                      0x123456789ABCDEF0], np.uint64)
-        want = receipts._splitmix(x)
-        got = receipts.splitmix_bits(x.view(np.int64))
-        np.testing.assert_array_equal(got.view(np.uint64), want)
-        self.assertEqual(int(want[0]), 0xE220A8397B1DCDAF)  # splitmix64's first output
+    def test_fmix32_in_int64_lanes(self):
+        x = np.array([0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 0x9ABCDEF0], np.uint32)
+        want = receipts.fmix32(x)
+        got = receipts.fmix32_bits(x.astype(np.int64))
+        np.testing.assert_array_equal(got, want.astype(np.int64))
+        self.assertEqual(int(want[1]), 0x514E28B7)  # murmur3 fmix32(1)
 
     def test_equals_host_on_every_layout_kind(self):
         rng = np.random.default_rng(11)

@@ -1,27 +1,35 @@
 """Receipts, trainer side: the checksum an engine must report for an
 update, computed from what was sent, mapped through the engine's segments
 and converted to its dtypes (docs/protocol.md, "Receipts"; the same
-function as common/checksum.h and client/receipts.cc).
+function as common/checksum.h and client/receipts.cc; the vectors of
+tests/vectors/receipts.json, from tools/receipt_vectors.py, bind them).
 
-expected_receipt: numpy, on the host (the host backend).
+    s          = lo32(FNV-1a 64 of the name) ^ hi32(it)
+    key(p, i)  = s + lo32(i) * 0x9E3779B1 + hi32(i) * 0x85EBCA77   (mod 2^32)
+    term(p, i) = fmix32(bits32(p[i]) ^ key(p, i)),  checksum = sum mod 2^64
+
+expected_receipt: numpy, on the host (the host backend): segments of many
+  small tensors are gathered into one run of numpy operations, large ones
+  go through it in blocks.
 expected_receipt_arrays: the same on torch tensors where they are (the
-nccl/ipc backends: on the trainer's GPU, int64 torch ops), or on numpy
-arrays, which is how CI checks it against expected_receipt."""
+  nccl/ipc backends: on the trainer's GPU, one fused Triton kernel per
+  dtype pair, weightsync.receipts_gpu; torch int64 ops without Triton), or
+  on numpy arrays, which is how CI checks the torch code against
+  expected_receipt.
+expected_receipts_gpu: several layouts at once, on a given CUDA stream."""
 
 import numpy as np
 
 from weightsync import _xp
 from weightsync._tensors import STORAGE
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-
-def _splitmix(x):
-    with np.errstate(over="ignore"):
-        x = x + _GOLDEN
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
+KEY_LO, KEY_HI, BITS_HI = 0x9E3779B1, 0x85EBCA77, 0x27D4EB2F
+FMIX1, FMIX2 = 0x85EBCA6B, 0xC2B2AE35
+_U32 = np.uint32
+# Segments up to this many elements are gathered with others of the same
+# dtype pair; larger ones are summed in blocks of _BLOCK elements.
+_SMALL = 1 << 16
+_BLOCK = 1 << 22
 
 
 def parameter_salt(name):
@@ -29,6 +37,44 @@ def parameter_salt(name):
     for c in name.encode():
         h = ((h ^ c) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
     return np.uint64(h)
+
+
+_SALTS = {}
+
+
+def salt32(name):
+    """The 32-bit salt of a parameter (cached: layouts repeat every update)."""
+    s = _SALTS.get(name)
+    if s is None:
+        h = int(parameter_salt(name))
+        s = (h ^ (h >> 32)) & 0xFFFFFFFF
+        if len(_SALTS) < 1 << 20:
+            _SALTS[name] = s
+    return s
+
+
+def fmix32(x):
+    """murmur3's finaliser on a uint32 numpy array (in place when it can)."""
+    with np.errstate(over="ignore"):
+        x = x ^ (x >> _U32(16))
+        x *= _U32(FMIX1)
+        x ^= x >> _U32(13)
+        x *= _U32(FMIX2)
+        x ^= x >> _U32(16)
+    return x
+
+
+def terms32(bits, index, salt):
+    """Terms (uint32) of elements with Bits32 `bits` (uint32), element
+    indices `index` (int64) and 32-bit salts `salt` (scalar or uint32)."""
+    with np.errstate(over="ignore"):
+        key = index.astype(_U32) * _U32(KEY_LO)
+        hi = (index >> 32).astype(_U32)
+        if hi.any():
+            key += hi * _U32(KEY_HI)
+        key += salt if isinstance(salt, np.ndarray) else _U32(salt)
+        key ^= bits
+    return fmix32(key)
 
 
 def _to_float32(raw, dtype):
@@ -78,68 +124,145 @@ def convert_bits(raw, src, dst):
     raise ValueError(f"can't convert {src} to {dst}")
 
 
-def expected_receipt(layout, sent):
+def bits32_np(raw, src, dst):
+    """Bits32 (uint32) of the elements in `raw` (flat uint8, dtype `src`)
+    stored as `dst`: zero-extended bits, lo32 ^ hi32 * BITS_HI for 8-byte
+    elements; conversions are convert_bits'."""
+    if src == dst:
+        size = np.dtype(STORAGE[dst]).itemsize
+        if size == 8:
+            w = raw.view(_U32).reshape(-1, 2)
+            with np.errstate(over="ignore"):
+                return w[:, 0] ^ (w[:, 1] * _U32(BITS_HI))
+        return raw.view(f"u{size}").astype(_U32)
+    return convert_bits(raw, src, dst).astype(_U32)
+
+
+def _runs(layout, sent):
+    """The walk both sides make, flattened to runs of consecutive elements:
+    yields (parameter count, bytes, {(src dtype, dst dtype): [runs]}) once,
+    a run being (source name, source rows, source cols, row_begin,
+    col_begin, rows, cols, dest_offset, dest row stride, salt32)."""
+    from weightsync.planner import ELEMENT_SIZES
+    groups = {}
+    params = nbytes = 0
+    for name, dst, regions in _regions(layout, sent):
+        if regions is None:
+            continue
+        params += 1
+        s = salt32(name)
+        es = ELEMENT_SIZES[dst]
+        for region in regions:
+            nbytes += region[5] * region[6] * es
+            if region[5] * region[6]:
+                groups.setdefault((sent[region[0]][0], dst), []).append(region + (s,))
+    return params, nbytes, groups
+
+
+def _sum_block(raw_grid, rb, cb, rc, cc, dest, stride, s, src, dst):
+    """Sum of the terms of rows [rb, rb + rc) x cols [cb, cb + cc) of
+    `raw_grid` (rows x cols elements as an integer numpy array)."""
+    piece = np.ascontiguousarray(raw_grid[rb:rb + rc, cb:cb + cc]).reshape(-1)
+    bits = bits32_np(piece.view(np.uint8), src, dst)
+    index = ((dest + np.arange(rc, dtype=np.int64) * stride)[:, None]
+             + np.arange(cc, dtype=np.int64)[None, :]).reshape(-1)
+    return int(terms32(bits, index, s).sum(dtype=np.uint64))
+
+
+def _sum_large(raw, run, src, dst, block):
+    _, rows, cols, rb, cb, rc, cc, dest, stride, s = run
+    ses = np.dtype(STORAGE[src]).itemsize
+    grid = raw.view(f"u{ses}")[:rows * cols].reshape(rows, cols)
+    total = 0
+    step_c = min(cc, block)
+    step_r = max(1, block // step_c)
+    for r0 in range(0, rc, step_r):
+        r1 = min(rc, r0 + step_r)
+        for c0 in range(0, cc, step_c):
+            c1 = min(cc, c0 + step_c)
+            total += _sum_block(grid, rb + r0, cb + c0, r1 - r0, c1 - c0,
+                                dest + r0 * stride + c0, stride, s, src, dst)
+    return total
+
+
+def _sum_small(sent, runs, src, dst):
+    """The small runs of one dtype pair in one pass: their sources
+    concatenated, every element's source position, index and salt built
+    with array operations (no Python loop per element or per run's
+    elements)."""
+    ses = np.dtype(STORAGE[src]).itemsize
+    names = list(dict.fromkeys(r[0] for r in runs))
+    where = {n: i for i, n in enumerate(names)}
+    arrays = [sent[n][2].reshape(-1) for n in names]
+    lengths = np.array([a.size // ses for a in arrays], np.int64)
+    starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    elements = np.concatenate(arrays).view(f"u{ses}")
+    t = np.array([r[1:] for r in runs], np.int64)   # rows cols rb cb rc cc dest stride s
+    cols, rb, cb, rc, cc, dest, stride, salt = (t[:, k] for k in range(1, 9))
+    base = starts[[where[r[0]] for r in runs]] + rb * cols + cb
+    # Rows of a run that are contiguous in source and destination form one
+    # row; others are expanded into one run per row.
+    whole = (cc == cols) & (cc == stride)
+    cc = np.where(whole, cc * rc, cc)
+    rc = np.where(whole, 1, rc)
+    row_of = np.repeat(np.arange(len(runs)), rc)
+    r = np.arange(row_of.size, dtype=np.int64) - np.repeat(np.cumsum(rc) - rc, rc)
+    src0 = base[row_of] + r * cols[row_of]
+    dst0 = dest[row_of] + r * stride[row_of]
+    n = cc[row_of]
+    first = np.cumsum(n) - n
+    e = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(first, n)
+    picked = elements[np.repeat(src0, n) + e]
+    bits = bits32_np(picked.view(np.uint8), src, dst)
+    index = np.repeat(dst0, n) + e
+    return int(terms32(bits, index, np.repeat(salt[row_of].astype(_U32), n)).sum(dtype=np.uint64))
+
+
+def expected_receipt(layout, sent, block=_BLOCK):
     """(checksum, parameters, bytes) for an engine registered with `layout`
     (weightsync.v1.Parameter messages) after an update that sent `sent`:
     {name: (dtype enum name, shape, flat uint8 array)}."""
-    from weightsync._proto import v1
-    total = np.uint64(0)
-    params = nbytes = 0
-    for p in layout:
-        dst = v1.enum_name("DType", p.dtype)
-        esize = np.dtype(STORAGE[dst]).itemsize
-        salt = parameter_salt(p.name)
-        segments = list(p.segments)
-        if not segments and p.name in sent:
-            n = int(np.prod(p.shape)) if len(p.shape) else 1
-            segments = [None]
-        touched = False
-        for s in segments:
-            if s is None:
-                src_dtype, _, raw = sent[p.name]
-                src_idx = np.arange(n, dtype=np.int64)
-                dst_idx = src_idx
-            else:
-                if s.source not in sent:
-                    continue
-                src_dtype, shape, raw = sent[s.source]
-                cols = int(np.prod(shape[1:])) if len(shape) > 1 else 1
-                stride = s.dest_row_stride or s.col_count
-                r = np.arange(s.row_count, dtype=np.int64)[:, None]
-                c = np.arange(s.col_count, dtype=np.int64)[None, :]
-                src_idx = ((s.row_begin + r) * cols + s.col_begin + c).reshape(-1)
-                dst_idx = (s.dest_offset + r * stride + c).reshape(-1)
-            ses = np.dtype(STORAGE[src_dtype]).itemsize
-            picked = raw.reshape(-1, ses)[src_idx].reshape(-1)
-            bits = convert_bits(picked, src_dtype, dst)
-            with np.errstate(over="ignore"):
-                terms = _splitmix(((salt + dst_idx.astype(np.uint64)) * _GOLDEN) ^ bits)
-                total = total + terms.sum(dtype=np.uint64)
-            nbytes += len(dst_idx) * esize
-            touched = True
-        params += touched
-    return int(total), params, nbytes
+    params, nbytes, groups = _runs(layout, sent)
+    total = 0
+    for (src, dst), runs in groups.items():
+        small = [r for r in runs if r[5] * r[6] <= _SMALL]
+        for r in runs:
+            if r[5] * r[6] > _SMALL:
+                total += _sum_large(sent[r[0]][2], r, src, dst, block)
+        if small:
+            total += _sum_small(sent, small, src, dst)
+    return total & _xp.MASK64, params, nbytes
 
 
 # --- The same function on torch tensors (on their GPU) or numpy arrays ----
 #
 # Written once with operators numpy int64 arrays and torch int64 tensors
-# share (weightsync._xp): on a GPU it runs as torch ops where the tensors
-# are; in CI the numpy run of this very code is checked bit for bit
-# against expected_receipt above.
+# share (weightsync._xp): it is the GPU's fallback where Triton is missing
+# (weightsync.receipts_gpu is the fast path); in CI the numpy run of this
+# very code is checked bit for bit against expected_receipt above. 32-bit
+# values live in int64 lanes: products of two of them are exact mod 2^64,
+# masked back to 32 bits.
 
-_G = _xp.signed64(0x9E3779B97F4A7C15)
-_M1 = _xp.signed64(0xBF58476D1CE4E5B9)
-_M2 = _xp.signed64(0x94D049BB133111EB)
 _FLOATS = ("FLOAT32", "BFLOAT16", "FLOAT16")
+M32 = _xp.MASK32
+ESIZE = {"FLOAT32": 4, "FLOAT16": 2, "BFLOAT16": 2, "FLOAT64": 8, "INT64": 8, "INT32": 4,
+         "INT16": 2, "INT8": 1, "UINT8": 1, "BOOL": 1}
 
 
-def splitmix_bits(x):
-    """splitmix64 of int64 bits (same bits as the uint64 function)."""
-    x = x + _G
-    x = (x ^ _xp.shr(x, 30)) * _M1
-    x = (x ^ _xp.shr(x, 27)) * _M2
-    return x ^ _xp.shr(x, 31)
+def fmix32_bits(x):
+    """fmix32 of int64 lanes holding 32-bit values (same bits as fmix32)."""
+    x = x ^ (x >> 16)
+    x = (x * FMIX1) & M32
+    x = x ^ (x >> 13)
+    x = (x * FMIX2) & M32
+    return x ^ (x >> 16)
+
+
+def bits32_of(bits, width):
+    """Bits32 of zero-extended element bits (int64 lanes) of `width` bytes."""
+    if width < 8:
+        return bits
+    return (bits & M32) ^ ((_xp.shr(bits, 32) * BITS_HI) & M32)
 
 
 def convert_element_bits(ops, elements, src, dst):
@@ -210,16 +333,30 @@ def _regions(layout, sent):
 def expected_receipt_arrays(layout, sent, ops=None, block=1 << 22):
     """expected_receipt computed where the data is: `sent` maps a name to
     (dtype enum name, shape, flat elements) with the elements a torch
-    tensor (computed on its device with torch int64 ops, `block` elements
-    at a time) or a numpy array of the dtype's storage type
-    (weightsync._tensors.STORAGE). Returns (checksum, parameters, bytes)."""
+    tensor or a numpy array of the dtype's storage type
+    (weightsync._tensors.STORAGE). CUDA tensors, no `ops`, Triton present:
+    the fused kernel (weightsync.receipts_gpu) on the current stream;
+    otherwise int64 array ops (`block` elements at a time) with `ops` or
+    those of the data. Returns (checksum, parameters, bytes)."""
+    if ops is None and _all_cuda(sent):
+        from weightsync import receipts_gpu
+        if receipts_gpu.available():
+            return receipts_gpu.expected_receipts_gpu({0: layout}, sent)[0]
+    return _receipt_by_ops(layout, sent, ops, block)
+
+
+def _all_cuda(sent):
+    return bool(sent) and all(_xp.is_torch(e) and e.is_cuda for _, _, e in sent.values())
+
+
+def _receipt_by_ops(layout, sent, ops, block):
     from weightsync.planner import ELEMENT_SIZES
     total, params, nbytes = 0, 0, 0
     for name, dst, regions in _regions(layout, sent):
         if regions is None:
             continue
         esize = ELEMENT_SIZES[dst]
-        salt = _xp.signed64(int(parameter_salt(name)))
+        salt = salt32(name)
         for source, rows, cols, rb, cb, rc, cc, dest, stride in regions:
             src_dtype, _, elements = sent[source]
             o = ops or _xp.ops_for(elements)
@@ -229,7 +366,7 @@ def expected_receipt_arrays(layout, sent, ops=None, block=1 << 22):
             if rows * cols != elements.shape[0]:
                 elements = elements[:rows * cols]   # an unsegmented parameter
             grid = elements.reshape(rows, cols)
-            lo = hi = 0
+            acc = 0
             step_c = min(cc, block)
             step_r = max(1, block // step_c)
             for r0 in range(0, rc, step_r):
@@ -237,15 +374,23 @@ def expected_receipt_arrays(layout, sent, ops=None, block=1 << 22):
                 for c0 in range(0, cc, step_c):
                     c1 = min(cc, c0 + step_c)
                     piece = grid[rb + r0:rb + r1, cb + c0:cb + c1].reshape(-1)
-                    bits = convert_element_bits(o, piece, src_dtype, dst)
+                    bits = bits32_of(convert_element_bits(o, piece, src_dtype, dst),
+                                     ESIZE[dst])
                     index = (dest + c0 + (o.arange(r1 - r0, like=piece)[:, None] + r0) * stride
                              + o.arange(c1 - c0, like=piece)[None, :]).reshape(-1)
-                    terms = splitmix_bits(((index + salt) * _G) ^ bits)
-                    # Sum mod 2^64 in two 32-bit halves: no int64 overflow in
-                    # the reductions (block <= 2^30 elements).
-                    lo = lo + (terms & _xp.MASK32).sum()
-                    hi = (hi + _xp.shr(terms, 32).sum() + _xp.shr(lo, 32)) & _xp.MASK32
-                    lo = lo & _xp.MASK32
-            total = (total + o.to_int(lo) + (o.to_int(hi) << 32)) & _xp.MASK64
+                    key = (salt + (index & M32) * KEY_LO + _xp.shr(index, 32) * KEY_HI) & M32
+                    # Terms are < 2^32: an int64 sum of a block (<= 2^31
+                    # elements) can't overflow.
+                    acc += o.to_int(fmix32_bits(bits ^ key).sum())
+            total = (total + acc) & _xp.MASK64
         params += 1
     return total, params, nbytes
+
+
+def expected_receipts_gpu(layouts, sent, stream=None):
+    """{key: (checksum, parameters, bytes)} for every layout of `layouts`
+    ({key: weightsync.v1.Parameter messages}) from `sent` (torch CUDA
+    tensors, as expected_receipt_arrays takes them), on `stream` (a
+    torch.cuda.Stream; None: the current one). See weightsync.receipts_gpu."""
+    from weightsync import receipts_gpu
+    return receipts_gpu.expected_receipts_gpu(layouts, sent, stream)
