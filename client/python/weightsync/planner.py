@@ -16,8 +16,10 @@ clients (e.g. the Python trainer client) may import it directly.
 """
 
 import argparse
+import collections
 import json
 import sys
+import threading
 
 __all__ = [
     "ALIGNMENT",
@@ -29,6 +31,8 @@ __all__ = [
     "numel",
     "payload_bytes",
     "plan_chunks",
+    "plan_chunks_cached",
+    "pack_chunk",
 ]
 
 SPEC_VERSION = 1
@@ -188,11 +192,135 @@ def _validate_tensor(index, tensor, seen_names):
     return payload
 
 
+# Element size by dtype given as an enum name (str) or number (int); only
+# looked up for exact str / int (not bool, not numpy integers), as
+# element_size() would.
+_ESIZE_BY_NAME = dict(ELEMENT_SIZES)
+_ESIZE_BY_NUMBER = {n: ELEMENT_SIZES[d] for n, d in _DTYPE_BY_NUMBER.items()
+                    if d in ELEMENT_SIZES}
+
+
+def _fast_esize(dtype):
+    t = type(dtype)
+    if t is str:
+        return _ESIZE_BY_NAME.get(dtype)
+    if t is int:
+        return _ESIZE_BY_NUMBER.get(dtype)
+    return None
+
+
+def _dense_numel(shape):
+    """numel of a shape of exact non-negative ints, else None."""
+    n = 1
+    for d in shape:
+        if type(d) is not int or d < 0:
+            return None
+        n *= d
+    return n
+
+
+def _validated_payloads(tensors):
+    """Payload bytes of every tensor, validated as _validate_tensor does.
+
+    One pass with the common case inline (a dict or a Manifest-like
+    object of dense tensors with a str name, a known dtype and a shape of
+    non-negative ints): anything else, valid (sparse) or not, goes to
+    _validate_tensor, which then reports exactly what the reference
+    reports, in the same order."""
+    seen = set()
+    add = seen.add
+    payloads = []
+    append = payloads.append
+    names = getattr(tensors, "names", None)
+    if names is not None and hasattr(tensors, "dtypes") and hasattr(tensors, "shapes"):
+        # A weightsync._tensors.Manifest (dense tensors, parallel tuples).
+        esizes = {}
+        for i, (name, dtype, shape) in enumerate(zip(names, tensors.dtypes, tensors.shapes)):
+            esize = esizes.get(dtype)
+            if esize is None:
+                esize = esizes[dtype] = _fast_esize(dtype)
+            n = _dense_numel(shape) if esize is not None else None
+            if (n is None or type(name) is not str or not name or name in seen
+                    or n * esize > MAX_BYTES):
+                append(_validate_tensor(i, {"name": name, "dtype": dtype, "shape": shape},
+                                        seen))
+                continue
+            add(name)
+            append(n * esize)
+        return payloads
+    for i, t in enumerate(tensors):
+        if type(t) is dict:
+            name = t.get("name", "")
+            if type(name) is str and name and name not in seen:
+                esize = _fast_esize(t.get("dtype"))
+                if esize is not None:
+                    nnz = t["sparse_nnz"] if "sparse_nnz" in t else t.get("sparseNnz", 0)
+                    if not nnz:
+                        n = _dense_numel(t.get("shape", ()) or ())
+                        if n is not None and n * esize <= MAX_BYTES:
+                            add(name)
+                            append(n * esize)
+                            continue
+        append(_validate_tensor(i, t, seen))
+    return payloads
+
+
+def _plan(payloads, chunk_bytes):
+    offsets = []
+    next_offset = 0
+    mask = ALIGNMENT - 1
+    push = offsets.append
+    for p in payloads:
+        push(next_offset)
+        next_offset = (next_offset + p + mask) & ~mask
+    total = offsets[-1] + payloads[-1] if payloads else 0
+    if total > MAX_BYTES:
+        raise ValueError(f"total_bytes {total} of the manifest overflows (more than 2**62 bytes)")
+
+    chunks = []
+    num_chunks = (total + chunk_bytes - 1) // chunk_bytes
+    if num_chunks > MAX_CHUNKS:
+        raise ValueError(f"the update packs {total} bytes into {num_chunks} chunks of "
+                         f"{chunk_bytes} bytes; the limit is {MAX_CHUNKS} chunks: use larger "
+                         "chunks")
+    count = len(payloads)
+    i = 0  # first tensor that may still intersect the current chunk
+    for k in range(num_chunks):
+        c_begin = k * chunk_bytes
+        c_end = min(c_begin + chunk_bytes, total)
+        pieces = []
+        piece = pieces.append
+        while i < count:
+            t_begin = offsets[i]
+            if t_begin >= c_end:
+                break
+            size = payloads[i]
+            t_end = t_begin + size
+            if size > 0 and t_end > c_begin:
+                start = c_begin if c_begin > t_begin else t_begin
+                piece({"tensor": i, "tensor_offset": start - t_begin,
+                       "chunk_offset": start - c_begin,
+                       "length": (c_end if c_end < t_end else t_end) - start})
+            if t_end > c_end:
+                break   # continues in the next chunk
+            i += 1
+        chunks.append({"index": k, "offset": c_begin, "size": c_end - c_begin,
+                       "pieces": pieces})
+    return {
+        "total_bytes": total,
+        "tensor_offsets": offsets,
+        "payload_bytes": payloads,
+        "chunks": chunks,
+    }
+
+
 def plan_chunks(tensors, chunk_bytes):
     """Plans the byte stream of an update and cuts it into chunks.
 
     Args:
-      tensors: the manifest, an ordered sequence of tensors. Each is either a
+      tensors: the manifest, an ordered sequence of tensors (or a
+        weightsync._tensors.Manifest: its names, dtypes and shapes, all
+        dense). Each is either a
         mapping with keys "name", "dtype", "shape" and optionally
         "sparse_nnz" (or "sparseNnz"; default 0), or an object with those
         attributes (such as a weightsync.v1.TensorSpec message). dtype is the
@@ -223,68 +351,83 @@ def plan_chunks(tensors, chunk_bytes):
     if not _is_int(chunk_bytes) or chunk_bytes <= 0 or chunk_bytes % ALIGNMENT != 0:
         raise ValueError(
             f"chunk_bytes must be a positive multiple of {ALIGNMENT}, got {chunk_bytes!r}")
+    return _plan(_validated_payloads(tensors), chunk_bytes)
 
-    seen_names = set()
-    payloads = [_validate_tensor(i, t, seen_names) for i, t in enumerate(tensors)]
 
-    offsets = []
-    next_offset = 0
-    for p in payloads:
-        offsets.append(next_offset)
-        next_offset = align_up(next_offset + p)
-    total = offsets[-1] + payloads[-1] if payloads else 0
-    if total > MAX_BYTES:
-        raise ValueError(f"total_bytes {total} of the manifest overflows (more than 2**62 bytes)")
+_CACHE_SIZE = 8
+_cache = collections.OrderedDict()
+_cache_lock = threading.Lock()
 
-    chunks = []
-    num_chunks = (total + chunk_bytes - 1) // chunk_bytes
-    if num_chunks > MAX_CHUNKS:
-        raise ValueError(f"the update packs {total} bytes into {num_chunks} chunks of "
-                         f"{chunk_bytes} bytes; the limit is {MAX_CHUNKS} chunks: use larger "
-                         "chunks")
-    first = 0  # first tensor that may still intersect the current chunk
-    for k in range(num_chunks):
-        c_begin = k * chunk_bytes
-        c_end = min(c_begin + chunk_bytes, total)
-        pieces = []
-        i = first
-        while i < len(payloads) and offsets[i] < c_end:
-            t_begin, t_end = offsets[i], offsets[i] + payloads[i]
-            if payloads[i] > 0 and t_end > c_begin:
-                start, end = max(c_begin, t_begin), min(c_end, t_end)
-                pieces.append({
-                    "tensor": i,
-                    "tensor_offset": start - t_begin,
-                    "chunk_offset": start - c_begin,
-                    "length": end - start,
-                })
-            if t_end <= c_end:
-                first = i + 1  # tensor ends in this chunk; later chunks skip it
-            i += 1
-        chunks.append({"index": k, "offset": c_begin, "size": c_end - c_begin,
-                       "pieces": pieces})
 
-    return {
-        "total_bytes": total,
-        "tensor_offsets": offsets,
-        "payload_bytes": payloads,
-        "chunks": chunks,
-    }
+def plan_chunks_cached(manifest_key, tensors, chunk_bytes):
+    """plan_chunks(tensors, chunk_bytes), memoised on (manifest_key,
+    chunk_bytes): a manifest that is the same as a recent one gets the
+    same plan object back without validating or planning again (the last
+    8 (manifest, chunk size) pairs are kept).
+
+    manifest_key identifies the manifest exactly:
+      * a weightsync._tensors.Manifest (build_manifest's result): looked up
+        by its fingerprint and confirmed by comparing its key (names,
+        dtypes, shapes), so two manifests share a plan only if they are
+        equal; `tensors` may then be the Manifest itself or its specs();
+      * or any hashable the caller guarantees changes whenever the
+        manifest does (e.g. a registered source's id).
+
+    The returned plan is shared: treat it as read-only. Errors are raised
+    as by plan_chunks (and nothing is cached)."""
+    if hasattr(manifest_key, "fingerprint") and hasattr(manifest_key, "key"):
+        lookup, exact = (manifest_key.fingerprint, chunk_bytes, "manifest"), manifest_key.key
+    else:
+        lookup, exact = (manifest_key, chunk_bytes), None
+    with _cache_lock:
+        hit = _cache.get(lookup)
+        if hit is not None and (exact is None or hit[0] is exact or hit[0] == exact):
+            _cache.move_to_end(lookup)
+            return hit[1]
+    plan = plan_chunks(tensors, chunk_bytes)
+    with _cache_lock:
+        _cache[lookup] = (exact, plan)
+        _cache.move_to_end(lookup)
+        while len(_cache) > _CACHE_SIZE:
+            _cache.popitem(last=False)
+    return plan
+
+
+def clear_plan_cache():
+    """Forgets every plan plan_chunks_cached kept."""
+    with _cache_lock:
+        _cache.clear()
 
 
 # ---------------------------------------------------------------------------
 # Test vectors (tests/vectors/chunk_plan.json)
 # ---------------------------------------------------------------------------
 
+_ZEROS = bytes(ALIGNMENT)
+
+
 def pack_chunk(chunk, payloads):
-    """The bytes of one chunk of a plan_chunks plan: each piece copied from
-    `payloads[piece["tensor"]]` (a flat uint8 numpy array, or anything whose
-    slices have .tobytes()), padding zero."""
-    buf = bytearray(chunk["size"])
+    """The bytes of one chunk of a plan_chunks plan: each piece taken from
+    `payloads[piece["tensor"]]` (a flat uint8 numpy array, or anything
+    bytes-like whose slices are bytes-like), padding zero. One join over
+    views of the payloads: each byte is copied once."""
+    parts = []
+    push = parts.append
+    at = 0
+    size = chunk["size"]
     for p in chunk["pieces"]:
-        buf[p["chunk_offset"]:p["chunk_offset"] + p["length"]] = \
-            payloads[p["tensor"]][p["tensor_offset"]:p["tensor_offset"] + p["length"]].tobytes()
-    return bytes(buf)
+        gap = p["chunk_offset"] - at
+        if gap:
+            push(_ZEROS[:gap] if gap <= ALIGNMENT else bytes(gap))
+        data = payloads[p["tensor"]]
+        begin, length = p["tensor_offset"], p["length"]
+        if begin or length != len(data):
+            data = data[begin:begin + length]
+        push(data)
+        at = p["chunk_offset"] + length
+    if at < size:
+        push(bytes(size - at))
+    return b"".join(parts)
 
 
 def _t(name, dtype, shape, sparse_nnz=0, sparse_index_bytes=0):
