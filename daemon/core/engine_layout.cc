@@ -6,6 +6,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "common/dtype.h"
 #include "common/status_macros.h"
 
@@ -185,11 +186,19 @@ absl::StatusOr<std::shared_ptr<const EngineLayout>> BuildEngineLayout(
   }
   auto layout = std::make_shared<EngineLayout>();
   layout->engine_id = engine;
-  absl::flat_hash_set<std::string> names;
+  // Sized once: 100k-parameter (mixture-of-experts) registrations spent a
+  // fifth of their time rehashing and reallocating. Names are views of the
+  // request, which outlives this function.
+  const int num_parameters = request.parameters_size();
+  layout->parameters.reserve(num_parameters);
+  layout->uses_by_source.reserve(num_parameters);
+  absl::flat_hash_set<absl::string_view> names;
+  names.reserve(num_parameters);
   int64_t rows_budget = limits.max_segment_rows;
   // Per allocation: [begin, end) byte ranges with the parameter index.
   std::vector<std::vector<std::pair<std::pair<int64_t, int64_t>, int>>> ranges(
       request.allocations_size());
+  if (request.allocations_size() == 1) ranges[0].reserve(num_parameters);
   for (int i = 0; i < request.parameters_size(); ++i) {
     const v1::Parameter& proto = request.parameters(i);
     if (proto.name().empty() || proto.name().size() > limits.max_name_length) {
@@ -204,10 +213,18 @@ absl::StatusOr<std::shared_ptr<const EngineLayout>> BuildEngineLayout(
     p.name = proto.name();
     p.dtype = proto.dtype();
     p.shape.assign(proto.shape().begin(), proto.shape().end());
-    WS_ASSIGN_OR_RETURN(
-        p.numel, NumElements(p.shape, p.dtype,
-                             absl::StrCat("engine '", engine, "': parameter '",
-                                          p.name, "'")));
+    {
+      // The error context is only formatted for an error (not 100k times).
+      static const std::string kNoContext;
+      absl::StatusOr<int64_t> numel = NumElements(p.shape, p.dtype, kNoContext);
+      if (!numel.ok()) {
+        return NumElements(p.shape, p.dtype,
+                           absl::StrCat("engine '", engine, "': parameter '",
+                                        p.name, "'"))
+            .status();
+      }
+      p.numel = *numel;
+    }
     p.bytes = p.numel * ElementSize(p.dtype);
     if (proto.allocation() < 0 ||
         proto.allocation() >= request.allocations_size()) {
