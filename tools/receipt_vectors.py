@@ -13,7 +13,6 @@ torch-style int code on numpy) assert every case.
 
 import argparse
 import json
-import struct
 import sys
 
 M32 = (1 << 32) - 1
