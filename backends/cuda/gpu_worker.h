@@ -29,6 +29,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "backends/cuda/cuda_status.h"
 #include "backends/cuda/kernel_math.h"
 #include "backends/cuda/vmm.h"
 #include "weightsync/worker/v1/gpu_worker.grpc.pb.h"
@@ -37,6 +38,11 @@ namespace weightsync {
 namespace cuda {
 struct SparseJob;  // sparse_kernels.h
 }  // namespace cuda
+
+// GpuWorker's members are defined by topic: gpu_worker.cc (the owner
+// thread, allocations, the NCCL group), gpu_worker_update.cc (an update's
+// life cycle and the NCCL pipeline), gpu_worker_ipc.cc (the IPC backend),
+// gpu_worker_sparse.cc (sparse patches), gpu_worker_receipts.cc (receipts).
 
 // One thread that runs posted closures in order. Joined on destruction.
 class OwnerThread {
@@ -186,11 +192,31 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   absl::Status EnqueueReceiptsAfter(int64_t k);
   absl::Status CopyReceiptsOut();
   absl::Status WaitComm(absl::Time deadline);
+  // BeginUpdate on the owner thread: checks, prepares the data path, the
+  // sparse patches and the receipts, then starts the ring (StartRing) or
+  // posts the enqueue (PostEnqueue). `t_call`: when BeginUpdate was called.
+  absl::Status BeginOnOwner(const worker::v1::BeginUpdateRequest& request,
+                            absl::Time deadline, absl::Time t_call);
+  // The streams, and the IPC source or (NCCL) the group and the staging
+  // buffers the update needs.
+  absl::Status PrepareDataPath(const worker::v1::BeginUpdateRequest& request,
+                               absl::Time deadline);
+  // IPC ring mode: chunks are copied as the trainer announces them.
+  absl::Status StartRing(const worker::v1::BeginUpdateRequest& request);
+  // Queues the update's enqueue as its own owner task.
+  void PostEnqueue(const worker::v1::BeginUpdateRequest& request, bool ipc);
+  // WaitUpdate's poll: OK once `goal` has completed; the enqueue's or the
+  // communicator's error, or DEADLINE_EXCEEDED, otherwise.
+  absl::Status AwaitEvent(cudaEvent_t goal, absl::Time deadline);
   absl::Status EnqueueUpdate(const worker::v1::BeginUpdateRequest& request);
   // Staged: chunk k broadcast into staging_[k]; records received_.
   absl::Status EnqueueStagedReceive(
       const worker::v1::BeginUpdateRequest& request);
   absl::Time Deadline(const grpc::ServerContext* ctx) const;
+  // Grows a buffer of device memory (pinned host memory with `pinned`) on
+  // the current device to at least `bytes`, keeping nothing of its contents.
+  template <typename T>
+  static absl::Status Grow(T** p, int64_t* have, int64_t bytes, bool pinned);
 
   OwnerThread owner_;
   const int scatter_device_;
@@ -295,6 +321,19 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   absl::Status enqueue_status_ ABSL_GUARDED_BY(enqueue_mu_);
   std::atomic<bool> abort_requested_{false};
 };
+
+template <typename T>
+absl::Status GpuWorker::Grow(T** p, int64_t* have, int64_t bytes, bool pinned) {
+  if (bytes <= *have) return absl::OkStatus();
+  if (*p != nullptr) pinned ? cudaFreeHost(*p) : cudaFree(*p);
+  *p = nullptr;
+  *have = 0;
+  void* d = nullptr;
+  WS_CUDA(pinned ? cudaMallocHost(&d, bytes) : cudaMalloc(&d, bytes));
+  *p = static_cast<T*>(d);
+  *have = bytes;
+  return absl::OkStatus();
+}
 
 }  // namespace weightsync
 

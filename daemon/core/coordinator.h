@@ -8,6 +8,11 @@
 // under control_mu_, which they hold while they wait (bounded by deadlines);
 // registration, chunk submission and status run beside them and never wait
 // on the state lock mu_ behind an engine or the data plane.
+//
+// The class is defined in three files: coordinator.cc (the engine registry,
+// the transfer group, pause/resume, status), update_session.cc (an update's
+// start, its chunks, its failure, the idle watchdog) and update_finish.cc
+// (Finish with the staged commit, Abort, ending a failed update).
 #ifndef WEIGHTSYNC_DAEMON_CORE_COORDINATOR_H_
 #define WEIGHTSYNC_DAEMON_CORE_COORDINATOR_H_
 
@@ -201,6 +206,92 @@ class Coordinator {
     absl::flat_hash_set<std::string> sources;  // manifest tensor names
   };
 
+  // StartWeightUpdate's working state, filled step by step by its helpers
+  // (update_session.cc).
+  struct StartState {
+    int64_t chunk_bytes = 0;
+    std::vector<std::string> ids;  // the engines, in plan order
+    std::vector<std::shared_ptr<const EngineLayout>> layouts;  // as ids
+    std::vector<std::string> to_pause;                         // not paused yet
+    std::shared_ptr<DataPlane> plane;
+    std::shared_ptr<const CopyPlan> plan;
+    bool staged = false;          // after a fallback to streaming: false
+    bool device_staging = false;  // the data plane stages its own bytes
+    absl::Time t_entry, t_planned, t_paused, t_begun;
+  };
+  // The request's own bounds (id, manifest size, names, ranks, chunk
+  // size); sets s.chunk_bytes.
+  absl::Status ValidateStart(const v1::StartWeightUpdateRequest& request,
+                             StartState& s) const;
+  // Under mu_: the group, no update in flight, the engines and their
+  // versions; sets s.ids, s.layouts, s.to_pause and s.plane.
+  absl::Status SelectForStart(const v1::StartWeightUpdateRequest& request,
+                              StartState& s);
+  // The copy plan and the mode (staged, or streaming where staging is over
+  // budget and the request allows it); sets s.plan, s.staged and
+  // s.device_staging.
+  absl::Status PlanStart(const v1::StartWeightUpdateRequest& request,
+                         StartState& s)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(control_mu_);
+  // Pauses the engines a streaming update writes and begins the data plane;
+  // if Begin fails, resumes the engines it paused. Requires control_mu_.
+  absl::Status PauseAndBegin(const v1::StartWeightUpdateRequest& request,
+                             StartState& s);
+  // Makes update_ from `s` and marks its engines updating.
+  void InstallUpdateLocked(const v1::StartWeightUpdateRequest& request,
+                           const StartState& s)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // What FinishWeightUpdate committed (CommitVersionsLocked), for the
+  // notices and the report that follow (update_finish.cc).
+  struct Committed {
+    std::string id;
+    int64_t version = 0;
+    std::vector<std::string> engines;  // committed (not lost)
+    std::vector<std::string> resume;   // paused by the update, and clean
+    absl::Time paused_at = absl::InfiniteFuture();
+    absl::Time started;
+  };
+  // Under mu_: the update Finish names, failed if chunks are missing; its
+  // data plane.
+  absl::StatusOr<std::shared_ptr<DataPlane>> CheckFinish(
+      const v1::FinishWeightUpdateRequest& request);
+  // The receipts of what was installed (empty when not verifying): GPU
+  // memory by the data plane, host memory here.
+  absl::Status CollectReceipts(
+      DataPlane& plane, absl::Time deadline,
+      std::vector<absl::StatusOr<v1::Receipt>>* receipts);
+  // Ends the update as failed; Finish's ABORTED answer naming dirty engines.
+  // Requires control_mu_.
+  absl::Status FailFinish(const std::string& update_id,
+                          const absl::Status& status);
+  // Sets the engines' new version and fills response's engines, version
+  // and bytes.
+  Committed CommitVersionsLocked(
+      const std::vector<absl::StatusOr<v1::Receipt>>& receipts,
+      v1::FinishWeightUpdateResponse& response)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sends the new version (and Resume to the engines the update paused).
+  void NotifyCommitted(const Committed& c);
+  // Response times, the listener and the log line of a commit.
+  void ReportCommitted(const Committed& c, const DataPlane& plane, bool staged,
+                       absl::Time t_receipts,
+                       v1::FinishWeightUpdateResponse& response);
+  // CommitStaged's pause: engines that left while being paused are lost to
+  // the update and the others paused again. Requires control_mu_.
+  absl::StatusOr<std::vector<std::string>> PauseForCommit(
+      const std::vector<std::string>& to_pause);
+  // Records `paused` as paused by the update, its engines as updating;
+  // returns the staged chunks (host staging).
+  std::vector<std::string> StartCommitLocked(
+      const std::vector<std::string>& paused)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // A caller's deadline, capped so no request can hold the control lock
+  // (and delay shutdown) for long.
+  static absl::Time DeadlineFrom(int64_t timeout_ms, absl::Duration fallback);
+  static v1::DaemonMessage ResumeNotice();
+
   // Ends the update in flight as failed: stops the data plane, marks the
   // engines it wrote into dirty and tells them, resumes engines it paused
   // that are still clean. Requires control_mu_.
@@ -261,6 +352,14 @@ class Coordinator {
   // Ends an update idle past options_.update_idle_timeout, and resumes
   // engines a trainer paused and then left alone that long (WatchIdle).
   void WatchIdle();
+  // Waits one watchdog period; false once the watchdog is to stop.
+  bool WatchSleep(absl::Duration period);
+  // Resumes engines a trainer paused and then left alone past the idle
+  // timeout; true if there were any (WatchIdle's pass is over).
+  bool ResumeOrphanedPauses();
+  // Ends the update if it is idle past the timeout, or failed and not ended
+  // within the grace.
+  void EndIdleUpdate();
   // A trainer called (any TrainerService call but GetStatus and
   // GetWorldSize): the pause lease and the update are alive.
   void NoteTrainerCall();

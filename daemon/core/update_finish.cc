@@ -1,0 +1,417 @@
+// Coordinator: how an update ends. FinishWeightUpdate commits it (the
+// staged commit first, then the receipts, the versions and the notices);
+// AbortWeightUpdate and EndFailedUpdate end it as failed. Start and the
+// chunks are in update_session.cc; the locking rules are coordinator.h's.
+#include <algorithm>
+#include <memory>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+#include "daemon/core/coordinator.h"
+#include "daemon/core/event_log.h"
+#include "daemon/core/receipt.h"
+#include "glog/logging.h"
+
+namespace weightsync {
+
+std::vector<v1::EngineResult> Coordinator::EndFailedUpdate(
+    const absl::Status& reason) {
+  std::shared_ptr<DataPlane> plane;
+  {
+    absl::MutexLock lock(&mu_);
+    if (update_ == nullptr) return {};
+    FailUpdateLocked(reason);
+    plane = update_->data_plane;
+  }
+  plane->Abort();  // no lock: it waits for the copy in progress
+  // Submits fail fast once aborted, so this wait is short and always OK.
+  WaitForSubmits(absl::InfiniteFuture()).IgnoreError();
+  std::vector<std::string> dirty, resume;
+  std::vector<v1::EngineResult> results;
+  std::string id;
+  {
+    absl::MutexLock lock(&mu_);
+    id = update_->id;
+    for (size_t i = 0; i < update_->engine_ids.size(); ++i) {
+      const std::string& e = update_->engine_ids[i];
+      v1::EngineResult& result = results.emplace_back();
+      result.set_engine_id(e);
+      result.set_code(static_cast<int>(absl::StatusCode::kAborted));
+      result.set_message(std::string(update_->error.message()));
+      auto it = engines_.find(e);
+      if (update_->lost[i] || it == engines_.end()) {
+        result.set_lost(true);
+        continue;
+      }
+      EngineRecord& r = it->second;
+      r.updating = false;
+      result.set_version(r.version);
+      if (r.dirty) {
+        dirty.push_back(e);
+        result.set_state(v1::ENGINE_DIRTY);
+      } else if (r.paused_by_update) {
+        resume.push_back(e);
+        result.set_state(v1::ENGINE_READY);
+      } else {
+        result.set_state(r.paused ? v1::ENGINE_PAUSED : v1::ENGINE_READY);
+      }
+    }
+    RecordUpdateStatusLocked("failed");
+    update_.reset();
+  }
+  const absl::Time deadline = absl::Now() + options_.notice_timeout;
+  if (!dirty.empty()) {
+    v1::DaemonMessage m;
+    m.mutable_dirty()->set_update_id(id);
+    m.mutable_dirty()->set_reason(std::string(reason.message()));
+    hub_.Broadcast(dirty, m, deadline);
+  }
+  // Dirty engines stay paused: Resume needs allow_dirty.
+  ResumeEngines(resume, deadline).IgnoreError();
+  return results;
+}
+
+absl::Status Coordinator::CommitStaged(absl::Time deadline) {
+  std::vector<std::string> to_pause;
+  std::shared_ptr<DataPlane> plane;
+  bool device_staged;
+  {
+    absl::MutexLock lock(&mu_);
+    device_staged = update_->device_staged;
+    plane = update_->data_plane;
+  }
+  // Every byte must be in staging before anything is paused: a trainer that
+  // died mid-transfer fails here, with the engines untouched.
+  if (device_staged) WS_RETURN_IF_ERROR(plane->WaitStaged(deadline));
+  {
+    absl::MutexLock lock(&mu_);
+    for (size_t i = 0; i < update_->engine_ids.size(); ++i) {
+      auto it = engines_.find(update_->engine_ids[i]);
+      if (update_->lost[i] || it == engines_.end()) continue;
+      if (!it->second.paused) to_pause.push_back(update_->engine_ids[i]);
+    }
+    plane = update_->data_plane;
+  }
+  WS_ASSIGN_OR_RETURN(const std::vector<std::string> paused,
+                      PauseForCommit(to_pause));
+  std::vector<std::string> chunks;
+  {
+    absl::MutexLock lock(&mu_);
+    chunks = StartCommitLocked(paused);
+  }
+  if (device_staged) {
+    {
+      absl::MutexLock lock(&mu_);
+      update_->committing = true;  // from here a failure leaves engines dirty
+    }
+    // The copies run on the GPU; Finish's Drain waits for them.
+    return plane->CommitStaged(deadline);
+  }
+  const absl::Time t0 = absl::Now();
+  WS_RETURN_IF_ERROR(plane->Begin(update_->plan, update_->request));
+  {
+    absl::MutexLock lock(&mu_);
+    update_->committing = true;  // from here a failure leaves engines dirty
+  }
+  for (size_t k = 0; k < chunks.size(); ++k) {
+    WS_RETURN_IF_ERROR(plane->SubmitChunk(k, std::move(chunks[k]), deadline));
+  }
+  VLOG(1) << "staged commit: paused at " << update_->paused_at
+          << ", chunks handed over in " << absl::Now() - t0;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<std::string>> Coordinator::PauseForCommit(
+    const std::vector<std::string>& to_pause) {
+  // The engines generated on the old weights all along; they stop only for
+  // the copy from staging into their memory.
+  absl::StatusOr<std::vector<std::string>> pause = PauseAll(
+      to_pause, v1::PAUSE_MODE_KEEP, absl::Now() + options_.notice_timeout,
+      "could not pause for the commit");
+  if (pause.ok()) return pause;
+  // Engines that left (died, unregistered) while being paused are lost to
+  // this update, as in a streaming one: commit the others. PauseAll
+  // resumed them; pause them again.
+  std::vector<std::string> staying;
+  {
+    absl::MutexLock lock(&mu_);
+    for (size_t i = 0; i < update_->engine_ids.size(); ++i) {
+      const std::string& id = update_->engine_ids[i];
+      if (std::find(to_pause.begin(), to_pause.end(), id) == to_pause.end())
+        continue;
+      if (engines_.contains(id) && hub_.Connected(id)) {
+        staying.push_back(id);
+      } else if (!update_->lost[i]) {
+        update_->lost[i] = true;
+        update_->data_plane->MarkEngineLost(i);
+        LOG(WARNING) << Event("engine.lost", update_->id,
+                              update_->target_version, id)
+                     << "left while the commit paused it";
+      }
+    }
+  }
+  if (staying.size() < to_pause.size()) {
+    pause = PauseAll(staying, v1::PAUSE_MODE_KEEP,
+                     absl::Now() + options_.notice_timeout,
+                     "could not pause for the commit");
+  }
+  return pause;
+}
+
+std::vector<std::string> Coordinator::StartCommitLocked(
+    const std::vector<std::string>& paused) {
+  update_->paused_at = absl::Now();
+  for (const std::string& id : paused) {
+    auto it = engines_.find(id);
+    if (it == engines_.end()) continue;
+    SetPaused(it->second, true);
+    it->second.paused_by_update = true;
+  }
+  for (size_t i = 0; i < update_->engine_ids.size(); ++i) {
+    auto it = engines_.find(update_->engine_ids[i]);
+    if (!update_->lost[i] && it != engines_.end()) it->second.updating = true;
+  }
+  return std::move(update_->staged_chunks);
+}
+
+absl::StatusOr<v1::FinishWeightUpdateResponse> Coordinator::FinishWeightUpdate(
+    const v1::FinishWeightUpdateRequest& request) {
+  absl::MutexLock control(&control_mu_);
+  NoteTrainerCall();
+  const absl::Time deadline =
+      DeadlineFrom(request.timeout_ms(), options_.finish_timeout);
+  WS_ASSIGN_OR_RETURN(const std::shared_ptr<DataPlane> plane,
+                      CheckFinish(request));
+  absl::Status status = WaitForSubmits(deadline);
+  bool staged;
+  {
+    absl::MutexLock lock(&mu_);
+    if (update_->phase == Phase::kFailed) status = update_->error;
+    staged = update_->staged;
+  }
+  if (status.ok() && staged) status = CommitStaged(deadline);
+  if (status.ok()) status = plane->Drain(deadline);
+  const absl::Time t_drained = absl::Now();
+  std::vector<absl::StatusOr<v1::Receipt>> receipts;
+  if (status.ok()) status = CollectReceipts(*plane, deadline, &receipts);
+  const absl::Time t_receipts = absl::Now();
+  if (!status.ok()) return FailFinish(request.update_id(), status);
+
+  // Commit.
+  v1::FinishWeightUpdateResponse response;
+  Committed c;
+  {
+    absl::MutexLock lock(&mu_);
+    c = CommitVersionsLocked(receipts, response);
+    v1::UpdateTimings* t = response.mutable_timings();
+    *t = update_->timings;
+    t->set_transfer_s(absl::ToDoubleSeconds(t_drained - update_->begun));
+    t->set_device_s(absl::ToDoubleSeconds(plane->device_time()));
+    t->set_receipts_s(absl::ToDoubleSeconds(t_receipts - t_drained));
+    RecordUpdateStatusLocked("committed");
+    update_.reset();
+  }
+  if (c.engines.empty()) {
+    return absl::AbortedError(absl::StrCat(
+        "update '", c.id, "': every engine disconnected during the update"));
+  }
+  NotifyCommitted(c);
+  ReportCommitted(c, *plane, staged, t_receipts, response);
+  return response;
+}
+
+absl::StatusOr<std::shared_ptr<DataPlane>> Coordinator::CheckFinish(
+    const v1::FinishWeightUpdateRequest& request) {
+  absl::MutexLock lock(&mu_);
+  if (update_ == nullptr || update_->id != request.update_id()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("no update '", request.update_id(),
+                     "' in progress; call "
+                     "StartWeightUpdate first"));
+  }
+  const int64_t total = update_->plan->chunks.chunks.size();
+  if (update_->phase == Phase::kReceiving && update_->next_chunk < total &&
+      (!update_->data_plane->ReceivesOwnBytes() ||
+       update_->ipc_ring_slots > 0)) {
+    FailUpdateLocked(absl::AbortedError(
+        absl::StrCat("finish after ", update_->next_chunk, " of ", total,
+                     " chunks (", update_->received_bytes, " of ",
+                     update_->plan->chunks.total_bytes, " bytes)")));
+  }
+  return update_->data_plane;
+}
+
+absl::Status Coordinator::CollectReceipts(
+    DataPlane& plane, absl::Time deadline,
+    std::vector<absl::StatusOr<v1::Receipt>>* receipts) {
+  // Every byte is in engine memory: read back what was installed. Host
+  // memory here; GPU memory by the data plane, where a failure fails the
+  // update (its receipts were asked for and can't be given).
+  std::shared_ptr<const CopyPlan> plan;
+  const absl::flat_hash_set<std::string>* sources;
+  bool verify;
+  std::vector<bool> lost;
+  {
+    absl::MutexLock lock(&mu_);
+    plan = update_->plan;
+    sources = &update_->sources;  // stable: only control ops end updates
+    verify = update_->verify;
+    lost = update_->lost;
+  }
+  if (verify && plane.ReceivesOwnBytes()) {
+    absl::StatusOr<std::vector<v1::Receipt>> device =
+        plane.DeviceReceipts(*plan, *sources, lost, deadline);
+    if (!device.ok()) {
+      return absl::Status(
+          device.status().code(),
+          absl::StrCat("receipts: ", device.status().message()));
+    }
+    for (v1::Receipt& r : *device) receipts->push_back(std::move(r));
+  } else if (verify) {
+    for (const auto& engine : plan->engines) {
+      receipts->push_back(ComputeReceipt(*engine, *sources));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Coordinator::FailFinish(const std::string& update_id,
+                                     const absl::Status& status) {
+  const std::vector<v1::EngineResult> results = EndFailedUpdate(status);
+  std::vector<std::string> dirty;
+  for (const auto& r : results) {
+    if (r.state() == v1::ENGINE_DIRTY) dirty.push_back(r.engine_id());
+  }
+  return absl::AbortedError(
+      absl::StrCat("update '", update_id, "' failed: ", status.message(),
+                   dirty.empty() ? "; engines untouched"
+                                 : absl::StrCat("; engines left dirty: ",
+                                                absl::StrJoin(dirty, ", "))));
+}
+
+Coordinator::Committed Coordinator::CommitVersionsLocked(
+    const std::vector<absl::StatusOr<v1::Receipt>>& receipts,
+    v1::FinishWeightUpdateResponse& response) {
+  Committed c;
+  c.id = update_->id;
+  c.version = update_->target_version;
+  for (size_t i = 0; i < update_->engine_ids.size(); ++i) {
+    const std::string& e = update_->engine_ids[i];
+    v1::EngineResult* result = response.add_engines();
+    result->set_engine_id(e);
+    auto it = engines_.find(e);
+    if (update_->lost[i] || it == engines_.end()) {
+      result->set_lost(true);
+      result->set_code(static_cast<int>(absl::StatusCode::kUnavailable));
+      result->set_message("engine disconnected during the update");
+      continue;
+    }
+    EngineRecord& r = it->second;
+    r.version = c.version;
+    r.updating = false;
+    r.dirty = r.dirty && !update_->plan->covers_engine[i];
+    result->set_version(c.version);
+    result->set_state(r.dirty ? v1::ENGINE_DIRTY : v1::ENGINE_READY);
+    if (i < receipts.size() && receipts[i].ok()) {
+      *result->mutable_receipt() = *receipts[i];
+    }
+    c.engines.push_back(e);
+    // A dirty engine stays paused: Resume needs allow_dirty.
+    if (r.paused_by_update && !r.dirty) c.resume.push_back(e);
+  }
+  response.set_version(c.version);
+  c.paused_at = update_->paused_at;
+  response.set_bytes(update_->plan->chunks.total_bytes);
+  c.started = update_->started;
+  return c;
+}
+
+void Coordinator::NotifyCommitted(const Committed& c) {
+  v1::DaemonMessage notice;
+  notice.mutable_new_version()->set_version(c.version);
+  notice.mutable_new_version()->set_update_id(c.id);
+  // New version, then (for engines this update paused) resume: one round
+  // trip for both.
+  std::vector<NoticeHub::Notices> notices;
+  for (const std::string& e : c.engines) {
+    NoticeHub::Notices& n = notices.emplace_back();
+    n.engine = e;
+    n.messages.push_back(notice);
+    if (std::find(c.resume.begin(), c.resume.end(), e) != c.resume.end()) {
+      n.messages.push_back(ResumeNotice());
+    }
+  }
+  const auto acks =
+      hub_.Broadcast(notices, absl::Now() + options_.notice_timeout);
+  {
+    absl::MutexLock lock(&mu_);
+    for (const std::string& e : c.resume) {
+      auto it = engines_.find(e);
+      if (acks.at(e).ok() && it != engines_.end()) {
+        SetPaused(it->second, false);
+        it->second.paused_by_update = false;
+      }
+    }
+  }
+  for (const auto& [e, s] : acks) {
+    if (s.ok()) VLOG(1) << Event("engine.new_version", c.id, c.version, e);
+    if (!s.ok()) {
+      LOG(WARNING) << Event("engine.notice_failed", c.id, c.version, e) << s;
+    }
+  }
+}
+
+void Coordinator::ReportCommitted(const Committed& c, const DataPlane& plane,
+                                  bool staged, absl::Time t_receipts,
+                                  v1::FinishWeightUpdateResponse& response) {
+  const absl::Time t_committed = absl::Now();
+  // The whole update, its commit notices included (as the pause is).
+  response.set_seconds(absl::ToDoubleSeconds(t_committed - c.started));
+  if (c.paused_at != absl::InfiniteFuture()) {
+    response.set_pause_seconds(
+        absl::ToDoubleSeconds(t_committed - c.paused_at));
+  }
+  v1::UpdateTimings* t = response.mutable_timings();
+  t->set_commit_s(absl::ToDoubleSeconds(t_committed - t_receipts));
+  if (listener_) {
+    UpdateOutcome o;
+    o.update_id = c.id;
+    o.backend = plane.name();
+    o.staged = staged;
+    o.version = c.version;
+    o.bytes = response.bytes();
+    o.seconds = response.seconds();
+    o.pause_seconds = response.pause_seconds();
+    absl::MutexLock lock(&mu_);  // as for the failures' calls
+    listener_(o);
+  }
+  LOG(INFO) << Event("update.committed", c.id, c.version,
+                     absl::StrJoin(c.engines, ","))
+            << "in " << response.seconds() << " s (pause " << t->pause_s()
+            << ", begin " << t->begin_s() << ", transfer " << t->transfer_s()
+            << ", device " << t->device_s() << ", receipts " << t->receipts_s()
+            << ", commit " << t->commit_s() << ")";
+}
+
+absl::StatusOr<v1::AbortWeightUpdateResponse> Coordinator::AbortWeightUpdate(
+    const v1::AbortWeightUpdateRequest& request) {
+  absl::MutexLock control(&control_mu_);
+  NoteTrainerCall();
+  {
+    absl::MutexLock lock(&mu_);
+    if (update_ == nullptr || update_->id != request.update_id()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("no update '", request.update_id(), "' in progress"));
+    }
+  }
+  v1::AbortWeightUpdateResponse response;
+  for (v1::EngineResult& r : EndFailedUpdate(absl::AbortedError(
+           absl::StrCat("aborted by the trainer: ", request.reason())))) {
+    *response.add_engines() = std::move(r);
+  }
+  return response;
+}
+
+}  // namespace weightsync

@@ -1,0 +1,588 @@
+// Coordinator: an update's start and the bytes that follow. Start
+// validates, plans, pauses and begins the data plane; PushChunk, IpcChunkAck
+// and PushStreamEnded feed it; FailUpdateLocked marks it failed; WatchIdle
+// ends one its trainer abandoned. Finish, the staged commit and Abort are in
+// update_finish.cc; the locking rules are coordinator.h's.
+#include <algorithm>
+#include <memory>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+#include "daemon/core/coordinator.h"
+#include "daemon/core/event_log.h"
+#include "glog/logging.h"
+
+namespace weightsync {
+
+// How long a failed update waits for its trainer's Finish or Abort before
+// the daemon ends it (WatchIdle).
+constexpr absl::Duration kFailedGrace = absl::Seconds(2);
+
+void Coordinator::EndIfFailed(absl::string_view by) {
+  bool failed;
+  {
+    absl::MutexLock lock(&mu_);
+    failed = update_ != nullptr && update_->phase == Phase::kFailed;
+    if (failed) {
+      LOG(WARNING) << Event("update.ended", update_->id,
+                            update_->target_version)
+                   << "failed (" << update_->error << ") and nobody ended it; "
+                   << by << " ends it";
+    }
+  }
+  if (failed) EndFailedUpdate(absl::AbortedError("superseded"));
+}
+
+void Coordinator::WatchIdle() {
+  const absl::Duration period =
+      std::min(absl::Milliseconds(200), options_.update_idle_timeout / 4);
+  while (WatchSleep(period)) {
+    if (ResumeOrphanedPauses()) continue;
+    EndIdleUpdate();
+  }
+}
+
+bool Coordinator::WatchSleep(absl::Duration period) {
+  absl::MutexLock lock(&watch_mu_);
+  auto stop = [this]()
+                  ABSL_SHARED_LOCKS_REQUIRED(watch_mu_) { return watch_stop_; };
+  return !watch_mu_.AwaitWithTimeout(absl::Condition(&stop), period);
+}
+
+bool Coordinator::ResumeOrphanedPauses() {
+  std::vector<std::string> orphaned;  // paused by a trainer gone silent
+  {
+    absl::MutexLock lock(&mu_);
+    if (update_ == nullptr && !shut_down_ &&
+        absl::Now() - last_trainer_call_ >= options_.update_idle_timeout) {
+      for (auto& [eid, r] : engines_) {
+        // A dirty engine stays paused until an update cleans it.
+        if (r.paused && !r.paused_by_update && !r.dirty) {
+          orphaned.push_back(eid);
+        }
+      }
+    }
+  }
+  if (orphaned.empty()) return false;
+  absl::MutexLock control(&control_mu_);
+  {
+    absl::MutexLock lock(&mu_);
+    if (update_ != nullptr ||
+        absl::Now() - last_trainer_call_ < options_.update_idle_timeout) {
+      return true;
+    }
+  }
+  LOG(WARNING) << Event("engine.pause_expired", "", -1,
+                        absl::StrJoin(orphaned, ","))
+               << "paused by a trainer that has not called for "
+               << options_.update_idle_timeout << "; resuming them";
+  ResumeEngines(orphaned, absl::Now() + options_.notice_timeout).IgnoreError();
+  return true;
+}
+
+void Coordinator::EndIdleUpdate() {
+  std::string id;
+  absl::Duration idle;
+  {
+    absl::MutexLock lock(&mu_);
+    if (update_ == nullptr || shut_down_) return;
+    const absl::Time now = absl::Now();
+    // Bytes that arrive by themselves (NCCL, IPC) show up as progress.
+    const int64_t written = update_->data_plane->chunks_written();
+    if (written != update_->last_written) {
+      update_->last_written = written;
+      update_->last_activity = now;
+    }
+    idle = now - update_->last_activity;
+    // A failed update can't complete: its trainer gets a short grace to
+    // call Finish or Abort (and hear why), then the daemon ends it.
+    const bool failed_long =
+        update_->phase == Phase::kFailed &&
+        now - update_->failed_at >=
+            std::min(kFailedGrace, options_.update_idle_timeout);
+    if (idle < options_.update_idle_timeout && !failed_long) return;
+    id = update_->id;
+  }
+  // As Abort does, after a Finish or Abort in progress (they hold
+  // control_mu_ and end the update themselves).
+  absl::MutexLock control(&control_mu_);
+  {
+    absl::MutexLock lock(&mu_);
+    if (update_ == nullptr || update_->id != id ||
+        (absl::Now() - update_->last_activity < options_.update_idle_timeout &&
+         update_->phase != Phase::kFailed)) {
+      return;
+    }
+  }
+  LOG(WARNING) << Event("update.abandoned", id)
+               << (idle < options_.update_idle_timeout
+                       ? "failed, and its trainer did not end it"
+                       : absl::StrCat("no word from its trainer for ",
+                                      absl::FormatDuration(idle)))
+               << "; ending it";
+  EndFailedUpdate(absl::DeadlineExceededError(
+      absl::StrCat("update '", id,
+                   "' abandoned: no chunk, call or progress from its "
+                   "trainer for ",
+                   absl::FormatDuration(idle), " (--update_idle_timeout_ms)")));
+}
+
+// ---------------------------------------------------------------- start
+
+absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
+    const v1::StartWeightUpdateRequest& request) {
+  absl::MutexLock control(&control_mu_);
+  StartState s;
+  s.t_entry = absl::Now();
+  WS_RETURN_IF_ERROR(ValidateStart(request, s));
+  NoteTrainerCall();
+  // A failed update that nobody ended (its trainer gone) can never
+  // complete: a new Start supersedes it.
+  EndIfFailed("StartWeightUpdate");
+  WS_RETURN_IF_ERROR(SelectForStart(request, s));
+  WS_RETURN_IF_ERROR(PlanStart(request, s));
+  WS_RETURN_IF_ERROR(PauseAndBegin(request, s));
+
+  absl::MutexLock lock(&mu_);
+  InstallUpdateLocked(request, s);
+  v1::StartWeightUpdateResponse response;
+  response.set_update_id(request.update_id());
+  response.set_total_bytes(s.plan->chunks.total_bytes);
+  response.set_num_chunks(s.plan->chunks.chunks.size());
+  response.set_chunk_bytes(s.chunk_bytes);
+  response.set_mode(s.staged ? v1::UPDATE_MODE_STAGED
+                             : v1::UPDATE_MODE_STREAMING);
+  for (const std::string& id : s.ids) response.add_engine_ids(id);
+  LOG(INFO) << Event("update.started", request.update_id(),
+                     request.target_version(), absl::StrJoin(s.ids, ","))
+            << (s.staged ? "staged, " : "streaming, ") << request.tensors_size()
+            << " tensors, " << s.plan->chunks.total_bytes << " bytes in "
+            << s.plan->chunks.chunks.size() << " chunks";
+  return response;
+}
+
+absl::Status Coordinator::ValidateStart(
+    const v1::StartWeightUpdateRequest& request, StartState& s) const {
+  if (request.update_id().empty() || request.update_id().size() > 256) {
+    return absl::InvalidArgumentError("update_id must be 1-256 characters");
+  }
+  if (request.tensors_size() > options_.max_manifest_tensors) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("manifest has ", request.tensors_size(),
+                     " tensors; the limit is ", options_.max_manifest_tensors));
+  }
+  // Bounded like registrations (issue 6): names and ranks.
+  for (int i = 0; i < request.tensors_size(); ++i) {
+    const v1::TensorSpec& t = request.tensors(i);
+    if (static_cast<int64_t>(t.name().size()) >
+            options_.limits.max_name_length ||
+        t.shape_size() > CoordinatorOptions::kMaxTensorRank) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor ", i, " ('", t.name().substr(0, 64), "'): a name of ",
+          t.name().size(), " bytes and ", t.shape_size(),
+          " dimensions; the limits are ", options_.limits.max_name_length,
+          " and ", CoordinatorOptions::kMaxTensorRank));
+    }
+  }
+  s.chunk_bytes = request.chunk_bytes() == 0 ? options_.default_chunk_bytes
+                                             : request.chunk_bytes();
+  if (s.chunk_bytes > options_.max_chunk_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("chunk_bytes ",
+                                                   s.chunk_bytes,
+                                                   " is above the daemon's "
+                                                   "limit of ",
+                                                   options_.max_chunk_bytes));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Coordinator::SelectForStart(
+    const v1::StartWeightUpdateRequest& request, StartState& s) {
+  absl::MutexLock lock(&mu_);
+  if (shut_down_) return absl::UnavailableError("daemon is shutting down");
+  if (data_plane_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "no transfer group: call InitWeightTransfer before "
+        "StartWeightUpdate");
+  }
+  if (update_ != nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("update '", update_->id,
+                     "' is in progress; finish or abort it "
+                     "before starting '",
+                     request.update_id(), "'"));
+  }
+  WS_ASSIGN_OR_RETURN(s.ids, SelectEngines(request.engine_ids()));
+  bool sparse = false;
+  for (const v1::TensorSpec& t : request.tensors()) {
+    sparse = sparse || t.sparse_nnz() > 0;
+  }
+  for (const std::string& id : s.ids) {
+    const EngineRecord& r = engines_.at(id);
+    // A patch is a difference against one version: it applies only there.
+    if (sparse && request.sparse_base_version() != r.version) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "update '", request.update_id(),
+          "' holds sparse patches against "
+          "version ",
+          request.sparse_base_version(), ", but engine '", id,
+          "' is at version ", r.version, "; send it a dense update"));
+    }
+    if (sparse && r.dirty) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("engine '", id,
+                       "' is dirty: a sparse patch can't repair it; "
+                       "send a dense update"));
+    }
+    if (request.target_version() <= r.version) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "target version ", request.target_version(), " is not above engine '",
+          id, "' version ", r.version, "; versions only go up"));
+    }
+    s.layouts.push_back(r.layout);
+    if (!r.paused) s.to_pause.push_back(id);
+  }
+  s.plane = data_plane_;
+  return absl::OkStatus();
+}
+
+absl::Status Coordinator::PlanStart(const v1::StartWeightUpdateRequest& request,
+                                    StartState& s) {
+  // Planning and the pause come first: time enough to wake the data plane
+  // for Begin (GPU: ~0.4 ms of a call after idle time).
+  DataPlane& plane = *s.plane;
+  plane.Warm();
+  if (request.ipc_ring_slots() != 0 && plane.name() != "ipc") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ipc_ring_slots is for the ipc backend; this group uses ",
+                     plane.name()));
+  }
+  // Plan every byte before moving any (invariant 2).
+  WS_ASSIGN_OR_RETURN(s.plan,
+                      PlanFor(request.tensors(), s.chunk_bytes, s.layouts));
+  s.staged = request.mode() == v1::UPDATE_MODE_STAGED;
+  // Where bytes arrive by themselves (NCCL, IPC), the data plane stages them
+  // in its own (GPU) memory, one chunk-sized buffer per chunk.
+  s.device_staging = plane.ReceivesOwnBytes();
+  if (s.staged && s.device_staging && plane.DeviceStagingBudget() < 0) {
+    return absl::UnimplementedError(absl::StrCat(
+        "staged updates on the ", plane.name(),
+        " backend are not supported yet; use streaming, the nccl backend or "
+        "the host backend"));
+  }
+  const int64_t staging_need =
+      s.device_staging ? static_cast<int64_t>(s.plan->chunks.chunks.size()) *
+                             s.plan->chunks.chunk_bytes
+                       : s.plan->chunks.total_bytes;
+  const int64_t staging_budget = s.device_staging
+                                     ? plane.DeviceStagingBudget()
+                                     : options_.staged_budget_bytes;
+  if (s.staged && staging_need > staging_budget) {
+    if (!request.allow_streaming_fallback()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "staged update '", request.update_id(), "' needs ", staging_need,
+          " bytes of ", s.device_staging ? "GPU " : "",
+          "staging; the budget is ", staging_budget,
+          " (allow_streaming_fallback to stream instead)"));
+    }
+    LOG(INFO) << Event("update.fallback", request.update_id(),
+                       request.target_version())
+              << "over the staging budget, falling back to streaming";
+    s.staged = false;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Coordinator::PauseAndBegin(
+    const v1::StartWeightUpdateRequest& request, StartState& s) {
+  // Streaming writes into live memory: pause the engines first (an IPC data
+  // plane starts copying as soon as Begin returns). Staged updates pause
+  // only for their commit.
+  if (s.staged) s.to_pause.clear();
+  s.t_planned = absl::Now();
+  WS_ASSIGN_OR_RETURN(const std::vector<std::string> paused,
+                      PauseAll(s.to_pause, v1::PAUSE_MODE_KEEP,
+                               absl::Now() + options_.notice_timeout,
+                               absl::StrCat("could not pause for update '",
+                                            request.update_id(), "'")));
+  s.t_paused = absl::Now();
+  // Staging may refuse the budget: then nothing moved, and the engines this
+  // call paused serve again.
+  const absl::Status begun = !s.staged ? s.plane->Begin(s.plan, request)
+                             : s.device_staging
+                                 ? s.plane->BeginStaged(s.plan, request)
+                                 : absl::OkStatus();
+  s.t_begun = absl::Now();
+  if (!begun.ok()) {
+    hub_.Broadcast(paused, ResumeNotice(),
+                   absl::Now() + options_.notice_timeout);
+    return begun;
+  }
+  return absl::OkStatus();
+}
+
+void Coordinator::InstallUpdateLocked(
+    const v1::StartWeightUpdateRequest& request, const StartState& s) {
+  auto update = std::make_unique<Update>();
+  update->id = request.update_id();
+  update->target_version = request.target_version();
+  update->plan = s.plan;
+  update->engine_ids = s.ids;
+  update->lost.assign(s.ids.size(), false);
+  update->data_plane = s.plane;
+  update->started = s.t_entry;
+  update->last_activity = absl::Now();
+  update->ipc_ring_slots = request.ipc_ring_slots();
+  update->begun = s.t_begun;
+  update->timings.set_validate_s(
+      absl::ToDoubleSeconds(s.t_planned - s.t_entry));
+  update->timings.set_pause_s(absl::ToDoubleSeconds(s.t_paused - s.t_planned));
+  update->timings.set_begin_s(absl::ToDoubleSeconds(s.t_begun - s.t_paused));
+  update->staged = s.staged;
+  update->device_staged = s.staged && s.device_staging;
+  // Receipts are on unless the trainer turns them off (VERIFY_OFF), on
+  // every backend (docs/protocol.md, "Receipts").
+  update->verify = request.verify() != v1::VERIFY_OFF;
+  for (const v1::TensorSpec& t : request.tensors()) {
+    // Receipts cover dense tensors: a patch's other elements are not the
+    // trainer's to vouch for.
+    if (t.sparse_nnz() == 0) update->sources.insert(t.name());
+  }
+  if (s.staged && !s.device_staging) {
+    update->staged_chunks.resize(s.plan->chunks.chunks.size());
+    update->request = request;
+  } else if (s.staged) {
+    update->request = request;
+  } else {
+    update->paused_at = s.t_paused;
+  }
+  for (size_t i = 0; i < s.ids.size(); ++i) {
+    auto it = engines_.find(s.ids[i]);
+    // Gone since the snapshot (or replaced by a new registration).
+    if (it == engines_.end() || it->second.layout != s.layouts[i]) {
+      update->lost[i] = true;
+      s.plane->MarkEngineLost(i);
+      continue;
+    }
+    if (s.staged) continue;  // the engines serve on until the commit
+    EngineRecord& r = it->second;
+    r.updating = true;
+    if (!r.paused) {
+      SetPaused(r, true);
+      r.paused_by_update = true;
+    }
+  }
+  update_ = std::move(update);
+  RecordUpdateStatusLocked("receiving");
+}
+
+absl::StatusOr<std::shared_ptr<const CopyPlan>> Coordinator::PlanFor(
+    const Manifest& manifest, int64_t chunk_bytes,
+    const std::vector<std::shared_ptr<const EngineLayout>>& layouts) {
+  // An RL loop sends the same manifest to the same engines every step: the
+  // plan is a pure function of (manifest, chunk size, layouts), so the last
+  // one is reused when all three are identical (layouts by identity: a
+  // re-registration makes a new layout).
+  std::string key;
+  for (const v1::TensorSpec& t : manifest) {
+    std::string bytes;
+    t.SerializeToString(&bytes);
+    absl::StrAppend(&key, bytes.size(), ":", bytes);
+  }
+  absl::StrAppend(&key, "|", chunk_bytes);
+  {
+    absl::MutexLock lock(&mu_);
+    if (last_plan_ != nullptr && key == last_plan_key_ &&
+        layouts == last_plan_layouts_) {
+      return last_plan_;
+    }
+  }
+  WS_ASSIGN_OR_RETURN(std::shared_ptr<const CopyPlan> plan,
+                      BuildCopyPlan(manifest, chunk_bytes, layouts));
+  absl::MutexLock lock(&mu_);
+  for (const auto& l : layouts) {
+    // An engine left while planning: don't keep its mappings alive.
+    bool registered = false;
+    for (const auto& [id, r] : engines_) registered |= r.layout == l;
+    if (!registered) return plan;
+  }
+  last_plan_ = plan;
+  last_plan_key_ = std::move(key);
+  last_plan_layouts_ = layouts;
+  return plan;
+}
+
+// ---------------------------------------------------------------- chunks
+
+absl::Status Coordinator::BeginPushStream(const std::string& update_id) {
+  absl::MutexLock lock(&mu_);
+  if (update_ == nullptr || update_->id != update_id) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("no update '", update_id,
+                     "' in progress; call StartWeightUpdate "
+                     "before PushChunks"));
+  }
+  if (update_->stream_open) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "update '", update_id, "' already has a PushChunks stream open"));
+  }
+  update_->stream_open = true;
+  update_->last_activity = absl::Now();
+  return absl::OkStatus();
+}
+
+absl::Status Coordinator::PushChunk(const std::string& update_id, int64_t index,
+                                    std::string data, absl::Time deadline) {
+  std::shared_ptr<DataPlane> plane;
+  {
+    absl::MutexLock lock(&mu_);
+    if (update_ == nullptr || update_->id != update_id) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("no update '", update_id, "' in progress"));
+    }
+    if (update_->phase == Phase::kFailed) {
+      return absl::AbortedError(absl::StrCat(
+          "update '", update_id, "' failed: ", update_->error.message()));
+    }
+    const bool ring = update_->ipc_ring_slots > 0;
+    if (update_->data_plane->ReceivesOwnBytes() && !ring) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "update '", update_id, "' uses the ", update_->data_plane->name(),
+          " backend: its bytes do not travel through PushChunks"));
+    }
+    const auto& chunks = update_->plan->chunks.chunks;
+    absl::Status bad;
+    if (index < 0 || index >= static_cast<int64_t>(chunks.size())) {
+      bad = absl::InvalidArgumentError(absl::StrCat("update '", update_id,
+                                                    "': chunk ", index,
+                                                    " arrived, but the plan "
+                                                    "has ",
+                                                    chunks.size(), " chunks"));
+    } else if (index != update_->next_chunk) {
+      bad = absl::InvalidArgumentError(absl::StrCat(
+          "update '", update_id, "': chunk ", index, " arrived, expected ",
+          update_->next_chunk, " of ", chunks.size()));
+    } else if (!ring &&
+               static_cast<int64_t>(data.size()) != chunks[index].size) {
+      bad = absl::InvalidArgumentError(absl::StrCat(
+          "update '", update_id, "': chunk ", index, " has ", data.size(),
+          " bytes, the plan says ", chunks[index].size));
+    }
+    if (!bad.ok()) {
+      // The stream is out of step with the plan: nothing of this chunk is
+      // written and the update can't complete.
+      FailUpdateLocked(bad);
+      return bad;
+    }
+    ++update_->next_chunk;
+    update_->received_bytes += chunks[index].size;
+    update_->last_activity = absl::Now();
+    if (update_->staged && !update_->device_staged) {
+      update_->staged_chunks[index] = std::move(data);
+      return absl::OkStatus();
+    }
+    // Device staging (an IPC ring): the data plane copies the chunk out of
+    // its slot into GPU staging; engine memory waits for the commit.
+    ++update_->submits_in_flight;
+    plane = update_->data_plane;
+  }
+  absl::Status s = plane->SubmitChunk(index, std::move(data), deadline);
+  absl::MutexLock lock(&mu_);
+  // Finish and Abort wait for this count to drop before they end the update,
+  // so update_ is still this update here.
+  --update_->submits_in_flight;
+  if (!s.ok()) FailUpdateLocked(s);
+  return s;
+}
+
+absl::StatusOr<int64_t> Coordinator::IpcChunkAck(const std::string& update_id,
+                                                 int64_t index,
+                                                 absl::Time deadline) {
+  std::shared_ptr<DataPlane> plane;
+  int64_t need;
+  {
+    absl::MutexLock lock(&mu_);
+    if (update_ == nullptr || update_->id != update_id) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("no update '", update_id, "' in progress"));
+    }
+    // Before it packs chunk index+1 into slot (index+1) % slots, the
+    // trainer needs chunk index+1-slots out of it.
+    update_->last_activity = absl::Now();
+    need = index + 2 - update_->ipc_ring_slots;
+    if (need <= 0) return 0;
+    ++update_->submits_in_flight;
+    plane = update_->data_plane;
+  }
+  absl::Status s = plane->WaitChunks(need, deadline);
+  absl::MutexLock lock(&mu_);
+  --update_->submits_in_flight;
+  if (!s.ok()) {
+    FailUpdateLocked(s);
+    return s;
+  }
+  return need;
+}
+
+void Coordinator::PushStreamEnded(const std::string& update_id,
+                                  bool cancelled) {
+  absl::MutexLock lock(&mu_);
+  if (update_ == nullptr || update_->id != update_id) return;
+  update_->stream_open = false;
+  const int64_t total = update_->plan->chunks.chunks.size();
+  if (cancelled && update_->next_chunk < total) {
+    FailUpdateLocked(absl::AbortedError(
+        absl::StrCat("trainer disconnected mid-stream after ",
+                     update_->next_chunk, " of ", total, " chunks")));
+  }
+}
+
+void Coordinator::FailUpdateLocked(const absl::Status& reason) {
+  if (update_->phase == Phase::kFailed) return;
+  update_->phase = Phase::kFailed;
+  update_->failed_at = absl::Now();
+  update_->error = reason;
+  if (listener_) {
+    UpdateOutcome o;
+    o.update_id = update_->id;
+    o.backend = update_->data_plane->name();
+    o.staged = update_->staged;
+    o.code = reason.code() == absl::StatusCode::kOk ? absl::StatusCode::kUnknown
+                                                    : reason.code();
+    o.version = update_->target_version;
+    o.bytes = update_->received_bytes;
+    o.seconds = absl::ToDoubleSeconds(update_->failed_at - update_->started);
+    listener_(o);
+  }
+  // Engines that may hold part of this update are dirty from now on. Bytes
+  // that arrive by themselves (NCCL) may have landed from Begin on.
+  const bool wrote =
+      update_->staged
+          ? update_->committing
+          : update_->next_chunk > 0 || update_->data_plane->ReceivesOwnBytes();
+  if (wrote) {
+    for (size_t i = 0; i < update_->engine_ids.size(); ++i) {
+      auto it = engines_.find(update_->engine_ids[i]);
+      if (!update_->lost[i] && it != engines_.end()) it->second.dirty = true;
+    }
+  }
+  LOG(WARNING) << Event("update.failed", update_->id, update_->target_version,
+                        absl::StrJoin(update_->engine_ids, ","))
+               << reason;
+  RecordUpdateStatusLocked("failed");
+}
+
+absl::Status Coordinator::WaitForSubmits(absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return update_->submits_in_flight == 0;
+  };
+  if (!mu_.AwaitWithDeadline(absl::Condition(&idle), deadline)) {
+    return absl::DeadlineExceededError("a chunk was still being received");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace weightsync
