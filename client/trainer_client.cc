@@ -61,6 +61,7 @@ absl::Status TrainerClient::PushTensors(const std::string& update_id,
                                         const std::vector<HostTensor>& tensors,
                                         int64_t chunk_bytes) {
   Manifest manifest;
+  manifest.Reserve(static_cast<int>(tensors.size()));  // 100k-tensor MoE updates
   for (const HostTensor& t : tensors) *manifest.Add() = t.spec;
   WS_ASSIGN_OR_RETURN(ChunkPlan plan, PlanChunks(manifest, chunk_bytes));
   grpc::ClientContext stream_ctx;
@@ -194,6 +195,7 @@ absl::StatusOr<v1::FinishWeightUpdateResponse> TrainerClient::Update(
     v1::StartWeightUpdateRequest request,
     const std::vector<HostTensor>& tensors) {
   request.clear_tensors();
+  request.mutable_tensors()->Reserve(static_cast<int>(tensors.size()));
   for (const HostTensor& t : tensors) *request.add_tensors() = t.spec;
   WS_ASSIGN_OR_RETURN(v1::StartWeightUpdateResponse started,
                       StartWeightUpdate(request));
