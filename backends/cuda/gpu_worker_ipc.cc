@@ -24,7 +24,10 @@ absl::Status GpuWorker::EnqueueIpcUpdate(
   int op = 0;
   WS_CUDA(cudaEventRecord(first_op_, scatter_stream_));
   for (int64_t k = 0; k < request.chunk_sizes_size(); ++k) {
-    const uint8_t* chunk = ipc_source_ + k * request.chunk_bytes();
+    // A registered source has no packed buffer: its ops name their source.
+    const uint8_t* chunk = ipc_source_ == nullptr
+                               ? nullptr
+                               : ipc_source_ + k * request.chunk_bytes();
     absl::Status s = EnqueueChunk(request, k, chunk, allocs, sm_copies_, &op);
     if (!s.ok()) return s;
   }

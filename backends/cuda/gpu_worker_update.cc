@@ -34,17 +34,23 @@ absl::Status GpuWorker::EnqueueChunkOps(
     absl::StatusOr<uint8_t*> base = BaseOf(allocs, o.allocation_id());
     if (!base.ok()) return base.status();
     uint8_t* dst = *base + o.dst_offset();
-    if (sm_copies_ && ipc_source_ != nullptr &&
+    // A registered source: the op reads the trainer's tensor in place.
+    const uint8_t* src = chunk + o.src_offset();
+    if (o.src_allocation_id() != 0) {
+      absl::StatusOr<uint8_t*> from = BaseOf(allocs, o.src_allocation_id());
+      if (!from.ok()) return from.status();
+      src = *from + o.src_offset();
+    }
+    if (sm_copies_ && (ipc_source_ != nullptr || o.src_allocation_id() != 0) &&
         o.src_dtype() == o.dst_dtype()) {
       const int64_t width = o.cols() * cuda::DTypeSize(o.src_dtype());
-      WS_CUDA(cuda::CopyBytes2DWithSMs(chunk + o.src_offset(), o.src_stride(),
-                                       dst, o.dst_stride(), width, o.rows(),
-                                       scatter_stream_));
+      WS_CUDA(cuda::CopyBytes2DWithSMs(src, o.src_stride(), dst, o.dst_stride(),
+                                       width, o.rows(), scatter_stream_));
       continue;
     }
-    WS_CUDA(cuda::CopyConvert2D(
-        chunk + o.src_offset(), o.src_stride(), o.src_dtype(), dst,
-        o.dst_stride(), o.dst_dtype(), o.rows(), o.cols(), scatter_stream_));
+    WS_CUDA(cuda::CopyConvert2D(src, o.src_stride(), o.src_dtype(), dst,
+                                o.dst_stride(), o.dst_dtype(), o.rows(),
+                                o.cols(), scatter_stream_));
   }
   return absl::OkStatus();
 }
@@ -216,7 +222,8 @@ absl::Status GpuWorker::BeginOnOwner(
     return absl::FailedPreconditionError("an update is in progress");
   }
   const absl::Time t_run = absl::Now();
-  const bool ipc = !request.ipc_source_handle().empty();
+  const bool ipc =
+      !request.ipc_source_handle().empty() || request.ipc_registered_source();
   absl::Status s = PrepareDataPath(request, deadline);
   if (!s.ok()) return s;
   const absl::Time t_data = absl::Now();
@@ -254,6 +261,15 @@ absl::Status GpuWorker::PrepareDataPath(
     const worker::v1::BeginUpdateRequest& request, absl::Time deadline) {
   absl::Status s = EnsureStreams();
   if (!s.ok()) return s;
+  if (request.ipc_registered_source()) {
+    // Every op reads the trainer's tensor it names (src_allocation_id).
+    if (request.staged() || request.ipc_ring_slots() != 0) {
+      return absl::InvalidArgumentError(
+          "a registered source is copied in place: not staged, no ring");
+    }
+    ipc_source_ = nullptr;
+    return absl::OkStatus();
+  }
   if (!request.ipc_source_handle().empty()) {
     s = OpenIpcSource(request);
     if (!s.ok()) return s;

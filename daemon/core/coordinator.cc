@@ -48,12 +48,22 @@ v1::DaemonMessage Coordinator::ResumeNotice() {
   return m;
 }
 
+SourceLimits Coordinator::SourceLimitsOf(const CoordinatorOptions& o) {
+  SourceLimits l;  // sources are bounded like manifests and registrations
+  l.max_tensors = o.max_manifest_tensors;
+  l.max_rank = CoordinatorOptions::kMaxTensorRank;
+  l.max_name_length = o.limits.max_name_length;
+  l.max_allocations = o.limits.max_allocations;
+  return l;
+}
+
 Coordinator::Coordinator(CoordinatorOptions options,
                          std::shared_ptr<MemoryMapper> mapper,
                          std::shared_ptr<DataPlaneFactory> data_planes)
     : options_(std::move(options)),
       mapper_(std::move(mapper)),
-      data_planes_(std::move(data_planes)) {
+      data_planes_(std::move(data_planes)),
+      sources_(SourceLimitsOf(options_)) {
   if (options_.update_idle_timeout > absl::ZeroDuration()) {
     watchdog_ = std::thread([this] { WatchIdle(); });
   }
@@ -95,6 +105,7 @@ absl::StatusOr<v1::RegisterEngineResponse> Coordinator::RegisterEngine(
   }
   EngineRecord& r = engines_[id];
   r.layout = layout;
+  r.layout_id = absl::StrCat("layout-", ++next_layout_);
   r.parameters = request.parameters();
   r.version = request.version();
   r.trainer_uids.assign(request.trainer_uids().begin(),
@@ -234,6 +245,8 @@ absl::StatusOr<v1::InitWeightTransferResponse> Coordinator::InitWeightTransfer(
   }
   WS_ASSIGN_OR_RETURN(std::shared_ptr<DataPlane> plane,
                       data_planes_->Create(request));
+  // A new group: the old one's sources (and their memory) go.
+  sources_.Clear();
   absl::MutexLock lock(&mu_);
   backend_ = request.backend();
   data_plane_ = std::move(plane);
@@ -387,6 +400,7 @@ v1::EngineStatus Coordinator::EngineStatusLocked(const std::string& id,
     paused += absl::Now() - r.paused_since;
   }
   s.set_paused_seconds(absl::ToDoubleSeconds(paused));
+  s.set_layout_id(r.layout_id);
   s.set_state(r.dirty      ? v1::ENGINE_DIRTY
               : r.updating ? v1::ENGINE_UPDATING
               : r.paused   ? v1::ENGINE_PAUSED
@@ -539,6 +553,7 @@ void Coordinator::Shutdown() {
     active = update_ != nullptr;
   }
   if (active) EndFailedUpdate(absl::AbortedError("daemon is shutting down"));
+  sources_.Clear();
   absl::MutexLock lock(&mu_);
   engines_.clear();  // closes every mapping (last lease)
   last_plan_.reset();

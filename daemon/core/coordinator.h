@@ -35,6 +35,7 @@
 #include "daemon/core/engine_layout.h"
 #include "daemon/core/memory.h"
 #include "daemon/core/notice_hub.h"
+#include "daemon/core/source_registry.h"
 #include "weightsync/v1/engine_service.pb.h"
 #include "weightsync/v1/trainer_service.pb.h"
 
@@ -93,6 +94,13 @@ class Coordinator {
   Coordinator(CoordinatorOptions options, std::shared_ptr<MemoryMapper> mapper,
               std::shared_ptr<DataPlaneFactory> data_planes);
   ~Coordinator();
+
+  // Registered sources (docs/protocol.md, "Registered sources";
+  // sources.cc): FAILED_PRECONDITION without a transfer group; memory only
+  // on the ipc backend.
+  absl::StatusOr<v1::RegisterSourceResponse> RegisterSource(
+      const v1::RegisterSourceRequest& request);
+  absl::Status UnregisterSource(const v1::UnregisterSourceRequest& request);
 
   // Engine side.
   absl::StatusOr<v1::RegisterEngineResponse> RegisterEngine(
@@ -167,7 +175,9 @@ class Coordinator {
     bool dirty = false;
     bool updating = false;
     std::vector<uint32_t> trainer_uids;  // empty: any
+    std::string layout_id;  // EngineStatus.layout_id: new per registration
   };
+  static SourceLimits SourceLimitsOf(const CoordinatorOptions& o);
   // Sets r.paused and keeps its paused time.
   static void SetPaused(EngineRecord& r, bool paused);
   enum class Phase { kReceiving, kFailed };
@@ -204,6 +214,9 @@ class Coordinator {
     absl::Time paused_at = absl::InfiniteFuture();
     bool verify = false;                       // compute receipts at Finish
     absl::flat_hash_set<std::string> sources;  // manifest tensor names
+    // The registered source the update copies from or names its manifest
+    // by (kept alive, with its memory, until the update ends).
+    std::shared_ptr<const Source> source;
   };
 
   // StartWeightUpdate's working state, filled step by step by its helpers
@@ -215,6 +228,9 @@ class Coordinator {
     std::vector<std::string> to_pause;                         // not paused yet
     std::shared_ptr<DataPlane> plane;
     std::shared_ptr<const CopyPlan> plan;
+    // The manifest: the request's tensors, or its registered source's.
+    const Manifest* manifest = nullptr;
+    std::shared_ptr<const Source> source;
     bool staged = false;          // after a fallback to streaming: false
     bool device_staging = false;  // the data plane stages its own bytes
     absl::Time t_entry, t_planned, t_paused, t_begun;
@@ -223,6 +239,10 @@ class Coordinator {
   // size); sets s.chunk_bytes.
   absl::Status ValidateStart(const v1::StartWeightUpdateRequest& request,
                              StartState& s) const;
+  // StartWeightUpdateRequest.source_id / finish: sets s.source and
+  // s.manifest; NOT_FOUND for an unknown source.
+  absl::Status ResolveSource(const v1::StartWeightUpdateRequest& request,
+                             StartState& s);
   // Under mu_: the group, no update in flight, the engines and their
   // versions; sets s.ids, s.layouts, s.to_pause and s.plane.
   absl::Status SelectForStart(const v1::StartWeightUpdateRequest& request,
@@ -310,8 +330,8 @@ class Coordinator {
   // when all three are unchanged. Requires control_mu_.
   absl::StatusOr<std::shared_ptr<const CopyPlan>> PlanFor(
       const Manifest& manifest, int64_t chunk_bytes,
-      const std::vector<std::shared_ptr<const EngineLayout>>& layouts)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(control_mu_);
+      const std::vector<std::shared_ptr<const EngineLayout>>& layouts,
+      const Source* source) ABSL_EXCLUSIVE_LOCKS_REQUIRED(control_mu_);
   // Waits until no PushChunk is between its checks and its submit.
   absl::Status WaitForSubmits(absl::Time deadline);
   void FailUpdateLocked(const absl::Status& reason)
@@ -334,9 +354,11 @@ class Coordinator {
   const std::shared_ptr<MemoryMapper> mapper_;
   const std::shared_ptr<DataPlaneFactory> data_planes_;
   NoticeHub hub_;
+  SourceRegistry sources_;
 
   absl::Mutex control_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   mutable absl::Mutex mu_;
+  int64_t next_layout_ ABSL_GUARDED_BY(mu_) = 0;
   // PlanFor's cache of one plan.
   std::shared_ptr<const CopyPlan> last_plan_ ABSL_GUARDED_BY(mu_);
   std::string last_plan_key_ ABSL_GUARDED_BY(mu_);

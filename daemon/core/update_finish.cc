@@ -310,6 +310,7 @@ Coordinator::Committed Coordinator::CommitVersionsLocked(
     }
     EngineRecord& r = it->second;
     r.version = c.version;
+    result->set_layout_id(r.layout_id);
     r.updating = false;
     r.dirty = r.dirty && !update_->plan->covers_engine[i];
     result->set_version(c.version);

@@ -137,6 +137,7 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
   StartState s;
   s.t_entry = absl::Now();
   WS_RETURN_IF_ERROR(ValidateStart(request, s));
+  WS_RETURN_IF_ERROR(ResolveSource(request, s));
   NoteTrainerCall();
   // A failed update that nobody ended (its trainer gone) can never
   // complete: a new Start supersedes it.
@@ -157,7 +158,7 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
   for (const std::string& id : s.ids) response.add_engine_ids(id);
   LOG(INFO) << Event("update.started", request.update_id(),
                      request.target_version(), absl::StrJoin(s.ids, ","))
-            << (s.staged ? "staged, " : "streaming, ") << request.tensors_size()
+            << (s.staged ? "staged, " : "streaming, ") << s.manifest->size()
             << " tensors, " << s.plan->chunks.total_bytes << " bytes in "
             << s.plan->chunks.chunks.size() << " chunks";
   return response;
@@ -195,6 +196,46 @@ absl::Status Coordinator::ValidateStart(
                                                    "limit of ",
                                                    options_.max_chunk_bytes));
   }
+  return absl::OkStatus();
+}
+
+absl::Status Coordinator::ResolveSource(
+    const v1::StartWeightUpdateRequest& request, StartState& s) {
+  s.manifest = &request.tensors();
+  if (request.source_id().empty()) {
+    if (request.finish()) {
+      return absl::InvalidArgumentError(
+          "finish (one-call update) needs a source_id of a source with "
+          "registered memory");
+    }
+    return absl::OkStatus();
+  }
+  if (request.tensors_size() != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "update '", request.update_id(), "' names source '",
+        request.source_id().substr(0, 64), "' and lists ",
+        request.tensors_size(),
+        " tensors; a source update takes its tensors from the source"));
+  }
+  WS_ASSIGN_OR_RETURN(s.source, sources_.Find(request.source_id()));
+  if (s.source->has_memory() &&
+      (request.has_ipc_source() || request.ipc_ring_slots() != 0)) {
+    return absl::InvalidArgumentError(
+        "an update from a source with registered memory copies from the "
+        "trainer's tensors: leave ipc_source and ipc_ring_slots unset");
+  }
+  if (s.source->has_memory() && request.mode() == v1::UPDATE_MODE_STAGED) {
+    return absl::InvalidArgumentError(
+        "staged updates don't copy from registered memory yet; send the "
+        "staged update with ipc_source (the packed path)");
+  }
+  if (request.finish() && !s.source->has_memory()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "finish (one-call update) needs a source with registered memory; "
+        "source '",
+        s.source->id, "' is a manifest only: send its bytes, then Finish"));
+  }
+  s.manifest = &s.source->manifest;
   return absl::OkStatus();
 }
 
@@ -260,8 +301,8 @@ absl::Status Coordinator::PlanStart(const v1::StartWeightUpdateRequest& request,
                      plane.name()));
   }
   // Plan every byte before moving any (invariant 2).
-  WS_ASSIGN_OR_RETURN(s.plan,
-                      PlanFor(request.tensors(), s.chunk_bytes, s.layouts));
+  WS_ASSIGN_OR_RETURN(
+      s.plan, PlanFor(*s.manifest, s.chunk_bytes, s.layouts, s.source.get()));
   s.staged = request.mode() == v1::UPDATE_MODE_STAGED;
   // Where bytes arrive by themselves (NCCL, IPC), the data plane stages them
   // in its own (GPU) memory, one chunk-sized buffer per chunk.
@@ -310,10 +351,12 @@ absl::Status Coordinator::PauseAndBegin(
   s.t_paused = absl::Now();
   // Staging may refuse the budget: then nothing moved, and the engines this
   // call paused serve again.
-  const absl::Status begun = !s.staged ? s.plane->Begin(s.plan, request)
-                             : s.device_staging
-                                 ? s.plane->BeginStaged(s.plan, request)
-                                 : absl::OkStatus();
+  const absl::Status begun =
+      s.source != nullptr && s.source->has_memory()
+          ? s.plane->BeginFromSource(s.plan, request, *s.source)
+      : !s.staged        ? s.plane->Begin(s.plan, request)
+      : s.device_staging ? s.plane->BeginStaged(s.plan, request)
+                         : absl::OkStatus();
   s.t_begun = absl::Now();
   if (!begun.ok()) {
     hub_.Broadcast(paused, ResumeNotice(),
@@ -345,7 +388,8 @@ void Coordinator::InstallUpdateLocked(
   // Receipts are on unless the trainer turns them off (VERIFY_OFF), on
   // every backend (docs/protocol.md, "Receipts").
   update->verify = request.verify() != v1::VERIFY_OFF;
-  for (const v1::TensorSpec& t : request.tensors()) {
+  update->source = s.source;
+  for (const v1::TensorSpec& t : *s.manifest) {
     // Receipts cover dense tensors: a patch's other elements are not the
     // trainer's to vouch for.
     if (t.sparse_nnz() == 0) update->sources.insert(t.name());
@@ -380,16 +424,23 @@ void Coordinator::InstallUpdateLocked(
 
 absl::StatusOr<std::shared_ptr<const CopyPlan>> Coordinator::PlanFor(
     const Manifest& manifest, int64_t chunk_bytes,
-    const std::vector<std::shared_ptr<const EngineLayout>>& layouts) {
+    const std::vector<std::shared_ptr<const EngineLayout>>& layouts,
+    const Source* source) {
   // An RL loop sends the same manifest to the same engines every step: the
   // plan is a pure function of (manifest, chunk size, layouts), so the last
   // one is reused when all three are identical (layouts by identity: a
   // re-registration makes a new layout).
+  // A registered source's id names its manifest (ids are never reused
+  // within a daemon's life), so its key costs nothing per tensor.
   std::string key;
-  for (const v1::TensorSpec& t : manifest) {
-    std::string bytes;
-    t.SerializeToString(&bytes);
-    absl::StrAppend(&key, bytes.size(), ":", bytes);
+  if (source != nullptr) {
+    key = absl::StrCat("source ", source->id);
+  } else {
+    for (const v1::TensorSpec& t : manifest) {
+      std::string bytes;
+      t.SerializeToString(&bytes);
+      absl::StrAppend(&key, bytes.size(), ":", bytes);
+    }
   }
   absl::StrAppend(&key, "|", chunk_bytes);
   {

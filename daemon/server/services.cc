@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/grpc_status.h"
+#include "common/status_macros.h"
 #include "glog/logging.h"
 
 namespace weightsync {
@@ -105,7 +106,43 @@ grpc::Status TrainerServiceImpl::StartWeightUpdate(
       if (!own.ok()) return ToGrpcStatus(own);
     }
   }
-  return Answer(response, [&] { return core_->StartWeightUpdate(*request); });
+  grpc::Status started =
+      Answer(response, [&] { return core_->StartWeightUpdate(*request); });
+  if (!started.ok() || !request->finish()) return started;
+  // One-call update (a registered source with memory): the daemon needs
+  // nothing more from the trainer, so Finish runs here.
+  v1::FinishWeightUpdateRequest finish;
+  finish.set_update_id(request->update_id());
+  finish.set_timeout_ms(request->finish_timeout_ms());
+  return Answer(response->mutable_finished(),
+                [&] { return core_->FinishWeightUpdate(finish); });
+}
+
+grpc::Status TrainerServiceImpl::RegisterSource(
+    grpc::ServerContext* ctx, const v1::RegisterSourceRequest* request,
+    v1::RegisterSourceResponse* response) {
+  grpc::Status owner = CheckOwner(ctx, false);
+  if (!owner.ok()) return owner;
+  if (peer_of_) {
+    const std::optional<PeerCred> peer = peer_of_(ctx->peer());
+    if (peer.has_value()) {
+      absl::Status own = CheckOwnSourceMemory(*request, *peer);
+      if (!own.ok()) return ToGrpcStatus(own);
+    }
+  }
+  return Answer(response, [&] { return core_->RegisterSource(*request); });
+}
+
+grpc::Status TrainerServiceImpl::UnregisterSource(
+    grpc::ServerContext* ctx, const v1::UnregisterSourceRequest* request,
+    v1::UnregisterSourceResponse* response) {
+  grpc::Status owner = CheckOwner(ctx, false);
+  if (!owner.ok()) return owner;
+  return Answer(response,
+                [&]() -> absl::StatusOr<v1::UnregisterSourceResponse> {
+                  WS_RETURN_IF_ERROR(core_->UnregisterSource(*request));
+                  return v1::UnregisterSourceResponse();
+                });
 }
 
 namespace {
@@ -254,6 +291,16 @@ absl::Status CheckVmmOwner(const v1::Allocation& a, const PeerCred& peer,
 }
 
 }  // namespace
+
+absl::Status CheckOwnSourceMemory(const v1::RegisterSourceRequest& request,
+                                  const PeerCred& peer) {
+  for (int i = 0; i < request.allocations_size(); ++i) {
+    WS_RETURN_IF_ERROR(CheckVmmOwner(request.allocations(i), peer,
+                                     absl::StrCat("source allocation ", i),
+                                     "a trainer shares only its own memory"));
+  }
+  return absl::OkStatus();
+}
 
 absl::Status CheckOwnSource(const v1::StartWeightUpdateRequest& request,
                             const PeerCred& peer) {

@@ -34,6 +34,8 @@ absl::Status CheckOwnAllocations(const v1::RegisterEngineRequest& request,
 // The same for a trainer's StartWeightUpdateRequest.ipc_source: the daemon
 // reads from it, so it must be the caller's own (a CUDA VMM handle of its
 // pid).
+absl::Status CheckOwnSourceMemory(const v1::RegisterSourceRequest& request,
+                                  const PeerCred& peer);
 absl::Status CheckOwnSource(const v1::StartWeightUpdateRequest& request,
                             const PeerCred& peer);
 
@@ -49,6 +51,12 @@ class TrainerServiceImpl final : public v1::TrainerService::Service {
   grpc::Status StartWeightUpdate(
       grpc::ServerContext* ctx, const v1::StartWeightUpdateRequest* request,
       v1::StartWeightUpdateResponse* response) override;
+  grpc::Status RegisterSource(grpc::ServerContext* ctx,
+                              const v1::RegisterSourceRequest* request,
+                              v1::RegisterSourceResponse* response) override;
+  grpc::Status UnregisterSource(
+      grpc::ServerContext* ctx, const v1::UnregisterSourceRequest* request,
+      v1::UnregisterSourceResponse* response) override;
   grpc::Status PushChunks(grpc::ServerContext* ctx,
                           grpc::ServerReader<v1::PushChunksRequest>* reader,
                           v1::PushChunksResponse* response) override;

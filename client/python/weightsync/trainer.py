@@ -27,7 +27,7 @@ import uuid
 from weightsync import planner
 from weightsync._errors import WeightSyncError
 from weightsync._proto import Stub, channel, default_target, v1
-from weightsync._tensors import describe
+from weightsync._tensors import build_manifest, describe
 from weightsync.sparse import SparsePatch, TorchSparsePatch
 
 
@@ -44,6 +44,8 @@ class Trainer:
         self._backend = None
         self._gpu = None
         self._ipc_packed = False
+        self._host_manifest = None   # the last host update's Manifest
+        self._host_source_id = None  # and its registered source
         self._source = None    # (key, source_id, manifest, flats) of the registered source
         self._layouts = {}     # layout_id -> layout (for receipts)
         self.last_results = []
@@ -67,6 +69,7 @@ class Trainer:
             raise ValueError("the host backend talks to one daemon")
         r = self._stub.call("InitWeightTransfer", backend=v1.BACKEND_HOST)
         self._backend = "host"
+        self._host_source_id = None   # a new group keeps no sources
         return r.group_id
 
     def init_nccl(self, device=None, pack_buffers=2, timeout_ms=0):
@@ -184,6 +187,11 @@ class Trainer:
                                     mode, allow_streaming_fallback, verify, base_version)
         if len(self._stubs) > 1:
             raise ValueError("the host backend talks to one daemon")
+        named_tensors = list(named_tensors)
+        if not any(isinstance(t, SparsePatch) for _, t in named_tensors):
+            return self._update_host_source(named_tensors, version, chunk_bytes, update_id,
+                                            engine_ids, mode, allow_streaming_fallback,
+                                            verify)
         names, data, manifest = [], [], []
         for name, tensor in named_tensors:
             if isinstance(tensor, SparsePatch):
@@ -243,6 +251,68 @@ class Trainer:
             from weightsync.receipts import expected_receipt
             sent = {m["name"]: (m["dtype"], m["shape"], d) for m, d in zip(manifest, data)
                     if not m.get("sparse_nnz")}  # receipts cover dense tensors
+            self._check_receipts([finished], lambda layout: expected_receipt(layout, sent))
+        return finished
+
+    def _host_source(self, named_tensors):
+        """(Manifest, source id) of a dense host update: the manifest is
+        described with per-dtype work done once (build_manifest) and
+        registered with the daemon once; an update of the same names, dtypes
+        and shapes reuses the registered source, so neither side describes,
+        validates nor plans it again."""
+        prev = self._host_manifest
+        m = build_manifest(named_tensors, previous=prev)
+        if self._host_source_id is None or not m.same_as(prev):
+            request = v1.RegisterSourceRequest(tensors=[
+                v1.TensorSpec(name=n, dtype=getattr(v1, d), shape=sh)
+                for n, d, sh in zip(m.names, m.dtypes, m.shapes)])
+            self._host_source_id = self._stub.call("RegisterSource", request).source_id
+        self._host_manifest = m
+        return m, self._host_source_id
+
+    def _update_host_source(self, named_tensors, version, chunk_bytes, update_id, engine_ids,
+                            mode, allow_streaming_fallback, verify):
+        """A dense host-backend update from a registered source (manifest
+        only): Start names the source, the chunks are packed from the
+        manifest's byte views with the cached chunk plan."""
+        for attempt in (0, 1):
+            m, source_id = self._host_source(named_tensors)
+            request = v1.StartWeightUpdateRequest(
+                update_id=update_id, target_version=version, chunk_bytes=chunk_bytes,
+                engine_ids=list(engine_ids),
+                mode={"streaming": v1.UPDATE_MODE_STREAMING,
+                      "staged": v1.UPDATE_MODE_STAGED}[mode],
+                allow_streaming_fallback=allow_streaming_fallback,
+                verify=v1.VERIFY_ON if verify else v1.VERIFY_OFF, source_id=source_id)
+            try:
+                started = self._stub.call("StartWeightUpdate", request)
+                break
+            except WeightSyncError as e:
+                # A new group (Init) or an evicted source: register again.
+                if e.code != "NOT_FOUND" or attempt:
+                    raise
+                self._host_source_id = None
+        plan = planner.plan_chunks_cached(m, m, started.chunk_bytes)
+        payloads = m.payloads
+
+        def chunks():
+            for chunk in plan["chunks"]:
+                yield v1.PushChunksRequest(update_id=update_id, chunk_index=chunk["index"],
+                                           data=planner.pack_chunk(chunk, payloads))
+
+        try:
+            self._stub.call("PushChunks", chunks(), timeout=self._stream_timeout)
+        except WeightSyncError as pushed:
+            try:
+                self.finish(update_id)
+            except WeightSyncError as finished:
+                raise finished from pushed
+            raise
+        finished = self.finish(update_id)
+        if verify:
+            from weightsync.receipts import expected_receipt
+            sent = {n: (d, list(sh), p) for n, d, sh, p in zip(m.names, m.dtypes, m.shapes,
+                                                               payloads)}
             self._check_receipts([finished], lambda layout: expected_receipt(layout, sent))
         return finished
 
@@ -448,6 +518,24 @@ class Trainer:
                 detail += f"; abort on a daemon: {e}"
         return detail
 
+    def _layouts_of(self, stub, engine_results):
+        """{engine id: registered layout} of the engines in `engine_results`:
+        from this client's cache when the daemon's layout_id says the layout
+        is one already fetched, else from GetStatus(include_layouts) (an
+        engine registered again has a new layout_id)."""
+        cached = {r.engine_id: self._layouts[r.layout_id] for r in engine_results
+                  if r.layout_id and r.layout_id in self._layouts}
+        if len(cached) == sum(1 for r in engine_results if not r.lost):
+            return cached
+        layouts = {}
+        for e in stub.call("GetStatus", include_layouts=True).engines:
+            layouts[e.engine_id] = e.layout
+            if e.layout_id:
+                if len(self._layouts) > 64:
+                    self._layouts.clear()
+                self._layouts[e.layout_id] = e.layout
+        return layouts
+
     def _check_receipts(self, results, expected):
         """Compares every engine's receipt in `results` (one
         FinishWeightUpdateResponse per daemon, in self._stubs order) with
@@ -458,13 +546,13 @@ class Trainer:
         for stub, finished in zip(self._stubs, results):
             if not any(r.HasField("receipt") for r in finished.engines):
                 continue
-            layouts = {e.engine_id: e.layout
-                       for e in stub.call("GetStatus", include_layouts=True).engines}
+            layouts = self._layouts_of(stub, finished.engines)
             for r in finished.engines:
                 if not r.HasField("receipt") or r.lost or r.engine_id not in layouts:
                     continue
                 layout = layouts[r.engine_id]
-                key = tuple(p.SerializeToString(deterministic=True) for p in layout)
+                key = r.layout_id or tuple(p.SerializeToString(deterministic=True)
+                                           for p in layout)
                 if key not in cache:
                     cache[key] = expected(layout)
                 checksum, _, nbytes = cache[key]
