@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One-GPU proof and benchmark of the registered source and receipts v2
+# (issues "Python users get the full speed" / "Mixture-of-experts scale"),
+# on nvidia-h200 or nvidia-h100-x1, one command:
+#   COMMIT=<sha> bash tests/gpu/run_source_checks.sh [BIN_DIR=.dev/bin] [LOG_DIR=/tmp/ws-src]
+# BIN_DIR holds weightsyncd, weightsync_gpu_worker (and ipc_alloc_size, the
+# probe of ../shared/probes built here). Runs: the legacy-IPC allocation-size
+# probe and the torch third-process probe (the issue's finding), the Triton
+# receipt check, tests/gpu/test_registered_source.py (transformers model,
+# trainer and engine on one GPU), bench/python_ipc_bench.py (->
+# LOG_DIR/python_ipc.json). Every process runs under `timeout`; prints a
+# PASS/FAIL table last; full logs under LOG_DIR.
+set -uo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+repo="$(cd "$here/../.." && pwd)"
+BIN="$(cd "${1:-.dev/bin}" && pwd)"
+LOG="${2:-/tmp/ws-src}"
+mkdir -p "$LOG"
+LOG="$(cd "$LOG" && pwd)"
+export NCCL_NVLS_ENABLE=0
+export PYTHONPATH="$repo/client/python${PYTHONPATH:+:$PYTHONPATH}"
+export WEIGHTSYNCD="$BIN/weightsyncd" WEIGHTSYNC_GPU_WORKER="$BIN/weightsync_gpu_worker"
+export WS_LOG_DIR="$LOG" PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+cd "$repo"
+results=()
+record() { results+=("$(printf '%-60s %s' "$1" "$2")"); }
+run() {  # name seconds command...
+  local name="$1" secs="$2"; shift 2
+  echo "=== $name" >&2
+  timeout -k 10 "$secs" "$@" >"$LOG/$name.log" 2>&1
+  local rc=$?
+  tail -n "${TAIL:-12}" "$LOG/$name.log" | sed "s/^/  [$name] /"
+  if [ $rc = 0 ]; then record "$name" PASS
+  elif [ $rc = 124 ] || [ $rc = 137 ]; then record "$name (timed out after ${secs}s)" FAIL
+  else record "$name (exit $rc)" FAIL; fi
+}
+{ echo "date: $(date -Is) commit: ${COMMIT:-?}"; nvidia-smi -L
+  "$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } \
+  >"$LOG/env.txt" 2>&1
+cat "$LOG/env.txt"
+if [ -x "$BIN/ipc_alloc_size" ]; then
+  for n in 16381470720 16382951424 4295016448 4296015872; do
+    run "ipc_alloc_size_$n" 120 "$BIN/ipc_alloc_size" "$n"
+  done
+fi
+probe="$BIN/../torch_ipc_third_process.py"
+if [ -f "$probe" ]; then
+  run torch_ipc_third_process 300 "$PY" "$probe"
+fi
+run check_receipts_gpu 300 "$PY" tests/gpu/check_receipts_gpu.py
+TAIL=40 run test_registered_source 600 "$PY" tests/gpu/test_registered_source.py "$WEIGHTSYNCD" "$WEIGHTSYNC_GPU_WORKER"
+TAIL=20 run python_ipc_bench 900 "$PY" bench/python_ipc_bench.py "$WEIGHTSYNCD" "$WEIGHTSYNC_GPU_WORKER" "$LOG/python_ipc.json"
+echo
+echo "=== registered source checks ($LOG)"
+for r in "${results[@]}"; do echo "$r"; done
+for r in "${results[@]}"; do case "$r" in *FAIL) exit 1;; esac; done
+exit 0
