@@ -147,6 +147,9 @@ grpc::Status GpuWorker::OpenAllocation(
       Deadline(ctx));
   if (!s.ok()) return ToGrpcStatus(s);
   a.device = device;
+  VLOG(1) << "allocation " << request->allocation_id() << " opened at "
+          << static_cast<void*>(a.ptr) << " (" << request->size()
+          << " bytes registered)";
   absl::MutexLock lock(&mu_);
   allocations_[request->allocation_id()] = a;
   response->set_device(device);

@@ -199,6 +199,11 @@ class GpuDataPlane : public DataPlane {
   // tensor in place of the packed stream.
   absl::Status AddOps(const CopyPlan& plan, const Source* source,
                       worker::v1::BeginUpdateRequest* req);
+  // Appends `g` (an op of chunk k) reading the source's tensors: one op per
+  // tensor it covers. INTERNAL if it reads bytes no tensor holds.
+  absl::Status AddSourceOps(const CopyPlan& plan, const Source& source,
+                            int64_t k, worker::v1::GpuOp g,
+                            worker::v1::BeginUpdateRequest* req);
   // VERIFY_ON: the receipts the worker computes as the update goes, for
   // DeviceReceipts to return (their checksums filled in by Drain).
   absl::Status AddReceipts(const CopyPlan& plan,

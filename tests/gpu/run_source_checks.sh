@@ -18,6 +18,8 @@ LOG="${2:-/tmp/ws-src}"
 mkdir -p "$LOG"
 LOG="$(cd "$LOG" && pwd)"
 export NCCL_NVLS_ENABLE=0
+NCCL_LIB=$(python3 -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "nccl", "lib"))' 2>/dev/null)
+export LD_LIBRARY_PATH="$BIN/../lib:${NCCL_LIB:+$NCCL_LIB:}/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PYTHONPATH="$repo/client/python${PYTHONPATH:+:$PYTHONPATH}"
 export WEIGHTSYNCD="$BIN/weightsyncd" WEIGHTSYNC_GPU_WORKER="$BIN/weightsync_gpu_worker"
 export WS_LOG_DIR="$LOG" PYTHONUNBUFFERED=1
@@ -39,18 +41,18 @@ run() {  # name seconds command...
   "$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } \
   >"$LOG/env.txt" 2>&1
 cat "$LOG/env.txt"
-if [ -x "$BIN/ipc_alloc_size" ]; then
+if [ -x "$BIN/ipc_alloc_size" ] && [ -z "${SKIP_PROBES:-}" ]; then
   for n in 16381470720 16382951424 4295016448 4296015872; do
     run "ipc_alloc_size_$n" 120 "$BIN/ipc_alloc_size" "$n"
   done
 fi
 probe="$BIN/../torch_ipc_third_process.py"
-if [ -f "$probe" ]; then
+if [ -f "$probe" ] && [ -z "${SKIP_PROBES:-}" ]; then
   run torch_ipc_third_process 300 "$PY" "$probe"
 fi
-run check_receipts_gpu 300 "$PY" tests/gpu/check_receipts_gpu.py
+[ -z "${ONLY_TEST:-}" ] && run check_receipts_gpu 300 "$PY" tests/gpu/check_receipts_gpu.py
 TAIL=40 run test_registered_source 600 "$PY" tests/gpu/test_registered_source.py "$WEIGHTSYNCD" "$WEIGHTSYNC_GPU_WORKER"
-TAIL=20 run python_ipc_bench 900 "$PY" bench/python_ipc_bench.py "$WEIGHTSYNCD" "$WEIGHTSYNC_GPU_WORKER" "$LOG/python_ipc.json"
+[ -z "${ONLY_TEST:-}" ] && TAIL=20 run python_ipc_bench 900 "$PY" bench/python_ipc_bench.py "$WEIGHTSYNCD" "$WEIGHTSYNC_GPU_WORKER" "$LOG/python_ipc.json"
 echo
 echo "=== registered source checks ($LOG)"
 for r in "${results[@]}"; do echo "$r"; done

@@ -53,7 +53,13 @@ def engine_main(conn, target):
             torch.cuda.synchronize(dev)
             C.send(conn, {"version": engine.version,
                           "digests": C.digests(model.named_parameters()),
+                          "zeros": [n for n, p in model.named_parameters() if not p.any()],
                           "greedy": C.greedy(model, PROMPT, TOKENS)})
+        elif cmd["op"] == "zero":
+            with torch.no_grad():
+                dict(model.named_parameters())[cmd["name"]].zero_()
+            torch.cuda.synchronize(dev)
+            C.send(conn, {"done": True})
         elif cmd["op"] == "corrupt":
             p = dict(model.named_parameters())[cmd["name"]]
             with torch.no_grad():
@@ -96,10 +102,22 @@ def trainer_main(conn, target):
     name = "model.layers.0.mlp.down_proj.weight"
     p = dict(model.named_parameters())[name]
     old_ptr = p.data_ptr()
+    from weightsync._gpu import ipc_location
+    before_loc = ipc_location(name, p.detach())
     p.data = p.data.clone()
     C.train_step(model, cfg, seed=4)
-    r = trainer.update(model.named_parameters(), version=4)
-    report("v4 re-allocated", r, {"moved": p.data_ptr() != old_ptr})
+    after_loc = ipc_location(name, p.detach())
+    print(f"moved {name}: handle {before_loc[0].hex()} offset {before_loc[2]} -> "
+          f"handle {after_loc[0].hex()} offset {after_loc[2]}", flush=True)
+    C.send(conn, {"tag": "zero-engine", "name": name})
+    C.recv(conn, 300, "engine zeroed")
+    try:
+        r = trainer.update(model.named_parameters(), version=4)
+        err = None
+    except weightsync.WeightSyncError as e:   # report, then let the digests say what
+        err = [e.code, e.message]
+        r = trainer.last_results[0]
+    report("v4 re-allocated", r, {"moved": p.data_ptr() != old_ptr, "update_error": err})
     # fp32 trainer into the bf16 engine.
     model32 = {n: (t.detach().float() + 1e-3 * torch.randn_like(t.detach().float()))
                for n, t in model.named_parameters()}
@@ -153,9 +171,14 @@ def main():
         engine = C.Worker(engine_main, d.target)
         engine.recv(300, "the engine's registration")
         trainer = C.Worker(trainer_main, d.target)
-        sources = []
+        sources, last_digests = [], None
         for _ in range(6):
             t = trainer.recv(900, "an update")
+            if t.get("tag") == "zero-engine":
+                engine.send({"op": "zero", "name": t["name"]})
+                engine.recv(60, "zeroed")
+                trainer.send({"go": True})
+                t = trainer.recv(900, "an update")
             engine.send({"op": "state"})
             e = engine.recv(300, "the engine's state")
             tag = t["tag"]
@@ -164,6 +187,14 @@ def main():
             check(not bad and not missing,
                   f"{tag}: every engine parameter bitwise equal to the trainer's "
                   f"({len(bad)} differ, e.g. {bad[:3]})")
+            if bad:
+                print(f"  {tag}: all-zero engine parameters among those: "
+                      f"{[n for n in bad if n in e['zeros']]}", flush=True)
+            if bad and last_digests:
+                stale = [n for n in bad if e["digests"].get(n) == last_digests.get(n)]
+                print(f"  {tag}: of the {len(bad)} that differ, {len(stale)} hold the previous "
+                      f"version's bytes: {stale[:3]}", flush=True)
+            last_digests = t["digests"]
             check(e["greedy"] == t["greedy"], f"{tag}: greedy generation equal")
             check(t["receipts"] == 1, f"{tag}: receipts checked (the default)")
             print(f"  {tag}: timings {t['timings']}", flush=True)
@@ -172,6 +203,7 @@ def main():
                 check(sources[1] == sources[2] and sources[1] is not None,
                       f"versions 2-3 reuse one registered source ({sources[1]})")
             if tag.startswith("v4"):
+                check(t["update_error"] is None, f"v4: update after a re-allocation ({t['update_error']})")
                 check(t["moved"] and t["source"] != sources[2],
                       f"a moved parameter is registered again ({sources[2]} -> {t['source']})")
             if tag.startswith("v6"):

@@ -261,8 +261,13 @@ class GpuSender:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()   # whole free segments back: a fresh one is likely
         held, found = [], None
+        # A segment of its own, a whole number of 2 MiB pages: the caching
+        # allocator gives requests of 10 MiB and more their own cudaMalloc
+        # (offset 0 of its IPC handle), and legacy IPC mappings of sizes that
+        # aren't 2 MiB multiples copy at half speed (bench/RESULTS.md).
+        size = max(-(-max(total, 1) // (2 << 20)) * (2 << 20), 12 << 20)
         for _ in range(4):
-            t = torch.empty(max(total, 1), dtype=torch.uint8, device=self.device)
+            t = torch.empty(size, dtype=torch.uint8, device=self.device)
             shared = t.untyped_storage()._share_cuda_()
             if int(shared[3]) == 0:
                 found = (t, parse_storage_handle(shared[1]))

@@ -447,6 +447,14 @@ class Trainer:
                                        size=a["size"], device_uuid=a["device_uuid"])
                          for a in allocations],
             placements=[v1.SourcePlacement(allocation=i, offset=o) for _, i, o in placements])
+        if self._source is not None:
+            # The old source's mappings of our memory go first: the daemon
+            # holds no view of tensors that moved.
+            try:
+                self._stub.call("UnregisterSource", source_id=self._source[1])
+            except WeightSyncError:
+                pass   # already dropped (a new group, or evicted)
+            self._source = None
         source_id = self._stub.call("RegisterSource", request).source_id
         self._source = (key, source_id, manifest, flats)
         return self._source
