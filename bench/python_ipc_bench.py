@@ -118,6 +118,11 @@ def trainer_main(conn, target):
     trainer.init_ipc(device=GPU)
     series(False, "update_s_receipts_off")
     series(True, "update_s_default")
+    # The trainer holding a pause across updates (trainer.paused()): no
+    # pause or resume round trip to the engines per update.
+    with trainer.paused():
+        series(False, "held_pause_s_receipts_off")
+        series(True, "held_pause_s_default")
     out["daemon_timings_default"] = str(trainer.last_results[0].timings).replace("\n", " ")
     # The trainer's expectation alone, for the layout the engine registered.
     layout = trainer.status().engines  # noqa: F841 (warms the channel)
@@ -171,6 +176,8 @@ def main():
     res["ratio_receipts_off"] = res["copy_s"] / res["update_s_receipts_off"]
     res["ratio_default"] = res["copy_s"] / res["update_s_default"]
     res["ratio_packed_receipts_off"] = res["copy_s"] / res["packed_s_receipts_off"]
+    res["ratio_held_pause_receipts_off"] = res["copy_s"] / res["held_pause_s_receipts_off"]
+    res["ratio_held_pause_default"] = res["copy_s"] / res["held_pause_s_default"]
     res.setdefault("cpp_ratio_receipts_off", None)
     res.setdefault("cpp_ratio_default", None)
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
@@ -178,7 +185,8 @@ def main():
         json.dump(res, f, indent=1)
     print(f"{res['tensors']} tensors, {res['bytes'] / 1e9:.2f} GB on {kind}")
     print(f"copy (ceiling)            {res['copy_s'] * 1e3:8.2f} ms")
-    for k in ("update_s_receipts_off", "update_s_default", "packed_s_receipts_off"):
+    for k in ("update_s_receipts_off", "update_s_default", "held_pause_s_receipts_off",
+              "held_pause_s_default", "packed_s_receipts_off"):
         print(f"{k:25s} {res[k] * 1e3:8.2f} ms  ratio {res['copy_s'] / res[k]:.3f}"
               f"  (first {res[k + '_first'] * 1e3:.1f} ms)")
     print(f"expected receipts alone   {res['expected_receipts_s'] * 1e3:8.2f} ms")
