@@ -61,7 +61,8 @@ absl::Status TrainerClient::PushTensors(const std::string& update_id,
                                         const std::vector<HostTensor>& tensors,
                                         int64_t chunk_bytes) {
   Manifest manifest;
-  manifest.Reserve(static_cast<int>(tensors.size()));  // 100k-tensor MoE updates
+  manifest.Reserve(
+      static_cast<int>(tensors.size()));  // 100k-tensor MoE updates
   for (const HostTensor& t : tensors) *manifest.Add() = t.spec;
   WS_ASSIGN_OR_RETURN(ChunkPlan plan, PlanChunks(manifest, chunk_bytes));
   grpc::ClientContext stream_ctx;
