@@ -575,8 +575,6 @@ absl::Status GpuDataPlane::SetIpcSource(
   return absl::OkStatus();
 }
 
-namespace {
-
 void MergeContiguousOps(worker::v1::BeginUpdateRequest* req) {
   // A tensor the chunk planner cut at chunk boundaries arrives as one copy
   // per chunk; where the whole source is there at once (ipc, no ring), the
@@ -634,10 +632,19 @@ void MergeContiguousOps(worker::v1::BeginUpdateRequest* req) {
   ops->DeleteSubrange(out, ops->size() - out);
 }
 
-}  // namespace
-
 absl::Status GpuDataPlane::AddOps(const CopyPlan& plan, const Source* source,
                                   worker::v1::BeginUpdateRequest* req) {
+  std::vector<int64_t> source_ids;  // the worker's id of each source region
+  if (source != nullptr) {
+    for (const auto& r : source->regions) {
+      const auto* region = dynamic_cast<const GpuRegion*>(r.get());
+      if (region == nullptr) {
+        return absl::InvalidArgumentError(
+            "a registered source's memory is not GPU memory");
+      }
+      source_ids.push_back(region->id());
+    }
+  }
   for (size_t k = 0; k < plan.ops_by_chunk.size(); ++k) {
     for (const CopyOp& op : plan.ops_by_chunk[k]) {
       const auto* region = dynamic_cast<const GpuRegion*>(
@@ -661,29 +668,30 @@ absl::Status GpuDataPlane::AddOps(const CopyPlan& plan, const Source* source,
       if (source == nullptr) {
         *req->add_ops() = std::move(g);
       } else {
-        WS_RETURN_IF_ERROR(AddSourceOps(plan, *source, k, std::move(g), req));
+        WS_RETURN_IF_ERROR(SplitSourceOp(plan.chunks, *source, source_ids, k,
+                                         std::move(g), req));
       }
     }
   }
   return absl::OkStatus();
 }
 
-absl::Status GpuDataPlane::AddSourceOps(const CopyPlan& plan,
-                                        const Source& source, int64_t k,
-                                        worker::v1::GpuOp g,
-                                        worker::v1::BeginUpdateRequest* req) {
+absl::Status SplitSourceOp(const ChunkPlan& chunks, const Source& source,
+                           const std::vector<int64_t>& region_ids, int64_t k,
+                           worker::v1::GpuOp g,
+                           worker::v1::BeginUpdateRequest* req) {
   // The op reads bytes of the packed stream; a registered source has no
   // packed stream, so each byte is read where its tensor lives. The copy
   // plan joins ops that are contiguous in the stream and in the engine,
   // across tensors: such an op is cut back into one op per tensor here
   // (MergeContiguousOps joins again what is contiguous in the trainer's
   // memory too).
-  const std::vector<int64_t>& starts = plan.chunks.tensor_offsets;
+  const std::vector<int64_t>& starts = chunks.tensor_offsets;
   const int64_t ss = ElementSize(static_cast<v1::DType>(g.src_dtype()));
   const int64_t ds = ElementSize(static_cast<v1::DType>(g.dst_dtype()));
   const bool flat = g.rows() == 1 || (g.src_stride() == g.cols() * ss &&
                                       g.dst_stride() == g.cols() * ds);
-  int64_t packed = k * plan.chunks.chunk_bytes + g.src_offset();
+  int64_t packed = k * chunks.chunk_bytes + g.src_offset();
   int64_t dst = g.dst_offset();
   int64_t left = flat ? g.rows() * g.cols() : 1;
   const int64_t extent =
@@ -691,22 +699,16 @@ absl::Status GpuDataPlane::AddSourceOps(const CopyPlan& plan,
   while (left > 0) {
     const int64_t t = std::upper_bound(starts.begin(), starts.end(), packed) -
                       starts.begin() - 1;
-    const int64_t end = t < 0 ? 0 : starts[t] + plan.chunks.payload_bytes[t];
+    const int64_t end = t < 0 ? 0 : starts[t] + chunks.payload_bytes[t];
     if (t < 0 || packed >= end || (!flat && packed + extent > end)) {
       return absl::InternalError(absl::StrCat(
           "a copy of chunk ", k, " reads packed bytes at ", packed,
           " that no tensor of the registered source '", source.id, "' holds"));
     }
     const Source::Placement& p = source.placements[t];
-    const auto* src =
-        dynamic_cast<const GpuRegion*>(source.regions[p.region].get());
-    if (src == nullptr) {
-      return absl::InvalidArgumentError(
-          "a registered source's memory is not GPU memory");
-    }
     worker::v1::GpuOp* out = req->add_ops();
     *out = g;
-    out->set_src_allocation_id(src->id());
+    out->set_src_allocation_id(region_ids[p.region]);
     out->set_src_offset(p.offset + packed - starts[t]);
     if (!flat) break;  // a strided block lies inside one tensor
     const int64_t n = std::min(left, (end - packed) / ss);

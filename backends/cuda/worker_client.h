@@ -144,6 +144,20 @@ class GpuMapper : public MemoryMapper {
   const std::shared_ptr<GpuWorkerSupervisor> sup_;
 };
 
+// The copies of a registered source (exposed for tests). SplitSourceOp
+// appends `g`, an op of chunk k that reads the packed stream, as ops that
+// read the source's tensors where they live: one per tensor it covers (the
+// copy plan joins ops across tensors that are contiguous in the stream);
+// region_ids[i] is the worker's allocation id of source.regions[i].
+// INTERNAL if it reads bytes no tensor holds. MergeContiguousOps joins ops
+// that continue one another in source and destination (ipc, whole update
+// present: no ring, not staged).
+absl::Status SplitSourceOp(const ChunkPlan& chunks, const Source& source,
+                           const std::vector<int64_t>& region_ids, int64_t k,
+                           worker::v1::GpuOp g,
+                           worker::v1::BeginUpdateRequest* req);
+void MergeContiguousOps(worker::v1::BeginUpdateRequest* req);
+
 // The GPU backends' data plane. nccl: bytes arrive by broadcast straight
 // into the worker's GPU staging. ipc: the worker copies them with the copy
 // engines from the trainer's packed buffer on the same node (shared as a
@@ -199,11 +213,6 @@ class GpuDataPlane : public DataPlane {
   // tensor in place of the packed stream.
   absl::Status AddOps(const CopyPlan& plan, const Source* source,
                       worker::v1::BeginUpdateRequest* req);
-  // Appends `g` (an op of chunk k) reading the source's tensors: one op per
-  // tensor it covers. INTERNAL if it reads bytes no tensor holds.
-  absl::Status AddSourceOps(const CopyPlan& plan, const Source& source,
-                            int64_t k, worker::v1::GpuOp g,
-                            worker::v1::BeginUpdateRequest* req);
   // VERIFY_ON: the receipts the worker computes as the update goes, for
   // DeviceReceipts to return (their checksums filled in by Drain).
   absl::Status AddReceipts(const CopyPlan& plan,
