@@ -522,10 +522,18 @@ absl::Status GpuDataPlane::AddReceipts(
   WS_RETURN_IF_ERROR(ReceiptRegionsOf(EnginesOf(plan), sources, {},
                                       req->mutable_receipts(), &receipts,
                                       &region_sources));
+  // ipc with the whole update present: nothing arrives to overlap with, so
+  // every region is summed in one launch after the last copy (one batch at
+  // full occupancy, not a small launch after each of ~2000 chunks).
+  const bool at_end =
+      backend_ == v1::BACKEND_IPC && request.ipc_ring_slots() == 0;
+  const int64_t last = static_cast<int64_t>(plan.chunks.chunks.size()) - 1;
   for (const std::string& source : region_sources) {
     auto it = last_chunk.find(source);
     // A tensor of no bytes rides in no chunk: after the first.
-    req->add_receipt_after_chunk(it == last_chunk.end() ? 0 : it->second);
+    req->add_receipt_after_chunk(at_end                   ? last
+                                 : it == last_chunk.end() ? 0
+                                                          : it->second);
   }
   absl::MutexLock lock(&mu_);
   inflight_receipts_ = std::move(receipts);
