@@ -232,11 +232,18 @@ class Trainer:
                      for m in manifest])
         started = self._stub.call("StartWeightUpdate", request)
         plan = planner.plan_chunks(manifest, started.chunk_bytes)
+        sent = {m["name"]: (m["dtype"], m["shape"], d) for m, d in zip(manifest, data)
+                if not m.get("sparse_nnz")}  # receipts cover dense tensors
+        return self._push_and_finish(update_id, plan, data, sent if verify else None)
 
+    def _push_and_finish(self, update_id, plan, payloads, sent):
+        """Host backend: streams the planned chunks packed from `payloads`,
+        finishes the update and, unless `sent` is None, checks the receipts
+        against `sent` ({name: (dtype, shape, bytes)})."""
         def chunks():
             for chunk in plan["chunks"]:
                 yield v1.PushChunksRequest(update_id=update_id, chunk_index=chunk["index"],
-                                           data=planner.pack_chunk(chunk, data))
+                                           data=planner.pack_chunk(chunk, payloads))
 
         try:
             self._stub.call("PushChunks", chunks(), timeout=self._stream_timeout)
@@ -248,10 +255,8 @@ class Trainer:
                 raise finished from pushed
             raise
         finished = self.finish(update_id)
-        if verify:
+        if sent is not None:
             from weightsync.receipts import expected_receipt
-            sent = {m["name"]: (m["dtype"], m["shape"], d) for m, d in zip(manifest, data)
-                    if not m.get("sparse_nnz")}  # receipts cover dense tensors
             self._check_receipts([finished], lambda layout: expected_receipt(layout, sent))
         return finished
 
@@ -294,28 +299,11 @@ class Trainer:
                     raise
                 self._host_source_id = None
         plan = planner.plan_chunks_cached(m, m, started.chunk_bytes)
-        payloads = m.payloads
-
-        def chunks():
-            for chunk in plan["chunks"]:
-                yield v1.PushChunksRequest(update_id=update_id, chunk_index=chunk["index"],
-                                           data=planner.pack_chunk(chunk, payloads))
-
-        try:
-            self._stub.call("PushChunks", chunks(), timeout=self._stream_timeout)
-        except WeightSyncError as pushed:
-            try:
-                self.finish(update_id)
-            except WeightSyncError as finished:
-                raise finished from pushed
-            raise
-        finished = self.finish(update_id)
+        sent = None
         if verify:
-            from weightsync.receipts import expected_receipt
             sent = {n: (d, list(sh), p) for n, d, sh, p in zip(m.names, m.dtypes, m.shapes,
-                                                               payloads)}
-            self._check_receipts([finished], lambda layout: expected_receipt(layout, sent))
-        return finished
+                                                               m.payloads)}
+        return self._push_and_finish(update_id, plan, m.payloads, sent)
 
     def _update_gpu(self, named_tensors, version, chunk_bytes, update_id, engine_ids, mode,
                     allow_streaming_fallback, verify, base_version=0):
