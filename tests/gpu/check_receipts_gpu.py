@@ -4,9 +4,12 @@ reference (weightsync.receipts.expected_receipt) on one GPU: random
 tensors of every dtype pair (special float32 values among them: NaNs,
 infinities, denormals, rounding ties for bfloat16 and float16), segment
 shapes from narrow rows to wide strided blocks, indices past 2^32, many
-small parameters, several layouts in one call on a side stream; then the
-speed over 4 GB of bfloat16. Prints one summary line; exits 1 on any
-mismatch.
+small parameters, aligned blocks whose indices cross 2^32, several
+layouts in one call on a side stream; then the speed over 4 GB of
+bfloat16 and over Qwen3-8B's 399 bfloat16 tensors (16.4 GB, one layout,
+checked against the torch fallback), a repeated call (cached tables) and
+the first (tables built). Prints a summary; exits 1 on any mismatch.
+CHECK_RECEIPTS_TUNE=1 also times other tile shapes on Qwen3-8B.
 
     python3 tests/gpu/check_receipts_gpu.py
 """
@@ -58,7 +61,7 @@ def seg(source, rb, rc, cb, cc, dest, stride=0):
 def case(rng, src, dst):
     """A layout of every segment shape for one dtype pair, and what was sent."""
     shapes = {"wide": (3, 70001), "narrow": (5000, 7), "mid": (900, 600), "vec": (12345,),
-              "tiny": (1, 1)}
+              "tiny": (1, 1), "grid": (64, 8192)}
     host, gpu = {}, {}
     for name, shape in shapes.items():
         n = int(np.prod(shape))
@@ -77,6 +80,10 @@ def case(rng, src, dst):
         param("narrow.cols", dst, (5000, 3), [seg("narrow", 0, 5000, 2, 3, 0, 3)]),
         param("mid.block", dst, (1 << 33,), [seg("mid", 100, 700, 37, 501, (1 << 32) - 1000, 513)]),
         param("absent", dst, (4,), [seg("gone", 0, 1, 0, 4, 0)]),
+        # Aligned: whole rows merged into one run whose indices cross 2^32
+        # inside a tile; a 16-byte-aligned strided block with a row tail.
+        param("grid.t", dst, (1 << 33,), [seg("grid", 0, 64, 0, 8192, (1 << 32) - 200000)]),
+        param("grid.block", dst, (40, 6000), [seg("grid", 3, 40, 8, 5000, 7, 6000)]),
     ]
     return layout, host, gpu
 
@@ -88,7 +95,10 @@ def check_pairs(rng):
     for src, dst in pairs:
         layout, host, gpu = case(rng, src, dst)
         want = receipts.expected_receipt(layout, host)
-        got = receipts_gpu.expected_receipts_gpu({"x": layout}, gpu)["x"]
+        try:
+            got = receipts_gpu.expected_receipts_gpu({"x": layout}, gpu)["x"]
+        except Exception as e:  # noqa: BLE001 - reported as a mismatch
+            got = f"error {e!r}"[:2000]
         checked += 1
         if got != want:
             bad.append(f"{src}->{dst}: {got} != {want}")
@@ -133,6 +143,94 @@ def speed():
     return (4 << 30) / best / 1e9, best
 
 
+QWEN3_8B = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+            "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "head_dim": 128, "model_type": "qwen3", "tie_word_embeddings": False}  # bench/
+
+
+def qwen3_8b():
+    """Qwen3-8B's bfloat16 tensors on the GPU (as bench/python_ipc_bench.py
+    sends them) and the layout of an engine that registered them whole."""
+    from weightsync import layouts
+    shapes = layouts.checkpoint_shapes(QWEN3_8B)
+    sent = {}
+    for name, shape in shapes:
+        n = int(np.prod(shape))
+        sent[name] = ("BFLOAT16", list(shape),
+                      torch.randint(-32768, 32767, (n,), dtype=torch.int16, device="cuda"))
+    return sent, [param(name, "BFLOAT16", shape) for name, shape in shapes]
+
+
+def timed(fn, reps):
+    """Best wall seconds of `fn` (which waits for its GPU work)."""
+    walls = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        walls.append(time.perf_counter() - t)
+    return min(walls)
+
+
+def kernel_seconds(fn):
+    """GPU seconds of the receipt kernels in one call of `fn` (profiler),
+    None where the profiler can't say."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+        us = sum(getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)
+                 for e in prof.key_averages() if "receipt" in e.key)
+        return us / 1e6 or None
+    except Exception:  # noqa: BLE001 - the figure is informative only
+        return None
+
+
+def qwen_speed(sent, layout):
+    """Checks the Qwen3-8B receipt against the torch fallback; returns
+    (mismatch or None, the receipt, GB/s, seconds of a repeated call, of its
+    kernel, of the first call)."""
+    nbytes = sum(e[2].numel() * 2 for e in sent.values())
+    layouts = {0: layout}
+    receipts_gpu.expected_receipts_gpu(layouts, sent)   # compile
+    receipts_gpu.configure()                            # drop the tables
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    got = receipts_gpu.expected_receipts_gpu(layouts, sent)[0]
+    first = time.perf_counter() - t
+    call = lambda: receipts_gpu.expected_receipts_gpu(layouts, sent)  # noqa: E731
+    wall = timed(call, 10)
+    gpu = kernel_seconds(call) or float("nan")
+    want = receipts._receipt_by_ops(layout, sent, None, 1 << 24)
+    bad = None if got == want else f"Qwen3-8B: {got} != {want} (torch fallback)"
+    return bad, want, nbytes / wall / 1e9, wall, gpu, first
+
+
+def tune(sent, layout, want):
+    """With CHECK_RECEIPTS_TUNE=1: Qwen3-8B under other tile shapes and
+    fast-path variants (receipts_gpu.configure), registers and spills."""
+    nbytes = sum(e[2].numel() * 2 for e in sent.values())
+    layouts = {0: layout}
+    call = lambda: receipts_gpu.expected_receipts_gpu(layouts, sent)  # noqa: E731
+    default = (receipts_gpu.BLOCK, receipts_gpu.ITERS, receipts_gpu.NUM_WARPS,
+               receipts_gpu.SPLIT, receipts_gpu.REL)
+    for cfg in [(4096, 16, 4, False, False), (4096, 16, 2, True, True),
+                (8192, 16, 4, True, True), (8192, 8, 8, True, True), (2048, 32, 4, True, True)]:
+        try:
+            receipts_gpu.configure(*cfg)
+            got = call()[0]
+            w = timed(call, 5)
+            k = kernel_seconds(call) or float("nan")
+            c = receipts_gpu.compiled[("BFLOAT16", "BFLOAT16")]
+            print(f"tune: {cfg} {w * 1e3:.2f} ms = {nbytes / w / 1e9:.0f} GB/s, kernel "
+                  f"{k * 1e3:.2f} ms, {'ok' if got == want else 'MISMATCH'}, "
+                  f"{getattr(c, 'n_regs', '?')} registers, {getattr(c, 'n_spills', '?')} spills",
+                  flush=True)
+        except Exception as e:  # noqa: BLE001 - a variant that fails is reported
+            print(f"tune: {cfg} failed: {e!r}"[:1500], flush=True)
+    receipts_gpu.configure(*default)
+
+
 def main():
     if not receipts_gpu.available():
         print("check_receipts_gpu: FAIL: triton is not importable")
@@ -141,11 +239,19 @@ def main():
     bad, pairs = check_pairs(rng)
     bad += check_many_layouts_on_a_stream(rng)
     gbs, best = speed()
+    sent, layout = qwen3_8b()
+    qbad, want, qgbs, qwall, qgpu, qfirst = qwen_speed(sent, layout)
+    bad += [qbad] if qbad else []
+    if os.environ.get("CHECK_RECEIPTS_TUNE"):
+        tune(sent, layout, want)
     for b in bad:
         print("mismatch:", b)
     status = "OK" if not bad else f"FAIL ({len(bad)} mismatches)"
     print(f"check_receipts_gpu: {status}: {pairs} dtype pairs, 3 layouts of 20k parameters; "
-          f"4 GB bfloat16 in {best * 1e3:.2f} ms = {gbs:.0f} GB/s on {torch.cuda.get_device_name()}")
+          f"4 GB bfloat16 in {best * 1e3:.2f} ms = {gbs:.0f} GB/s; Qwen3-8B (399 tensors, "
+          f"16.4 GB) in {qwall * 1e3:.2f} ms = {qgbs:.0f} GB/s (kernel {qgpu * 1e3:.2f} ms, the "
+          f"rest {(qwall - qgpu) * 1e3:.2f} ms; first call {qfirst * 1e3:.1f} ms) on "
+          f"{torch.cuda.get_device_name()}")
     return 0 if not bad else 1
 
 
