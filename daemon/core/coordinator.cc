@@ -91,22 +91,29 @@ absl::StatusOr<v1::RegisterEngineResponse> Coordinator::RegisterEngine(
   // Validate and open memory without the lock: it touches the OS.
   WS_ASSIGN_OR_RETURN(std::shared_ptr<const EngineLayout> layout,
                       BuildEngineLayout(request, *mapper_, options_.limits));
+  // The copy of the parameters (GetStatus's layouts) is made, and the
+  // record this one replaces freed, outside mu_: at 100k parameters either
+  // takes tens of milliseconds, which every other call would wait out.
+  google::protobuf::RepeatedPtrField<v1::Parameter> parameters =
+      request.parameters();
+  EngineRecord replaced;  // destroyed after the lock is released
   absl::MutexLock lock(&mu_);
   if (shut_down_) return absl::UnavailableError("daemon is shutting down");
   const std::string& id = request.engine_id();
-  if (engines_.contains(id)) {
+  if (auto it = engines_.find(id); it != engines_.end()) {
     if (hub_.Connected(id)) {
       return absl::AlreadyExistsError(
           absl::StrCat("engine '", id,
                        "' is registered and its control stream is open; "
                        "unregister it first"));
     }
+    replaced = std::move(it->second);
     RemoveEngineLocked(id, "re-registered");
   }
   EngineRecord& r = engines_[id];
   r.layout = layout;
   r.layout_id = absl::StrCat("layout-", ++next_layout_);
-  r.parameters = request.parameters();
+  r.parameters.Swap(&parameters);
   r.version = request.version();
   r.trainer_uids.assign(request.trainer_uids().begin(),
                         request.trainer_uids().end());

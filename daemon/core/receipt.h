@@ -1,6 +1,9 @@
 // Receipts, daemon side: after an update's bytes are in engine memory, the
 // checksum (common/checksum.h) of every element the update installed, read
-// back from the engine's memory. Host memory only (GPU: a later kernel).
+// back from the engine's memory. Host memory only (GPU: the GPU worker's
+// kernels, backends/cuda/receipt_kernels.h). Pure functions; the caller
+// keeps the engine's regions mapped (its layout does) and no update writes
+// them meanwhile.
 #ifndef WEIGHTSYNC_DAEMON_CORE_RECEIPT_H_
 #define WEIGHTSYNC_DAEMON_CORE_RECEIPT_H_
 
@@ -9,6 +12,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "daemon/core/engine_layout.h"
+#include "google/protobuf/repeated_field.h"
 #include "weightsync/v1/types.pb.h"
 
 namespace weightsync {
@@ -18,6 +22,14 @@ namespace weightsync {
 absl::StatusOr<v1::Receipt> ComputeReceipt(
     const EngineLayout& engine,
     const absl::flat_hash_set<std::string>& sources);
+
+// The same for an update of `manifest`, whose dense tensors are the
+// sources (a sparse patch's other elements are not the trainer's to vouch
+// for). Finds the segments through the layout's uses_by_source, so an
+// update of many small tensors builds no set of names.
+absl::StatusOr<v1::Receipt> ComputeReceipt(
+    const EngineLayout& engine,
+    const google::protobuf::RepeatedPtrField<v1::TensorSpec>& manifest);
 
 }  // namespace weightsync
 

@@ -1,0 +1,414 @@
+// Registered sources (docs/protocol.md, "Registered sources") end to end on
+// the host backend: a real gRPC server on a Unix socket over the real
+// Coordinator and host data plane, real engine and trainer clients, as in
+// server_test.cc. What a registration refuses (naming the tensor), what
+// Start by source_id refuses, when an id stops being valid, and that an
+// update by source_id writes the right bytes, also into an engine that
+// registered again (the cached copy plan is rebuilt), with layout ids that
+// say which registration was written.
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/engine_client.h"
+#include "client/host_arena.h"
+#include "client/receipts.h"
+#include "client/trainer_client.h"
+#include "common/grpc_status.h"
+#include "daemon/backends.h"
+#include "daemon/server/server.h"
+#include "gmock/gmock.h"
+#include "grpc/grpc.h"
+#include "grpcpp/client_context.h"
+#include "gtest/gtest.h"
+#include "tools/synthetic/synthetic_model.h"
+
+namespace weightsync {
+namespace {
+
+// Keep gRPC initialised for the whole binary (see server_test.cc).
+const bool kGrpcInitialised = (grpc_init(), true);
+
+using ::testing::HasSubstr;
+
+class SourceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/wssrc.XXXXXX";  // Unix socket paths are short
+    dir_ = mkdtemp(tmpl);
+    CoordinatorOptions core;
+    core.notice_timeout = absl::Milliseconds(500);
+    core.finish_timeout = absl::Seconds(5);
+    HostDataPlane::Options host;
+    host.staging_buffers = 2;
+    host.staging_budget = 1 << 20;
+    core_ = std::make_unique<Coordinator>(core, MakeMemoryMapper(),
+                                          MakeDataPlaneFactory(host));
+    ServerOptions so;
+    so.unix_socket = dir_ + "/d.sock";
+    auto server = Server::BuildAndStart(so, core_.get());
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    options_.target = "unix:" + so.unix_socket;
+    options_.call_timeout = absl::Seconds(10);
+    trainer_ = *TrainerClient::Connect(options_);
+    model_ = *synthetic::ModelByName("tiny");
+  }
+
+  void TearDown() override {
+    engines_.clear();
+    trainer_.reset();
+    for (auto& a : arenas_) a->region().Unlink();
+    server_->Shutdown(absl::ZeroDuration());
+    core_.reset();
+    rmdir(dir_.c_str());
+  }
+
+  // The tiny model's plain bfloat16 engine parameters.
+  std::vector<v1::Parameter> Parameters() {
+    return synthetic::EngineParameters(model_, synthetic::Layout::kPlain, 0, 1,
+                                       v1::BFLOAT16);
+  }
+
+  // Registers engine `id` with `params` in a new arena (index returned)
+  // and opens its control stream.
+  int AddEngine(const std::string& id, std::vector<v1::Parameter> params) {
+    const int index = arenas_.size();
+    auto arena = HostArena::Create(
+        absl::StrCat("/wssrc-", dir_.substr(dir_.rfind('.') + 1), "-", index),
+        std::move(params));
+    EXPECT_TRUE(arena.ok()) << arena.status();
+    auto engine = *EngineClient::Connect(options_);
+    v1::RegisterEngineRequest r = (*arena)->Registration();
+    r.set_engine_id(id);
+    auto reg = engine->Register(r);
+    EXPECT_TRUE(reg.ok()) << reg.status();
+    EXPECT_TRUE(engine->StartControl({}).ok());
+    for (int i = 0; i < 200 && !StatusOf(id).connected(); ++i) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    arenas_.push_back(*std::move(arena));
+    engines_.push_back(std::move(engine));
+    return index;
+  }
+
+  // Closes engine `index`'s client: the daemon forgets the engine.
+  void DropEngine(int index, const std::string& id) {
+    engines_[index]->Close();
+    for (int i = 0; i < 200; ++i) {
+      const auto st = trainer_->GetStatus();
+      bool present = false;
+      for (const auto& e : st->engines()) present |= e.engine_id() == id;
+      if (!present) return;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    ADD_FAILURE() << "engine '" << id << "' is still registered";
+  }
+
+  std::vector<uint8_t> Memory(int i) {
+    const ShmRegion& r = arenas_[i]->region();
+    return std::vector<uint8_t>(r.data(), r.data() + r.size());
+  }
+
+  void Init() {
+    v1::InitWeightTransferRequest init;
+    init.set_backend(v1::BACKEND_HOST);
+    ASSERT_TRUE(trainer_->InitWeightTransfer(init).ok());
+  }
+
+  // The tiny model's float32 checkpoint at `version`, pointing into data_.
+  std::vector<HostTensor> Tensors(int64_t version) {
+    data_.clear();
+    const std::vector<v1::TensorSpec> specs =
+        synthetic::Checkpoint(model_, v1::FLOAT32);
+    for (const v1::TensorSpec& t : specs) {
+      data_[t.name()] = {t, synthetic::Contents(t, version)};
+    }
+    std::vector<HostTensor> out;
+    for (const v1::TensorSpec& t : specs) {
+      out.push_back({t, data_[t.name()].second.data()});
+    }
+    return out;
+  }
+
+  static v1::RegisterSourceRequest SourceOf(const std::vector<HostTensor>& t) {
+    v1::RegisterSourceRequest r;
+    for (const HostTensor& h : t) *r.add_tensors() = h.spec;
+    return r;
+  }
+
+  absl::StatusOr<v1::RegisterSourceResponse> RegisterSource(
+      const v1::RegisterSourceRequest& request) {
+    grpc::ClientContext ctx;
+    v1::RegisterSourceResponse response;
+    const absl::Status s = FromGrpcStatus(
+        trainer_->stub()->RegisterSource(&ctx, request, &response));
+    if (!s.ok()) return s;
+    return response;
+  }
+
+  static v1::StartWeightUpdateRequest StartBySource(const std::string& source,
+                                                    int64_t version) {
+    v1::StartWeightUpdateRequest r;
+    r.set_update_id(absl::StrCat("u", version));
+    r.set_target_version(version);
+    r.set_chunk_bytes(4096);
+    r.set_source_id(source);
+    return r;
+  }
+
+  // Start by `source`, the chunks of `t`, Finish.
+  absl::StatusOr<v1::FinishWeightUpdateResponse> UpdateBySource(
+      const std::string& source, int64_t version,
+      const std::vector<HostTensor>& t) {
+    const v1::StartWeightUpdateRequest r = StartBySource(source, version);
+    auto started = trainer_->StartWeightUpdate(r);
+    if (!started.ok()) return started.status();
+    const absl::Status pushed =
+        trainer_->PushTensors(r.update_id(), t, started->chunk_bytes());
+    auto finished = trainer_->FinishWeightUpdate(r.update_id());
+    if (!pushed.ok()) return pushed;
+    return finished;
+  }
+
+  // Every parameter of arena `i` equals the reference for data_.
+  void ExpectInstalled(int i) {
+    const uint8_t* base = arenas_[i]->region().data();
+    for (const v1::Parameter& p : arenas_[i]->parameters()) {
+      const auto want = synthetic::ExpectedParameter(p, data_);
+      ASSERT_EQ(std::memcmp(base + p.offset(), want.data(), want.size()), 0)
+          << p.name();
+    }
+  }
+
+  v1::EngineStatus StatusOf(const std::string& id) {
+    const auto status = trainer_->GetStatus();
+    EXPECT_TRUE(status.ok()) << status.status();
+    for (const auto& e : status->engines()) {
+      if (e.engine_id() == id) return e;
+    }
+    return {};
+  }
+
+  std::string dir_;
+  std::unique_ptr<Coordinator> core_;
+  std::unique_ptr<Server> server_;
+  ClientOptions options_;
+  std::unique_ptr<TrainerClient> trainer_;
+  synthetic::ModelConfig model_;
+  std::vector<std::unique_ptr<HostArena>> arenas_;
+  std::vector<std::unique_ptr<EngineClient>> engines_;
+  synthetic::CheckpointData data_;
+};
+
+TEST_F(SourceTest, RegistrationNeedsAGroupAndAValidDenseManifest) {
+  AddEngine("e0", Parameters());
+  const v1::RegisterSourceRequest good = SourceOf(Tensors(1));
+  auto r = RegisterSource(good);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(r.status().message(), HasSubstr("InitWeightTransfer"));
+  Init();
+
+  v1::RegisterSourceRequest dup = good;
+  *dup.add_tensors() = good.tensors(1);
+  r = RegisterSource(dup);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(
+      r.status().message(),
+      HasSubstr(absl::StrCat("'", good.tensors(1).name(), "' appears twice")));
+
+  v1::RegisterSourceRequest sparse = good;
+  sparse.mutable_tensors(2)->set_sparse_nnz(3);
+  r = RegisterSource(sparse);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(),
+              HasSubstr(absl::StrCat("'", good.tensors(2).name(),
+                                     "' is a sparse patch")));
+
+  v1::RegisterSourceRequest deep = good;
+  v1::TensorSpec* t = deep.mutable_tensors(0);
+  t->clear_shape();
+  for (int i = 0; i < 17; ++i) t->add_shape(1);
+  r = RegisterSource(deep);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(),
+              HasSubstr(absl::StrCat("('", good.tensors(0).name(), "')")));
+  EXPECT_THAT(r.status().message(), HasSubstr("17 dimensions"));
+
+  // Memory is for the ipc backend: the host backend copies from chunks.
+  v1::RegisterSourceRequest memory = good;
+  v1::Allocation* a = memory.add_allocations();
+  a->set_kind(v1::MEMORY_CUDA_IPC);
+  a->set_handle(std::string(64, 'h'));
+  a->set_size(1 << 20);
+  for (int i = 0; i < memory.tensors_size(); ++i) memory.add_placements();
+  r = RegisterSource(memory);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(), HasSubstr("only the ipc backend"));
+
+  // The same content gets the same id; other content another.
+  auto first = RegisterSource(good);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->tensors(), good.tensors_size());
+  EXPECT_FALSE(first->memory());
+  int64_t total = 0;
+  for (const auto& [name, d] : data_) total += d.second.size();
+  EXPECT_EQ(first->total_bytes(), total);
+  auto again = RegisterSource(good);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->source_id(), first->source_id());
+  v1::RegisterSourceRequest fewer = good;
+  fewer.mutable_tensors()->RemoveLast();
+  auto other = RegisterSource(fewer);
+  ASSERT_TRUE(other.ok()) << other.status();
+  EXPECT_NE(other->source_id(), first->source_id());
+}
+
+TEST_F(SourceTest, StartBySourceRefusesWhatItCantDoAndForgetsOldGroups) {
+  const int e0 = AddEngine("e0", Parameters());
+  const std::vector<uint8_t> before = Memory(e0);
+  Init();
+  const std::vector<HostTensor> t = Tensors(1);
+  auto source = RegisterSource(SourceOf(t));
+  ASSERT_TRUE(source.ok()) << source.status();
+  const std::string id = source->source_id();
+
+  v1::StartWeightUpdateRequest both = StartBySource(id, 1);
+  *both.add_tensors() = t[0].spec;
+  auto s = trainer_->StartWeightUpdate(both);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.status().message(), HasSubstr("takes its tensors"));
+
+  v1::StartWeightUpdateRequest one_call = StartBySource(id, 1);
+  one_call.set_finish(true);
+  s = trainer_->StartWeightUpdate(one_call);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.status().message(), HasSubstr("is a manifest only"));
+
+  s = trainer_->StartWeightUpdate(StartBySource("source-999", 1));
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(s.status().message(), HasSubstr("register it again"));
+
+  // A new group keeps none of the old one's sources.
+  Init();
+  s = trainer_->StartWeightUpdate(StartBySource(id, 1));
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(s.status().message(), HasSubstr(id));
+
+  // Nothing of these started, paused or wrote anything.
+  const v1::EngineStatus st = StatusOf("e0");
+  EXPECT_EQ(st.state(), v1::ENGINE_READY);
+  EXPECT_EQ(st.version(), 0);
+  EXPECT_EQ(Memory(e0), before);
+  auto fresh = RegisterSource(SourceOf(t));
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  EXPECT_NE(fresh->source_id(), id);
+  auto done = UpdateBySource(fresh->source_id(), 1, t);
+  ASSERT_TRUE(done.ok()) << done.status();
+  ExpectInstalled(e0);
+}
+
+TEST_F(SourceTest, UpdatesBySourceWriteTheBytesAndCommit) {
+  const int e0 = AddEngine("e0", Parameters());
+  Init();
+  std::vector<HostTensor> t = Tensors(1);
+  auto source = RegisterSource(SourceOf(t));
+  ASSERT_TRUE(source.ok()) << source.status();
+  for (int64_t version = 1; version <= 3; ++version) {
+    t = Tensors(version);
+    auto done = UpdateBySource(source->source_id(), version, t);
+    ASSERT_TRUE(done.ok()) << done.status();
+    EXPECT_EQ(done->version(), version);
+    ASSERT_EQ(done->engines_size(), 1);
+    EXPECT_EQ(done->engines(0).state(), v1::ENGINE_READY);
+    ExpectInstalled(e0);
+    // The daemon's receipt is what the trainer computes from what it sent.
+    ASSERT_TRUE(done->engines(0).has_receipt());
+    const auto status = trainer_->GetStatus(/*include_layouts=*/true);
+    ASSERT_TRUE(status.ok());
+    EXPECT_TRUE(CheckReceipts(*done, *status, t).ok());
+    EXPECT_EQ(StatusOf("e0").version(), version);
+  }
+  // The receipt covers exactly the source's tensors: a one-tensor source
+  // vouches for that tensor alone.
+  v1::RegisterSourceRequest one;
+  *one.add_tensors() = t[0].spec;
+  auto single = RegisterSource(one);
+  ASSERT_TRUE(single.ok()) << single.status();
+  auto done = UpdateBySource(single->source_id(), 4, {t[0]});
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ(done->engines(0).receipt().parameters(), 1);
+  const auto status = trainer_->GetStatus(/*include_layouts=*/true);
+  EXPECT_TRUE(CheckReceipts(*done, *status, {t[0]}).ok());
+}
+
+TEST_F(SourceTest, AnEngineThatRegistersAgainGetsThePlanRebuilt) {
+  const int old_arena = AddEngine("e0", Parameters());
+  Init();
+  std::vector<HostTensor> t = Tensors(1);
+  auto source = RegisterSource(SourceOf(t));
+  ASSERT_TRUE(source.ok()) << source.status();
+  const std::string id = source->source_id();
+  auto done = UpdateBySource(id, 1, t);
+  ASSERT_TRUE(done.ok()) << done.status();
+  const std::string first_layout = StatusOf("e0").layout_id();
+  EXPECT_FALSE(first_layout.empty());
+  EXPECT_EQ(done->engines(0).layout_id(), first_layout);
+
+  // The engine comes back with new memory: the update by the same source
+  // must land there, not in the old registration's memory.
+  DropEngine(old_arena, "e0");
+  const std::vector<uint8_t> old_memory = Memory(old_arena);
+  const int new_arena = AddEngine("e0", Parameters());
+  const std::string second_layout = StatusOf("e0").layout_id();
+  EXPECT_NE(second_layout, first_layout);
+  t = Tensors(2);
+  done = UpdateBySource(id, 2, t);
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ(done->engines(0).layout_id(), second_layout);
+  ExpectInstalled(new_arena);
+  EXPECT_EQ(Memory(old_arena), old_memory);
+  const auto status = trainer_->GetStatus(/*include_layouts=*/true);
+  EXPECT_TRUE(CheckReceipts(*done, *status, t).ok());
+
+  // A registration whose shapes no longer fit the source is refused at
+  // Start with the usual message, and nothing is written.
+  DropEngine(new_arena, "e0");
+  std::vector<v1::Parameter> params = Parameters();
+  v1::Parameter* changed = nullptr;
+  for (v1::Parameter& p : params) {
+    if (p.shape_size() == 2 && p.shape(0) % 2 == 0 && p.segments_size() == 0) {
+      changed = &p;
+      break;
+    }
+  }
+  ASSERT_NE(changed, nullptr);
+  const std::string name = changed->name();
+  const std::string old_shape =
+      absl::StrCat("[", changed->shape(0), ", ", changed->shape(1), "]");
+  changed->set_shape(0, changed->shape(0) / 2);
+  const int narrow = AddEngine("e0", params);
+  const std::string third_layout = StatusOf("e0").layout_id();
+  EXPECT_NE(third_layout, second_layout);
+  const std::vector<uint8_t> before = Memory(narrow);
+  auto refused = trainer_->StartWeightUpdate(StartBySource(id, 3));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr(absl::StrCat("tensor '", name, "' -> engine 'e0'")));
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr(absl::StrCat("shape ", old_shape,
+                                     " does not match the registered")));
+  EXPECT_EQ(Memory(narrow), before);
+  const v1::EngineStatus st = StatusOf("e0");
+  EXPECT_EQ(st.state(), v1::ENGINE_READY);
+  EXPECT_EQ(st.version(), 0);
+  EXPECT_EQ(st.layout_id(), third_layout);
+}
+
+}  // namespace
+}  // namespace weightsync
