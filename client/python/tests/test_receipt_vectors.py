@@ -60,6 +60,11 @@ class ReceiptVectorsTest(unittest.TestCase):
             layout, sent, want = _case(case)
             with self.subTest(case["name"]):
                 self.assertEqual(receipts.expected_receipt(layout, sent), want)
+                # The walk kept by layout key: built, then reused.
+                key = ("vector", case["name"])
+                self.assertEqual(receipts.expected_receipt(layout, sent, layout_key=key), want)
+                self.assertIn(key, receipts._walks)
+                self.assertEqual(receipts.expected_receipt(layout, sent, layout_key=key), want)
                 # Every run through the blocked (large) path.
                 saved = receipts._SMALL
                 receipts._SMALL = 0
@@ -87,13 +92,109 @@ class ReceiptVectorsTest(unittest.TestCase):
         t = time.perf_counter()
         got = receipts.expected_receipt(layout, sent)
         elapsed = time.perf_counter() - t
-        print(f"100k parameters of 16 bfloat16: {elapsed * 1e3:.1f} ms")
+        self.assertEqual(receipts.expected_receipt(layout, sent, layout_key="moe"), got)
+        t = time.perf_counter()
+        self.assertEqual(receipts.expected_receipt(layout, sent, layout_key="moe"), got)
+        kept = time.perf_counter() - t
+        print(f"100k parameters of 16 bfloat16: {elapsed * 1e3:.1f} ms, "
+              f"{kept * 1e3:.1f} ms with the walk kept")
         self.assertEqual(got[1:], (n, n * 32))
+        self.assertLess(kept, elapsed)
         some = layout[:300]
         want = receipts._receipt_by_ops(
             some, {k: (d, s, a.view(np.uint16)) for k, (d, s, a) in sent.items()}, None, 1 << 22)
         self.assertEqual(receipts.expected_receipt(some, sent), want)
         self.assertLess(elapsed, 1.0)   # generous: CI machines vary
+
+
+class KeptWalkTest(unittest.TestCase):
+    """expected_receipt(..., layout_key=) keeps the walk of a layout: a
+    repeated update reuses it, anything it depended on (names, order,
+    dtypes, shapes, the key) makes a new one, and the answers are always
+    those of the walk made afresh."""
+
+    def setUp(self):
+        receipts._walks.clear()
+        # A fused parameter (segments, gathered rows), plain ones, a
+        # converted one and one whose run is large.
+        self.layout = [
+            v1.Parameter(name="qkv", dtype=v1.FLOAT32, shape=[6, 4], segments=[
+                v1.Segment(source="q", source_shape=[4, 4], row_count=4, col_count=4),
+                v1.Segment(source="k", source_shape=[2, 8], row_count=2, col_begin=4,
+                           col_count=4, dest_offset=16)]),
+            v1.Parameter(name="a", dtype=v1.FLOAT32, shape=[16]),
+            v1.Parameter(name="b", dtype=v1.BFLOAT16, shape=[3, 5]),
+            v1.Parameter(name="big", dtype=v1.FLOAT32, shape=[1 << 17])]
+        rng = np.random.default_rng(5)
+
+        def tensor(*shape):
+            return rng.standard_normal(shape).astype(np.float32)
+
+        self.arrays = {"q": tensor(4, 4), "k": tensor(2, 8), "a": tensor(16),
+                       "b": tensor(3, 5), "big": tensor(1 << 17)}
+
+    def sent(self, names=None):
+        names = names or list(self.arrays)
+        return {n: ("FLOAT32", list(self.arrays[n].shape), self.arrays[n].reshape(-1).view(np.uint8))
+                for n in names}
+
+    def check(self, sent, key):
+        want = receipts.expected_receipt(self.layout, sent)
+        self.assertEqual(receipts.expected_receipt(self.layout, sent, layout_key=key), want)
+        return want
+
+    def test_reused_while_nothing_but_values_changes(self):
+        first = self.check(self.sent(), "L")
+        walk = receipts._walks["L"]
+        for a in self.arrays.values():
+            a += 1
+        second = self.check(self.sent(), "L")
+        self.assertIs(receipts._walks["L"], walk)
+        self.assertNotEqual(first[0], second[0])
+        self.assertEqual(first[1:], second[1:])
+        # A flipped element changes the answer (the kept keys still apply).
+        self.arrays["a"][3] = -self.arrays["a"][3]
+        self.assertNotEqual(self.check(self.sent(), "L")[0], second[0])
+        self.assertIs(receipts._walks["L"], walk)
+        # Shapes as tuples are the same shapes.
+        sent = {n: (d, tuple(s), p) for n, (d, s, p) in self.sent().items()}
+        self.check(sent, "L")
+        self.assertIs(receipts._walks["L"], walk)
+
+    def test_rebuilt_when_the_manifest_changes(self):
+        self.check(self.sent(), "L")
+        walk = receipts._walks["L"]
+        self.check(self.sent(["big", "b", "a", "k", "q"]), "L")   # another order
+        self.assertIsNot(receipts._walks["L"], walk)
+        walk = receipts._walks["L"]
+        self.check(self.sent(["q", "k", "a"]), "L")                # fewer tensors
+        self.assertIsNot(receipts._walks["L"], walk)
+        walk = receipts._walks["L"]
+        self.arrays["k"] = self.arrays["k"].reshape(4, 4)          # same bytes, new shape
+        self.check(self.sent(["q", "k", "a"]), "L")
+        self.assertIsNot(receipts._walks["L"], walk)
+        # Another dtype for the same name and bytes: bfloat16 pairs.
+        sent = self.sent(["q", "k", "a"])
+        sent["a"] = ("BFLOAT16", [32], sent["a"][2])
+        self.layout[1] = v1.Parameter(name="a", dtype=v1.BFLOAT16, shape=[32])
+        self.check(sent, "L2")
+        self.check(sent, "L2")
+
+    def test_only_the_last_layouts_are_kept(self):
+        for i in range(receipts._WALKS_KEPT + 3):
+            self.check(self.sent(), f"L{i}")
+        self.assertEqual(len(receipts._walks), receipts._WALKS_KEPT)
+        self.assertNotIn("L0", receipts._walks)
+
+    def test_small_runs_over_the_budget_are_summed_each_time(self):
+        saved = receipts._CACHED_ELEMENTS
+        receipts._CACHED_ELEMENTS = 8
+        try:
+            self.check(self.sent(), "L")
+            self.assertFalse(receipts._walks["L"].fast)
+            self.check(self.sent(), "L")
+        finally:
+            receipts._CACHED_ELEMENTS = saved
 
 
 if __name__ == "__main__":
