@@ -320,6 +320,118 @@ class HostBackendTest(unittest.TestCase):
         with self.assertRaises(ValueError):
             layouts.llama_engine_layout(config, 0, 3)  # 4 heads over 3 ranks
 
+    def spy(self, trainer):
+        """Records (method, request or fields) of every unary call `trainer`
+        makes (RegisterSource, StartWeightUpdate, ...)."""
+        calls = []
+        real = trainer._stub.call
+
+        def call(name, request=None, timeout=None, **fields):
+            calls.append((name, request if request is not None else fields))
+            return real(name, request, timeout, **fields)
+
+        trainer._stub.call = call
+        return calls
+
+    def test_registered_source_is_reused_and_registered_again_when_needed(self):
+        from weightsync import receipts
+        _, w = self.engine("src", [("a", "FLOAT32", (4, 4)), ("b", "BFLOAT16", (8,)),
+                                   ("c", "FLOAT32", (3,))])
+        self.trainer.init_host()
+        calls = self.spy(self.trainer)
+
+        def names(method):
+            return [r for m, r in calls if m == method]
+
+        rng = np.random.default_rng(11)
+        a = rng.standard_normal((4, 4)).astype(np.float32)
+        b = rng.standard_normal(8).astype(np.float32)
+        for version in (1, 2, 3):
+            a += 1   # values change in place, as a trainer's do
+            b[version] = -b[version]
+            result = self.trainer.update([("a", a), ("b", b)], version=version)
+            np.testing.assert_array_equal(w["a"], a)
+            np.testing.assert_array_equal(  # bfloat16, rounded to nearest even
+                w["b"].view(np.uint16),
+                receipts.convert_bits(b.view(np.uint8), "FLOAT32", "BFLOAT16").astype(np.uint16))
+            self.assertTrue(result.engines[0].HasField("receipt"))
+        # One source for the three steps; each Start names it and no tensors.
+        self.assertEqual(len(names("RegisterSource")), 1)
+        starts = names("StartWeightUpdate")
+        self.assertEqual(len(starts), 3)
+        source_id = starts[0].source_id
+        self.assertTrue(source_id)
+        for s in starts:
+            self.assertEqual((s.source_id, len(s.tensors)), (source_id, 0))
+
+        # A new tensor: a new source.
+        c = np.arange(3, dtype=np.float32)
+        self.trainer.update([("a", a), ("b", b), ("c", c)], version=4)
+        np.testing.assert_array_equal(w["c"], c)
+        self.assertEqual(len(names("RegisterSource")), 2)
+        self.assertEqual(len(names("RegisterSource")[1].tensors), 3)
+        self.assertNotEqual(names("StartWeightUpdate")[-1].source_id, source_id)
+        # A new shape: a new source, which the engine's layout refuses at
+        # Start as an inline manifest would be; nothing is written.
+        before = w["a"].copy()
+        with self.assertRaises(WeightSyncError) as e:
+            self.trainer.update([("a", np.zeros((2, 8), np.float32)), ("b", b), ("c", c)],
+                                version=5)
+        self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
+        self.assertIn("shape [2, 8] does not match", e.exception.message)
+        self.assertEqual(len(names("RegisterSource")), 3)
+        np.testing.assert_array_equal(w["a"], before)
+
+        # The trainer's own init_host: a new group, a new source.
+        self.trainer.init_host()
+        self.trainer.update([("a", a), ("b", b), ("c", c)], version=5)
+        self.assertEqual(len(names("RegisterSource")), 4)
+        # Another trainer forms a new group behind this one's back: its
+        # source id is unknown now (NOT_FOUND), and the update registers
+        # again and retries by itself.
+        other = weightsync.Trainer(self.target, timeout=10)
+        try:
+            other.init_host()
+        finally:
+            other.close()
+        del calls[:]
+        a += 1
+        self.assertEqual(self.trainer.update([("a", a), ("b", b), ("c", c)], version=6).version, 6)
+        np.testing.assert_array_equal(w["a"], a)
+        self.assertEqual([m for m, _ in calls if m in ("StartWeightUpdate", "RegisterSource")],
+                         ["StartWeightUpdate", "RegisterSource", "StartWeightUpdate"])
+        self.assertNotEqual(calls[0][1].source_id, names("StartWeightUpdate")[-1].source_id)
+
+        # Receipts are still checked: a wrong expectation is DATA_LOSS
+        # naming the engine (the engine did get the bytes).
+        real = receipts.expected_receipt
+
+        def wrong(*args, **kwargs):
+            checksum, params, nbytes = real(*args, **kwargs)
+            return checksum ^ 1, params, nbytes
+
+        receipts.expected_receipt = wrong
+        try:
+            a += 1
+            with self.assertRaises(WeightSyncError) as e:
+                self.trainer.update([("a", a), ("b", b), ("c", c)], version=7)
+        finally:
+            receipts.expected_receipt = real
+        self.assertEqual(e.exception.code, "DATA_LOSS")
+        self.assertIn("engine 'src'", e.exception.message)
+        np.testing.assert_array_equal(w["a"], a)
+        # The daemon's receipt is the function of what the engine holds.
+        a += 1
+        result = self.trainer.update([("a", a), ("b", b), ("c", c)], version=8)
+        layout = {e.engine_id: e.layout for e in
+                  self.trainer._stub.call("GetStatus", include_layouts=True).engines}["src"]
+        sent = {n: (d, t.shape, t.reshape(-1).view(np.uint8))
+                for n, d, t in (("a", "FLOAT32", a), ("b", "FLOAT32", b), ("c", "FLOAT32", c))}
+        self.assertEqual(receipts.expected_receipt(layout, sent)[0],
+                         result.engines[0].receipt.checksum)
+        self.assertEqual(receipts.expected_receipt(layout, sent, layout_key="t")[0],
+                         result.engines[0].receipt.checksum)
+
     def test_calls_out_of_order(self):
         self.engine("e4", [("a", "FLOAT32", (2,))])
         with self.assertRaises(WeightSyncError) as e:
