@@ -24,9 +24,11 @@ shapes (about 4.9 GB of float32 per layer: a large machine only).
         [--profile] [--out bench/results/manifest_scale.json]
 
 The daemon binary: --weightsyncd, else $WEIGHTSYNCD, else
-bazel-bin/daemon/weightsyncd. Writes JSON (date, kind, commit, rows) and
-prints a table. --profile runs cProfile over one steady-state update per
-row and prints the top 15 functions by cumulative time.
+bazel-bin/daemon/weightsyncd. Writes JSON (date, kind, commit, rows; what
+an earlier file there recorded is kept: its rows under "history", its other
+keys as they were) and prints a table. --profile runs cProfile over one
+steady-state update per row and prints the top 15 functions by cumulative
+time.
 """
 
 import argparse
@@ -233,6 +235,25 @@ def commit():
         return "unknown"
 
 
+def keep_history(path, doc):
+    """Carries over what an earlier result file at `path` recorded: its
+    extra keys (e.g. "before") as they are, and its own rows, newest first,
+    under "history" ({date, kind, commit, rows})."""
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return
+    history = old.pop("history", [])
+    if old.get("rows"):
+        history.insert(0, {k: old[k] for k in ("date", "kind", "commit", "rows") if k in old})
+    for k, v in old.items():
+        if k not in doc and k not in ("date", "kind", "commit", "rows", "updates_per_row",
+                                      "elements_per_tensor"):
+            doc[k] = v
+    doc["history"] = history
+
+
 def main():
     if len(sys.argv) == 4 and sys.argv[1] == "--engine-child":
         return engine_child(sys.argv[2], sys.argv[3])
@@ -273,6 +294,7 @@ def main():
     doc = {"date": datetime.date.today().isoformat(), "kind": args.kind, "commit": commit(),
            "updates_per_row": args.updates, "elements_per_tensor": ELEMENTS,
            "rows": rows}
+    keep_history(args.out, doc)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
