@@ -112,7 +112,8 @@ absl::StatusOr<v1::RegisterEngineResponse> Coordinator::RegisterEngine(
   }
   EngineRecord& r = engines_[id];
   r.layout = layout;
-  r.layout_id = absl::StrCat("layout-", ++next_layout_);
+  // Unique across daemon restarts too: clients cache layouts by this id.
+  r.layout_id = absl::StrCat("layout-", layout_prefix_, "-", ++next_layout_);
   r.parameters.Swap(&parameters);
   r.version = request.version();
   r.trainer_uids.assign(request.trainer_uids().begin(),

@@ -26,8 +26,10 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/random/random.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/core/copy_plan.h"
@@ -359,6 +361,9 @@ class Coordinator {
   absl::Mutex control_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   mutable absl::Mutex mu_;
   int64_t next_layout_ ABSL_GUARDED_BY(mu_) = 0;
+  // Random per daemon: layout ids of one daemon never name another's.
+  const std::string layout_prefix_ =
+      absl::StrFormat("%016x", absl::Uniform<uint64_t>(absl::BitGen()));
   // PlanFor's cache of one plan.
   std::shared_ptr<const CopyPlan> last_plan_ ABSL_GUARDED_BY(mu_);
   std::string last_plan_key_ ABSL_GUARDED_BY(mu_);

@@ -257,7 +257,8 @@ class Trainer:
         finished = self.finish(update_id)
         if sent is not None:
             from weightsync.receipts import expected_receipt
-            self._check_receipts([finished], lambda layout: expected_receipt(layout, sent))
+            self._check_receipts([finished], lambda layout, key: expected_receipt(
+                layout, sent, layout_key=key), keyed=True)
         return finished
 
     def _host_source(self, named_tensors):
@@ -544,12 +545,13 @@ class Trainer:
                 self._layouts[e.layout_id] = e.layout
         return layouts
 
-    def _check_receipts(self, results, expected):
+    def _check_receipts(self, results, expected, keyed=False):
         """Compares every engine's receipt in `results` (one
         FinishWeightUpdateResponse per daemon, in self._stubs order) with
         expected(layout) -> (checksum, parameters, bytes) for the layout
         the engine registered; raises DATA_LOSS naming the engine. Engines
-        with one layout (replicas) are computed once."""
+        with one layout (replicas) are computed once. keyed: expected takes
+        (layout, layout_id) and may keep work per layout id."""
         cache = {}
         for stub, finished in zip(self._stubs, results):
             if not any(r.HasField("receipt") for r in finished.engines):
@@ -562,7 +564,8 @@ class Trainer:
                 key = r.layout_id or tuple(p.SerializeToString(deterministic=True)
                                            for p in layout)
                 if key not in cache:
-                    cache[key] = expected(layout)
+                    cache[key] = (expected(layout, r.layout_id or None) if keyed
+                                  else expected(layout))
                 checksum, _, nbytes = cache[key]
                 if checksum != r.receipt.checksum or nbytes != r.receipt.bytes:
                     raise WeightSyncError(
