@@ -31,6 +31,17 @@ from weightsync._tensors import build_manifest, describe
 from weightsync.sparse import SparsePatch, TorchSparsePatch
 
 
+def _start_request(update_id, version, chunk_bytes, engine_ids, mode,
+                   allow_streaming_fallback, verify, **fields):
+    """The StartWeightUpdateRequest fields every update sets, plus `fields`."""
+    return v1.StartWeightUpdateRequest(
+        update_id=update_id, target_version=version, chunk_bytes=chunk_bytes,
+        engine_ids=list(engine_ids),
+        mode={"streaming": v1.UPDATE_MODE_STREAMING, "staged": v1.UPDATE_MODE_STAGED}[mode],
+        allow_streaming_fallback=allow_streaming_fallback,
+        verify=v1.VERIFY_ON if verify else v1.VERIFY_OFF, **fields)
+
+
 class Trainer:
     def __init__(self, target=None, timeout=30.0, stream_timeout=600.0):
         targets = [target] if target is None or isinstance(target, str) else list(target)
@@ -218,13 +229,9 @@ class Trainer:
             names.append(name)
             data.append(raw)
             manifest.append({"name": name, "dtype": dtype, "shape": list(shape)})
-        request = v1.StartWeightUpdateRequest(
-            update_id=update_id, target_version=version, chunk_bytes=chunk_bytes,
-            engine_ids=list(engine_ids),
-            mode={"streaming": v1.UPDATE_MODE_STREAMING,
-                  "staged": v1.UPDATE_MODE_STAGED}[mode],
-            allow_streaming_fallback=allow_streaming_fallback,
-            verify=v1.VERIFY_ON if verify else v1.VERIFY_OFF,
+        request = _start_request(
+            update_id, version, chunk_bytes, engine_ids, mode, allow_streaming_fallback,
+            verify,
             sparse_base_version=base_version,
             tensors=[v1.TensorSpec(name=m["name"], dtype=getattr(v1, m["dtype"]),
                                    shape=m["shape"], sparse_nnz=m.get("sparse_nnz", 0),
@@ -284,13 +291,8 @@ class Trainer:
         manifest's byte views with the cached chunk plan."""
         for attempt in (0, 1):
             m, source_id = self._host_source(named_tensors)
-            request = v1.StartWeightUpdateRequest(
-                update_id=update_id, target_version=version, chunk_bytes=chunk_bytes,
-                engine_ids=list(engine_ids),
-                mode={"streaming": v1.UPDATE_MODE_STREAMING,
-                      "staged": v1.UPDATE_MODE_STAGED}[mode],
-                allow_streaming_fallback=allow_streaming_fallback,
-                verify=v1.VERIFY_ON if verify else v1.VERIFY_OFF, source_id=source_id)
+            request = _start_request(update_id, version, chunk_bytes, engine_ids, mode,
+                                     allow_streaming_fallback, verify, source_id=source_id)
             try:
                 started = self._stub.call("StartWeightUpdate", request)
                 break
@@ -321,13 +323,9 @@ class Trainer:
             if out is not None:
                 return out
         names, flats, manifest, _ = gpu.manifest(named_tensors)
-        request = v1.StartWeightUpdateRequest(
-            update_id=update_id, target_version=version, chunk_bytes=chunk_bytes,
-            engine_ids=list(engine_ids),
-            mode={"streaming": v1.UPDATE_MODE_STREAMING,
-                  "staged": v1.UPDATE_MODE_STAGED}[mode],
-            allow_streaming_fallback=allow_streaming_fallback,
-            verify=v1.VERIFY_ON if verify else v1.VERIFY_OFF,
+        request = _start_request(
+            update_id, version, chunk_bytes, engine_ids, mode, allow_streaming_fallback,
+            verify,
             sparse_base_version=base_version,
             tensors=[v1.TensorSpec(name=m["name"], dtype=getattr(v1, m["dtype"]),
                                    shape=m["shape"], sparse_nnz=m.get("sparse_nnz", 0),
