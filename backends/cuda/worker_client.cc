@@ -429,7 +429,7 @@ absl::Status ReceiptRegionsOf(const std::vector<const EngineLayout*>& engines,
             "' registered host memory; the GPU backends read GPU memory"));
       }
       const int64_t es = ElementSize(p.dtype);
-      const uint64_t salt = ParameterSalt(p.name);
+      const uint64_t salt = p.salt;
       bool touched = false;
       for (const SegmentLayout& s : p.segments) {
         if (!sources.contains(s.source)) continue;

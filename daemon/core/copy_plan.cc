@@ -166,6 +166,7 @@ absl::StatusOr<std::shared_ptr<const CopyPlan>> BuildCopyPlan(
   const int num_engines = plan->engines.size();
   plan->bytes_by_engine.assign(num_engines, 0);
   plan->covers_engine.assign(num_engines, false);
+  plan->dense_uses.resize(num_engines);
 
   // Resolve and check every use of every manifest tensor first.
   std::vector<std::vector<Use>> uses(manifest.size());
@@ -192,6 +193,7 @@ absl::StatusOr<std::shared_ptr<const CopyPlan>> BuildCopyPlan(
         }
         uses[t].push_back(use);
         if (sparse) continue;  // a patch rewrites only some elements
+        plan->dense_uses[e].push_back(su);
         covered_bytes[e] += s.row_count * s.col_count * ElementSize(p.dtype);
         ++resolved_uses[e];
       }
@@ -215,6 +217,11 @@ absl::StatusOr<std::shared_ptr<const CopyPlan>> BuildCopyPlan(
       uses += list.size();
     }
     plan->covers_engine[e] = resolved_uses[e] == uses;
+    std::sort(plan->dense_uses[e].begin(), plan->dense_uses[e].end(),
+              [](const SourceUse& a, const SourceUse& b) {
+                return a.parameter != b.parameter ? a.parameter < b.parameter
+                                                  : a.segment < b.segment;
+              });
   }
 
   std::vector<int> sparse_index(manifest.size(), -1);

@@ -65,6 +65,10 @@ struct CopyPlan {
   // True where the update rewrites every segment of every parameter (all
   // the engine's memory that any update can write).
   std::vector<bool> covers_engine;
+  // Per engine: the (parameter, segment) uses of the manifest's dense
+  // tensors, ordered by parameter then segment: what the engine's receipt
+  // sums (daemon/core/receipt.h), resolved once with the plan.
+  std::vector<std::vector<SourceUse>> dense_uses;
 };
 
 // Checks every manifest tensor against every engine (names, shapes,

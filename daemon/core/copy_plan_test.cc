@@ -2,8 +2,10 @@
 
 #include <cstring>
 
+#include "absl/container/flat_hash_set.h"
 #include "backends/host/host_data_plane.h"
 #include "client/host_arena.h"
+#include "daemon/core/receipt.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/heap_memory.h"
@@ -72,10 +74,19 @@ void RunAndCompare(const std::vector<Engine>& engines, v1::DType ckpt_dtype,
           << e.layout->engine_id << " " << p.name() << " chunk " << chunk_bytes;
     }
   }
+  absl::flat_hash_set<std::string> names;
+  for (const v1::TensorSpec& t : manifest) names.insert(t.name());
   for (size_t i = 0; i < engines.size(); ++i) {
     // Padded vocab rows (tp1) are in no segment: still fully rewritten.
     EXPECT_TRUE((*plan)->covers_engine[i])
         << "engine " << i << " should be fully rewritten";
+    // The uses resolved with the plan sum what a walk by names sums.
+    auto by_plan = ComputeReceipt(*engines[i].layout, (*plan)->dense_uses[i]);
+    auto by_names = ComputeReceipt(*engines[i].layout, names);
+    ASSERT_TRUE(by_plan.ok() && by_names.ok());
+    EXPECT_EQ(by_plan->checksum(), by_names->checksum());
+    EXPECT_EQ(by_plan->parameters(), engines[i].params.size());
+    EXPECT_EQ(by_plan->bytes(), by_names->bytes());
   }
 }
 

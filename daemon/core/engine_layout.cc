@@ -7,6 +7,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "common/checksum.h"
 #include "common/dtype.h"
 #include "common/status_macros.h"
 
@@ -264,6 +265,7 @@ absl::StatusOr<std::shared_ptr<const EngineLayout>> BuildEngineLayout(
       layout->uses_by_source[p.segments[s].source].push_back({i, s});
     }
     layout->total_bytes += p.bytes;
+    p.salt = ParameterSalt(p.name);
     layout->parameters.push_back(std::move(p));
   }
   for (auto& r : ranges) {

@@ -47,6 +47,7 @@ struct ParameterLayout {
   // same name and shape is the whole parameter (segments holds that one).
   bool implicit = false;
   std::vector<SegmentLayout> segments;
+  uint64_t salt = 0;  // ParameterSalt(name) (common/checksum.h), for receipts
 };
 
 // Where a checkpoint tensor is used: parameter index and segment index.

@@ -1,5 +1,6 @@
 #include "daemon/core/receipt.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -10,74 +11,60 @@
 namespace weightsync {
 namespace {
 
-// Sums every segment s of parameter p (index i) for which covered(i, j, s)
-// holds, j being s's index in p.
-template <typename Covered>
-absl::StatusOr<v1::Receipt> SumSegments(const EngineLayout& engine,
-                                        const Covered& covered) {
-  v1::Receipt receipt;
+bool ByParameterThenSegment(const SourceUse& a, const SourceUse& b) {
+  return a.parameter != b.parameter ? a.parameter < b.parameter
+                                    : a.segment < b.segment;
+}
+
+// The uses of the tensors for which `named(name)` holds, sorted.
+template <typename Named>
+std::vector<SourceUse> UsesOf(const EngineLayout& engine, const Named& named) {
+  std::vector<SourceUse> uses;
+  for (const auto& [source, list] : engine.uses_by_source) {
+    if (named(source)) uses.insert(uses.end(), list.begin(), list.end());
+  }
+  std::sort(uses.begin(), uses.end(), ByParameterThenSegment);
+  return uses;
+}
+
+}  // namespace
+
+absl::StatusOr<v1::Receipt> ComputeReceipt(const EngineLayout& engine,
+                                           const std::vector<SourceUse>& uses) {
   uint64_t sum = 0;
   int64_t parameters = 0, bytes = 0;
-  for (size_t i = 0; i < engine.parameters.size(); ++i) {
-    const ParameterLayout& p = engine.parameters[i];
+  int32_t last = -1;
+  for (const SourceUse& u : uses) {
+    const ParameterLayout& p = engine.parameters[u.parameter];
     const uint8_t* base = engine.regions[p.region]->data();
     if (base == nullptr) {
       return absl::UnimplementedError(
           "receipts of GPU memory are not computed yet");
     }
+    if (u.parameter != last) ++parameters;
+    last = u.parameter;
+    const SegmentLayout& s = p.segments[u.segment];
     const int64_t es = ElementSize(p.dtype);
-    uint64_t salt = 0;
-    bool touched = false;
-    for (size_t j = 0; j < p.segments.size(); ++j) {
-      const SegmentLayout& s = p.segments[j];
-      if (!covered(i, j, s)) continue;
-      if (!touched) salt = ParameterSalt(p.name);
-      touched = true;
-      for (int64_t r = 0; r < s.row_count; ++r) {
-        // A row of the segment is a run of consecutive elements.
-        const int64_t row = s.dest_offset + r * s.dest_row_stride;
-        sum += RunTerms(salt, row, base + p.offset + row * es, s.col_count, es);
-      }
-      bytes += s.row_count * s.col_count * es;
+    for (int64_t r = 0; r < s.row_count; ++r) {
+      // A row of the segment is a run of consecutive elements.
+      const int64_t row = s.dest_offset + r * s.dest_row_stride;
+      sum += RunTerms(p.salt, row, base + p.offset + row * es, s.col_count, es);
     }
-    if (touched) ++parameters;
+    bytes += s.row_count * s.col_count * es;
   }
+  v1::Receipt receipt;
   receipt.set_checksum(sum);
   receipt.set_parameters(parameters);
   receipt.set_bytes(bytes);
   return receipt;
 }
 
-}  // namespace
-
 absl::StatusOr<v1::Receipt> ComputeReceipt(
     const EngineLayout& engine,
     const absl::flat_hash_set<std::string>& sources) {
-  return SumSegments(engine, [&](size_t, size_t, const SegmentLayout& s) {
-    return sources.contains(s.source);
-  });
-}
-
-absl::StatusOr<v1::Receipt> ComputeReceipt(
-    const EngineLayout& engine,
-    const google::protobuf::RepeatedPtrField<v1::TensorSpec>& manifest) {
-  // first[i]: the flat number of parameter i's first segment.
-  std::vector<int64_t> first(engine.parameters.size() + 1, 0);
-  for (size_t i = 0; i < engine.parameters.size(); ++i) {
-    first[i + 1] = first[i] + engine.parameters[i].segments.size();
-  }
-  std::vector<bool> covered(first.back(), false);
-  for (const v1::TensorSpec& t : manifest) {
-    if (t.sparse_nnz() != 0) continue;
-    auto it = engine.uses_by_source.find(t.name());
-    if (it == engine.uses_by_source.end()) continue;
-    for (const SourceUse& u : it->second) {
-      covered[first[u.parameter] + u.segment] = true;
-    }
-  }
-  return SumSegments(engine, [&](size_t i, size_t j, const SegmentLayout&) {
-    return covered[first[i] + j];
-  });
+  return ComputeReceipt(engine, UsesOf(engine, [&](const std::string& name) {
+                          return sources.contains(name);
+                        }));
 }
 
 }  // namespace weightsync

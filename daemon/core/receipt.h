@@ -8,11 +8,11 @@
 #define WEIGHTSYNC_DAEMON_CORE_RECEIPT_H_
 
 #include <string>
+#include <vector>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "daemon/core/engine_layout.h"
-#include "google/protobuf/repeated_field.h"
 #include "weightsync/v1/types.pb.h"
 
 namespace weightsync {
@@ -23,13 +23,11 @@ absl::StatusOr<v1::Receipt> ComputeReceipt(
     const EngineLayout& engine,
     const absl::flat_hash_set<std::string>& sources);
 
-// The same for an update of `manifest`, whose dense tensors are the
-// sources (a sparse patch's other elements are not the trainer's to vouch
-// for). Finds the segments through the layout's uses_by_source, so an
-// update of many small tensors builds no set of names.
-absl::StatusOr<v1::Receipt> ComputeReceipt(
-    const EngineLayout& engine,
-    const google::protobuf::RepeatedPtrField<v1::TensorSpec>& manifest);
+// The same over `uses` (sorted by parameter, then segment; each once): an
+// update's CopyPlan::dense_uses, resolved with the plan, so an update of
+// many small tensors looks up no names.
+absl::StatusOr<v1::Receipt> ComputeReceipt(const EngineLayout& engine,
+                                           const std::vector<SourceUse>& uses);
 
 }  // namespace weightsync
 

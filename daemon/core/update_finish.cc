@@ -272,8 +272,9 @@ absl::Status Coordinator::CollectReceipts(
   } else if (verify) {
     // From the plan's manifest: no set of names per update (a mixture of
     // experts sends 100k tensors every step).
-    for (const auto& engine : plan->engines) {
-      receipts->push_back(ComputeReceipt(*engine, plan->manifest));
+    for (size_t e = 0; e < plan->engines.size(); ++e) {
+      receipts->push_back(
+          ComputeReceipt(*plan->engines[e], plan->dense_uses[e]));
     }
   }
   return absl::OkStatus();

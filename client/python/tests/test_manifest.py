@@ -180,6 +180,26 @@ class PackChunkTest(unittest.TestCase):
             for c in plan["chunks"]:
                 self.assertEqual(len(planner.pack_chunk(c, m.payloads)), c["size"])
 
+    def test_kept_parts_see_new_values_and_follow_the_plan(self):
+        a = [(f"t{i}", np.arange(i + 5, dtype=np.float32)) for i in range(40)]
+        m = build_manifest(a)
+        plan = planner.plan_chunks(m, 1024)
+        parts = m.chunk_parts(plan)
+        self.assertEqual([b"".join(p) for p in parts],
+                         [planner.pack_chunk(c, m.payloads) for c in plan["chunks"]])
+        for _, t in a:
+            t += 1          # in place: the kept views see it
+        m2 = build_manifest(list(a), previous=m)
+        self.assertIs(m2.chunk_parts(plan), parts)
+        self.assertEqual([b"".join(p) for p in parts],
+                         [planner.pack_chunk(c, m2.payloads) for c in plan["chunks"]])
+        other = planner.plan_chunks(m, 4096)   # another plan: parts made again
+        self.assertEqual([b"".join(p) for p in m2.chunk_parts(other)],
+                         [planner.pack_chunk(c, m2.payloads) for c in other["chunks"]])
+        b = [(n, t.copy()) for n, t in a]      # new arrays: nothing carried over
+        m3 = build_manifest(b, previous=m2)
+        self.assertIsNot(m3.chunk_parts(plan), parts)
+
 
 if __name__ == "__main__":
     unittest.main()

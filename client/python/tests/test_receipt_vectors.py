@@ -18,7 +18,7 @@ from google.protobuf import json_format  # noqa: E402
 
 from weightsync import _xp, receipts  # noqa: E402
 from weightsync._proto import v1  # noqa: E402
-from weightsync._tensors import STORAGE  # noqa: E402
+from weightsync._tensors import STORAGE, build_manifest  # noqa: E402
 
 _VECTORS = "tests/vectors/receipts.json"
 
@@ -179,6 +179,29 @@ class KeptWalkTest(unittest.TestCase):
         self.layout[1] = v1.Parameter(name="a", dtype=v1.BFLOAT16, shape=[32])
         self.check(sent, "L2")
         self.check(sent, "L2")
+
+    def test_a_manifest_view_is_the_same_sent(self):
+        """Manifest.sent() (what Trainer.update passes on the host backend:
+        no dict per update) gives the answers of the dict, reuses the walk
+        while only values change, and makes a new one for a new shape."""
+        named = [(n, self.arrays[n]) for n in self.arrays]
+        m = build_manifest(named)
+        self.assertEqual(dict(m.sent().items()).keys(), self.sent().keys())
+        want = self.check(self.sent(), "M")
+        self.assertEqual(receipts.expected_receipt(self.layout, m.sent(), layout_key="M"), want)
+        self.assertEqual(receipts.expected_receipt(self.layout, m.sent()), want)
+        self.arrays["a"][0] += 1
+        m2 = build_manifest(named, previous=m)
+        walk = receipts._walks["M"]
+        got = receipts.expected_receipt(self.layout, m2.sent(), layout_key="M")
+        self.assertIs(receipts._walks["M"], walk)
+        self.assertEqual(got, receipts.expected_receipt(self.layout, self.sent()))
+        self.assertNotEqual(got, want)
+        self.arrays["k"] = self.arrays["k"].reshape(4, 4)
+        m3 = build_manifest([(n, self.arrays[n]) for n in self.arrays], previous=m2)
+        got = receipts.expected_receipt(self.layout, m3.sent(), layout_key="M")
+        self.assertIsNot(receipts._walks["M"], walk)
+        self.assertEqual(got, receipts.expected_receipt(self.layout, self.sent()))
 
     def test_only_the_last_layouts_are_kept(self):
         for i in range(receipts._WALKS_KEPT + 3):

@@ -6,6 +6,7 @@ tensor)` one tensor. Both map dtypes through one cache keyed by the dtype
 object, so no per-tensor dtype string work is done.
 """
 
+import collections.abc
 import operator
 import sys
 
@@ -158,7 +159,8 @@ class Manifest:
     """
 
     __slots__ = ("names", "dtypes", "shapes", "nbytes", "payloads", "tensors", "total_bytes",
-                 "key", "fingerprint", "_dtype_objs", "_specs", "_numpy_only")
+                 "key", "fingerprint", "_dtype_objs", "_specs", "_numpy_only", "_index",
+                 "_parts")
 
     def __len__(self):
         return len(self.names)
@@ -168,6 +170,29 @@ class Manifest:
             self._specs = [{"name": n, "dtype": d, "shape": list(s)}
                            for n, d, s in zip(self.names, self.dtypes, self.shapes)]
         return self._specs
+
+    def sent(self):
+        """The manifest as weightsync.receipts.expected_receipt's `sent`
+        mapping ({name: (dtype, shape, payload)}) without building a dict
+        per update: a view whose name index is built once per manifest."""
+        return SentView(self)
+
+    def index(self):
+        """{name: position in send order}, built once and carried over by
+        build_manifest while the names stay the same."""
+        if self._index is None:
+            self._index = dict(zip(self.names, range(len(self.names))))
+        return self._index
+
+    def chunk_parts(self, plan):
+        """[planner.chunk_parts(chunk, payloads) for each chunk of `plan`],
+        kept for the next update of the same plan object and payloads
+        (build_manifest carries it over while every tensor is the same
+        numpy array): packing a chunk is then one join."""
+        if self._parts is None or self._parts[0] is not plan:
+            from weightsync.planner import chunk_parts
+            self._parts = (plan, [chunk_parts(c, self.payloads) for c in plan["chunks"]])
+        return self._parts[1]
 
     def same_as(self, other):
         """True if `other` (a Manifest or None) has the same names, dtypes
@@ -180,8 +205,46 @@ class Manifest:
                 f"fingerprint {self.fingerprint & 0xFFFFFFFFFFFFFFFF:016x})")
 
 
+class SentView(collections.abc.Mapping):
+    """{name: (dtype, shape, payload)} over a Manifest (Manifest.sent()).
+    `signature` (the manifest's key) and `payloads` (in send order) let
+    weightsync.receipts reuse a cached walk with no per-tensor work."""
+
+    __slots__ = ("_m",)
+
+    def __init__(self, manifest):
+        self._m = manifest
+
+    @property
+    def signature(self):
+        return self._m.key
+
+    @property
+    def payloads(self):
+        return self._m.payloads
+
+    def __getitem__(self, name):
+        m = self._m
+        i = m.index()[name]
+        return m.dtypes[i], m.shapes[i], m.payloads[i]
+
+    def __contains__(self, name):
+        return name in self._m.index()
+
+    def __iter__(self):
+        return iter(self._m.names)
+
+    def __len__(self):
+        return len(self._m.names)
+
+    def values(self):
+        m = self._m
+        return list(zip(m.dtypes, m.shapes, m.payloads))
+
+
 _first = operator.itemgetter(0)
 _second = operator.itemgetter(1)
+_NDARRAY_ONLY = frozenset((np.ndarray,))
 _get_dtype = operator.attrgetter("dtype")
 _get_shape = operator.attrgetter("shape")
 _get_contiguous = operator.attrgetter("flags.c_contiguous")
@@ -220,7 +283,7 @@ def build_manifest(named_tensors, previous=None, host_bytes=True):
     """
     pairs = named_tensors if isinstance(named_tensors, (list, tuple)) else list(named_tensors)
     m = Manifest()
-    m._specs = None
+    m._specs = m._index = m._parts = None
     if not pairs:
         names, tensors = (), ()
     else:
@@ -233,7 +296,7 @@ def build_manifest(named_tensors, previous=None, host_bytes=True):
         except TypeError:
             raise ValueError("named_tensors must be (name, tensor) pairs") from None
     m.names, m.tensors = names, tensors
-    numpy_only = all(type(t) is np.ndarray for t in tensors) if tensors else True
+    numpy_only = set(map(type, tensors)) <= _NDARRAY_ONLY
     m._numpy_only = numpy_only
     if numpy_only:
         dtype_objs = tuple(map(_get_dtype, tensors))
@@ -246,7 +309,7 @@ def build_manifest(named_tensors, previous=None, host_bytes=True):
             m.dtypes, m.shapes, m.nbytes = previous.dtypes, previous.shapes, previous.nbytes
             m.payloads, m.total_bytes = previous.payloads, previous.total_bytes
             m.key, m.fingerprint, m._dtype_objs = previous.key, previous.fingerprint, dtype_objs
-            m._specs = previous._specs
+            m._specs, m._index, m._parts = previous._specs, previous._index, previous._parts
             return m
         _check_names(names)
         # Per distinct dtype object, not per tensor.

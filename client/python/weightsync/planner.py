@@ -411,6 +411,14 @@ def pack_chunk(chunk, payloads):
     `payloads[piece["tensor"]]` (a flat uint8 numpy array, or anything
     bytes-like whose slices are bytes-like), padding zero. One join over
     views of the payloads: each byte is copied once."""
+    return b"".join(chunk_parts(chunk, payloads))
+
+
+def chunk_parts(chunk, payloads):
+    """What pack_chunk joins: views of the payloads and zero padding, in
+    order. Views of numpy arrays stay valid (and see new values) for as
+    long as the arrays live, so a caller sending the same arrays again may
+    keep this list and join it instead of walking the pieces again."""
     parts = []
     push = parts.append
     at = 0
@@ -427,7 +435,7 @@ def pack_chunk(chunk, payloads):
         at = p["chunk_offset"] + length
     if at < size:
         push(bytes(size - at))
-    return b"".join(parts)
+    return parts
 
 
 def _t(name, dtype, shape, sparse_nnz=0, sparse_index_bytes=0):

@@ -225,7 +225,10 @@ def _sum_small(sent, runs, src, dst):
 def expected_receipt(layout, sent, block=_BLOCK, layout_key=None):
     """(checksum, parameters, bytes) for an engine registered with `layout`
     (weightsync.v1.Parameter messages) after an update that sent `sent`:
-    {name: (dtype enum name, shape, flat uint8 array)}.
+    {name: (dtype enum name, shape, flat uint8 array)}, or a Manifest's
+    sent() view (weightsync._tensors: its key is the signature, its
+    payloads the arrays in send order, so a repeated update builds nothing
+    per tensor).
 
     layout_key: a hashable that names `layout` exactly (the daemon's
     EngineResult.layout_id: a new id for every registration). With it, the
@@ -238,7 +241,7 @@ def expected_receipt(layout, sent, block=_BLOCK, layout_key=None):
     it nothing is kept."""
     if layout_key is None:
         return _receipt_of(_build_walk(layout, sent, cache_arrays=False), sent, block)
-    signature = _signature(sent)
+    signature = getattr(sent, "signature", None) or _signature(sent)
     with _walks_lock:
         walk = _walks.get(layout_key)
         if walk is not None and _same_signature(walk.signature, signature):
@@ -290,6 +293,8 @@ def _signature(sent):
 def _same_signature(a, b):
     # Names and dtypes compare by identity first (the same str objects
     # every step); shapes may be new lists or tuples of the same values.
+    if a is b:
+        return True
     if a[0] != b[0] or a[1] != b[1]:
         return False
     if a[2] == b[2]:
@@ -377,7 +382,9 @@ def _receipt_of(walk, sent, block):
     for src, dst, runs in walk.small:
         total += _sum_small(sent, runs, src, dst)
     if walk.fast:
-        payloads = tuple(map(_get2, sent.values()))
+        payloads = getattr(sent, "payloads", None)
+        if payloads is None:
+            payloads = tuple(map(_get2, sent.values()))
         for entry in walk.fast:
             total += _sum_precomputed(payloads, *entry)
     return total & _xp.MASK64, walk.params, walk.nbytes

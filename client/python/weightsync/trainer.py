@@ -21,6 +21,7 @@ deadline; errors raise WeightSyncError with the daemon's code and message.
 
 import contextlib
 import itertools
+import operator
 import time
 import uuid
 
@@ -29,6 +30,16 @@ from weightsync._errors import WeightSyncError
 from weightsync._proto import Stub, channel, default_target, v1
 from weightsync._tensors import build_manifest, describe
 from weightsync.sparse import SparsePatch, TorchSparsePatch
+
+
+def _has_patches(named_tensors):
+    """True if any tensor of the (name, tensor) pairs is a SparsePatch: one
+    pass over the distinct types, not an isinstance per tensor."""
+    types = set(map(type, map(_second, named_tensors)))
+    return any(issubclass(t, SparsePatch) for t in types)
+
+
+_second = operator.itemgetter(1)
 
 
 def _start_request(update_id, version, chunk_bytes, engine_ids, mode,
@@ -200,7 +211,7 @@ class Trainer:
         if len(self._stubs) > 1:
             raise ValueError("the host backend talks to one daemon")
         named_tensors = list(named_tensors)
-        if not any(isinstance(t, SparsePatch) for _, t in named_tensors):
+        if not _has_patches(named_tensors):
             return self._update_host_source(named_tensors, version, chunk_bytes, update_id,
                                             engine_ids, mode, allow_streaming_fallback,
                                             verify)
@@ -243,14 +254,17 @@ class Trainer:
                 if not m.get("sparse_nnz")}  # receipts cover dense tensors
         return self._push_and_finish(update_id, plan, data, sent if verify else None)
 
-    def _push_and_finish(self, update_id, plan, payloads, sent):
-        """Host backend: streams the planned chunks packed from `payloads`,
+    def _push_and_finish(self, update_id, plan, payloads, sent, parts=None):
+        """Host backend: streams the planned chunks packed from `payloads`
+        (or joined from `parts`, one list per chunk: planner.chunk_parts),
         finishes the update and, unless `sent` is None, checks the receipts
-        against `sent` ({name: (dtype, shape, bytes)})."""
+        against `sent` ({name: (dtype, shape, bytes)} or Manifest.sent())."""
         def chunks():
-            for chunk in plan["chunks"]:
+            for i, chunk in enumerate(plan["chunks"]):
+                data = (b"".join(parts[i]) if parts is not None
+                        else planner.pack_chunk(chunk, payloads))
                 yield v1.PushChunksRequest(update_id=update_id, chunk_index=chunk["index"],
-                                           data=planner.pack_chunk(chunk, payloads))
+                                           data=data)
 
         try:
             self._stub.call("PushChunks", chunks(), timeout=self._stream_timeout)
@@ -302,11 +316,8 @@ class Trainer:
                     raise
                 self._host_source_id = None
         plan = planner.plan_chunks_cached(m, m, started.chunk_bytes)
-        sent = None
-        if verify:
-            sent = {n: (d, list(sh), p) for n, d, sh, p in zip(m.names, m.dtypes, m.shapes,
-                                                               m.payloads)}
-        return self._push_and_finish(update_id, plan, m.payloads, sent)
+        return self._push_and_finish(update_id, plan, m.payloads, m.sent() if verify else None,
+                                     parts=m.chunk_parts(plan))
 
     def _update_gpu(self, named_tensors, version, chunk_bytes, update_id, engine_ids, mode,
                     allow_streaming_fallback, verify, base_version=0):
