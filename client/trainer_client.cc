@@ -1,5 +1,6 @@
 #include "client/trainer_client.h"
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
 
@@ -65,6 +66,12 @@ absl::Status TrainerClient::PushTensors(const std::string& update_id,
       static_cast<int>(tensors.size()));  // 100k-tensor MoE updates
   for (const HostTensor& t : tensors) *manifest.Add() = t.spec;
   WS_ASSIGN_OR_RETURN(ChunkPlan plan, PlanChunks(manifest, chunk_bytes));
+  return PushPlanned(update_id, tensors, plan);
+}
+
+absl::Status TrainerClient::PushPlanned(const std::string& update_id,
+                                        const std::vector<HostTensor>& tensors,
+                                        const ChunkPlan& plan) {
   grpc::ClientContext stream_ctx;
   stream_ctx.set_deadline(
       absl::ToChronoTime(absl::Now() + options_.stream_timeout));
@@ -192,16 +199,105 @@ absl::StatusOr<v1::CheckEngineResponse> TrainerClient::CheckEngine(
       stub_.get(), &v1::TrainerService::Stub::CheckEngine, Context().get(), r);
 }
 
+absl::StatusOr<v1::RegisterSourceResponse> TrainerClient::RegisterSource(
+    const v1::RegisterSourceRequest& r) {
+  return Call<v1::RegisterSourceResponse>(
+      stub_.get(), &v1::TrainerService::Stub::RegisterSource, Context().get(),
+      r);
+}
+
+absl::Status TrainerClient::UnregisterSource(const std::string& source_id) {
+  v1::UnregisterSourceRequest r;
+  r.set_source_id(source_id);
+  return Call<v1::UnregisterSourceResponse>(
+             stub_.get(), &v1::TrainerService::Stub::UnregisterSource,
+             Context().get(), r)
+      .status();
+}
+
+namespace {
+
+bool SameSpec(const v1::TensorSpec& a, const v1::TensorSpec& b) {
+  return a.name() == b.name() && a.dtype() == b.dtype() &&
+         std::equal(a.shape().begin(), a.shape().end(), b.shape().begin(),
+                    b.shape().end());
+}
+
+bool Dense(const std::vector<HostTensor>& tensors) {
+  for (const HostTensor& t : tensors) {
+    if (t.spec.sparse_nnz() != 0) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+absl::StatusOr<v1::StartWeightUpdateResponse> TrainerClient::StartFromSource(
+    v1::StartWeightUpdateRequest request,
+    const std::vector<HostTensor>& tensors) {
+  const bool same =
+      source_manifest_.size() == static_cast<int>(tensors.size()) &&
+      std::equal(tensors.begin(), tensors.end(), source_manifest_.begin(),
+                 [](const HostTensor& t, const v1::TensorSpec& s) {
+                   return SameSpec(t.spec, s);
+                 });
+  if (!same) {
+    source_id_.clear();
+    source_manifest_.Clear();
+    source_manifest_.Reserve(static_cast<int>(tensors.size()));
+    for (const HostTensor& t : tensors) {
+      v1::TensorSpec* spec = source_manifest_.Add();
+      spec->set_name(t.spec.name());
+      spec->set_dtype(t.spec.dtype());
+      *spec->mutable_shape() = t.spec.shape();
+    }
+    plan_chunk_bytes_ = -1;
+  }
+  request.clear_tensors();
+  for (int attempt = 0;; ++attempt) {
+    if (source_id_.empty()) {
+      v1::RegisterSourceRequest r;
+      *r.mutable_tensors() = source_manifest_;
+      WS_ASSIGN_OR_RETURN(v1::RegisterSourceResponse registered,
+                          RegisterSource(r));
+      source_id_ = registered.source_id();
+    }
+    request.set_source_id(source_id_);
+    absl::StatusOr<v1::StartWeightUpdateResponse> started =
+        StartWeightUpdate(request);
+    // A new group (Init) or an evicted source: register again, once.
+    if (started.ok() || !absl::IsNotFound(started.status()) || attempt > 0) {
+      return started;
+    }
+    source_id_.clear();
+  }
+}
+
 absl::StatusOr<v1::FinishWeightUpdateResponse> TrainerClient::Update(
     v1::StartWeightUpdateRequest request,
     const std::vector<HostTensor>& tensors) {
-  request.clear_tensors();
-  request.mutable_tensors()->Reserve(static_cast<int>(tensors.size()));
-  for (const HostTensor& t : tensors) *request.add_tensors() = t.spec;
-  WS_ASSIGN_OR_RETURN(v1::StartWeightUpdateResponse started,
-                      StartWeightUpdate(request));
-  absl::Status pushed =
-      PushTensors(request.update_id(), tensors, started.chunk_bytes());
+  const bool dense = Dense(tensors);
+  absl::StatusOr<v1::StartWeightUpdateResponse> started;
+  if (dense) {
+    started = StartFromSource(request, tensors);
+  } else {
+    request.clear_tensors();
+    request.mutable_tensors()->Reserve(static_cast<int>(tensors.size()));
+    for (const HostTensor& t : tensors) *request.add_tensors() = t.spec;
+    started = StartWeightUpdate(request);
+  }
+  if (!started.ok()) return started.status();
+  absl::Status pushed;
+  if (dense) {
+    if (plan_chunk_bytes_ != started->chunk_bytes()) {
+      WS_ASSIGN_OR_RETURN(source_plan_,
+                          PlanChunks(source_manifest_, started->chunk_bytes()));
+      plan_chunk_bytes_ = started->chunk_bytes();
+    }
+    pushed = PushPlanned(request.update_id(), tensors, source_plan_);
+  } else {
+    pushed = PushTensors(request.update_id(), tensors, started->chunk_bytes());
+  }
   if (!pushed.ok()) {
     // Finish reports the daemon's view (e.g. which engines are dirty).
     absl::StatusOr<v1::FinishWeightUpdateResponse> finished =
@@ -211,15 +307,33 @@ absl::StatusOr<v1::FinishWeightUpdateResponse> TrainerClient::Update(
   }
   WS_ASSIGN_OR_RETURN(v1::FinishWeightUpdateResponse finished,
                       FinishWeightUpdate(request.update_id()));
-  bool receipts = false;
-  for (const v1::EngineResult& e : finished.engines()) {
-    receipts = receipts || e.has_receipt();
-  }
-  if (request.verify() != v1::VERIFY_OFF && receipts) {
-    WS_ASSIGN_OR_RETURN(v1::GetStatusResponse status, GetStatus(true));
-    WS_RETURN_IF_ERROR(CheckReceipts(finished, status, tensors));
+  if (request.verify() != v1::VERIFY_OFF) {
+    WS_RETURN_IF_ERROR(CheckUpdateReceipts(finished, tensors));
   }
   return finished;
+}
+
+absl::Status TrainerClient::CheckUpdateReceipts(
+    const v1::FinishWeightUpdateResponse& done,
+    const std::vector<HostTensor>& tensors) {
+  bool receipts = false, known = true;
+  for (const v1::EngineResult& e : done.engines()) {
+    if (!e.has_receipt()) continue;
+    receipts = true;
+    bool listed = false;
+    for (const v1::EngineStatus& s : layouts_.engines()) {
+      listed =
+          listed || (s.engine_id() == e.engine_id() && !e.layout_id().empty() &&
+                     s.layout_id() == e.layout_id());
+    }
+    known = known && listed;
+  }
+  if (!receipts) return absl::OkStatus();
+  if (!known) {
+    // An engine registered (again) since: fetch the layouts once more.
+    WS_ASSIGN_OR_RETURN(layouts_, GetStatus(true));
+  }
+  return CheckReceipts(done, layouts_, tensors);
 }
 
 }  // namespace weightsync

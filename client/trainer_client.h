@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "client/channel.h"
+#include "common/chunk_planner.h"
 #include "weightsync/v1/trainer_service.grpc.pb.h"
 
 namespace weightsync {
@@ -77,16 +78,29 @@ class TrainerClient {
   absl::StatusOr<v1::CheckEngineResponse> CheckEngine(
       const std::string& engine_id);
 
+  // Registered sources (docs/protocol.md): a manifest (and on ipc the
+  // trainer's memory) the daemon validates once and plans by id.
+  absl::StatusOr<v1::RegisterSourceResponse> RegisterSource(
+      const v1::RegisterSourceRequest& request);
+  absl::Status UnregisterSource(const std::string& source_id);
+
   // Start, PushTensors and Finish in one call. If sending fails, Finish
   // still runs so the daemon ends the update (and reports dirty engines);
   // the send error is returned. Unless request.verify is VERIFY_OFF, the
   // engines' receipts are checked against what was sent (DATA_LOSS naming
   // the engine on a mismatch; see client/receipts.h). `request` supplies id,
   // version, mode, chunk size and engine ids; its manifest is filled from
-  // `tensors`.
+  // `tensors`. A dense update (no sparse tensors) goes by registered
+  // source: the manifest is registered the first time and again only when
+  // a name, dtype or shape changed or the daemon forgot it (a new group:
+  // NOT_FOUND, registered again and retried once); its chunk plan and the
+  // engines' layouts for receipts are kept between updates.
   absl::StatusOr<v1::FinishWeightUpdateResponse> Update(
       v1::StartWeightUpdateRequest request,
       const std::vector<HostTensor>& tensors);
+
+  // The source Update registered last ("" before the first dense update).
+  const std::string& source_id() const { return source_id_; }
 
   // IPC ring mode: opens the announcement stream of update `update_id`.
   std::unique_ptr<IpcChunkStream> OpenIpcChunks(const std::string& update_id);
@@ -96,10 +110,28 @@ class TrainerClient {
  private:
   TrainerClient(ClientOptions options, std::shared_ptr<grpc::Channel> channel);
   std::unique_ptr<grpc::ClientContext> Context() const;
+  // Start of a dense update by registered source (registering first when
+  // needed); the manifest of `tensors` is what source_manifest_ holds.
+  absl::StatusOr<v1::StartWeightUpdateResponse> StartFromSource(
+      v1::StartWeightUpdateRequest request,
+      const std::vector<HostTensor>& tensors);
+  absl::Status PushPlanned(const std::string& update_id,
+                           const std::vector<HostTensor>& tensors,
+                           const ChunkPlan& plan);
+  absl::Status CheckUpdateReceipts(const v1::FinishWeightUpdateResponse& done,
+                                   const std::vector<HostTensor>& tensors);
 
   const ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::TrainerService::Stub> stub_;
+  // The registered source of the last dense update and its chunk plan.
+  std::string source_id_;
+  Manifest source_manifest_;
+  int64_t plan_chunk_bytes_ = -1;
+  ChunkPlan source_plan_;
+  // GetStatus(include_layouts) of the engines, reused for receipts while
+  // every engine's layout_id is one it lists.
+  v1::GetStatusResponse layouts_;
 };
 
 }  // namespace weightsync

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -144,12 +145,7 @@ class SourceTest : public ::testing::Test {
 
   absl::StatusOr<v1::RegisterSourceResponse> RegisterSource(
       const v1::RegisterSourceRequest& request) {
-    grpc::ClientContext ctx;
-    v1::RegisterSourceResponse response;
-    const absl::Status s = FromGrpcStatus(
-        trainer_->stub()->RegisterSource(&ctx, request, &response));
-    if (!s.ok()) return s;
-    return response;
+    return trainer_->RegisterSource(request);
   }
 
   static v1::StartWeightUpdateRequest StartBySource(const std::string& source,
@@ -345,6 +341,63 @@ TEST_F(SourceTest, UpdatesBySourceWriteTheBytesAndCommit) {
   EXPECT_EQ(done->engines(0).receipt().parameters(), 1);
   const auto status = trainer_->GetStatus(/*include_layouts=*/true);
   EXPECT_TRUE(CheckReceipts(*done, *status, {t[0]}).ok());
+}
+
+// TrainerClient::Update sends a dense update by registered source: one
+// registration across updates of the same manifest, a new one for a new
+// manifest or after a new group (the daemon's NOT_FOUND is absorbed), the
+// bytes and receipts right every time, also into an engine that registered
+// again (its new layout is fetched for the receipts).
+TEST_F(SourceTest, TrainerClientUpdateRegistersOnceAndAgainWhenNeeded) {
+  const int e0 = AddEngine("e0", Parameters());
+  Init();
+  auto request = [](int64_t version) {
+    v1::StartWeightUpdateRequest r;
+    r.set_update_id(absl::StrCat("c", version));
+    r.set_target_version(version);
+    r.set_chunk_bytes(4096);
+    return r;
+  };
+  auto update = [&](int64_t version, const std::vector<HostTensor>& t) {
+    auto done = trainer_->Update(request(version), t);
+    ASSERT_TRUE(done.ok()) << done.status();
+    EXPECT_EQ(done->version(), version);
+    ASSERT_TRUE(done->engines(0).has_receipt());  // and checked by Update
+    ExpectInstalled(e0);
+  };
+  EXPECT_EQ(trainer_->source_id(), "");
+  update(1, Tensors(1));
+  const std::string first = trainer_->source_id();
+  EXPECT_FALSE(first.empty());
+  update(2, Tensors(2));
+  EXPECT_EQ(trainer_->source_id(), first);
+  // Another manifest (the same tensors in another order): registered anew.
+  std::vector<HostTensor> reordered = Tensors(3);
+  std::swap(reordered[0], reordered[1]);
+  update(3, reordered);
+  EXPECT_NE(trainer_->source_id(), first);
+  const std::string second = trainer_->source_id();
+  // A new group forgets every source: Update registers again by itself.
+  Init();
+  reordered = Tensors(4);
+  std::swap(reordered[0], reordered[1]);
+  update(4, reordered);
+  EXPECT_NE(trainer_->source_id(), second);
+  // The engine registers again (new layout id): receipts still check out.
+  DropEngine(e0, "e0");
+  const int e1 = AddEngine("e0", Parameters());
+  auto done = trainer_->Update(request(5), Tensors(5));
+  ASSERT_TRUE(done.ok()) << done.status();
+  ExpectInstalled(e1);
+  // Receipts off: no receipt, same source, bytes right.
+  v1::StartWeightUpdateRequest off = request(6);
+  off.set_verify(v1::VERIFY_OFF);
+  const std::string third = trainer_->source_id();
+  done = trainer_->Update(off, Tensors(6));
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_FALSE(done->engines(0).has_receipt());
+  EXPECT_EQ(trainer_->source_id(), third);
+  ExpectInstalled(e1);
 }
 
 TEST_F(SourceTest, AnEngineThatRegistersAgainGetsThePlanRebuilt) {

@@ -267,6 +267,7 @@ int Main() {
     a->set_size(memory.size);
   } else {
     cudaIpcMemHandle_t handle;
+    *size = cuda::LegacyIpcAllocationBytes(*size);
     if (cudaMalloc(&base, *size) != cudaSuccess ||
         cudaIpcGetMemHandle(&handle, base) != cudaSuccess) {
       LOG(ERROR) << "cudaMalloc of " << *size << " bytes failed";

@@ -93,6 +93,11 @@ DEFINE_int32(ipc_ring_slots, 0,
 DEFINE_string(memory, "ipc",
               "--backend=ipc: how the packed buffer is shared: ipc "
               "(cudaMalloc + cudaIpcGetMemHandle) or vmm (cuMemCreate + fd)");
+DEFINE_bool(registered_source, true,
+            "--backend=ipc without a ring: register the trainer's tensors "
+            "(the buffer holding each at its plan offset) as a source once; "
+            "every update is then one StartWeightUpdate{source_id, finish} "
+            "call and the daemon copies from the tensors (docs/protocol.md)");
 DEFINE_bool(receipts, false,
             "ask for receipts (VERIFY_ON) and check them against what was "
             "sent (exit 5 on a mismatch)");
@@ -534,11 +539,33 @@ int Main() {
     source.set_handle(absl::StrCat(getpid(), ":", vmm.fd));
     source.set_size(vmm.size);
   } else {
-    CHECK_CUDA(cudaMalloc(&shared, shared_bytes));
-    if (ipc) source = IpcSource(shared, shared_bytes, FLAGS_device);
+    // A whole number of 2 MiB: memory shared by a legacy handle copies at
+    // half speed otherwise (docs/protocol.md, "CUDA IPC").
+    const int64_t rounded =
+        (shared_bytes + (2 << 20) - 1) / (2 << 20) * (2 << 20);
+    CHECK_CUDA(cudaMalloc(&shared, rounded));
+    if (ipc) source = IpcSource(shared, rounded, FLAGS_device);
   }
   source.set_device_uuid(GpuUuid(FLAGS_device));
   if (!ring) flat_dev = shared;
+  std::string source_id;
+  if (ipc && !ring && FLAGS_registered_source &&
+      FLAGS_sparse_densities.empty()) {
+    v1::RegisterSourceRequest r;
+    *r.mutable_tensors() = manifest;
+    *r.add_allocations() = source;
+    for (int64_t offset : plan->tensor_offsets) {
+      v1::SourcePlacement* p = r.add_placements();
+      p->set_allocation(0);
+      p->set_offset(offset);
+    }
+    auto registered = (*client)->RegisterSource(r);
+    CHECK(registered.ok()) << registered.status();
+    source_id = registered->source_id();
+    std::printf("trainer: registered source %s (%lld tensors)\n",
+                source_id.c_str(),
+                static_cast<long long>(registered->tensors()));
+  }
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   std::vector<uint8_t> flat;
@@ -591,9 +618,16 @@ int Main() {
     req.set_update_id(absl::StrCat("update-", version));
     req.set_target_version(version);
     req.set_chunk_bytes(FLAGS_chunk_mib << 20);
-    *req.mutable_tensors() = manifest;
-    if (ipc) *req.mutable_ipc_source() = source;
-    if (ring) req.set_ipc_ring_slots(FLAGS_ipc_ring_slots);
+    if (!source_id.empty()) {
+      // One call: the daemon starts, copies from the source and finishes.
+      req.set_source_id(source_id);
+      req.set_finish(true);
+      req.set_finish_timeout_ms(FLAGS_finish_timeout_ms);
+    } else {
+      *req.mutable_tensors() = manifest;
+      if (ipc) *req.mutable_ipc_source() = source;
+      if (ring) req.set_ipc_ring_slots(FLAGS_ipc_ring_slots);
+    }
     req.set_verify(FLAGS_receipts ? v1::VERIFY_ON : v1::VERIFY_OFF);
     if (FLAGS_mode == "staged") {
       req.set_mode(v1::UPDATE_MODE_STAGED);
@@ -668,7 +702,10 @@ int Main() {
     if (FLAGS_stall_after_chunks >= static_cast<int64_t>(plan->chunks.size())) {
       StallAt(FLAGS_stall_after_chunks, version);
     }
-    auto done = (*client)->FinishWeightUpdate(req.update_id());
+    auto done = source_id.empty()
+                    ? (*client)->FinishWeightUpdate(req.update_id())
+                    : absl::StatusOr<v1::FinishWeightUpdateResponse>(
+                          started->finished());
     const double s = absl::ToDoubleSeconds(absl::Now() - t0);
     if (!done.ok()) {
       std::printf("update v%lld failed: %s\n", static_cast<long long>(version),

@@ -55,6 +55,15 @@ absl::StatusOr<size_t> BytesFrom(const void* ptr);
 // (pidfd_open + pidfd_getfd). PERMISSION_DENIED names what to fix.
 absl::StatusOr<int> DuplicatePeerFd(pid_t pid, int fd);
 
+// Bytes to cudaMalloc for memory shared by a legacy cudaIpc handle: `bytes`
+// rounded up to 2 MiB. Another process copies out of (or into) an import
+// at half speed when the exported allocation is not a whole number of
+// 2 MiB (measured on H200; docs/protocol.md, "CUDA IPC").
+constexpr int64_t LegacyIpcAllocationBytes(int64_t bytes) {
+  constexpr int64_t kTwoMiB = int64_t{2} << 20;
+  return (bytes + kTwoMiB - 1) / kTwoMiB * kTwoMiB;
+}
+
 }  // namespace cuda
 }  // namespace weightsync
 

@@ -53,6 +53,53 @@ fi
 [ -z "${ONLY_TEST:-}" ] && run check_receipts_gpu 300 "$PY" tests/gpu/check_receipts_gpu.py
 TAIL=40 run test_registered_source 600 "$PY" tests/gpu/test_registered_source.py "$WEIGHTSYNCD" "$WEIGHTSYNC_GPU_WORKER"
 [ -z "${ONLY_TEST:-}" ] && TAIL=20 run python_ipc_bench 900 "$PY" bench/python_ipc_bench.py "$WEIGHTSYNCD" "$WEIGHTSYNC_GPU_WORKER" "$LOG/python_ipc.json"
+# The C++ client's figures (issue 15, "C++ parity"): weightsync_gpu_trainer
+# on ipc by registered source (its tensors -> the engine's tensors, one
+# Start{finish} call per update) into weightsync_gpu_engine's Qwen3-8B bf16
+# parameters, with its own on-GPU copy of the same bytes in the same run.
+cpp_ipc() {  # tag trainer-flags...
+  local tag=$1; shift
+  local sock="$LOG/cpp.sock"; rm -f "$sock"; chmod 750 "$LOG"
+  timeout 300 "$BIN/weightsyncd" --socket="$sock" --gpu=0 --gpu_worker="$BIN/weightsync_gpu_worker" \
+    --notice_timeout_ms=60000 >"$LOG/cpp-daemon-$tag.log" 2>&1 &
+  local d=$!
+  for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
+  timeout 300 "$BIN/weightsync_gpu_engine" --target="unix:$sock" --engine_id=e --model=qwen3-8b \
+    --layout=plain --dtype=bfloat16 --device=0 --verify=false >"$LOG/cpp-engine-$tag.log" 2>&1 &
+  local e=$!
+  for _ in $(seq 600); do grep -q registered "$LOG/cpp-engine-$tag.log" && break; sleep 0.1; done
+  timeout 300 "$BIN/weightsync_gpu_trainer" --target="unix:$sock" --backend=ipc --model=qwen3-8b \
+    --dtype=bfloat16 --updates=8 --same_data --chunk_mib=0 --device=0 "$@"
+  local rc=$?
+  kill -TERM $e $d 2>/dev/null; sleep 0.5; kill -KILL $e $d 2>/dev/null; wait $e $d 2>/dev/null
+  return $rc
+}
+export -f cpp_ipc; export BIN LOG
+if [ -z "${ONLY_TEST:-}" ] && [ -x "$BIN/weightsync_gpu_trainer" ]; then
+  run cpp_ipc_receipts_off 400 bash -c 'cpp_ipc "$@"' _ off --baseline_copy
+  run cpp_ipc_daemon_receipts 400 bash -c 'cpp_ipc "$@"' _ daemon_receipts --receipts --nocheck_receipts
+  "$PY" - "$LOG" <<'PY' >"$LOG/cpp_ipc.txt" 2>&1
+import json, os, re, statistics, sys
+log = sys.argv[1]
+def medians(name):
+    text = open(os.path.join(log, name + ".log")).read()
+    s = [float(x) for x in re.findall(r"^update v\d+: .*?, ([0-9.]+) s,", text, re.M)]
+    copy = re.search(r"baseline on-GPU copy: .*?, ([0-9.]+) s,", text)
+    return (statistics.median(s[1:]) if len(s) > 1 else None), (float(copy.group(1)) if copy else None)
+off, copy_s = medians("cpp_ipc_receipts_off")
+daemon, _ = medians("cpp_ipc_daemon_receipts")
+out = {"cpp_copy_s": copy_s, "cpp_update_s_receipts_off": off,
+       "cpp_update_s_daemon_receipts": daemon,
+       "cpp_ratio_receipts_off": copy_s / off if copy_s and off else None}
+print(json.dumps(out))
+path = os.path.join(log, "python_ipc.json")
+if os.path.exists(path):
+    res = json.load(open(path))
+    res.update(out)
+    json.dump(res, open(path, "w"), indent=1)
+PY
+  cat "$LOG/cpp_ipc.txt"
+fi
 echo
 echo "=== registered source checks ($LOG)"
 for r in "${results[@]}"; do echo "$r"; done
