@@ -99,16 +99,25 @@ def uniform_shapes(n):
 
 # ---------------------------------------------------------------- engine child
 
-def engine_child(sock, spec_path):
-    """Registers the parameters in `spec_path`, reports the time on stdout,
-    serves the control stream until stdin closes."""
+def engine_child(sock, spec_path, backend="host"):
+    """Registers the parameters in `spec_path` (host: register_host; ipc:
+    torch float32 tensors on GPU 0, register_torch), reports the time on
+    stdout, serves the control stream until stdin closes."""
     import weightsync
     with open(spec_path) as f:
         shapes = [(n, tuple(s)) for n, s in json.load(f)]
-    params = [(n, "FLOAT32", s) for n, s in shapes]
     engine = weightsync.Engine("bench-engine", "unix:" + sock, timeout=120)
+    if backend == "ipc":
+        import torch
+        params = [(n, torch.zeros(s, dtype=torch.float32, device="cuda:0")) for n, s in shapes]
+        torch.cuda.synchronize()
+    else:
+        params = [(n, "FLOAT32", s) for n, s in shapes]
     t0 = time.perf_counter()
-    engine.register_host(params)
+    if backend == "ipc":
+        engine.register_torch(params)
+    else:
+        engine.register_host(params)
     register_s = time.perf_counter() - t0
     engine.start()
     print(json.dumps({"register_s": register_s}), flush=True)
@@ -119,12 +128,14 @@ def engine_child(sock, spec_path):
 # ---------------------------------------------------------------- trainer side
 
 class Daemon:
-    def __init__(self, binary):
+    def __init__(self, binary, gpu_worker=None):
         self.dir = tempfile.mkdtemp(prefix="wsbench.", dir="/tmp")
         self.sock = os.path.join(self.dir, "d.sock")
         self.log = open(os.path.join(self.dir, "daemon.log"), "w")
+        self.backend = "ipc" if gpu_worker else "host"
+        gpu = [f"--gpu=0", f"--gpu_worker={gpu_worker}"] if gpu_worker else []
         self.proc = subprocess.Popen([binary, f"--socket={self.sock}", "--notice_timeout_ms=60000",
-                                      "--finish_timeout_ms=600000"], stderr=self.log)
+                                      "--finish_timeout_ms=600000"] + gpu, stderr=self.log)
         for _ in range(400):
             if os.path.exists(self.sock):
                 break
@@ -143,7 +154,8 @@ class Daemon:
         with open(spec, "w") as f:
             json.dump([(n, list(s)) for n, s in shapes], f)
         self.engine = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--engine-child", self.sock, spec],
+            [sys.executable, os.path.abspath(__file__), "--engine-child", self.sock, spec,
+             self.backend],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         line = self.engine.stdout.readline()
         if not line:
@@ -166,11 +178,15 @@ class Daemon:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def trainer_tensors(shapes):
+def trainer_tensors(shapes, backend="host"):
     """(backing array, [(name, view)]): every tensor a contiguous float32
-    view of one array, so values change in place between updates."""
+    view of one array (ipc: a torch tensor on GPU 0), so values change in
+    place between updates."""
     sizes = [int(np.prod(s)) if len(s) else 1 for _, s in shapes]
     backing = np.random.default_rng(0).standard_normal(sum(sizes)).astype(np.float32)
+    if backend == "ipc":
+        import torch
+        backing = torch.from_numpy(backing).to("cuda:0")
     out, at = [], 0
     for (name, shape), n in zip(shapes, sizes):
         out.append((name, backing[at:at + n].reshape(shape)))
@@ -186,16 +202,19 @@ def wait_connected(trainer, engine_id="bench-engine"):
     raise RuntimeError("engine never connected")
 
 
-def run_row(binary, shapes, receipts, updates, profile):
+def run_row(binary, shapes, receipts, updates, profile, gpu_worker=None):
     import weightsync
-    daemon = Daemon(binary)
+    daemon = Daemon(binary, gpu_worker)
     try:
         register_s = daemon.start_engine(shapes)
         trainer = weightsync.Trainer("unix:" + daemon.sock, timeout=300)
         try:
             wait_connected(trainer)
-            trainer.init_host()
-            backing, named = trainer_tensors(shapes)
+            if daemon.backend == "ipc":
+                trainer.init_ipc()
+            else:
+                trainer.init_host()
+            backing, named = trainer_tensors(shapes, daemon.backend)
             verify = receipts == "on"
             times = []
             version = 0
@@ -255,8 +274,8 @@ def keep_history(path, doc):
 
 
 def main():
-    if len(sys.argv) == 4 and sys.argv[1] == "--engine-child":
-        return engine_child(sys.argv[2], sys.argv[3])
+    if len(sys.argv) in (4, 5) and sys.argv[1] == "--engine-child":
+        return engine_child(*sys.argv[2:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--weightsyncd", default=os.environ.get(
         "WEIGHTSYNCD", os.path.join(ROOT, "bazel-bin", "daemon", "weightsyncd")))
@@ -266,6 +285,9 @@ def main():
     ap.add_argument("--qwen3", action="store_true", help="Qwen3-235B-A22B-shaped manifest")
     ap.add_argument("--real-layers", type=int, default=0)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--gpu-worker", default=None,
+                    help="weightsync_gpu_worker: run on the ipc backend on GPU 0 (torch "
+                         "tensors in the trainer and the engine) instead of the host backend")
     ap.add_argument("--kind", default=f"cpu-{os.cpu_count()}core {platform.machine()} "
                     "host backend")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "manifest_scale.json"))
@@ -282,7 +304,9 @@ def main():
           f"{'steady_update_s':>16}", flush=True)
     for label, shapes in cases:
         for receipts in args.receipts.split(","):
-            row, prof = run_row(binary, shapes, receipts, args.updates, args.profile)
+            row, prof = run_row(binary, shapes, receipts, args.updates, args.profile,
+                                args.gpu_worker)
+            row["backend"] = "ipc" if args.gpu_worker else "host"
             if label:
                 row["manifest"] = label
                 row["real_layers"] = args.real_layers

@@ -8,8 +8,13 @@
 # probe and the torch third-process probe (the issue's finding), the Triton
 # receipt check, tests/gpu/test_registered_source.py (transformers model,
 # trainer and engine on one GPU), bench/python_ipc_bench.py (->
-# LOG_DIR/python_ipc.json). Every process runs under `timeout`; prints a
-# PASS/FAIL table last; full logs under LOG_DIR.
+# LOG_DIR/python_ipc.json), the C++ client's figures (weightsync_gpu_trainer
+# and weightsync_gpu_engine in BIN_DIR; merged into python_ipc.json) and
+# bench/manifest_scale.py on the ipc backend (-> manifest_scale_ipc.json).
+# STEPS picks parts (see below): a device call runs 10 minutes at most, so
+# e.g. STEPS="test bench cpp" in one call and STEPS=manifest in another.
+# Every process runs under `timeout`; prints a PASS/FAIL table last; full
+# logs under LOG_DIR.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
@@ -41,18 +46,24 @@ run() {  # name seconds command...
   "$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } \
   >"$LOG/env.txt" 2>&1
 cat "$LOG/env.txt"
-if [ -x "$BIN/ipc_alloc_size" ] && [ -z "${SKIP_PROBES:-}" ]; then
+# STEPS: which parts run (default all): probes triton test bench cpp manifest
+# (SKIP_PROBES=1 drops probes, ONLY_TEST=1 keeps only test).
+STEPS=" ${STEPS:-probes triton test bench cpp manifest} "
+[ -n "${SKIP_PROBES:-}" ] && STEPS="${STEPS/ probes / }"
+[ -n "${ONLY_TEST:-}" ] && STEPS=" test "
+step() { case "$STEPS" in *" $1 "*) return 0;; esac; return 1; }
+if [ -x "$BIN/ipc_alloc_size" ] && step probes; then
   for n in 16381470720 16382951424 4295016448 4296015872; do
     run "ipc_alloc_size_$n" 120 "$BIN/ipc_alloc_size" "$n"
   done
 fi
 probe="$BIN/../torch_ipc_third_process.py"
-if [ -f "$probe" ] && [ -z "${SKIP_PROBES:-}" ]; then
+if [ -f "$probe" ] && step probes; then
   run torch_ipc_third_process 300 "$PY" "$probe"
 fi
-[ -z "${ONLY_TEST:-}" ] && run check_receipts_gpu 300 "$PY" tests/gpu/check_receipts_gpu.py
-TAIL=40 run test_registered_source 600 "$PY" tests/gpu/test_registered_source.py "$WEIGHTSYNCD" "$WEIGHTSYNC_GPU_WORKER"
-[ -z "${ONLY_TEST:-}" ] && TAIL=20 run python_ipc_bench 900 "$PY" bench/python_ipc_bench.py "$WEIGHTSYNCD" "$WEIGHTSYNC_GPU_WORKER" "$LOG/python_ipc.json"
+step triton && run check_receipts_gpu 300 "$PY" tests/gpu/check_receipts_gpu.py
+step test && TAIL=40 run test_registered_source 600 "$PY" tests/gpu/test_registered_source.py "$WEIGHTSYNCD" "$WEIGHTSYNC_GPU_WORKER"
+step bench && TAIL=20 run python_ipc_bench 900 "$PY" bench/python_ipc_bench.py "$WEIGHTSYNCD" "$WEIGHTSYNC_GPU_WORKER" "$LOG/python_ipc.json"
 # The C++ client's figures (issue 15, "C++ parity"): weightsync_gpu_trainer
 # on ipc by registered source (its tensors -> the engine's tensors, one
 # Start{finish} call per update) into weightsync_gpu_engine's Qwen3-8B bf16
@@ -75,7 +86,7 @@ cpp_ipc() {  # tag trainer-flags...
   return $rc
 }
 export -f cpp_ipc; export BIN LOG
-if [ -z "${ONLY_TEST:-}" ] && [ -x "$BIN/weightsync_gpu_trainer" ]; then
+if step cpp && [ -x "$BIN/weightsync_gpu_trainer" ]; then
   run cpp_ipc_receipts_off 400 bash -c 'cpp_ipc "$@"' _ off --baseline_copy
   run cpp_ipc_daemon_receipts 400 bash -c 'cpp_ipc "$@"' _ daemon_receipts --receipts --nocheck_receipts
   "$PY" - "$LOG" <<'PY' >"$LOG/cpp_ipc.txt" 2>&1
@@ -100,6 +111,12 @@ if os.path.exists(path):
 PY
   cat "$LOG/cpp_ipc.txt"
 fi
+# Control cost at mixture-of-experts scale on the ipc backend (issue 22).
+step manifest && TAIL=12 run manifest_scale_ipc 900 "$PY" bench/manifest_scale.py \
+  --weightsyncd "$WEIGHTSYNCD" --gpu-worker "$WEIGHTSYNC_GPU_WORKER" \
+  --tensors "${MANIFEST_TENSORS:-400,4000,40000,100000}" \
+  --kind "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), ipc backend" \
+  --out "$LOG/manifest_scale_ipc.json"
 echo
 echo "=== registered source checks ($LOG)"
 for r in "${results[@]}"; do echo "$r"; done
