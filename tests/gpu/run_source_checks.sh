@@ -47,7 +47,8 @@ run() {  # name seconds command...
   >"$LOG/env.txt" 2>&1
 cat "$LOG/env.txt"
 # STEPS: which parts run (default all): probes triton test bench cpp manifest
-# (SKIP_PROBES=1 drops probes, ONLY_TEST=1 keeps only test).
+# (SKIP_PROBES=1 drops probes, ONLY_TEST=1 keeps only test). The cpp step
+# uses chunks of 8 MiB, the daemon's default that the Python client takes.
 STEPS=" ${STEPS:-probes triton test bench cpp manifest} "
 [ -n "${SKIP_PROBES:-}" ] && STEPS="${STEPS/ probes / }"
 [ -n "${ONLY_TEST:-}" ] && STEPS=" test "
@@ -80,7 +81,7 @@ cpp_ipc() {  # tag trainer-flags...
   local e=$!
   for _ in $(seq 600); do grep -q registered "$LOG/cpp-engine-$tag.log" && break; sleep 0.1; done
   timeout 300 "$BIN/weightsync_gpu_trainer" --target="unix:$sock" --backend=ipc --model=qwen3-8b \
-    --dtype=bfloat16 --updates=8 --same_data --chunk_mib=0 --device=0 "$@"
+    --dtype=bfloat16 --updates=8 --same_data --chunk_mib=8 --device=0 "$@"
   local rc=$?
   kill -TERM $e $d 2>/dev/null; sleep 0.5; kill -KILL $e $d 2>/dev/null; wait $e $d 2>/dev/null
   return $rc
@@ -112,7 +113,7 @@ PY
   cat "$LOG/cpp_ipc.txt"
 fi
 # Control cost at mixture-of-experts scale on the ipc backend (issue 22).
-step manifest && TAIL=12 run manifest_scale_ipc 900 "$PY" bench/manifest_scale.py \
+step manifest && TAIL=12 run manifest_scale_ipc "${MANIFEST_TIMEOUT:-900}" "$PY" bench/manifest_scale.py \
   --weightsyncd "$WEIGHTSYNCD" --gpu-worker "$WEIGHTSYNC_GPU_WORKER" \
   --tensors "${MANIFEST_TENSORS:-400,4000,40000,100000}" \
   --kind "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), ipc backend" \
