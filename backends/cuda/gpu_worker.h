@@ -31,6 +31,7 @@
 #include "absl/time/time.h"
 #include "backends/cuda/cuda_status.h"
 #include "backends/cuda/kernel_math.h"
+#include "backends/cuda/scatter.h"
 #include "backends/cuda/vmm.h"
 #include "weightsync/worker/v1/gpu_worker.grpc.pb.h"
 
@@ -139,6 +140,12 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
       const absl::flat_hash_map<int64_t, Allocation>& allocs, int64_t id);
   // Enqueues the ops of chunk `k` (from *op on) reading from `chunk`;
   // `sm_copies`: same-dtype blocks by kernel rather than copy engines.
+  // Room in the batch tables for `ops` copies, none used yet; waits for
+  // the scatter stream first (an earlier update's tables are read no more).
+  absl::Status PrepareBatch(int64_t ops);
+  // Enqueues entries [batch_used_, batch_used_ + n) of the batch table:
+  // their upload and one CopyBatchWithSMs.
+  absl::Status FlushBatch(int64_t n);
   absl::Status EnqueueChunkOps(
       const worker::v1::BeginUpdateRequest& request, int64_t k,
       const uint8_t* chunk,
@@ -308,6 +315,13 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   int64_t receipt_dev_bytes_ = 0;
   uint64_t* receipt_host_ = nullptr;
   int64_t receipt_host_bytes_ = 0;
+  // An update's small same-dtype SM copies, batched (CopyBatchWithSMs):
+  // the tables in pinned host memory and on the device, entries used since
+  // PrepareBatch (each flush takes the next entries: no entry is rewritten
+  // while a copy of it may be pending).
+  cuda::BatchCopy* batch_host_ = nullptr;
+  cuda::BatchCopy* batch_dev_ = nullptr;
+  int64_t batch_host_bytes_ = 0, batch_dev_bytes_ = 0, batch_used_ = 0;
   int receipt_groups_ = 0;
   // The worker ended the last update itself with its GPU work complete (a
   // refused patch): AbortUpdate then leaves the communicator alone.

@@ -21,6 +21,8 @@ absl::Status GpuWorker::EnqueueIpcUpdate(
   }
   // Straight from the trainer's packed buffer into engine memory: no
   // staging, and same-dtype copies run on the copy engines (no SMs).
+  absl::Status batch = PrepareBatch(request.ops_size());
+  if (!batch.ok()) return batch;
   int op = 0;
   WS_CUDA(cudaEventRecord(first_op_, scatter_stream_));
   for (int64_t k = 0; k < request.chunk_sizes_size(); ++k) {

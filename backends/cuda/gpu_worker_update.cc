@@ -24,11 +24,42 @@ absl::StatusOr<uint8_t*> GpuWorker::BaseOf(
   return it->second.ptr;
 }
 
+namespace {
+
+// Copies up to this size go into the batch kernel (one block each).
+constexpr int64_t kBatchedCopyBytes = int64_t{256} << 10;
+
+}  // namespace
+
+absl::Status GpuWorker::PrepareBatch(int64_t ops) {
+  if (scatter_stream_ != nullptr) {
+    WS_CUDA(cudaStreamSynchronize(scatter_stream_));
+  }
+  batch_used_ = 0;
+  const int64_t bytes = ops * static_cast<int64_t>(sizeof(cuda::BatchCopy));
+  absl::Status s = Grow(&batch_host_, &batch_host_bytes_, bytes, true);
+  if (s.ok()) s = Grow(&batch_dev_, &batch_dev_bytes_, bytes, false);
+  return s;
+}
+
+absl::Status GpuWorker::FlushBatch(int64_t n) {
+  if (n == 0) return absl::OkStatus();
+  WS_CUDA(cudaMemcpyAsync(batch_dev_ + batch_used_, batch_host_ + batch_used_,
+                          n * sizeof(cuda::BatchCopy), cudaMemcpyHostToDevice,
+                          scatter_stream_));
+  WS_CUDA(cuda::CopyBatchWithSMs(batch_dev_ + batch_used_, n, scatter_stream_));
+  batch_used_ += n;
+  return absl::OkStatus();
+}
+
 absl::Status GpuWorker::EnqueueChunkOps(
     const worker::v1::BeginUpdateRequest& request, int64_t k,
     const uint8_t* chunk,
     const absl::flat_hash_map<int64_t, Allocation>& allocs, bool sm_copies,
     int* op) {
+  const int64_t capacity =
+      batch_host_bytes_ / static_cast<int64_t>(sizeof(cuda::BatchCopy));
+  int64_t pending = 0;  // batch entries not flushed yet
   for (; *op < request.ops_size() && request.ops(*op).chunk() == k; ++*op) {
     const worker::v1::GpuOp& o = request.ops(*op);
     absl::StatusOr<uint8_t*> base = BaseOf(allocs, o.allocation_id());
@@ -44,15 +75,27 @@ absl::Status GpuWorker::EnqueueChunkOps(
     if (sm_copies_ && (ipc_source_ != nullptr || o.src_allocation_id() != 0) &&
         o.src_dtype() == o.dst_dtype()) {
       const int64_t width = o.cols() * cuda::DTypeSize(o.src_dtype());
+      if (width * o.rows() <= kBatchedCopyBytes &&
+          batch_used_ + pending < capacity) {
+        batch_host_[batch_used_ + pending++] = {
+            src, dst, width, o.rows(), o.src_stride(), o.dst_stride()};
+        continue;
+      }
+      absl::Status flushed = FlushBatch(pending);
+      if (!flushed.ok()) return flushed;
+      pending = 0;
       WS_CUDA(cuda::CopyBytes2DWithSMs(src, o.src_stride(), dst, o.dst_stride(),
                                        width, o.rows(), scatter_stream_));
       continue;
     }
+    absl::Status flushed = FlushBatch(pending);
+    if (!flushed.ok()) return flushed;
+    pending = 0;
     WS_CUDA(cuda::CopyConvert2D(src, o.src_stride(), o.src_dtype(), dst,
                                 o.dst_stride(), o.dst_dtype(), o.rows(),
                                 o.cols(), scatter_stream_));
   }
-  return absl::OkStatus();
+  return FlushBatch(pending);
 }
 
 absl::Status GpuWorker::EnqueueChunk(
@@ -309,6 +352,11 @@ absl::Status GpuWorker::StartRing(
         absl::StrCat("an IPC ring needs >= 2 slots of ", request.chunk_bytes(),
                      " bytes; got ", request.ipc_ring_slots(), " slots in ",
                      request.ipc_source_size(), " bytes"));
+  }
+  absl::Status batch = PrepareBatch(request.ops_size());
+  if (!batch.ok()) {
+    update_active_ = false;
+    return batch;
   }
   ring_ = request;
   staged_pending_ = request.staged();

@@ -361,7 +361,48 @@ __global__ void __launch_bounds__(256)
   }
 }
 
+// One copy of a batch per block at a time (16-byte units where the copy's
+// addresses, strides and width allow, else bytes).
+__global__ void __launch_bounds__(256)
+    CopyBatchKernel(const BatchCopy* table, int64_t n) {
+  for (int64_t i = blockIdx.x; i < n; i += gridDim.x) {
+    const BatchCopy c = table[i];
+    const auto* src = static_cast<const char*>(c.src);
+    auto* dst = static_cast<char*>(c.dst);
+    const bool vec =
+        (reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst) |
+         static_cast<uintptr_t>(c.width) |
+         static_cast<uintptr_t>(c.rows > 1 ? c.src_stride | c.dst_stride
+                                           : 0)) %
+            16 ==
+        0;
+    const int64_t units = vec ? c.width / 16 : c.width;
+    const int64_t total = c.rows * units;
+    for (int64_t j = threadIdx.x; j < total; j += blockDim.x) {
+      const int64_t r = j / units, u = j - r * units;
+      if (vec) {
+        reinterpret_cast<uint4*>(dst + r * c.dst_stride)[u] =
+            reinterpret_cast<const uint4*>(src + r * c.src_stride)[u];
+      } else {
+        dst[r * c.dst_stride + u] = src[r * c.src_stride + u];
+      }
+    }
+  }
+}
+
 }  // namespace
+
+cudaError_t CopyBatchWithSMs(const BatchCopy* table, int64_t n,
+                             cudaStream_t stream) {
+  if (n < 0) return cudaErrorInvalidValue;
+  if (n == 0) return cudaSuccess;
+  int sms = 0;
+  const cudaError_t err = MultiprocessorCount(&sms);
+  if (err != cudaSuccess) return err;
+  const int64_t blocks = std::min<int64_t>(n, int64_t{sms} * 8);
+  CopyBatchKernel<<<blocks, 256, 0, stream>>>(table, n);
+  return cudaGetLastError();
+}
 
 cudaError_t CopyBytes2DWithSMs(const void* src, int64_t src_stride, void* dst,
                                int64_t dst_stride, int64_t width, int64_t rows,

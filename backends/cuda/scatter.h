@@ -68,6 +68,22 @@ cudaError_t CopyBytes2DWithSMs(const void* src, int64_t src_stride, void* dst,
 
 int64_t DTypeSize(int dtype);
 
+// One byte copy of CopyBatchWithSMs's table: rows x width bytes, row r at
+// src + r * src_stride and dst + r * dst_stride.
+struct BatchCopy {
+  const void* src;
+  void* dst;
+  int64_t width, rows, src_stride, dst_stride;
+};
+
+// Runs `n` copies of `table` (device memory; n entries) as one kernel:
+// each block takes whole copies, so many small ones (a mixture of experts'
+// 100k tensors) cost one launch instead of n. Meant for copies of at most
+// a few hundred KiB each (one block moves a copy). Same pointer rules as
+// CopyBytes2DWithSMs; rows must not overlap; n == 0 is a no-op.
+cudaError_t CopyBatchWithSMs(const BatchCopy* table, int64_t n,
+                             cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace weightsync
 

@@ -267,6 +267,57 @@ TEST_F(ScatterGpuTest, EqualNonFloatDtypesCopy) {
   }
 }
 
+// CopyBatchWithSMs: thousands of small copies (aligned and not, one row
+// and strided, empty) land exactly where a byte-by-byte host copy puts
+// them, and nothing else in the destination changes.
+TEST_F(ScatterGpuTest, BatchOfSmallCopiesMatchesHostCopies) {
+  constexpr int64_t kBytes = 8 << 20;
+  std::mt19937_64 rng(11);
+  std::vector<uint8_t> src(kBytes), dst(kBytes, 0xA5);
+  for (auto& b : src) b = static_cast<uint8_t>(rng());
+  DeviceBuffer dsrc(kBytes), ddst(kBytes);
+  ASSERT_EQ(cudaMemcpy(dsrc.get(), src.data(), kBytes, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(ddst.get(), dst.data(), kBytes, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  std::vector<BatchCopy> table;
+  std::vector<uint8_t> want = dst;
+  int64_t at = 0;  // destinations are disjoint: each copy takes the next span
+  for (int i = 0; i < 5000 && at < kBytes - 4096; ++i) {
+    const bool aligned = i % 3 != 0;
+    const int64_t rows = i % 4 == 0 ? 1 + static_cast<int64_t>(rng() % 5) : 1;
+    int64_t width = aligned ? 16 * static_cast<int64_t>(1 + rng() % 24)
+                            : static_cast<int64_t>(rng() % 300);
+    const int64_t dst_stride = width + (aligned ? 16 : 3);
+    const int64_t src_stride = width + 48;
+    const int64_t src_at = aligned ? 16 * static_cast<int64_t>(rng() % 1000)
+                                   : static_cast<int64_t>(rng() % 16000);
+    const int64_t dst_at = aligned ? (at + 15) / 16 * 16 : at + 1;
+    table.push_back({dsrc.get() + src_at, ddst.get() + dst_at, width, rows,
+                     src_stride, dst_stride});
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(want.data() + dst_at + r * dst_stride,
+                  src.data() + src_at + r * src_stride, width);
+    }
+    at = dst_at + rows * dst_stride;
+  }
+  DeviceBuffer dtable(table.size() * sizeof(BatchCopy));
+  ASSERT_EQ(
+      cudaMemcpy(dtable.get(), table.data(), table.size() * sizeof(BatchCopy),
+                 cudaMemcpyHostToDevice),
+      cudaSuccess);
+  ASSERT_EQ(CopyBatchWithSMs(reinterpret_cast<const BatchCopy*>(dtable.get()),
+                             table.size(), stream_),
+            cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+  std::vector<uint8_t> got(kBytes);
+  ASSERT_EQ(cudaMemcpy(got.data(), ddst.get(), kBytes, cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  EXPECT_TRUE(got == want) << table.size() << " copies";
+  EXPECT_EQ(CopyBatchWithSMs(nullptr, 0, stream_), cudaSuccess);
+  EXPECT_EQ(CopyBatchWithSMs(nullptr, -1, stream_), cudaErrorInvalidValue);
+}
+
 TEST_F(ScatterGpuTest, RejectsWhatItCannotDo) {
   DeviceBuffer buf(1 << 20);
   ASSERT_NE(buf.get(), nullptr);

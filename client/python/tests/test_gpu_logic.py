@@ -626,5 +626,41 @@ class ChunkScheduleTest(unittest.TestCase):
         self.assertEqual(ops[0]["direct"], (0, 0))
 
 
+class MovedSignatureTest(unittest.TestCase):
+    """trainer._moved_signature: what decides whether a registered source
+    is reused. Anything a source depends on (a name, data pointer, dtype,
+    shape, stride) changes it; values don't; a non-tensor gives None."""
+
+    class FakeTensor:
+        def __init__(self, ptr, dtype="bf16", shape=(4, 4), stride=(4, 1)):
+            self.ptr, self.dtype, self.shape, self._stride = ptr, dtype, shape, stride
+            self.values = 0
+
+        def data_ptr(self):
+            return self.ptr
+
+        def stride(self):
+            return self._stride
+
+    def test_changes(self):
+        from weightsync.trainer import _moved_signature
+        T = self.FakeTensor
+        ts = [T(1000 + 64 * i) for i in range(5)]
+        pairs = [(f"w{i}", t) for i, t in enumerate(ts)]
+        base = _moved_signature(pairs)
+        ts[2].values = 7   # values only
+        self.assertEqual(_moved_signature(list(pairs)), base)
+        for change in (lambda t: setattr(t, "ptr", 1), lambda t: setattr(t, "dtype", "f32"),
+                       lambda t: setattr(t, "shape", (16,)),
+                       lambda t: setattr(t, "_stride", (1, 4))):
+            t = T(1000 + 64 * 3)
+            change(t)
+            moved = pairs[:3] + [("w3", t)] + pairs[4:]
+            self.assertNotEqual(_moved_signature(moved), base)
+        self.assertNotEqual(_moved_signature([("v0", ts[0])] + pairs[1:]), base)
+        self.assertNotEqual(_moved_signature(pairs[:-1]), base)
+        self.assertIsNone(_moved_signature(pairs + [("x", 3.0)]))
+
+
 if __name__ == "__main__":
     unittest.main()

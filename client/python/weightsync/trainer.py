@@ -20,7 +20,6 @@ deadline; errors raise WeightSyncError with the daemon's code and message.
 """
 
 import contextlib
-import itertools
 import operator
 import time
 import uuid
@@ -39,7 +38,27 @@ def _has_patches(named_tensors):
     return any(issubclass(t, SparsePatch) for t in types)
 
 
+_first = operator.itemgetter(0)
 _second = operator.itemgetter(1)
+_data_ptr = operator.methodcaller("data_ptr")
+_stride = operator.methodcaller("stride")
+_dtype = operator.attrgetter("dtype")
+_shape = operator.attrgetter("shape")
+
+
+def _moved_signature(pairs):
+    """What a registered source depends on, of every (name, torch tensor):
+    names, data pointers, dtypes, shapes and strides, as five tuples built
+    by C-level passes (a mixture of experts sends 100k tensors every step;
+    a generator per tensor cost ~230 ms there). None when an entry is not
+    a tensor (the caller then never reuses a source)."""
+    try:
+        names = tuple(map(_first, pairs))
+        tensors = tuple(map(_second, pairs))
+        return (names, tuple(map(_data_ptr, tensors)), tuple(map(_dtype, tensors)),
+                tuple(map(_shape, tensors)), tuple(map(_stride, tensors)))
+    except (AttributeError, TypeError):
+        return None
 
 
 def _start_request(update_id, version, chunk_bytes, engine_ids, mode,
@@ -69,7 +88,7 @@ class Trainer:
         self._host_manifest = None   # the last host update's Manifest
         self._host_source_id = None  # and its registered source
         self._source = None    # (key, source_id, manifest, flats) of the registered source
-        self._source_raw = None  # (name, data_ptr, dtype, shape) of every pair it was made from
+        self._source_raw = None  # _moved_signature of the pairs it was made from
         self._layouts = {}     # layout_id -> layout (for receipts)
         self.last_results = []
 
@@ -465,16 +484,14 @@ class Trainer:
         where the packed path must carry it."""
         import torch
         from weightsync._gpu import dedupe_aliases
-        from weightsync.sparse import SparsePatch
         pairs = named_tensors if isinstance(named_tensors, list) else list(named_tensors)
-        if any(isinstance(t, SparsePatch) for _, t in pairs):
+        if _has_patches(pairs):
             return None
         gpu = self._gpu
-        raw = tuple((n, t.data_ptr(), t.dtype, t.shape, t.stride()) if hasattr(t, "data_ptr")
-                    else None
-                    for n, t in pairs)
+        raw = _moved_signature(pairs)
         for attempt in (0, 1):
-            if attempt == 0 and self._source is not None and self._source_raw == raw:
+            if (attempt == 0 and raw is not None and self._source is not None
+                    and self._source_raw == raw):
                 source = self._source   # every tensor where it was: no per-tensor work
             else:
                 self._source_raw = None
