@@ -26,8 +26,10 @@ absl::StatusOr<uint8_t*> GpuWorker::BaseOf(
 
 namespace {
 
-// Copies up to this size go into the batch kernel (one block each).
-constexpr int64_t kBatchedCopyBytes = int64_t{256} << 10;
+// Same-dtype copies up to this size go into the batch kernel (one block
+// each), whatever --sm_copies says: their SM time is tiny, and issuing each
+// to the copy engines would cost more than moving the bytes.
+constexpr int64_t kBatchedCopyBytes = int64_t{64} << 10;
 
 }  // namespace
 
@@ -72,25 +74,25 @@ absl::Status GpuWorker::EnqueueChunkOps(
       if (!from.ok()) return from.status();
       src = *from + o.src_offset();
     }
-    if (sm_copies_ && (ipc_source_ != nullptr || o.src_allocation_id() != 0) &&
-        o.src_dtype() == o.dst_dtype()) {
-      const int64_t width = o.cols() * cuda::DTypeSize(o.src_dtype());
-      if (width * o.rows() <= kBatchedCopyBytes &&
-          batch_used_ + pending < capacity) {
-        batch_host_[batch_used_ + pending++] = {
-            src, dst, width, o.rows(), o.src_stride(), o.dst_stride()};
-        continue;
-      }
-      absl::Status flushed = FlushBatch(pending);
-      if (!flushed.ok()) return flushed;
-      pending = 0;
-      WS_CUDA(cuda::CopyBytes2DWithSMs(src, o.src_stride(), dst, o.dst_stride(),
-                                       width, o.rows(), scatter_stream_));
+    const bool same_dtype = o.src_dtype() == o.dst_dtype();
+    const int64_t width = o.cols() * cuda::DTypeSize(o.src_dtype());
+    if (same_dtype && width * o.rows() <= kBatchedCopyBytes &&
+        batch_used_ + pending < capacity) {
+      // Small: one batched kernel for all of them (a copy-engine transfer
+      // costs ~5 us to issue; a mixture of experts has 100k of them).
+      batch_host_[batch_used_ + pending++] = {
+          src, dst, width, o.rows(), o.src_stride(), o.dst_stride()};
       continue;
     }
     absl::Status flushed = FlushBatch(pending);
     if (!flushed.ok()) return flushed;
     pending = 0;
+    if (sm_copies_ && (ipc_source_ != nullptr || o.src_allocation_id() != 0) &&
+        same_dtype) {
+      WS_CUDA(cuda::CopyBytes2DWithSMs(src, o.src_stride(), dst, o.dst_stride(),
+                                       width, o.rows(), scatter_stream_));
+      continue;
+    }
     WS_CUDA(cuda::CopyConvert2D(src, o.src_stride(), o.src_dtype(), dst,
                                 o.dst_stride(), o.dst_dtype(), o.rows(),
                                 o.cols(), scatter_stream_));
@@ -144,6 +146,8 @@ absl::Status GpuWorker::EnqueueUpdate(
     const worker::v1::BeginUpdateRequest& request) {
   // Other owner tasks (OpenAllocation) may have switched the device.
   WS_CUDA(cudaSetDevice(device_));
+  absl::Status batch = PrepareBatch(request.ops_size());
+  if (!batch.ok()) return batch;
   const int n = staging_.size();
   absl::flat_hash_map<int64_t, Allocation> allocs;
   {
@@ -517,6 +521,8 @@ grpc::Status GpuWorker::CommitStaged(grpc::ServerContext* ctx,
           absl::MutexLock lock(&mu_);
           allocs = allocations_;
         }
+        absl::Status batch = PrepareBatch(staged_.ops_size());
+        if (!batch.ok()) return batch;
         // Only now does engine memory change: staging -> engines, by the
         // plan's ops, after the last receive.
         WS_CUDA(cudaStreamWaitEvent(scatter_stream_, received_, 0));
