@@ -151,13 +151,14 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
       const uint8_t* chunk,
       const absl::flat_hash_map<int64_t, Allocation>& allocs, bool sm_copies,
       int* op);
-  // Enqueues chunk k's dense ops (EnqueueChunkOps) and its sparse pieces
+  // Enqueues chunk k's dense ops (EnqueueChunkOps; of `ops` where given:
+  // the ops held for a reuse_ops request) and its sparse pieces
   // (EnqueueChunkSparse, applying patches it completes).
   absl::Status EnqueueChunk(
       const worker::v1::BeginUpdateRequest& request, int64_t k,
       const uint8_t* chunk,
       const absl::flat_hash_map<int64_t, Allocation>& allocs, bool sm_copies,
-      int* op);
+      int* op, const worker::v1::BeginUpdateRequest* ops = nullptr);
   // Sparse patches (owner thread). PrepareSparse, at BeginUpdate: checks the
   // patches and pieces, lays out their payloads and reports in sparse_dev_.
   absl::Status PrepareSparse(const worker::v1::BeginUpdateRequest& request);
@@ -319,6 +320,10 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   // the tables in pinned host memory and on the device, entries used since
   // PrepareBatch (each flush takes the next entries: no entry is rewritten
   // while a copy of it may be pending).
+  // The ops of the last request that named them (ops_id), for requests
+  // that reuse them (reuse_ops); only `ops` is set.
+  worker::v1::BeginUpdateRequest held_ops_;
+  uint64_t held_ops_id_ = 0;
   cuda::BatchCopy* batch_host_ = nullptr;
   cuda::BatchCopy* batch_dev_ = nullptr;
   int64_t batch_host_bytes_ = 0, batch_dev_bytes_ = 0, batch_used_ = 0;

@@ -21,7 +21,11 @@ absl::Status GpuWorker::EnqueueIpcUpdate(
   }
   // Straight from the trainer's packed buffer into engine memory: no
   // staging, and same-dtype copies run on the copy engines (no SMs).
-  absl::Status batch = PrepareBatch(request.ops_size());
+  // Ops the worker holds from an earlier request (reuse_ops), else the
+  // request's own.
+  const worker::v1::BeginUpdateRequest& ops =
+      request.reuse_ops() ? held_ops_ : request;
+  absl::Status batch = PrepareBatch(ops.ops_size());
   if (!batch.ok()) return batch;
   int op = 0;
   WS_CUDA(cudaEventRecord(first_op_, scatter_stream_));
@@ -30,7 +34,10 @@ absl::Status GpuWorker::EnqueueIpcUpdate(
     const uint8_t* chunk = ipc_source_ == nullptr
                                ? nullptr
                                : ipc_source_ + k * request.chunk_bytes();
-    absl::Status s = EnqueueChunk(request, k, chunk, allocs, sm_copies_, &op);
+    absl::Status s = EnqueueChunkOps(ops, k, chunk, allocs, sm_copies_, &op);
+    if (s.ok())
+      s = EnqueueChunkSparse(request, k, chunk, allocs, /*apply=*/true);
+    if (s.ok()) s = EnqueueReceiptsAfter(k);
     if (!s.ok()) return s;
   }
   absl::Status out = CopyReportsOut();

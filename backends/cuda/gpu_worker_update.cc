@@ -104,8 +104,9 @@ absl::Status GpuWorker::EnqueueChunk(
     const worker::v1::BeginUpdateRequest& request, int64_t k,
     const uint8_t* chunk,
     const absl::flat_hash_map<int64_t, Allocation>& allocs, bool sm_copies,
-    int* op) {
-  absl::Status s = EnqueueChunkOps(request, k, chunk, allocs, sm_copies, op);
+    int* op, const worker::v1::BeginUpdateRequest* ops) {
+  absl::Status s = EnqueueChunkOps(ops != nullptr ? *ops : request, k, chunk,
+                                   allocs, sm_copies, op);
   if (!s.ok()) return s;
   s = EnqueueChunkSparse(request, k, chunk, allocs, /*apply=*/true);
   if (!s.ok()) return s;
@@ -271,6 +272,17 @@ absl::Status GpuWorker::BeginOnOwner(
   const absl::Time t_run = absl::Now();
   const bool ipc =
       !request.ipc_source_handle().empty() || request.ipc_registered_source();
+  if (request.reuse_ops() &&
+      (!request.ipc_registered_source() || request.ops_size() != 0 ||
+       request.ops_id() == 0 || request.ops_id() != held_ops_id_)) {
+    return absl::NotFoundError(absl::StrCat("the worker holds no ops ",
+                                            request.ops_id(), ": send them"));
+  }
+  if (!request.reuse_ops() && request.ops_id() != 0) {
+    held_ops_id_ = 0;
+    *held_ops_.mutable_ops() = request.ops();
+    held_ops_id_ = request.ops_id();
+  }
   absl::Status s = PrepareDataPath(request, deadline);
   if (!s.ok()) return s;
   const absl::Time t_data = absl::Now();

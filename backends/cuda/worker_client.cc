@@ -640,19 +640,59 @@ void MergeContiguousOps(worker::v1::BeginUpdateRequest* req) {
   ops->DeleteSubrange(out, ops->size() - out);
 }
 
+namespace {
+
+// The worker's id of each of a source's regions.
+absl::StatusOr<std::vector<int64_t>> SourceRegionIds(const Source* source) {
+  std::vector<int64_t> ids;
+  if (source == nullptr) return ids;
+  for (const auto& r : source->regions) {
+    const auto* region = dynamic_cast<const GpuRegion*>(r.get());
+    if (region == nullptr) {
+      return absl::InvalidArgumentError(
+          "a registered source's memory is not GPU memory");
+    }
+    ids.push_back(region->id());
+  }
+  return ids;
+}
+
+}  // namespace
+
+absl::Status GpuDataPlane::SetOps(const std::shared_ptr<const CopyPlan>& plan,
+                                  const Source* source, bool staged, bool reuse,
+                                  worker::v1::BeginUpdateRequest* req) {
+  req->clear_ops();
+  req->set_ops_id(0);
+  req->set_reuse_ops(false);
+  // Only a registered source's streaming update names its ops.
+  const bool named = source != nullptr && !staged;
+  WS_ASSIGN_OR_RETURN(std::vector<int64_t> ids, SourceRegionIds(source));
+  if (named && reuse && ops_id_ != 0 && ops_plan_.lock() == plan &&
+      ops_sources_ == ids) {
+    req->set_ops_id(ops_id_);
+    req->set_reuse_ops(true);
+    return absl::OkStatus();
+  }
+  WS_RETURN_IF_ERROR(AddOps(*plan, source, req));
+  if (backend_ == v1::BACKEND_IPC && !staged && req->ipc_ring_slots() == 0) {
+    MergeContiguousOps(req);
+  }
+  ops_plan_.reset();
+  ops_id_ = 0;
+  if (named) {
+    ops_plan_ = plan;
+    ops_sources_ = std::move(ids);
+    ops_id_ = next_ops_id_++;
+    req->set_ops_id(ops_id_);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status GpuDataPlane::AddOps(const CopyPlan& plan, const Source* source,
                                   worker::v1::BeginUpdateRequest* req) {
-  std::vector<int64_t> source_ids;  // the worker's id of each source region
-  if (source != nullptr) {
-    for (const auto& r : source->regions) {
-      const auto* region = dynamic_cast<const GpuRegion*>(r.get());
-      if (region == nullptr) {
-        return absl::InvalidArgumentError(
-            "a registered source's memory is not GPU memory");
-      }
-      source_ids.push_back(region->id());
-    }
-  }
+  // The worker's id of each source region.
+  WS_ASSIGN_OR_RETURN(std::vector<int64_t> source_ids, SourceRegionIds(source));
   for (size_t k = 0; k < plan.ops_by_chunk.size(); ++k) {
     for (const CopyOp& op : plan.ops_by_chunk[k]) {
       const auto* region = dynamic_cast<const GpuRegion*>(
@@ -760,10 +800,7 @@ absl::Status GpuDataPlane::BeginImpl(
   req.set_chunk_bytes(plan->chunks.chunk_bytes);
   req.set_staging_buffers(o.staging_buffers);
   for (const Chunk& c : plan->chunks.chunks) req.add_chunk_sizes(c.size);
-  WS_RETURN_IF_ERROR(AddOps(*plan, source, &req));
-  if (backend_ == v1::BACKEND_IPC && !staged && req.ipc_ring_slots() == 0) {
-    MergeContiguousOps(&req);
-  }
+  WS_RETURN_IF_ERROR(SetOps(plan, source, staged, /*reuse=*/true, &req));
   // Sparse patches: assembled, checked and applied by the worker on its GPU.
   int64_t sparse_bytes = 0;
   for (const SparsePatch& patch : plan->sparse) {
@@ -837,6 +874,12 @@ absl::Status GpuDataPlane::BeginImpl(
   const absl::Time t_rpc = absl::Now();
   absl::Status s =
       sup_->BeginUpdate(req, absl::Now() + sup_->options().call_timeout);
+  if (absl::IsNotFound(s) && req.reuse_ops()) {
+    // A worker that doesn't hold the ops (it was restarted): send them.
+    WS_RETURN_IF_ERROR(SetOps(plan, source, staged, /*reuse=*/false, &req));
+    s = sup_->BeginUpdate(req, absl::Now() + sup_->options().call_timeout);
+  }
+  if (!s.ok()) ops_plan_.reset();  // send them again next time
   VLOG(1) << "begin: request of " << req.ByteSizeLong() << " bytes built in "
           << absl::ToDoubleMilliseconds(t_rpc - t_entry)
           << " ms, the worker's BeginUpdate answered in "

@@ -200,6 +200,13 @@ class GpuDataPlane : public DataPlane {
   absl::Status CommitStaged(absl::Time deadline) override;
 
  private:
+  // Fills req's ops from `plan` (AddOps, MergeContiguousOps), or with
+  // `reuse` names the ops the worker already holds when they are the ones
+  // (a registered source's streaming update of the same plan and source
+  // regions: worker::v1::BeginUpdateRequest.reuse_ops).
+  absl::Status SetOps(const std::shared_ptr<const CopyPlan>& plan,
+                      const Source* source, bool staged, bool reuse,
+                      worker::v1::BeginUpdateRequest* req);
   absl::Status BeginImpl(std::shared_ptr<const CopyPlan> plan,
                          const v1::StartWeightUpdateRequest& request,
                          bool staged, const Source* source);
@@ -222,6 +229,13 @@ class GpuDataPlane : public DataPlane {
   const std::shared_ptr<GpuWorkerSupervisor> sup_;
   const v1::Backend backend_;
   std::atomic<int64_t> staging_bytes_{0};
+  // The ops the worker last received for a registered source's plan
+  // (worker::v1::BeginUpdateRequest.ops_id): the plan (weak: an engine
+  // that goes away must not be kept mapped) and the source regions' worker
+  // ids they were built for. Used only by BeginImpl, one update at a time.
+  std::weak_ptr<const CopyPlan> ops_plan_;
+  std::vector<int64_t> ops_sources_;
+  uint64_t ops_id_ = 0, next_ops_id_ = 1;
   mutable absl::Mutex mu_;
   int64_t chunks_ ABSL_GUARDED_BY(mu_) = 0;
   int ring_slots_ ABSL_GUARDED_BY(mu_) = 0;
