@@ -320,8 +320,8 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   // the tables in pinned host memory and on the device, entries used since
   // PrepareBatch (each flush takes the next entries: no entry is rewritten
   // while a copy of it may be pending).
-  // The ops of the last request that named them (ops_id), for requests
-  // that reuse them (reuse_ops); only `ops` is set.
+  // The last request that named its ops (ops_id), for the ops and receipt
+  // regions of requests that reuse them (reuse_ops).
   worker::v1::BeginUpdateRequest held_ops_;
   uint64_t held_ops_id_ = 0;
   cuda::BatchCopy* batch_host_ = nullptr;

@@ -279,16 +279,18 @@ absl::Status GpuWorker::BeginOnOwner(
                                             request.ops_id(), ": send them"));
   }
   if (!request.reuse_ops() && request.ops_id() != 0) {
-    held_ops_id_ = 0;
-    *held_ops_.mutable_ops() = request.ops();
+    held_ops_ = request;
     held_ops_id_ = request.ops_id();
   }
+  // What a reuse_ops request leaves out (ops, receipt regions) is held.
+  const worker::v1::BeginUpdateRequest& held =
+      request.reuse_ops() ? held_ops_ : request;
   absl::Status s = PrepareDataPath(request, deadline);
   if (!s.ok()) return s;
   const absl::Time t_data = absl::Now();
   s = PrepareSparse(request);
   const absl::Time t_sparse = absl::Now();
-  if (s.ok()) s = PrepareReceipts(request);
+  if (s.ok()) s = PrepareReceipts(held);
   if (!s.ok()) return s;
   VLOG(1) << "begin update (" << request.chunk_sizes_size() << " chunks, "
           << request.ops_size() << " copies, " << request.sparse_size()

@@ -660,29 +660,42 @@ absl::StatusOr<std::vector<int64_t>> SourceRegionIds(const Source* source) {
 }  // namespace
 
 absl::Status GpuDataPlane::SetOps(const std::shared_ptr<const CopyPlan>& plan,
+                                  const v1::StartWeightUpdateRequest& request,
                                   const Source* source, bool staged, bool reuse,
                                   worker::v1::BeginUpdateRequest* req) {
   req->clear_ops();
+  req->clear_receipts();
+  req->clear_receipt_after_chunk();
   req->set_ops_id(0);
   req->set_reuse_ops(false);
+  // Receipts (the GPU backends verify only when asked: VERIFY_ON) are
+  // computed by the worker chunk by chunk, overlapping the transfer.
+  const bool receipts =
+      request.verify() == v1::VERIFY_ON && !plan->chunks.chunks.empty();
   // Only a registered source's streaming update names its ops.
   const bool named = source != nullptr && !staged;
   WS_ASSIGN_OR_RETURN(std::vector<int64_t> ids, SourceRegionIds(source));
   if (named && reuse && ops_id_ != 0 && ops_plan_.lock() == plan &&
-      ops_sources_ == ids) {
+      ops_sources_ == ids && ops_receipts_ == receipts) {
     req->set_ops_id(ops_id_);
     req->set_reuse_ops(true);
+    absl::MutexLock lock(&mu_);
+    inflight_receipts_ = ops_receipt_counts_;
     return absl::OkStatus();
   }
   WS_RETURN_IF_ERROR(AddOps(*plan, source, req));
   if (backend_ == v1::BACKEND_IPC && !staged && req->ipc_ring_slots() == 0) {
     MergeContiguousOps(req);
   }
+  if (receipts) WS_RETURN_IF_ERROR(AddReceipts(*plan, request, req));
   ops_plan_.reset();
   ops_id_ = 0;
   if (named) {
     ops_plan_ = plan;
     ops_sources_ = std::move(ids);
+    ops_receipts_ = receipts;
+    absl::MutexLock lock(&mu_);
+    ops_receipt_counts_ = inflight_receipts_;
     ops_id_ = next_ops_id_++;
     req->set_ops_id(ops_id_);
   }
@@ -800,7 +813,14 @@ absl::Status GpuDataPlane::BeginImpl(
   req.set_chunk_bytes(plan->chunks.chunk_bytes);
   req.set_staging_buffers(o.staging_buffers);
   for (const Chunk& c : plan->chunks.chunks) req.add_chunk_sizes(c.size);
-  WS_RETURN_IF_ERROR(SetOps(plan, source, staged, /*reuse=*/true, &req));
+  {
+    absl::MutexLock lock(&mu_);
+    inflight_plan_ = nullptr;
+    inflight_receipts_ready_ = false;
+    inflight_receipts_.clear();
+  }
+  WS_RETURN_IF_ERROR(
+      SetOps(plan, request, source, staged, /*reuse=*/true, &req));
   // Sparse patches: assembled, checked and applied by the worker on its GPU.
   int64_t sparse_bytes = 0;
   for (const SparsePatch& patch : plan->sparse) {
@@ -859,24 +879,14 @@ absl::Status GpuDataPlane::BeginImpl(
         o.staging_budget,
         "; send the denser tensors dense or raise --gpu_staging_budget_bytes"));
   }
-  {
-    absl::MutexLock lock(&mu_);
-    inflight_plan_ = nullptr;
-    inflight_receipts_ready_ = false;
-    inflight_receipts_.clear();
-  }
-  // Receipts (the GPU backends verify only when asked: VERIFY_ON) are
-  // computed by the worker chunk by chunk, overlapping the transfer.
   const bool verify = request.verify() == v1::VERIFY_ON;
-  if (verify && !plan->chunks.chunks.empty()) {
-    WS_RETURN_IF_ERROR(AddReceipts(*plan, request, &req));
-  }
   const absl::Time t_rpc = absl::Now();
   absl::Status s =
       sup_->BeginUpdate(req, absl::Now() + sup_->options().call_timeout);
   if (absl::IsNotFound(s) && req.reuse_ops()) {
     // A worker that doesn't hold the ops (it was restarted): send them.
-    WS_RETURN_IF_ERROR(SetOps(plan, source, staged, /*reuse=*/false, &req));
+    WS_RETURN_IF_ERROR(
+        SetOps(plan, request, source, staged, /*reuse=*/false, &req));
     s = sup_->BeginUpdate(req, absl::Now() + sup_->options().call_timeout);
   }
   if (!s.ok()) ops_plan_.reset();  // send them again next time

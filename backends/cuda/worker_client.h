@@ -200,11 +200,13 @@ class GpuDataPlane : public DataPlane {
   absl::Status CommitStaged(absl::Time deadline) override;
 
  private:
-  // Fills req's ops from `plan` (AddOps, MergeContiguousOps), or with
-  // `reuse` names the ops the worker already holds when they are the ones
-  // (a registered source's streaming update of the same plan and source
-  // regions: worker::v1::BeginUpdateRequest.reuse_ops).
+  // Fills req's ops from `plan` (AddOps, MergeContiguousOps) and, when
+  // `request` verifies, its receipt regions (AddReceipts); or with `reuse`
+  // names the ops and regions the worker already holds when they are the
+  // ones (a registered source's streaming update of the same plan, source
+  // regions and verify: worker::v1::BeginUpdateRequest.reuse_ops).
   absl::Status SetOps(const std::shared_ptr<const CopyPlan>& plan,
+                      const v1::StartWeightUpdateRequest& request,
                       const Source* source, bool staged, bool reuse,
                       worker::v1::BeginUpdateRequest* req);
   absl::Status BeginImpl(std::shared_ptr<const CopyPlan> plan,
@@ -235,6 +237,8 @@ class GpuDataPlane : public DataPlane {
   // ids they were built for. Used only by BeginImpl, one update at a time.
   std::weak_ptr<const CopyPlan> ops_plan_;
   std::vector<int64_t> ops_sources_;
+  bool ops_receipts_ = false;                    // they include receipt regions
+  std::vector<v1::Receipt> ops_receipt_counts_;  // AddReceipts' counts
   uint64_t ops_id_ = 0, next_ops_id_ = 1;
   mutable absl::Mutex mu_;
   int64_t chunks_ ABSL_GUARDED_BY(mu_) = 0;

@@ -382,16 +382,26 @@ def _plan(keys, layouts, sent, block, iters):
 
 
 def _cached_plan(keys, layouts, sent):
-    block, iters = BLOCK, ITERS
     key = (tuple((k, id(layouts[k])) for k in keys),
            tuple((n, e[0], e[2].data_ptr(), tuple(e[1])) for n, e in sent.items()),
-           block, iters)
+           BLOCK, ITERS)
+    return _plan_for(key, lambda: _plan(keys, layouts, sent, BLOCK, ITERS))
+
+
+def _keyed_plan(keys, layouts, sent, plan_key):
+    return _plan_for(("keyed", plan_key, tuple(keys), BLOCK, ITERS),
+                     lambda: _plan(keys, layouts, sent() if callable(sent) else sent, BLOCK,
+                                   ITERS))
+
+
+def _plan_for(key, build):
+    """The plan kept under `key` (the last _PLANS kept), else build()'s."""
     with _lock:
         plan = _plans.get(key)
         if plan is not None:
             _plans.move_to_end(key)
             return plan
-    plan = _plan(keys, layouts, sent, block, iters)
+    plan = build()
     with _lock:
         _plans[key] = plan
         while len(_plans) > _PLANS:
@@ -399,21 +409,28 @@ def _cached_plan(keys, layouts, sent):
     return plan
 
 
-def expected_receipts_gpu(layouts, sent, stream=None):
+def expected_receipts_gpu(layouts, sent, stream=None, plan_key=None):
     """{key: (checksum, parameters, bytes)} for each layout in `layouts`
     ({key: weightsync.v1.Parameter messages}), from `sent` ({name: (dtype
     enum name, shape, flat torch CUDA tensor of the dtype's elements, or
-    int16 for bfloat16)}), enqueued on `stream` (None: the current stream)
-    and waited for. One launch per (source dtype, engine dtype) pair over
-    every layout; the tables are cached (module docstring). The tensors
-    must not change until it returns."""
+    int16 for bfloat16)}, or a function returning it), enqueued on `stream`
+    (None: the current stream) and waited for. One launch per (source
+    dtype, engine dtype) pair over every layout; the tables are cached
+    (module docstring): by what `sent` and the layouts hold, or by
+    `plan_key` when given, a hashable the caller guarantees changes
+    whenever the layouts, names, dtypes, shapes or data pointers do (then
+    `sent` is not even built for a cached plan: a 100k-tensor update pays
+    nothing per tensor). The tensors must not change until it returns."""
     import torch
     global _kernel
     if _kernel is None:
         _kernel = _build()
     keys = list(layouts)
     block, iters, num_warps = BLOCK, ITERS, NUM_WARPS
-    plan = _cached_plan(keys, layouts, sent)
+    if plan_key is None:
+        plan = _cached_plan(keys, layouts, sent() if callable(sent) else sent)
+    else:
+        plan = _keyed_plan(keys, layouts, sent, plan_key)
     stream = stream or torch.cuda.current_stream(plan.device)
     with torch.cuda.stream(stream):
         out = torch.zeros(max(len(keys), 1), dtype=torch.int64, device=plan.device)

@@ -89,6 +89,7 @@ class Trainer:
         self._host_source_id = None  # and its registered source
         self._source = None    # (key, source_id, manifest, flats) of the registered source
         self._source_raw = None  # _moved_signature of the pairs it was made from
+        self._source_gen = 0     # registrations made (a process-unique number each)
         self._layouts = {}     # layout_id -> layout (for receipts)
         self.last_results = []
 
@@ -474,7 +475,8 @@ class Trainer:
                 pass   # already dropped (a new group, or evicted)
             self._source = None
         source_id = self._stub.call("RegisterSource", request).source_id
-        self._source = (key, source_id, manifest, flats)
+        self._source_gen += 1   # names this registration in receipt plan keys
+        self._source = (key, source_id, manifest, flats, self._source_gen)
         return self._source
 
     def _update_from_source(self, named_tensors, version, chunk_bytes, update_id, engine_ids,
@@ -524,23 +526,45 @@ class Trainer:
             # After the update, not beside it: the GPU time-slices the two
             # processes, so an expectation computed during the daemon's copy
             # and receipts only lengthened them (bench/RESULTS.md).
-            self._check_gpu_receipts([finished], source[2], source[3])
+            self._check_gpu_receipts([finished], source[2], source[3], plan_key=source[4])
         gpu.last_timings["total_s"] = time.perf_counter() - t0
         return finished
 
-    def _check_gpu_receipts(self, results, manifest, flats):
+    def _check_gpu_receipts(self, results, manifest, flats, plan_key=None):
         """Receipts of a GPU update, the expectation computed on the GPU
         from the tensors as sent (weightsync.receipts.expected_receipt_arrays
         on torch tensors, on the current stream of their device: after the
         work that produced them, before update() returns and they may
-        change). Adds receipts_s to last_timings."""
+        change). plan_key: names the tensors' placement exactly (a
+        registered source's registration number, which changes whenever a
+        tensor moves): with the engine's layout id it keys the Triton
+        kernel's tables, so an update of a source already checked against
+        that layout builds nothing per tensor. Adds receipts_s to
+        last_timings."""
         from weightsync._gpu import elements
         from weightsync.receipts import expected_receipt_arrays
         t = time.perf_counter()
-        sent = {m["name"]: (m["dtype"], m["shape"], elements(f, m["dtype"]))
-                for m, f in zip(manifest, flats) if not m.get("sparse_nnz")}
+        built = []
+
+        def sent():
+            if not built:
+                built.append({m["name"]: (m["dtype"], m["shape"], elements(f, m["dtype"]))
+                              for m, f in zip(manifest, flats) if not m.get("sparse_nnz")})
+            return built[0]
+
+        fast = None
+        if plan_key is not None and flats and getattr(flats[0], "is_cuda", False):
+            from weightsync import receipts_gpu
+            if receipts_gpu.available():
+                fast = receipts_gpu
         try:
-            self._check_receipts(results, lambda layout: expected_receipt_arrays(layout, sent))
+            if fast is None:
+                self._check_receipts(results, lambda layout: expected_receipt_arrays(
+                    layout, sent()))
+            else:
+                self._check_receipts(results, lambda layout, layout_id: (
+                    fast.expected_receipts_gpu({0: layout}, sent, plan_key=(
+                        plan_key, layout_id) if layout_id else None)[0]), keyed=True)
         finally:
             self._gpu.last_timings["receipts_s"] = time.perf_counter() - t
 
