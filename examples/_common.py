@@ -66,7 +66,9 @@ class Daemon:
         self.log = open(self.log_path, "w")
         cmd = ["timeout", str(timeout_s), daemon, f"--socket={self.sock}", f"--gpu={gpu}",
                f"--gpu_worker={worker}", "--notice_timeout_ms=60000",
-               "--finish_timeout_ms=120000", *extra]
+               "--finish_timeout_ms=120000", *extra,
+               # Experiments: more daemon flags from the environment.
+               *os.environ.get("WS_DAEMON_EXTRA", "").split()]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         for _ in range(200):
             if os.path.exists(self.sock):

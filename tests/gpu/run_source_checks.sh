@@ -73,7 +73,7 @@ cpp_ipc() {  # tag trainer-flags...
   local tag=$1; shift
   local sock="$LOG/cpp.sock"; rm -f "$sock"; chmod 750 "$LOG"
   timeout 300 "$BIN/weightsyncd" --socket="$sock" --gpu=0 --gpu_worker="$BIN/weightsync_gpu_worker" \
-    --notice_timeout_ms=60000 >"$LOG/cpp-daemon-$tag.log" 2>&1 &
+    --notice_timeout_ms=60000 ${WS_DAEMON_EXTRA:-} >"$LOG/cpp-daemon-$tag.log" 2>&1 &
   local d=$!
   for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
   timeout 300 "$BIN/weightsync_gpu_engine" --target="unix:$sock" --engine_id=e --model=qwen3-8b \
