@@ -164,9 +164,18 @@ def flat_bytes(name, tensor):
     return t.reshape(-1).view(torch.uint8)
 
 
+_UUIDS = {}   # device index -> formatted uuid (asked once per device)
+
+
 def gpu_uuid(device):
     import torch
-    return format_gpu_uuid(torch.cuda.get_device_properties(device).uuid)
+    index = device.index if isinstance(device, torch.device) else device
+    if index is None:
+        index = torch.cuda.current_device()
+    uuid = _UUIDS.get(index)
+    if uuid is None:
+        uuid = _UUIDS[index] = format_gpu_uuid(torch.cuda.get_device_properties(index).uuid)
+    return uuid
 
 
 def ipc_location(name, tensor, cache=None):
@@ -187,13 +196,13 @@ def ipc_location(name, tensor, cache=None):
     if shared is None:
         # Each call wraps the storage in another IPC ref-count context: once
         # per storage is enough (views of one buffer share it).
-        shared = tuple(storage._share_cuda_()[:4])
+        raw = storage._share_cuda_()
+        shared = (parse_storage_handle(raw[1]), int(raw[2]), int(raw[3]))
         if cache is not None:
             cache[key] = shared
-    handle = parse_storage_handle(shared[1])
-    storage_offset_bytes = int(shared[3])
+    handle, storage_bytes, storage_offset_bytes = shared
     offset = storage_offset_bytes + tensor.storage_offset() * tensor.element_size()
     nbytes = tensor.numel() * tensor.element_size()
-    if tensor.storage_offset() * tensor.element_size() + nbytes > int(shared[2]):
+    if tensor.storage_offset() * tensor.element_size() + nbytes > storage_bytes:
         raise ValueError(f"parameter '{name}' extends past its storage")
     return handle, gpu_uuid(tensor.device), offset, nbytes
