@@ -372,8 +372,7 @@ __global__ void __launch_bounds__(256)
     const bool vec =
         (reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst) |
          static_cast<uintptr_t>(c.width) |
-         static_cast<uintptr_t>(c.rows > 1 ? c.src_stride | c.dst_stride
-                                           : 0)) %
+         static_cast<uintptr_t>(c.rows > 1 ? c.src_stride | c.dst_stride : 0)) %
             16 ==
         0;
     const int64_t units = vec ? c.width / 16 : c.width;
