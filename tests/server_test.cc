@@ -788,6 +788,98 @@ TEST_F(ServerTest, TooFewChunksFailsTheUpdateAndLeavesEngineDirty) {
   EXPECT_FALSE(engines_[0]->paused());
 }
 
+// Safety checks pinned (issue "Every safety check pinned by a test"): the
+// smallest update that would resume a half-written engine or let a patch
+// "repair" it must be refused, and the engine must stay dirty.
+class DirtyEngineTest : public ServerTest {
+ protected:
+  // Registers e0, forms a group and leaves e0 dirty at version 0: an
+  // update whose first chunk of several was the only one sent.
+  void MakeDirty() {
+    AddEngine("e0");
+    Init();
+    auto t = Tensors(1);
+    auto started = trainer_->StartWeightUpdate(StartRequest(1, t, 4096));
+    ASSERT_TRUE(started.ok()) << started.status();
+    ASSERT_GT(started->num_chunks(), 2);
+    ASSERT_TRUE(PushOneChunk("u1", 4096).ok());
+    ASSERT_FALSE(trainer_->FinishWeightUpdate("u1").ok());
+    ASSERT_EQ(StatusOf("e0").state(), v1::ENGINE_DIRTY);
+  }
+};
+
+TEST_F(DirtyEngineTest, APartialUpdateLeavesADirtyEngineDirty) {
+  MakeDirty();
+  // Every tensor but the last: it commits, but bytes of the failed update
+  // may remain in what it didn't rewrite, so the engine stays dirty (and
+  // paused: Resume without allow_dirty is refused).
+  std::vector<HostTensor> partial = Tensors(2);
+  partial.pop_back();
+  auto done = trainer_->Update(StartRequest(2, partial), partial);
+  ASSERT_TRUE(done.ok()) << done.status();
+  ASSERT_EQ(done->engines_size(), 1);
+  EXPECT_EQ(done->engines(0).state(), v1::ENGINE_DIRTY);
+  EXPECT_EQ(StatusOf("e0").state(), v1::ENGINE_DIRTY);
+  auto r = trainer_->Resume(v1::ResumeRequest());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(r.status().message(), HasSubstr("engine 'e0' is dirty"));
+  EXPECT_TRUE(engines_[0]->paused());
+  // Everything rewritten: clean, resumed.
+  auto t = Tensors(3);
+  ASSERT_TRUE(trainer_->Update(StartRequest(3, t), t).ok());
+  ExpectInstalled(0);
+  EXPECT_EQ(StatusOf("e0").state(), v1::ENGINE_READY);
+}
+
+TEST_F(DirtyEngineTest, ASparsePatchCantRepairADirtyEngine) {
+  MakeDirty();
+  const auto before = Memory(0);
+  // A patch on the dirty engine's version: refused before a byte moves
+  // (its other elements are stale), the engine still dirty.
+  Tensors(1);
+  int64_t nnz;
+  std::vector<uint8_t> payload =
+      SparsePatchOf(data_, "model.norm.weight", &nnz);
+  HostTensor h;
+  h.spec = data_.at("model.norm.weight").first;
+  h.spec.set_sparse_nnz(nnz);
+  h.data = payload.data();
+  v1::StartWeightUpdateRequest r = StartRequest(2, {h});
+  r.set_sparse_base_version(0);
+  auto patched = trainer_->Update(r, {h});
+  EXPECT_EQ(patched.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(patched.status().message(), HasSubstr("dirty"));
+  EXPECT_EQ(Memory(0), before);
+  EXPECT_EQ(StatusOf("e0").state(), v1::ENGINE_DIRTY);
+}
+
+// A sparse index one past the last element (the bound is `i >= numel`,
+// not `i > numel`): refused naming the tensor, nothing written.
+TEST_F(ServerTest, ASparseIndexEqualToNumelIsRefused) {
+  AddEngine("e0");
+  Init();
+  auto t = Tensors(1);
+  ASSERT_TRUE(trainer_->Update(StartRequest(1, t), t).ok());
+  const std::string name = "model.norm.weight";
+  int64_t nnz;
+  std::vector<uint8_t> payload = SparsePatchOf(data_, name, &nnz);
+  const int64_t numel = data_.at(name).second.size() / 4;
+  std::memcpy(payload.data(), &numel, 8);  // the first index
+  HostTensor h;
+  h.spec = data_.at(name).first;
+  h.spec.set_sparse_nnz(nnz);
+  h.data = payload.data();
+  const auto before = Memory(0);
+  v1::StartWeightUpdateRequest r = StartRequest(2, {h});
+  r.set_sparse_base_version(1);
+  auto bad = trainer_->Update(r, {h});
+  EXPECT_FALSE(bad.ok());
+  EXPECT_THAT(bad.status().message(),
+              HasSubstr(absl::StrCat("tensor '", name, "': sparse index ",
+                                     numel, " is outside [0, ", numel, ")")));
+  EXPECT_EQ(Memory(0), before);
+}
+
 TEST_F(ServerTest, TrainerDisconnectingMidStreamFailsTheUpdate) {
   AddEngine("e0");
   Init();

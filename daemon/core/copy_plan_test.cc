@@ -106,6 +106,48 @@ TEST(CopyPlanTest, TensorParallelSegmentsMatchReferenceAtEveryChunkSize) {
   RunAndCompare(engines, v1::BFLOAT16, 1280);
 }
 
+// A segment registered without source_shape is checked against the
+// tensor the update sends: rows [row_begin, row_begin + row_count) must lie
+// in it. Rows [2, 4) of a 3-row tensor are refused, naming both, before
+// any copy is planned.
+TEST(CopyPlanTest, ASegmentsRowRangeCountsItsFirstRow) {
+  v1::RegisterEngineRequest r;
+  r.set_engine_id("e0");
+  v1::Allocation* a = r.add_allocations();
+  a->set_kind(v1::MEMORY_HOST_SHM);
+  a->set_handle("/x");
+  a->set_size(4096);
+  v1::Parameter* p = r.add_parameters();
+  p->set_name("p");
+  p->set_dtype(v1::FLOAT32);
+  p->add_shape(2);
+  p->add_shape(4);
+  v1::Segment* s = p->add_segments();
+  s->set_source("t");
+  s->set_row_begin(2);
+  s->set_row_count(2);
+  s->set_col_count(4);
+  testing::HeapMapper mapper;
+  auto layout = BuildEngineLayout(r, mapper);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  auto plan_for = [&](int64_t rows) {
+    Manifest manifest;
+    v1::TensorSpec* t = manifest.Add();
+    t->set_name("t");
+    t->set_dtype(v1::FLOAT32);
+    t->add_shape(rows);
+    t->add_shape(4);
+    return BuildCopyPlan(manifest, 4096, {*layout});
+  };
+  EXPECT_TRUE(plan_for(4).ok()) << plan_for(4).status();  // rows 2, 3 exist
+  auto refused = plan_for(3);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("segment rows [2, 4) cols [0, 4) lie outside the "
+                        "tensor's 3x4 matrix"));
+  EXPECT_THAT(refused.status().message(), HasSubstr("'t'"));
+}
+
 TEST(CopyPlanTest, AdjoiningTensorsCoalesceIntoOneCopy) {
   // A plain engine laid out in checkpoint order, same dtype: the packed
   // stream and the engine agree byte for byte wherever a tensor's size is a

@@ -64,6 +64,28 @@ TEST(EngineLayoutTest, RejectsParameterOutsideItsAllocation) {
   EXPECT_THAT(s.message(), HasSubstr("outside its allocation"));
 }
 
+// The extent of a strided segment counts its row stride: the last row
+// starts at dest_offset + (rows - 1) * stride. A segment whose last row
+// would end one element past the parameter is refused, naming it, and
+// nothing is opened.
+TEST(EngineLayoutTest, AStridedSegmentsLastRowMustFitTheParameter) {
+  v1::RegisterEngineRequest r = TwoParams();  // w: 16 x 8 = 128 elements
+  v1::Segment* s = r.mutable_parameters(0)->add_segments();
+  s->set_source("src");
+  s->set_row_count(4);
+  s->set_col_count(8);
+  s->set_dest_row_stride(40);  // last row: [120, 128): fits exactly
+  EXPECT_TRUE(Build(r).ok()) << Build(r);
+  s->set_dest_offset(1);  // last row: [121, 129)
+  testing::HeapMapper mapper;
+  const absl::Status st = Build(r, &mapper);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(),
+              HasSubstr("parameter 'w' segment 0 (source 'src'): destination "
+                        "runs past the parameter's 128 elements"));
+  EXPECT_TRUE(mapper.opened.empty());
+}
+
 TEST(EngineLayoutTest, RejectsDuplicateNamesBadDtypeAndBadIds) {
   v1::RegisterEngineRequest r = TwoParams();
   r.mutable_parameters(1)->set_name("w");

@@ -98,6 +98,42 @@ std::vector<v1::TensorSpec> Checkpoint(const ModelConfig& m, v1::DType dtype) {
   return t;
 }
 
+namespace {
+
+// The reference installer's element conversion, written apart from
+// common/dtype.cc's ConvertElements so that tests comparing the daemon's
+// bytes with this reference would catch a rounding bug there: equal dtypes
+// copy; float32 <-> bfloat16 by hand (round to nearest even on the upper 16
+// bits; a NaN keeps its sign and payload with the quiet bit set); float16
+// conversions (subnormals, overflow) still go through ConvertElements.
+void ReferenceConvert(const uint8_t* src, v1::DType from, uint8_t* dst,
+                      v1::DType to) {
+  if (from == to) {
+    std::memcpy(dst, src, ElementSize(from));
+    return;
+  }
+  if (from == v1::FLOAT32 && to == v1::BFLOAT16) {
+    uint32_t x;
+    std::memcpy(&x, src, 4);
+    const bool nan = (x & 0x7FFFFFFFu) > 0x7F800000u;
+    const uint16_t y =
+        nan ? static_cast<uint16_t>((x >> 16) | 0x40)
+            : static_cast<uint16_t>((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
+    std::memcpy(dst, &y, 2);
+    return;
+  }
+  if (from == v1::BFLOAT16 && to == v1::FLOAT32) {
+    uint16_t y;
+    std::memcpy(&y, src, 2);
+    const uint32_t x = static_cast<uint32_t>(y) << 16;
+    std::memcpy(dst, &x, 4);
+    return;
+  }
+  ConvertElements(src, from, dst, to, 1);
+}
+
+}  // namespace
+
 std::vector<uint8_t> Contents(const v1::TensorSpec& spec, int64_t version) {
   int64_t numel = 1;
   for (int64_t d : spec.shape()) numel *= d;
@@ -197,8 +233,8 @@ std::vector<uint8_t> ExpectedParameter(const v1::Parameter& param,
       for (int64_t j = 0; j < s.col_count(); ++j) {
         const int64_t from = (s.row_begin() + i) * cols + s.col_begin() + j;
         const int64_t to = s.dest_offset() + i * stride + j;
-        ConvertElements(src + from * ses, spec.dtype(), out.data() + to * des,
-                        param.dtype(), 1);
+        ReferenceConvert(src + from * ses, spec.dtype(), out.data() + to * des,
+                         param.dtype());
       }
     }
   };
@@ -208,8 +244,8 @@ std::vector<uint8_t> ExpectedParameter(const v1::Parameter& param,
       const v1::DType from = it->second.first.dtype();
       const int64_t ses = ElementSize(from);
       for (int64_t j = 0; j < numel; ++j) {
-        ConvertElements(it->second.second.data() + j * ses, from,
-                        out.data() + j * des, param.dtype(), 1);
+        ReferenceConvert(it->second.second.data() + j * ses, from,
+                         out.data() + j * des, param.dtype());
       }
     }
     return out;
