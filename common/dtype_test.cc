@@ -2,8 +2,10 @@
 
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <vector>
 
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace weightsync {
@@ -21,6 +23,7 @@ TEST(DTypeTest, ConvertibilityIsFloatFamilyOnly) {
   EXPECT_TRUE(CanConvert(v1::FLOAT16, v1::BFLOAT16));
   EXPECT_TRUE(CanConvert(v1::INT64, v1::INT64));
   EXPECT_FALSE(CanConvert(v1::INT32, v1::FLOAT32));
+  EXPECT_FALSE(CanConvert(v1::FLOAT32, v1::INT32));
   EXPECT_FALSE(CanConvert(v1::FLOAT64, v1::FLOAT32));
 }
 
@@ -60,7 +63,9 @@ TEST(DTypeTest, ConvertElementsFloat32ToBf16AndBack) {
 TEST(DTypeTest, NumElementsRejectsNegativeAndHuge) {
   EXPECT_EQ(*NumElements({3, 4}, v1::FLOAT32, "x"), 12);
   EXPECT_EQ(*NumElements({}, v1::FLOAT32, "x"), 1);
-  EXPECT_FALSE(NumElements({-1}, v1::FLOAT32, "x").ok());
+  EXPECT_THAT(
+      std::string(NumElements({4, -1}, v1::FLOAT32, "x").status().message()),
+      ::testing::HasSubstr("negative dimension in shape [4, -1]"));
   EXPECT_FALSE(NumElements({1LL << 40, 1LL << 40}, v1::FLOAT32, "x").ok());
   absl::StatusOr<int64_t> bad = NumElements({2}, v1::DTYPE_UNSPECIFIED, "w");
   EXPECT_NE(bad.status().message().find("w"), std::string::npos);

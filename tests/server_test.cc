@@ -207,16 +207,16 @@ class ServerTest : public ::testing::Test {
     }
   }
 
-  // A PushChunks stream of one chunk 0 of `bytes` bytes, closed normally;
-  // the stream's final status.
+  // A PushChunks stream of one chunk (`index`, 0 unless given) of `bytes`
+  // bytes, closed normally; the stream's final status.
   grpc::Status PushOneChunk(const std::string& update_id, int64_t bytes,
-                            char fill = '\0') {
+                            char fill = '\0', int64_t index = 0) {
     grpc::ClientContext ctx;
     v1::PushChunksResponse resp;
     auto w = trainer_->stub()->PushChunks(&ctx, &resp);
     v1::PushChunksRequest req;
     req.set_update_id(update_id);
-    req.set_chunk_index(0);
+    req.set_chunk_index(index);
     req.set_data(std::string(bytes, fill));
     w->Write(req);  // a refusal shows in Finish's status
     w->WritesDone();
@@ -878,6 +878,97 @@ TEST_F(ServerTest, ASparseIndexEqualToNumelIsRefused) {
               HasSubstr(absl::StrCat("tensor '", name, "': sparse index ",
                                      numel, " is outside [0, ", numel, ")")));
   EXPECT_EQ(Memory(0), before);
+}
+
+// Chunks must come in the plan's order and within it: chunk n of an
+// n-chunk plan, or chunk 1 before chunk 0, fails the update naming what
+// arrived and what was expected, before a byte is written.
+TEST_F(ServerTest, ChunksOutOfThePlanOrOutOfOrderAreRefused) {
+  AddEngine("e0");
+  Init();
+  const auto before = Memory(0);
+  auto t = Tensors(1);
+  auto started = trainer_->StartWeightUpdate(StartRequest(1, t));
+  ASSERT_TRUE(started.ok());
+  const int64_t n = started->num_chunks();
+  grpc::Status s = PushOneChunk("u1", 4096, 'x', n);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(),
+              HasSubstr(absl::StrCat("chunk ", n, " arrived, but the plan has ",
+                                     n, " chunks")));
+  EXPECT_FALSE(trainer_->FinishWeightUpdate("u1").ok());
+  ASSERT_TRUE(trainer_->StartWeightUpdate(StartRequest(2, t)).ok());
+  s = PushOneChunk("u2", 4096, 'x', 1);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("chunk 1 arrived, expected 0"));
+  EXPECT_FALSE(trainer_->FinishWeightUpdate("u2").ok());
+  EXPECT_EQ(Memory(0), before);
+  EXPECT_EQ(StatusOf("e0").state(), v1::ENGINE_READY);
+}
+
+// Start's limits: a chunk size above the daemon's --max_chunk_bytes, a
+// manifest of more tensors than --max_manifest_tensors (counted before
+// anything else is looked at); the manifest at the limit goes through.
+TEST_F(ServerTest, StartsBeyondTheDaemonsLimitsAreRefused) {
+  auto t = Tensors(1);
+  core_options_.max_manifest_tensors = t.size();
+  RestartCore();
+  AddEngine("e0");
+  Init();
+  auto started =
+      trainer_->StartWeightUpdate(StartRequest(1, t, int64_t{1} << 30));
+  EXPECT_EQ(started.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(started.status().message(),
+              HasSubstr("chunk_bytes 1073741824 is above the daemon's"));
+  v1::StartWeightUpdateRequest more = StartRequest(1, t);
+  v1::TensorSpec* extra = more.add_tensors();
+  *extra = t[0].spec;
+  extra->set_name("extra");
+  started = trainer_->StartWeightUpdate(more);
+  EXPECT_EQ(started.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(started.status().message(),
+              HasSubstr(absl::StrCat("manifest has ", t.size() + 1,
+                                     " tensors; the limit is ", t.size())));
+  ASSERT_TRUE(trainer_->Update(StartRequest(1, t), t).ok());
+  ExpectInstalled(0);
+}
+
+// A sparse patch of a split tensor writes each element only into the
+// shard that holds it: the first element of q_proj's second half of rows
+// lands in tp1 and nowhere in tp0 (one row past tp0's block is k_proj's
+// first row in its fused qkv), the element at o_proj's first column of
+// the second half (split by columns) only in tp1 too.
+TEST_F(ServerTest, ASparsePatchAtAShardBoundaryWritesOneShard) {
+  AddEngine("tp0", true, 0);
+  AddEngine("tp1", true, 1);
+  Init();
+  auto t = Tensors(1);
+  ASSERT_TRUE(trainer_->Update(StartRequest(1, t), t).ok());
+  std::vector<std::vector<uint8_t>> payloads;
+  std::vector<HostTensor> patch;
+  for (const bool by_rows : {true, false}) {
+    const std::string name = by_rows ? "model.layers.0.self_attn.q_proj.weight"
+                                     : "model.layers.0.self_attn.o_proj.weight";
+    auto& [spec, bytes] = data_.at(name);
+    int64_t cols = 1;
+    for (int i = 1; i < spec.shape_size(); ++i) cols *= spec.shape(i);
+    const int64_t index = by_rows ? spec.shape(0) / 2 * cols : cols / 2;
+    const float value = 42.5f;
+    std::vector<uint8_t>& payload = payloads.emplace_back(12);
+    std::memcpy(payload.data(), &index, 8);
+    std::memcpy(payload.data() + 8, &value, 4);
+    std::memcpy(bytes.data() + index * 4, &value, 4);  // the reference
+    HostTensor h;
+    h.spec = spec;
+    h.spec.set_sparse_nnz(1);
+    h.data = payload.data();
+    patch.push_back(h);
+  }
+  v1::StartWeightUpdateRequest r = StartRequest(2, patch);
+  r.set_sparse_base_version(1);
+  ASSERT_TRUE(trainer_->Update(r, patch).ok());
+  ExpectInstalled(0);
+  ExpectInstalled(1);
 }
 
 TEST_F(ServerTest, TrainerDisconnectingMidStreamFailsTheUpdate) {

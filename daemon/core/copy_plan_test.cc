@@ -106,11 +106,12 @@ TEST(CopyPlanTest, TensorParallelSegmentsMatchReferenceAtEveryChunkSize) {
   RunAndCompare(engines, v1::BFLOAT16, 1280);
 }
 
-// A segment registered without source_shape is checked against the
-// tensor the update sends: rows [row_begin, row_begin + row_count) must lie
-// in it. Rows [2, 4) of a 3-row tensor are refused, naming both, before
-// any copy is planned.
-TEST(CopyPlanTest, ASegmentsRowRangeCountsItsFirstRow) {
+// The plan of one update sending tensor "t" of `tensor_shape` (float32)
+// to an engine whose float32 parameter "p" of `param_shape` is filled by
+// `segment` from it.
+absl::StatusOr<std::shared_ptr<const CopyPlan>> PlanOneSegment(
+    const v1::Segment& segment, const std::vector<int64_t>& param_shape,
+    const std::vector<int64_t>& tensor_shape) {
   v1::RegisterEngineRequest r;
   r.set_engine_id("e0");
   v1::Allocation* a = r.add_allocations();
@@ -120,32 +121,61 @@ TEST(CopyPlanTest, ASegmentsRowRangeCountsItsFirstRow) {
   v1::Parameter* p = r.add_parameters();
   p->set_name("p");
   p->set_dtype(v1::FLOAT32);
-  p->add_shape(2);
-  p->add_shape(4);
-  v1::Segment* s = p->add_segments();
-  s->set_source("t");
-  s->set_row_begin(2);
-  s->set_row_count(2);
-  s->set_col_count(4);
+  for (int64_t d : param_shape) p->add_shape(d);
+  *p->add_segments() = segment;
   testing::HeapMapper mapper;
   auto layout = BuildEngineLayout(r, mapper);
-  ASSERT_TRUE(layout.ok()) << layout.status();
-  auto plan_for = [&](int64_t rows) {
-    Manifest manifest;
-    v1::TensorSpec* t = manifest.Add();
-    t->set_name("t");
-    t->set_dtype(v1::FLOAT32);
-    t->add_shape(rows);
-    t->add_shape(4);
-    return BuildCopyPlan(manifest, 4096, {*layout});
-  };
-  EXPECT_TRUE(plan_for(4).ok()) << plan_for(4).status();  // rows 2, 3 exist
-  auto refused = plan_for(3);
+  if (!layout.ok()) return layout.status();
+  Manifest manifest;
+  v1::TensorSpec* t = manifest.Add();
+  t->set_name("t");
+  t->set_dtype(v1::FLOAT32);
+  for (int64_t d : tensor_shape) t->add_shape(d);
+  return BuildCopyPlan(manifest, 4096, {*layout});
+}
+
+// A segment registered without source_shape is checked against the
+// tensor the update sends: its block must lie in the tensor's matrix.
+// Rows [2, 4) or columns [2, 6) of a 3x4 tensor are refused, naming the
+// tensor, before any copy is planned; the block just inside is planned.
+TEST(CopyPlanTest, ASegmentsBlockMustLieInTheTensorSent) {
+  v1::Segment s;
+  s.set_source("t");
+  s.set_row_begin(2);
+  s.set_row_count(2);
+  s.set_col_count(4);
+  EXPECT_TRUE(PlanOneSegment(s, {2, 4}, {4, 4}).ok());  // rows 2, 3 exist
+  auto refused = PlanOneSegment(s, {2, 4}, {3, 4});
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(refused.status().message(),
               HasSubstr("segment rows [2, 4) cols [0, 4) lie outside the "
                         "tensor's 3x4 matrix"));
-  EXPECT_THAT(refused.status().message(), HasSubstr("'t'"));
+  EXPECT_THAT(refused.status().message(), HasSubstr("tensor 't'"));
+  s.set_row_begin(0);
+  s.set_col_begin(2);
+  s.set_col_count(2);
+  EXPECT_TRUE(PlanOneSegment(s, {2, 2}, {3, 4}).ok());  // columns 2, 3
+  s.set_col_count(4);
+  refused = PlanOneSegment(s, {2, 4}, {3, 4});
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("cols [2, 6) lie outside the tensor's 3x4 matrix"));
+}
+
+// A segment registered with source_shape takes only a tensor of that
+// shape: the same bytes as [2, 8] instead of [4, 4] are refused.
+TEST(CopyPlanTest, ASegmentsSourceShapeMustMatchTheTensorSent) {
+  v1::Segment s;
+  s.set_source("t");
+  s.add_source_shape(4);
+  s.add_source_shape(4);
+  s.set_row_count(2);
+  s.set_col_count(4);
+  EXPECT_TRUE(PlanOneSegment(s, {2, 4}, {4, 4}).ok());
+  auto refused = PlanOneSegment(s, {2, 4}, {2, 8});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("shape [2, 8] does not match the segment's source "
+                        "shape [4, 4]"));
 }
 
 TEST(CopyPlanTest, AdjoiningTensorsCoalesceIntoOneCopy) {

@@ -1,5 +1,10 @@
 #include "daemon/core/engine_layout.h"
 
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/heap_memory.h"
@@ -84,6 +89,98 @@ TEST(EngineLayoutTest, AStridedSegmentsLastRowMustFitTheParameter) {
               HasSubstr("parameter 'w' segment 0 (source 'src'): destination "
                         "runs past the parameter's 128 elements"));
   EXPECT_TRUE(mapper.opened.empty());
+}
+
+// Each refusal of a registration at its edge: the smallest request that
+// crosses it is refused with its message and opens nothing; the one just
+// inside is accepted (tools/mutants.txt breaks each check in turn).
+TEST(EngineLayoutTest, EveryRegistrationLimitHoldsAtItsEdge) {
+  struct Case {
+    const char* what;
+    std::function<void(v1::RegisterEngineRequest*)> inside, outside;
+    const char* message;
+  };
+  auto segment = [](v1::RegisterEngineRequest* r) {
+    v1::Segment* s = r->mutable_parameters(0)->add_segments();
+    s->set_source("src");
+    s->set_row_count(2);
+    s->set_col_count(4);
+    return s;
+  };
+  const std::vector<Case> cases = {
+      {"engine id length",
+       [](auto* r) { r->set_engine_id(std::string(128, 'e')); },
+       [](auto* r) { r->set_engine_id(std::string(129, 'e')); }, "engine_id"},
+      {"row stride below the column count",
+       [&](auto* r) { segment(r)->set_dest_row_stride(4); },
+       [&](auto* r) { segment(r)->set_dest_row_stride(3); },
+       "is not a valid block"},
+      {"block rows inside the source shape",
+       [&](auto* r) {
+         v1::Segment* s = segment(r);
+         s->add_source_shape(3);
+         s->add_source_shape(4);
+         s->set_row_begin(1);
+       },
+       [&](auto* r) {
+         v1::Segment* s = segment(r);
+         s->add_source_shape(3);
+         s->add_source_shape(4);
+         s->set_row_begin(2);
+       },
+       "lies outside source shape [3, 4]"},
+      {"version", [](auto* r) { r->set_version(0); },
+       [](auto* r) { r->set_version(-1); }, "version must not be negative"},
+      {"allocation size",
+       [](auto* r) { r->mutable_allocations(0)->set_size(4096); },
+       [](auto* r) { r->mutable_allocations(0)->set_size(0); },
+       "needs a kind, a handle and a positive size"},
+      {"allocation index",
+       [](auto* r) { r->mutable_parameters(1)->set_allocation(0); },
+       [](auto* r) { r->mutable_parameters(1)->set_allocation(1); },
+       "names allocation 1 of 1"},
+      {"no parameters", [](auto*) {}, [](auto* r) { r->clear_parameters(); },
+       "registers no parameters"},
+  };
+  for (const Case& c : cases) {
+    v1::RegisterEngineRequest inside = TwoParams(), outside = TwoParams();
+    c.inside(&inside);
+    c.outside(&outside);
+    EXPECT_TRUE(Build(inside).ok()) << c.what << ": " << Build(inside);
+    testing::HeapMapper mapper;
+    const absl::Status s = Build(outside, &mapper);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.what;
+    EXPECT_THAT(s.message(), HasSubstr(c.message)) << c.what;
+    EXPECT_TRUE(mapper.opened.empty()) << c.what;
+  }
+}
+
+// At most max_segments_per_parameter segments per parameter (4096 by
+// default): 4096 one-element segments register, 4097 are refused.
+TEST(EngineLayoutTest, SegmentsPerParameterAreLimited) {
+  for (int n : {4096, 4097}) {
+    v1::RegisterEngineRequest r = TwoParams();
+    r.mutable_allocations(0)->set_size(1 << 20);
+    v1::Parameter* p = r.mutable_parameters(0);
+    p->clear_shape();
+    p->add_shape(n);
+    r.mutable_parameters(1)->set_offset(1 << 19);
+    for (int i = 0; i < n; ++i) {
+      v1::Segment* s = p->add_segments();
+      s->set_source(absl::StrCat("s", i));
+      s->set_row_count(1);
+      s->set_col_count(1);
+      s->set_dest_offset(i);
+    }
+    const absl::Status st = Build(r);
+    if (n == 4096) {
+      EXPECT_TRUE(st.ok()) << st;
+    } else {
+      EXPECT_THAT(st.message(),
+                  HasSubstr("parameter 'w' has 4097 segments; the limit is "
+                            "4096"));
+    }
+  }
 }
 
 TEST(EngineLayoutTest, RejectsDuplicateNamesBadDtypeAndBadIds) {
