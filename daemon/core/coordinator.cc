@@ -161,6 +161,7 @@ void Coordinator::RemoveEngineLocked(const std::string& engine_id,
   for (size_t i = 0; i < update_->engine_ids.size(); ++i) {
     if (update_->engine_ids[i] == engine_id && !update_->lost[i]) {
       update_->lost[i] = true;
+      update_->lost_why[i] = why;
       update_->data_plane->MarkEngineLost(i);
       LOG(WARNING) << Event("engine.lost", update_->id, update_->target_version,
                             engine_id)
@@ -169,6 +170,36 @@ void Coordinator::RemoveEngineLocked(const std::string& engine_id,
   }
   // The update's plan keeps the regions mapped until it ends; then the last
   // lease closes them.
+}
+
+namespace {
+
+constexpr char kMemoryGone[] =
+    "its shared memory is gone: the owner shrank the object under the "
+    "daemon (SIGBUS caught); register it again";
+
+bool Faulted(const EngineLayout& layout) {
+  for (const auto& region : layout.regions) {
+    if (region->faulted()) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+void Coordinator::DropFaultedEnginesLocked() {
+  if (update_ == nullptr) return;
+  for (size_t i = 0; i < update_->engine_ids.size(); ++i) {
+    const std::string& id = update_->engine_ids[i];
+    if (update_->lost[i] || !Faulted(*update_->plan->engines[i])) continue;
+    auto it = engines_.find(id);
+    if (it == engines_.end() ||
+        it->second.layout != update_->plan->engines[i]) {
+      continue;  // registered again meanwhile: lost already
+    }
+    RemoveEngineLocked(id, kMemoryGone);
+    hub_.DetachEngine(id);
+  }
 }
 
 absl::Status Coordinator::AttachControl(
@@ -180,17 +211,24 @@ absl::Status Coordinator::AttachControl(
                      "' is not registered; call RegisterEngine "
                      "before opening the control stream"));
   }
+  if (hub_.Connected(engine_id)) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "engine '", engine_id,
+        "' already has a control stream open; one stream speaks for an "
+        "engine (close it, or unregister and register again)"));
+  }
   hub_.Attach(engine_id, std::move(channel));
   return absl::OkStatus();
 }
 
-void Coordinator::DetachControl(const std::string& engine_id,
+bool Coordinator::DetachControl(const std::string& engine_id,
                                 const ControlChannel* ch) {
-  if (!hub_.Detach(engine_id, ch)) return;  // superseded by a newer stream
+  // False once the engine was unregistered (and perhaps registered again).
+  if (!hub_.Detach(engine_id, ch)) return false;
   absl::MutexLock lock(&mu_);
-  if (engines_.contains(engine_id)) {
-    RemoveEngineLocked(engine_id, "control stream closed");
-  }
+  if (!engines_.contains(engine_id)) return false;
+  RemoveEngineLocked(engine_id, "control stream closed");
+  return true;
 }
 
 void Coordinator::OnAck(const std::string& engine_id,
@@ -534,6 +572,14 @@ absl::StatusOr<v1::CheckEngineResponse> Coordinator::CheckEngine(
                                      absl::Now() + options_.finish_timeout);
   }
   if (!receipt.ok()) {
+    if (Faulted(*layout)) {
+      absl::MutexLock lock(&mu_);
+      auto it = engines_.find(id);
+      if (it != engines_.end() && it->second.layout == layout) {
+        RemoveEngineLocked(id, kMemoryGone);
+        hub_.DetachEngine(id);
+      }
+    }
     return absl::Status(
         receipt.status().code(),
         absl::StrCat("engine '", id, "': ", receipt.status().message()));

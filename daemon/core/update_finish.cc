@@ -193,6 +193,10 @@ absl::StatusOr<v1::FinishWeightUpdateResponse> Coordinator::FinishWeightUpdate(
   }
   if (status.ok() && staged) status = CommitStaged(deadline);
   if (status.ok()) status = plane->Drain(deadline);
+  {
+    absl::MutexLock lock(&mu_);
+    DropFaultedEnginesLocked();
+  }
   const absl::Time t_drained = absl::Now();
   std::vector<absl::StatusOr<v1::Receipt>> receipts;
   if (status.ok()) status = CollectReceipts(*plane, deadline, &receipts);
@@ -307,7 +311,9 @@ Coordinator::Committed Coordinator::CommitVersionsLocked(
     if (update_->lost[i] || it == engines_.end()) {
       result->set_lost(true);
       result->set_code(static_cast<int>(absl::StatusCode::kUnavailable));
-      result->set_message("engine disconnected during the update");
+      result->set_message(update_->lost_why[i].empty()
+                              ? "engine disconnected during the update"
+                              : update_->lost_why[i]);
       continue;
     }
     EngineRecord& r = it->second;

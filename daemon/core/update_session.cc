@@ -374,6 +374,7 @@ void Coordinator::InstallUpdateLocked(
   update->plan = s.plan;
   update->engine_ids = s.ids;
   update->lost.assign(s.ids.size(), false);
+  update->lost_why.assign(s.ids.size(), "");
   update->data_plane = s.plane;
   update->started = s.t_entry;
   update->last_activity = absl::Now();
