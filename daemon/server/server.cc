@@ -103,6 +103,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
     server->engine_.set_peer_lookup(lookup);
     server->trainer_.set_peer_lookup(lookup);
   }
+  if (options.peer_lookup_for_testing) {
+    server->engine_.set_peer_lookup(options.peer_lookup_for_testing);
+    server->trainer_.set_peer_lookup(options.peer_lookup_for_testing);
+  }
   if (!options.tcp_address.empty()) {
     if (options.tls_cert_pem.empty() || options.tls_key_pem.empty() ||
         options.token.empty()) {
