@@ -137,8 +137,11 @@ class Coordinator {
   // done (0: no wait needed yet).
   absl::StatusOr<int64_t> IpcChunkAck(const std::string& update_id,
                                       int64_t index, absl::Time deadline);
-  // A PushChunks stream ended; `cancelled`: the trainer went away.
-  void PushStreamEnded(const std::string& update_id, bool cancelled);
+  // A chunk stream (PushChunks, IpcChunks) ended; `cancelled`: the trainer
+  // went away. A stream that ends with chunks still missing fails the
+  // update: ABORTED naming them (the trainer half-closed early, or a
+  // message did not parse, which ends a gRPC stream like a half-close).
+  absl::Status PushStreamEnded(const std::string& update_id, bool cancelled);
   absl::Status BeginPushStream(const std::string& update_id);
   absl::StatusOr<v1::FinishWeightUpdateResponse> FinishWeightUpdate(
       const v1::FinishWeightUpdateRequest& request);

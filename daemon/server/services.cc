@@ -168,9 +168,21 @@ template <typename Request, typename Stream, typename Each>
 grpc::Status ServeChunkStream(grpc::ServerContext* ctx, Stream* stream,
                               Coordinator* core, const char* rpc, Each each) {
   Request request;
-  if (!stream->Read(&request)) return grpc::Status::OK;  // empty stream
+  if (!stream->Read(&request)) {
+    // gRPC ends a stream at a message that does not parse as it does at a
+    // half-close: either way nothing arrived.
+    return grpc::Status(
+        grpc::StatusCode::INVALID_ARGUMENT,
+        absl::StrCat(rpc,
+                     ": the stream carried no message that parsed (it was "
+                     "empty, or its first message is not a ",
+                     Request::descriptor()->full_name(), "); nothing changed"));
+  }
   const std::string update_id = request.update_id();
-  absl::Status status = core->BeginPushStream(update_id);
+  absl::Status status =
+      CheckIdLength("update_id", update_id, kMaxUpdateIdBytes);
+  if (!status.ok()) return ToGrpcStatus(status);
+  status = core->BeginPushStream(update_id);
   if (!status.ok()) return ToGrpcStatus(status);
   const absl::Time deadline = ContextDeadline(ctx, absl::Minutes(10));
   do {
@@ -181,7 +193,12 @@ grpc::Status ServeChunkStream(grpc::ServerContext* ctx, Stream* stream,
     }
   } while (each(update_id, request, deadline, &status) &&
            stream->Read(&request));
-  core->PushStreamEnded(update_id, ctx->IsCancelled());
+  const absl::Status ended =
+      core->PushStreamEnded(update_id, ctx->IsCancelled());
+  if (status.ok() && !ended.ok()) {
+    status =
+        absl::Status(ended.code(), absl::StrCat(rpc, ": ", ended.message()));
+  }
   return ToGrpcStatus(status);
 }
 
