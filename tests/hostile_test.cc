@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <iostream>
 #include <string>
 #include <vector>
 
@@ -204,6 +205,8 @@ TEST_F(HostileTest, Row2AFifoAsSharedMemoryDoesNotBlock) {
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << uid;
     EXPECT_THAT(s.error_message(), HasSubstr("not a shared-memory object"));
     EXPECT_LT(absl::Now() - t0, absl::Seconds(1));
+    std::cout << "FIFO as uid " << uid << " refused in "
+              << absl::FormatDuration(absl::Now() - t0) << std::endl;
   }
   unlink(("/dev/shm" + name).c_str());
   ActAs(Owner());
@@ -296,9 +299,14 @@ TEST_F(HostileTest, Row4ClaimedRowsAreNotAllocated) {
   const int64_t hwm0 = hwm_kb();
   grpc::ClientContext ctx;
   v1::RegisterEngineResponse resp;
+  const absl::Time t0 = absl::Now();
   grpc::Status st = engine_stub_->RegisterEngine(&ctx, r, &resp);
   EXPECT_FALSE(st.ok());
   EXPECT_LT(hwm_kb() - hwm0, 64 << 10) << "KiB of peak memory grown";
+  std::cout << r.ByteSizeLong() << "-byte registration claiming " << rows
+            << " rows: refused in " << absl::FormatDuration(absl::Now() - t0)
+            << ", peak memory +" << hwm_kb() - hwm0 << " KiB ("
+            << st.error_message() << ")" << std::endl;
   ExpectUnchanged(before);
   ExpectNextUpdateCommits(1, {0});
 }

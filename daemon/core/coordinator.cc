@@ -172,36 +172,6 @@ void Coordinator::RemoveEngineLocked(const std::string& engine_id,
   // lease closes them.
 }
 
-namespace {
-
-constexpr char kMemoryGone[] =
-    "its shared memory is gone: the owner shrank the object under the "
-    "daemon (SIGBUS caught); register it again";
-
-bool Faulted(const EngineLayout& layout) {
-  for (const auto& region : layout.regions) {
-    if (region->faulted()) return true;
-  }
-  return false;
-}
-
-}  // namespace
-
-void Coordinator::DropFaultedEnginesLocked() {
-  if (update_ == nullptr) return;
-  for (size_t i = 0; i < update_->engine_ids.size(); ++i) {
-    const std::string& id = update_->engine_ids[i];
-    if (update_->lost[i] || !Faulted(*update_->plan->engines[i])) continue;
-    auto it = engines_.find(id);
-    if (it == engines_.end() ||
-        it->second.layout != update_->plan->engines[i]) {
-      continue;  // registered again meanwhile: lost already
-    }
-    RemoveEngineLocked(id, kMemoryGone);
-    hub_.DetachEngine(id);
-  }
-}
-
 absl::Status Coordinator::AttachControl(
     const std::string& engine_id, std::shared_ptr<ControlChannel> channel) {
   absl::MutexLock lock(&mu_);
@@ -572,13 +542,9 @@ absl::StatusOr<v1::CheckEngineResponse> Coordinator::CheckEngine(
                                      absl::Now() + options_.finish_timeout);
   }
   if (!receipt.ok()) {
-    if (Faulted(*layout)) {
+    if (AnyRegionFaulted(*layout)) {
       absl::MutexLock lock(&mu_);
-      auto it = engines_.find(id);
-      if (it != engines_.end() && it->second.layout == layout) {
-        RemoveEngineLocked(id, kMemoryGone);
-        hub_.DetachEngine(id);
-      }
+      DropFaultedLocked(id, layout.get());
     }
     return absl::Status(
         receipt.status().code(),

@@ -357,6 +357,10 @@ class Coordinator {
   // owner shrank under the daemon (bus_guard.h): lost to the update and
   // unregistered, while the other engines commit.
   void DropFaultedEnginesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes `id` if it is still registered with `layout`, whose memory
+  // faulted (its stream detached).
+  void DropFaultedLocked(const std::string& id, const EngineLayout* layout)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::EngineStatus EngineStatusLocked(const std::string& id,
                                       const EngineRecord& r) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -321,4 +321,11 @@ absl::StatusOr<std::shared_ptr<const EngineLayout>> BuildEngineLayout(
   return std::shared_ptr<const EngineLayout>(std::move(layout));
 }
 
+bool AnyRegionFaulted(const EngineLayout& layout) {
+  for (const auto& region : layout.regions) {
+    if (region->faulted()) return true;
+  }
+  return false;
+}
+
 }  // namespace weightsync

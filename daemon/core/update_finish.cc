@@ -423,4 +423,26 @@ absl::StatusOr<v1::AbortWeightUpdateResponse> Coordinator::AbortWeightUpdate(
   return response;
 }
 
+void Coordinator::DropFaultedEnginesLocked() {
+  if (update_ == nullptr) return;
+  for (size_t i = 0; i < update_->engine_ids.size(); ++i) {
+    if (update_->lost[i] || !AnyRegionFaulted(*update_->plan->engines[i])) {
+      continue;
+    }
+    DropFaultedLocked(update_->engine_ids[i], update_->plan->engines[i].get());
+  }
+}
+
+void Coordinator::DropFaultedLocked(const std::string& id,
+                                    const EngineLayout* layout) {
+  auto it = engines_.find(id);
+  if (it == engines_.end() || it->second.layout.get() != layout) {
+    return;  // unregistered, or registered again meanwhile
+  }
+  RemoveEngineLocked(id,
+                     "its shared memory is gone: the owner shrank the object "
+                     "under the daemon (SIGBUS caught); register it again");
+  hub_.DetachEngine(id);
+}
+
 }  // namespace weightsync
