@@ -713,7 +713,12 @@ TEST_F(ServerTest, AnAbandonedUpdateIsEndedAfterItsIdleTimeout) {
   v1::GetStatusResponse st;
   for (int i = 0; i < 100; ++i) {
     st = *trainer_->GetStatus();
-    if (st.update().phase() == "failed") break;
+    // Failed first, then the engine is resumed: wait for both (the check
+    // raced the resume under ASan).
+    if (st.update().phase() == "failed" &&
+        st.engines(0).state() == v1::ENGINE_READY) {
+      break;
+    }
     absl::SleepFor(absl::Milliseconds(50));
   }
   const absl::Duration detected = absl::Now() - t0;

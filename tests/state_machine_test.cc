@@ -15,7 +15,7 @@
 // The actions of a seed are a pure function of the seed (std::mt19937_64),
 // so a failing seed replays the same sequence:
 //   bazel test //tests:state_machine_test --test_env=WS_SM_SEED=<seed>
-// CI runs seeds 1..WS_SM_SEEDS (default 100) of WS_SM_STEPS (default 80)
+// CI runs seeds 1..WS_SM_SEEDS (default 60) of WS_SM_STEPS (default 80)
 // steps; longer: --test_env=WS_SM_SEEDS=2000 --test_env=WS_SM_STEPS=200.
 #include <dirent.h>
 #include <fcntl.h>
@@ -421,7 +421,7 @@ void Sim::FinalUpdate() {
 
 TEST(StateMachineTest, RandomInterleavingsKeepTheInvariants) {
   const int64_t only = EnvInt("WS_SM_SEED", 0);
-  const int64_t seeds = EnvInt("WS_SM_SEEDS", 100);
+  const int64_t seeds = EnvInt("WS_SM_SEEDS", 60);
   const int64_t steps = EnvInt("WS_SM_STEPS", 80);
   const int fds0 = OpenFds();
   const int64_t rss0 = RssKb();
@@ -445,7 +445,9 @@ TEST(StateMachineTest, RandomInterleavingsKeepTheInvariants) {
             << "; fds " << fds0 << " -> " << OpenFds() << ", RSS " << rss0
             << " -> " << RssKb() << " KiB" << std::endl;
   EXPECT_LE(OpenFds(), fds0 + 8) << "descriptors leaked";
+#if !defined(__SANITIZE_ADDRESS__)  // ASan's quarantine holds freed memory
   EXPECT_LT(RssKb() - rss0, 256 << 10) << "KiB of resident memory grown";
+#endif
 }
 
 }  // namespace
