@@ -1,7 +1,6 @@
 #include "daemon/server/services.h"
 
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 

@@ -8,7 +8,6 @@
 #include <functional>
 #include <optional>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/core/coordinator.h"
@@ -106,6 +105,10 @@ class TrainerServiceImpl final : public v1::TrainerService::Service {
   std::optional<uid_t> owner_ ABSL_GUARDED_BY(owner_mu_);
 };
 
+// Every call that speaks for an engine (Register of a known id, Control,
+// Unregister) is checked against `owners` (engine_owners.h) first; a
+// registration records its caller as the owner, and the stream or call
+// that ends the engine forgets it.
 class EngineServiceImpl final : public v1::EngineService::Service {
  public:
   // `owners` outlives the service.
