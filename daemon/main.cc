@@ -22,6 +22,7 @@
 #include "daemon/core/coordinator.h"
 #include "daemon/server/metrics.h"
 #include "daemon/server/server.h"
+#include "daemon/server/shutdown_deadline.h"
 #include "daemon/server/systemd_notify.h"
 #include "gflags/gflags.h"
 #include "glog/logging.h"
@@ -83,6 +84,11 @@ DEFINE_int64(gpu_staging_budget_bytes, int64_t{4} << 30,
              "bytes of GPU staging the daemon never exceeds");
 DEFINE_int64(shutdown_grace_ms, 2000,
              "on SIGTERM, how long open calls may run before cancellation");
+DEFINE_int64(shutdown_timeout_ms, 0,
+             "on SIGTERM, the longest the whole stop may take: past it the "
+             "daemon logs and exits with status 1 whatever its handlers are "
+             "doing. 0: --notice_timeout_ms + --shutdown_grace_ms + 3000 (the "
+             "orderly stop's own bounds; 15 s by default)");
 DEFINE_int64(update_idle_timeout_ms, 300000,
              "end an update whose trainer shows no sign (no chunk, call or "
              "data-plane progress) for this long; 0: never");
@@ -149,6 +155,12 @@ bool ValidFlags() {
   }
   if (FLAGS_gpu_staging_buffers < 2) {
     LOG(ERROR) << "--gpu_staging_buffers must be at least 2 (pipelining)";
+    return false;
+  }
+  if (FLAGS_shutdown_timeout_ms != 0 &&
+      FLAGS_shutdown_timeout_ms <= FLAGS_shutdown_grace_ms) {
+    LOG(ERROR) << "--shutdown_timeout_ms must be 0 or above "
+                  "--shutdown_grace_ms";
     return false;
   }
   if (FLAGS_staging_buffers < 2) {
@@ -278,6 +290,16 @@ int Main() {
   sigwait(&stop, &sig);
   LOG(INFO) << "signal " << sig << ": shutting down";
   systemd.Stopping(absl::StrCat("shutting down (signal ", sig, ")"));
+  // Whatever a handler is stuck in, the daemon is gone within the limit.
+  const int64_t stop_ms =
+      FLAGS_shutdown_timeout_ms != 0
+          ? FLAGS_shutdown_timeout_ms
+          : FLAGS_notice_timeout_ms + FLAGS_shutdown_grace_ms + 3000;
+  ShutdownDeadline deadline(absl::Milliseconds(stop_ms), [stop_ms] {
+    LOG(ERROR) << "shutdown did not finish within " << stop_ms
+               << " ms (--shutdown_timeout_ms); exiting with calls open";
+    _exit(1);
+  });
   // Abort any update and tell the engines while their streams are open,
   // then stop the server and release every mapping.
   core.Shutdown();

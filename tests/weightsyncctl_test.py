@@ -84,13 +84,15 @@ data = [a.view(np.uint8).reshape(-1) for _, a in tensors]
 def chunks():
     for c in plan["chunks"]:
         if abort_after is not None and c["index"] == abort_after:
+            # Abort while the stream is open: a stream that ends with chunks
+            # missing fails the update itself (docs/protocol.md, PushChunks).
+            t.abort(update_id, "stopped by weightsyncctl_test")
             return
         yield v1.PushChunksRequest(update_id=update_id, chunk_index=c["index"],
                                    data=planner.pack_chunk(c, data))
         time.sleep({slow})
 t._stub.call("PushChunks", chunks(), timeout=120)
 if abort_after is not None:
-    t.abort(update_id, "stopped by weightsyncctl_test")
     print("aborted", flush=True)
 else:
     print("done", t.finish(update_id).version, flush=True)

@@ -7,6 +7,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
+#include "daemon/core/bus_guard.h"
 #include "glog/logging.h"
 
 namespace weightsync {
@@ -17,12 +18,17 @@ void ScatterChunk(const CopyPlan& plan, const std::vector<CopyOp>& ops,
     if (lost != nullptr && lost[op.engine].load(std::memory_order_relaxed)) {
       continue;
     }
-    uint8_t* base = plan.engines[op.engine]->regions[op.region]->data();
-    for (int64_t r = 0; r < op.rows; ++r) {
-      ConvertElements(chunk + op.src_offset + r * op.src_stride, op.src_dtype,
-                      base + op.dst_offset + r * op.dst_stride, op.dst_dtype,
-                      op.cols);
-    }
+    const MappedRegion& region = *plan.engines[op.engine]->regions[op.region];
+    uint8_t* base = region.data();
+    // A region whose owner shrank it fails (bus_guard.h); Finish drops the
+    // engine.
+    GuardedAccess(region, [&] {
+      for (int64_t r = 0; r < op.rows; ++r) {
+        ConvertElements(chunk + op.src_offset + r * op.src_stride, op.src_dtype,
+                        base + op.dst_offset + r * op.dst_stride, op.dst_dtype,
+                        op.cols);
+      }
+    });
   }
 }
 
@@ -50,25 +56,27 @@ absl::Status ApplySparsePatch(const CopyPlan& plan, const SparsePatch& patch,
     if (lost != nullptr && lost[u.engine].load(std::memory_order_relaxed)) {
       continue;
     }
-    uint8_t* base =
-        plan.engines[u.engine]->regions[u.region]->data() + u.param_offset;
+    const MappedRegion& region = *plan.engines[u.engine]->regions[u.region];
+    uint8_t* base = region.data() + u.param_offset;
     const int64_t des = ElementSize(u.dtype);
-    for (int64_t k = 0; k < patch.nnz; ++k) {
-      int64_t dst;
-      if (u.implicit) {
-        dst = index[k];
-      } else {
-        const int64_t r = index[k] / patch.cols, c = index[k] % patch.cols;
-        if (r < u.row_begin || r >= u.row_begin + u.row_count ||
-            c < u.col_begin || c >= u.col_begin + u.col_count) {
-          continue;  // this use's block does not hold that element
+    GuardedAccess(region, [&] {
+      for (int64_t k = 0; k < patch.nnz; ++k) {
+        int64_t dst;
+        if (u.implicit) {
+          dst = index[k];
+        } else {
+          const int64_t r = index[k] / patch.cols, c = index[k] % patch.cols;
+          if (r < u.row_begin || r >= u.row_begin + u.row_count ||
+              c < u.col_begin || c >= u.col_begin + u.col_count) {
+            continue;  // this use's block does not hold that element
+          }
+          dst = u.dest_offset + (r - u.row_begin) * u.dest_row_stride +
+                (c - u.col_begin);
         }
-        dst = u.dest_offset + (r - u.row_begin) * u.dest_row_stride +
-              (c - u.col_begin);
+        ConvertElements(values + k * ses, patch.dtype, base + dst * des,
+                        u.dtype, 1);
       }
-      ConvertElements(values + k * ses, patch.dtype, base + dst * des, u.dtype,
-                      1);
-    }
+    });
   }
   return absl::OkStatus();
 }

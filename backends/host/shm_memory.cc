@@ -10,6 +10,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/echo.h"
 
 namespace weightsync {
 namespace {
@@ -31,6 +32,30 @@ bool ValidName(const std::string& name) {
 }
 
 }  // namespace
+
+absl::StatusOr<int> OpenShmObject(const std::string& name, int access,
+                                  struct stat* st) {
+  if (!ValidName(name)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "'", Echo(name), "' is not a shared-memory name (\"/name\")"));
+  }
+  const int fd =
+      shm_open(name.c_str(), access | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC, 0);
+  if (fd < 0) return Errno(absl::StrCat("shm_open(", name, ")"));
+  if (fstat(fd, st) != 0) {
+    absl::Status s = Errno(absl::StrCat("fstat(", name, ")"));
+    close(fd);
+    return s;
+  }
+  if (!S_ISREG(st->st_mode)) {
+    close(fd);
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", name,
+                     "' is not a shared-memory object (a FIFO, device or "
+                     "directory in /dev/shm)"));
+  }
+  return fd;
+}
 
 absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Create(
     const std::string& name, int64_t size) {
@@ -59,18 +84,10 @@ absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Create(
 
 absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Open(
     const std::string& name, int64_t size) {
-  if (!ValidName(name)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "'", name.substr(0, 64), "' is not a shared-memory name (\"/name\")"));
-  }
-  const int fd = shm_open(name.c_str(), O_RDWR, 0);
-  if (fd < 0) return Errno(absl::StrCat("shm_open(", name, ")"));
   struct stat st;
-  if (fstat(fd, &st) != 0) {
-    absl::Status s = Errno(absl::StrCat("fstat(", name, ")"));
-    close(fd);
-    return s;
-  }
+  absl::StatusOr<int> opened = OpenShmObject(name, O_RDWR, &st);
+  if (!opened.ok()) return opened.status();
+  const int fd = *opened;
   if (st.st_size < size) {
     close(fd);
     return absl::InvalidArgumentError(

@@ -7,6 +7,8 @@
 #ifndef WEIGHTSYNC_BACKENDS_HOST_SHM_MEMORY_H_
 #define WEIGHTSYNC_BACKENDS_HOST_SHM_MEMORY_H_
 
+#include <sys/stat.h>
+
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -15,6 +17,15 @@
 #include "daemon/core/memory.h"
 
 namespace weightsync {
+
+// Opens the shared-memory object a peer named, with `access` (O_RDONLY or
+// O_RDWR), for the caller to fstat or map: the name must be "/name"; the
+// open never blocks (O_NONBLOCK: a FIFO a peer made in /dev/shm can't hold
+// a handler) and never follows a symbolic link (O_NOFOLLOW); anything but a
+// regular file is refused (INVALID_ARGUMENT naming the object). On success
+// the caller owns the descriptor (close-on-exec) and *st describes it.
+absl::StatusOr<int> OpenShmObject(const std::string& name, int access,
+                                  struct stat* st);
 
 // A mapped shared-memory object; unmapped on destruction.
 class ShmRegion : public MappedRegion {

@@ -161,6 +161,7 @@ void Coordinator::RemoveEngineLocked(const std::string& engine_id,
   for (size_t i = 0; i < update_->engine_ids.size(); ++i) {
     if (update_->engine_ids[i] == engine_id && !update_->lost[i]) {
       update_->lost[i] = true;
+      update_->lost_why[i] = why;
       update_->data_plane->MarkEngineLost(i);
       LOG(WARNING) << Event("engine.lost", update_->id, update_->target_version,
                             engine_id)
@@ -180,17 +181,24 @@ absl::Status Coordinator::AttachControl(
                      "' is not registered; call RegisterEngine "
                      "before opening the control stream"));
   }
+  if (hub_.Connected(engine_id)) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "engine '", engine_id,
+        "' already has a control stream open; one stream speaks for an "
+        "engine (close it, or unregister and register again)"));
+  }
   hub_.Attach(engine_id, std::move(channel));
   return absl::OkStatus();
 }
 
-void Coordinator::DetachControl(const std::string& engine_id,
+bool Coordinator::DetachControl(const std::string& engine_id,
                                 const ControlChannel* ch) {
-  if (!hub_.Detach(engine_id, ch)) return;  // superseded by a newer stream
+  // False once the engine was unregistered (and perhaps registered again).
+  if (!hub_.Detach(engine_id, ch)) return false;
   absl::MutexLock lock(&mu_);
-  if (engines_.contains(engine_id)) {
-    RemoveEngineLocked(engine_id, "control stream closed");
-  }
+  if (!engines_.contains(engine_id)) return false;
+  RemoveEngineLocked(engine_id, "control stream closed");
+  return true;
 }
 
 void Coordinator::OnAck(const std::string& engine_id,
@@ -534,6 +542,10 @@ absl::StatusOr<v1::CheckEngineResponse> Coordinator::CheckEngine(
                                      absl::Now() + options_.finish_timeout);
   }
   if (!receipt.ok()) {
+    if (AnyRegionFaulted(*layout)) {
+      absl::MutexLock lock(&mu_);
+      DropFaultedLocked(id, layout.get());
+    }
     return absl::Status(
         receipt.status().code(),
         absl::StrCat("engine '", id, "': ", receipt.status().message()));

@@ -114,11 +114,14 @@ class Coordinator {
       const google::protobuf::RepeatedPtrField<std::string>& engine_ids,
       uint32_t uid);
   absl::Status UnregisterEngine(const std::string& engine_id);
-  // A control stream opened (NOT_FOUND for an unregistered engine).
+  // A control stream opened: NOT_FOUND for an unregistered engine,
+  // ALREADY_EXISTS while another stream speaks for it (a second stream never
+  // takes an engine's notices over).
   absl::Status AttachControl(const std::string& engine_id,
                              std::shared_ptr<ControlChannel> channel);
   // A control stream closed: the engine is gone, so it is unregistered.
-  void DetachControl(const std::string& engine_id, const ControlChannel* ch);
+  // True if `ch` was the engine's stream and the engine was removed.
+  bool DetachControl(const std::string& engine_id, const ControlChannel* ch);
   void OnAck(const std::string& engine_id, const v1::EngineMessage::Ack& ack);
 
   // Trainer side.
@@ -134,8 +137,11 @@ class Coordinator {
   // done (0: no wait needed yet).
   absl::StatusOr<int64_t> IpcChunkAck(const std::string& update_id,
                                       int64_t index, absl::Time deadline);
-  // A PushChunks stream ended; `cancelled`: the trainer went away.
-  void PushStreamEnded(const std::string& update_id, bool cancelled);
+  // A chunk stream (PushChunks, IpcChunks) ended; `cancelled`: the trainer
+  // went away. A stream that ends with chunks still missing fails the
+  // update: ABORTED naming them (the trainer half-closed early, or a
+  // message did not parse, which ends a gRPC stream like a half-close).
+  absl::Status PushStreamEnded(const std::string& update_id, bool cancelled);
   absl::Status BeginPushStream(const std::string& update_id);
   absl::StatusOr<v1::FinishWeightUpdateResponse> FinishWeightUpdate(
       const v1::FinishWeightUpdateRequest& request);
@@ -189,6 +195,7 @@ class Coordinator {
     std::shared_ptr<const CopyPlan> plan;
     std::vector<std::string> engine_ids;  // index = plan engine index
     std::vector<bool> lost;
+    std::vector<std::string> lost_why;  // RemoveEngineLocked's reason
     std::shared_ptr<DataPlane> data_plane;
     Phase phase = Phase::kReceiving;
     absl::Status error;
@@ -345,6 +352,14 @@ class Coordinator {
       const google::protobuf::RepeatedPtrField<std::string>& ids)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RemoveEngineLocked(const std::string& engine_id, const std::string& why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes the engines of the update in flight whose shared memory its
+  // owner shrank under the daemon (bus_guard.h): lost to the update and
+  // unregistered, while the other engines commit.
+  void DropFaultedEnginesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes `id` if it is still registered with `layout`, whose memory
+  // faulted (its stream detached).
+  void DropFaultedLocked(const std::string& id, const EngineLayout* layout)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::EngineStatus EngineStatusLocked(const std::string& id,
                                       const EngineRecord& r) const

@@ -1,6 +1,9 @@
 #include "daemon/core/engine_layout.h"
 
 #include <algorithm>
+#include <functional>
+#include <queue>
+#include <tuple>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
@@ -28,11 +31,42 @@ bool ValidEngineId(const std::string& id) {
   });
 }
 
-// Half-open element interval of a parameter, tagged for error messages.
-struct Interval {
-  int64_t begin, end;
+// A segment's destination: `rows` runs of `cols` elements, `stride` apart
+// from `begin` (one run when contiguous).
+struct Runs {
+  int64_t begin, rows, cols, stride;
   int32_t segment;
 };
+
+// OK if no two runs of `segments` share an element. A k-way merge of the
+// segments' runs in address order: memory stays O(segments) however many
+// rows a registration claims (they are only counted against the rows
+// budget), so a small request can't make the daemon allocate per row.
+absl::Status CheckDisjoint(const std::string& engine, const std::string& where,
+                           const std::vector<Runs>& segments) {
+  // (run begin, segment index, run number), smallest begin first.
+  using Next = std::tuple<int64_t, size_t, int64_t>;
+  std::priority_queue<Next, std::vector<Next>, std::greater<Next>> heap;
+  for (size_t k = 0; k < segments.size(); ++k) {
+    heap.emplace(segments[k].begin, k, 0);
+  }
+  int64_t end = 0;
+  int32_t last = -1;
+  while (!heap.empty()) {
+    const auto [begin, k, r] = heap.top();
+    heap.pop();
+    const Runs& s = segments[k];
+    if (last >= 0 && begin < end) {
+      return Invalid(
+          engine, absl::StrCat(where, ": segments ", last, " and ", s.segment,
+                               " write the same elements (at ", begin, ")"));
+    }
+    end = begin + s.cols;
+    last = s.segment;
+    if (r + 1 < s.rows) heap.emplace(begin + s.stride, k, r + 1);
+  }
+  return absl::OkStatus();
+}
 
 absl::Status CheckSegments(const std::string& engine, ParameterLayout& p,
                            const v1::Parameter& proto,
@@ -44,7 +78,8 @@ absl::Status CheckSegments(const std::string& engine, ParameterLayout& p,
                                         " segments; the limit is ",
                                         limits.max_segments_per_parameter));
   }
-  std::vector<Interval> intervals;
+  std::vector<Runs> runs;
+  runs.reserve(proto.segments_size());
   for (int i = 0; i < proto.segments_size(); ++i) {
     const v1::Segment& s = proto.segments(i);
     const std::string seg =
@@ -101,35 +136,22 @@ absl::Status CheckSegments(const std::string& engine, ParameterLayout& p,
                                           p.numel, " elements"));
     }
     if (l.col_count == l.dest_row_stride) {
-      intervals.push_back(
-          {l.dest_offset, l.dest_offset + l.row_count * l.col_count, i});
+      runs.push_back({l.dest_offset, 1, l.row_count * l.col_count,
+                      l.row_count * l.col_count, i});
     } else {
+      // Strided rows are merged one by one: bounded in time, not memory.
       *rows_budget -= l.row_count;
       if (*rows_budget < 0) {
         return Invalid(engine, absl::StrCat(seg,
                                             ": too many strided segment "
                                             "rows to check"));
       }
-      for (int64_t r = 0; r < l.row_count; ++r) {
-        const int64_t b = l.dest_offset + r * l.dest_row_stride;
-        intervals.push_back({b, b + l.col_count, i});
-      }
+      runs.push_back(
+          {l.dest_offset, l.row_count, l.col_count, l.dest_row_stride, i});
     }
     p.segments.push_back(std::move(l));
   }
-  std::sort(
-      intervals.begin(), intervals.end(),
-      [](const Interval& a, const Interval& b) { return a.begin < b.begin; });
-  for (size_t i = 1; i < intervals.size(); ++i) {
-    if (intervals[i].begin < intervals[i - 1].end) {
-      return Invalid(
-          engine,
-          absl::StrCat(where, ": segments ", intervals[i - 1].segment, " and ",
-                       intervals[i].segment, " write the same elements (at ",
-                       intervals[i].begin, ")"));
-    }
-  }
-  return absl::OkStatus();
+  return CheckDisjoint(engine, where, runs);
 }
 
 }  // namespace
@@ -299,6 +321,13 @@ absl::StatusOr<std::shared_ptr<const EngineLayout>> BuildEngineLayout(
     }
   }
   return std::shared_ptr<const EngineLayout>(std::move(layout));
+}
+
+bool AnyRegionFaulted(const EngineLayout& layout) {
+  for (const auto& region : layout.regions) {
+    if (region->faulted()) return true;
+  }
+  return false;
 }
 
 }  // namespace weightsync

@@ -74,6 +74,10 @@ absl::StatusOr<std::shared_ptr<const EngineLayout>> BuildEngineLayout(
     const v1::RegisterEngineRequest& request, MemoryMapper& mapper,
     const RegistrationLimits& limits = {});
 
+// True once the memory behind any of the engine's regions was found gone
+// under the daemon (MappedRegion::faulted, bus_guard.h).
+bool AnyRegionFaulted(const EngineLayout& layout);
+
 // The 2-D view [rows, cols] of a checkpoint tensor that segments index.
 void SourceMatrix(const std::vector<int64_t>& shape, int64_t* rows,
                   int64_t* cols);

@@ -4,6 +4,7 @@
 #ifndef WEIGHTSYNC_DAEMON_CORE_MEMORY_H_
 #define WEIGHTSYNC_DAEMON_CORE_MEMORY_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -29,6 +30,15 @@ class MappedRegion {
   virtual int64_t size() const = 0;
   virtual v1::MemoryKind kind() const = 0;
   virtual const std::string& device_uuid() const = 0;
+
+  // Set once the memory behind the region was found gone under the daemon
+  // (its owner shrank the object: bus_guard.h); the region then maps
+  // anonymous memory that reaches nobody, and the engine is failed.
+  bool faulted() const { return faulted_.load(std::memory_order_acquire); }
+  std::atomic<bool>* faulted_flag() const { return &faulted_; }
+
+ private:
+  mutable std::atomic<bool> faulted_{false};
 };
 
 // Opens allocations of the kinds it supports. Implementations live in

@@ -5,8 +5,10 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "common/checksum.h"
 #include "common/dtype.h"
+#include "daemon/core/bus_guard.h"
 
 namespace weightsync {
 namespace {
@@ -45,10 +47,21 @@ absl::StatusOr<v1::Receipt> ComputeReceipt(const EngineLayout& engine,
     last = u.parameter;
     const SegmentLayout& s = p.segments[u.segment];
     const int64_t es = ElementSize(p.dtype);
-    for (int64_t r = 0; r < s.row_count; ++r) {
-      // A row of the segment is a run of consecutive elements.
-      const int64_t row = s.dest_offset + r * s.dest_row_stride;
-      sum += RunTerms(p.salt, row, base + p.offset + row * es, s.col_count, es);
+    // The engine's owner may shrink its shared memory under the read.
+    const bool read = GuardedAccess(*engine.regions[p.region], [&] {
+      for (int64_t r = 0; r < s.row_count; ++r) {
+        // A row of the segment is a run of consecutive elements.
+        const int64_t row = s.dest_offset + r * s.dest_row_stride;
+        sum +=
+            RunTerms(p.salt, row, base + p.offset + row * es, s.col_count, es);
+      }
+    });
+    if (!read) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "parameter '", p.name, "': the memory behind its allocation ",
+          p.region,
+          " is gone (its owner shrank the shared-memory object under the "
+          "daemon); the engine is dropped: register it again"));
     }
     bytes += s.row_count * s.col_count * es;
   }

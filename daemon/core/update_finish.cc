@@ -193,6 +193,10 @@ absl::StatusOr<v1::FinishWeightUpdateResponse> Coordinator::FinishWeightUpdate(
   }
   if (status.ok() && staged) status = CommitStaged(deadline);
   if (status.ok()) status = plane->Drain(deadline);
+  {
+    absl::MutexLock lock(&mu_);
+    DropFaultedEnginesLocked();
+  }
   const absl::Time t_drained = absl::Now();
   std::vector<absl::StatusOr<v1::Receipt>> receipts;
   if (status.ok()) status = CollectReceipts(*plane, deadline, &receipts);
@@ -308,7 +312,9 @@ Coordinator::Committed Coordinator::CommitVersionsLocked(
     if (update_->lost[i] || it == engines_.end()) {
       result->set_lost(true);
       result->set_code(static_cast<int>(absl::StatusCode::kUnavailable));
-      result->set_message("engine disconnected during the update");
+      result->set_message(update_->lost_why[i].empty()
+                              ? "engine disconnected during the update"
+                              : update_->lost_why[i]);
       continue;
     }
     EngineRecord& r = it->second;
@@ -416,6 +422,28 @@ absl::StatusOr<v1::AbortWeightUpdateResponse> Coordinator::AbortWeightUpdate(
     *response.add_engines() = std::move(r);
   }
   return response;
+}
+
+void Coordinator::DropFaultedEnginesLocked() {
+  if (update_ == nullptr) return;
+  for (size_t i = 0; i < update_->engine_ids.size(); ++i) {
+    if (update_->lost[i] || !AnyRegionFaulted(*update_->plan->engines[i])) {
+      continue;
+    }
+    DropFaultedLocked(update_->engine_ids[i], update_->plan->engines[i].get());
+  }
+}
+
+void Coordinator::DropFaultedLocked(const std::string& id,
+                                    const EngineLayout* layout) {
+  auto it = engines_.find(id);
+  if (it == engines_.end() || it->second.layout.get() != layout) {
+    return;  // unregistered, or registered again meanwhile
+  }
+  RemoveEngineLocked(id,
+                     "its shared memory is gone: the owner shrank the object "
+                     "under the daemon (SIGBUS caught); register it again");
+  hub_.DetachEngine(id);
 }
 
 }  // namespace weightsync

@@ -374,6 +374,7 @@ void Coordinator::InstallUpdateLocked(
   update->plan = s.plan;
   update->engine_ids = s.ids;
   update->lost.assign(s.ids.size(), false);
+  update->lost_why.assign(s.ids.size(), "");
   update->data_plane = s.plane;
   update->started = s.t_entry;
   update->last_activity = absl::Now();
@@ -582,17 +583,29 @@ absl::StatusOr<int64_t> Coordinator::IpcChunkAck(const std::string& update_id,
   return need;
 }
 
-void Coordinator::PushStreamEnded(const std::string& update_id,
-                                  bool cancelled) {
+absl::Status Coordinator::PushStreamEnded(const std::string& update_id,
+                                          bool cancelled) {
   absl::MutexLock lock(&mu_);
-  if (update_ == nullptr || update_->id != update_id) return;
+  if (update_ == nullptr || update_->id != update_id) return absl::OkStatus();
   update_->stream_open = false;
   const int64_t total = update_->plan->chunks.chunks.size();
-  if (cancelled && update_->next_chunk < total) {
-    FailUpdateLocked(absl::AbortedError(
-        absl::StrCat("trainer disconnected mid-stream after ",
-                     update_->next_chunk, " of ", total, " chunks")));
+  const int64_t next = update_->next_chunk;
+  if (next >= total || update_->phase == Phase::kFailed) {
+    return absl::OkStatus();
   }
+  if (cancelled) {
+    FailUpdateLocked(absl::AbortedError(
+        absl::StrCat("trainer disconnected mid-stream after ", next, " of ",
+                     total, " chunks")));
+    return absl::OkStatus();  // nobody is left to answer
+  }
+  const absl::Status missing = absl::AbortedError(absl::StrCat(
+      "the chunk stream of update '", update_id, "' ended after ", next, " of ",
+      total, " chunks (chunks ", next, "..", total - 1,
+      " missing): the trainer closed it early or a message did not parse; "
+      "the update failed, start it again"));
+  FailUpdateLocked(missing);
+  return missing;
 }
 
 void Coordinator::FailUpdateLocked(const absl::Status& reason) {

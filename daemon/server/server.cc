@@ -5,9 +5,12 @@
 
 #include <cerrno>
 #include <cstring>
+#include <memory>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "daemon/server/parse_errors.h"
 #include "glog/logging.h"
 #include "grpc/grpc.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -103,6 +106,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
     server->engine_.set_peer_lookup(lookup);
     server->trainer_.set_peer_lookup(lookup);
   }
+  if (options.peer_lookup_for_testing) {
+    server->engine_.set_peer_lookup(options.peer_lookup_for_testing);
+    server->trainer_.set_peer_lookup(options.peer_lookup_for_testing);
+  }
   if (!options.tcp_address.empty()) {
     if (options.tls_cert_pem.empty() || options.tls_key_pem.empty() ||
         options.token.empty()) {
@@ -122,6 +129,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
         std::make_shared<TokenChecker>(options.token));
     builder.AddListeningPort(options.tcp_address, creds, &server->tcp_port_);
   }
+  // A request that does not parse: INVALID_ARGUMENT naming the method.
+  std::vector<
+      std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
+      interceptors;
+  interceptors.push_back(ParseErrorInterceptorFactory());
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   builder.RegisterService(&server->trainer_);
   builder.RegisterService(&server->engine_);
   server->server_ = builder.BuildAndStart();

@@ -45,6 +45,9 @@ struct ServerOptions {
   // Who may connect to the Unix socket, its group and directory rules
   // (unix_listener.h).
   PeerPolicy peer_policy;
+  // Tests: replaces the Unix listener's credentials lookup, so that calls
+  // can act as other users and processes (the ownership rules).
+  PeerLookup peer_lookup_for_testing;
 };
 
 class Server {
@@ -63,7 +66,9 @@ class Server {
   }
 
  private:
-  Server(Coordinator* core) : trainer_(core), engine_(core) {}
+  Server(Coordinator* core)
+      : trainer_(core, &owners_), engine_(core, &owners_) {}
+  EngineOwners owners_;  // before the services, which hold it
   TrainerServiceImpl trainer_;
   EngineServiceImpl engine_;
   std::unique_ptr<UnixListener> listener_;

@@ -1,7 +1,6 @@
 #include "daemon/server/services.h"
 
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -12,8 +11,11 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "backends/host/shm_memory.h"
+#include "common/echo.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
+#include "daemon/server/request_checks.h"
 #include "glog/logging.h"
 
 namespace weightsync {
@@ -27,6 +29,14 @@ grpc::Status Answer(Response* response, Call&& call) {
   *response = *std::move(result);
   return grpc::Status::OK;
 }
+
+// Refuses a request whose own fields are out of bounds (request_checks.h).
+#define WS_CHECK_REQUEST(request)                          \
+  do {                                                     \
+    if (absl::Status s = CheckRequest(request); !s.ok()) { \
+      return ToGrpcStatus(s);                              \
+    }                                                      \
+  } while (false)
 
 absl::Time ContextDeadline(grpc::ServerContext* ctx, absl::Duration fallback) {
   const auto d = ctx->deadline();
@@ -84,6 +94,7 @@ void TrainerServiceImpl::TakeOwnership(grpc::ServerContext* ctx) {
 grpc::Status TrainerServiceImpl::InitWeightTransfer(
     grpc::ServerContext* ctx, const v1::InitWeightTransferRequest* request,
     v1::InitWeightTransferResponse* response) {
+  WS_CHECK_REQUEST(*request);
   grpc::Status owner = CheckOwner(ctx, /*forming=*/true);
   if (!owner.ok()) return owner;
   grpc::Status s =
@@ -95,6 +106,7 @@ grpc::Status TrainerServiceImpl::InitWeightTransfer(
 grpc::Status TrainerServiceImpl::StartWeightUpdate(
     grpc::ServerContext* ctx, const v1::StartWeightUpdateRequest* request,
     v1::StartWeightUpdateResponse* response) {
+  WS_CHECK_REQUEST(*request);
   grpc::Status owner = CheckOwner(ctx, false);
   if (!owner.ok()) return owner;
   if (peer_of_) {
@@ -136,6 +148,7 @@ grpc::Status TrainerServiceImpl::RegisterSource(
 grpc::Status TrainerServiceImpl::UnregisterSource(
     grpc::ServerContext* ctx, const v1::UnregisterSourceRequest* request,
     v1::UnregisterSourceResponse* response) {
+  WS_CHECK_REQUEST(*request);
   grpc::Status owner = CheckOwner(ctx, false);
   if (!owner.ok()) return owner;
   return Answer(response,
@@ -154,9 +167,21 @@ template <typename Request, typename Stream, typename Each>
 grpc::Status ServeChunkStream(grpc::ServerContext* ctx, Stream* stream,
                               Coordinator* core, const char* rpc, Each each) {
   Request request;
-  if (!stream->Read(&request)) return grpc::Status::OK;  // empty stream
+  if (!stream->Read(&request)) {
+    // gRPC ends a stream at a message that does not parse as it does at a
+    // half-close: either way nothing arrived.
+    return grpc::Status(
+        grpc::StatusCode::INVALID_ARGUMENT,
+        absl::StrCat(rpc,
+                     ": the stream carried no message that parsed (it was "
+                     "empty, or its first message is not a ",
+                     Request::descriptor()->full_name(), "); nothing changed"));
+  }
   const std::string update_id = request.update_id();
-  absl::Status status = core->BeginPushStream(update_id);
+  absl::Status status =
+      CheckIdLength("update_id", update_id, kMaxUpdateIdBytes);
+  if (!status.ok()) return ToGrpcStatus(status);
+  status = core->BeginPushStream(update_id);
   if (!status.ok()) return ToGrpcStatus(status);
   const absl::Time deadline = ContextDeadline(ctx, absl::Minutes(10));
   do {
@@ -167,7 +192,12 @@ grpc::Status ServeChunkStream(grpc::ServerContext* ctx, Stream* stream,
     }
   } while (each(update_id, request, deadline, &status) &&
            stream->Read(&request));
-  core->PushStreamEnded(update_id, ctx->IsCancelled());
+  const absl::Status ended =
+      core->PushStreamEnded(update_id, ctx->IsCancelled());
+  if (status.ok() && !ended.ok()) {
+    status =
+        absl::Status(ended.code(), absl::StrCat(rpc, ": ", ended.message()));
+  }
   return ToGrpcStatus(status);
 }
 
@@ -223,6 +253,7 @@ grpc::Status TrainerServiceImpl::IpcChunks(
 grpc::Status TrainerServiceImpl::FinishWeightUpdate(
     grpc::ServerContext* ctx, const v1::FinishWeightUpdateRequest* request,
     v1::FinishWeightUpdateResponse* response) {
+  WS_CHECK_REQUEST(*request);
   grpc::Status owner = CheckOwner(ctx, false);
   if (!owner.ok()) return owner;
   return Answer(response, [&] { return core_->FinishWeightUpdate(*request); });
@@ -231,6 +262,7 @@ grpc::Status TrainerServiceImpl::FinishWeightUpdate(
 grpc::Status TrainerServiceImpl::AbortWeightUpdate(
     grpc::ServerContext* ctx, const v1::AbortWeightUpdateRequest* request,
     v1::AbortWeightUpdateResponse* response) {
+  WS_CHECK_REQUEST(*request);
   grpc::Status owner = CheckOwner(ctx, false);
   if (!owner.ok()) return owner;
   return Answer(response, [&] { return core_->AbortWeightUpdate(*request); });
@@ -239,6 +271,7 @@ grpc::Status TrainerServiceImpl::AbortWeightUpdate(
 grpc::Status TrainerServiceImpl::Pause(grpc::ServerContext* ctx,
                                        const v1::PauseRequest* request,
                                        v1::PauseResponse* response) {
+  WS_CHECK_REQUEST(*request);
   grpc::Status owner = CheckOwner(ctx, false);
   if (!owner.ok()) return owner;
   return Answer(response, [&] { return core_->Pause(*request); });
@@ -247,6 +280,7 @@ grpc::Status TrainerServiceImpl::Pause(grpc::ServerContext* ctx,
 grpc::Status TrainerServiceImpl::Resume(grpc::ServerContext* ctx,
                                         const v1::ResumeRequest* request,
                                         v1::ResumeResponse* response) {
+  WS_CHECK_REQUEST(*request);
   grpc::Status owner = CheckOwner(ctx, false);
   if (!owner.ok()) return owner;
   return Answer(response, [&] { return core_->Resume(*request); });
@@ -267,8 +301,16 @@ grpc::Status TrainerServiceImpl::GetStatus(grpc::ServerContext*,
 }
 
 grpc::Status TrainerServiceImpl::CheckEngine(
-    grpc::ServerContext*, const v1::CheckEngineRequest* request,
+    grpc::ServerContext* ctx, const v1::CheckEngineRequest* request,
     v1::CheckEngineResponse* response) {
+  WS_CHECK_REQUEST(*request);
+  if (owners_ != nullptr) {
+    const std::optional<PeerCred> peer =
+        peer_of_ ? peer_of_(ctx->peer()) : std::nullopt;
+    absl::Status own = owners_->Check(request->engine_id(), peer,
+                                      EngineOwners::Action::kCheck);
+    if (!own.ok()) return ToGrpcStatus(own);
+  }
   return Answer(response, [&] { return core_->CheckEngine(*request); });
 }
 
@@ -318,14 +360,20 @@ absl::Status CheckOwnAllocations(const v1::RegisterEngineRequest& request,
                                      "an engine registers only its own memory");
       if (!s.ok()) return s;
     } else if (a.kind() == v1::MEMORY_HOST_SHM && peer.uid != 0) {
-      const int fd = shm_open(a.handle().c_str(), O_RDONLY, 0);
-      if (fd < 0) continue;  // the mapper names what is wrong
+      // Never blocks, follows no link, regular files only (a peer's FIFO
+      // would hold this handler forever).
       struct stat st;
-      const bool owned = fstat(fd, &st) == 0 && st.st_uid == peer.uid;
-      close(fd);
-      if (!owned) {
+      absl::StatusOr<int> fd = OpenShmObject(a.handle(), O_RDONLY, &st);
+      if (!fd.ok()) {
+        if (absl::IsNotFound(fd.status())) continue;  // the mapper names it
+        return absl::Status(
+            fd.status().code(),
+            absl::StrCat("allocation ", i, ": ", fd.status().message()));
+      }
+      close(*fd);
+      if (st.st_uid != peer.uid) {
         return absl::PermissionDeniedError(absl::StrCat(
-            "allocation ", i, ": shared memory '", a.handle(),
+            "allocation ", i, ": shared memory '", Echo(a.handle()),
             "' belongs to uid ", st.st_uid, ", not to the caller (uid ",
             peer.uid, "): an engine registers only its own memory"));
       }
@@ -334,66 +382,77 @@ absl::Status CheckOwnAllocations(const v1::RegisterEngineRequest& request,
   return absl::OkStatus();
 }
 
+std::optional<PeerCred> EngineServiceImpl::PeerOf(grpc::ServerContext* ctx) {
+  return peer_of_ ? peer_of_(ctx->peer()) : std::nullopt;
+}
+
 grpc::Status EngineServiceImpl::RegisterEngine(
     grpc::ServerContext* ctx, const v1::RegisterEngineRequest* request,
     v1::RegisterEngineResponse* response) {
-  std::optional<PeerCred> peer;
-  if (peer_of_) {
-    peer = peer_of_(ctx->peer());
-    if (peer.has_value()) {
-      absl::Status own = CheckOwnAllocations(*request, *peer);
-      if (!own.ok()) return ToGrpcStatus(own);
-    }
-  }
+  WS_CHECK_REQUEST(*request);
+  const std::optional<PeerCred> peer = PeerOf(ctx);
+  absl::Status own = owners_->Check(request->engine_id(), peer,
+                                    EngineOwners::Action::kRegister);
+  if (own.ok() && peer.has_value()) own = CheckOwnAllocations(*request, *peer);
+  if (!own.ok()) return ToGrpcStatus(own);
   grpc::Status s =
       Answer(response, [&] { return core_->RegisterEngine(*request); });
-  if (s.ok() && peer.has_value()) {
-    Owner owner{peer->pid, peer->uid, {}};
+  if (s.ok()) {
+    EngineOwners::Owner owner{peer, {}};
     for (const v1::Allocation& a : request->allocations()) {
       if (a.kind() == v1::MEMORY_HOST_SHM)
         owner.shm_names.push_back(a.handle());
     }
-    absl::MutexLock lock(&owners_mu_);
-    owners_[request->engine_id()] = std::move(owner);
+    owners_->Record(request->engine_id(), std::move(owner));
   }
   return s;
 }
 
+void EngineServiceImpl::Forget(const std::string& engine) {
+  // If the engine's process died, nobody else will remove its shared
+  // memory (shm_reaper.h).
+  std::optional<EngineOwners::Owner> owner = owners_->Remove(engine);
+  if (owner.has_value() && owner->peer.has_value()) {
+    reaper_.UnlinkWhenGone(owner->peer->pid, owner->peer->uid,
+                           owner->shm_names);
+  }
+}
+
 grpc::Status EngineServiceImpl::UnregisterEngine(
-    grpc::ServerContext*, const v1::UnregisterEngineRequest* request,
+    grpc::ServerContext* ctx, const v1::UnregisterEngineRequest* request,
     v1::UnregisterEngineResponse*) {
-  return ToGrpcStatus(core_->UnregisterEngine(request->engine_id()));
+  WS_CHECK_REQUEST(*request);
+  absl::Status s = owners_->Check(request->engine_id(), PeerOf(ctx),
+                                  EngineOwners::Action::kUnregister);
+  if (s.ok()) s = core_->UnregisterEngine(request->engine_id());
+  if (s.ok()) Forget(request->engine_id());
+  return ToGrpcStatus(s);
 }
 
 grpc::Status EngineServiceImpl::Control(
-    grpc::ServerContext*,
+    grpc::ServerContext* ctx,
     grpc::ServerReaderWriter<v1::DaemonMessage, v1::EngineMessage>* stream) {
   v1::EngineMessage message;
   if (!stream->Read(&message) || !message.has_hello()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        "the first Control message must be a Hello");
+                        "Control: the first message must be a Hello");
   }
+  WS_CHECK_REQUEST(message.hello());
   const std::string engine = message.hello().engine_id();
+  absl::Status status =
+      owners_->Check(engine, PeerOf(ctx), EngineOwners::Action::kControl);
+  if (!status.ok()) return ToGrpcStatus(status);
   auto channel = std::make_shared<StreamChannel>(stream);
-  absl::Status status = core_->AttachControl(engine, channel);
+  // ALREADY_EXISTS while another stream speaks for the engine.
+  status = core_->AttachControl(engine, channel);
   if (!status.ok()) return ToGrpcStatus(status);
   VLOG(1) << "engine " << engine << " control stream open";
   while (stream->Read(&message)) {
     if (message.has_ack()) core_->OnAck(engine, message.ack());
   }
   channel->Close();
-  core_->DetachControl(engine, channel.get());
-  // If the engine's process died, nobody else will remove its shared
-  // memory (shm_reaper.h).
-  {
-    absl::MutexLock lock(&owners_mu_);
-    auto it = owners_.find(engine);
-    if (it != owners_.end()) {
-      reaper_.UnlinkWhenGone(it->second.pid, it->second.uid,
-                             it->second.shm_names);
-      owners_.erase(it);
-    }
-  }
+  // Only the stream that spoke for the engine removes it (and its owner).
+  if (core_->DetachControl(engine, channel.get())) Forget(engine);
   return grpc::Status::OK;
 }
 

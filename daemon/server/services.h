@@ -8,10 +8,10 @@
 #include <functional>
 #include <optional>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/core/coordinator.h"
+#include "daemon/server/engine_owners.h"
 #include "daemon/server/shm_reaper.h"
 #include "daemon/server/unix_listener.h"
 #include "weightsync/v1/engine_service.grpc.pb.h"
@@ -41,7 +41,10 @@ absl::Status CheckOwnSource(const v1::StartWeightUpdateRequest& request,
 
 class TrainerServiceImpl final : public v1::TrainerService::Service {
  public:
-  explicit TrainerServiceImpl(Coordinator* core) : core_(core) {}
+  // `owners` (may be null: no ownership checks) outlives the service.
+  explicit TrainerServiceImpl(Coordinator* core,
+                              const EngineOwners* owners = nullptr)
+      : core_(core), owners_(owners) {}
   // Set before the server starts.
   void set_peer_lookup(PeerLookup lookup) { peer_of_ = std::move(lookup); }
 
@@ -96,14 +99,21 @@ class TrainerServiceImpl final : public v1::TrainerService::Service {
   void TakeOwnership(grpc::ServerContext* ctx);
 
   Coordinator* const core_;
+  const EngineOwners* const owners_;
   PeerLookup peer_of_;
   absl::Mutex owner_mu_;
   std::optional<uid_t> owner_ ABSL_GUARDED_BY(owner_mu_);
 };
 
+// Every call that speaks for an engine (Register of a known id, Control,
+// Unregister) is checked against `owners` (engine_owners.h) first; a
+// registration records its caller as the owner, and the stream or call
+// that ends the engine forgets it.
 class EngineServiceImpl final : public v1::EngineService::Service {
  public:
-  explicit EngineServiceImpl(Coordinator* core) : core_(core) {}
+  // `owners` outlives the service.
+  EngineServiceImpl(Coordinator* core, EngineOwners* owners)
+      : core_(core), owners_(owners) {}
   // Set before the server starts.
   void set_peer_lookup(PeerLookup lookup) { peer_of_ = std::move(lookup); }
 
@@ -119,18 +129,15 @@ class EngineServiceImpl final : public v1::EngineService::Service {
       override;
 
  private:
-  // Who registered each engine's shared memory: when its control stream
-  // closes, the reaper removes the objects once that process is gone.
-  struct Owner {
-    pid_t pid = 0;
-    uid_t uid = 0;
-    std::vector<std::string> shm_names;
-  };
+  std::optional<PeerCred> PeerOf(grpc::ServerContext* ctx);
+  // The engine left (unregistered, its stream closed): drops its owner and
+  // has the reaper remove its shared memory once that process is gone.
+  void Forget(const std::string& engine);
+
   Coordinator* const core_;
+  EngineOwners* const owners_;
   PeerLookup peer_of_;
   ShmReaper reaper_;
-  absl::Mutex owners_mu_;
-  absl::flat_hash_map<std::string, Owner> owners_ ABSL_GUARDED_BY(owners_mu_);
 };
 
 }  // namespace weightsync
