@@ -605,7 +605,8 @@ class DirtyEngineTest : public ServerTest {
     auto started = trainer_->StartWeightUpdate(StartRequest(1, t, 4096));
     ASSERT_TRUE(started.ok()) << started.status();
     ASSERT_GT(started->num_chunks(), 2);
-    ASSERT_TRUE(PushOneChunk("u1", 4096).ok());
+    // The stream's early end fails the update (the first chunk written).
+    ASSERT_EQ(PushOneChunk("u1", 4096).error_code(), grpc::StatusCode::ABORTED);
     ASSERT_FALSE(trainer_->FinishWeightUpdate("u1").ok());
     ASSERT_EQ(StatusOf("e0").state(), v1::ENGINE_DIRTY);
   }

@@ -504,8 +504,13 @@ class Watcher {
   void PrintSample(const v1::GetStatusResponse& status, absl::Time now,
                    bool in_progress, bool done, int64_t bytes) const {
     const v1::UpdateStatus& u = status.update();
+    // A run-time format: snprintf (absl::StrFormat wants it at compile
+    // time under clang, which the coverage build uses).
     const auto number = [](double v, const char* format) {
-      return v < 0 ? std::string("null") : absl::StrFormat(format, v);
+      if (v < 0) return std::string("null");
+      char buf[64];
+      std::snprintf(buf, sizeof(buf), format, v);
+      return std::string(buf);
     };
     std::printf(
         "{\"t\":%.3f,\"in_progress\":%s,\"done\":%s,\"update_id\":%s,"
