@@ -9,10 +9,11 @@ about zero:
 
     WEIGHTSYNCD=bazel-bin/daemon/weightsyncd python3 tests/faults/soak.py [CYCLES=200] [--json OUT]
 
-Limits: fds and threads grow by less than 1 over the measured cycles (slope
-< 0.01 per cycle) and the median of the last 20 cycles is no higher than
-that of the first 20 (a single sample may catch a connection still
-closing), resident memory by less than 16 KiB per cycle. Prints the slopes and exits 1 if one is over.
+Limits: fds grow by less than 1 over the measured cycles (slope < 0.01
+per cycle) and the median of the last 20 cycles is no higher than that of
+the first 20 (a single sample may catch a connection still closing);
+threads the same but one more allowed (gRPC grows its poller pool once
+under a burst; slope < 0.02), resident memory by less than 16 KiB per cycle. Prints the slopes and exits 1 if one is over.
 """
 
 import json
@@ -102,14 +103,18 @@ def main():
         result[name] = {"first": samples[0][i], "warm": ys[0], "last": ys[-1],
                         "max": max(ys), "slope_per_cycle": round(slope(ys), 4)}
     # A sample can catch a connection that is still closing (one fd more):
-    # compare the medians of the first and last 20 measured cycles.
-    for name, i in (("fds", 0), ("threads", 1)):
+    # compare the medians of the first and last 20 measured cycles. gRPC's
+    # synchronous server grows its pool of poller threads by one when a
+    # burst needs it (seen once in ~10 runs, 18 -> 19 mid-run, then flat):
+    # threads may end one above where they started; a leak (a thread per
+    # cycle, or per fault every 10 cycles: +15) is far beyond that.
+    for name, i, slack, max_slope in (("fds", 0, 0, 0.01), ("threads", 1, 1, 0.02)):
         ys = [s[i] for s in warm]
         head, tail = sorted(ys[:20]), sorted(ys[-20:])
         result[name]["median_first_20"] = head[len(head) // 2]
         result[name]["median_last_20"] = tail[len(tail) // 2]
-        ok &= (result[name]["slope_per_cycle"] < 0.01 and
-               tail[len(tail) // 2] <= head[len(head) // 2])
+        ok &= (result[name]["slope_per_cycle"] < max_slope and
+               tail[len(tail) // 2] <= head[len(head) // 2] + slack)
     # Under AddressSanitizer freed memory sits in its quarantine, so resident
     # memory says nothing there (LeakSanitizer checks the daemon instead).
     result["rss_judged"] = "ASAN_OPTIONS" not in os.environ
