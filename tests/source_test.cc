@@ -27,49 +27,20 @@
 #include "grpc/grpc.h"
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
+#include "tests/testing/daemon_fixture.h"
 #include "tools/synthetic/synthetic_model.h"
 
 namespace weightsync {
 namespace {
 
-// Keep gRPC initialised for the whole binary (see server_test.cc).
-const bool kGrpcInitialised = (grpc_init(), true);
-
 using ::testing::HasSubstr;
 
-class SourceTest : public ::testing::Test {
+// The daemon fixture of server_test (tests/testing/daemon_fixture.h) with
+// what registered sources need: engines of any parameters (an arena per
+// engine, named by its index, so an id may register again), and updates by
+// source id.
+class SourceTest : public testing::DaemonTest {
  protected:
-  void SetUp() override {
-    char tmpl[] = "/tmp/wssrc.XXXXXX";  // Unix socket paths are short
-    dir_ = mkdtemp(tmpl);
-    CoordinatorOptions core;
-    core.notice_timeout = absl::Milliseconds(500);
-    core.finish_timeout = absl::Seconds(5);
-    HostDataPlane::Options host;
-    host.staging_buffers = 2;
-    host.staging_budget = 1 << 20;
-    core_ = std::make_unique<Coordinator>(core, MakeMemoryMapper(),
-                                          MakeDataPlaneFactory(host));
-    ServerOptions so;
-    so.unix_socket = dir_ + "/d.sock";
-    auto server = Server::BuildAndStart(so, core_.get());
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = *std::move(server);
-    options_.target = "unix:" + so.unix_socket;
-    options_.call_timeout = absl::Seconds(10);
-    trainer_ = *TrainerClient::Connect(options_);
-    model_ = *synthetic::ModelByName("tiny");
-  }
-
-  void TearDown() override {
-    engines_.clear();
-    trainer_.reset();
-    for (auto& a : arenas_) a->region().Unlink();
-    server_->Shutdown(absl::ZeroDuration());
-    core_.reset();
-    rmdir(dir_.c_str());
-  }
-
   // The tiny model's plain bfloat16 engine parameters.
   std::vector<v1::Parameter> Parameters() {
     return synthetic::EngineParameters(model_, synthetic::Layout::kPlain, 0, 1,
@@ -78,7 +49,7 @@ class SourceTest : public ::testing::Test {
 
   // Registers engine `id` with `params` in a new arena (index returned)
   // and opens its control stream.
-  int AddEngine(const std::string& id, std::vector<v1::Parameter> params) {
+  int AddEngineWith(const std::string& id, std::vector<v1::Parameter> params) {
     const int index = arenas_.size();
     auto arena = HostArena::Create(
         absl::StrCat("/wssrc-", dir_.substr(dir_.rfind('.') + 1), "-", index),
@@ -109,32 +80,6 @@ class SourceTest : public ::testing::Test {
       absl::SleepFor(absl::Milliseconds(10));
     }
     ADD_FAILURE() << "engine '" << id << "' is still registered";
-  }
-
-  std::vector<uint8_t> Memory(int i) {
-    const ShmRegion& r = arenas_[i]->region();
-    return std::vector<uint8_t>(r.data(), r.data() + r.size());
-  }
-
-  void Init() {
-    v1::InitWeightTransferRequest init;
-    init.set_backend(v1::BACKEND_HOST);
-    ASSERT_TRUE(trainer_->InitWeightTransfer(init).ok());
-  }
-
-  // The tiny model's float32 checkpoint at `version`, pointing into data_.
-  std::vector<HostTensor> Tensors(int64_t version) {
-    data_.clear();
-    const std::vector<v1::TensorSpec> specs =
-        synthetic::Checkpoint(model_, v1::FLOAT32);
-    for (const v1::TensorSpec& t : specs) {
-      data_[t.name()] = {t, synthetic::Contents(t, version)};
-    }
-    std::vector<HostTensor> out;
-    for (const v1::TensorSpec& t : specs) {
-      out.push_back({t, data_[t.name()].second.data()});
-    }
-    return out;
   }
 
   static v1::RegisterSourceRequest SourceOf(const std::vector<HostTensor>& t) {
@@ -171,39 +116,10 @@ class SourceTest : public ::testing::Test {
     if (!pushed.ok()) return pushed;
     return finished;
   }
-
-  // Every parameter of arena `i` equals the reference for data_.
-  void ExpectInstalled(int i) {
-    const uint8_t* base = arenas_[i]->region().data();
-    for (const v1::Parameter& p : arenas_[i]->parameters()) {
-      const auto want = synthetic::ExpectedParameter(p, data_);
-      ASSERT_EQ(std::memcmp(base + p.offset(), want.data(), want.size()), 0)
-          << p.name();
-    }
-  }
-
-  v1::EngineStatus StatusOf(const std::string& id) {
-    const auto status = trainer_->GetStatus();
-    EXPECT_TRUE(status.ok()) << status.status();
-    for (const auto& e : status->engines()) {
-      if (e.engine_id() == id) return e;
-    }
-    return {};
-  }
-
-  std::string dir_;
-  std::unique_ptr<Coordinator> core_;
-  std::unique_ptr<Server> server_;
-  ClientOptions options_;
-  std::unique_ptr<TrainerClient> trainer_;
-  synthetic::ModelConfig model_;
-  std::vector<std::unique_ptr<HostArena>> arenas_;
-  std::vector<std::unique_ptr<EngineClient>> engines_;
-  synthetic::CheckpointData data_;
 };
 
 TEST_F(SourceTest, RegistrationNeedsAGroupAndAValidDenseManifest) {
-  AddEngine("e0", Parameters());
+  AddEngineWith("e0", Parameters());
   const v1::RegisterSourceRequest good = SourceOf(Tensors(1));
   auto r = RegisterSource(good);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
@@ -266,7 +182,7 @@ TEST_F(SourceTest, RegistrationNeedsAGroupAndAValidDenseManifest) {
 }
 
 TEST_F(SourceTest, StartBySourceRefusesWhatItCantDoAndForgetsOldGroups) {
-  const int e0 = AddEngine("e0", Parameters());
+  const int e0 = AddEngineWith("e0", Parameters());
   const std::vector<uint8_t> before = Memory(e0);
   Init();
   const std::vector<HostTensor> t = Tensors(1);
@@ -310,7 +226,7 @@ TEST_F(SourceTest, StartBySourceRefusesWhatItCantDoAndForgetsOldGroups) {
 }
 
 TEST_F(SourceTest, UpdatesBySourceWriteTheBytesAndCommit) {
-  const int e0 = AddEngine("e0", Parameters());
+  const int e0 = AddEngineWith("e0", Parameters());
   Init();
   std::vector<HostTensor> t = Tensors(1);
   auto source = RegisterSource(SourceOf(t));
@@ -349,7 +265,7 @@ TEST_F(SourceTest, UpdatesBySourceWriteTheBytesAndCommit) {
 // bytes and receipts right every time, also into an engine that registered
 // again (its new layout is fetched for the receipts).
 TEST_F(SourceTest, TrainerClientUpdateRegistersOnceAndAgainWhenNeeded) {
-  const int e0 = AddEngine("e0", Parameters());
+  const int e0 = AddEngineWith("e0", Parameters());
   Init();
   auto request = [](int64_t version) {
     v1::StartWeightUpdateRequest r;
@@ -385,7 +301,7 @@ TEST_F(SourceTest, TrainerClientUpdateRegistersOnceAndAgainWhenNeeded) {
   EXPECT_NE(trainer_->source_id(), second);
   // The engine registers again (new layout id): receipts still check out.
   DropEngine(e0, "e0");
-  const int e1 = AddEngine("e0", Parameters());
+  const int e1 = AddEngineWith("e0", Parameters());
   auto done = trainer_->Update(request(5), Tensors(5));
   ASSERT_TRUE(done.ok()) << done.status();
   ExpectInstalled(e1);
@@ -401,7 +317,7 @@ TEST_F(SourceTest, TrainerClientUpdateRegistersOnceAndAgainWhenNeeded) {
 }
 
 TEST_F(SourceTest, AnEngineThatRegistersAgainGetsThePlanRebuilt) {
-  const int old_arena = AddEngine("e0", Parameters());
+  const int old_arena = AddEngineWith("e0", Parameters());
   Init();
   std::vector<HostTensor> t = Tensors(1);
   auto source = RegisterSource(SourceOf(t));
@@ -417,7 +333,7 @@ TEST_F(SourceTest, AnEngineThatRegistersAgainGetsThePlanRebuilt) {
   // must land there, not in the old registration's memory.
   DropEngine(old_arena, "e0");
   const std::vector<uint8_t> old_memory = Memory(old_arena);
-  const int new_arena = AddEngine("e0", Parameters());
+  const int new_arena = AddEngineWith("e0", Parameters());
   const std::string second_layout = StatusOf("e0").layout_id();
   EXPECT_NE(second_layout, first_layout);
   t = Tensors(2);
@@ -445,7 +361,7 @@ TEST_F(SourceTest, AnEngineThatRegistersAgainGetsThePlanRebuilt) {
   const std::string old_shape =
       absl::StrCat("[", changed->shape(0), ", ", changed->shape(1), "]");
   changed->set_shape(0, changed->shape(0) / 2);
-  const int narrow = AddEngine("e0", params);
+  const int narrow = AddEngineWith("e0", params);
   const std::string third_layout = StatusOf("e0").layout_id();
   EXPECT_NE(third_layout, second_layout);
   const std::vector<uint8_t> before = Memory(narrow);
