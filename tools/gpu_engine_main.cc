@@ -11,7 +11,10 @@
 // the time of one plain on-GPU copy of the parameters' bytes on its GPU.
 // --hash prints, after each new version, a 64-bit FNV-1a hash of all its
 // parameters' bytes (to compare two versions bit for bit: a sparse update
-// and a dense update of the same weights).
+// and a dense update of the same weights). SIGUSR1 frees the parameters'
+// memory (cudaFree, or the VMM unmap + release + close) and keeps the
+// process and its control stream alive: an engine that frees under the
+// daemon's import (tests/gpu/gpu_faults.py, engine_freed).
 #include <cuda_runtime_api.h>
 #include <signal.h>
 #include <unistd.h>
@@ -61,7 +64,11 @@ DEFINE_string(memory, "ipc",
 
 namespace {
 std::atomic<bool> g_stop{false};
+std::atomic<bool> g_free{false};
 void OnSignal(int) { g_stop = true; }
+// SIGUSR1: free the parameters' memory and go on running (the GPU fault
+// suite's engine_freed: an engine that frees under the daemon's import).
+void OnFree(int) { g_free = true; }
 }  // namespace
 
 namespace weightsync {
@@ -248,23 +255,24 @@ int Main() {
   auto size = HostArena::Layout(&params);
   if (!size.ok()) return 2;
   void* base = nullptr;
+  // Kept for the process's life (or until SIGUSR1): the daemon takes the fd
+  // by pidfd_getfd.
+  static cuda::VmmMemory vmm_memory;
   v1::RegisterEngineRequest request;
   request.set_engine_id(FLAGS_engine_id);
   v1::Allocation* a = request.add_allocations();
   a->set_device_uuid(GpuUuid(FLAGS_device));
   if (FLAGS_memory == "vmm") {
-    // Kept for the process's life: the daemon takes the fd by pidfd_getfd.
-    static cuda::VmmMemory memory;
     auto m = cuda::VmmAllocateExportable(FLAGS_device, *size);
     if (!m.ok()) {
       LOG(ERROR) << "VMM allocation of " << *size << " bytes: " << m.status();
       return 1;
     }
-    memory = *m;
-    base = memory.ptr;
+    vmm_memory = *m;
+    base = vmm_memory.ptr;
     a->set_kind(v1::MEMORY_CUDA_VMM);
-    a->set_handle(absl::StrCat(getpid(), ":", memory.fd));
-    a->set_size(memory.size);
+    a->set_handle(absl::StrCat(getpid(), ":", vmm_memory.fd));
+    a->set_size(vmm_memory.size);
   } else {
     cudaIpcMemHandle_t handle;
     *size = cuda::LegacyIpcAllocationBytes(*size);
@@ -318,6 +326,9 @@ int Main() {
     return 1;
   }
   const std::string id = FLAGS_engine_id;
+  // Held while the notice reads the parameters and while they are freed.
+  static std::mutex memory_mu;
+  static bool freed = false;
   EngineHooks hooks;
   static Reader reader;
   hooks.on_pause = [](v1::PauseMode) {
@@ -339,7 +350,14 @@ int Main() {
     // The client's control thread: its current device is 0, and VMM memory
     // is mapped for --device only.
     cudaSetDevice(FLAGS_device);
+    std::lock_guard<std::mutex> hold(memory_mu);
     reader.known = v;
+    if (freed) {
+      std::printf("[%s] version %lld: memory freed, not read\n", id.c_str(),
+                  static_cast<long long>(v));
+      std::fflush(stdout);
+      return;
+    }
     if (FLAGS_read_loop) {
       std::printf("[%s] read_loop at version %lld: %s\n", id.c_str(),
                   static_cast<long long>(v), reader.Summary().c_str());
@@ -375,7 +393,21 @@ int Main() {
         std::thread(ReadLoop, &reader, std::cref(*model), std::cref(params),
                     static_cast<const uint8_t*>(base), FLAGS_device, id);
   }
-  while (!g_stop) absl::SleepFor(absl::Milliseconds(20));
+  while (!g_stop) {
+    absl::SleepFor(absl::Milliseconds(20));
+    if (!g_free.exchange(false)) continue;
+    std::lock_guard<std::mutex> hold(memory_mu);
+    if (freed || FLAGS_read_loop) continue;
+    cudaSetDevice(FLAGS_device);
+    cudaDeviceSynchronize();
+    const cudaError_t e = FLAGS_memory == "vmm"
+                              ? (cuda::VmmFree(&vmm_memory), cudaSuccess)
+                              : cudaFree(base);
+    freed = true;
+    std::printf("[%s] freed its parameters' memory (%s): %s\n", id.c_str(),
+                FLAGS_memory.c_str(), cudaGetErrorString(e));
+    std::fflush(stdout);
+  }
   if (FLAGS_read_loop) {
     reader.stop = true;
     read_loop.join();
@@ -395,5 +427,6 @@ int main(int argc, char** argv) {
   google::InitGoogleLogging(argv[0]);
   signal(SIGTERM, OnSignal);
   signal(SIGINT, OnSignal);
+  signal(SIGUSR1, OnFree);
   return weightsync::Main();
 }

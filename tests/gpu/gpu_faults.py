@@ -14,7 +14,10 @@ itself (SIGSTOP) at the phase: init (group formed, before Start), start
 sent, Finish not called), pause (group formed and engines paused by the
 trainer's Pause, before Start). Then the
 fault: trainer killed (SIGKILL), trainer frozen (it stays stopped), engine
-b killed, daemon killed and restarted (engines re-register by themselves).
+b killed, daemon killed and restarted (engines re-register by themselves),
+engine b freeing its memory under the daemon's import (engine_freed: VMM
+memory; engine_freed_ipc: a legacy cudaIpc allocation) while it stays
+connected.
 Then, as tests/faults/faults.py on the host backend: detection (polling
 `weightsyncctl status --json` until no update is receiving and no engine
 is paused or updating; a hang is none within 30 s), the daemon alive,
@@ -47,7 +50,14 @@ CHUNK_MIB = 16               # the demo model (221 MB) in 14 chunks
 # after this many chunks of its update (start: after Start, before any
 # byte; mid; finish: every chunk sent, Finish not called).
 PHASES = {"init": "init", "start": 0, "mid": 3, "finish": 1000, "pause": "pause"}
-FAULTS = ["trainer_killed", "trainer_frozen", "engine_killed", "daemon_restarted"]
+FAULTS = ["trainer_killed", "trainer_frozen", "engine_killed", "daemon_restarted",
+          "engine_freed", "engine_freed_ipc"]
+# engine_freed[_ipc]: engine b frees its parameters' memory (SIGUSR1: the
+# VMM unmap + release + close, or cudaFree of its legacy-IPC allocation,
+# which engine b then uses) under the daemon's import and stays connected;
+# the trainer goes on. The daemon must live, engine a get v99 and v100
+# verified; engine b's state is recorded, whatever it is.
+FREED = ("engine_freed", "engine_freed_ipc")
 DETECT_LIMIT_S = 30
 
 
@@ -84,13 +94,13 @@ class Case:
             time.sleep(0.05)
         return d
 
-    def engine(self, eid):
+    def engine(self, eid, memory="vmm"):
         # Not under `timeout`: the fault is sent to this very process (the
         # driver kills everything it started when the case ends).
         return self.spawn(f"engine-{eid}", [
             os.path.join(BIN, "weightsync_gpu_engine"), f"--target=unix:{self.sock}",
             f"--engine_id={eid}", "--model=demo", "--layout=plain", "--dtype=bfloat16",
-            "--ckpt_dtype=bfloat16", f"--device={DEV}", "--memory=vmm", "--verify=true"])
+            "--ckpt_dtype=bfloat16", f"--device={DEV}", f"--memory={memory}", "--verify=true"])
 
     def trainer(self, name, version, stall=-1):
         args = [os.path.join(BIN, "weightsync_gpu_trainer"), f"--target=unix:{self.sock}",
@@ -138,7 +148,8 @@ def run_case(fault, phase):
     row = dict(fault=fault, phase=phase, ok=False)
     try:
         daemon = c.daemon()
-        engines = {e: c.engine(e) for e in ("a", "b")}
+        engines = {e: c.engine(e, "ipc" if fault == "engine_freed_ipc" and e == "b" else "vmm")
+                   for e in ("a", "b")}
         end = time.time() + 120
         while time.time() < end and not all("registered" in c.log(f"engine-{e}") for e in engines):
             time.sleep(0.1)
@@ -158,6 +169,14 @@ def run_case(fault, phase):
             # complete on engine a alone.
             engines["b"].send_signal(signal.SIGKILL)
             time.sleep(0.5)
+            trainer.send_signal(signal.SIGCONT)
+        elif fault in FREED:
+            engines["b"].send_signal(signal.SIGUSR1)
+            end = time.time() + 10
+            while time.time() < end and "freed its" not in c.log("engine-b"):
+                time.sleep(0.05)
+            row["freed"] = "".join(l for l in c.log("engine-b").splitlines(True)
+                                   if "freed its" in l).strip()
             trainer.send_signal(signal.SIGCONT)
         elif fault == "daemon_restarted":
             daemon.send_signal(signal.SIGKILL)
@@ -186,7 +205,7 @@ def run_case(fault, phase):
         row["states_ok"] = bool(st) and all(
             e["state"] in ("ENGINE_READY", "ENGINE_DIRTY") and int(e["version"]) in (0, 99)
             for e in st.get("engines", []))
-        if fault == "engine_killed":
+        if fault == "engine_killed" or fault in FREED:
             # The trainer's update runs after the detection (at init and
             # pause it has not started yet): judge the states once it ended.
             trainer.wait(60)
@@ -194,7 +213,8 @@ def run_case(fault, phase):
             st = c.status() or {}
             row["states"] = {e["engine_id"]: f"{e['state'][7:]}@v{e['version']}"
                              for e in st.get("engines", [])}
-            row["states_ok"] &= row["states"] == {"a": "READY@v99"}
+            row["states_ok"] &= row["states"].get("a") == "READY@v99" and (
+                fault in FREED or row["states"] == {"a": "READY@v99"})
         # The frozen trainer (killed now) was holding rank 0 of the old
         # NCCL group: a new trainer forms a new one.
         for sig in (signal.SIGKILL, signal.SIGCONT):
@@ -205,7 +225,7 @@ def run_case(fault, phase):
         trainer.wait(10)
         nxt = c.trainer("trainer-next", 100)
         rc = nxt.wait(120)
-        survivors = ["a"] if fault == "engine_killed" else ["a", "b"]
+        survivors = ["a"] if fault == "engine_killed" or fault in FREED else ["a", "b"]
         end = time.time() + 30
         while time.time() < end and not all(
                 "version 100: verified" in c.log(f"engine-{e}") for e in survivors):
@@ -213,6 +233,12 @@ def run_case(fault, phase):
         row["next_update"] = rc == 0 and all(
             "version 100: verified" in c.log(f"engine-{e}") for e in survivors)
         row["mismatch"] = any("MISMATCH" in c.log(f"engine-{e}") for e in ("a", "b"))
+        if fault in FREED:
+            st = c.status() or {}
+            row["after_next"] = {e["engine_id"]: f"{e['state'][7:]}@v{e['version']}"
+                                 for e in st.get("engines", [])}
+            row["b_saw"] = [l for l in c.log("engine-b").splitlines()
+                            if "version" in l or "dirty" in l][-3:]
         row["ok"] = (not row["hang"] and row["daemon_alive"] and row["states_ok"] and
                      row["next_update"] and not row["mismatch"])
         if not row["next_update"]:
@@ -241,6 +267,7 @@ def main():
             print(f"{fault:17s} {phase:7s} detect {str(r.get('detect_s')):>6s} s  hang "
                   f"{r.get('hang')!s:5s} daemon {r.get('daemon_alive')!s:5s} states "
                   f"{r.get('states')} next {r.get('next_update')} "
+                  f"{'after ' + str(r['after_next']) + ' ' if 'after_next' in r else ''}"
                   f"{'PASS' if r['ok'] else 'FAIL ' + r.get('error', '')}", flush=True)
     if OUT:
         with open(OUT, "w") as f:
