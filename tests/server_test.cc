@@ -1115,6 +1115,14 @@ TEST_F(ServerTest, AnEngineCanRegisterOnlyItsOwnMemory) {
   EXPECT_THAT(own.message(), HasSubstr("allocation 0: shared memory"));
   PeerCred me{getpid(), getuid(), getgid()};
   EXPECT_TRUE(CheckOwnAllocations(r, me).ok());
+  // And a host trainer's source memory.
+  v1::RegisterSourceRequest source;
+  *source.add_allocations() = r.allocations(0);
+  own = CheckOwnSourceMemory(source, other);
+  EXPECT_EQ(own.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(own.message(), HasSubstr("source allocation 0: shared memory"));
+  EXPECT_THAT(own.message(), HasSubstr("a trainer shares only its own memory"));
+  EXPECT_TRUE(CheckOwnSourceMemory(source, me).ok());
   r.set_engine_id("own");
   EXPECT_TRUE(engine->Register(r).ok());
   arena->region().Unlink();

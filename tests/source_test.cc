@@ -6,6 +6,8 @@
 // update by source_id writes the right bytes, also into an engine that
 // registered again (the cached copy plan is rebuilt), with layout ids that
 // say which registration was written.
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <cstdint>
@@ -152,7 +154,7 @@ TEST_F(SourceTest, RegistrationNeedsAGroupAndAValidDenseManifest) {
               HasSubstr(absl::StrCat("('", good.tensors(0).name(), "')")));
   EXPECT_THAT(r.status().message(), HasSubstr("17 dimensions"));
 
-  // Memory is for the ipc backend: the host backend copies from chunks.
+  // The host backend copies from host shared memory, not CUDA memory.
   v1::RegisterSourceRequest memory = good;
   v1::Allocation* a = memory.add_allocations();
   a->set_kind(v1::MEMORY_CUDA_IPC);
@@ -161,7 +163,9 @@ TEST_F(SourceTest, RegistrationNeedsAGroupAndAValidDenseManifest) {
   for (int i = 0; i < memory.tensors_size(); ++i) memory.add_placements();
   r = RegisterSource(memory);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(r.status().message(), HasSubstr("only the ipc backend"));
+  EXPECT_THAT(r.status().message(),
+              HasSubstr("source allocation 0: a source's memory is "
+                        "MEMORY_HOST_SHM (the host backend)"));
 
   // The same content gets the same id; other content another.
   auto first = RegisterSource(good);
@@ -257,6 +261,91 @@ TEST_F(SourceTest, UpdatesBySourceWriteTheBytesAndCommit) {
   EXPECT_EQ(done->engines(0).receipt().parameters(), 1);
   const auto status = trainer_->GetStatus(/*include_layouts=*/true);
   EXPECT_TRUE(CheckReceipts(*done, *status, {t[0]}).ok());
+}
+
+// A host trainer whose tensors live in its own shared memory registers them
+// once; each update is then one call (Start with finish) in which the daemon
+// gathers the bytes from the trainer's memory: engine bytes and receipts
+// right, chunks refused, and a trainer that shrinks its memory fails the
+// update with DATA_LOSS, the daemon serving on.
+TEST_F(SourceTest, HostSourceWithMemoryUpdatesInOneCall) {
+  const int e0 = AddEngineWith("e0", Parameters());
+  Init();
+  std::vector<HostTensor> t = Tensors(1);
+  // The trainer's tensors in a HostArena of their own.
+  std::vector<v1::Parameter> held;
+  for (const HostTensor& h : t) {
+    v1::Parameter p;
+    p.set_name(h.spec.name());
+    p.set_dtype(h.spec.dtype());
+    *p.mutable_shape() = h.spec.shape();
+    held.push_back(p);
+  }
+  auto mine = HostArena::Create(
+      absl::StrCat("/wssrc-", dir_.substr(dir_.rfind('.') + 1), "-trainer"),
+      held);
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  const v1::RegisterEngineRequest layout = (*mine)->Registration();
+  v1::RegisterSourceRequest request = SourceOf(t);
+  *request.add_allocations() = layout.allocations(0);
+  for (const v1::Parameter& p : layout.parameters()) {
+    request.add_placements()->set_offset(p.offset());
+  }
+  auto fill = [&](int64_t version) {
+    t = Tensors(version);
+    for (const HostTensor& h : t) {
+      std::memcpy((*mine)->data(h.spec.name()), h.data, *PayloadBytes(h.spec));
+    }
+  };
+  auto source = RegisterSource(request);
+  ASSERT_TRUE(source.ok()) << source.status();
+  EXPECT_TRUE(source->memory());
+  for (int64_t version = 1; version <= 2; ++version) {
+    fill(version);
+    v1::StartWeightUpdateRequest r =
+        StartBySource(source->source_id(), version);
+    r.set_finish(true);
+    auto started = trainer_->StartWeightUpdate(r);
+    ASSERT_TRUE(started.ok()) << started.status();
+    const v1::FinishWeightUpdateResponse& done = started->finished();
+    EXPECT_EQ(done.version(), version);
+    ASSERT_EQ(done.engines_size(), 1);
+    EXPECT_EQ(done.engines(0).state(), v1::ENGINE_READY);
+    ExpectInstalled(e0);
+    const auto status = trainer_->GetStatus(/*include_layouts=*/true);
+    ASSERT_TRUE(status.ok());
+    EXPECT_TRUE(CheckReceipts(done, *status, t).ok());
+  }
+  // Its bytes don't travel as chunks.
+  v1::StartWeightUpdateRequest two_calls =
+      StartBySource(source->source_id(), 3);
+  auto started = trainer_->StartWeightUpdate(two_calls);
+  ASSERT_TRUE(started.ok()) << started.status();
+  const absl::Status pushed =
+      trainer_->PushTensors(two_calls.update_id(), t, started->chunk_bytes());
+  EXPECT_FALSE(pushed.ok());
+  EXPECT_THAT(pushed.message(),
+              HasSubstr("copies from its registered source's memory"));
+  auto finished = trainer_->FinishWeightUpdate(two_calls.update_id());
+  ASSERT_TRUE(finished.ok()) << finished.status();
+  EXPECT_EQ(StatusOf("e0").version(), 3);
+
+  // The trainer shrinks its memory under the daemon: the update fails with
+  // DATA_LOSS naming the source, the engine is dirty, the daemon answers.
+  const int fd = shm_open((*mine)->region().name().c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 0), 0);
+  close(fd);
+  v1::StartWeightUpdateRequest shrunk = StartBySource(source->source_id(), 4);
+  shrunk.set_finish(true);
+  auto failed = trainer_->StartWeightUpdate(shrunk);
+  EXPECT_FALSE(failed.ok());
+  EXPECT_THAT(failed.status().message(),
+              HasSubstr(absl::StrCat("of source '", source->source_id(),
+                                     "' shrank under the daemon")));
+  EXPECT_EQ(StatusOf("e0").state(), v1::ENGINE_DIRTY);
+  EXPECT_EQ(StatusOf("e0").version(), 3);
+  EXPECT_TRUE(trainer_->GetStatus().ok());
 }
 
 // TrainerClient::Update sends a dense update by registered source: one

@@ -7,6 +7,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
+#include "common/status_macros.h"
 #include "daemon/core/bus_guard.h"
 #include "glog/logging.h"
 
@@ -81,6 +82,41 @@ absl::Status ApplySparsePatch(const CopyPlan& plan, const SparsePatch& patch,
   return absl::OkStatus();
 }
 
+absl::Status GatherChunk(const Chunk& chunk, const Source& source,
+                         std::string* out) {
+  out->resize(chunk.size);
+  uint8_t* dst = reinterpret_cast<uint8_t*>(out->data());
+  const std::vector<Piece>& pieces = chunk.pieces;
+  // One guarded window per run of pieces in the same region (usually one
+  // per chunk).
+  for (size_t i = 0; i < pieces.size();) {
+    const int32_t r = source.placements[pieces[i].tensor].region;
+    size_t end = i + 1;
+    while (end < pieces.size() &&
+           source.placements[pieces[end].tensor].region == r) {
+      ++end;
+    }
+    const MappedRegion& region = *source.regions[r];
+    const uint8_t* base = region.data();
+    if (!GuardedAccess(region, [&] {
+          for (size_t k = i; k < end; ++k) {
+            const Piece& p = pieces[k];
+            std::memcpy(
+                dst + p.chunk_offset,
+                base + source.placements[p.tensor].offset + p.tensor_offset,
+                p.length);
+          }
+        })) {
+      return absl::DataLossError(absl::StrCat(
+          "chunk ", chunk.index, ": allocation ", r, " of source '", source.id,
+          "' shrank under the daemon (the trainer truncated its shared "
+          "memory); register the source again"));
+    }
+    i = end;
+  }
+  return absl::OkStatus();
+}
+
 HostDataPlane::HostDataPlane(Options options)
     : options_(std::move(options)), worker_([this] { Run(); }) {}
 
@@ -123,7 +159,28 @@ absl::Status HostDataPlane::Begin(std::shared_ptr<const CopyPlan> plan,
   assembled_.assign(plan->sparse.size(), 0);
   error_ = absl::OkStatus();
   plan_ = std::move(plan);
+  source_ = nullptr;
   submitted_ = written_ = 0;
+  return absl::OkStatus();
+}
+
+absl::Status HostDataPlane::BeginFromSource(
+    std::shared_ptr<const CopyPlan> plan,
+    const v1::StartWeightUpdateRequest& request, const Source& source) {
+  for (size_t a = 0; a < source.regions.size(); ++a) {
+    if (source.regions[a]->data() == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "source allocation ", a, " of '", source.id,
+          "' is GPU memory; the host backend reads host shared memory only"));
+    }
+  }
+  WS_RETURN_IF_ERROR(Begin(plan, request));
+  absl::MutexLock lock(&mu_);
+  source_ = &source;
+  // Every chunk is queued at once; the owner thread gathers each from the
+  // trainer's memory when it gets to it.
+  for (const Chunk& c : plan_->chunks.chunks) queue_.emplace_back(c.index, "");
+  submitted_ = static_cast<int64_t>(queue_.size());
   return absl::OkStatus();
 }
 
@@ -158,13 +215,15 @@ absl::Status HostDataPlane::Drain(absl::Time deadline) {
         "wrote ", written_, " of ", submitted_, " chunks before the deadline"));
   }
   plan_.reset();
-  return error_;  // a sparse patch that could not apply
+  source_ = nullptr;
+  return error_;  // a sparse patch or a source that could not apply
 }
 
 void HostDataPlane::Abort() {
   absl::MutexLock lock(&mu_);
   queue_.clear();
   plan_.reset();
+  source_ = nullptr;
   auto idle = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !busy_; };
   mu_.Await(absl::Condition(&idle));
 }
@@ -199,13 +258,20 @@ void HostDataPlane::Run() {
     auto [index, data] = std::move(queue_.front());
     queue_.pop_front();
     std::shared_ptr<const CopyPlan> plan = plan_;
+    const Source* source = source_;
     const std::atomic<bool>* lost = lost_.get();
     busy_ = true;
     mu_.Unlock();
     // The copy runs unlocked: the stream thread fills the next buffer.
-    const auto* bytes = reinterpret_cast<const uint8_t*>(data.data());
-    ScatterChunk(*plan, plan->ops_by_chunk[index], bytes, lost);
     absl::Status patched;
+    if (source != nullptr) {
+      patched = GatherChunk(plan->chunks.chunks[index], *source, &gathered_);
+    }
+    const auto* bytes = reinterpret_cast<const uint8_t*>(
+        source != nullptr ? gathered_.data() : data.data());
+    if (patched.ok()) {
+      ScatterChunk(*plan, plan->ops_by_chunk[index], bytes, lost);
+    }
     for (const auto& [si, piece] : plan->sparse_pieces_by_chunk[index]) {
       const SparsePatch& patch = plan->sparse[si];
       std::string& buf = assembly_[si];

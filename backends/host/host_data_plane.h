@@ -2,7 +2,11 @@
 // strings become the host staging buffers (no extra copy); one owner thread
 // scatters them into engine shared memory following the CopyPlan, with
 // dtype conversion. While it writes chunk k the stream thread is already
-// receiving chunk k+1 (up to `staging_buffers` chunks in flight).
+// receiving chunk k+1 (up to `staging_buffers` chunks in flight). An update
+// from a registered source with memory (the trainer's tensors in its own
+// shared memory) has no stream: the owner thread gathers each chunk from the
+// trainer's tensors into one reused buffer and scatters it as a received
+// chunk (docs/protocol.md, "Registered sources").
 #ifndef WEIGHTSYNC_BACKENDS_HOST_HOST_DATA_PLANE_H_
 #define WEIGHTSYNC_BACKENDS_HOST_HOST_DATA_PLANE_H_
 
@@ -42,6 +46,9 @@ class HostDataPlane : public DataPlane {
 
   absl::Status Begin(std::shared_ptr<const CopyPlan> plan,
                      const v1::StartWeightUpdateRequest& request) override;
+  absl::Status BeginFromSource(std::shared_ptr<const CopyPlan> plan,
+                               const v1::StartWeightUpdateRequest& request,
+                               const Source& source) override;
   absl::Status SubmitChunk(int64_t index, std::string data,
                            absl::Time deadline) override;
   absl::Status Drain(absl::Time deadline) override;
@@ -57,16 +64,21 @@ class HostDataPlane : public DataPlane {
   const Options options_;
   mutable absl::Mutex mu_;
   std::shared_ptr<const CopyPlan> plan_ ABSL_GUARDED_BY(mu_);
+  // The update's registered source (BeginFromSource; its caller keeps it
+  // alive until the update ends), or null: chunks arrive by SubmitChunk.
+  const Source* source_ ABSL_GUARDED_BY(mu_) = nullptr;
   std::deque<std::pair<int64_t, std::string>> queue_ ABSL_GUARDED_BY(mu_);
   int64_t submitted_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t written_ ABSL_GUARDED_BY(mu_) = 0;
   bool busy_ ABSL_GUARDED_BY(mu_) = false;  // worker is writing a chunk
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::unique_ptr<std::atomic<bool>[]> lost_;  // per plan engine
-  absl::Status error_ ABSL_GUARDED_BY(mu_);    // first sparse-patch failure
+  // The first failure of a sparse patch or of reading a source's memory.
+  absl::Status error_ ABSL_GUARDED_BY(mu_);
   // Sparse payloads being assembled from chunk pieces (worker thread only).
   std::vector<std::string> assembly_;
   std::vector<int64_t> assembled_;
+  std::string gathered_;  // a source's chunk (worker thread only)
   int lost_size_ = 0;
   std::thread worker_;
 };

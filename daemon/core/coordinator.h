@@ -226,6 +226,9 @@ class Coordinator {
     // The registered source the update copies from or names its manifest
     // by (kept alive, with its memory, until the update ends).
     std::shared_ptr<const Source> source;
+    // The bytes reach the engines without PushChunks: they arrive by
+    // themselves (NCCL, IPC) or are copied from a source's memory.
+    bool bytes_by_plane = false;
   };
 
   // StartWeightUpdate's working state, filled step by step by its helpers

@@ -10,7 +10,8 @@
 namespace weightsync {
 
 absl::Status SourceRegistry::Validate(const v1::RegisterSourceRequest& request,
-                                      bool allow_memory, Source* source) const {
+                                      v1::MemoryKind memory,
+                                      Source* source) const {
   if (request.tensors_size() == 0 ||
       request.tensors_size() > limits_.max_tensors) {
     return absl::InvalidArgumentError(
@@ -49,16 +50,18 @@ absl::Status SourceRegistry::Validate(const v1::RegisterSourceRequest& request,
   if (request.allocations_size() == 0 && request.placements_size() == 0) {
     return absl::OkStatus();
   }
-  if (!allow_memory) {
+  if (memory == v1::MEMORY_KIND_UNSPECIFIED) {
     return absl::InvalidArgumentError(
-        "this source registers memory, which only the ipc backend copies "
-        "from; register the manifest alone (no allocations, no placements)");
+        "this source registers memory, which the host and ipc backends copy "
+        "from, not this group's; register the manifest alone (no "
+        "allocations, no placements)");
   }
-  return ValidateMemory(request, *source);
+  return ValidateMemory(request, memory, *source);
 }
 
 absl::Status SourceRegistry::ValidateMemory(
-    const v1::RegisterSourceRequest& request, const Source& source) const {
+    const v1::RegisterSourceRequest& request, v1::MemoryKind memory,
+    const Source& source) const {
   if (request.placements_size() != request.tensors_size()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "a source with memory places every tensor: ", request.tensors_size(),
@@ -72,13 +75,16 @@ absl::Status SourceRegistry::ValidateMemory(
   }
   for (int a = 0; a < request.allocations_size(); ++a) {
     const v1::Allocation& al = request.allocations(a);
-    if ((al.kind() != v1::MEMORY_CUDA_IPC &&
-         al.kind() != v1::MEMORY_CUDA_VMM) ||
-        al.handle().empty() || al.size() <= 0) {
+    const bool host = memory == v1::MEMORY_HOST_SHM;
+    const bool kind_ok = host ? al.kind() == v1::MEMORY_HOST_SHM
+                              : al.kind() == v1::MEMORY_CUDA_IPC ||
+                                    al.kind() == v1::MEMORY_CUDA_VMM;
+    if (!kind_ok || al.handle().empty() || al.size() <= 0) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "source allocation ", a,
-          ": a source's memory is MEMORY_CUDA_IPC or MEMORY_CUDA_VMM with a "
-          "handle and a positive size"));
+          "source allocation ", a, ": a source's memory is ",
+          host ? "MEMORY_HOST_SHM (the host backend)"
+               : "MEMORY_CUDA_IPC or MEMORY_CUDA_VMM (the ipc backend)",
+          " with a handle and a positive size"));
     }
   }
   for (int i = 0; i < request.placements_size(); ++i) {
@@ -103,7 +109,7 @@ absl::Status SourceRegistry::ValidateMemory(
 
 absl::StatusOr<std::shared_ptr<const Source>> SourceRegistry::Register(
     const v1::RegisterSourceRequest& request, MemoryMapper& mapper,
-    bool allow_memory) {
+    v1::MemoryKind memory) {
   std::string content;
   request.SerializeToString(&content);
   {
@@ -116,7 +122,7 @@ absl::StatusOr<std::shared_ptr<const Source>> SourceRegistry::Register(
     }
   }
   auto source = std::make_shared<Source>();
-  WS_RETURN_IF_ERROR(Validate(request, allow_memory, source.get()));
+  WS_RETURN_IF_ERROR(Validate(request, memory, source.get()));
   source->manifest = request.tensors();
   for (int a = 0; a < request.allocations_size(); ++a) {
     absl::StatusOr<std::shared_ptr<MappedRegion>> region =

@@ -61,11 +61,15 @@ class SourceRegistry {
 
   // Validates `request` (INVALID_ARGUMENT naming the tensor or allocation
   // concerned; nothing is kept then), opens its allocations through
-  // `mapper` (allow_memory false: INVALID_ARGUMENT if it has any) and keeps
-  // it. The same content registered again returns the source already kept.
+  // `mapper` and keeps it. `memory` is the kind of memory the backend
+  // copies from (MEMORY_HOST_SHM for the host backend, MEMORY_CUDA_IPC for
+  // the ipc backend, which also takes MEMORY_CUDA_VMM);
+  // MEMORY_KIND_UNSPECIFIED: a manifest only, INVALID_ARGUMENT if the
+  // request has memory. The same content registered again returns the
+  // source already kept.
   absl::StatusOr<std::shared_ptr<const Source>> Register(
       const v1::RegisterSourceRequest& request, MemoryMapper& mapper,
-      bool allow_memory);
+      v1::MemoryKind memory);
   // NOT_FOUND for an id this registry does not hold (any more).
   absl::StatusOr<std::shared_ptr<const Source>> Find(const std::string& id);
   absl::Status Unregister(const std::string& id);
@@ -75,8 +79,9 @@ class SourceRegistry {
 
  private:
   absl::Status Validate(const v1::RegisterSourceRequest& request,
-                        bool allow_memory, Source* source) const;
+                        v1::MemoryKind memory, Source* source) const;
   absl::Status ValidateMemory(const v1::RegisterSourceRequest& request,
+                              v1::MemoryKind memory,
                               const Source& source) const;
 
   struct Entry {

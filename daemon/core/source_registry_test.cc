@@ -9,6 +9,11 @@
 namespace weightsync {
 namespace {
 
+// What each backend copies from (sources.cc): nccl nothing, ipc CUDA memory.
+constexpr v1::MemoryKind kNone = v1::MEMORY_KIND_UNSPECIFIED;
+constexpr v1::MemoryKind kIpc = v1::MEMORY_CUDA_IPC;
+constexpr v1::MemoryKind kHost = v1::MEMORY_HOST_SHM;
+
 v1::RegisterSourceRequest Manifest2() {
   v1::RegisterSourceRequest r;
   v1::TensorSpec* a = r.add_tensors();
@@ -40,16 +45,16 @@ v1::RegisterSourceRequest WithMemory(int64_t size, int64_t offset_b) {
 TEST(SourceRegistryTest, SameContentSameSourceOtherContentNew) {
   testing::HeapMapper mapper;
   SourceRegistry reg(SourceLimits{});
-  auto s1 = reg.Register(Manifest2(), mapper, false);
+  auto s1 = reg.Register(Manifest2(), mapper, kNone);
   ASSERT_TRUE(s1.ok()) << s1.status();
   EXPECT_EQ((*s1)->total_bytes, 4 * 8 * 2 + 3 * 4);
   EXPECT_FALSE((*s1)->has_memory());
-  auto again = reg.Register(Manifest2(), mapper, false);
+  auto again = reg.Register(Manifest2(), mapper, kNone);
   ASSERT_TRUE(again.ok());
   EXPECT_EQ(again->get(), s1->get());
   v1::RegisterSourceRequest other = Manifest2();
   other.mutable_tensors(1)->set_shape(0, 4);  // a changed shape: new source
-  auto s2 = reg.Register(other, mapper, false);
+  auto s2 = reg.Register(other, mapper, kNone);
   ASSERT_TRUE(s2.ok());
   EXPECT_NE((*s2)->id, (*s1)->id);
   EXPECT_EQ(reg.Find((*s1)->id).value().get(), s1->get());
@@ -60,16 +65,16 @@ TEST(SourceRegistryTest, RefusesBadManifestsNamingTheTensor) {
   SourceRegistry reg(SourceLimits{});
   v1::RegisterSourceRequest dup = Manifest2();
   dup.mutable_tensors(1)->set_name("a");
-  auto s = reg.Register(dup, mapper, false);
+  auto s = reg.Register(dup, mapper, kNone);
   EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.status().message().find("'a' appears twice"), std::string::npos);
   v1::RegisterSourceRequest sparse = Manifest2();
   sparse.mutable_tensors(0)->set_sparse_nnz(3);
-  s = reg.Register(sparse, mapper, false);
+  s = reg.Register(sparse, mapper, kNone);
   EXPECT_NE(s.status().message().find("'a' is a sparse patch"),
             std::string::npos);
   v1::RegisterSourceRequest none;
-  EXPECT_EQ(reg.Register(none, mapper, false).status().code(),
+  EXPECT_EQ(reg.Register(none, mapper, kNone).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(reg.size(), 0);
   EXPECT_TRUE(mapper.opened.empty());
@@ -79,31 +84,41 @@ TEST(SourceRegistryTest, MemoryIsCheckedBeforeAnythingIsOpened) {
   testing::HeapMapper mapper;
   SourceRegistry reg(SourceLimits{});
   // b (12 bytes) at 60 ends past a 64-byte allocation.
-  auto s = reg.Register(WithMemory(64, 60), mapper, true);
+  auto s = reg.Register(WithMemory(64, 60), mapper, kIpc);
   EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.status().message().find("'b': bytes [60, +12) lie outside"),
             std::string::npos)
       << s.status();
   v1::RegisterSourceRequest bad_index = WithMemory(256, 64);
   bad_index.mutable_placements(1)->set_allocation(1);
-  EXPECT_NE(reg.Register(bad_index, mapper, true)
+  EXPECT_NE(reg.Register(bad_index, mapper, kIpc)
                 .status()
                 .message()
                 .find("allocation 1 is not one of the 1"),
             std::string::npos);
   v1::RegisterSourceRequest host_kind = WithMemory(256, 64);
   host_kind.mutable_allocations(0)->set_kind(v1::MEMORY_HOST_SHM);
-  EXPECT_EQ(reg.Register(host_kind, mapper, true).status().code(),
+  EXPECT_EQ(reg.Register(host_kind, mapper, kIpc).status().code(),
             absl::StatusCode::kInvalidArgument);
-  // Memory where the backend can't copy from it (host, nccl).
-  EXPECT_EQ(reg.Register(WithMemory(256, 64), mapper, false).status().code(),
+  // CUDA memory to the host backend, and memory to nccl: refused, naming
+  // the kind the backend takes.
+  auto cuda_on_host = reg.Register(WithMemory(256, 64), mapper, kHost);
+  EXPECT_EQ(cuda_on_host.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(cuda_on_host.status().message().find(
+                "MEMORY_HOST_SHM (the host backend)"),
+            std::string::npos)
+      << cuda_on_host.status();
+  EXPECT_EQ(reg.Register(WithMemory(256, 64), mapper, kNone).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(mapper.opened.empty());
-  auto ok = reg.Register(WithMemory(256, 64), mapper, true);
+  auto ok = reg.Register(WithMemory(256, 64), mapper, kIpc);
   ASSERT_TRUE(ok.ok()) << ok.status();
   EXPECT_TRUE((*ok)->has_memory());
   EXPECT_EQ((*ok)->placements[1].offset, 64);
   EXPECT_EQ(mapper.opened.size(), 1u);
+  auto host_ok = reg.Register(host_kind, mapper, kHost);
+  ASSERT_TRUE(host_ok.ok()) << host_ok.status();
+  EXPECT_TRUE((*host_ok)->has_memory());
 }
 
 TEST(SourceRegistryTest, DropsLeastRecentlyUsedAndClearClosesMemory) {
@@ -111,15 +126,15 @@ TEST(SourceRegistryTest, DropsLeastRecentlyUsedAndClearClosesMemory) {
   SourceLimits limits;
   limits.max_sources = 2;
   SourceRegistry reg(limits);
-  auto first = reg.Register(WithMemory(256, 64), mapper, true).value();
+  auto first = reg.Register(WithMemory(256, 64), mapper, kIpc).value();
   std::string first_id = first->id;
   std::weak_ptr<MappedRegion> region = first->regions[0];
   first.reset();
-  auto second = reg.Register(Manifest2(), mapper, false).value();
+  auto second = reg.Register(Manifest2(), mapper, kNone).value();
   ASSERT_TRUE(reg.Find(first_id).ok());  // first is now the most recent
   v1::RegisterSourceRequest third = Manifest2();
   third.mutable_tensors(0)->set_name("c");
-  ASSERT_TRUE(reg.Register(third, mapper, false).ok());
+  ASSERT_TRUE(reg.Register(third, mapper, kNone).ok());
   EXPECT_EQ(reg.Find(second->id).status().code(), absl::StatusCode::kNotFound);
   EXPECT_TRUE(reg.Find(first_id).ok());
   mapper.opened.clear();

@@ -25,7 +25,11 @@ absl::StatusOr<v1::RegisterSourceResponse> Coordinator::RegisterSource(
   }
   WS_ASSIGN_OR_RETURN(
       std::shared_ptr<const Source> source,
-      sources_.Register(request, *mapper_, backend == v1::BACKEND_IPC));
+      sources_.Register(request, *mapper_,
+                        backend == v1::BACKEND_IPC ? v1::MEMORY_CUDA_IPC
+                        : backend == v1::BACKEND_HOST
+                            ? v1::MEMORY_HOST_SHM
+                            : v1::MEMORY_KIND_UNSPECIFIED));
   LOG(INFO) << Event("source.registered") << source->id << ": "
             << source->manifest.size() << " tensors, " << source->total_bytes
             << " bytes"

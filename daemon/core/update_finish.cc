@@ -237,8 +237,7 @@ absl::StatusOr<std::shared_ptr<DataPlane>> Coordinator::CheckFinish(
   }
   const int64_t total = update_->plan->chunks.chunks.size();
   if (update_->phase == Phase::kReceiving && update_->next_chunk < total &&
-      (!update_->data_plane->ReceivesOwnBytes() ||
-       update_->ipc_ring_slots > 0)) {
+      (!update_->bytes_by_plane || update_->ipc_ring_slots > 0)) {
     FailUpdateLocked(absl::AbortedError(
         absl::StrCat("finish after ", update_->next_chunk, " of ", total,
                      " chunks (", update_->received_bytes, " of ",

@@ -390,6 +390,8 @@ void Coordinator::InstallUpdateLocked(
   // every backend (docs/protocol.md, "Receipts").
   update->verify = request.verify() != v1::VERIFY_OFF;
   update->source = s.source;
+  update->bytes_by_plane = s.plane->ReceivesOwnBytes() ||
+                           (s.source != nullptr && s.source->has_memory());
   if (update->verify && s.plane->ReceivesOwnBytes()) {
     // The GPU worker's receipts name their sources; the host's come from
     // the plan's manifest (CollectReceipts), so a host update of many
@@ -504,10 +506,14 @@ absl::Status Coordinator::PushChunk(const std::string& update_id, int64_t index,
           "update '", update_id, "' failed: ", update_->error.message()));
     }
     const bool ring = update_->ipc_ring_slots > 0;
-    if (update_->data_plane->ReceivesOwnBytes() && !ring) {
+    if (update_->bytes_by_plane && !ring) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "update '", update_id, "' uses the ", update_->data_plane->name(),
-          " backend: its bytes do not travel through PushChunks"));
+          "update '", update_id, "' ",
+          update_->data_plane->ReceivesOwnBytes()
+              ? absl::StrCat("uses the ", update_->data_plane->name(),
+                             " backend")
+              : "copies from its registered source's memory",
+          ": its bytes do not travel through PushChunks"));
     }
     const auto& chunks = update_->plan->chunks.chunks;
     absl::Status bad;
@@ -590,7 +596,11 @@ absl::Status Coordinator::PushStreamEnded(const std::string& update_id,
   update_->stream_open = false;
   const int64_t total = update_->plan->chunks.chunks.size();
   const int64_t next = update_->next_chunk;
-  if (next >= total || update_->phase == Phase::kFailed) {
+  // A stream to an update whose bytes don't travel as chunks was refused at
+  // its first message; the update itself is not missing anything.
+  const bool no_chunks =
+      update_->bytes_by_plane && update_->ipc_ring_slots == 0;
+  if (no_chunks || next >= total || update_->phase == Phase::kFailed) {
     return absl::OkStatus();
   }
   if (cancelled) {
@@ -627,10 +637,9 @@ void Coordinator::FailUpdateLocked(const absl::Status& reason) {
   }
   // Engines that may hold part of this update are dirty from now on. Bytes
   // that arrive by themselves (NCCL) may have landed from Begin on.
-  const bool wrote =
-      update_->staged
-          ? update_->committing
-          : update_->next_chunk > 0 || update_->data_plane->ReceivesOwnBytes();
+  const bool wrote = update_->staged
+                         ? update_->committing
+                         : update_->next_chunk > 0 || update_->bytes_by_plane;
   if (wrote) {
     for (size_t i = 0; i < update_->engine_ids.size(); ++i) {
       auto it = engines_.find(update_->engine_ids[i]);

@@ -332,14 +332,40 @@ absl::Status CheckVmmOwner(const v1::Allocation& a, const PeerCred& peer,
   return absl::OkStatus();
 }
 
+// A host shared-memory allocation `a` must belong to the peer (root may
+// name any). Never blocks, follows no link, regular files only (a peer's
+// FIFO would hold the handler forever). A missing object is the mapper's
+// to name.
+absl::Status CheckShmOwner(const v1::Allocation& a, const PeerCred& peer,
+                           absl::string_view what, absl::string_view rule) {
+  if (a.kind() != v1::MEMORY_HOST_SHM || peer.uid == 0) {
+    return absl::OkStatus();
+  }
+  struct stat st;
+  absl::StatusOr<int> fd = OpenShmObject(a.handle(), O_RDONLY, &st);
+  if (!fd.ok()) {
+    if (absl::IsNotFound(fd.status())) return absl::OkStatus();
+    return absl::Status(fd.status().code(),
+                        absl::StrCat(what, ": ", fd.status().message()));
+  }
+  close(*fd);
+  if (st.st_uid != peer.uid) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        what, ": shared memory '", Echo(a.handle()), "' belongs to uid ",
+        st.st_uid, ", not to the caller (uid ", peer.uid, "): ", rule));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status CheckOwnSourceMemory(const v1::RegisterSourceRequest& request,
                                   const PeerCred& peer) {
+  constexpr absl::string_view rule = "a trainer shares only its own memory";
   for (int i = 0; i < request.allocations_size(); ++i) {
-    WS_RETURN_IF_ERROR(CheckVmmOwner(request.allocations(i), peer,
-                                     absl::StrCat("source allocation ", i),
-                                     "a trainer shares only its own memory"));
+    const std::string what = absl::StrCat("source allocation ", i);
+    WS_RETURN_IF_ERROR(CheckVmmOwner(request.allocations(i), peer, what, rule));
+    WS_RETURN_IF_ERROR(CheckShmOwner(request.allocations(i), peer, what, rule));
   }
   return absl::OkStatus();
 }
@@ -359,24 +385,10 @@ absl::Status CheckOwnAllocations(const v1::RegisterEngineRequest& request,
       absl::Status s = CheckVmmOwner(a, peer, absl::StrCat("allocation ", i),
                                      "an engine registers only its own memory");
       if (!s.ok()) return s;
-    } else if (a.kind() == v1::MEMORY_HOST_SHM && peer.uid != 0) {
-      // Never blocks, follows no link, regular files only (a peer's FIFO
-      // would hold this handler forever).
-      struct stat st;
-      absl::StatusOr<int> fd = OpenShmObject(a.handle(), O_RDONLY, &st);
-      if (!fd.ok()) {
-        if (absl::IsNotFound(fd.status())) continue;  // the mapper names it
-        return absl::Status(
-            fd.status().code(),
-            absl::StrCat("allocation ", i, ": ", fd.status().message()));
-      }
-      close(*fd);
-      if (st.st_uid != peer.uid) {
-        return absl::PermissionDeniedError(absl::StrCat(
-            "allocation ", i, ": shared memory '", Echo(a.handle()),
-            "' belongs to uid ", st.st_uid, ", not to the caller (uid ",
-            peer.uid, "): an engine registers only its own memory"));
-      }
+    } else {
+      WS_RETURN_IF_ERROR(CheckShmOwner(a, peer, absl::StrCat("allocation ", i),
+                                       "an engine registers only its own "
+                                       "memory"));
     }
   }
   return absl::OkStatus();
