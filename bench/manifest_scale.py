@@ -202,7 +202,7 @@ def wait_connected(trainer, engine_id="bench-engine"):
     raise RuntimeError("engine never connected")
 
 
-def run_row(binary, shapes, receipts, updates, profile, gpu_worker=None):
+def run_row(binary, shapes, receipts, updates, profile, gpu_worker=None, host_source=False):
     import weightsync
     daemon = Daemon(binary, gpu_worker)
     try:
@@ -214,7 +214,16 @@ def run_row(binary, shapes, receipts, updates, profile, gpu_worker=None):
                 trainer.init_ipc()
             else:
                 trainer.init_host()
-            backing, named = trainer_tensors(shapes, daemon.backend)
+            source_register_s = None
+            if host_source:
+                # The trainer's tensors in its own shared memory, registered
+                # once (Trainer.host_tensors); updates name the source.
+                t = time.perf_counter()
+                named = trainer.host_tensors([(n, "FLOAT32", s) for n, s in shapes])
+                source_register_s = time.perf_counter() - t
+                backing = named.buffer.view(np.float32)
+            else:
+                backing, named = trainer_tensors(shapes, daemon.backend)
             verify = receipts == "on"
             times = []
             version = 0
@@ -239,7 +248,12 @@ def run_row(binary, shapes, receipts, updates, profile, gpu_worker=None):
             trainer.close()
     finally:
         daemon.close()
-    return {"tensors": len(shapes), "receipts": receipts, "register_s": round(register_s, 5),
+    extra = {}
+    if host_source:
+        extra = {"trainer_memory": "host_tensors",
+                 "source_register_s": round(source_register_s, 5)}
+    return {**extra, "tensors": len(shapes), "receipts": receipts,
+            "register_s": round(register_s, 5),
             "first_update_s": round(times[0], 5),
             "steady_update_s": round(statistics.median(times[1:]), 5),
             "bytes": int(sum((int(np.prod(s)) if len(s) else 1) * 4 for _, s in shapes))}, \
@@ -288,6 +302,10 @@ def main():
     ap.add_argument("--gpu-worker", default=None,
                     help="weightsync_gpu_worker: run on the ipc backend on GPU 0 (torch "
                          "tensors in the trainer and the engine) instead of the host backend")
+    ap.add_argument("--host-source", action="store_true",
+                    help="host backend: the trainer's tensors in its own shared memory "
+                         "(Trainer.host_tensors), each update one call; adds a row of one "
+                         "tensor of the same elements (the bytes' own time)")
     ap.add_argument("--kind", default=f"cpu-{os.cpu_count()}core {platform.machine()} "
                     "host backend")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "manifest_scale.json"))
@@ -299,17 +317,22 @@ def main():
         cases = [("qwen3-235b-a22b", qwen3_moe_shapes(args.real_layers))]
     else:
         cases = [(None, uniform_shapes(int(n))) for n in args.tensors.split(",")]
+        if args.host_source:
+            # The bytes' own time: the largest count's elements in one tensor.
+            n = max(int(n) for n in args.tensors.split(","))
+            cases.append(("one tensor", [("w", (n * ELEMENTS,))]))
     rows = []
     print(f"{'tensors':>8} {'receipts':>8} {'register_s':>11} {'first_update_s':>15} "
           f"{'steady_update_s':>16}", flush=True)
     for label, shapes in cases:
         for receipts in args.receipts.split(","):
             row, prof = run_row(binary, shapes, receipts, args.updates, args.profile,
-                                args.gpu_worker)
+                                args.gpu_worker, args.host_source)
             row["backend"] = "ipc" if args.gpu_worker else "host"
             if label:
                 row["manifest"] = label
-                row["real_layers"] = args.real_layers
+                if args.qwen3:
+                    row["real_layers"] = args.real_layers
             rows.append(row)
             print(f"{row['tensors']:>8} {receipts:>8} {row['register_s']:>11.4f} "
                   f"{row['first_update_s']:>15.4f} {row['steady_update_s']:>16.4f}", flush=True)

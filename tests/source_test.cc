@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "client/engine_client.h"
 #include "client/host_arena.h"
@@ -272,29 +273,42 @@ TEST_F(SourceTest, HostSourceWithMemoryUpdatesInOneCall) {
   const int e0 = AddEngineWith("e0", Parameters());
   Init();
   std::vector<HostTensor> t = Tensors(1);
-  // The trainer's tensors in a HostArena of their own.
-  std::vector<v1::Parameter> held;
-  for (const HostTensor& h : t) {
+  // The trainer's tensors in two HostArenas of their own, alternating (a
+  // source of several allocations, as a torch trainer's can be).
+  std::vector<v1::Parameter> held[2];
+  for (size_t i = 0; i < t.size(); ++i) {
     v1::Parameter p;
-    p.set_name(h.spec.name());
-    p.set_dtype(h.spec.dtype());
-    *p.mutable_shape() = h.spec.shape();
-    held.push_back(p);
+    p.set_name(t[i].spec.name());
+    p.set_dtype(t[i].spec.dtype());
+    *p.mutable_shape() = t[i].spec.shape();
+    held[i % 2].push_back(p);
   }
-  auto mine = HostArena::Create(
-      absl::StrCat("/wssrc-", dir_.substr(dir_.rfind('.') + 1), "-trainer"),
-      held);
-  ASSERT_TRUE(mine.ok()) << mine.status();
-  const v1::RegisterEngineRequest layout = (*mine)->Registration();
+  std::unique_ptr<HostArena> mine[2];
   v1::RegisterSourceRequest request = SourceOf(t);
-  *request.add_allocations() = layout.allocations(0);
-  for (const v1::Parameter& p : layout.parameters()) {
-    request.add_placements()->set_offset(p.offset());
+  absl::flat_hash_map<std::string, std::pair<int, int64_t>> where;
+  for (int a = 0; a < 2; ++a) {
+    auto arena = HostArena::Create(
+        absl::StrCat("/wssrc-", dir_.substr(dir_.rfind('.') + 1), "-trainer",
+                     a),
+        held[a]);
+    ASSERT_TRUE(arena.ok()) << arena.status();
+    mine[a] = *std::move(arena);
+    const v1::RegisterEngineRequest layout = mine[a]->Registration();
+    *request.add_allocations() = layout.allocations(0);
+    for (const v1::Parameter& p : layout.parameters()) {
+      where[p.name()] = {a, p.offset()};
+    }
+  }
+  for (const HostTensor& h : t) {
+    v1::SourcePlacement* p = request.add_placements();
+    p->set_allocation(where[h.spec.name()].first);
+    p->set_offset(where[h.spec.name()].second);
   }
   auto fill = [&](int64_t version) {
     t = Tensors(version);
     for (const HostTensor& h : t) {
-      std::memcpy((*mine)->data(h.spec.name()), h.data, *PayloadBytes(h.spec));
+      std::memcpy(mine[where[h.spec.name()].first]->data(h.spec.name()), h.data,
+                  *PayloadBytes(h.spec));
     }
   };
   auto source = RegisterSource(request);
@@ -332,7 +346,7 @@ TEST_F(SourceTest, HostSourceWithMemoryUpdatesInOneCall) {
 
   // The trainer shrinks its memory under the daemon: the update fails with
   // DATA_LOSS naming the source, the engine is dirty, the daemon answers.
-  const int fd = shm_open((*mine)->region().name().c_str(), O_RDWR, 0);
+  const int fd = shm_open(mine[1]->region().name().c_str(), O_RDWR, 0);
   ASSERT_GE(fd, 0);
   ASSERT_EQ(ftruncate(fd, 0), 0);
   close(fd);
@@ -340,9 +354,10 @@ TEST_F(SourceTest, HostSourceWithMemoryUpdatesInOneCall) {
   shrunk.set_finish(true);
   auto failed = trainer_->StartWeightUpdate(shrunk);
   EXPECT_FALSE(failed.ok());
-  EXPECT_THAT(failed.status().message(),
-              HasSubstr(absl::StrCat("of source '", source->source_id(),
-                                     "' shrank under the daemon")));
+  EXPECT_THAT(
+      failed.status().message(),
+      HasSubstr(absl::StrCat("allocation 1 of source '", source->source_id(),
+                             "' shrank under the daemon")));
   EXPECT_EQ(StatusOf("e0").state(), v1::ENGINE_DIRTY);
   EXPECT_EQ(StatusOf("e0").version(), 3);
   EXPECT_TRUE(trainer_->GetStatus().ok());

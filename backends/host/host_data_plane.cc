@@ -82,37 +82,113 @@ absl::Status ApplySparsePatch(const CopyPlan& plan, const SparsePatch& patch,
   return absl::OkStatus();
 }
 
-absl::Status GatherChunk(const Chunk& chunk, const Source& source,
-                         std::string* out) {
-  out->resize(chunk.size);
-  uint8_t* dst = reinterpret_cast<uint8_t*>(out->data());
-  const std::vector<Piece>& pieces = chunk.pieces;
-  // One guarded window per run of pieces in the same region (usually one
-  // per chunk).
-  for (size_t i = 0; i < pieces.size();) {
-    const int32_t r = source.placements[pieces[i].tensor].region;
-    size_t end = i + 1;
-    while (end < pieces.size() &&
-           source.placements[pieces[end].tensor].region == r) {
-      ++end;
+namespace {
+
+// Copies `op` of chunk `index` from the source's tensors, touching only
+// `from` (every tensor it reads must be placed there) and the op's engine
+// region. INTERNAL if a byte it reads is no tensor's. Pieces placed in
+// another source region are skipped, the highest such region in
+// *other_region: the caller's pass for that region copies them.
+absl::Status CopyOpFromSource(const CopyPlan& plan, const CopyOp& op,
+                              int64_t index, const Source& source, int32_t from,
+                              int32_t* other_region) {
+  const ChunkPlan& chunks = plan.chunks;
+  const std::vector<int64_t>& starts = chunks.tensor_offsets;
+  uint8_t* base = plan.engines[op.engine]->regions[op.region]->data();
+  const int64_t ss = ElementSize(op.src_dtype);
+  const int64_t ds = ElementSize(op.dst_dtype);
+  const bool flat = op.rows == 1 || (op.src_stride == op.cols * ss &&
+                                     op.dst_stride == op.cols * ds);
+  const int64_t extent =
+      flat ? 0 : (op.rows - 1) * op.src_stride + op.cols * ss;
+  int64_t packed = chunks.chunks[index].offset + op.src_offset;
+  int64_t dst = op.dst_offset;
+  int64_t left = flat ? op.rows * op.cols : 1;
+  // Pieces of other regions are left for a second pass (*other_region).
+  while (left > 0) {
+    const int64_t t = std::upper_bound(starts.begin(), starts.end(), packed) -
+                      starts.begin() - 1;
+    const int64_t end = t < 0 ? 0 : starts[t] + chunks.payload_bytes[t];
+    if (t < 0 || packed >= end || (!flat && packed + extent > end)) {
+      return absl::InternalError(absl::StrCat(
+          "a copy of chunk ", index, " reads packed bytes at ", packed,
+          " that no tensor of the registered source '", source.id, "' holds"));
     }
-    const MappedRegion& region = *source.regions[r];
-    const uint8_t* base = region.data();
-    if (!GuardedAccess(region, [&] {
-          for (size_t k = i; k < end; ++k) {
-            const Piece& p = pieces[k];
-            std::memcpy(
-                dst + p.chunk_offset,
-                base + source.placements[p.tensor].offset + p.tensor_offset,
-                p.length);
-          }
-        })) {
-      return absl::DataLossError(absl::StrCat(
-          "chunk ", chunk.index, ": allocation ", r, " of source '", source.id,
-          "' shrank under the daemon (the trainer truncated its shared "
-          "memory); register the source again"));
+    const Source::Placement& p = source.placements[t];
+    const int64_t n = flat ? std::min(left, (end - packed) / ss) : 0;
+    if (p.region != from) {
+      *other_region = std::max(*other_region, p.region);
+    } else {
+      const uint8_t* src =
+          source.regions[from]->data() + p.offset + (packed - starts[t]);
+      if (flat) {
+        ConvertElements(src, op.src_dtype, base + dst, op.dst_dtype, n);
+      } else {
+        for (int64_t r = 0; r < op.rows; ++r) {
+          ConvertElements(src + r * op.src_stride, op.src_dtype,
+                          base + op.dst_offset + r * op.dst_stride,
+                          op.dst_dtype, op.cols);
+        }
+      }
     }
-    i = end;
+    if (!flat) break;
+    packed += n * ss;
+    dst += n * ds;
+    left -= n;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ScatterFromSource(const CopyPlan& plan, int64_t index,
+                               const Source& source,
+                               const std::atomic<bool>* lost) {
+  // The ops read bytes of the packed stream; a registered source has no
+  // packed stream, so each byte is read where its tensor lives (the copy
+  // plan joins ops that are contiguous in the stream and in the engine,
+  // across tensors: such an op is cut back into one copy per tensor). The
+  // SIGBUS window (bus_guard.h) arms one source region and one engine region
+  // for a run of ops: one window per chunk for a trainer with one region.
+  const std::vector<CopyOp>& ops = plan.ops_by_chunk[index];
+  for (int32_t from = 0; from < static_cast<int32_t>(source.regions.size());
+       ++from) {
+    const MappedRegion& src_region = *source.regions[from];
+    bool more = false;  // a piece of another source region was seen
+    absl::Status bad;
+    for (size_t i = 0; i < ops.size() && bad.ok();) {
+      const CopyOp& first = ops[i];
+      if (lost != nullptr &&
+          lost[first.engine].load(std::memory_order_relaxed)) {
+        ++i;
+        continue;
+      }
+      const MappedRegion& to =
+          *plan.engines[first.engine]->regions[first.region];
+      size_t end = i + 1;
+      while (end < ops.size() && ops[end].engine == first.engine &&
+             ops[end].region == first.region) {
+        ++end;
+      }
+      // An engine region that faults is dropped at Finish, as in
+      // ScatterChunk; a source region that faults fails the update.
+      GuardedAccess(src_region, to, [&] {
+        for (size_t k = i; k < end && bad.ok(); ++k) {
+          int32_t other = from;
+          bad = CopyOpFromSource(plan, ops[k], index, source, from, &other);
+          more |= other > from;
+        }
+      });
+      if (src_region.faulted()) {
+        return absl::DataLossError(absl::StrCat(
+            "chunk ", index, ": allocation ", from, " of source '", source.id,
+            "' shrank under the daemon (the trainer truncated its shared "
+            "memory); register the source again"));
+      }
+      i = end;
+    }
+    if (!bad.ok()) return bad;
+    if (!more) break;  // no piece lies in a later region
   }
   return absl::OkStatus();
 }
@@ -177,7 +253,7 @@ absl::Status HostDataPlane::BeginFromSource(
   WS_RETURN_IF_ERROR(Begin(plan, request));
   absl::MutexLock lock(&mu_);
   source_ = &source;
-  // Every chunk is queued at once; the owner thread gathers each from the
+  // Every chunk is queued at once; the owner thread copies each from the
   // trainer's memory when it gets to it.
   for (const Chunk& c : plan_->chunks.chunks) queue_.emplace_back(c.index, "");
   submitted_ = static_cast<int64_t>(queue_.size());
@@ -264,12 +340,10 @@ void HostDataPlane::Run() {
     mu_.Unlock();
     // The copy runs unlocked: the stream thread fills the next buffer.
     absl::Status patched;
+    const auto* bytes = reinterpret_cast<const uint8_t*>(data.data());
     if (source != nullptr) {
-      patched = GatherChunk(plan->chunks.chunks[index], *source, &gathered_);
-    }
-    const auto* bytes = reinterpret_cast<const uint8_t*>(
-        source != nullptr ? gathered_.data() : data.data());
-    if (patched.ok()) {
+      patched = ScatterFromSource(*plan, index, *source, lost);
+    } else {
       ScatterChunk(*plan, plan->ops_by_chunk[index], bytes, lost);
     }
     for (const auto& [si, piece] : plan->sparse_pieces_by_chunk[index]) {

@@ -4,9 +4,9 @@
 // dtype conversion. While it writes chunk k the stream thread is already
 // receiving chunk k+1 (up to `staging_buffers` chunks in flight). An update
 // from a registered source with memory (the trainer's tensors in its own
-// shared memory) has no stream: the owner thread gathers each chunk from the
-// trainer's tensors into one reused buffer and scatters it as a received
-// chunk (docs/protocol.md, "Registered sources").
+// shared memory) has no stream: the owner thread copies each chunk's ops
+// straight from the trainer's tensors into the engines (docs/protocol.md,
+// "Registered sources").
 #ifndef WEIGHTSYNC_BACKENDS_HOST_HOST_DATA_PLANE_H_
 #define WEIGHTSYNC_BACKENDS_HOST_HOST_DATA_PLANE_H_
 
@@ -27,6 +27,13 @@ namespace weightsync {
 // skipping engines flagged in `lost` (may be null). Exposed for tests.
 void ScatterChunk(const CopyPlan& plan, const std::vector<CopyOp>& ops,
                   const uint8_t* chunk, const std::atomic<bool>* lost);
+
+// ScatterChunk of chunk `index` of an update from a registered source with
+// host memory: each op reads the trainer's tensor where it lives. DATA_LOSS
+// naming the source if its memory shrank under the daemon.
+absl::Status ScatterFromSource(const CopyPlan& plan, int64_t index,
+                               const Source& source,
+                               const std::atomic<bool>* lost);
 
 // Applies a complete sparse patch payload (nnz int64 indices, then nnz
 // values) through every use of its tensor. INVALID_ARGUMENT, naming the
@@ -78,7 +85,6 @@ class HostDataPlane : public DataPlane {
   // Sparse payloads being assembled from chunk pieces (worker thread only).
   std::vector<std::string> assembly_;
   std::vector<int64_t> assembled_;
-  std::string gathered_;  // a source's chunk (worker thread only)
   int lost_size_ = 0;
   std::thread worker_;
 };

@@ -16,16 +16,25 @@ struct Window {
   std::atomic<bool>* faulted = nullptr;
 };
 
-// This thread's armed window, or null. Written only by its own thread; the
-// handler runs on the faulting thread, so it reads the same variable.
-thread_local Window* t_window = nullptr;
+// This thread's armed windows (one or two), or null. Written only by its
+// own thread; the handler runs on the faulting thread, so it reads the same
+// variable.
+struct Armed {
+  Window w[2];
+  int n = 0;
+};
+thread_local Armed* t_armed = nullptr;
 
 struct sigaction g_previous;
 
 void OnSigbus(int sig, siginfo_t* info, void* context) {
-  Window* w = t_window;
+  const Armed* armed = t_armed;
   const auto addr = reinterpret_cast<uintptr_t>(info->si_addr);
-  if (w != nullptr && addr >= w->begin && addr < w->end) {
+  const Window* w = nullptr;
+  for (int i = 0; armed != nullptr && i < armed->n; ++i) {
+    if (addr >= armed->w[i].begin && addr < armed->w[i].end) w = &armed->w[i];
+  }
+  if (w != nullptr) {
     // mmap is not on POSIX's async-signal-safe list but is a plain system
     // call on Linux; the faulting instruction restarts on the new pages.
     void* p = mmap(reinterpret_cast<void*>(w->begin), w->end - w->begin,
@@ -60,25 +69,48 @@ void InstallHandler() {
   });
 }
 
-}  // namespace
-
-bool GuardedAccess(const MappedRegion& region,
-                   absl::FunctionRef<void()> access) {
-  std::atomic<bool>* faulted = region.faulted_flag();
-  if (faulted->load(std::memory_order_acquire)) return false;
-  InstallHandler();
+Window WindowOf(const MappedRegion& region) {
   static const uintptr_t page = sysconf(_SC_PAGESIZE);
   const auto begin = reinterpret_cast<uintptr_t>(region.data());
   const uintptr_t end =
       begin +
       ((static_cast<uintptr_t>(region.size()) + page - 1) & ~(page - 1));
-  Window window{begin & ~(page - 1), end, faulted};
-  t_window = &window;
+  return Window{begin & ~(page - 1), end, region.faulted_flag()};
+}
+
+bool Run(Armed& armed, absl::FunctionRef<void()> access) {
+  for (int i = 0; i < armed.n; ++i) {
+    if (armed.w[i].faulted->load(std::memory_order_acquire)) return false;
+  }
+  InstallHandler();
+  t_armed = &armed;
   std::atomic_signal_fence(std::memory_order_seq_cst);
   access();
   std::atomic_signal_fence(std::memory_order_seq_cst);
-  t_window = nullptr;
-  return !faulted->load(std::memory_order_acquire);
+  t_armed = nullptr;
+  for (int i = 0; i < armed.n; ++i) {
+    if (armed.w[i].faulted->load(std::memory_order_acquire)) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+bool GuardedAccess(const MappedRegion& region,
+                   absl::FunctionRef<void()> access) {
+  Armed armed;
+  armed.w[0] = WindowOf(region);
+  armed.n = 1;
+  return Run(armed, access);
+}
+
+bool GuardedAccess(const MappedRegion& a, const MappedRegion& b,
+                   absl::FunctionRef<void()> access) {
+  Armed armed;
+  armed.w[0] = WindowOf(a);
+  armed.w[1] = WindowOf(b);
+  armed.n = 2;
+  return Run(armed, access);
 }
 
 }  // namespace weightsync

@@ -25,6 +25,12 @@ namespace weightsync {
 bool GuardedAccess(const MappedRegion& region,
                    absl::FunctionRef<void()> access);
 
+// The same with two regions armed at once (a copy from one into the
+// other): false if either is faulted before or during `access` (check each
+// region's faulted() to tell which).
+bool GuardedAccess(const MappedRegion& a, const MappedRegion& b,
+                   absl::FunctionRef<void()> access);
+
 }  // namespace weightsync
 
 #endif  // WEIGHTSYNC_DAEMON_CORE_BUS_GUARD_H_

@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import weightsync  # noqa: E402
 from weightsync import WeightSyncError  # noqa: E402
+from weightsync._tensors import build_manifest  # noqa: E402
 
 
 class HostBackendTest(unittest.TestCase):
@@ -431,6 +432,71 @@ class HostBackendTest(unittest.TestCase):
                          result.engines[0].receipt.checksum)
         self.assertEqual(receipts.expected_receipt(layout, sent, layout_key="t")[0],
                          result.engines[0].receipt.checksum)
+
+    def test_host_tensors_update_in_one_call_from_the_trainers_memory(self):
+        from weightsync import layouts, receipts
+        config = {"vocab_size": 1003, "hidden_size": 64, "intermediate_size": 160,
+                  "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "head_dim": 16, "model_type": "qwen3"}
+        ranks = []
+        for r in range(2):   # fused, sliced and padded bfloat16 parameters
+            params, segments = layouts.llama_engine_layout(config, r, 2, dtype="BFLOAT16")
+            ranks.append(self.engine(f"tp{r}", params, segments=segments)[1])
+        with self.assertRaises(ValueError) as e:
+            self.trainer.host_tensors([("w", "FLOAT32", (2,))])
+        self.assertIn("init_host", str(e.exception))
+        self.trainer.init_host()
+        calls = self.spy(self.trainer)
+        shapes = layouts.checkpoint_shapes(config)
+        src = self.trainer.host_tensors([(n, "FLOAT32", s) for n, s in shapes])
+        self.assertEqual(list(src), [n for n, _ in shapes])
+        rng = np.random.default_rng(5)
+        for version in (1, 2):
+            for t in src.values():   # a training step writes in place
+                t[...] = rng.standard_normal(t.shape)
+            result = self.trainer.update(src, version=version)
+            self.assertEqual(result.version, version)
+            for r, w in enumerate(ranks):
+                self.assertTrue(result.engines[r].HasField("receipt"))
+                o = "model.layers.1.self_attn.o_proj.weight"
+                np.testing.assert_array_equal(
+                    w[o].view(np.uint16), receipts.convert_bits(
+                        np.ascontiguousarray(src[o][:, r * 32:(r + 1) * 32]).view(np.uint8),
+                        "FLOAT32", "BFLOAT16").astype(np.uint16).reshape(w[o].shape))
+        # One registration; each update one Start with finish, no chunks.
+        methods = [m for m, _ in calls]
+        self.assertEqual(methods.count("RegisterSource"), 1)
+        self.assertNotIn("PushChunks", methods)
+        self.assertNotIn("FinishWeightUpdate", methods)
+        starts = [r for m, r in calls if m == "StartWeightUpdate"]
+        self.assertTrue(all(s.finish and s.source_id for s in starts))
+        # The same arrays as (name, tensor) pairs take the same path.
+        self.trainer.update(list(src.items()), version=3)
+        self.assertTrue([r for m, r in calls if m == "StartWeightUpdate"][-1].finish)
+        # The receipts' one-index read of the shared memory equals joining
+        # the payloads (the path of any other update).
+        layout = {e.engine_id: e.layout for e in
+                  self.trainer._stub.call("GetStatus", include_layouts=True).engines}["tp1"]
+        copied = build_manifest([(n, t.copy()) for n, t in src.items()])
+        self.assertEqual(receipts.expected_receipt(layout, src.sent(), layout_key="g"),
+                         receipts.expected_receipt(layout, copied.sent()))
+        self.assertEqual(receipts.expected_receipt(layout, src.sent(), layout_key="g")[0],
+                         self.trainer.last_results[0].engines[1].receipt.checksum)
+        # A new group forgets the source: the next update registers again.
+        other = weightsync.Trainer(self.target, timeout=10)
+        try:
+            other.init_host()
+        finally:
+            other.close()
+        self.assertEqual(self.trainer.update(src, version=4).version, 4)
+        self.assertEqual([m for m, _ in calls].count("RegisterSource"), 2)
+        # Staged updates take the packed path (the daemon's copy from
+        # registered memory streams).
+        self.trainer.update(src, version=5, mode="staged")
+        self.assertIn("PushChunks", [m for m, _ in calls])
+        handle = src.handle
+        self.trainer.close()
+        self.assertFalse(os.path.exists("/dev/shm" + handle))
 
     def test_calls_out_of_order(self):
         self.engine("e4", [("a", "FLOAT32", (2,))])

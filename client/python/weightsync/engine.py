@@ -50,6 +50,39 @@ def _create_shm(prefix, size):
                           "after 8 tries: is /dev/shm full of stale weightsync objects?")
 
 
+def lay_out_shared(params, prefix):
+    """Lays out `params` [(name, dtype enum name, shape)] 256-byte aligned
+    in a new shared-memory object named prefix-<random>. Returns (shm,
+    offsets, {dtype name: v1 enum}, {name: numpy array over the shm}).
+    Per parameter only what differs (no numpy calls, no dtype string work):
+    100,000 parameters lay out in about a tenth of a second of Python
+    (bench/manifest_scale.py). ValueError naming an unsupported dtype."""
+    esizes = {}
+    offsets, sizes, offset = [], [], 0
+    align = planner.ALIGNMENT - 1
+    for name, dtype, shape in params:
+        esize = esizes.get(dtype)
+        if esize is None:
+            esize = planner.element_size(dtype)
+            if esize is None or dtype not in STORAGE:
+                raise ValueError(f"parameter '{name}': dtype {dtype!r} is not supported")
+            esizes[dtype] = esize
+        offset = (offset + align) & ~align
+        offsets.append(offset)
+        count = math.prod(shape)
+        sizes.append(count)
+        offset += count * esize
+    shm = _create_shm(prefix, max(offset, 1))
+    enums = {d: getattr(v1, d) for d in esizes}
+    storage = {d: np.dtype(STORAGE[d]) for d in esizes}
+    buf = shm.buf
+    arrays = {}
+    for (name, dtype, shape), off, count in zip(params, offsets, sizes):
+        arrays[name] = (np.ndarray(shape, storage[dtype], buf, off) if count
+                        else np.zeros(shape, storage[dtype]))
+    return shm, offsets, enums, arrays
+
+
 class Engine:
     def __init__(self, engine_id, target=None, timeout=30.0, trainer_uids=()):
         """`trainer_uids`: only trainers running as these uids (or root)
@@ -81,45 +114,22 @@ class Engine:
         of the same name and shape."""
         params = params if isinstance(params, (list, tuple)) else list(params)
         segments = segments or {}
-        # Per parameter: only what differs (no numpy calls, no dtype string
-        # work): 100,000 parameters register in about a tenth of a second
-        # of Python (bench/manifest_scale.py).
-        esizes = {}
-        offsets, sizes, offset = [], [], 0
-        align = planner.ALIGNMENT - 1
-        for name, dtype, shape in params:
-            esize = esizes.get(dtype)
-            if esize is None:
-                esize = planner.element_size(dtype)
-                if esize is None or dtype not in STORAGE:
-                    raise ValueError(f"parameter '{name}': dtype {dtype!r} is not supported")
-                esizes[dtype] = esize
-            offset = (offset + align) & ~align
-            offsets.append(offset)
-            count = math.prod(shape)
-            sizes.append(count)
-            offset += count * esize
         # Shared-memory names allow no "/" and Python's resource tracker
         # splits on ":", both legal in engine ids: anything but [\w.-]
         # becomes "_" (the id itself is sent as it is).
         safe_id = re.sub(r"[^\w.-]", "_", self.engine_id)
-        self._shm = _create_shm(f"weightsync-{safe_id}-{os.getpid()}", max(offset, 1))
+        self._shm, offsets, enums, arrays = lay_out_shared(
+            params, f"weightsync-{safe_id}-{os.getpid()}")
         request = v1.RegisterEngineRequest(engine_id=self.engine_id, version=version,
                                            trainer_uids=self._trainer_uids)
         request.allocations.add(kind=v1.MEMORY_HOST_SHM, handle=("/" + self._shm.name).encode(),
                                 size=self._shm.size, device_uuid="host")
-        enums = {d: getattr(v1, d) for d in esizes}
-        storage = {d: np.dtype(STORAGE[d]) for d in esizes}
         add = request.parameters.add
-        buf = self._shm.buf
-        arrays = {}
-        for (name, dtype, shape), off, count in zip(params, offsets, sizes):
+        for (name, dtype, shape), off in zip(params, offsets):
             p = add(name=name, dtype=enums[dtype], shape=shape, allocation=0, offset=off)
             if segments:
                 for seg in segments.get(name, ()):
                     p.segments.add(**seg)
-            arrays[name] = (np.ndarray(shape, storage[dtype], buf, off) if count
-                            else np.zeros(shape, storage[dtype]))
         try:
             self._stub.call("RegisterEngine", request)
         except BaseException:

@@ -382,11 +382,13 @@ def _receipt_of(walk, sent, block):
     for src, dst, runs in walk.small:
         total += _sum_small(sent, runs, src, dst)
     if walk.fast:
+        gather = getattr(sent, "gather", None)
         payloads = getattr(sent, "payloads", None)
         if payloads is None:
             payloads = tuple(map(_get2, sent.values()))
         for entry in walk.fast:
-            total += _sum_precomputed(payloads, *entry)
+            total += (_sum_gathered(gather, *entry) if gather is not None
+                      else _sum_precomputed(payloads, *entry))
     return total & _xp.MASK64, walk.params, walk.nbytes
 
 
@@ -403,6 +405,36 @@ def _sum_precomputed(payloads, src, dst, take, nbytes, where, key):
     ses = np.dtype(STORAGE[src]).itemsize
     if where is not None:
         raw = raw.view(f"u{ses}")[where].view(np.uint8)
+    bits = bits32_np(raw, src, dst)
+    bits ^= key
+    return int(fmix32(bits).sum(dtype=np.uint64))
+
+
+def _sum_gathered(gather, src, dst, take, nbytes, where, key):
+    """_sum_precomputed over tensors that all live in one buffer
+    (weightsync.host_source): their elements are read with one index into
+    it, built once per walk entry and kept in gather.cache, instead of
+    joining the payloads."""
+    ses = np.dtype(STORAGE[src]).itemsize
+    hit = gather.cache.get(id(key))
+    if hit is None or hit[0] is not key:
+        sel = np.arange(len(gather.offsets)) if take is None else np.asarray(take, np.int64)
+        if np.any(gather.offsets[sel] % ses):
+            raise ValueError("receipts: a tensor is not aligned to its element size")
+        counts = gather.nbytes[sel] // ses
+        if int(counts.sum()) * ses != nbytes:
+            raise ValueError(f"receipts: the sent tensors hold {int(counts.sum()) * ses} "
+                             f"bytes, their shapes {nbytes}")
+        first = np.cumsum(counts) - counts
+        index = (np.repeat(gather.offsets[sel] // ses - first, counts)
+                 + np.arange(int(counts.sum()), dtype=np.int64))
+        if where is not None:
+            index = index[where]
+        if index.size and int(index[-1]) < 1 << 31 and int(index.max()) < 1 << 31:
+            index = index.astype(np.int32)
+        hit = gather.cache[id(key)] = (key, index)
+    elements = gather.u8[:gather.u8.size // ses * ses].view(f"u{ses}")
+    raw = elements[hit[1]].view(np.uint8)
     bits = bits32_np(raw, src, dst)
     bits ^= key
     return int(fmix32(bits).sum(dtype=np.uint64))

@@ -21,6 +21,7 @@ deadline; errors raise WeightSyncError with the daemon's code and message.
 
 import contextlib
 import operator
+import os
 import sys
 import time
 import uuid
@@ -29,6 +30,7 @@ from weightsync import planner
 from weightsync._errors import WeightSyncError
 from weightsync._proto import Stub, channel, default_target, v1
 from weightsync._tensors import build_manifest, describe
+from weightsync.host_source import HostSource
 from weightsync.sparse import SparsePatch, TorchSparsePatch
 
 
@@ -98,6 +100,7 @@ class Trainer:
         self._ipc_packed = False
         self._host_manifest = None   # the last host update's Manifest
         self._host_source_id = None  # and its registered source
+        self._host_sources = []      # HostSource objects (host_tensors)
         self._source = None    # (key, source_id, manifest, flats) of the registered source
         self._source_raw = None  # _moved_signature of the pairs it was made from
         self._source_gen = 0     # registrations made (a process-unique number each)
@@ -107,6 +110,9 @@ class Trainer:
     def close(self):
         if self._gpu is not None:
             self._gpu.abort_comm()
+        for src in self._host_sources:
+            src.close()
+        self._host_sources = []
         for c in self._channels:
             c.close()
 
@@ -124,7 +130,50 @@ class Trainer:
         r = self._stub.call("InitWeightTransfer", backend=v1.BACKEND_HOST)
         self._backend = "host"
         self._host_source_id = None   # a new group keeps no sources
+        for src in self._host_sources:
+            src.source_id = None
         return r.group_id
+
+    def host_tensors(self, params):
+        """Host backend (after init_host): lays out `params` [(name, dtype
+        enum name, shape)] in shared memory this trainer owns, registers
+        them with the daemon once as a source with memory and returns a
+        weightsync.host_source.HostSource, a mapping {name: numpy array}
+        in that order. Train into the arrays in place; then
+        `update(source, version)` (or an update of exactly these arrays) is
+        one call in which the daemon copies from them: nothing is packed
+        or streamed, and with 100,000 tensors an update costs what the
+        daemon's copy costs (bench/manifest_scale.py --host-source). The
+        memory lives until close() (of the source or the Trainer)."""
+        if self._backend != "host":
+            raise ValueError("host_tensors is for the host backend: call init_host() first")
+        from weightsync.engine import lay_out_shared
+        params = params if isinstance(params, (list, tuple)) else list(params)
+        shm, offsets, _, arrays = lay_out_shared(params, f"weightsync-trainer-{os.getpid()}")
+        if len(arrays) != len(params):
+            shm.close()
+            shm.unlink()
+            raise ValueError("host_tensors: a tensor name appears twice")
+        source = HostSource(shm, offsets, arrays)
+        try:
+            self._register_host_memory(source)
+        except BaseException:
+            source.close()
+            raise
+        self._host_sources.append(source)
+        return source
+
+    def _register_host_memory(self, source):
+        m = source.manifest
+        request = v1.RegisterSourceRequest(
+            tensors=[v1.TensorSpec(name=n, dtype=getattr(v1, d), shape=sh)
+                     for n, d, sh in zip(m.names, m.dtypes, m.shapes)])
+        request.allocations.add(kind=v1.MEMORY_HOST_SHM, handle=source.handle.encode(),
+                                size=source.size, device_uuid="host")
+        add = request.placements.add
+        for off in source.offsets.tolist():
+            add(allocation=0, offset=off)
+        source.source_id = self._stub.call("RegisterSource", request).source_id
 
     def init_nccl(self, device=None, pack_buffers=2, timeout_ms=0):
         """Forms an NCCL transfer group with every daemon: makes an NCCL
@@ -241,7 +290,13 @@ class Trainer:
                                     mode, allow_streaming_fallback, verify, base_version)
         if len(self._stubs) > 1:
             raise ValueError("the host backend talks to one daemon")
-        named_tensors = list(named_tensors)
+        source = named_tensors if isinstance(named_tensors, HostSource) else None
+        named_tensors = list(named_tensors.items() if source is not None else named_tensors)
+        if source is None:
+            source = next((s for s in self._host_sources if s.same_pairs(named_tensors)), None)
+        if source is not None and mode == "streaming":
+            return self._update_host_memory(source, version, chunk_bytes, update_id,
+                                            engine_ids, verify)
         if not _has_patches(named_tensors):
             return self._update_host_source(named_tensors, version, chunk_bytes, update_id,
                                             engine_ids, mode, allow_streaming_fallback,
@@ -349,6 +404,33 @@ class Trainer:
         plan = planner.plan_chunks_cached(m, m, started.chunk_bytes)
         return self._push_and_finish(update_id, plan, m.payloads, m.sent() if verify else None,
                                      parts=m.chunk_parts(plan))
+
+    def _update_host_memory(self, source, version, chunk_bytes, update_id, engine_ids,
+                            verify):
+        """A host update from a HostSource: one call (Start with finish);
+        the daemon gathers the bytes from the source's shared memory."""
+        if source.source_id is None and source.manifest is None:
+            raise ValueError(f"{source!r} is closed")
+        for attempt in (0, 1):
+            if source.source_id is None:
+                self._register_host_memory(source)
+            request = _start_request(update_id, version, chunk_bytes, engine_ids, "streaming",
+                                     False, verify, source_id=source.source_id, finish=True,
+                                     finish_timeout_ms=int(self._timeout * 1000 * 2 / 3))
+            try:
+                finished = self._stub.call("StartWeightUpdate", request).finished
+                break
+            except WeightSyncError as e:
+                # A new group (Init) or an evicted source: register again.
+                if e.code != "NOT_FOUND" or attempt:
+                    raise
+                source.source_id = None
+        self.last_results = [finished]
+        if verify:
+            from weightsync.receipts import expected_receipt
+            self._check_receipts([finished], lambda layout, key: expected_receipt(
+                layout, source.sent(), layout_key=key), keyed=True)
+        return finished
 
     def _update_gpu(self, named_tensors, version, chunk_bytes, update_id, engine_ids, mode,
                     allow_streaming_fallback, verify, base_version=0):
