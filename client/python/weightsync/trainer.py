@@ -414,11 +414,9 @@ class Trainer:
         for attempt in (0, 1):
             if source.source_id is None:
                 self._register_host_memory(source)
-            request = _start_request(update_id, version, chunk_bytes, engine_ids, "streaming",
-                                     False, verify, source_id=source.source_id, finish=True,
-                                     finish_timeout_ms=int(self._timeout * 1000 * 2 / 3))
             try:
-                finished = self._stub.call("StartWeightUpdate", request).finished
+                finished = self._start_finished(update_id, version, chunk_bytes, engine_ids,
+                                                verify, source.source_id)
                 break
             except WeightSyncError as e:
                 # A new group (Init) or an evicted source: register again.
@@ -431,6 +429,17 @@ class Trainer:
             self._check_receipts([finished], lambda layout, key: expected_receipt(
                 layout, source.sent(), layout_key=key), keyed=True)
         return finished
+
+    def _start_finished(self, update_id, version, chunk_bytes, engine_ids, verify, source_id):
+        """A one-call streaming update (Start with finish) from the
+        registered source `source_id`, whose memory the daemon copies from;
+        returns its FinishWeightUpdateResponse. The daemon waits two thirds
+        of our deadline for the copy, so its answer arrives before we give
+        up."""
+        request = _start_request(update_id, version, chunk_bytes, engine_ids, "streaming",
+                                 False, verify, source_id=source_id, finish=True,
+                                 finish_timeout_ms=int(self._timeout * 1000 * 2 / 3))
+        return self._stub.call("StartWeightUpdate", request).finished
 
     def _update_gpu(self, named_tensors, version, chunk_bytes, update_id, engine_ids, mode,
                     allow_streaming_fallback, verify, base_version=0):
@@ -599,13 +608,9 @@ class Trainer:
             # the work that wrote them must be done first.
             torch.cuda.current_stream(gpu.device).synchronize()
             t_ready = time.perf_counter()
-            request = v1.StartWeightUpdateRequest(
-                update_id=update_id, target_version=version, chunk_bytes=chunk_bytes,
-                engine_ids=list(engine_ids), mode=v1.UPDATE_MODE_STREAMING,
-                verify=v1.VERIFY_ON if verify else v1.VERIFY_OFF, source_id=source[1],
-                finish=True, finish_timeout_ms=int(self._timeout * 1000 * 2 / 3))
             try:
-                finished = self._stub.call("StartWeightUpdate", request).finished
+                finished = self._start_finished(update_id, version, chunk_bytes, engine_ids,
+                                                verify, source[1])
                 break
             except WeightSyncError as e:
                 # The group was initialised again or the source dropped.
