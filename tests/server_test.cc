@@ -5,6 +5,8 @@
 // protocol says so, marked dirty).
 #include "daemon/server/server.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -18,6 +20,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "backends/host/shm_memory.h"
 #include "client/engine_client.h"
 #include "client/host_arena.h"
 #include "client/receipts.h"
@@ -549,6 +552,12 @@ TEST_F(ServerTest, WrongSizedFirstChunkIsRejectedBeforeAnyWrite) {
       EXPECT_EQ(s.error_code(), grpc::StatusCode::ABORTED);
     }
   }
+  // Until the failed update is ended, e0 can't be checked.
+  auto check = trainer_->CheckEngine("e0");
+  EXPECT_EQ(check.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(check.status().message(),
+              HasSubstr("engine 'e0' was being written by update 'u1', which "
+                        "failed and is not ended yet"));
   auto f = trainer_->FinishWeightUpdate("u1");
   EXPECT_EQ(f.status().code(), absl::StatusCode::kAborted);
   EXPECT_THAT(f.status().message(), HasSubstr("engines untouched"));
@@ -1300,6 +1309,25 @@ TEST(HostDataPlaneTest, AChunkWithoutAnUpdateIsRefused) {
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(s.message(), "no update in progress");
   EXPECT_TRUE(plane.Drain(absl::Now() + absl::Seconds(1)).ok());
+}
+
+// Shared memory is named "/name" and has a positive size: anything else is
+// refused before any shm_open.
+TEST(HostShmTest, BadNamesAndSizesAreRefused) {
+  struct stat st;
+  auto fd = OpenShmObject("no-slash", O_RDONLY, &st);
+  EXPECT_EQ(fd.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(fd.status().message(),
+              HasSubstr("'no-slash' is not a shared-memory name"));
+  for (auto [name, size] :
+       {std::pair<std::string, int64_t>{"/wstest-ok", 0}, {"no-slash", 4096}}) {
+    auto region = ShmRegion::Create(name, size);
+    EXPECT_EQ(region.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(region.status().message(),
+                HasSubstr(absl::StrCat("bad shared-memory name '", name,
+                                       "' or size ", size)));
+  }
+  EXPECT_EQ(shm_open("/wstest-ok", O_RDONLY, 0), -1);  // nothing was made
 }
 
 }  // namespace
