@@ -14,6 +14,7 @@ PKGS=(
   systemd python3-yaml       # deploy_test: systemd-analyze, systemd-sysusers; manifests
   prometheus-cpp-dev         # the /metrics endpoint (daemon/server/metrics.cc)
   tmux                       # weightsyncctl_test drives `watch` on a terminal
+  llvm python3-coverage      # tools/coverage.sh: llvm-cov/llvm-profdata, coverage.py
 )
 missing=()
 for p in "${PKGS[@]}"; do

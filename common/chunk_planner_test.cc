@@ -102,5 +102,29 @@ TEST(ChunkPlannerTest, PiecesTileEveryPayloadOnce) {
   }
 }
 
+// The stream's byte offsets are bounded by 2^62 (so sums never overflow):
+// a tensor of 2^62 one-byte elements fits alone (and is refused later for
+// its chunk count), one more byte after it is refused naming that tensor.
+TEST(ChunkPlannerTest, AnUpdatePast2To62BytesIsRefusedNamingTheTensor) {
+  Manifest m;
+  v1::TensorSpec* big = m.Add();
+  big->set_name("big");
+  big->set_dtype(v1::UINT8);
+  big->add_shape(int64_t{1} << 62);
+  absl::StatusOr<ChunkPlan> plan = PlanChunks(m, 1 << 20);
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(plan.status().message().find("use larger chunks"),
+            std::string::npos)
+      << plan.status();
+  v1::TensorSpec* one = m.Add();
+  one->set_name("one_more");
+  one->set_dtype(v1::UINT8);
+  one->add_shape(1);
+  plan = PlanChunks(m, 1 << 20);
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(plan.status().message(),
+            "tensor 'one_more' takes the update past 2^62 bytes");
+}
+
 }  // namespace
 }  // namespace weightsync

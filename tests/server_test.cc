@@ -5,6 +5,8 @@
 // protocol says so, marked dirty).
 #include "daemon/server/server.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -18,6 +20,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "backends/host/shm_memory.h"
 #include "client/engine_client.h"
 #include "client/host_arena.h"
 #include "client/receipts.h"
@@ -549,6 +552,12 @@ TEST_F(ServerTest, WrongSizedFirstChunkIsRejectedBeforeAnyWrite) {
       EXPECT_EQ(s.error_code(), grpc::StatusCode::ABORTED);
     }
   }
+  // Until the failed update is ended, e0 can't be checked.
+  auto check = trainer_->CheckEngine("e0");
+  EXPECT_EQ(check.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(check.status().message(),
+              HasSubstr("engine 'e0' was being written by update 'u1', which "
+                        "failed and is not ended yet"));
   auto f = trainer_->FinishWeightUpdate("u1");
   EXPECT_EQ(f.status().code(), absl::StatusCode::kAborted);
   EXPECT_THAT(f.status().message(), HasSubstr("engines untouched"));
@@ -1186,5 +1195,140 @@ TEST_F(ServerTest, OnlyAllowedPeersGetThroughTheUnixSocket) {
   rmdir((dir_ + "/made").c_str());
   rmdir(open_dir.c_str());
 }
+// Refusals no other test reached (tools/coverage.sh, docs/reliability.md
+// "Coverage"): out-of-order and contradictory trainer and engine calls.
+// Each is refused with its code and a message naming the call, nothing is
+// written, and the daemon then carries a full update.
+TEST_F(ServerTest, OutOfOrderCallsNoOtherTestMadeAreRefused) {
+  AddEngine("e0");
+  Init();
+  const auto before = Memory(0);
+  auto t = Tensors(1);
+  v1::InitWeightTransferRequest no_backend;
+  auto init = trainer_->InitWeightTransfer(no_backend);
+  EXPECT_EQ(init.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(init.status().message(), HasSubstr("needs a backend"));
+  grpc::Status pushed = PushOneChunk("nope", 4096);
+  EXPECT_EQ(pushed.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(pushed.error_message(),
+              HasSubstr("no update 'nope' in progress; call "
+                        "StartWeightUpdate before PushChunks"));
+  auto aborted = trainer_->AbortWeightUpdate("nope", "test");
+  EXPECT_EQ(aborted.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(aborted.status().message(),
+              HasSubstr("no update 'nope' in progress"));
+  v1::StartWeightUpdateRequest one_call = StartRequest(1, t);
+  one_call.set_finish(true);
+  auto started = trainer_->StartWeightUpdate(one_call);
+  EXPECT_EQ(started.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(started.status().message(),
+              HasSubstr("finish (one-call update) needs a source_id"));
+  // A second registration of a connected engine is refused; the first
+  // keeps its memory and its control stream.
+  auto again = *EngineClient::Connect(options_);
+  v1::RegisterEngineRequest r = arenas_[0]->Registration();
+  r.set_engine_id("e0");
+  auto reg = again->Register(r);
+  EXPECT_EQ(reg.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(reg.status().message(),
+              HasSubstr("engine 'e0' is registered and its control stream "
+                        "is open"));
+  EXPECT_TRUE(StatusOf("e0").connected());
+
+  // Mid-update: InitWeightTransfer is refused and the update goes on;
+  // Finish before any chunk fails it, naming how far it got.
+  ASSERT_TRUE(trainer_->StartWeightUpdate(StartRequest(1, t)).ok());
+  v1::InitWeightTransferRequest host;
+  host.set_backend(v1::BACKEND_HOST);
+  init = trainer_->InitWeightTransfer(host);
+  EXPECT_EQ(init.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(init.status().message(),
+              HasSubstr("update 'u1' is in progress; finish or abort it "
+                        "before InitWeightTransfer"));
+  auto f = trainer_->FinishWeightUpdate("u1");
+  EXPECT_EQ(f.status().code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(f.status().message(), HasSubstr("finish after 0 of"));
+  EXPECT_EQ(Memory(0), before);
+  EXPECT_EQ(StatusOf("e0").version(), 0);
+  ASSERT_TRUE(trainer_->Update(StartRequest(1, t), t).ok());
+  ExpectInstalled(0);
+}
+
+// The Coordinator's own checks behind the gRPC layer's (request_checks.cc
+// refuses these first, so only a caller of the core reaches them; the
+// state-machine and fuzz tests are such callers).
+TEST_F(ServerTest, TheCoreRefusesWhatTheServiceLayerAlsoRefuses) {
+  AddEngine("e0");
+  Init();
+  const auto before = Memory(0);
+  auto t = Tensors(1);
+  for (const std::string& id : {std::string(), std::string(257, 'u')}) {
+    v1::StartWeightUpdateRequest r = StartRequest(1, t);
+    r.set_update_id(id);
+    auto s = core_->StartWeightUpdate(r);
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(s.status().message(),
+                HasSubstr("update_id must be 1-256 characters"));
+  }
+  v1::InitWeightTransferRequest init;
+  init.set_backend(v1::BACKEND_HOST);
+  init.set_timeout_ms(-1);
+  auto i = core_->InitWeightTransfer(init);
+  EXPECT_EQ(i.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(i.status().message(), HasSubstr("timeout_ms must be >= 0"));
+  absl::Status a = core_->AttachControl("ghost", nullptr);
+  EXPECT_EQ(a.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(a.message(), HasSubstr("engine 'ghost' is not registered"));
+  absl::Status p = core_->PushChunk("nope", 0, std::string(4096, 'x'),
+                                    absl::Now() + absl::Seconds(1));
+  EXPECT_EQ(p.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(p.message(), HasSubstr("no update 'nope' in progress"));
+  auto ack = core_->IpcChunkAck("nope", 0, absl::Now() + absl::Seconds(1));
+  EXPECT_EQ(ack.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(ack.status().message(), HasSubstr("no update 'nope'"));
+  // One chunk stream per update.
+  ASSERT_TRUE(trainer_->StartWeightUpdate(StartRequest(1, t)).ok());
+  ASSERT_TRUE(core_->BeginPushStream("u1").ok());
+  absl::Status second = core_->BeginPushStream("u1");
+  EXPECT_EQ(second.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(second.message(),
+              HasSubstr("update 'u1' already has a PushChunks stream open"));
+  ASSERT_TRUE(trainer_->AbortWeightUpdate("u1", "test").ok());
+  EXPECT_EQ(Memory(0), before);
+  ASSERT_TRUE(trainer_->Update(StartRequest(1, t), t).ok());
+  ExpectInstalled(0);
+}
+
+// The host data plane on its own: a chunk or a drain without an update in
+// progress is refused (the coordinator never does this; the plane must not
+// write through a plan it no longer holds).
+TEST(HostDataPlaneTest, AChunkWithoutAnUpdateIsRefused) {
+  HostDataPlane plane(HostDataPlane::Options{});
+  absl::Status s = plane.SubmitChunk(0, std::string(256, 'x'),
+                                     absl::Now() + absl::Seconds(1));
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(s.message(), "no update in progress");
+  EXPECT_TRUE(plane.Drain(absl::Now() + absl::Seconds(1)).ok());
+}
+
+// Shared memory is named "/name" and has a positive size: anything else is
+// refused before any shm_open.
+TEST(HostShmTest, BadNamesAndSizesAreRefused) {
+  struct stat st;
+  auto fd = OpenShmObject("no-slash", O_RDONLY, &st);
+  EXPECT_EQ(fd.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(fd.status().message(),
+              HasSubstr("'no-slash' is not a shared-memory name"));
+  for (auto [name, size] :
+       {std::pair<std::string, int64_t>{"/wstest-ok", 0}, {"no-slash", 4096}}) {
+    auto region = ShmRegion::Create(name, size);
+    EXPECT_EQ(region.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(region.status().message(),
+                HasSubstr(absl::StrCat("bad shared-memory name '", name,
+                                       "' or size ", size)));
+  }
+  EXPECT_EQ(shm_open("/wstest-ok", O_RDONLY, 0), -1);  // nothing was made
+}
+
 }  // namespace
 }  // namespace weightsync

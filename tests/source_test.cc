@@ -314,6 +314,25 @@ TEST_F(SourceTest, HostSourceWithMemoryUpdatesInOneCall) {
   auto source = RegisterSource(request);
   ASSERT_TRUE(source.ok()) << source.status();
   EXPECT_TRUE(source->memory());
+  // What an update from registered memory can't do yet (tools/coverage.sh
+  // found these unreached): a ring of IPC slots, a staged update. Refused
+  // before anything is paused or written.
+  const auto before = Memory(e0);
+  v1::StartWeightUpdateRequest ring = StartBySource(source->source_id(), 1);
+  ring.set_ipc_ring_slots(2);
+  auto refused = trainer_->StartWeightUpdate(ring);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("leave ipc_source and ipc_ring_slots unset"));
+  v1::StartWeightUpdateRequest staged = StartBySource(source->source_id(), 1);
+  staged.set_mode(v1::UPDATE_MODE_STAGED);
+  refused = trainer_->StartWeightUpdate(staged);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("staged updates don't copy from registered memory"));
+  EXPECT_EQ(Memory(e0), before);
+  EXPECT_EQ(StatusOf("e0").state(), v1::ENGINE_READY);
+  EXPECT_EQ(StatusOf("e0").version(), 0);
   for (int64_t version = 1; version <= 2; ++version) {
     fill(version);
     v1::StartWeightUpdateRequest r =
@@ -361,6 +380,20 @@ TEST_F(SourceTest, HostSourceWithMemoryUpdatesInOneCall) {
   EXPECT_EQ(StatusOf("e0").state(), v1::ENGINE_DIRTY);
   EXPECT_EQ(StatusOf("e0").version(), 3);
   EXPECT_TRUE(trainer_->GetStatus().ok());
+
+  // UnregisterSource: an unknown id is NOT_FOUND and drops nothing; the
+  // source's own id drops it, and an update by it is refused after.
+  absl::Status u = trainer_->UnregisterSource("source-999");
+  EXPECT_EQ(u.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(u.message(), HasSubstr("no source 'source-999'"));
+  ASSERT_TRUE(trainer_->UnregisterSource(source->source_id()).ok());
+  v1::StartWeightUpdateRequest gone = StartBySource(source->source_id(), 5);
+  gone.set_finish(true);
+  auto after = trainer_->StartWeightUpdate(gone);
+  EXPECT_EQ(after.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(after.status().message(),
+              HasSubstr(absl::StrCat("no source '", source->source_id())));
+  EXPECT_EQ(StatusOf("e0").version(), 3);
 }
 
 // TrainerClient::Update sends a dense update by registered source: one

@@ -228,5 +228,90 @@ TEST(EngineLayoutTest, RejectsOverlappingSegments) {
   EXPECT_TRUE(Build(r).ok()) << Build(r);
 }
 
+// Refusals no other test reached (tools/coverage.sh): each with its edge
+// inside accepted, outside refused naming it, and nothing opened. The
+// limits are lowered where the defaults would need huge registrations.
+TEST(EngineLayoutTest, NamesRepeatsAndCountLimitsAreRefused) {
+  struct Case {
+    const char* what;
+    RegistrationLimits limits;
+    std::function<void(v1::RegisterEngineRequest*)> inside, outside;
+    const char* message;
+  };
+  RegistrationLimits two_params;
+  two_params.max_parameters = 2;
+  RegistrationLimits one_allocation;
+  one_allocation.max_allocations = 1;
+  RegistrationLimits names_of_4;
+  names_of_4.max_name_length = 4;
+  RegistrationLimits eight_rows;
+  eight_rows.max_segment_rows = 8;
+  auto strided = [](v1::RegisterEngineRequest* r, int rows) {
+    v1::Segment* s = r->mutable_parameters(0)->add_segments();
+    s->set_source("src");
+    s->set_row_count(rows);
+    s->set_col_count(4);
+    s->set_dest_row_stride(8);  // strided: its rows are enumerated
+  };
+  auto extra_param = [](v1::RegisterEngineRequest* r) {
+    v1::Parameter* p = r->add_parameters();
+    p->set_name("c");
+    p->set_dtype(v1::FLOAT32);
+    p->add_shape(4);
+    p->set_offset(2048);
+  };
+  auto extra_allocation = [](v1::RegisterEngineRequest* r) {
+    v1::Allocation* a = r->add_allocations();
+    a->set_kind(v1::MEMORY_HOST_SHM);
+    a->set_handle("/y");
+    a->set_size(4096);
+  };
+  const std::vector<Case> cases = {
+      {"parameter count", two_params, [](auto*) {}, extra_param,
+       "registers 3 parameters in 1 allocations; over the limit"},
+      {"allocation count", one_allocation, [](auto*) {}, extra_allocation,
+       "registers 2 parameters in 2 allocations; over the limit"},
+      {"allocation repeated",
+       {},
+       extra_allocation,
+       [](auto* r) { *r->add_allocations() = r->allocations(0); },
+       "allocation 1 repeats allocation 0"},
+      {"empty parameter name",
+       {},
+       [](auto*) {},
+       [](auto* r) { r->mutable_parameters(1)->set_name(""); },
+       "parameter #1 has an empty or overlong name"},
+      {"overlong parameter name", names_of_4,
+       [](auto* r) { r->mutable_parameters(1)->set_name("bbbb"); },
+       [](auto* r) { r->mutable_parameters(1)->set_name("bbbbb"); },
+       "parameter #1 has an empty or overlong name"},
+      {"empty segment source",
+       {},
+       [&](auto* r) { strided(r, 2); },
+       [&](auto* r) {
+         strided(r, 2);
+         r->mutable_parameters(0)->mutable_segments(0)->set_source("");
+       },
+       "segment 0 (source ''): bad source name"},
+      {"strided rows to check", eight_rows, [&](auto* r) { strided(r, 8); },
+       [&](auto* r) { strided(r, 9); },
+       "too many strided segment rows to check"},
+  };
+  for (const Case& c : cases) {
+    v1::RegisterEngineRequest inside = TwoParams(), outside = TwoParams();
+    c.inside(&inside);
+    c.outside(&outside);
+    testing::HeapMapper ok_mapper;
+    const auto accepted = BuildEngineLayout(inside, ok_mapper, c.limits);
+    EXPECT_TRUE(accepted.ok()) << c.what << ": " << accepted.status();
+    testing::HeapMapper mapper;
+    const absl::Status s =
+        BuildEngineLayout(outside, mapper, c.limits).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.what;
+    EXPECT_THAT(s.message(), HasSubstr(c.message)) << c.what << ": " << s;
+    EXPECT_TRUE(mapper.opened.empty()) << c.what;
+  }
+}
+
 }  // namespace
 }  // namespace weightsync

@@ -144,5 +144,62 @@ TEST(SourceRegistryTest, DropsLeastRecentlyUsedAndClearClosesMemory) {
   EXPECT_EQ(reg.Find(first_id).status().code(), absl::StatusCode::kNotFound);
 }
 
+// Refusals no other test reached (tools/coverage.sh): placements that
+// don't cover every tensor, memory without allocations, memory that won't
+// open, and unregistering an id that isn't there. Each leaves the registry
+// as it was.
+TEST(SourceRegistryTest, IncompleteMemoryAndUnknownIdsAreRefused) {
+  testing::HeapMapper mapper;
+  SourceRegistry reg(SourceLimits{});
+  v1::RegisterSourceRequest one_placement = WithMemory(256, 64);
+  one_placement.mutable_placements()->RemoveLast();
+  auto s = reg.Register(one_placement, mapper, kIpc);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(
+      s.status().message().find("places every tensor: 2 tensors, 1 placements"),
+      std::string::npos)
+      << s.status();
+  v1::RegisterSourceRequest no_allocation = WithMemory(256, 64);
+  no_allocation.clear_allocations();
+  s = reg.Register(no_allocation, mapper, kIpc);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.status().message().find("allocations; this one has 0"),
+            std::string::npos)
+      << s.status();
+  SourceLimits one;
+  one.max_allocations = 1;
+  SourceRegistry small(one);
+  v1::RegisterSourceRequest two = WithMemory(256, 64);
+  *two.add_allocations() = two.allocations(0);
+  two.mutable_allocations(1)->set_handle(std::string(64, 'i'));
+  s = small.Register(two, mapper, kIpc);
+  EXPECT_NE(s.status().message().find("1 to 1 allocations; this one has 2"),
+            std::string::npos)
+      << s.status();
+  EXPECT_TRUE(mapper.opened.empty());
+
+  // The mapper's refusal names the allocation; nothing is registered.
+  struct FailingMapper : MemoryMapper {
+    absl::StatusOr<std::shared_ptr<MappedRegion>> Open(
+        const v1::Allocation&) override {
+      return absl::PermissionDeniedError("not yours");
+    }
+  } failing;
+  s = reg.Register(WithMemory(256, 64), failing, kIpc);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(s.status().message(), "source allocation 0: not yours");
+  EXPECT_EQ(reg.size(), 0);
+
+  auto kept = reg.Register(Manifest2(), mapper, kNone).value();
+  absl::Status u = reg.Unregister("source-999");
+  EXPECT_EQ(u.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(u.message(), "no source 'source-999'");
+  EXPECT_EQ(reg.size(), 1);
+  EXPECT_TRUE(reg.Find(kept->id).ok());
+  EXPECT_TRUE(reg.Unregister(kept->id).ok());
+  EXPECT_EQ(reg.size(), 0);
+  EXPECT_EQ(reg.Unregister(kept->id).code(), absl::StatusCode::kNotFound);
+}
+
 }  // namespace
 }  // namespace weightsync
