@@ -37,6 +37,7 @@ class HostSource(collections.abc.Mapping):
         self.offsets = np.asarray(offsets, np.int64)
         self.manifest = build_manifest(list(zip(self.names, self.tensors)))
         self.source_id = None
+        self.layout_ids = set()  # the engines' layouts at the last verified update
         self._sent = None
 
     @property

@@ -23,6 +23,7 @@ import contextlib
 import operator
 import os
 import sys
+import threading
 import time
 import uuid
 
@@ -290,9 +291,14 @@ class Trainer:
                                     mode, allow_streaming_fallback, verify, base_version)
         if len(self._stubs) > 1:
             raise ValueError("the host backend talks to one daemon")
-        source = named_tensors if isinstance(named_tensors, HostSource) else None
-        named_tensors = list(named_tensors.items() if source is not None else named_tensors)
-        if source is None:
+        if isinstance(named_tensors, HostSource):
+            source = named_tensors   # no per-tensor work at all
+            if mode == "streaming":
+                return self._update_host_memory(source, version, chunk_bytes, update_id,
+                                                engine_ids, verify)
+            named_tensors = list(zip(source.names, source.tensors))
+        else:
+            named_tensors = list(named_tensors)
             source = next((s for s in self._host_sources if s.same_pairs(named_tensors)), None)
         if source is not None and mode == "streaming":
             return self._update_host_memory(source, version, chunk_bytes, update_id,
@@ -408,26 +414,44 @@ class Trainer:
     def _update_host_memory(self, source, version, chunk_bytes, update_id, engine_ids,
                             verify):
         """A host update from a HostSource: one call (Start with finish);
-        the daemon gathers the bytes from the source's shared memory."""
+        the daemon copies the bytes from the source's shared memory. With
+        receipts, the expectation for the layouts the engines had last time
+        is computed on a thread while the daemon copies (the tensors don't
+        change during update()); a layout not seen before is computed
+        after."""
         if source.source_id is None and source.manifest is None:
             raise ValueError(f"{source!r} is closed")
-        for attempt in (0, 1):
-            if source.source_id is None:
-                self._register_host_memory(source)
-            try:
-                finished = self._start_finished(update_id, version, chunk_bytes, engine_ids,
-                                                verify, source.source_id)
-                break
-            except WeightSyncError as e:
-                # A new group (Init) or an evicted source: register again.
-                if e.code != "NOT_FOUND" or attempt:
-                    raise
-                source.source_id = None
+        from weightsync.receipts import expected_receipt
+        ahead, worker = {}, None
+        known = [(k, self._layouts[k]) for k in source.layout_ids if k in self._layouts]
+        if verify and known:
+            def expect():
+                for key, layout in known:
+                    ahead[key] = expected_receipt(layout, source.sent(), layout_key=key)
+            worker = threading.Thread(target=expect, name="weightsync-receipts", daemon=True)
+            worker.start()
+        try:
+            for attempt in (0, 1):
+                if source.source_id is None:
+                    self._register_host_memory(source)
+                try:
+                    finished = self._start_finished(update_id, version, chunk_bytes,
+                                                    engine_ids, verify, source.source_id)
+                    break
+                except WeightSyncError as e:
+                    # A new group (Init) or an evicted source: register again.
+                    if e.code != "NOT_FOUND" or attempt:
+                        raise
+                    source.source_id = None
+        finally:
+            if worker is not None:
+                worker.join()
         self.last_results = [finished]
         if verify:
-            from weightsync.receipts import expected_receipt
-            self._check_receipts([finished], lambda layout, key: expected_receipt(
-                layout, source.sent(), layout_key=key), keyed=True)
+            source.layout_ids = {r.layout_id for r in finished.engines if r.layout_id}
+            self._check_receipts([finished], lambda layout, key: ahead.get(key) or
+                                 expected_receipt(layout, source.sent(), layout_key=key),
+                                 keyed=True)
         return finished
 
     def _start_finished(self, update_id, version, chunk_bytes, engine_ids, verify, source_id):
