@@ -14,6 +14,14 @@ std::string Echo(absl::string_view s) {
   return out;
 }
 
+std::string HalfOpen(int64_t begin, int64_t count) {
+  int64_t end;
+  if (__builtin_add_overflow(begin, count, &end)) {
+    return absl::StrCat("[", begin, ", +", count, ")");
+  }
+  return absl::StrCat("[", begin, ", ", end, ")");
+}
+
 std::string CapMessage(absl::string_view message, size_t max_bytes) {
   if (message.size() <= max_bytes) return std::string(message);
   const std::string tail =

@@ -6,6 +6,7 @@
 #define WEIGHTSYNC_COMMON_ECHO_H_
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 #include "absl/strings/string_view.h"
@@ -19,6 +20,11 @@ inline constexpr size_t kEchoBytes = 64;
 // anything but printable ASCII shown as '?', and, when cut, "... (N bytes)"
 // after them. Echo("abc") == "abc".
 std::string Echo(absl::string_view s);
+
+// "[begin, end)" for `count` items from `begin`, as a refusal quotes a
+// range a peer sent: "[begin, +count)" when begin + count does not fit in
+// 64 bits (no overflow while formatting what was refused).
+std::string HalfOpen(int64_t begin, int64_t count);
 
 // `message` cut to at most `max_bytes` (a status message's last line of
 // defence: ToGrpcStatus applies it to every answer).

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -224,7 +225,7 @@ TEST_F(ServerTest, BadManifestsNameTheCulpritAndWriteNothing) {
       {[](auto& r) { r.set_chunk_bytes(1000); },
        absl::StatusCode::kInvalidArgument, "chunk_bytes"},
       {[](auto& r) { r.set_target_version(0); },
-       absl::StatusCode::kFailedPrecondition, "engine 'e0' version 0"},
+       absl::StatusCode::kInvalidArgument, "target_version 0 is outside [1, "},
       {[](auto& r) { r.add_engine_ids("nobody"); }, absl::StatusCode::kNotFound,
        "engine 'nobody'"},
       {[](auto& r) { r.set_chunk_bytes(1 << 20); },
@@ -691,6 +692,37 @@ TEST_F(ServerTest, ASparseIndexEqualToNumelIsRefused) {
               HasSubstr(absl::StrCat("tensor '", name, "': sparse index ",
                                      numel, " is outside [0, ", numel, ")")));
   EXPECT_EQ(Memory(0), before);
+}
+
+// Versions are 62-bit (docs/protocol.md, "Versions"): a target of
+// INT64_MAX, which would leave the engines no later version, or of 0, is
+// refused naming the range; so is an update that sends no tensors. The
+// engine keeps its memory and version, and the highest version is taken.
+TEST_F(ServerTest, VersionsStayBelowTwoToTheSixtyTwoAndUpdatesSendTensors) {
+  AddEngine("e0");
+  Init();
+  auto t = Tensors(1);
+  ASSERT_TRUE(trainer_->Update(StartRequest(1, t), t).ok());
+  const auto before = Memory(0);
+  for (int64_t bad_version :
+       {std::numeric_limits<int64_t>::max(), kMaxVersion + 1, int64_t{0}}) {
+    auto started = trainer_->StartWeightUpdate(StartRequest(bad_version, t));
+    EXPECT_EQ(started.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(started.status().message(),
+                HasSubstr(absl::StrCat("target_version ", bad_version,
+                                       " is outside [1, ", kMaxVersion, "]")));
+  }
+  v1::StartWeightUpdateRequest empty = StartRequest(2, {});
+  auto started = trainer_->StartWeightUpdate(empty);
+  EXPECT_EQ(started.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(started.status().message(),
+              HasSubstr("sends no tensors: an update moves at least one"));
+  EXPECT_EQ(Memory(0), before);
+  EXPECT_EQ(trainer_->GetStatus()->engines(0).version(), 1);
+  t = Tensors(2);
+  auto top = trainer_->Update(StartRequest(kMaxVersion, t), t);
+  ASSERT_TRUE(top.ok()) << top.status();
+  EXPECT_EQ(trainer_->GetStatus()->engines(0).version(), kMaxVersion);
 }
 
 // Chunks must come in the plan's order and within it: chunk n of an

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/dtype.h"
+#include "common/echo.h"
 #include "common/status_macros.h"
 #include "glog/logging.h"
 
@@ -48,11 +49,15 @@ absl::Status CheckUse(const v1::TensorSpec& t, const std::string& engine,
   }
   int64_t rows, cols;
   SourceMatrix(shape, &rows, &cols);
-  if (s.row_begin + s.row_count > rows || s.col_begin + s.col_count > cols) {
+  // Subtracted, not added: a segment without source_shape may name any
+  // begin and count (engine_layout.cc checks them only against a
+  // source_shape), and begin + count may not fit in 64 bits.
+  if (s.row_begin > rows || s.row_count > rows - s.row_begin ||
+      s.col_begin > cols || s.col_count > cols - s.col_begin) {
     return absl::InvalidArgumentError(absl::StrCat(
-        where, ": segment rows [", s.row_begin, ", ", s.row_begin + s.row_count,
-        ") cols [", s.col_begin, ", ", s.col_begin + s.col_count,
-        ") lie outside the tensor's ", rows, "x", cols, " matrix"));
+        where, ": segment rows ", HalfOpen(s.row_begin, s.row_count), " cols ",
+        HalfOpen(s.col_begin, s.col_count), " lie outside the tensor's ", rows,
+        "x", cols, " matrix"));
   }
   return absl::OkStatus();
 }

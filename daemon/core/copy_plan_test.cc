@@ -1,6 +1,7 @@
 #include "daemon/core/copy_plan.h"
 
 #include <cstring>
+#include <limits>
 
 #include "absl/container/flat_hash_set.h"
 #include "backends/host/host_data_plane.h"
@@ -159,6 +160,20 @@ TEST(CopyPlanTest, ASegmentsBlockMustLieInTheTensorSent) {
   refused = PlanOneSegment(s, {2, 4}, {3, 4});
   EXPECT_THAT(refused.status().message(),
               HasSubstr("cols [2, 6) lie outside the tensor's 3x4 matrix"));
+  // A begin near INT64_MAX: begin + count does not fit in 64 bits, and
+  // neither the check nor its message may add them (UBSan runs this).
+  const int64_t huge = std::numeric_limits<int64_t>::max() - 1;
+  s.set_col_begin(huge);
+  s.set_col_count(2);
+  refused = PlanOneSegment(s, {2, 2}, {3, 4});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr(absl::StrCat("cols [", huge, ", +2) lie outside")));
+  s.set_col_begin(0);
+  s.set_row_begin(huge);
+  refused = PlanOneSegment(s, {2, 2}, {3, 4});
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr(absl::StrCat("rows [", huge, ", +2) cols [0, 2)")));
 }
 
 // A segment registered with source_shape takes only a tensor of that

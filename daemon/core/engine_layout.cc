@@ -12,6 +12,7 @@
 #include "absl/strings/string_view.h"
 #include "common/checksum.h"
 #include "common/dtype.h"
+#include "common/echo.h"
 #include "common/status_macros.h"
 
 namespace weightsync {
@@ -187,8 +188,9 @@ absl::StatusOr<std::shared_ptr<const EngineLayout>> BuildEngineLayout(
                                 " parameters in ", request.allocations_size(),
                                 " allocations; over the limit"));
   }
-  if (request.version() < 0) {
-    return Invalid(engine, "version must not be negative");
+  if (request.version() < 0 || request.version() > kMaxVersion) {
+    return Invalid(engine, absl::StrCat("version ", request.version(),
+                                        " is outside [0, ", kMaxVersion, "]"));
   }
   absl::flat_hash_map<std::string, int> handles;
   for (int a = 0; a < request.allocations_size(); ++a) {
@@ -261,9 +263,9 @@ absl::StatusOr<std::shared_ptr<const EngineLayout>> BuildEngineLayout(
     const int64_t alloc_size = request.allocations(p.region).size();
     if (p.offset < 0 || p.offset > alloc_size ||
         p.bytes > alloc_size - p.offset) {
-      return Invalid(engine, absl::StrCat("parameter '", p.name, "' bytes [",
-                                          p.offset, ", ", p.offset + p.bytes,
-                                          ") lie outside its allocation of ",
+      return Invalid(engine, absl::StrCat("parameter '", p.name, "' bytes ",
+                                          HalfOpen(p.offset, p.bytes),
+                                          " lie outside its allocation of ",
                                           alloc_size, " bytes"));
     }
     if (p.bytes > 0) {

@@ -18,6 +18,13 @@
 
 namespace weightsync {
 
+// The highest weight version an engine may hold or an update may target
+// (docs/protocol.md, "Versions"): 2^62 - 1, so that a version is never the
+// last one a 64-bit integer can name (a trainer that committed INT64_MAX
+// would leave the engines no later version), while step counters and
+// nanosecond timestamps (until 2116) fit.
+inline constexpr int64_t kMaxVersion = (int64_t{1} << 62) - 1;
+
 // Limits on what one registration may hold (untrusted input is bounded).
 struct RegistrationLimits {
   int64_t max_parameters = 1 << 20;

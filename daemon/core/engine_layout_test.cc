@@ -1,6 +1,7 @@
 #include "daemon/core/engine_layout.h"
 
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -66,7 +67,16 @@ TEST(EngineLayoutTest, RejectsParameterOutsideItsAllocation) {
   absl::Status s = Build(r);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("parameter 'b'"));
-  EXPECT_THAT(s.message(), HasSubstr("outside its allocation"));
+  EXPECT_THAT(s.message(), HasSubstr("bytes [4090, 4106) lie outside its "
+                                     "allocation"));
+  // An offset near INT64_MAX: refused without computing offset + bytes
+  // (UBSan runs this), the range quoted as begin and count.
+  const int64_t huge = std::numeric_limits<int64_t>::max() - 4;
+  r.mutable_parameters(1)->set_offset(huge);
+  s = Build(r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(),
+              HasSubstr(absl::StrCat("bytes [", huge, ", +16) lie outside")));
 }
 
 // The extent of a strided segment counts its row stride: the last row
@@ -130,7 +140,10 @@ TEST(EngineLayoutTest, EveryRegistrationLimitHoldsAtItsEdge) {
        },
        "lies outside source shape [3, 4]"},
       {"version", [](auto* r) { r->set_version(0); },
-       [](auto* r) { r->set_version(-1); }, "version must not be negative"},
+       [](auto* r) { r->set_version(-1); }, "version -1 is outside [0, "},
+      {"highest version", [](auto* r) { r->set_version(kMaxVersion); },
+       [](auto* r) { r->set_version(kMaxVersion + 1); },
+       "version 4611686018427387904 is outside [0, 4611686018427387903]"},
       {"allocation size",
        [](auto* r) { r->mutable_allocations(0)->set_size(4096); },
        [](auto* r) { r->mutable_allocations(0)->set_size(0); },

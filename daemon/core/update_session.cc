@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/echo.h"
 #include "common/status_macros.h"
 #include "daemon/core/coordinator.h"
 #include "daemon/core/event_log.h"
@@ -138,6 +139,12 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
   s.t_entry = absl::Now();
   WS_RETURN_IF_ERROR(ValidateStart(request, s));
   WS_RETURN_IF_ERROR(ResolveSource(request, s));
+  if (s.manifest->empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "update '", Echo(request.update_id()),
+        "' sends no tensors: an update moves at least one tensor (a version "
+        "is a set of weights, not a counter)"));
+  }
   NoteTrainerCall();
   // A failed update that nobody ended (its trainer gone) can never
   // complete: a new Start supersedes it.
@@ -168,6 +175,11 @@ absl::Status Coordinator::ValidateStart(
     const v1::StartWeightUpdateRequest& request, StartState& s) const {
   if (request.update_id().empty() || request.update_id().size() > 256) {
     return absl::InvalidArgumentError("update_id must be 1-256 characters");
+  }
+  if (request.target_version() <= 0 || request.target_version() > kMaxVersion) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "target_version ", request.target_version(), " is outside [1, ",
+        kMaxVersion, "] (docs/protocol.md, \"Versions\")"));
   }
   if (request.tensors_size() > options_.max_manifest_tensors) {
     return absl::InvalidArgumentError(
