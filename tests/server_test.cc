@@ -1289,6 +1289,34 @@ TEST_F(ServerTest, OutOfOrderCallsNoOtherTestMadeAreRefused) {
 // The Coordinator's own checks behind the gRPC layer's (request_checks.cc
 // refuses these first, so only a caller of the core reaches them; the
 // state-machine and fuzz tests are such callers).
+// After Shutdown (SIGTERM) the core takes nothing new: a registration, a
+// source and a Start are UNAVAILABLE ("daemon is shutting down"), and the
+// engine's memory is as it was.
+TEST_F(ServerTest, AfterShutdownNothingNewIsTaken) {
+  AddEngine("e0");
+  Init();
+  auto t = Tensors(1);
+  ASSERT_TRUE(trainer_->Update(StartRequest(1, t), t).ok());
+  const auto before = Memory(0);
+  auto arena = *Arena("late");
+  v1::RegisterEngineRequest late = arena->Registration();
+  late.set_engine_id("late");
+  v1::RegisterSourceRequest source;
+  for (const HostTensor& h : t) *source.add_tensors() = h.spec;
+  core_->Shutdown();
+  auto r = core_->RegisterEngine(late);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(r.status().message(), HasSubstr("daemon is shutting down"));
+  auto src = core_->RegisterSource(source);
+  EXPECT_EQ(src.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(src.status().message(), HasSubstr("daemon is shutting down"));
+  auto started = core_->StartWeightUpdate(StartRequest(2, Tensors(2)));
+  EXPECT_EQ(started.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(started.status().message(), HasSubstr("daemon is shutting down"));
+  EXPECT_EQ(Memory(0), before);
+  arena->region().Unlink();
+}
+
 TEST_F(ServerTest, TheCoreRefusesWhatTheServiceLayerAlsoRefuses) {
   AddEngine("e0");
   Init();
