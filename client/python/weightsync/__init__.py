@@ -6,9 +6,10 @@ message is a protobuf of the weightsync.v1 API). See docs/python.md.
 """
 
 from weightsync._errors import WeightSyncError
+from weightsync._version import __version__
 from weightsync import planner
 
-__all__ = ["WeightSyncError", "Trainer", "Engine", "planner"]
+__all__ = ["WeightSyncError", "Trainer", "Engine", "planner", "__version__"]
 
 
 def __getattr__(name):
