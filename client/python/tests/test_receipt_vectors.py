@@ -107,7 +107,11 @@ class ReceiptVectorsTest(unittest.TestCase):
         want = receipts._receipt_by_ops(
             some, {k: (d, s, a.view(np.uint16)) for k, (d, s, a) in sent.items()}, None, 1 << 22)
         self.assertEqual(receipts.expected_receipt(some, sent), want)
-        self.assertLess(elapsed, 1.0)   # generous: CI machines vary
+        # The time bound is //client/python:receipt_vectors_test's to check;
+        # the run against the installed package (pip_install_test, beside
+        # the rest of bazel test //...) checks what it computes.
+        if not os.environ.get("WEIGHTSYNC_TEST_INSTALLED"):
+            self.assertLess(elapsed, 1.0)   # generous: CI machines vary
 
 
 class KeptWalkTest(unittest.TestCase):
