@@ -15,6 +15,7 @@ PKGS=(
   prometheus-cpp-dev         # the /metrics endpoint (daemon/server/metrics.cc)
   tmux                       # weightsyncctl_test drives `watch` on a terminal
   llvm python3-coverage      # tools/coverage.sh: llvm-cov/llvm-profdata, coverage.py
+  python3-setuptools python3-wheel python3-venv python3-pip  # pip_install_test: offline install
 )
 missing=()
 for p in "${PKGS[@]}"; do

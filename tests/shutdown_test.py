@@ -10,6 +10,7 @@ clean (exit 0, at once).
 """
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -104,8 +105,9 @@ def main():
           code == 1 and 1.4 < secs < 3.0, (code, secs))
     check("the daemon says why", "did not finish within 1500 ms" in log, log[-2000:])
     if failures:
-        print(f"{len(failures)} FAILED: {failures}")
+        print(f"{len(failures)} FAILED: {failures} (logs kept in {work})")
         return 1
+    shutil.rmtree(work, ignore_errors=True)  # kept when something failed
     print("all passed")
     return 0
 

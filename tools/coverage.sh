@@ -25,9 +25,11 @@ t0=$(date +%s)
 BAZEL=(nice -n 19 bazel)
 
 # --- C++ (and the instrumented daemon that the shell and Python tests start).
-# Not the gpu-tagged tests, nor backends/cuda (nvcc; not in the report).
+# Not the gpu-tagged tests, nor backends/cuda (nvcc; not in the report), nor
+# pip_install_test (the Python tests again, from an installed copy: no new lines).
 mapfile -t targets < <("${BAZEL[@]}" query 'tests(//...) except attr(tags, "gpu", //...)
-    except //backends/cuda/... except //tests:gpu_worker_supervision_test' 2>/dev/null)
+    except //backends/cuda/... except //tests:gpu_worker_supervision_test
+    except //tests:pip_install_test' 2>/dev/null)
 "${BAZEL[@]}" test --config=cov "${targets[@]}" //daemon:weightsyncd >"$OUT/bazel.log" 2>&1
 rc=$?
 if [ $rc != 0 ]; then

@@ -6,16 +6,18 @@ python3 client/python/tests/test_host.py
 """
 
 import os
-import subprocess
 import sys
-import tempfile
 import time
 import unittest
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The source tree's package, unless WEIGHTSYNC_TEST_INSTALLED=1: then the
+# installed one (tests/pip_install_test.sh runs the suite that way).
+if not os.environ.get("WEIGHTSYNC_TEST_INSTALLED"):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import daemon_fixture  # noqa: E402  (next to this file)
 import weightsync  # noqa: E402
 from weightsync import WeightSyncError  # noqa: E402
 from weightsync._tensors import build_manifest  # noqa: E402
@@ -23,17 +25,8 @@ from weightsync._tensors import build_manifest  # noqa: E402
 
 class HostBackendTest(unittest.TestCase):
     def setUp(self):
-        self.dir = tempfile.mkdtemp(prefix="wspy.", dir="/tmp")
-        self.sock = os.path.join(self.dir, "d.sock")
-        self.log = open(os.path.join(self.dir, "daemon.log"), "w")
-        self.daemon = subprocess.Popen(
-            [os.environ["WEIGHTSYNCD"], f"--socket={self.sock}", "--notice_timeout_ms=2000"],
-            stderr=self.log)
-        for _ in range(100):
-            if os.path.exists(self.sock):
-                break
-            time.sleep(0.05)
-        self.target = "unix:" + self.sock
+        # Its folder (socket, log) goes away with the test.
+        self.daemon, self.target = daemon_fixture.start(self, "--notice_timeout_ms=2000")
         self.trainer = weightsync.Trainer(self.target, timeout=10)
         self.engines = []
 
@@ -43,7 +36,6 @@ class HostBackendTest(unittest.TestCase):
         self.trainer.close()
         self.daemon.terminate()
         self.assertEqual(self.daemon.wait(timeout=10), 0)
-        self.log.close()
 
     def engine(self, engine_id, params, **kwargs):
         e = weightsync.Engine(engine_id, self.target, timeout=10)

@@ -11,7 +11,10 @@ import unittest
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The source tree's package, unless WEIGHTSYNC_TEST_INSTALLED=1: then the
+# installed one (tests/pip_install_test.sh runs the suite that way).
+if not os.environ.get("WEIGHTSYNC_TEST_INSTALLED"):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from weightsync import planner  # noqa: E402
 from weightsync._tensors import build_manifest, describe, wire_dtype  # noqa: E402

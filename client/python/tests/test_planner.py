@@ -11,7 +11,10 @@ import sys
 import unittest
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(_HERE))  # client/python
+# The source tree's package (client/python), unless WEIGHTSYNC_TEST_INSTALLED=1:
+# then the installed one (tests/pip_install_test.sh runs the suite that way).
+if not os.environ.get("WEIGHTSYNC_TEST_INSTALLED"):
+    sys.path.insert(0, os.path.dirname(_HERE))
 
 from weightsync import planner as chunk_planner  # noqa: E402
 from weightsync.planner import ALIGNMENT, ELEMENT_SIZES, plan_chunks  # noqa: E402

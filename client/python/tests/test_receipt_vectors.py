@@ -12,7 +12,10 @@ import unittest
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The source tree's package, unless WEIGHTSYNC_TEST_INSTALLED=1: then the
+# installed one (tests/pip_install_test.sh runs the suite that way).
+if not os.environ.get("WEIGHTSYNC_TEST_INSTALLED"):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from google.protobuf import json_format  # noqa: E402
 

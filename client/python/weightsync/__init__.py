@@ -2,13 +2,16 @@
 
 Trainers use `Trainer` to push weights; engine workers use `Engine` to offer
 theirs. Both talk to the local daemon over gRPC (no pickle anywhere: every
-message is a protobuf of the weightsync.v1 API). See docs/python.md.
+message is a protobuf of the weightsync.v1 API). See docs/python.md;
+`python -m weightsync` reports the package and daemon versions and checks
+the local daemon's health.
 """
 
 from weightsync._errors import WeightSyncError
+from weightsync._version import __version__
 from weightsync import planner
 
-__all__ = ["WeightSyncError", "Trainer", "Engine", "planner"]
+__all__ = ["WeightSyncError", "Trainer", "Engine", "planner", "__version__"]
 
 
 def __getattr__(name):

@@ -1,8 +1,8 @@
 """weightsync.v1 messages and stubs, built at run time from a descriptor set.
 
 No generated _pb2 code: the package ships `weightsync_v1.desc` (a
-FileDescriptorSet of proto/weightsync/v1, regenerated and checked by the
-build) and builds the message classes from it, which works with protobuf
+FileDescriptorSet of proto/weightsync/v1 and grpc.health.v1, regenerated
+and checked by the build) and builds the message classes from it, which works with protobuf
 runtimes from 3.20 (Debian) to 7.x (the GPU machines) alike.
 """
 
@@ -60,8 +60,11 @@ class Stub:
     """Calls one weightsync.v1 service by method name, with a deadline each."""
 
     def __init__(self, channel, service, timeout):
+        # "TrainerService" (weightsync.v1) or a full name such as
+        # "grpc.health.v1.Health" (also in the descriptor set).
         self._channel = channel
-        self._service = _pool.FindServiceByName("weightsync.v1." + service)
+        self._service = _pool.FindServiceByName(
+            service if "." in service else "weightsync.v1." + service)
         self._timeout = timeout
         self._methods = {}
 
