@@ -30,9 +30,12 @@ __all__ = ["VLLM_SOURCE", "vllm_engine_layout", "vocab_shard", "local_experts",
            "check_layout", "WeightsyncWorkerExtension", "WeightsyncTrainer"]
 
 # What the layouts and the extension were written against (docs/integration.md, "vLLM").
-VLLM_SOURCE = ("vLLM main, 2026 (v0.2x): vllm/model_executor/layers/{linear,"
-               "vocab_parallel_embedding}.py, fused_moe/layer.py, models/{llama,qwen3,"
-               "qwen3_moe}.py, v1/worker/worker_base.py, distributed/weight_transfer/")
+VLLM_SOURCE = (
+    "vLLM main as of the weight-transfer API (docs v0.16-v0.29; the seeds' "
+    "WeightTransferEngine.trainer_send_weights): v1/worker/worker_base.py @0243225, "
+    "distributed/weight_transfer/base.py @02f250b, fused_moe/layer.py @c439a13, "
+    "models/qwen3_moe.py @002456d, vocab_parallel_embedding.py (pad_vocab_size, "
+    "vocab_range_from_global_vocab_size; same rule in every version read)")
 
 VOCAB_PADDING = 64          # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 MODEL_TYPES = ("llama", "qwen3", "qwen3_moe")
