@@ -11,7 +11,7 @@ as the C++ tools/synthetic model, so both can be checked against each other.
     weights = engine.register_host(params, segments=segments)
 """
 
-__all__ = ["llama_engine_layout", "checkpoint_shapes"]
+__all__ = ["llama_engine_layout", "checkpoint_shapes", "moe_layers"]
 
 
 def _cfg(config, name, default=None):
@@ -32,14 +32,32 @@ def _dims(config):
         "kv_heads": _cfg(config, "num_key_value_heads", heads),
         "head_dim": _cfg(config, "head_dim", None) or hidden // heads,
         "tied": bool(_cfg(config, "tie_word_embeddings", False)),
-        "qk_norm": bool(_cfg(config, "qk_norm", _cfg(config, "model_type") == "qwen3")),
+        "qk_norm": bool(_cfg(config, "qk_norm",
+                             _cfg(config, "model_type") in ("qwen3", "qwen3_moe"))),
+        # Mixture of experts (Qwen3-MoE's config names; 0 experts: dense).
+        "experts": _cfg(config, "num_experts", 0) or 0,
+        "moe_inter": _cfg(config, "moe_intermediate_size"),
     }
+
+
+def moe_layers(config):
+    """Indices of the layers whose MLP is a mixture of experts, by
+    Qwen3-MoE's rule (Hugging Face's and vLLM's Qwen3MoeDecoderLayer): not
+    in `mlp_only_layers`, and (index + 1) a multiple of
+    `decoder_sparse_step`. Empty for a dense config."""
+    d = _dims(config)
+    if not d["experts"]:
+        return set()
+    step = _cfg(config, "decoder_sparse_step", 1) or 1
+    only = set(_cfg(config, "mlp_only_layers", None) or ())
+    return {l for l in range(d["layers"]) if l not in only and (l + 1) % step == 0}
 
 
 def checkpoint_shapes(config):
     """[(name, shape)] of the Hugging Face checkpoint, in model order."""
     d = _dims(config)
     H, q, kv = d["hidden"], d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
+    moe = moe_layers(config)
     out = [("model.embed_tokens.weight", (d["vocab"], H))]
     for l in range(d["layers"]):
         p = f"model.layers.{l}."
@@ -51,8 +69,16 @@ def checkpoint_shapes(config):
         if d["qk_norm"]:
             out += [(p + "self_attn.q_norm.weight", (d["head_dim"],)),
                     (p + "self_attn.k_norm.weight", (d["head_dim"],))]
-        out += [(p + "post_attention_layernorm.weight", (H,)),
-                (p + "mlp.gate_proj.weight", (d["inter"], H)),
+        out.append((p + "post_attention_layernorm.weight", (H,)))
+        if l in moe:
+            E, I = d["experts"], d["moe_inter"]
+            out.append((p + "mlp.gate.weight", (E, H)))   # the router
+            for e in range(E):
+                x = f"{p}mlp.experts.{e}."
+                out += [(x + "gate_proj.weight", (I, H)), (x + "up_proj.weight", (I, H)),
+                        (x + "down_proj.weight", (H, I))]
+            continue
+        out += [(p + "mlp.gate_proj.weight", (d["inter"], H)),
                 (p + "mlp.up_proj.weight", (d["inter"], H)),
                 (p + "mlp.down_proj.weight", (H, d["inter"]))]
     out.append(("model.norm.weight", (H,)))
@@ -80,6 +106,9 @@ def llama_engine_layout(config, tp_rank=0, tp_size=1, dtype="BFLOAT16", vocab_pa
     embed_tokens, lm_head, each shard padded to a multiple of `vocab_pad`
     rows (padding rows are never written)."""
     d = _dims(config)
+    if d["experts"]:
+        raise ValueError("a mixture-of-experts config: use "
+                         "weightsync.integrations.vllm.vllm_engine_layout")
     H, I = d["hidden"], d["inter"]
     q, kv = d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
     for what, n in (("attention heads", d["heads"]), ("kv heads", d["kv_heads"]),
