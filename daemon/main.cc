@@ -17,6 +17,7 @@
 #include "backends/cuda/cuda_support.h"
 #include "backends/cuda/worker_client.h"
 #include "common/local_files.h"
+#include "common/version.h"
 #include "daemon/backends.h"
 #include "daemon/config_file.h"
 #include "daemon/core/coordinator.h"
@@ -272,7 +273,8 @@ int Main() {
     LOG(ERROR) << server.status();
     return 1;
   }
-  LOG(INFO) << "weightsyncd listening on unix:" << server_options.unix_socket
+  LOG(INFO) << "weightsyncd " << kVersion
+            << " listening on unix:" << server_options.unix_socket
             << (FLAGS_tcp.empty()
                     ? ""
                     : absl::StrCat(" and tcp port ", (*server)->tcp_port()))
@@ -317,6 +319,8 @@ int Main() {
 
 int main(int argc, char** argv) {
   gflags::SetUsageMessage("weightsyncd: moves trained weights into engines");
+  // --version prints "weightsyncd version 0.1.0" (/VERSION) and exits.
+  gflags::SetVersionString(weightsync::kVersion);
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   FLAGS_logtostderr = true;
   google::InitGoogleLogging(argv[0]);
