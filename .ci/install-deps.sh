@@ -15,6 +15,7 @@ PKGS=(
   prometheus-cpp-dev         # the /metrics endpoint (daemon/server/metrics.cc)
   tmux                       # weightsyncctl_test drives `watch` on a terminal
   llvm python3-coverage      # tools/coverage.sh: llvm-cov/llvm-profdata, coverage.py
+  dpkg-dev binutils lintian  # tools/build_deb.sh (dpkg-shlibdeps, strip), deb_test
 )
 missing=()
 for p in "${PKGS[@]}"; do

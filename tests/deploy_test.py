@@ -47,6 +47,8 @@ K8S = sorted(glob.glob(os.path.join(ROOT, "deploy/k8s/*.yaml")))
 CONTAINERFILE = os.path.join(ROOT, "deploy/container/Containerfile")
 STAGE = os.path.join(ROOT, "deploy/container/stage.sh")
 INSTALL_DIR = "/opt/weightsync/bin"
+# Where the Debian package (tools/build_deb.sh) installs the daemon.
+INSTALLED_DAEMON = "/usr/sbin/weightsyncd"
 
 
 def daemon_flags():
@@ -95,12 +97,12 @@ class SystemdUnitTest(unittest.TestCase):
         self.addCleanup(shutil.rmtree, self.tmp, True)
         with open(UNIT) as f:
             text = f.read()
-        self.assertIn(f"ExecStart={INSTALL_DIR}/weightsyncd ", text)
+        self.assertIn(f"ExecStart={INSTALLED_DAEMON} ", text)
         # verify checks that ExecStart's binary exists: the built one.
         self.unit = os.path.join(self.tmp, "weightsyncd.service")
         with open(self.unit, "w") as f:
-            f.write(text.replace(f"{INSTALL_DIR}/weightsyncd",
-                                 os.path.realpath(DAEMON)))
+            f.write(text.replace(f"ExecStart={INSTALLED_DAEMON} ",
+                                 f"ExecStart={os.path.realpath(DAEMON)} "))
 
     def run_analyze(self, *args):
         env = dict(os.environ, SYSTEMD_LOG_LEVEL="notice", SYSTEMD_PAGER="",
