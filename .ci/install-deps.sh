@@ -16,6 +16,7 @@ PKGS=(
   tmux                       # weightsyncctl_test drives `watch` on a terminal
   llvm python3-coverage      # tools/coverage.sh: llvm-cov/llvm-profdata, coverage.py
   python3-setuptools python3-wheel python3-venv python3-pip  # pip_install_test: offline install
+  dpkg-dev binutils lintian  # tools/build_deb.sh (dpkg-shlibdeps, strip), deb_test
 )
 missing=()
 for p in "${PKGS[@]}"; do

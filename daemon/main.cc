@@ -17,6 +17,7 @@
 #include "backends/cuda/cuda_support.h"
 #include "backends/cuda/worker_client.h"
 #include "common/local_files.h"
+#include "common/version.h"
 #include "daemon/backends.h"
 #include "daemon/config_file.h"
 #include "daemon/core/coordinator.h"
@@ -72,8 +73,10 @@ DEFINE_int64(notice_timeout_ms, 10000,
 DEFINE_int64(finish_timeout_ms, 60000,
              "default deadline for Finish to see every byte written");
 DEFINE_string(gpu_worker, "",
-              "path of weightsync_gpu_worker; default: beside this binary. "
-              "Without it (or without CUDA) the GPU backends are off");
+              "path of weightsync_gpu_worker; default: beside this binary, "
+              "else ../libexec/weightsync/ from its directory (the Debian "
+              "package). Without it (or without CUDA) the GPU backends are "
+              "off");
 DEFINE_int32(gpu, 0, "CUDA ordinal of the GPU the daemon's NCCL rank uses");
 DEFINE_bool(ipc_sm_copies, false,
             "IPC backend: copy same-dtype blocks with a kernel on the SMs "
@@ -200,8 +203,18 @@ int Main() {
     const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
     if (n > 0) {
       self[n] = '\0';
-      std::string dir(self);
-      worker = dir.substr(0, dir.rfind('/')) + "/weightsync_gpu_worker";
+      const std::string path(self);
+      const std::string dir = path.substr(0, path.rfind('/'));
+      // Beside the daemon (a build tree, the image), else where the Debian
+      // package puts it: /usr/sbin/weightsyncd ->
+      // /usr/libexec/weightsync/weightsync_gpu_worker.
+      worker = dir + "/weightsync_gpu_worker";
+      const std::string packaged = dir.substr(0, dir.rfind('/')) +
+                                   "/libexec/weightsync/weightsync_gpu_worker";
+      if (access(worker.c_str(), X_OK) != 0 &&
+          access(packaged.c_str(), X_OK) == 0) {
+        worker = packaged;
+      }
     }
   }
   if (BuiltWithCuda() && access(worker.c_str(), X_OK) == 0) {
@@ -272,7 +285,8 @@ int Main() {
     LOG(ERROR) << server.status();
     return 1;
   }
-  LOG(INFO) << "weightsyncd listening on unix:" << server_options.unix_socket
+  LOG(INFO) << "weightsyncd " << kVersion
+            << " listening on unix:" << server_options.unix_socket
             << (FLAGS_tcp.empty()
                     ? ""
                     : absl::StrCat(" and tcp port ", (*server)->tcp_port()))
@@ -317,6 +331,8 @@ int Main() {
 
 int main(int argc, char** argv) {
   gflags::SetUsageMessage("weightsyncd: moves trained weights into engines");
+  // --version prints "weightsyncd version 0.1.0" (/VERSION) and exits.
+  gflags::SetVersionString(weightsync::kVersion);
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   FLAGS_logtostderr = true;
   google::InitGoogleLogging(argv[0]);

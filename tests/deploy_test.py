@@ -13,7 +13,9 @@
   directory (as an emptyDir is), under a fake NOTIFY_SOCKET with
   WATCHDOG_USEC, sends READY=1 then WATCHDOG=1, answers weightsync_health
   (exit 0), sends STOPPING=1 on SIGTERM, and the health tool then fails;
-* deploy/container/stage.sh stages the image context from the binaries.
+* deploy/container/stage.sh stages the image context from the binaries:
+  the Debian package (tools/build_deb.sh) the recipe installs, and the CUDA
+  libraries of the GPU worker.
 
 Run by tests:deploy_test through run_python.sh, from the runfiles root.
 """
@@ -45,8 +47,12 @@ SYSUSERS = os.path.join(ROOT, "deploy/systemd/weightsync-sysusers.conf")
 ENV_FILE = os.path.join(ROOT, "deploy/systemd/weightsyncd.env")
 K8S = sorted(glob.glob(os.path.join(ROOT, "deploy/k8s/*.yaml")))
 CONTAINERFILE = os.path.join(ROOT, "deploy/container/Containerfile")
+CTL = os.path.join(ROOT, "tools/weightsyncctl")
 STAGE = os.path.join(ROOT, "deploy/container/stage.sh")
-INSTALL_DIR = "/opt/weightsync/bin"
+# Where the Debian package (tools/build_deb.sh) installs them, on hosts and
+# in the image alike.
+INSTALLED_DAEMON = "/usr/sbin/weightsyncd"
+INSTALLED_HEALTH = "/usr/bin/weightsync_health"
 
 
 def daemon_flags():
@@ -95,12 +101,12 @@ class SystemdUnitTest(unittest.TestCase):
         self.addCleanup(shutil.rmtree, self.tmp, True)
         with open(UNIT) as f:
             text = f.read()
-        self.assertIn(f"ExecStart={INSTALL_DIR}/weightsyncd ", text)
+        self.assertIn(f"ExecStart={INSTALLED_DAEMON} ", text)
         # verify checks that ExecStart's binary exists: the built one.
         self.unit = os.path.join(self.tmp, "weightsyncd.service")
         with open(self.unit, "w") as f:
-            f.write(text.replace(f"{INSTALL_DIR}/weightsyncd",
-                                 os.path.realpath(DAEMON)))
+            f.write(text.replace(f"ExecStart={INSTALLED_DAEMON} ",
+                                 f"ExecStart={os.path.realpath(DAEMON)} "))
 
     def run_analyze(self, *args):
         env = dict(os.environ, SYSTEMD_LOG_LEVEL="notice", SYSTEMD_PAGER="",
@@ -267,14 +273,13 @@ class KubernetesTest(unittest.TestCase):
             self.assertTrue(fixers or sock_dir != mount["mountPath"], where)
         else:
             self.fail(f"{where}: socket volume {volume}")
-        # Probes: weightsync_health from the image, on this socket.
+        # Probes: weightsync_health from the image's package, on this socket.
+        self.assertEqual(self.entrypoint[0], INSTALLED_DAEMON)
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             p = d.get(probe)
             self.assertIsNotNone(p, f"{where}: {probe}")
             cmd = p["exec"]["command"]
-            self.assertEqual(os.path.dirname(cmd[0]),
-                             os.path.dirname(self.entrypoint[0]), where)
-            self.assertEqual(os.path.basename(cmd[0]), "weightsync_health")
+            self.assertEqual(cmd[0], INSTALLED_HEALTH, where)
             self.assertIn(f"--socket={sock}", cmd, where)
             timeout_ms = int(flag_value(cmd, "timeout_ms") or 3000)
             self.assertLess(timeout_ms, p.get("timeoutSeconds", 1) * 1000,
@@ -477,35 +482,45 @@ class ContainerImageTest(unittest.TestCase):
     def test_stage_script(self):
         out = tempfile.mkdtemp(prefix="ws-stage-")
         self.addCleanup(shutil.rmtree, out, True)
-        bins = [DAEMON, HEALTH] + ([WORKER] if os.path.exists(WORKER) else [])
+        bins = [DAEMON, CTL, HEALTH] + ([WORKER] if os.path.exists(WORKER) else [])
         r = subprocess.run(["bash", STAGE, out, *bins], capture_output=True,
                            text=True, timeout=300)
         self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
-        bindir = os.path.join(out, "rootfs", INSTALL_DIR.lstrip("/"))
-        for b in bins:
-            path = os.path.join(bindir, os.path.basename(b))
-            self.assertTrue(os.access(path, os.X_OK), path)
-        with open(os.path.join(out, "packages.txt")) as f:
-            packages = f.read().split()
-        self.assertTrue(any(p.startswith("libgrpc++") for p in packages),
-                        packages)
-        self.assertTrue(any(p.startswith("libgoogle-glog") for p in packages))
+        # The Debian package (tests:deb_test checks it whole): the binaries
+        # where the unit, the entrypoint and the probes expect them, and
+        # the Debian packages of their libraries among its Depends.
+        (deb,) = glob.glob(os.path.join(out, "weightsync_*.deb"))
+        files = subprocess.run(["dpkg-deb", "-c", deb], capture_output=True,
+                               text=True, check=True).stdout
+        for path in [INSTALLED_DAEMON, INSTALLED_HEALTH, "/usr/bin/weightsyncctl"] + (
+                ["/usr/libexec/weightsync/weightsync_gpu_worker"]
+                if os.path.exists(WORKER) else []):
+            self.assertRegex(files, rf"(?m)^-rwxr-xr-x .* \.{re.escape(path)}$")
+        depends = subprocess.run(["dpkg-deb", "-f", deb, "Depends"],
+                                 capture_output=True, text=True,
+                                 check=True).stdout
+        self.assertIn("libgrpc++", depends)
+        self.assertIn("libgoogle-glog", depends)
         if os.path.exists(WORKER):
             libs = os.listdir(os.path.join(out, "rootfs/usr/local/cuda/lib64"))
             self.assertTrue(any(l.startswith("libcudart.so") for l in libs))
             self.assertTrue(any(l.startswith("libnccl.so") for l in libs))
-        # The recipe: Debian 12, not root, the staged daemon as entrypoint.
+        # The recipe: Debian 12, not root, installs the package, the
+        # package's daemon as entrypoint.
         with open(os.path.join(out, "Containerfile")) as f:
             recipe = f.read()
         self.assertRegex(recipe, r"(?m)^FROM debian:bookworm")
         self.assertRegex(recipe, r"(?m)^USER [1-9]")
-        self.assertIn('ENTRYPOINT ["/opt/weightsync/bin/weightsyncd"]', recipe)
+        self.assertIn(f'ENTRYPOINT ["{INSTALLED_DAEMON}"]', recipe)
+        self.assertIn("COPY weightsync_*.deb /tmp/", recipe)
+        self.assertRegex(recipe, r"apt-get install .*\n? *.*/tmp/weightsync_\*\.deb")
         self.assertIn("COPY rootfs/ /", recipe)
-        self.assertIn("packages.txt", recipe)
-        # The staged binary runs.
-        r = subprocess.run([os.path.join(bindir, "weightsyncd"), "--version"],
+        # The packaged daemon runs.
+        root = os.path.join(out, "x")
+        subprocess.run(["dpkg-deb", "-x", deb, root], check=True)
+        r = subprocess.run([root + INSTALLED_DAEMON, "--version"],
                            capture_output=True, text=True, timeout=60)
-        self.assertIn("weightsyncd", r.stdout + r.stderr)
+        self.assertIn("weightsyncd version", r.stdout + r.stderr)
 
 
 if __name__ == "__main__":

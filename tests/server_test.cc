@@ -67,6 +67,19 @@ TEST_F(ServerTest, ThreeUpdatesThroughPlainAndTensorParallelEngines) {
             status->update().total_chunks());
 }
 
+// GetStatus reports the release the daemon was built from: /VERSION (in the
+// runfiles), through //common:version_h.
+TEST_F(ServerTest, StatusReportsTheVersionFile) {
+  std::ifstream file("VERSION");
+  ASSERT_TRUE(file.good()) << "VERSION not in the runfiles";
+  std::string version;
+  file >> version;
+  ASSERT_FALSE(version.empty());
+  auto status = trainer_->GetStatus();
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_EQ(status->version(), version);
+}
+
 TEST_F(ServerTest, ReusedPlanFollowsAReRegisteredEngine) {
   // The same manifest twice reuses the copy plan; an engine registered
   // again under the same id with another layout must get a fresh one.

@@ -111,6 +111,13 @@ def weights(seed):
     return [(n, rng.standard_normal(s).astype(np.float32)) for n, s in PARAMS]
 
 
+def release():
+    """/VERSION (in the runfiles: cwd is their root), the daemon's and this
+    tool's version."""
+    with open(os.path.join(os.getcwd(), "VERSION")) as f:
+        return f.read().strip()
+
+
 def find_ctl():
     path = os.environ.get("WEIGHTSYNCCTL") or os.path.join(os.getcwd(), "tools", "weightsyncctl")
     if not (os.path.isfile(path) and os.access(path, os.X_OK)):
@@ -261,6 +268,7 @@ class WeightsyncctlTest(unittest.TestCase):
             self.assertEqual(e["layout"], [])  # without include_layouts
         self.assertEqual(st["backend"], "BACKEND_HOST")
         self.assertIn("build_info", st)
+        self.assertEqual(st["version"], release())
         u = st["update"]
         self.assertEqual(u["update_id"], "u1")
         self.assertEqual(int(u["target_version"]), 1)
@@ -273,6 +281,7 @@ class WeightsyncctlTest(unittest.TestCase):
     def test_02_status_text(self):
         out = self.ok("status")
         self.assertRegex(out, r"(?m)^backend: host\b")
+        self.assertRegex(out, rf"(?m)^backend: host   version: {re.escape(release())}\b")
         self.assertRegex(out, r"(?m)^ENGINE\s+STATE\s+VERSION\s+CONNECTED\s+PARAMETERS\s+BYTES"
                               r"\s+DEVICES$")
         rows = self.engine_rows(out)
@@ -283,6 +292,18 @@ class WeightsyncctlTest(unittest.TestCase):
         total = self.total_bytes / 1e6
         self.assertIn(f"received {total:.2f}/{total:.2f} MB (100.0%)", out)
         self.assertIn("engines e0, e1", out)
+
+    def test_02_version_flag(self):
+        # The tool's own version, without a daemon; the daemon's the same.
+        p = subprocess.run([self.ctl_bin, "--version"], capture_output=True,
+                           text=True, timeout=30)
+        self.assertEqual((p.returncode, p.stdout, p.stderr),
+                         (0, f"weightsyncctl version {release()}\n", ""))
+        p = subprocess.run([os.environ["WEIGHTSYNCD"], "--version"],
+                           capture_output=True, text=True, timeout=30)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertEqual(p.stdout.splitlines()[0],
+                         f"weightsyncd version {release()}")
 
     def test_03_pause_resume(self):
         out = self.ok("pause")

@@ -13,6 +13,7 @@
 #include "absl/time/time.h"
 #include "client/channel.h"
 #include "common/local_files.h"
+#include "common/version.h"
 #include "gflags/gflags.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/client_context.h"
@@ -80,6 +81,7 @@ int Main() {
 int main(int argc, char** argv) {
   gflags::SetUsageMessage(
       "weightsync_health --socket=PATH: exit 0 iff weightsyncd is SERVING");
+  gflags::SetVersionString(weightsync::kVersion);
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   return weightsync::Main();
 }

@@ -36,6 +36,7 @@
 #include "absl/time/time.h"
 #include "client/channel.h"
 #include "common/local_files.h"
+#include "common/version.h"
 #include "gflags/gflags.h"
 #include "google/protobuf/util/json_util.h"
 #include "grpcpp/client_context.h"
@@ -89,6 +90,7 @@ flags:
   --target=unix:PATH|HOST:PORT  with --tls_ca=PEM --token_file=FILE for TCP
   --json                      JSON for scripts
   --timeout_ms=15000          deadline for connecting and for each call
+  --version                   print this tool's version and exit
 
 exit status: 0 ok, 1 a call failed or the watched update failed, 2 usage
 )";
@@ -320,6 +322,9 @@ int Ctl::Status() {
   if (!s.ok()) return Fail(s);
   if (FLAGS_json) return PrintJson(status);
   std::printf("backend: %s", BackendName(status.backend()).c_str());
+  if (!status.version().empty()) {
+    std::printf("   version: %s", status.version().c_str());
+  }
   if (!status.build_info().empty()) {
     std::printf("   build: %s", status.build_info().c_str());
   }
@@ -616,7 +621,8 @@ int Ctl::Check(const std::string& id) {
 // gflags exits 1 on an unknown flag or a bad value; usage errors here exit
 // 2, so the flags are checked first. Returns false (with *why) on the first
 // bad one; *help on --help or -h.
-bool CheckFlags(int argc, char** argv, bool* help, std::string* why) {
+bool CheckFlags(int argc, char** argv, bool* help, bool* version,
+                std::string* why) {
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--") break;
@@ -624,6 +630,10 @@ bool CheckFlags(int argc, char** argv, bool* help, std::string* why) {
     std::string name = arg.substr(arg[1] == '-' ? 2 : 1);
     if (name == "help" || name == "h") {
       *help = true;
+      return true;
+    }
+    if (name == "version") {
+      *version = true;
       return true;
     }
     std::string value;
@@ -795,12 +805,17 @@ int Main(const std::vector<std::string>& args) {
 int main(int argc, char** argv) {
   gflags::SetUsageMessage(weightsync::kUsage);
   bool help = false;
+  bool version = false;
   std::string why;
-  if (!weightsync::CheckFlags(argc, argv, &help, &why)) {
+  if (!weightsync::CheckFlags(argc, argv, &help, &version, &why)) {
     return weightsync::Usage(why);
   }
   if (help) {
     std::printf("%s", weightsync::kUsage);
+    return 0;
+  }
+  if (version) {  // this tool's; `status` shows the daemon's
+    std::printf("weightsyncctl version %s\n", weightsync::kVersion);
     return 0;
   }
   // Everything after "--" is an argument (an engine id starting with '-').

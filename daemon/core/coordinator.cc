@@ -8,6 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "common/version.h"
 #include "daemon/core/event_log.h"
 #include "daemon/core/receipt.h"
 #include "glog/logging.h"
@@ -466,6 +467,7 @@ v1::GetStatusResponse Coordinator::GetStatus(bool include_layouts) {
   }
   response.set_backend(backend_);
   response.set_build_info(options_.build_info);
+  response.set_version(kVersion);
   return response;
 }
 

@@ -128,7 +128,8 @@ class StatusCollector : public prometheus::Collectable {
                        "The daemon's build (CUDA version, GPUs seen)",
                        MetricType::Gauge);
     info.metric.push_back(
-        Sample(1, {{"build", st.build_info()}}, MetricType::Gauge));
+        Sample(1, {{"build", st.build_info()}, {"version", st.version()}},
+               MetricType::Gauge));
     return {version,     state,    paused, connected, engines,
             in_progress, received, total,  staging,   info};
   }
