@@ -22,9 +22,11 @@ module's GPU paths import torch or vLLM, and only when called.
 """
 
 import os
-import threading
 
-from weightsync.layouts import _block, _cfg, _dims, moe_layers
+from weightsync.integrations._common import (VOCAB_PADDING, MODEL_TYPES, _StepGate,  # noqa: F401
+                                             check_layout as _check_layout, open_trainer,
+                                             send_in_pause, tp_layout, unwrap, vocab_shard)
+from weightsync.layouts import _cfg, _dims, moe_layers
 
 __all__ = ["VLLM_SOURCE", "vllm_engine_layout", "vocab_shard", "local_experts",
            "check_layout", "WeightsyncWorkerExtension", "WeightsyncTrainer"]
@@ -36,28 +38,6 @@ VLLM_SOURCE = (
     "distributed/weight_transfer/base.py @02f250b, fused_moe/layer.py @c439a13, "
     "models/qwen3_moe.py @002456d, vocab_parallel_embedding.py (pad_vocab_size, "
     "vocab_range_from_global_vocab_size; same rule in every version read)")
-
-VOCAB_PADDING = 64          # vLLM's DEFAULT_VOCAB_PADDING_SIZE
-MODEL_TYPES = ("llama", "qwen3", "qwen3_moe")
-
-
-def vocab_shard(vocab, tp_rank, tp_size, pad=VOCAB_PADDING):
-    """(rows, begin, count) of a rank's embed_tokens / lm_head in vLLM
-    (VocabParallelEmbedding without LoRA-added tokens): the whole vocabulary
-    padded to a multiple of `pad`, split evenly over the TP ranks. The rank
-    holds `rows` rows; checkpoint rows [begin, begin + count) fill the first
-    `count`, the rest is padding that is never written."""
-    padded = -(-vocab // pad) * pad
-    if padded % tp_size:
-        raise ValueError(f"padded vocab {padded} does not divide by tp_size {tp_size}")
-    rows = padded // tp_size
-    begin = tp_rank * rows
-    count = min(rows, vocab - begin)
-    if count <= 0:
-        raise ValueError(f"rank {tp_rank} of {tp_size} holds only vocab padding "
-                         f"({vocab} rows, shards of {rows}): use fewer ranks")
-    return rows, begin, count
-
 
 def local_experts(num_experts, ep_rank, ep_size, placement="linear"):
     """Global ids of the experts rank `ep_rank` holds, in local order
@@ -102,166 +82,18 @@ def vllm_engine_layout(config, tp_rank=0, tp_size=1, ep_rank=0, ep_size=1, dtype
         experts.w13_weight [E_local, 2 I'/tp', hidden]  per local expert: gate, up
         experts.w2_weight  [E_local, hidden, I'/tp']    per local expert: down columns
     """
-    d = _dims(config)
-    model_type = _cfg(config, "model_type")
-    if model_type not in MODEL_TYPES:
-        raise ValueError(f"model_type {model_type!r}: layouts cover {', '.join(MODEL_TYPES)}")
-    if _cfg(config, "attention_bias", False) or _cfg(config, "mlp_bias", False):
-        raise ValueError("attention/MLP biases are not covered by this layout")
-    if not 0 <= tp_rank < tp_size:
-        raise ValueError(f"tp_rank {tp_rank} outside [0, {tp_size})")
-    H, hd, L = d["hidden"], d["head_dim"], d["layers"]
-    heads, kv_heads = d["heads"], d["kv_heads"]
-    if heads % tp_size:
-        raise ValueError(f"attention heads ({heads}) do not divide by tp_size {tp_size}")
-    qs = heads // tp_size * hd
-    if kv_heads >= tp_size:   # QKVParallelLinear: KV heads split, or replicated
-        if kv_heads % tp_size:
-            raise ValueError(f"kv heads ({kv_heads}) do not divide by tp_size {tp_size}")
-        kvs, kv_rank = kv_heads // tp_size * hd, tp_rank
-    else:
-        if tp_size % kv_heads:
-            raise ValueError(f"tp_size {tp_size} is not a multiple of kv heads ({kv_heads})")
-        kvs, kv_rank = hd, tp_rank // (tp_size // kv_heads)
-    q, kv = heads * hd, kv_heads * hd
-    moe = moe_layers(config)
-    if moe:
-        E, MI = d["experts"], d["moe_inter"]
-        if ep_size > 1:
-            experts, mtp_rank, mtp = local_experts(E, ep_rank, ep_size, expert_placement), 0, 1
-        else:
-            experts, mtp_rank, mtp = list(range(E)), tp_rank, tp_size
-        if MI % mtp:
-            raise ValueError(f"moe_intermediate_size ({MI}) does not divide by {mtp}")
-        mis = MI // mtp
+    experts, mtp_rank, mtp = None, None, None
+    if ep_size > 1 and moe_layers(config):
+        experts, mtp_rank, mtp = local_experts(_dims(config)["experts"], ep_rank, ep_size,
+                                               expert_placement), 0, 1
         if not experts:
-            raise ValueError(f"ep rank {ep_rank} of {ep_size} holds no experts ({E})")
-    params, segments = [], {}
-
-    def add(name, shape, segs=None):
-        params.append((name, dtype, tuple(shape)))
-        if segs:
-            segments[name] = segs
-
-    def vocab(name):
-        rows, begin, count = vocab_shard(d["vocab"], tp_rank, tp_size)
-        add(name, (rows, H), [_block(name, (d["vocab"], H), (begin, count), (0, H))])
-
-    def mlp(p, inter):   # MergedColumnParallelLinear + RowParallelLinear
-        if inter % tp_size:
-            raise ValueError(f"intermediate size ({inter}) does not divide by tp_size {tp_size}")
-        s = inter // tp_size
-        add(p + "mlp.gate_up_proj.weight", (2 * s, H), [
-            _block(p + "mlp.gate_proj.weight", (inter, H), (tp_rank * s, s), (0, H)),
-            _block(p + "mlp.up_proj.weight", (inter, H), (tp_rank * s, s), (0, H), s * H)])
-        add(p + "mlp.down_proj.weight", (H, s),
-            [_block(p + "mlp.down_proj.weight", (H, inter), (0, H), (tp_rank * s, s), 0, s)])
-
-    vocab("model.embed_tokens.weight")
-    for l in range(L):
-        p = f"model.layers.{l}."
-        a = p + "self_attn."
-        add(a + "qkv_proj.weight", (qs + 2 * kvs, H), [
-            _block(a + "q_proj.weight", (q, H), (tp_rank * qs, qs), (0, H)),
-            _block(a + "k_proj.weight", (kv, H), (kv_rank * kvs, kvs), (0, H), qs * H),
-            _block(a + "v_proj.weight", (kv, H), (kv_rank * kvs, kvs), (0, H), (qs + kvs) * H)])
-        add(a + "o_proj.weight", (H, qs),
-            [_block(a + "o_proj.weight", (H, q), (0, H), (tp_rank * qs, qs), 0, qs)])
-        if d["qk_norm"]:
-            add(a + "q_norm.weight", (hd,))
-            add(a + "k_norm.weight", (hd,))
-        if l in moe:
-            x = p + "mlp.experts."
-            w13, w2 = [], []
-            for j, e in enumerate(experts):
-                src = f"{x}{e}."
-                w13 += [_block(src + "gate_proj.weight", (MI, H), (mtp_rank * mis, mis), (0, H),
-                               j * 2 * mis * H),
-                        _block(src + "up_proj.weight", (MI, H), (mtp_rank * mis, mis), (0, H),
-                               (j * 2 + 1) * mis * H)]
-                w2.append(_block(src + "down_proj.weight", (H, MI), (0, H),
-                                 (mtp_rank * mis, mis), j * H * mis, mis))
-            # Qwen3MoeSparseMoeBlock registers the router (ReplicatedLinear)
-            # after the experts.
-            add(x + "w13_weight", (len(experts), 2 * mis, H), w13)
-            add(x + "w2_weight", (len(experts), H, mis), w2)
-            add(p + "mlp.gate.weight", (E, H))
-        else:
-            mlp(p, d["inter"])
-        add(p + "input_layernorm.weight", (H,))
-        add(p + "post_attention_layernorm.weight", (H,))
-    add("model.norm.weight", (H,))
-    if not d["tied"]:     # tied: lm_head *is* embed_tokens in vLLM, no parameter of its own
-        vocab("lm_head.weight")
-    return params, segments
+            raise ValueError(f"ep rank {ep_rank} of {ep_size} holds no experts")
+    return tp_layout(config, tp_rank, tp_size, experts, mtp_rank, mtp, dtype, VOCAB_PADDING)
 
 
 def check_layout(params, named_tensors, partial=False):
-    """Compares a layout with the tensors a worker holds ({name: tensor} or
-    pairs; anything with .shape). Raises ValueError listing every layout
-    entry the worker lacks or holds in another shape, and every worker
-    parameter the layout leaves out (it would never be updated). With
-    `partial` (pipeline parallelism), entries the worker lacks are dropped
-    instead. Returns the params the worker holds, in layout order."""
-    held = dict(named_tensors)
-    names = {n for n, _, _ in params}
-    problems, kept = [], []
-    for name, dt, shape in params:
-        if name not in held:
-            if not partial:
-                problems.append(f"{name}: in the layout, not in the worker")
-        elif tuple(held[name].shape) != tuple(shape):
-            problems.append(f"{name}: worker {tuple(held[name].shape)}, layout {tuple(shape)}")
-        else:
-            kept.append((name, dt, shape))
-    problems += [f"{n}: in the worker, not in the layout (never updated)"
-                 for n in held if n not in names]
-    if problems:
-        raise ValueError("vLLM layout does not match the worker's parameters:\n  "
-                         + "\n  ".join(problems))
-    return kept
-
-
-class _StepGate:
-    """Closes between forward passes: on_pause returns once no step runs
-    (then `drain` synchronizes the device, so no queued kernel still reads
-    the weights); steps wait while closed. As docs/integration.md 1.4."""
-
-    def __init__(self, drain=None, timeout=8.0):
-        self.drain, self.timeout = drain, timeout
-        self.cv = threading.Condition()
-        self.paused = False
-        self.running = 0
-
-    def on_pause(self, mode):
-        with self.cv:
-            self.paused = True
-            if not self.cv.wait_for(lambda: self.running == 0, timeout=self.timeout):
-                self.paused = False
-                self.cv.notify_all()
-                raise RuntimeError(f"a forward pass did not finish in {self.timeout} s "
-                                   "(TP > 1: pause vLLM's scheduler first)")
-        if self.drain is not None:
-            self.drain()
-
-    def on_resume(self):
-        with self.cv:
-            self.paused = False
-            self.cv.notify_all()
-
-    def wrap(self, fn):
-        def gated(*args, **kwargs):
-            with self.cv:
-                self.cv.wait_for(lambda: not self.paused)
-                self.running += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                with self.cv:
-                    self.running -= 1
-                    self.cv.notify_all()
-        gated.__wrapped__ = fn
-        return gated
+    """_common.check_layout for a vLLM worker (see there)."""
+    return _check_layout(params, named_tensors, partial, engine="vLLM")
 
 
 class WeightsyncWorkerExtension:
@@ -315,7 +147,8 @@ class WeightsyncWorkerExtension:
         try:
             self._weightsync_register(engine, [(n, held[n]) for n, _, _ in params],
                                       params, segments, version)
-            gate = _StepGate(drain=self._weightsync_drain)
+            gate = _StepGate(drain=self._weightsync_drain,
+                             hint="TP > 1: pause vLLM's scheduler first")
             runner = self.model_runner
             runner.execute_model = gate.wrap(runner.execute_model)
             self._weightsync_gate = gate
@@ -406,9 +239,8 @@ class WeightsyncWorkerExtension:
 
     def _weightsync_unwrap(self):
         runner = getattr(self, "model_runner", None)
-        fn = getattr(runner, "execute_model", None)
-        if fn is not None and hasattr(fn, "__wrapped__"):
-            runner.execute_model = fn.__wrapped__
+        if runner is not None:
+            unwrap(runner, "execute_model")
 
 
 class WeightsyncTrainer:
@@ -426,13 +258,9 @@ class WeightsyncTrainer:
         socket), "backend": "host" | "nccl" | "ipc" (default "ipc"),
         "timeout": seconds}. Returns the weightsync.Trainer to pass as
         trainer_args["trainer"]."""
-        import weightsync
         info = dict(init_info or {})
-        trainer = weightsync.Trainer(info.get("target"), timeout=info.get("timeout", 30.0))
-        backend = info.get("backend", "ipc")
-        {"host": trainer.init_host, "nccl": trainer.init_nccl,
-         "ipc": trainer.init_ipc}[backend]()
-        return trainer
+        return open_trainer(info.get("target"), info.get("backend", "ipc"),
+                            info.get("timeout", 30.0))
 
     @staticmethod
     def trainer_send_weights(iterator, trainer_args):
@@ -447,11 +275,4 @@ class WeightsyncTrainer:
         args = dict(trainer_args) if isinstance(trainer_args, dict) else dict(vars(trainer_args))
         trainer, version = args.pop("trainer"), args.pop("version")
         pause, resume = args.pop("pause", None), args.pop("resume", None)
-        named = list(iterator)
-        if pause is not None:
-            pause()
-        try:
-            return trainer.update(named, version=version, **args)
-        finally:
-            if resume is not None:
-                resume()
+        return send_in_pause(trainer, iterator, version, pause, resume, **args)
