@@ -3,6 +3,13 @@
 weightsync.integrations.vllm: a vLLM worker extension
 (`--worker-extension-cls weightsync.integrations.vllm.WeightsyncWorkerExtension`),
 vLLM's parameter layouts as weightsync segments, and a trainer-side shim in
-the shape of vLLM's weight-transfer API. Importing these modules needs
-neither torch nor vLLM; their GPU paths import them when called.
+the shape of vLLM's weight-transfer API.
+
+weightsync.integrations.sglang: an SGLang custom weight loader
+(`--custom-weight-loader weightsync.integrations.sglang.load_weights`) that
+registers every TP rank in place, SGLang's layouts, and a trainer shim
+shaped like SGLang's update_weights_from_tensor / _from_distributed.
+
+weightsync.integrations._common: what both share. Importing these modules
+needs neither torch nor vLLM/SGLang; their GPU paths import them when called.
 """
