@@ -24,17 +24,8 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 
 bins=("$@")
-if [ ${#bins[@]} -eq 0 ]; then
-  targets=(//daemon:weightsyncd //tools:weightsyncctl //tools:weightsync_health)
-  (cd "$repo" && bazel query //backends/cuda:weightsync_gpu_worker >/dev/null 2>&1) &&
-    targets+=(//backends/cuda:weightsync_gpu_worker)
-  (cd "$repo" && bazel build "${targets[@]}")
-  bazel_bin=$(cd "$repo" && bazel info bazel-bin)
-  bins=("$bazel_bin/daemon/weightsyncd" "$bazel_bin/tools/weightsyncctl"
-        "$bazel_bin/tools/weightsync_health")
-  [ -x "$bazel_bin/backends/cuda/weightsync_gpu_worker" ] &&
-    bins+=("$bazel_bin/backends/cuda/weightsync_gpu_worker")
-fi
+[ ${#bins[@]} -gt 0 ] || mapfile -t bins < <(bash "$repo/tools/release_binaries.sh")
+[ ${#bins[@]} -gt 0 ] || { echo "$0: no binaries (the bazel build failed?)" >&2; exit 1; }
 
 if [ -r /etc/os-release ]; then
   codename=$(. /etc/os-release && echo "${VERSION_CODENAME:-}")

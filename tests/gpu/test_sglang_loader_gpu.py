@@ -29,11 +29,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 # The same set-up as the vLLM proof: its model helpers, GPU, TP and the
 # independent numpy reference of the loaders.
-from test_vllm_extension_gpu import C, GPU, TP, reference_module  # noqa: E402
+from test_vllm_extension_gpu import (  # noqa: E402
+    C, GPU, TP, check_exact, check_padding, reference_module)
 
 
 def main():
-    import numpy as np
     import torch
     from weightsync.integrations import sglang as sg
 
@@ -115,23 +115,11 @@ def main():
                                             "continue_generation"],
                   f"v{version}: paused, version checked on every rank through the loader, "
                   f"continued ({calls})")
-            ck = {n: p.detach().float().cpu().numpy() for n, p in model.named_parameters()}
+            check_exact(check, ref, model, cfgd, ranks, version, "SGLang")
             for m in ranks:
-                want = ref.vllm_reference(ck, cfgd, m.rank, TP)
-                bad = [n for n, t in m.params.items()
-                       if not np.array_equal(t.float().cpu().numpy(),
-                                             want[n].astype(np.float32))]
-                missing = sorted(set(want) ^ set(m.params))
-                check(not bad and not missing,
-                      f"v{version} tp{m.rank}: every SGLang parameter bit-exact against the "
-                      f"loaders' placement ({len(bad)} differ, e.g. {bad[:3]}; "
-                      f"{len(missing)} unmatched)")
                 check(sg.weightsync_status(m)["version"] == version,
                       f"v{version} tp{m.rank}: rank holds version {version}")
-        pad = ranks[-1].params["lm_head.weight"]
-        real = cfg.vocab_size - (TP - 1) * pad.shape[0]
-        check(real < pad.shape[0] and not pad[real:].any().item(),
-              f"tp{TP - 1}: vocab padding rows {real}..{pad.shape[0] - 1} stay zero")
+        check_padding(check, cfg, ranks[-1])
         check(all(m.ordinary == 0 for m in ranks),
               "no tensor reached model.load_weights (the daemon wrote them)")
         updater.destroy_weights_update_group()

@@ -45,10 +45,31 @@ def reference_module():
     return mod
 
 
-def main():
+def check_exact(check, ref, model, cfgd, ranks, version, what):
+    """Each rank's params (.rank, .params {name: CUDA tensor}) equal, bit for
+    bit, the numpy reference of the loaders for `model`'s tensors."""
     import numpy as np
+    ck = {n: p.detach().float().cpu().numpy() for n, p in model.named_parameters()}
+    for r in ranks:
+        want = ref.vllm_reference(ck, cfgd, r.rank, TP)
+        bad = [n for n, t in r.params.items()
+               if not np.array_equal(t.float().cpu().numpy(), want[n].astype(np.float32))]
+        missing = sorted(set(want) ^ set(r.params))
+        check(not bad and not missing,
+              f"v{version} tp{r.rank}: every {what} parameter bit-exact against the loaders' "
+              f"placement ({len(bad)} differ, e.g. {bad[:3]}; {len(missing)} unmatched)")
+
+
+def check_padding(check, cfg, last):
+    """The last rank's lm_head rows past the vocabulary stay zero."""
+    pad = last.params["lm_head.weight"]
+    real = cfg.vocab_size - (TP - 1) * pad.shape[0]
+    check(real < pad.shape[0] and not pad[real:].any().item(),
+          f"tp{TP - 1}: vocab padding rows {real}..{pad.shape[0] - 1} stay zero")
+
+
+def main():
     import torch
-    import weightsync
     from weightsync.integrations import vllm as wv
 
     daemon_bin, worker_bin = C.binaries(sys.argv)
@@ -106,22 +127,11 @@ def main():
                 model.named_parameters(), {"trainer": trainer, "version": version})
             check(all(e.HasField("receipt") for e in result.engines),
                   f"v{version}: committed with receipts checked (the default)")
-            ck = {n: p.detach().float().cpu().numpy() for n, p in model.named_parameters()}
+            check_exact(check, ref, model, cfgd, workers, version, "vLLM")
             for w in workers:
-                want = ref.vllm_reference(ck, cfgd, w.rank, TP)
-                bad = [n for n, t in w.params.items()
-                       if not np.array_equal(t.float().cpu().numpy(),
-                                             want[n].astype(np.float32))]
-                missing = sorted(set(want) ^ set(w.params))
-                check(not bad and not missing,
-                      f"v{version} tp{w.rank}: every vLLM parameter bit-exact against vLLM's "
-                      f"placement ({len(bad)} differ, e.g. {bad[:3]}; {len(missing)} unmatched)")
                 check(w.weightsync_version() == version,
                       f"v{version} tp{w.rank}: worker reports version {w.weightsync_version()}")
-        pad = workers[-1].params["lm_head.weight"]
-        real = cfg.vocab_size - (TP - 1) * pad.shape[0]
-        check(real < pad.shape[0] and not pad[real:].any().item(),
-              f"tp{TP - 1}: vocab padding rows {real}..{pad.shape[0] - 1} stay zero")
+        check_padding(check, cfg, workers[-1])
         events = [e[0] for e in workers[0]._weightsync_events]
         check(events[-3:] == ["pause", "version", "resume"],
               f"the control stream relayed pause -> version -> resume ({events[-3:]})")

@@ -261,29 +261,8 @@ class DaemonTest(vt.DaemonTest):
 
         # Pause relay: forward passes stop while paused, go on after resume.
         run = runners[0]
-        stop = threading.Event()
-
-        def serve():
-            while not stop.is_set():
-                run.forward("batch")
-                time.sleep(0.001)
-        t = threading.Thread(target=serve)
-        t.start()
-        try:
-            time.sleep(0.05)
-            self.trainer.pause(mode="keep")
-            n = run.steps
-            time.sleep(0.2)
-            self.assertEqual(run.steps, n)
-            self.assertTrue(ws.weightsync_status(run.model)["paused"])
-            self.trainer.resume()
-            deadline = time.time() + 5
-            while run.steps == n and time.time() < deadline:
-                time.sleep(0.01)
-            self.assertGreater(run.steps, n)
-        finally:
-            stop.set()
-            t.join()
+        vt.check_pause_relay(self, lambda: run.forward("batch"), lambda: run.steps,
+                             lambda: ws.weightsync_status(run.model)["paused"])
 
         # A forward that does not finish: the pause is refused, not hung.
         gate = ws._REGISTRATIONS[id(runners[1].model)].gate

@@ -280,6 +280,35 @@ class FakeWorker(wv.WeightsyncWorkerExtension):
         self.drains += 1
 
 
+def check_pause_relay(test, step, steps, paused):
+    """An engine serving (step() called in a loop on a thread) while
+    test.trainer pauses and resumes: the pause parks it at the gate (steps()
+    stops growing, paused() is true), resume lets it go on."""
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            step()
+            time.sleep(0.001)
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        time.sleep(0.05)
+        test.trainer.pause(mode="keep")
+        n = steps()
+        time.sleep(0.2)
+        test.assertEqual(steps(), n)      # parked at the gate
+        test.assertTrue(paused())
+        test.trainer.resume()
+        deadline = time.time() + 5
+        while steps() == n and time.time() < deadline:
+            time.sleep(0.01)
+        test.assertGreater(steps(), n)
+    finally:
+        stop.set()
+        t.join()
+
+
 class DaemonTest(unittest.TestCase):
     def setUp(self):
         self.dir = tempfile.mkdtemp(prefix="wsvllm.", dir="/tmp")
@@ -383,29 +412,8 @@ class DaemonTest(unittest.TestCase):
 
         # Pause relay: steps stop while paused, go on after resume.
         runner = workers[0].model_runner
-        stop = threading.Event()
-
-        def serve():
-            while not stop.is_set():
-                runner.execute_model("step")
-                time.sleep(0.001)
-        t = threading.Thread(target=serve)
-        t.start()
-        try:
-            time.sleep(0.05)
-            self.trainer.pause(mode="keep")
-            n = runner.steps
-            time.sleep(0.2)
-            self.assertEqual(runner.steps, n)      # parked at the gate
-            self.assertTrue(workers[0].weightsync_status()["paused"])
-            self.trainer.resume()
-            deadline = time.time() + 5
-            while runner.steps == n and time.time() < deadline:
-                time.sleep(0.01)
-            self.assertGreater(runner.steps, n)
-        finally:
-            stop.set()
-            t.join()
+        check_pause_relay(self, lambda: runner.execute_model("step"), lambda: runner.steps,
+                          lambda: workers[0].weightsync_status()["paused"])
 
         # A step that does not finish: the pause is refused, not hung
         # (what a TP peer stuck in its all-reduce would see).
