@@ -77,8 +77,11 @@ void OwnerThread::Loop() {
 
 // ------------------------------------------------------------ worker
 
-GpuWorker::GpuWorker(int device, bool sm_copies)
-    : scatter_device_(device), sm_copies_(sm_copies), device_(device) {
+GpuWorker::GpuWorker(int device, bool sm_copies, bool fused_receipts)
+    : scatter_device_(device),
+      sm_copies_(sm_copies),
+      fused_receipts_(fused_receipts),
+      device_(device) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
   for (int i = 0; i < n; ++i) {
@@ -152,6 +155,7 @@ grpc::Status GpuWorker::OpenAllocation(
           << " bytes registered)";
   absl::MutexLock lock(&mu_);
   allocations_[request->allocation_id()] = a;
+  ++allocations_generation_;
   response->set_device(device);
   return grpc::Status::OK;
 }
@@ -166,6 +170,7 @@ grpc::Status GpuWorker::CloseAllocation(
     if (it == allocations_.end()) return grpc::Status::OK;
     a = it->second;
     allocations_.erase(it);
+    ++allocations_generation_;
   }
   return ToGrpcStatus(owner_.Run(
       [&]() -> absl::Status {

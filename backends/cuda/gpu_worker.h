@@ -76,7 +76,9 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   // are mapped into it (peer access where they live on another GPU).
   // `sm_copies`: IPC updates copy same-dtype blocks with a kernel rather
   // than the copy engines (faster on one GPU; takes SMs from the engine).
-  GpuWorker(int device, bool sm_copies);
+  // `fused_receipts`: an IPC update with receipts copies and sums in one
+  // pass where its ops allow (PlanFusedCopies).
+  GpuWorker(int device, bool sm_copies, bool fused_receipts = true);
   ~GpuWorker() override;
 
   grpc::Status Ping(grpc::ServerContext*, const worker::v1::PingRequest*,
@@ -196,7 +198,28 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   // are summed; EnqueueReceiptsAfter(k) launches chunk k's batch;
   // CopyReceiptsOut copies the sums to the host before the update's last
   // event.
-  absl::Status PrepareReceipts(const worker::v1::BeginUpdateRequest& request);
+  // `held`: the ops and regions (a reuse_ops request's held ones);
+  // `request`: the update's own request. Where `may_fuse` and every op
+  // allows it, the batches hold copy regions instead (receipts_fused_).
+  absl::Status PrepareReceipts(const worker::v1::BeginUpdateRequest& held,
+                               const worker::v1::BeginUpdateRequest& request,
+                               bool may_fuse);
+  // The copy regions of an IPC update whose receipts are fused with its
+  // copies: every op of `held` (same dtypes) cut at the boundaries of the
+  // resolved receipt `regions` it writes into, each piece keyed on its
+  // destination (salt and element index of the region it lands in) and
+  // summed into its region's group. False (nothing fused: the copies and
+  // then the receipt pass run as usual) where an op converts dtypes, reads
+  // no source the worker knows, or writes outside the regions, or where the
+  // ops do not cover the regions' elements exactly.
+  bool PlanFusedCopies(const worker::v1::BeginUpdateRequest& held,
+                       int64_t chunk_bytes,
+                       const std::vector<cuda::ReceiptRegion>& regions,
+                       const std::vector<int32_t>& group_of,
+                       std::vector<cuda::ReceiptRegion>* copies,
+                       std::vector<int32_t>* copy_group,
+                       std::vector<int64_t>* copy_chunk)
+      ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status EnqueueReceiptsAfter(int64_t k);
   absl::Status CopyReceiptsOut();
   absl::Status WaitComm(absl::Time deadline);
@@ -229,10 +252,14 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   OwnerThread owner_;
   const int scatter_device_;
   const bool sm_copies_;
+  const bool fused_receipts_;
   std::vector<std::string> uuids_;  // by device ordinal
 
   absl::Mutex mu_;
   absl::flat_hash_map<int64_t, Allocation> allocations_ ABSL_GUARDED_BY(mu_);
+  // Bumped whenever an allocation opens or closes: tables holding resolved
+  // addresses (the receipts') are valid for one generation.
+  uint64_t allocations_generation_ ABSL_GUARDED_BY(mu_) = 0;
 
   // Owned by the owner thread.
   ncclComm_t comm_ = nullptr;
@@ -328,6 +355,15 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   cuda::BatchCopy* batch_dev_ = nullptr;
   int64_t batch_host_bytes_ = 0, batch_dev_bytes_ = 0, batch_used_ = 0;
   int receipt_groups_ = 0;
+  // This update's receipt batches are copy regions (PlanFusedCopies): its
+  // ops are not enqueued on their own, EnqueueReceiptsAfter copies.
+  bool receipts_fused_ = false;
+  // What the receipt tables on the device were built from: a reuse_ops
+  // update of the same held ops, allocation generation and fusing reuses
+  // them (100k regions cost milliseconds to resolve and upload).
+  uint64_t receipts_ops_id_ = 0;
+  uint64_t receipts_generation_ = 0;
+  bool receipts_may_fuse_ = false;
   // The worker ended the last update itself with its GPU work complete (a
   // refused patch): AbortUpdate then leaves the communicator alone.
   std::atomic<bool> ended_clean_{false};

@@ -1,6 +1,7 @@
 // GpuWorker's receipts: summed as an update goes (PrepareReceipts,
 // EnqueueReceiptsAfter, CopyReceiptsOut) or on request (ComputeReceipts),
 // over regions validated against the open allocations.
+#include <algorithm>
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
@@ -13,25 +14,58 @@
 namespace weightsync {
 
 absl::Status GpuWorker::PrepareReceipts(
-    const worker::v1::BeginUpdateRequest& request) {
+    const worker::v1::BeginUpdateRequest& held,
+    const worker::v1::BeginUpdateRequest& request, bool may_fuse) {
+  const worker::v1::ComputeReceiptsRequest& rr = held.receipts();
+  uint64_t generation;
+  {
+    absl::MutexLock lock(&mu_);
+    generation = allocations_generation_;
+  }
+  may_fuse = may_fuse && fused_receipts_;
+  const int64_t chunks = request.chunk_sizes_size();
+  if (rr.groups() > 0 && request.reuse_ops() &&
+      receipts_ops_id_ == held.ops_id() && receipts_generation_ == generation &&
+      receipts_may_fuse_ == may_fuse && receipt_groups_ == rr.groups() &&
+      static_cast<int64_t>(receipt_batches_.size()) == chunks) {
+    // The same ops into the same allocations: the tables on the device are
+    // this update's. Only the sums start again.
+    WS_CUDA(cudaSetDevice(scatter_device_));
+    WS_CUDA(cudaMemsetAsync(receipt_dev_, 0, sizeof(uint64_t) * rr.groups(),
+                            scatter_stream_));
+    return absl::OkStatus();
+  }
   receipt_batches_.clear();
   receipt_groups_ = 0;
-  const worker::v1::ComputeReceiptsRequest& rr = request.receipts();
+  receipts_fused_ = false;
+  receipts_ops_id_ = 0;
   if (rr.groups() == 0) return absl::OkStatus();
-  if (request.receipt_after_chunk_size() != rr.regions_size()) {
+  if (held.receipt_after_chunk_size() != rr.regions_size()) {
     return absl::InvalidArgumentError(absl::StrCat(
         rr.regions_size(), " receipt regions but ",
-        request.receipt_after_chunk_size(), " receipt_after_chunk entries"));
+        held.receipt_after_chunk_size(), " receipt_after_chunk entries"));
   }
   std::vector<cuda::ReceiptRegion> regions;
   std::vector<int32_t> group_of;
   absl::Status s = ResolveReceiptRegions(rr, &regions, &group_of);
   if (!s.ok()) return s;
+  std::vector<int64_t> chunk_of(held.receipt_after_chunk().begin(),
+                                held.receipt_after_chunk().end());
+  std::vector<cuda::ReceiptRegion> copies;
+  std::vector<int32_t> copy_group;
+  std::vector<int64_t> copy_chunk;
+  if (may_fuse &&
+      PlanFusedCopies(held, request.chunk_bytes(), regions, group_of, &copies,
+                      &copy_group, &copy_chunk)) {
+    regions.swap(copies);
+    group_of.swap(copy_group);
+    chunk_of.swap(copy_chunk);
+    receipts_fused_ = true;
+  }
   // Regions in chunk order, each chunk's batch planned on its own.
-  const int64_t chunks = request.chunk_sizes_size();
   std::vector<std::vector<int>> by_chunk(chunks);
-  for (int i = 0; i < rr.regions_size(); ++i) {
-    const int64_t k = request.receipt_after_chunk(i);
+  for (size_t i = 0; i < regions.size(); ++i) {
+    const int64_t k = chunk_of[i];
     if (k < 0 || k >= chunks) {
       return absl::InvalidArgumentError(absl::StrCat(
           "receipt region ", i, " follows chunk ", k, " of ", chunks));
@@ -75,7 +109,116 @@ absl::Status GpuWorker::PrepareReceipts(
                        cudaMemcpyHostToDevice));
   }
   receipt_groups_ = groups;
+  if (held.ops_id() != 0) {
+    receipts_ops_id_ = held.ops_id();
+    receipts_generation_ = generation;
+    receipts_may_fuse_ = may_fuse;
+  }
   return absl::OkStatus();
+}
+
+bool GpuWorker::PlanFusedCopies(const worker::v1::BeginUpdateRequest& held,
+                                int64_t chunk_bytes,
+                                const std::vector<cuda::ReceiptRegion>& regions,
+                                const std::vector<int32_t>& group_of,
+                                std::vector<cuda::ReceiptRegion>* copies,
+                                std::vector<int32_t>* copy_group,
+                                std::vector<int64_t>* copy_chunk) {
+  // The regions with elements, by address.
+  std::vector<int> order;
+  int64_t want = 0;
+  for (size_t i = 0; i < regions.size(); ++i) {
+    if (regions[i].rows > 0 && regions[i].cols > 0) {
+      order.push_back(i);
+      want += regions[i].rows * regions[i].cols;
+    }
+  }
+  std::sort(order.begin(), order.end(),
+            [&](int a, int b) { return regions[a].base < regions[b].base; });
+  // The region whose elements hold `p` (a row, not a gap between rows):
+  // its index, the row and the column; -1 if none.
+  auto find = [&](const uint8_t* p, int64_t* row, int64_t* col) -> int {
+    auto it = std::upper_bound(
+        order.begin(), order.end(), p,
+        [&](const uint8_t* x, int i) { return x < regions[i].base; });
+    if (it == order.begin()) return -1;
+    const cuda::ReceiptRegion& r = regions[*(it - 1)];
+    const int64_t off = p - static_cast<const uint8_t*>(r.base);
+    const int64_t stride = r.rows > 1 ? r.row_stride_bytes : r.cols * r.es;
+    *row = off / stride;
+    *col = off % stride;
+    if (*col % r.es != 0 || *row >= r.rows || *col / r.es >= r.cols) return -1;
+    *col /= r.es;
+    return *(it - 1);
+  };
+  absl::MutexLock lock(&mu_);
+  int64_t covered = 0;
+  for (const worker::v1::GpuOp& o : held.ops()) {
+    if (o.src_dtype() != o.dst_dtype()) return false;
+    const int64_t es = cuda::DTypeSize(o.dst_dtype());
+    if (o.rows() <= 0 || o.cols() <= 0) continue;
+    auto dst_alloc = allocations_.find(o.allocation_id());
+    if (dst_alloc == allocations_.end()) return false;
+    const uint8_t* src;
+    if (o.src_allocation_id() != 0) {
+      auto it = allocations_.find(o.src_allocation_id());
+      if (it == allocations_.end()) return false;
+      src = it->second.ptr + o.src_offset();
+    } else if (ipc_source_ != nullptr) {
+      src = ipc_source_ + o.chunk() * chunk_bytes + o.src_offset();
+    } else {
+      return false;
+    }
+    uint8_t* dst = dst_alloc->second.ptr + o.dst_offset();
+    for (int64_t r = 0; r < o.rows(); ++r) {
+      // Row r of the op, cut where it leaves a region's row.
+      const uint8_t* from = src + r * o.src_stride();
+      uint8_t* to = dst + r * o.dst_stride();
+      int64_t left = o.cols();
+      while (left > 0) {
+        int64_t row, col;
+        const int i = find(to, &row, &col);
+        if (i < 0 || regions[i].es != es) return false;
+        const cuda::ReceiptRegion& g = regions[i];
+        // Contiguous rows of the region continue into the next one.
+        const bool dense = g.rows == 1 || g.row_stride_bytes == g.cols * es;
+        const int64_t room =
+            dense ? (g.rows - row) * g.cols - col : g.cols - col;
+        const int64_t n = std::min(left, room);
+        // The kernel moves 16-byte vectors: both sides equally misaligned.
+        if ((reinterpret_cast<uintptr_t>(from) -
+             reinterpret_cast<uintptr_t>(to)) %
+                16 !=
+            0) {
+          return false;
+        }
+        cuda::ReceiptRegion c{};
+        c.base = from;
+        c.dst = to;
+        c.rows = 1;
+        c.cols = n;
+        c.row_stride_bytes = n * es;
+        c.dst_row_stride_bytes = n * es;
+        c.es = static_cast<int32_t>(es);
+        c.salt = g.salt;
+        c.first_index = g.first_index +
+                        static_cast<uint64_t>(row) *
+                            static_cast<uint64_t>(g.row_stride_bytes / es) +
+                        static_cast<uint64_t>(col);
+        copies->push_back(c);
+        copy_group->push_back(group_of[i]);
+        copy_chunk->push_back(o.chunk());
+        covered += n;
+        left -= n;
+        from += n * es;
+        to += n * es;
+      }
+    }
+  }
+  // Every element of the regions written once (the pieces lie inside them;
+  // a plan that wrote one twice and missed another shows as a receipt that
+  // differs from the trainer's).
+  return covered == want;
 }
 
 absl::Status GpuWorker::EnqueueReceiptsAfter(int64_t k) {
@@ -87,8 +230,13 @@ absl::Status GpuWorker::EnqueueReceiptsAfter(int64_t k) {
   if (b.count == 0) return absl::OkStatus();
   const auto* regions = reinterpret_cast<const cuda::ReceiptRegion*>(
       receipt_dev_ + sizeof(uint64_t) * receipt_groups_);
-  WS_CUDA(cuda::ReceiptSumBatch(regions + b.first, b.count, b.tiles,
-                                scatter_stream_));
+  if (receipts_fused_) {
+    WS_CUDA(cuda::ReceiptCopyBatch(regions + b.first, b.count, b.tiles,
+                                   scatter_stream_));
+  } else {
+    WS_CUDA(cuda::ReceiptSumBatch(regions + b.first, b.count, b.tiles,
+                                  scatter_stream_));
+  }
   return absl::OkStatus();
 }
 

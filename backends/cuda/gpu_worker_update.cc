@@ -59,6 +59,11 @@ absl::Status GpuWorker::EnqueueChunkOps(
     const uint8_t* chunk,
     const absl::flat_hash_map<int64_t, Allocation>& allocs, bool sm_copies,
     int* op) {
+  if (receipts_fused_) {
+    // EnqueueReceiptsAfter(k) copies this chunk's ops as it sums them.
+    while (*op < request.ops_size() && request.ops(*op).chunk() == k) ++*op;
+    return absl::OkStatus();
+  }
   const int64_t capacity =
       batch_host_bytes_ / static_cast<int64_t>(sizeof(cuda::BatchCopy));
   int64_t pending = 0;  // batch entries not flushed yet
@@ -290,7 +295,12 @@ absl::Status GpuWorker::BeginOnOwner(
   const absl::Time t_data = absl::Now();
   s = PrepareSparse(request);
   const absl::Time t_sparse = absl::Now();
-  if (s.ok()) s = PrepareReceipts(held);
+  // An IPC update straight from the trainer's memory (no staging, no ring,
+  // no patches) may copy and sum its receipts in one pass.
+  const bool may_fuse = ipc && !request.staged() &&
+                        request.ipc_ring_slots() == 0 &&
+                        request.sparse_size() == 0;
+  if (s.ok()) s = PrepareReceipts(held, request, may_fuse);
   if (!s.ok()) return s;
   VLOG(1) << "begin update (" << request.chunk_sizes_size() << " chunks, "
           << request.ops_size() << " copies, " << request.sparse_size()
@@ -299,7 +309,8 @@ absl::Status GpuWorker::BeginOnOwner(
           << ", streams + source/staging "
           << absl::ToDoubleMilliseconds(t_data - t_run) << ", sparse "
           << absl::ToDoubleMilliseconds(t_sparse - t_data) << ", receipts "
-          << absl::ToDoubleMilliseconds(absl::Now() - t_sparse);
+          << absl::ToDoubleMilliseconds(absl::Now() - t_sparse)
+          << (receipts_fused_ ? " (fused with the copies)" : "");
   ended_clean_ = false;
   update_active_ = true;
   update_chunks_ = request.chunk_sizes_size();

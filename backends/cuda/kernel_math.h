@@ -76,18 +76,25 @@ struct ReceiptRegion {
   uint64_t salt;
   uint64_t first_index;
   unsigned long long* out;  // device memory; receives atomicAdd
-  int32_t es;               // 1, 2, 4 or 8
+  // Optional: a copy region. Every element read at base is also written to
+  // dst (row r at dst + r * dst_row_stride_bytes), and element (r, c) is
+  // element first_index + r * (dst_row_stride_bytes / es) + c: the terms are
+  // keyed on where the element is written (the receipt of an IPC copy fused
+  // with it, GpuWorker::PlanFusedCopies). nullptr: base is only read.
+  void* dst;
+  int64_t dst_row_stride_bytes;
+  int32_t es;  // 1, 2, 4 or 8
 
   // Set by PlanReceiptRegions (rows, cols and row_stride_bytes may be
   // rewritten too: contiguous rows are merged into one).
   int32_t rows_per_tile;     // > 1: a tile is that many whole rows
   int64_t chunks_per_row;    // tiles along one row when rows_per_tile == 1
-  int64_t index_row_stride;  // row_stride_bytes / es
+  int64_t index_row_stride;  // (dst_)row_stride_bytes / es
   int64_t tile_begin;        // first tile of this region in the batch
   int64_t tiles;             // tiles of this region
 };
 // Copied byte for byte from the host to device memory: one layout for both.
-static_assert(sizeof(ReceiptRegion) == 96, "ReceiptRegion layout");
+static_assert(sizeof(ReceiptRegion) == 112, "ReceiptRegion layout");
 
 // A block of kReceiptThreads threads takes one tile at a time: up to
 // kReceiptTileBytes of one row (each thread kReceiptUnroll 16-byte vectors
@@ -101,7 +108,10 @@ constexpr int64_t kReceiptTileBytes = int64_t{kReceiptThreads} * 16 * 4;
 // `tile_begin`. False (and `r` unusable) where: es is not 1, 2, 4 or 8;
 // rows or cols < 0; for a non-empty region: base or out null, base not a
 // multiple of es, and, with rows > 1, row_stride_bytes not a multiple of es
-// or shorter than a row (cols * es).
+// or shorter than a row (cols * es). A copy region (dst set) also needs dst
+// and its stride to meet the same rules, and the source and destination
+// equally misaligned modulo 16 bytes on every row (16-byte vectors are read
+// and written at the same offsets).
 inline bool PlanReceiptRegion(ReceiptRegion& r, int64_t tile_begin) {
   if (r.es != 1 && r.es != 2 && r.es != 4 && r.es != 8) return false;
   if (r.rows < 0 || r.cols < 0) return false;
@@ -120,13 +130,34 @@ inline bool PlanReceiptRegion(ReceiptRegion& r, int64_t tile_begin) {
         r.row_stride_bytes > kMax / r.rows) {
       return false;
     }
-    if (r.row_stride_bytes == r.cols * r.es) {  // contiguous: one long row
-      r.cols *= r.rows;
-      r.rows = 1;
+  }
+  if (r.dst != nullptr) {
+    if (reinterpret_cast<uintptr_t>(r.dst) % r.es != 0) return false;
+    if (r.rows > 1 && (r.dst_row_stride_bytes % r.es != 0 ||
+                       r.dst_row_stride_bytes < r.cols * r.es ||
+                       r.dst_row_stride_bytes > kMax / r.rows)) {
+      return false;
     }
   }
-  if (r.rows == 1) r.row_stride_bytes = r.cols * r.es;
-  r.index_row_stride = r.row_stride_bytes / r.es;
+  const bool copy = r.dst != nullptr;
+  if (r.rows > 1 && r.row_stride_bytes == r.cols * r.es &&
+      (!copy || r.dst_row_stride_bytes == r.cols * r.es)) {
+    r.cols *= r.rows;  // contiguous: one long row
+    r.rows = 1;
+  }
+  if (r.rows == 1) {
+    r.row_stride_bytes = r.cols * r.es;
+    r.dst_row_stride_bytes = copy ? r.cols * r.es : 0;
+  }
+  if (copy && ((reinterpret_cast<uintptr_t>(r.base) -
+                reinterpret_cast<uintptr_t>(r.dst)) %
+                       16 !=
+                   0 ||
+               (r.row_stride_bytes - r.dst_row_stride_bytes) % 16 != 0)) {
+    return false;
+  }
+  r.index_row_stride =
+      (copy ? r.dst_row_stride_bytes : r.row_stride_bytes) / r.es;
   const int64_t te = kReceiptTileBytes / r.es;  // elements per tile
   r.chunks_per_row = (r.cols + te - 1) / te;
   if (r.chunks_per_row == 1 && r.rows > 1 && te / r.cols > 1) {
@@ -265,10 +296,39 @@ WS_HD uint64_t VecTerms(uint32_t s, uint64_t index, const Words4& v) {
   return sum;
 }
 
+WS_HD void Store16(char* p, const Words4& v) {
+#if defined(__CUDA_ARCH__)
+  // Written once, read by the engine later: don't keep it in the caches.
+  __stcs(reinterpret_cast<uint4*>(p),
+         make_uint4(v.w[0], v.w[1], v.w[2], v.w[3]));
+#else
+  std::memcpy(p, v.w, 16);
+#endif
+}
+
+// Copies one element of ES bytes (both pointers aligned to ES).
+template <int ES>
+WS_HD void CopyElement(char* dst, const char* src) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (ES == 1) {
+    *reinterpret_cast<uint8_t*>(dst) = *reinterpret_cast<const uint8_t*>(src);
+  } else if constexpr (ES == 2) {
+    *reinterpret_cast<uint16_t*>(dst) = *reinterpret_cast<const uint16_t*>(src);
+  } else if constexpr (ES == 4) {
+    *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(src);
+  } else {
+    *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(src);
+  }
+#else
+  std::memcpy(dst, src, ES);
+#endif
+}
+
 // What thread `tid` (0 <= tid < kReceiptThreads) adds for tile `t` (0 <= t
 // < r.tiles) of planned region `r`: the tiles' threads together cover every
-// element of the region exactly once.
-template <int ES>
+// element of the region exactly once. COPY (r.dst set): each element the
+// thread reads it also writes to its place at r.dst.
+template <int ES, bool COPY = false>
 WS_HD uint64_t ReceiptTileThreadSum(const ReceiptRegion& r, int64_t t,
                                     int tid) {
   constexpr int64_t kTe = kReceiptTileBytes / ES;  // elements per tile
@@ -288,8 +348,13 @@ WS_HD uint64_t ReceiptTileThreadSum(const ReceiptRegion& r, int64_t t,
       const uint32_t rr = e / cols;
       const uint32_t c = e - rr * cols;
       const int64_t row = r0 + rr;
-      const uint32_t bits =
-          LoadBits<ES>(base + row * r.row_stride_bytes + int64_t{c} * ES);
+      const char* from = base + row * r.row_stride_bytes + int64_t{c} * ES;
+      const uint32_t bits = LoadBits<ES>(from);
+      if (COPY) {
+        CopyElement<ES>(static_cast<char*>(r.dst) +
+                            row * r.dst_row_stride_bytes + int64_t{c} * ES,
+                        from);
+      }
       const uint64_t index = r.first_index +
                              static_cast<uint64_t>(row) *
                                  static_cast<uint64_t>(r.index_row_stride) +
@@ -304,6 +369,10 @@ WS_HD uint64_t ReceiptTileThreadSum(const ReceiptRegion& r, int64_t t,
   const int64_t c0 = (t - row * r.chunks_per_row) * kTe;
   const int64_t n = r.cols - c0 < kTe ? r.cols - c0 : kTe;
   const char* p = base + row * r.row_stride_bytes + c0 * ES;
+  // The destination of p (COPY), equally aligned modulo 16.
+  char* q =
+      COPY ? static_cast<char*>(r.dst) + row * r.dst_row_stride_bytes + c0 * ES
+           : nullptr;
   const uint64_t index0 =
       r.first_index +
       static_cast<uint64_t>(row) * static_cast<uint64_t>(r.index_row_stride) +
@@ -314,10 +383,12 @@ WS_HD uint64_t ReceiptTileThreadSum(const ReceiptRegion& r, int64_t t,
   const int64_t tail0 = head + nvec * kV;
   if (tid < head) {
     sum += TermOf(KeyOf(s, index0 + tid), LoadBits<ES>(p + tid * ES));
+    if (COPY) CopyElement<ES>(q + tid * ES, p + tid * ES);
   }
   if (tid < n - tail0) {
     const int64_t e = tail0 + tid;
     sum += TermOf(KeyOf(s, index0 + e), LoadBits<ES>(p + e * ES));
+    if (COPY) CopyElement<ES>(q + e * ES, p + e * ES);
   }
   const char* body = p + head * ES;
   Words4 in[kReceiptUnroll];
@@ -327,6 +398,16 @@ WS_HD uint64_t ReceiptTileThreadSum(const ReceiptRegion& r, int64_t t,
   for (int k = 0; k < kReceiptUnroll; ++k) {
     const int64_t v = tid + k * kReceiptThreads;
     if (v < nvec) in[k] = Load16(body + v * 16);
+  }
+  if (COPY) {
+    char* out = q + head * ES;
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+    for (int k = 0; k < kReceiptUnroll; ++k) {
+      const int64_t v = tid + k * kReceiptThreads;
+      if (v < nvec) Store16(out + v * 16, in[k]);
+    }
   }
 #if defined(__CUDA_ARCH__)
 #pragma unroll

@@ -30,17 +30,23 @@ namespace {
 
 using patch_test::FillRandom;
 
-uint64_t TileThreadSum(const ReceiptRegion& r, int64_t t, int tid) {
+template <bool COPY>
+uint64_t TileThreadSumOf(const ReceiptRegion& r, int64_t t, int tid) {
   switch (r.es) {
     case 1:
-      return ReceiptTileThreadSum<1>(r, t, tid);
+      return ReceiptTileThreadSum<1, COPY>(r, t, tid);
     case 2:
-      return ReceiptTileThreadSum<2>(r, t, tid);
+      return ReceiptTileThreadSum<2, COPY>(r, t, tid);
     case 4:
-      return ReceiptTileThreadSum<4>(r, t, tid);
+      return ReceiptTileThreadSum<4, COPY>(r, t, tid);
     default:
-      return ReceiptTileThreadSum<8>(r, t, tid);
+      return ReceiptTileThreadSum<8, COPY>(r, t, tid);
   }
+}
+
+uint64_t TileThreadSum(const ReceiptRegion& r, int64_t t, int tid) {
+  return r.dst != nullptr ? TileThreadSumOf<true>(r, t, tid)
+                          : TileThreadSumOf<false>(r, t, tid);
 }
 
 // ReceiptKernel on the CPU with `grid` blocks: each block's contiguous
@@ -209,6 +215,118 @@ TEST(KernelMathTest, RandomRegionsMatchTheReferenceLoop) {
   }
 }
 
+// Copy regions (ReceiptCopyBatch): every element lands at its place at dst,
+// nothing else at dst is written, and the sum is the receipt of the
+// destination region, the sum-only kernel's over the bytes as written.
+TEST(KernelMathTest, CopyRegionsCopyAndSumTheDestination) {
+  std::mt19937_64 rng(23);
+  std::vector<uint8_t> src(8 << 20), dst(8 << 20), want_dst;
+  FillRandom(src.data(), src.size(), 5);
+  FillRandom(dst.data(), dst.size(), 6);
+  want_dst = dst;
+  const int kRegions = 200;
+  std::vector<ReceiptRegion> regions;
+  std::vector<ReceiptRegion> readback;  // sum-only over the destination
+  std::vector<unsigned long long> outs(kRegions, 0), back(kRegions, 0);
+  int64_t at_src = 0, at_dst = 0;
+  for (int i = 0; i < kRegions; ++i) {
+    ReceiptRegion r{};
+    r.es = 1 << (rng() % 4);
+    const int shape = rng() % 4;
+    const int64_t rows = shape == 0 ? 1 : 1 + rng() % (shape == 1 ? 200 : 6);
+    const int64_t cols =
+        shape == 1
+            ? 1 + rng() % 24
+            : 1 + rng() % (shape == 3 ? 3 * kReceiptTileBytes / r.es : 5000);
+    // Strides equal modulo 16 bytes (what the plan asks of a copy), one of
+    // them sometimes contiguous.
+    const int64_t pad = (rng() % 3) * 16 / r.es;
+    const int64_t src_stride = (cols + pad) * r.es;
+    const int64_t dst_stride =
+        rng() % 2 == 0 ? src_stride : src_stride + 16 * (1 + rng() % 3);
+    const int64_t mis = (rng() % 16) / r.es * r.es;
+    auto place = [&](int64_t* at, int64_t stride, size_t size) {
+      const int64_t span = (rows - 1) * stride + cols * r.es;
+      *at = (*at + 15) / 16 * 16 + mis;
+      if (*at + span > static_cast<int64_t>(size)) *at = mis;
+      const int64_t begin = *at;
+      *at += span;
+      return begin;
+    };
+    const int64_t s0 = place(&at_src, src_stride, src.size());
+    const int64_t d0 = place(&at_dst, dst_stride, dst.size());
+    r.base = src.data() + s0;
+    r.dst = dst.data() + d0;
+    r.rows = rows;
+    r.cols = cols;
+    r.row_stride_bytes = src_stride;
+    r.dst_row_stride_bytes = dst_stride;
+    r.salt = rng();
+    r.first_index = rng() % 1000;
+    r.out = &outs[i];
+    for (int64_t row = 0; row < rows; ++row) {
+      std::memcpy(want_dst.data() + d0 + row * dst_stride,
+                  src.data() + s0 + row * src_stride, cols * r.es);
+    }
+    ReceiptRegion b{};
+    b.base = want_dst.data() + d0;
+    b.rows = rows;
+    b.cols = cols;
+    b.row_stride_bytes = dst_stride;
+    b.salt = r.salt;
+    b.first_index = r.first_index;
+    b.es = r.es;
+    b.out = &back[i];
+    regions.push_back(r);
+    readback.push_back(b);
+  }
+  // Regions placed later may overlap earlier ones at dst (the placement
+  // wraps): keep only those that don't, as the worker's plan guarantees.
+  std::vector<uint8_t> owner(dst.size(), 0);
+  std::vector<ReceiptRegion> copies, sums;
+  for (int i = 0; i < kRegions; ++i) {
+    const ReceiptRegion& r = regions[i];
+    const int64_t d0 = static_cast<uint8_t*>(r.dst) - dst.data();
+    const int64_t span = (r.rows - 1) * r.dst_row_stride_bytes + r.cols * r.es;
+    if (std::any_of(owner.begin() + d0, owner.begin() + d0 + span,
+                    [](uint8_t o) { return o != 0; })) {
+      continue;
+    }
+    std::fill(owner.begin() + d0, owner.begin() + d0 + span, 1);
+    copies.push_back(r);
+    sums.push_back(readback[i]);
+  }
+  ASSERT_GT(copies.size(), 150u);
+  // want_dst was written in region order; redo it for the kept ones only.
+  want_dst = dst;
+  for (const ReceiptRegion& r : copies) {
+    const int64_t d0 = static_cast<uint8_t*>(r.dst) - dst.data();
+    const auto* from = static_cast<const uint8_t*>(r.base);
+    for (int64_t row = 0; row < r.rows; ++row) {
+      std::memcpy(want_dst.data() + d0 + row * r.dst_row_stride_bytes,
+                  from + row * r.row_stride_bytes, r.cols * r.es);
+    }
+  }
+  for (size_t i = 0; i < sums.size(); ++i) {
+    sums[i].base =
+        want_dst.data() + (static_cast<uint8_t*>(copies[i].dst) - dst.data());
+  }
+  const int64_t total = PlanReceiptRegions(copies.data(), copies.size());
+  const int64_t total_back = PlanReceiptRegions(sums.data(), sums.size());
+  ASSERT_GT(total, 0);
+  ASSERT_GT(total_back, 0);
+  EmulateReceiptKernel(copies, total, 37);
+  EmulateReceiptKernel(sums, total_back, 37);
+  const auto m = std::mismatch(dst.begin(), dst.end(), want_dst.begin());
+  ASSERT_TRUE(m.first == dst.end())
+      << "first difference at byte " << (m.first - dst.begin());
+  for (size_t i = 0; i < copies.size(); ++i) {
+    const size_t k =
+        static_cast<unsigned long long*>(copies[i].out) - outs.data();
+    EXPECT_EQ(outs[k], back[k]) << "region " << k;
+  }
+}
+
 TEST(KernelMathTest, PlanRefusesWhatTheKernelCannotRead) {
   alignas(16) static uint8_t buf[4096];
   unsigned long long out = 0;
@@ -243,6 +361,26 @@ TEST(KernelMathTest, PlanRefusesWhatTheKernelCannotRead) {
   ASSERT_TRUE(PlanReceiptRegion(dense, 0));
   EXPECT_EQ(dense.rows, 1);
   EXPECT_EQ(dense.cols, 32);
+  // Copy regions: both sides equally misaligned modulo 16, rows merged only
+  // where both are contiguous.
+  alignas(16) static uint8_t to[4096];
+  ReceiptRegion copy = region(2, 4, 8, 16, buf);
+  copy.dst = to;
+  copy.dst_row_stride_bytes = 32;
+  ASSERT_TRUE(PlanReceiptRegion(copy, 0));
+  EXPECT_EQ(copy.rows, 4);
+  EXPECT_EQ(copy.index_row_stride, 16);
+  ReceiptRegion skew = region(2, 1, 8, 16, buf);
+  skew.dst = to + 2;
+  EXPECT_FALSE(ok(skew));
+  ReceiptRegion skew_rows = region(2, 2, 8, 16, buf);
+  skew_rows.dst = to;
+  skew_rows.dst_row_stride_bytes = 18;
+  EXPECT_FALSE(ok(skew_rows));
+  ReceiptRegion short_rows = region(2, 2, 8, 16, buf);
+  short_rows.dst = to;
+  short_rows.dst_row_stride_bytes = 8;
+  EXPECT_FALSE(ok(short_rows));
   std::vector<ReceiptRegion> batch = {region(2, 4, 8, 16, buf),
                                       region(5, 1, 1, 0, buf)};
   EXPECT_EQ(PlanReceiptRegions(batch.data(), 2), -2);

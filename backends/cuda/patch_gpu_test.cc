@@ -211,6 +211,56 @@ TEST_F(PatchGpuTest, RandomRegionsMatchTheReferenceLoop) {
   }
 }
 
+// Copy regions (ReceiptCopyBatch, the receipt of an IPC update fused with
+// its copy): the random regions copied to the same offsets of a second
+// buffer, every region's bytes there equal to the source, every other byte
+// untouched, and each sum the receipt of the source region.
+TEST_F(PatchGpuTest, CopyRegionsCopyAndSum) {
+  constexpr int kRegions = 400;
+  std::vector<uint8_t> host(64 << 20), before(64 << 20);
+  FillRandom(host.data(), host.size(), 10);
+  FillRandom(before.data(), before.size(), 11);
+  DeviceBuffer src(host.size()), dst(host.size()), outs(kRegions * 8);
+  ASSERT_NE(src.get(), nullptr);
+  ASSERT_NE(dst.get(), nullptr);
+  ASSERT_CUDA_OK(
+      cudaMemcpy(src.get(), host.data(), host.size(), cudaMemcpyHostToDevice));
+  ASSERT_CUDA_OK(cudaMemcpy(dst.get(), before.data(), before.size(),
+                            cudaMemcpyHostToDevice));
+  auto* out = reinterpret_cast<unsigned long long*>(outs.get());
+  RandomRegions rr = MakeRandomRegions(host, src.get(), kRegions, out, 4);
+  std::vector<uint8_t> want = before;
+  for (ReceiptRegion& r : rr.regions) {
+    const int64_t at = static_cast<const uint8_t*>(r.base) - src.get();
+    r.dst = dst.get() + at;
+    r.dst_row_stride_bytes = r.row_stride_bytes;
+    for (int64_t row = 0; row < r.rows; ++row) {
+      std::memcpy(want.data() + at + row * r.row_stride_bytes,
+                  host.data() + at + row * r.row_stride_bytes, r.cols * r.es);
+    }
+  }
+  const int64_t total = PlanReceiptRegions(rr.regions.data(), kRegions);
+  ASSERT_GT(total, 0);
+  DeviceBuffer table(rr.regions.size() * sizeof(ReceiptRegion));
+  ASSERT_CUDA_OK(cudaMemsetAsync(outs.get(), 0, outs.bytes(), stream_));
+  ASSERT_CUDA_OK(cudaMemcpyAsync(table.get(), rr.regions.data(), table.bytes(),
+                                 cudaMemcpyHostToDevice, stream_));
+  ASSERT_CUDA_OK(
+      ReceiptCopyBatch(reinterpret_cast<const ReceiptRegion*>(table.get()),
+                       kRegions, total, stream_));
+  std::vector<uint64_t> got(kRegions);
+  std::vector<uint8_t> after(host.size());
+  ASSERT_CUDA_OK(cudaMemcpyAsync(got.data(), outs.get(), outs.bytes(),
+                                 cudaMemcpyDeviceToHost, stream_));
+  ASSERT_CUDA_OK(cudaMemcpyAsync(after.data(), dst.get(), after.size(),
+                                 cudaMemcpyDeviceToHost, stream_));
+  ASSERT_CUDA_OK(cudaStreamSynchronize(stream_));
+  EXPECT_EQ(FirstDifference(after, want), -1);
+  for (int i = 0; i < kRegions; ++i) {
+    ASSERT_EQ(got[i], rr.want[i]) << "region " << i;
+  }
+}
+
 // A receipt over 64 MiB changes when any one byte does.
 TEST_F(PatchGpuTest, ReceiptSeesOneFlippedBit) {
   constexpr int64_t kBytes = 64 << 20;

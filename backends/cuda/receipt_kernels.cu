@@ -59,7 +59,9 @@ struct RegionArray {
 // Block b takes a contiguous run of tiles (ReceiptBlockTiles) and adds its
 // partial sum to a region's `out` when the next tile's region has another
 // `out`, and at the end: one atomicAdd per region and block at most.
-template <typename Regions>
+// COPY: the regions are copy regions (ReceiptRegion::dst), each element
+// written where it belongs as it is summed.
+template <typename Regions, bool COPY>
 __global__ void __launch_bounds__(kReceiptThreads)
     ReceiptKernel(const Regions regions, const int64_t total_tiles) {
   __shared__ unsigned long long scratch[kWarps];
@@ -84,23 +86,23 @@ __global__ void __launch_bounds__(kReceiptThreads)
     const int64_t local = t - r.tile_begin;
     switch (r.es) {
       case 1:
-        sum += ReceiptTileThreadSum<1>(r, local, threadIdx.x);
+        sum += ReceiptTileThreadSum<1, COPY>(r, local, threadIdx.x);
         break;
       case 2:
-        sum += ReceiptTileThreadSum<2>(r, local, threadIdx.x);
+        sum += ReceiptTileThreadSum<2, COPY>(r, local, threadIdx.x);
         break;
       case 4:
-        sum += ReceiptTileThreadSum<4>(r, local, threadIdx.x);
+        sum += ReceiptTileThreadSum<4, COPY>(r, local, threadIdx.x);
         break;
       default:
-        sum += ReceiptTileThreadSum<8>(r, local, threadIdx.x);
+        sum += ReceiptTileThreadSum<8, COPY>(r, local, threadIdx.x);
         break;
     }
   }
   if (out != nullptr) FlushBlockSum(sum, out, scratch);
 }
 
-template <typename Regions>
+template <typename Regions, bool COPY = false>
 cudaError_t Launch(Regions regions, int64_t total_tiles, cudaStream_t stream) {
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
@@ -114,7 +116,7 @@ cudaError_t Launch(Regions regions, int64_t total_tiles, cudaStream_t stream) {
   int bps = blocks_per_sm.load(std::memory_order_relaxed);
   if (bps == 0) {
     err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &bps, ReceiptKernel<Regions>, kReceiptThreads, 0);
+        &bps, ReceiptKernel<Regions, COPY>, kReceiptThreads, 0);
     if (err != cudaSuccess) return err;
     bps = std::max(bps, 1);
     blocks_per_sm.store(bps, std::memory_order_relaxed);
@@ -123,7 +125,7 @@ cudaError_t Launch(Regions regions, int64_t total_tiles, cudaStream_t stream) {
       std::min<int64_t>(total_tiles, static_cast<int64_t>(sms) * bps);
   void* args[] = {&regions, &total_tiles};
   return cudaLaunchKernel(
-      reinterpret_cast<const void*>(&ReceiptKernel<Regions>),
+      reinterpret_cast<const void*>(&ReceiptKernel<Regions, COPY>),
       dim3(static_cast<unsigned>(grid)), dim3(kReceiptThreads), args, 0,
       stream);
 }
@@ -156,6 +158,15 @@ cudaError_t ReceiptSumBatch(const ReceiptRegion* device_regions, int64_t n,
   if (n == 0 || total_tiles == 0) return cudaSuccess;
   if (device_regions == nullptr) return cudaErrorInvalidValue;
   return Launch(RegionArray{device_regions, n}, total_tiles, stream);
+}
+
+cudaError_t ReceiptCopyBatch(const ReceiptRegion* device_regions, int64_t n,
+                             int64_t total_tiles, cudaStream_t stream) {
+  if (n < 0 || total_tiles < 0) return cudaErrorInvalidValue;
+  if (n == 0 || total_tiles == 0) return cudaSuccess;
+  if (device_regions == nullptr) return cudaErrorInvalidValue;
+  return Launch<RegionArray, true>(RegionArray{device_regions, n}, total_tiles,
+                                   stream);
 }
 
 }  // namespace cuda

@@ -62,6 +62,16 @@ cudaError_t ReceiptSum(const void* base, int64_t rows, int64_t cols,
 cudaError_t ReceiptSumBatch(const ReceiptRegion* device_regions, int64_t n,
                             int64_t total_tiles, cudaStream_t stream);
 
+// ReceiptSumBatch over copy regions (every region's dst set): each element
+// is read from base, written to dst and its term, keyed on its place at
+// dst, added to the region's out. One pass over the bytes instead of a copy
+// and then a receipt pass that reads the destination again: the receipt of
+// an IPC update fused with its copy (GpuWorker::PlanFusedCopies). The
+// kernel reads through the SMs, so the copy runs at SM-copy speed
+// (bench/RESULTS.md). Regions must not overlap at dst.
+cudaError_t ReceiptCopyBatch(const ReceiptRegion* device_regions, int64_t n,
+                             int64_t total_tiles, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace weightsync
 

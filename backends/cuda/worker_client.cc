@@ -80,6 +80,8 @@ absl::Status GpuWorkerSupervisor::EnsureStartedLocked() {
   const std::string device_flag = absl::StrCat("--device=", options_.device);
   const std::string sm_flag = absl::StrCat(
       "--ipc_sm_copies=", options_.ipc_sm_copies ? "true" : "false");
+  const std::string fused_flag = absl::StrCat(
+      "--ipc_fused_receipts=", options_.ipc_fused_receipts ? "true" : "false");
   unlink(options_.socket_path.c_str());
   const pid_t pid = fork();
   if (pid < 0) return absl::UnavailableError("fork failed");
@@ -90,7 +92,7 @@ absl::Status GpuWorkerSupervisor::EnsureStartedLocked() {
     pthread_sigmask(SIG_UNBLOCK, &all, nullptr);
     execl(options_.worker_binary.c_str(), options_.worker_binary.c_str(),
           socket_flag.c_str(), parent_flag.c_str(), device_flag.c_str(),
-          sm_flag.c_str(), nullptr);
+          sm_flag.c_str(), fused_flag.c_str(), nullptr);
     _exit(127);
   }
   pid_ = pid;

@@ -38,8 +38,9 @@ class GpuWorkerSupervisor {
     std::string socket_path;    // private socket for the worker
     absl::Duration start_timeout = absl::Seconds(60);
     absl::Duration call_timeout = absl::Seconds(30);
-    int device = 0;              // GPU of the daemon's NCCL rank
-    bool ipc_sm_copies = false;  // IPC: kernel copies, not copy engines
+    int device = 0;                  // GPU of the daemon's NCCL rank
+    bool ipc_sm_copies = false;      // IPC: kernel copies, not copy engines
+    bool ipc_fused_receipts = true;  // IPC: copy and receipts in one pass
     int staging_buffers = 4;
     int64_t staging_budget = int64_t{4} << 30;  // GPU staging bytes
   };

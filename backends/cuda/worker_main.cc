@@ -15,6 +15,9 @@ DEFINE_int32(parent_pid, 0, "exit when this process is gone");
 DEFINE_bool(ipc_sm_copies, false,
             "IPC backend: copy same-dtype blocks with a kernel (SMs) instead "
             "of the copy engines");
+DEFINE_bool(ipc_fused_receipts, true,
+            "IPC backend with receipts: copy and sum in one pass (a kernel) "
+            "instead of a copy and then a receipt pass over the destination");
 DEFINE_int32(device, 0,
              "CUDA ordinal that receives and scatters: engine memory on "
              "other GPUs is opened for it, so its copies reach them by peer");
@@ -28,7 +31,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   unlink(FLAGS_socket.c_str());
-  weightsync::GpuWorker worker(FLAGS_device, FLAGS_ipc_sm_copies);
+  weightsync::GpuWorker worker(FLAGS_device, FLAGS_ipc_sm_copies,
+                               FLAGS_ipc_fused_receipts);
   grpc::ServerBuilder builder;
   builder.SetMaxReceiveMessageSize(256 << 20);
   builder.AddListeningPort("unix:" + FLAGS_socket,

@@ -6,6 +6,8 @@ format_gpu_uuid, allocation_table, dedupe_aliases' key logic) are plain
 Python so that CI, which has no GPU and no torch, can test them.
 """
 
+import sys
+
 CUDA_IPC_HANDLE_BYTES = 64
 _SHAREABLE_CUDA_MALLOC = ord("c")
 _SHAREABLE_EXPANDABLE_SEGMENT = ord("e")
@@ -35,6 +37,24 @@ def dtype_name(name, tensor):
         raise ValueError(f"tensor '{name}': dtype {d} is not supported "
                          f"(supported: {', '.join(sorted(TORCH_DTYPES))})")
     return TORCH_DTYPES[d]
+
+
+def dtype_names(named):
+    """dtype_name of every (name, tensor), with the per-dtype work done once
+    per distinct dtype rather than per tensor."""
+    torch = sys.modules.get("torch")
+    if torch is None or not all(torch.is_tensor(t) for _, t in named[:1]):
+        return [dtype_name(n, t) for n, t in named]
+    dtypes = list(map(torch.Tensor.dtype.__get__, [t for _, t in named]))
+    known = {}
+    for d in set(dtypes):
+        if str(d) in TORCH_DTYPES:
+            known[d] = TORCH_DTYPES[str(d)]
+    if len(known) < len(set(dtypes)):
+        for (n, t), d in zip(named, dtypes):
+            if d not in known:
+                dtype_name(n, t)   # raises, naming the tensor
+    return [known[d] for d in dtypes]
 
 
 def parse_storage_handle(handle):
@@ -134,12 +154,27 @@ def alias_key(tensor):
             tuple(tensor.stride()), str(tensor.dtype))
 
 
+def _torch_data_ptrs(tensors):
+    """Every tensor's data pointer by one C-level pass, or None when torch
+    isn't loaded or an entry isn't a torch tensor."""
+    torch = sys.modules.get("torch")
+    if torch is None or not all(map(torch.is_tensor, tensors)):
+        return None
+    return list(map(torch.Tensor.data_ptr, tensors))
+
+
 def dedupe_aliases(named_tensors):
     """Drops later names of a tensor already seen (tied embeddings:
     state_dict() lists lm_head.weight and embed_tokens.weight for one
     tensor). A sparse patch counts as the tensor it was computed from
     (TorchSparsePatch.source_key; patches without one are always kept).
     Returns (kept pairs, {dropped name: kept name})."""
+    named_tensors = list(named_tensors)
+    ptrs = _torch_data_ptrs([t for _, t in named_tensors])
+    if ptrs is not None and len(set(ptrs)) == len(ptrs):
+        # Aliases share a data pointer: with none shared there are none
+        # (a 100k-tensor model pays one pass, not a key per tensor).
+        return named_tensors, {}
     seen, kept, dropped = {}, [], {}
     for name, t in named_tensors:
         if hasattr(t, "data_ptr"):
@@ -176,6 +211,90 @@ def gpu_uuid(device):
     if uuid is None:
         uuid = _UUIDS[index] = format_gpu_uuid(torch.cuda.get_device_properties(index).uuid)
     return uuid
+
+
+class _DriverRanges:
+    """cuMemGetAddressRange through the CUDA driver (libcuda, loaded with
+    torch's context current on the calling thread): the base and size of
+    the allocation holding a device pointer."""
+
+    def __init__(self):
+        import ctypes
+        lib = ctypes.CDLL("libcuda.so.1")
+        self._f = lib.cuMemGetAddressRange_v2
+        self._f.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
+                            ctypes.c_uint64]
+        self._f.restype = ctypes.c_int
+        self._base, self._size = ctypes.c_uint64(), ctypes.c_size_t()
+        self._ref = (ctypes.byref(self._base), ctypes.byref(self._size))
+
+    def __call__(self, ptr):
+        err = self._f(self._ref[0], self._ref[1], ptr)
+        if err != 0:
+            raise OSError(f"cuMemGetAddressRange({ptr:#x}) failed with CUDA error {err}")
+        return self._base.value, self._size.value
+
+
+_ranges = []
+
+
+def ipc_locations(named):
+    """ipc_location of every (name, tensor) in `named`, with one CUDA IPC
+    handle per allocation rather than per tensor: the tensors are grouped by
+    the allocation (caching-allocator segment) holding them, found through
+    the driver in one pass over the sorted data pointers, and torch shares
+    one storage of each group. A 100k-tensor mixture of experts registers in
+    a fraction of a second this way, against ~17 us of torch's storage
+    sharing per tensor. Falls back to ipc_location per tensor wherever the
+    driver's answer and torch's disagree (expandable segments, an empty
+    tensor), so what it returns is always what ipc_location would."""
+    import numpy as np
+    import torch
+    tensors = [t.detach() for _, t in named]
+    T = torch.Tensor
+    for (name, t), contiguous in zip(named, map(T.is_contiguous, tensors)):
+        if t.device.type != "cuda" or not contiguous:
+            ipc_location(name, t.detach())   # raises the error naming it
+    try:
+        ranges = _ranges[0] if _ranges else _ranges.append(_DriverRanges()) or _ranges[0]
+    except (OSError, AttributeError):
+        ranges = None
+    n = len(tensors)
+    ptrs = np.fromiter(map(T.data_ptr, tensors), np.uint64, n)
+    nbytes = np.fromiter(map(T.nbytes.__get__, tensors), np.uint64, n)
+    if ranges is None or n == 0 or not ptrs.all():
+        shared = {}
+        return [ipc_location(name, t, shared) for (name, _), t in zip(named, tensors)]
+    order = np.argsort(ptrs, kind="stable")
+    sorted_ptrs = ptrs[order]
+    group = np.empty(n, np.int64)
+    groups = []   # (base, size, a tensor of the group)
+    i = 0
+    while i < n:
+        with torch.cuda.device(tensors[order[i]].device):
+            base, size = ranges(int(sorted_ptrs[i]))
+        j = int(np.searchsorted(sorted_ptrs, np.uint64(base + size), "left"))
+        group[order[i:j]] = len(groups)
+        groups.append((base, size, int(order[i])))
+        i = j
+    handles, bases = [], np.empty(len(groups), np.uint64)
+    for g, (base, size, k) in enumerate(groups):
+        t = tensors[k]
+        storage = t.untyped_storage()
+        raw = storage._share_cuda_()
+        if storage.data_ptr() - int(raw[3]) != base:
+            # torch's block base is not the driver's allocation base.
+            shared = {}
+            return [ipc_location(name, x, shared) for (name, _), x in zip(named, tensors)]
+        handles.append((parse_storage_handle(raw[1]), gpu_uuid(t.device)))
+        bases[g] = base
+    offsets = ptrs - bases[group]
+    ends = offsets + nbytes
+    if any(int(e) > groups[g][1] for g, e in zip(group.tolist(), ends.tolist())):
+        shared = {}
+        return [ipc_location(name, x, shared) for (name, _), x in zip(named, tensors)]
+    return [handles[g] + (o, b) for g, o, b in zip(group.tolist(), offsets.tolist(),
+                                                   nbytes.tolist())]
 
 
 def ipc_location(name, tensor, cache=None):

@@ -159,21 +159,20 @@ class Engine:
         parameter name to the name it is registered under. Returns
         {registered name: tensor}."""
         import torch
-        from weightsync._gpu import allocation_table, dedupe_aliases, dtype_name, ipc_location
+        from weightsync._gpu import allocation_table, dedupe_aliases, dtype_names, ipc_locations
         if hasattr(params, "named_parameters"):
             params = params.named_parameters()
         pairs, self.aliases = dedupe_aliases([(n, t) for n, t in params])
         if not pairs:
             raise ValueError("no parameters to register")
-        entries, described, shared = [], [], {}
-        devices = set()
-        for name, t in pairs:
-            reg = (names or {}).get(name, name)
-            dt = dtype_name(name, t)
-            handle, uuid, offset, nbytes = ipc_location(name, t.detach(), shared)
-            devices.add(t.device)
-            entries.append((reg, handle, uuid, offset, nbytes))
-            described.append((reg, dt, tuple(int(s) for s in t.shape), t))
+        names = names or {}
+        regs = [names.get(n, n) for n, _ in pairs]
+        tensors = [t for _, t in pairs]
+        dts = dtype_names(pairs)
+        devices = set(t.device for t in tensors)
+        entries = [(reg,) + loc for reg, loc in zip(regs, ipc_locations(pairs))]
+        shapes = list(map(list, map(torch.Tensor.shape.__get__, tensors)))
+        described = list(zip(regs, dts, shapes, tensors))
         for d in devices:
             torch.cuda.synchronize(d)   # initialised before the daemon may write
         allocations, placements = allocation_table(entries)
@@ -183,11 +182,13 @@ class Engine:
             request.allocations.add(kind=v1.MEMORY_CUDA_IPC, handle=a["handle"], size=a["size"],
                                     device_uuid=a["device_uuid"])
         out = {}
+        add = request.parameters.add
+        enums = {dt: getattr(v1, dt) for dt in set(dts)}
         for (reg, dt, shape, t), (_, index, offset) in zip(described, placements):
-            p = request.parameters.add(name=reg, dtype=getattr(v1, dt), shape=list(shape),
-                                       allocation=index, offset=offset)
-            for seg in (segments or {}).get(reg, []):
-                p.segments.add(**seg)
+            p = add(name=reg, dtype=enums[dt], shape=shape, allocation=index, offset=offset)
+            if segments:
+                for seg in segments.get(reg, ()):
+                    p.segments.add(**seg)
             out[reg] = t
         self._stub.call("RegisterEngine", request)
         self._registration = request

@@ -576,14 +576,12 @@ class Trainer:
         key = tuple(key)
         if self._source is not None and self._source[0] == key:
             return self._source
-        from weightsync._gpu import allocation_table, dtype_name, flat_bytes, ipc_location
-        entries, manifest, flats, shared = [], [], [], {}
-        for name, t in pairs:
-            dt = dtype_name(name, t)
-            handle, uuid, offset, nbytes = ipc_location(name, t.detach(), shared)
-            entries.append((name, handle, uuid, offset, nbytes))
-            manifest.append({"name": name, "dtype": dt, "shape": [int(s) for s in t.shape]})
-            flats.append(flat_bytes(name, t))
+        from weightsync._gpu import allocation_table, dtype_names, flat_bytes, ipc_locations
+        dts = dtype_names(pairs)
+        entries = [(name,) + loc for (name, _), loc in zip(pairs, ipc_locations(pairs))]
+        manifest = [{"name": name, "dtype": dt, "shape": [int(s) for s in t.shape]}
+                    for (name, t), dt in zip(pairs, dts)]
+        flats = [flat_bytes(name, t) for name, t in pairs]
         allocations, placements = allocation_table(entries)
         request = v1.RegisterSourceRequest(
             tensors=[v1.TensorSpec(name=m["name"], dtype=getattr(v1, m["dtype"]),
