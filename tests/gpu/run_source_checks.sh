@@ -90,6 +90,9 @@ export -f cpp_ipc; export BIN LOG
 if step cpp && [ -x "$BIN/weightsync_gpu_trainer" ]; then
   run cpp_ipc_receipts_off 400 bash -c 'cpp_ipc "$@"' _ off --baseline_copy
   run cpp_ipc_daemon_receipts 400 bash -c 'cpp_ipc "$@"' _ daemon_receipts --receipts --nocheck_receipts
+  # The same with the receipt pass after the copy (before the fused kernel).
+  WS_DAEMON_EXTRA="--ipc_fused_receipts=false ${WS_DAEMON_EXTRA:-}" \
+    run cpp_ipc_daemon_receipts_unfused 400 bash -c 'cpp_ipc "$@"' _ unfused --receipts --nocheck_receipts
   "$PY" - "$LOG" <<'PY' >"$LOG/cpp_ipc.txt" 2>&1
 import json, os, re, statistics, sys
 log = sys.argv[1]
@@ -100,8 +103,12 @@ def medians(name):
     return (statistics.median(s[1:]) if len(s) > 1 else None), (float(copy.group(1)) if copy else None)
 off, copy_s = medians("cpp_ipc_receipts_off")
 daemon, _ = medians("cpp_ipc_daemon_receipts")
+unfused = None
+if os.path.exists(os.path.join(log, "cpp_ipc_daemon_receipts_unfused.log")):
+    unfused, _ = medians("cpp_ipc_daemon_receipts_unfused")
 out = {"cpp_copy_s": copy_s, "cpp_update_s_receipts_off": off,
        "cpp_update_s_daemon_receipts": daemon,
+       "cpp_update_s_daemon_receipts_unfused": unfused,
        "cpp_ratio_receipts_off": copy_s / off if copy_s and off else None}
 print(json.dumps(out))
 path = os.path.join(log, "python_ipc.json")
