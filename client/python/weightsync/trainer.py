@@ -105,6 +105,9 @@ class Trainer:
         self._source = None    # (key, source_id, manifest, flats) of the registered source
         self._source_raw = None  # _moved_signature of the pairs it was made from
         self._source_layouts = (None, ())  # (source registration, layout ids at its last update)
+        # IPC source with receipts: start the expectation before the update
+        # (see _expect_ahead); False computes it after, as benchmarks compare.
+        self.expect_ahead = True
         self._source_gen = 0     # registrations made (a process-unique number each)
         self._layouts = {}     # layout_id -> layout (for receipts)
         self.last_results = []
@@ -631,7 +634,7 @@ class Trainer:
             # the work that wrote them must be done first.
             torch.cuda.current_stream(gpu.device).synchronize()
             t_ready = time.perf_counter()
-            ahead = self._expect_ahead(source) if verify else None
+            ahead = self._expect_ahead(source) if verify and self.expect_ahead else None
             try:
                 finished = self._start_finished(update_id, version, chunk_bytes, engine_ids,
                                                 verify, source[1])
