@@ -4,19 +4,23 @@
 // through the engine's segments) compute the same value independently, and
 // a GPU can compute it as a parallel reduction. Pure functions.
 //
-// The function (v2), all in 32-bit arithmetic mod 2^32 but the sum:
+// The function (v3), all in 32-bit arithmetic mod 2^32 but the sum:
 //   salt(p)    = FNV-1a 64 of p's name; s = lo32(salt) ^ hi32(salt)
 //   key(p, i)  = s + lo32(i) * 0x9E3779B1 + hi32(i) * 0x85EBCA77
 //   bits32(e)  = lo32(b) ^ hi32(b) * 0x27D4EB2F, b = e's bytes,
 //                little-endian, zero-extended to 64 bits
-//   fmix32(x)  = murmur3's finaliser
-//   term(p, i) = fmix32(bits32(p[i]) ^ key(p, i))
+//   mix32(x)   = y ^ (y >> 16), y = x * 0x85EBCA6B
+//   term(p, i) = mix32(bits32(p[i]) ^ key(p, i))
 //   checksum   = sum of the terms (32-bit values) mod 2^64
 // Only 32-bit multiplies, so a GPU computes it at memory speed and a CPU
-// vectorises it. Implementations that must agree bit for bit:
-// backends/cuda/kernel_math.h (the GPU kernel), client/python/weightsync/
-// receipts.py (numpy, torch, Triton); tests/vectors/receipts.json holds
-// values computed by an independent implementation (tools/receipt_vectors.py).
+// vectorises it. mix32 (v3) replaced murmur3's fmix32 finaliser (v2): one
+// multiply and one xorshift instead of two and three, because with fmix32
+// the GPU receipt kernels were bound by integer operations, not memory;
+// both are bijections of 32-bit values, which is what detection rests on.
+// Implementations that must agree bit for bit: backends/cuda/kernel_math.h
+// (the GPU kernel), client/python/weightsync/receipts.py (numpy, torch) and
+// receipts_gpu.py (Triton); tests/vectors/receipts.json holds values
+// computed by an independent implementation (tools/receipt_vectors.py).
 #ifndef WEIGHTSYNC_COMMON_CHECKSUM_H_
 #define WEIGHTSYNC_COMMON_CHECKSUM_H_
 
@@ -29,6 +33,7 @@ namespace weightsync {
 constexpr uint32_t kReceiptIndexLo = 0x9E3779B1u;
 constexpr uint32_t kReceiptIndexHi = 0x85EBCA77u;
 constexpr uint32_t kReceiptBitsHi = 0x27D4EB2Fu;
+constexpr uint32_t kReceiptMix = 0x85EBCA6Bu;
 
 // FNV-1a of a parameter's name: its salt.
 inline uint64_t ParameterSalt(const std::string& name) {
@@ -52,20 +57,18 @@ inline uint32_t Bits32(uint64_t bits) {
          static_cast<uint32_t>(bits >> 32) * kReceiptBitsHi;
 }
 
-inline uint32_t Fmix32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x85EBCA6Bu;
-  x ^= x >> 13;
-  x *= 0xC2B2AE35u;
-  x ^= x >> 16;
-  return x;
+// The terms' mixing step: a bijection of 32-bit values (an odd multiply,
+// then an xorshift), so distinct inputs give distinct terms.
+inline uint32_t Mix32(uint32_t x) {
+  const uint32_t y = x * kReceiptMix;
+  return y ^ (y >> 16);
 }
 
 // One element's term: element `index` of the parameter salted `salt`
 // (ParameterSalt), holding `bits` (its raw bytes, little-endian,
 // zero-extended). A 32-bit value.
 inline uint64_t ElementTerm(uint64_t salt, uint64_t index, uint64_t bits) {
-  return Fmix32(Bits32(bits) ^ ReceiptKey(Salt32(salt), index));
+  return Mix32(Bits32(bits) ^ ReceiptKey(Salt32(salt), index));
 }
 
 // Raw bits of an element of `size` bytes at `p`.
@@ -106,7 +109,7 @@ inline uint64_t RunTermsOf(uint64_t salt, uint64_t index, const uint8_t* p,
       } else {
         x = p[k];
       }
-      sum += Fmix32(x ^ (key0 + step));
+      sum += Mix32(x ^ (key0 + step));
     }
     p += m * kSize;
     index += static_cast<uint64_t>(m);

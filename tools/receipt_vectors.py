@@ -3,7 +3,7 @@
 "Receipts") of small updates, computed here with plain Python integers and
 nothing from the production code (not common/checksum.h, not
 weightsync.receipts, not common/dtype.cc), so that a bug in one of those
-can't agree with itself. common/checksum_test.cc (C++: ExpectedReceipt and
+can't agree with itself. client/receipts_test.cc (C++: ExpectedReceipt and
 RunTerms) and client/python/tests/test_receipt_vectors.py (numpy, and the
 torch-style int code on numpy) assert every case.
 
@@ -44,17 +44,13 @@ def bits32(b):
     return ((b & M32) ^ ((b >> 32) * 0x27D4EB2F)) & M32
 
 
-def fmix32(x):
-    x ^= x >> 16
-    x = (x * 0x85EBCA6B) & M32
-    x ^= x >> 13
-    x = (x * 0xC2B2AE35) & M32
-    x ^= x >> 16
-    return x
+def mix32(x):
+    y = (x * 0x85EBCA6B) & M32
+    return y ^ (y >> 16)
 
 
 def term(name, i, b):
-    return fmix32(bits32(b) ^ key(salt32(name), i))
+    return mix32(bits32(b) ^ key(salt32(name), i))
 
 
 # --- Conversions (the rules of common/dtype.cc, on integers) -----------------
@@ -271,7 +267,8 @@ def cases():
 def document():
     out, terms = cases()
     return {
-        "function": "receipt v2: term = fmix32(bits32(e) ^ key(p, i)), "
+        "function": "receipt v3: term = mix32(bits32(e) ^ key(p, i)), "
+                    "mix32(x) = y ^ (y >> 16) with y = x * 0x85EBCA6B mod 2^32, "
                     "checksum = sum of terms mod 2^64 (docs/protocol.md, Receipts)",
         "generator": "tools/receipt_vectors.py",
         "terms": terms,

@@ -24,12 +24,13 @@ namespace cuda {
 // ---------------------------------------------------------------------------
 // Receipts (docs/protocol.md, "Receipts"; common/checksum.h).
 
-// common/checksum.h's function (v2), in 32-bit operations only: a GPU has
+// common/checksum.h's function (v3), in 32-bit operations only: a GPU has
 // no 64-bit multiplier (it emulates one with several 32-bit ones), so
 // these keep the kernel bound by memory, not by the SMs' integer units.
 constexpr uint32_t kKeyLo = 0x9E3779B1u;   // kReceiptIndexLo
 constexpr uint32_t kKeyHi = 0x85EBCA77u;   // kReceiptIndexHi
 constexpr uint32_t kBitsHi = 0x27D4EB2Fu;  // kReceiptBitsHi
+constexpr uint32_t kMix = 0x85EBCA6Bu;     // kReceiptMix
 
 // Salt32: the 32-bit salt from ParameterSalt's 64 bits.
 WS_HD uint32_t SaltOf(uint64_t salt) {
@@ -42,18 +43,15 @@ WS_HD uint32_t KeyOf(uint32_t s, uint64_t index) {
          static_cast<uint32_t>(index >> 32) * kKeyHi;
 }
 
-WS_HD uint32_t Fmix32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x85EBCA6Bu;
-  x ^= x >> 13;
-  x *= 0xC2B2AE35u;
-  x ^= x >> 16;
-  return x;
+// Mix32: one multiply and one xorshift per element.
+WS_HD uint32_t Mix32(uint32_t x) {
+  const uint32_t y = x * kMix;
+  return y ^ (y >> 16);
 }
 
 // ElementTerm given the element's key and its Bits32.
 WS_HD uint32_t TermOf(uint32_t key, uint32_t bits32) {
-  return Fmix32(bits32 ^ key);
+  return Mix32(bits32 ^ key);
 }
 
 // One 2-D run of a parameter's installed elements, e.g. one segment of it:

@@ -86,8 +86,8 @@ TEST(KernelMathTest, TermsAreTheHostFunction) {
     const uint64_t salt = rng(), index = rng(), bits = rng();
     EXPECT_EQ(TermOf(KeyOf(SaltOf(salt), index), Bits32(bits)),
               ElementTerm(salt, index, bits));
-    EXPECT_EQ(Fmix32(static_cast<uint32_t>(bits)),
-              weightsync::Fmix32(static_cast<uint32_t>(bits)));
+    EXPECT_EQ(Mix32(static_cast<uint32_t>(bits)),
+              weightsync::Mix32(static_cast<uint32_t>(bits)));
   }
   for (uint64_t index : {uint64_t{0}, uint64_t{0xFFFFFFFAull},
                          uint64_t{0x1FFFFFFFFull}, ~uint64_t{0} - 3}) {

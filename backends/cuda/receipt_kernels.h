@@ -57,7 +57,7 @@ cudaError_t ReceiptSum(const void* base, int64_t rows, int64_t cols,
 // Work is split evenly in tiles of at most 16 KiB, so parameters of any mix
 // of sizes cost one launch and run at one speed. Speed: see
 // bench/gpu_kernels_bench.cc (the function is 32-bit arithmetic, about a
-// dozen operations and two multiplies per element, so even 2-byte elements
+// handful of operations and one multiply per element, so even 2-byte elements
 // are meant to run at HBM speed: ~4 ms for 16.4 GB of bfloat16 on an H200).
 cudaError_t ReceiptSumBatch(const ReceiptRegion* device_regions, int64_t n,
                             int64_t total_tiles, cudaStream_t stream);

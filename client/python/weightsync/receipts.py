@@ -6,7 +6,8 @@ tests/vectors/receipts.json, from tools/receipt_vectors.py, bind them).
 
     s          = lo32(FNV-1a 64 of the name) ^ hi32(it)
     key(p, i)  = s + lo32(i) * 0x9E3779B1 + hi32(i) * 0x85EBCA77   (mod 2^32)
-    term(p, i) = fmix32(bits32(p[i]) ^ key(p, i)),  checksum = sum mod 2^64
+    mix32(x)   = y ^ (y >> 16),  y = x * 0x85EBCA6B                 (mod 2^32)
+    term(p, i) = mix32(bits32(p[i]) ^ key(p, i)),  checksum = sum mod 2^64
 
 expected_receipt: numpy, on the host (the host backend): segments of many
   small tensors are gathered into one run of numpy operations, large ones
@@ -28,7 +29,7 @@ from weightsync import _xp
 from weightsync._tensors import STORAGE
 
 KEY_LO, KEY_HI, BITS_HI = 0x9E3779B1, 0x85EBCA77, 0x27D4EB2F
-FMIX1, FMIX2 = 0x85EBCA6B, 0xC2B2AE35
+MIX = 0x85EBCA6B
 _U32 = np.uint32
 # Segments up to this many elements are gathered with others of the same
 # dtype pair; larger ones are summed in blocks of _BLOCK elements.
@@ -57,15 +58,13 @@ def salt32(name):
     return s
 
 
-def fmix32(x):
-    """murmur3's finaliser on a uint32 numpy array (in place when it can)."""
+def mix32(x):
+    """The terms' mixing step, y ^ (y >> 16) with y = x * MIX (mod 2^32),
+    on a uint32 numpy array (a new array; `x` is left as it is)."""
     with np.errstate(over="ignore"):
-        x = x ^ (x >> _U32(16))
-        x *= _U32(FMIX1)
-        x ^= x >> _U32(13)
-        x *= _U32(FMIX2)
-        x ^= x >> _U32(16)
-    return x
+        y = x * _U32(MIX)
+        y ^= y >> _U32(16)
+    return y
 
 
 def terms32(bits, index, salt):
@@ -78,7 +77,7 @@ def terms32(bits, index, salt):
             key += hi * _U32(KEY_HI)
         key += salt if isinstance(salt, np.ndarray) else _U32(salt)
         key ^= bits
-    return fmix32(key)
+    return mix32(key)
 
 
 def _to_float32(raw, dtype):
@@ -407,7 +406,7 @@ def _sum_precomputed(payloads, src, dst, take, nbytes, where, key):
         raw = raw.view(f"u{ses}")[where].view(np.uint8)
     bits = bits32_np(raw, src, dst)
     bits ^= key
-    return int(fmix32(bits).sum(dtype=np.uint64))
+    return int(mix32(bits).sum(dtype=np.uint64))
 
 
 def _sum_gathered(gather, src, dst, take, nbytes, where, key):
@@ -437,7 +436,7 @@ def _sum_gathered(gather, src, dst, take, nbytes, where, key):
     raw = elements[hit[1]].view(np.uint8)
     bits = bits32_np(raw, src, dst)
     bits ^= key
-    return int(fmix32(bits).sum(dtype=np.uint64))
+    return int(mix32(bits).sum(dtype=np.uint64))
 
 
 # --- The same function on torch tensors (on their GPU) or numpy arrays ----
@@ -455,13 +454,10 @@ ESIZE = {"FLOAT32": 4, "FLOAT16": 2, "BFLOAT16": 2, "FLOAT64": 8, "INT64": 8, "I
          "INT16": 2, "INT8": 1, "UINT8": 1, "BOOL": 1}
 
 
-def fmix32_bits(x):
-    """fmix32 of int64 lanes holding 32-bit values (same bits as fmix32)."""
-    x = x ^ (x >> 16)
-    x = (x * FMIX1) & M32
-    x = x ^ (x >> 13)
-    x = (x * FMIX2) & M32
-    return x ^ (x >> 16)
+def mix32_bits(x):
+    """mix32 of int64 lanes holding 32-bit values (same bits as mix32)."""
+    y = (x * MIX) & M32
+    return y ^ (y >> 16)
 
 
 def bits32_of(bits, width):
@@ -587,7 +583,7 @@ def _receipt_by_ops(layout, sent, ops, block):
                     key = (salt + (index & M32) * KEY_LO + _xp.shr(index, 32) * KEY_HI) & M32
                     # Terms are < 2^32: an int64 sum of a block (<= 2^31
                     # elements) can't overflow.
-                    acc += o.to_int(fmix32_bits(bits ^ key).sum())
+                    acc += o.to_int(mix32_bits(bits ^ key).sum())
             total = (total + acc) & _xp.MASK64
         params += 1
     return total, params, nbytes

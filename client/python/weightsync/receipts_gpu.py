@@ -17,19 +17,21 @@ one row (wide rows), or ITERS * (BLOCK // cols) whole rows (narrow ones).
 Programs take one tile each and add their sum to their group's slot with
 one atomic.
 
-Speed: the work per element is about a dozen 32-bit integer operations,
-so the kernel is meant to cost one read of the bytes. Blocks of an
+Speed: the work per element is a handful of 32-bit integer operations
+(v3's mix32: one multiply and one xorshift, where v2's fmix32 took two
+multiplies and three xorshifts and left the kernel bound by integer
+work), so the kernel is meant to cost one read of the bytes. Blocks of an
 aligned region of 2- or 4-byte elements that are whole and whose indices
 share their high 32 bits take the fast path: unmasked 16-byte loads of
 32-bit words (bfloat16 pairs split with shifts), the index key as a 32-bit
 lane constant plus one per-block scalar. Everything else (row tails,
 unaligned or narrow segments, 1- and 8-byte elements, a tile whose
 indices cross 2^32) takes the general masked path with 64-bit indices.
-Measured on one H200: Qwen3-8B's 16.4 GB in 7.3 ms (2.25 TB/s; the
-previous kernel 16.7 ms), not yet one read (~4 ms): the kernel compiles
-to 255 registers with spills, the general paths' BLOCK-wide int64
-tensors setting the allocation the fast loop runs under (2 CTAs of 4
-warps per SM). Giving those paths a narrower block is the next step;
+Measured on one H200 with v2: Qwen3-8B's 16.4 GB in 7.3 ms (2.25 TB/s;
+the previous kernel 16.7 ms), not yet one read (~4 ms; v3 not yet
+measured): the kernel compiled to 255 registers with spills, the general
+paths' BLOCK-wide int64 tensors setting the allocation the fast loop runs
+under (2 CTAs of 4 warps per SM). Giving those paths a narrower block is the next step;
 CHECK_RECEIPTS_TUNE=1 tests/gpu/check_receipts_gpu.py prints registers,
 spills and the speed of other shapes.
 
@@ -139,22 +141,16 @@ def _build():
         return b
 
     @triton.jit
-    def _mix(b, key, NB16: tl.constexpr):
-        # fmix32(b ^ key) up to its last step (y ^ (y >> 16)). NB16: b <
-        # 2^16, so (b ^ key) >> 16 is key >> 16.
+    def _mix(b, key):
+        # mix32(b ^ key) up to its last step (y ^ (y >> 16)): y, the
+        # product.
         x = (b ^ key).to(tl.uint32)
-        if NB16:
-            x ^= key >> 16
-        else:
-            x ^= x >> 16
         x *= 0x85EBCA6B
-        x ^= x >> 13
-        x *= 0xC2B2AE35
         return x
 
     @triton.jit
-    def _term(b, key, NB16: tl.constexpr):
-        y = _mix(b, key, NB16)
+    def _term(b, key):
+        y = _mix(b, key)
         return (y ^ (y >> 16)).to(tl.uint32)
 
     @triton.jit
@@ -164,17 +160,17 @@ def _build():
 
     @triton.jit
     def _fast_step(ptr, kb, kl, SRC: tl.constexpr, DST: tl.constexpr, ES: tl.constexpr,
-                   NB16: tl.constexpr, SPLIT: tl.constexpr):
+                   SPLIT: tl.constexpr):
         # Terms of one whole aligned block as 32-bit words; kb: the key of
         # its first element, kl: each word's first element's key offset.
         # SPLIT: (sum of the terms' low halves, of their high halves) as
-        # uint32, the high half being fmix32's last y >> 16, which it
+        # uint32, the high half being mix32's y >> 16, which it
         # computes anyway; else (sum as int64, the same).
         w = tl.load(ptr, eviction_policy="evict_first")
         if ES == 2:
             k0 = kl + kb
-            y0 = _mix(_bits32((w & 0xFFFF).to(tl.uint16), SRC, DST, ES), k0, NB16)
-            y1 = _mix(_bits32((w >> 16).to(tl.uint16), SRC, DST, ES), k0 + 0x9E3779B1, NB16)
+            y0 = _mix(_bits32((w & 0xFFFF).to(tl.uint16), SRC, DST, ES), k0)
+            y1 = _mix(_bits32((w >> 16).to(tl.uint16), SRC, DST, ES), k0 + 0x9E3779B1)
             if SPLIT:
                 h0 = y0 >> 16
                 h1 = y1 >> 16
@@ -184,7 +180,7 @@ def _build():
                 lo = (y0 ^ (y0 >> 16)).to(tl.int64) + (y1 ^ (y1 >> 16)).to(tl.int64)
                 hi = lo
         else:
-            y = _mix(_bits32(w, SRC, DST, ES), kl + kb, NB16)
+            y = _mix(_bits32(w, SRC, DST, ES), kl + kb)
             if SPLIT:
                 hi = y >> 16
                 lo = (y ^ hi) & 0xFFFF
@@ -197,7 +193,7 @@ def _build():
     def _receipt_kernel(table, tile_region, out, SRC: tl.constexpr, DST: tl.constexpr,
                         ES: tl.constexpr, RAW: tl.constexpr, BLOCK: tl.constexpr,
                         ITERS: tl.constexpr, WORDS: tl.constexpr, FAST: tl.constexpr,
-                        NB16: tl.constexpr, SPLIT: tl.constexpr, REL: tl.constexpr):
+                        SPLIT: tl.constexpr, REL: tl.constexpr):
         pid = tl.program_id(0)
         reg = tl.load(tile_region + pid).to(tl.int64)
         row = table + reg * 12
@@ -229,8 +225,7 @@ def _build():
                 mask = (r_in < rpt) & (r < rows)
                 raw = tl.load(src + r * src_stride + c, mask=mask, other=0,
                               eviction_policy="evict_first")
-                x = _term(_bits32(raw, SRC, DST, ES), _key(dest + r * dest_stride + c, salt),
-                          NB16)
+                x = _term(_bits32(raw, SRC, DST, ES), _key(dest + r * dest_stride + c, salt))
                 acc += tl.where(mask, x.to(tl.int64), 0)
             total = tl.sum(acc, axis=0)
         else:
@@ -268,8 +263,7 @@ def _build():
                     i0 = index0 + it * BLOCK
                     kb = (salt + (i0 & 0xFFFFFFFF).to(tl.uint32) * 0x9E3779B1
                           + (i0 >> 32).to(tl.uint32) * 0x85EBCA77)
-                    lo, hi = _fast_step(tile_ptr + it * WORDS + jw, kb, kl, SRC, DST, ES, NB16,
-                                        SPLIT)
+                    lo, hi = _fast_step(tile_ptr + it * WORDS + jw, kb, kl, SRC, DST, ES, SPLIT)
                     acc_lo += lo
                     if SPLIT:
                         acc_hi += hi
@@ -284,7 +278,7 @@ def _build():
                 c = it * BLOCK + lane
                 mask = c0 + c < cols
                 raw = tl.load(base + c, mask=mask, other=0, eviction_policy="evict_first")
-                x = _term(_bits32(raw, SRC, DST, ES), _key(index0 + c, salt), NB16)
+                x = _term(_bits32(raw, SRC, DST, ES), _key(index0 + c, salt))
                 acc += tl.where(mask, x.to(tl.int64), 0)
             total = tl.sum(acc, axis=0)
             if FAST:
@@ -437,10 +431,9 @@ def expected_receipts_gpu(layouts, sent, stream=None, plan_key=None):
         for src, dst, table_d, tiles_d, ntiles in plan.launches:
             es = receipts.ESIZE[src]
             s, d = _DTYPES.get(src, -1 - es), _DTYPES.get(dst, -1 - es)
-            nb16 = (s == d and es <= 2) or d in (1, 2)
             compiled[(src, dst)] = _kernel[(ntiles,)](
                 table_d, tiles_d, out, SRC=s, DST=d, ES=es, RAW=_raw_dtype(es), BLOCK=block,
-                ITERS=iters, WORDS=block * es // 4, FAST=es in (2, 4), NB16=nb16, SPLIT=SPLIT,
+                ITERS=iters, WORDS=block * es // 4, FAST=es in (2, 4), SPLIT=SPLIT,
                 REL=REL, num_warps=num_warps)
         sums = out.tolist()   # waits for the stream
     return {key: (sums[g] & receipts._xp.MASK64,) + plan.counts[key]
