@@ -28,10 +28,12 @@ lane constant plus one per-block scalar. Everything else (row tails,
 unaligned or narrow segments, 1- and 8-byte elements, a tile whose
 indices cross 2^32) takes the general masked path with 64-bit indices.
 Measured on one H200 with v2: Qwen3-8B's 16.4 GB in 7.3 ms (2.25 TB/s;
-the previous kernel 16.7 ms), not yet one read (~4 ms; v3 not yet
-measured): the kernel compiled to 255 registers with spills, the general
-paths' BLOCK-wide int64 tensors setting the allocation the fast loop runs
-under (2 CTAs of 4 warps per SM). Giving those paths a narrower block is the next step;
+the previous kernel 16.7 ms), not yet one read (~4 ms). On one H100
+(2026-11-25, check_receipts_gpu.py, both on the same machine): kernel
+7.30 ms with v2, 6.66 ms with v3, still not one read (~5 ms there). With
+v2 the kernel compiled to 255 registers with spills, the general paths'
+BLOCK-wide int64 tensors setting the allocation the fast loop runs under
+(2 CTAs of 4 warps per SM). Giving those paths a narrower block is the next step;
 CHECK_RECEIPTS_TUNE=1 tests/gpu/check_receipts_gpu.py prints registers,
 spills and the speed of other shapes.
 
