@@ -57,9 +57,11 @@ inline uint32_t Bits32(uint64_t bits) {
          static_cast<uint32_t>(bits >> 32) * kReceiptBitsHi;
 }
 
-// The terms' mixing step: a bijection of 32-bit values (an odd multiply,
-// then an xorshift), so distinct inputs give distinct terms.
+// The terms' mixing step: a bijection of 32-bit values (an xorshift, an
+// odd multiply, an xorshift), so distinct inputs give distinct terms. The
+// first xorshift carries the high bits (a float's sign) into the multiply.
 inline uint32_t Mix32(uint32_t x) {
+  x ^= x >> 16;
   const uint32_t y = x * kReceiptMix;
   return y ^ (y >> 16);
 }

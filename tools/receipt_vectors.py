@@ -45,6 +45,7 @@ def bits32(b):
 
 
 def mix32(x):
+    x ^= x >> 16
     y = (x * 0x85EBCA6B) & M32
     return y ^ (y >> 16)
 

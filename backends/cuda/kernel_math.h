@@ -43,8 +43,9 @@ WS_HD uint32_t KeyOf(uint32_t s, uint64_t index) {
          static_cast<uint32_t>(index >> 32) * kKeyHi;
 }
 
-// Mix32: one multiply and one xorshift per element.
+// Mix32: one multiply and two xorshifts per element.
 WS_HD uint32_t Mix32(uint32_t x) {
+  x ^= x >> 16;
   const uint32_t y = x * kMix;
   return y ^ (y >> 16);
 }

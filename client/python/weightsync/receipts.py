@@ -59,10 +59,11 @@ def salt32(name):
 
 
 def mix32(x):
-    """The terms' mixing step, y ^ (y >> 16) with y = x * MIX (mod 2^32),
-    on a uint32 numpy array (a new array; `x` is left as it is)."""
+    """The terms' mixing step, y ^ (y >> 16) with y = (x ^ (x >> 16)) * MIX
+    (mod 2^32), on a uint32 numpy array (a new array; `x` is left as it
+    is)."""
     with np.errstate(over="ignore"):
-        y = x * _U32(MIX)
+        y = (x ^ (x >> _U32(16))) * _U32(MIX)
         y ^= y >> _U32(16)
     return y
 
@@ -456,7 +457,7 @@ ESIZE = {"FLOAT32": 4, "FLOAT16": 2, "BFLOAT16": 2, "FLOAT64": 8, "INT64": 8, "I
 
 def mix32_bits(x):
     """mix32 of int64 lanes holding 32-bit values (same bits as mix32)."""
-    y = (x * MIX) & M32
+    y = ((x ^ (x >> 16)) * MIX) & M32
     return y ^ (y >> 16)
 
 

