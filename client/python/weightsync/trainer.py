@@ -104,10 +104,6 @@ class Trainer:
         self._host_sources = []      # HostSource objects (host_tensors)
         self._source = None    # (key, source_id, manifest, flats) of the registered source
         self._source_raw = None  # _moved_signature of the pairs it was made from
-        self._source_layouts = (None, ())  # (source registration, layout ids at its last update)
-        # IPC source with receipts: start the expectation before the update
-        # (see _expect_ahead); False computes it after, as benchmarks compare.
-        self.expect_ahead = True
         self._source_gen = 0     # registrations made (a process-unique number each)
         self._layouts = {}     # layout_id -> layout (for receipts)
         self.last_results = []
@@ -634,7 +630,6 @@ class Trainer:
             # the work that wrote them must be done first.
             torch.cuda.current_stream(gpu.device).synchronize()
             t_ready = time.perf_counter()
-            ahead = self._expect_ahead(source) if verify and self.expect_ahead else None
             try:
                 finished = self._start_finished(update_id, version, chunk_bytes, engine_ids,
                                                 verify, source[1])
@@ -644,54 +639,19 @@ class Trainer:
                 if e.code != "NOT_FOUND" or attempt:
                     raise
                 self._source = None
-            finally:
-                if ahead is not None:
-                    ahead[1].join()
         t1 = time.perf_counter()
         gpu.last_timings = {"prepare_s": t_ready - t0, "start_to_finish_s": t1 - t_ready}
         self.last_results = [finished]
         if verify:
-            self._source_layouts = (source[4], {r.layout_id for r in finished.engines
-                                                if r.layout_id})
-            self._check_gpu_receipts([finished], source[2], source[3], plan_key=source[4],
-                                     ahead=ahead[0] if ahead else None)
+            # After the update, not beside it: the GPU time-slices the two
+            # processes, so an expectation computed during the daemon's copy
+            # only lengthened it, and one started before Start too (23.6 ms
+            # after, 24.4 ahead: bench/RESULTS.md).
+            self._check_gpu_receipts([finished], source[2], source[3], plan_key=source[4])
         gpu.last_timings["total_s"] = time.perf_counter() - t0
         return finished
 
-    def _expect_ahead(self, source):
-        """Starts the expectation of `source` for the layouts its engines had
-        at its last update on a thread, so that its kernel runs while the
-        daemon pauses the engines and prepares (the GPU is idle then; during
-        the daemon's copy the GPU time-slices the two processes, so the
-        overlap is only with the control path). Returns ({layout id:
-        expectation}, the thread) or None (no known layout, no Triton)."""
-        gen, ids = self._source_layouts
-        known = [(k, self._layouts[k]) for k in ids if k in self._layouts]
-        flats = source[3]
-        if gen != source[4] or not known or not flats or not getattr(flats[0], "is_cuda", False):
-            return None
-        from weightsync import receipts_gpu
-        if not receipts_gpu.available():
-            return None
-        from weightsync._gpu import elements
-        done = {}
-
-        def sent():
-            return {m["name"]: (m["dtype"], m["shape"], elements(f, m["dtype"]))
-                    for m, f in zip(source[2], flats) if not m.get("sparse_nnz")}
-
-        def expect():
-            try:
-                for key, layout in known:
-                    done[key] = receipts_gpu.expected_receipts_gpu(
-                        {0: layout}, sent, plan_key=(source[4], key))[0]
-            except Exception:  # noqa: BLE001 - computed again after the update
-                done.clear()
-        worker = threading.Thread(target=expect, name="weightsync-receipts", daemon=True)
-        worker.start()
-        return done, worker
-
-    def _check_gpu_receipts(self, results, manifest, flats, plan_key=None, ahead=None):
+    def _check_gpu_receipts(self, results, manifest, flats, plan_key=None):
         """Receipts of a GPU update, the expectation computed on the GPU
         from the tensors as sent (weightsync.receipts.expected_receipt_arrays
         on torch tensors, on the current stream of their device: after the
@@ -700,8 +660,7 @@ class Trainer:
         registered source's registration number, which changes whenever a
         tensor moves): with the engine's layout id it keys the Triton
         kernel's tables, so an update of a source already checked against
-        that layout builds nothing per tensor. ahead: {layout id:
-        expectation} already computed (_expect_ahead). Adds receipts_s to
+        that layout builds nothing per tensor. Adds receipts_s to
         last_timings."""
         from weightsync._gpu import elements
         from weightsync.receipts import expected_receipt_arrays
@@ -725,7 +684,6 @@ class Trainer:
                     layout, sent()))
             else:
                 self._check_receipts(results, lambda layout, layout_id: (
-                    (ahead or {}).get(layout_id) or
                     fast.expected_receipts_gpu({0: layout}, sent, plan_key=(
                         plan_key, layout_id) if layout_id else None)[0]), keyed=True)
         finally:
