@@ -113,12 +113,20 @@ def engine_child(sock, spec_path, backend="host"):
         torch.cuda.synchronize()
     else:
         params = [(n, "FLOAT32", s) for n, s in shapes]
+    prof = cProfile.Profile() if os.environ.get("WS_PROFILE_REGISTER") else None
     t0 = time.perf_counter()
+    if prof:
+        prof.enable()
     if backend == "ipc":
         engine.register_torch(params)
     else:
         engine.register_host(params)
     register_s = time.perf_counter() - t0
+    if prof:
+        prof.disable()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(25)
+        print(s.getvalue(), file=sys.stderr, flush=True)
     engine.start()
     print(json.dumps({"register_s": register_s}), flush=True)
     sys.stdin.read()
@@ -233,6 +241,9 @@ def run_row(binary, shapes, receipts, updates, profile, gpu_worker=None, host_so
                 t0 = time.perf_counter()
                 trainer.update(named, version=version, verify=verify)
                 times.append(time.perf_counter() - t0)
+            last = trainer.last_results[0] if trainer.last_results else None
+            timings = {"daemon": str(last.timings).replace("\n", " ") if last else None,
+                       "client": trainer.last_timings}
             prof_text = None
             if profile:
                 version += 1
@@ -252,6 +263,7 @@ def run_row(binary, shapes, receipts, updates, profile, gpu_worker=None, host_so
     if host_source:
         extra = {"trainer_memory": "host_tensors",
                  "source_register_s": round(source_register_s, 5)}
+    extra["last_update_timings"] = timings
     return {**extra, "tensors": len(shapes), "receipts": receipts,
             "register_s": round(register_s, 5),
             "first_update_s": round(times[0], 5),
