@@ -143,7 +143,10 @@ class Daemon:
         self.backend = "ipc" if gpu_worker else "host"
         gpu = [f"--gpu=0", f"--gpu_worker={gpu_worker}"] if gpu_worker else []
         self.proc = subprocess.Popen([binary, f"--socket={self.sock}", "--notice_timeout_ms=60000",
-                                      "--finish_timeout_ms=600000"] + gpu, stderr=self.log)
+                                      "--finish_timeout_ms=600000"] + gpu +
+                                     # Experiments: more daemon flags from the environment.
+                                     os.environ.get("WS_DAEMON_EXTRA", "").split(),
+                                     stderr=self.log)
         for _ in range(400):
             if os.path.exists(self.sock):
                 break
@@ -183,6 +186,10 @@ class Daemon:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self.log.close()
+        keep = os.environ.get("WS_LOG_DIR")
+        if keep:   # the daemon's log, for profiles (e.g. WS_DAEMON_EXTRA=--v=1)
+            shutil.copy(os.path.join(self.dir, "daemon.log"),
+                        os.path.join(keep, f"manifest-daemon-{self.proc.pid}.log"))
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
