@@ -23,6 +23,17 @@
 namespace weightsync {
 namespace {
 
+// The names of the plan's dense tensors, the ones receipts cover (a
+// patch's other elements are not the trainer's to vouch for).
+absl::flat_hash_set<std::string> DenseSources(const CopyPlan& plan) {
+  absl::flat_hash_set<std::string> sources;
+  sources.reserve(plan.manifest.size());
+  for (const v1::TensorSpec& t : plan.manifest) {
+    if (t.sparse_nnz() == 0) sources.insert(t.name());
+  }
+  return sources;
+}
+
 std::unique_ptr<grpc::ClientContext> Ctx(absl::Time deadline) {
   auto ctx = std::make_unique<grpc::ClientContext>();
   ctx->set_deadline(absl::ToChronoTime(deadline));
@@ -479,8 +490,7 @@ absl::StatusOr<v1::Receipt> GpuMapper::DeviceReceipt(
 }
 
 absl::StatusOr<std::vector<v1::Receipt>> GpuDataPlane::DeviceReceipts(
-    const CopyPlan& plan, const absl::flat_hash_set<std::string>& sources,
-    const std::vector<bool>& skip, absl::Time deadline) {
+    const CopyPlan& plan, const std::vector<bool>& skip, absl::Time deadline) {
   {
     // Computed by the worker as the update went (AddReceipts).
     absl::MutexLock lock(&mu_);
@@ -492,6 +502,9 @@ absl::StatusOr<std::vector<v1::Receipt>> GpuDataPlane::DeviceReceipts(
       return out;
     }
   }
+  // Not computed as the update went (a staged update): from the plan's
+  // dense tensors, whose names are gathered only here.
+  absl::flat_hash_set<std::string> sources = DenseSources(plan);
   std::vector<v1::Receipt> out;
   worker::v1::ComputeReceiptsRequest req;
   std::vector<std::string> region_sources;
@@ -509,11 +522,8 @@ absl::Status GpuDataPlane::AddReceipts(
     worker::v1::BeginUpdateRequest* req) {
   // The sources receipts cover (the coordinator's: dense tensors), and the
   // last chunk that carries each.
-  absl::flat_hash_set<std::string> sources;
+  const absl::flat_hash_set<std::string> sources = DenseSources(plan);
   absl::flat_hash_map<std::string, int64_t> last_chunk;
-  for (const v1::TensorSpec& t : plan.manifest) {
-    if (t.sparse_nnz() == 0) sources.insert(t.name());
-  }
   for (const Chunk& c : plan.chunks.chunks) {
     for (const Piece& piece : c.pieces) {
       last_chunk[plan.manifest[piece.tensor].name()] = c.index;

@@ -189,8 +189,8 @@ class GpuDataPlane : public DataPlane {
     return backend_ == v1::BACKEND_IPC ? "ipc" : "nccl";
   }
   absl::StatusOr<std::vector<v1::Receipt>> DeviceReceipts(
-      const CopyPlan& plan, const absl::flat_hash_set<std::string>& sources,
-      const std::vector<bool>& skip, absl::Time deadline) override;
+      const CopyPlan& plan, const std::vector<bool>& skip,
+      absl::Time deadline) override;
   // nccl only (ipc: -1, UNIMPLEMENTED): one GPU staging buffer per chunk,
   // within the worker's staging budget.
   int64_t DeviceStagingBudget() const override;

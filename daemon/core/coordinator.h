@@ -221,8 +221,7 @@ class Coordinator {
     std::vector<std::string> staged_chunks;
     v1::StartWeightUpdateRequest request;  // for the data plane at commit
     absl::Time paused_at = absl::InfiniteFuture();
-    bool verify = false;                       // compute receipts at Finish
-    absl::flat_hash_set<std::string> sources;  // manifest tensor names
+    bool verify = false;  // compute receipts at Finish
     // The registered source the update copies from or names its manifest
     // by (kept alive, with its memory, until the update ends).
     std::shared_ptr<const Source> source;

@@ -61,8 +61,8 @@ class FakeDevicePlane : public DataPlane {
   bool ReceivesOwnBytes() const override { return true; }
   std::string name() const override { return plane_name; }
   absl::StatusOr<std::vector<v1::Receipt>> DeviceReceipts(
-      const CopyPlan& plan, const absl::flat_hash_set<std::string>& sources,
-      const std::vector<bool>& skip, absl::Time) override {
+      const CopyPlan& plan, const std::vector<bool>& skip,
+      absl::Time) override {
     log_->Add("DeviceReceipts");
     if (!receipts_status.ok()) return receipts_status;
     std::vector<v1::Receipt> out(plan.engines.size());

@@ -88,10 +88,11 @@ class DataPlane {
 
   // Receipts of memory only the data plane can read (GPU): per engine of
   // `plan`, bit for bit what ComputeReceipt (daemon/core/receipt.h) returns
-  // for `sources`; an empty receipt where skip[i]. Call after Drain.
+  // for the plan's dense tensors; an empty receipt where skip[i]. Call after
+  // Drain.
   virtual absl::StatusOr<std::vector<v1::Receipt>> DeviceReceipts(
-      const CopyPlan& plan, const absl::flat_hash_set<std::string>& sources,
-      const std::vector<bool>& skip, absl::Time deadline) {
+      const CopyPlan& plan, const std::vector<bool>& skip,
+      absl::Time deadline) {
     return absl::UnimplementedError("receipts of device memory");
   }
 

@@ -253,19 +253,17 @@ absl::Status Coordinator::CollectReceipts(
   // memory here; GPU memory by the data plane, where a failure fails the
   // update (its receipts were asked for and can't be given).
   std::shared_ptr<const CopyPlan> plan;
-  const absl::flat_hash_set<std::string>* sources;
   bool verify;
   std::vector<bool> lost;
   {
     absl::MutexLock lock(&mu_);
     plan = update_->plan;
-    sources = &update_->sources;  // stable: only control ops end updates
     verify = update_->verify;
     lost = update_->lost;
   }
   if (verify && plane.ReceivesOwnBytes()) {
     absl::StatusOr<std::vector<v1::Receipt>> device =
-        plane.DeviceReceipts(*plan, *sources, lost, deadline);
+        plane.DeviceReceipts(*plan, lost, deadline);
     if (!device.ok()) {
       return absl::Status(
           device.status().code(),

@@ -404,16 +404,6 @@ void Coordinator::InstallUpdateLocked(
   update->source = s.source;
   update->bytes_by_plane = s.plane->ReceivesOwnBytes() ||
                            (s.source != nullptr && s.source->has_memory());
-  if (update->verify && s.plane->ReceivesOwnBytes()) {
-    // The GPU worker's receipts name their sources; the host's come from
-    // the plan's manifest (CollectReceipts), so a host update of many
-    // tensors builds no set of names. Receipts cover dense tensors: a
-    // patch's other elements are not the trainer's to vouch for.
-    update->sources.reserve(s.manifest->size());
-    for (const v1::TensorSpec& t : *s.manifest) {
-      if (t.sparse_nnz() == 0) update->sources.insert(t.name());
-    }
-  }
   if (s.staged && !s.device_staging) {
     update->staged_chunks.resize(s.plan->chunks.chunks.size());
     update->request = request;
