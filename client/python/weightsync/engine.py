@@ -169,7 +169,7 @@ class Engine:
         regs = [names.get(n, n) for n, _ in pairs]
         tensors = [t for _, t in pairs]
         dts = dtype_names(pairs)
-        devices = set(t.device for t in tensors)
+        devices = set(map(torch.Tensor.device.__get__, tensors))
         entries = [(reg,) + loc for reg, loc in zip(regs, ipc_locations(pairs))]
         shapes = list(map(list, map(torch.Tensor.shape.__get__, tensors)))
         described = list(zip(regs, dts, shapes, tensors))
