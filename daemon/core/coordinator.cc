@@ -278,12 +278,18 @@ absl::StatusOr<v1::InitWeightTransferResponse> Coordinator::InitWeightTransfer(
   return response;
 }
 
-v1::GetWorldSizeResponse Coordinator::GetWorldSize() {
+v1::GetWorldSizeResponse Coordinator::GetWorldSize(
+    const v1::GetWorldSizeRequest& request) {
   absl::MutexLock lock(&mu_);
+  // A trainer lays out the ranks of several daemons before it forms the
+  // group, so it asks for a backend.
+  const v1::Backend backend = request.backend() != v1::BACKEND_UNSPECIFIED
+                                  ? request.backend()
+                                  : backend_;
   v1::GetWorldSizeResponse response;
-  response.set_world_size(backend_ == v1::BACKEND_UNSPECIFIED
+  response.set_world_size(backend == v1::BACKEND_UNSPECIFIED
                               ? 0
-                              : data_planes_->LocalWorldSize(backend_));
+                              : data_planes_->LocalWorldSize(backend));
   return response;
 }
 
