@@ -91,6 +91,11 @@ struct CoordinatorOptions {
   absl::Duration update_idle_timeout = absl::Minutes(5);
   RegistrationLimits limits;
   std::string build_info;
+  // This daemon's NCCL as ncclGetVersion encodes it (0: none, the host-only
+  // build): an nccl Init from a trainer whose NCCL differs in major.minor
+  // is refused unless allow_nccl_version_mismatch (nccl_version.h).
+  int nccl_version = 0;
+  bool allow_nccl_version_mismatch = false;
 };
 
 class Coordinator {
