@@ -153,6 +153,25 @@ TrainerClient::FinishWeightUpdate(const std::string& update_id) {
       Context().get(), r);
 }
 
+absl::StatusOr<v1::PrepareWeightUpdateResponse>
+TrainerClient::PrepareWeightUpdate(const std::string& update_id) {
+  v1::PrepareWeightUpdateRequest r;
+  r.set_update_id(update_id);
+  r.set_timeout_ms(absl::ToInt64Milliseconds(options_.call_timeout) * 2 / 3);
+  return Call<v1::PrepareWeightUpdateResponse>(
+      stub_.get(), &v1::TrainerService::Stub::PrepareWeightUpdate,
+      Context().get(), r);
+}
+
+absl::StatusOr<v1::FinishWeightUpdateResponse>
+TrainerClient::CommitWeightUpdate(const std::string& update_id) {
+  v1::CommitWeightUpdateRequest r;
+  r.set_update_id(update_id);
+  return Call<v1::FinishWeightUpdateResponse>(
+      stub_.get(), &v1::TrainerService::Stub::CommitWeightUpdate,
+      Context().get(), r);
+}
+
 absl::StatusOr<v1::AbortWeightUpdateResponse> TrainerClient::AbortWeightUpdate(
     const std::string& update_id, const std::string& reason) {
   v1::AbortWeightUpdateRequest r;
@@ -175,11 +194,13 @@ absl::StatusOr<v1::ResumeResponse> TrainerClient::Resume(
       stub_.get(), &v1::TrainerService::Stub::Resume, Context().get(), r);
 }
 
-absl::StatusOr<int> TrainerClient::GetWorldSize() {
+absl::StatusOr<int> TrainerClient::GetWorldSize(v1::Backend backend) {
+  v1::GetWorldSizeRequest request;
+  request.set_backend(backend);
   WS_ASSIGN_OR_RETURN(v1::GetWorldSizeResponse r,
                       (Call<v1::GetWorldSizeResponse>(
                           stub_.get(), &v1::TrainerService::Stub::GetWorldSize,
-                          Context().get(), v1::GetWorldSizeRequest())));
+                          Context().get(), request)));
   return r.world_size();
 }
 

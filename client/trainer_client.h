@@ -68,11 +68,20 @@ class TrainerClient {
                            int64_t chunk_bytes);
   absl::StatusOr<v1::FinishWeightUpdateResponse> FinishWeightUpdate(
       const std::string& update_id);
+  // Several daemons (docs/protocol.md, "Several daemons"): Finish's two
+  // halves. Prepare waits for every byte (the same deadline as Finish).
+  absl::StatusOr<v1::PrepareWeightUpdateResponse> PrepareWeightUpdate(
+      const std::string& update_id);
+  absl::StatusOr<v1::FinishWeightUpdateResponse> CommitWeightUpdate(
+      const std::string& update_id);
   absl::StatusOr<v1::AbortWeightUpdateResponse> AbortWeightUpdate(
       const std::string& update_id, const std::string& reason);
   absl::StatusOr<v1::PauseResponse> Pause(const v1::PauseRequest& request);
   absl::StatusOr<v1::ResumeResponse> Resume(const v1::ResumeRequest& request);
-  absl::StatusOr<int> GetWorldSize();
+  // The ranks of the group formed; with `backend`, those this daemon would
+  // contribute to a group of that backend (also before Init).
+  absl::StatusOr<int> GetWorldSize(
+      v1::Backend backend = v1::BACKEND_UNSPECIFIED);
   absl::StatusOr<v1::GetStatusResponse> GetStatus(bool include_layouts = false);
   // The receipt of everything `engine_id` holds now (weightsyncctl check).
   absl::StatusOr<v1::CheckEngineResponse> CheckEngine(

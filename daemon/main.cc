@@ -21,6 +21,7 @@
 #include "daemon/backends.h"
 #include "daemon/config_file.h"
 #include "daemon/core/coordinator.h"
+#include "daemon/core/nccl_version.h"
 #include "daemon/server/metrics.h"
 #include "daemon/server/server.h"
 #include "daemon/server/shutdown_deadline.h"
@@ -89,6 +90,10 @@ DEFINE_bool(ipc_fused_receipts, true,
 DEFINE_int32(gpu_staging_buffers, 4, "GPU staging buffers (chunks in flight)");
 DEFINE_int64(gpu_staging_budget_bytes, int64_t{4} << 30,
              "bytes of GPU staging the daemon never exceeds");
+DEFINE_bool(allow_nccl_version_mismatch, false,
+            "accept an nccl group whose trainer's NCCL differs from this "
+            "daemon's in major.minor (refused by default: mixed versions in "
+            "one communicator may hang)");
 DEFINE_int64(shutdown_grace_ms, 2000,
              "on SIGTERM, how long open calls may run before cancellation");
 DEFINE_int64(shutdown_timeout_ms, 0,
@@ -196,6 +201,9 @@ int Main() {
   core_options.update_idle_timeout =
       absl::Milliseconds(FLAGS_update_idle_timeout_ms);
   core_options.build_info = CudaBuildInfo();
+  // Trainers' NCCL is checked against it at an nccl Init (issue 20).
+  core_options.nccl_version = NcclVersionCode();
+  core_options.allow_nccl_version_mismatch = FLAGS_allow_nccl_version_mismatch;
   HostDataPlane::Options host;
   host.staging_buffers = FLAGS_staging_buffers;
   host.staging_budget = FLAGS_staging_budget_bytes;
@@ -295,7 +303,12 @@ int Main() {
             << (FLAGS_tcp.empty()
                     ? ""
                     : absl::StrCat(" and tcp port ", (*server)->tcp_port()))
-            << " (" << core_options.build_info << ")";
+            << " (" << core_options.build_info
+            << (core_options.nccl_version != 0
+                    ? absl::StrCat("; NCCL ",
+                                   NcclVersionString(core_options.nccl_version))
+                    : "")
+            << ")";
   // Type=notify under systemd (no-op without $NOTIFY_SOCKET); the watchdog
   // pings only while a status snapshot, under the lock every request takes,
   // returns in time (docs/deploy.md).

@@ -3,7 +3,9 @@
 # separate engine processes and a trainer process over a Unix socket. The
 # trainer compares every engine byte with what it sent after each update.
 # Then an engine is killed (SIGKILL) and the next update still lands on the
-# others; finally SIGTERM stops the daemon cleanly.
+# others; two more daemons join and one trainer updates all three
+# (weightsync_trainer --target=a,b,c); finally SIGTERM stops the daemon
+# cleanly.
 set -euo pipefail
 root="${TEST_SRCDIR:-$PWD}/${TEST_WORKSPACE:-weightsync}"
 daemon="$root/daemon/weightsyncd"
@@ -69,6 +71,31 @@ grep -q "update v5: .* 2 engines: receipts ok, verified" "$dir/trainer2.log" || 
 if timeout 60 "$trainer" --target="unix:$sock" --model=tiny --updates=1 --first_version=2 \
   >"$dir/trainer3.log" 2>&1; then fail "version going back was accepted"; fi
 grep -q "FAILED_PRECONDITION.*version 5" "$dir/trainer3.log" || fail "no clear version error"
+
+# Several daemons, one update (issue 20): two more daemons with a replica
+# each; the trainer sends versions 6 and 7 to all three, committed on all.
+for d in 2 3; do
+  timeout 120 "$daemon" --socket="$dir/d$d.sock" --chunk_bytes=65536 >"$dir/daemon$d.log" 2>&1 &
+  pids+=($!)
+done
+for _ in $(seq 100); do [ -S "$dir/d2.sock" ] && [ -S "$dir/d3.sock" ] && break; sleep 0.1; done
+for d in 2 3; do
+  "$engine" --target="unix:$dir/d$d.sock" --model=tiny --engine_id="$tag-r$d" --layout=plain \
+    --dtype=bfloat16 >"$dir/r$d.log" 2>&1 &
+  pids+=($!)
+done
+for _ in $(seq 100); do
+  [ "$(grep -l registered "$dir"/r2.log "$dir"/r3.log 2>/dev/null | wc -l)" = 2 ] && break
+  sleep 0.1
+done
+sleep 0.3
+timeout 60 "$trainer" --target="unix:$sock,unix:$dir/d2.sock,unix:$dir/d3.sock" --model=tiny \
+  --updates=2 --first_version=6 \
+  --verify="$tag-tp0:tp:0:2:float16,$tag-tp1:tp:1:2:float32,$tag-r2:plain:bfloat16,$tag-r3:plain:bfloat16" \
+  >"$dir/trainer_multi.log" 2>&1 || fail "update of three daemons failed"
+cat "$dir/trainer_multi.log"
+[ "$(grep -c ' 4 engines: receipts ok, verified$' "$dir/trainer_multi.log")" = 2 ] \
+  || fail "not 2 verified updates of 4 engines behind 3 daemons"
 
 # SIGTERM: clean exit, socket removed.
 kill -TERM "$dpid"

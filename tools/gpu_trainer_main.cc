@@ -500,6 +500,10 @@ int Main() {
     init.set_rank_offset(1);
     init.set_nccl_unique_id(
         std::string(reinterpret_cast<char*>(&id), sizeof(id)));
+    // The daemon refuses another major.minor than its own (issue 20).
+    int nccl_version = 0;
+    CHECK_NCCL(ncclGetVersion(&nccl_version));
+    init.set_nccl_version(nccl_version);
   }
   const absl::Time t_init = absl::Now();
   auto group = (*client)->InitWeightTransfer(init);

@@ -13,13 +13,17 @@
 #include "absl/time/clock.h"
 #include "backends/host/shm_memory.h"
 #include "client/host_arena.h"
+#include "client/multi_trainer.h"
 #include "client/trainer_client.h"
 #include "common/dtype.h"
 #include "gflags/gflags.h"
 #include "glog/logging.h"
 #include "tools/synthetic/synthetic_model.h"
 
-DEFINE_string(target, "", "daemon address, e.g. unix:/tmp/ws.sock");
+DEFINE_string(target, "",
+              "daemon address, e.g. unix:/tmp/ws.sock; several, comma "
+              "separated, for one update over several daemons (each is sent "
+              "the tensors its engines use; committed on all or none)");
 DEFINE_string(model, "tiny", "synthetic model");
 DEFINE_string(dtype, "float32", "checkpoint dtype sent by the trainer");
 DEFINE_int32(updates, 3, "number of updates");
@@ -103,23 +107,35 @@ int TrainerMain() {
     LOG(ERROR) << verify.status();
     return 2;
   }
-  ClientOptions options;
-  options.target = FLAGS_target;
-  options.call_timeout = absl::Minutes(5);
-  auto client = TrainerClient::Connect(options);
+  std::vector<ClientOptions> daemons;
+  for (absl::string_view target : absl::StrSplit(FLAGS_target, ',')) {
+    ClientOptions& options = daemons.emplace_back();
+    options.target = std::string(target);
+    options.call_timeout = absl::Minutes(5);
+  }
+  auto client = MultiTrainer::Connect(daemons);
   if (!client.ok()) {
     LOG(ERROR) << client.status();
     return 1;
   }
-  v1::InitWeightTransferRequest init;
-  init.set_backend(v1::BACKEND_HOST);
-  auto group = (*client)->InitWeightTransfer(init);
-  if (!group.ok()) {
-    LOG(ERROR) << group.status();
-    return 1;
+  const bool several = daemons.size() > 1;
+  if (several) {
+    if (absl::Status s = (*client)->InitHost(); !s.ok()) {
+      LOG(ERROR) << s;
+      return 1;
+    }
+    std::printf("trainer: host groups on %zu daemons\n", daemons.size());
+  } else {
+    v1::InitWeightTransferRequest init;
+    init.set_backend(v1::BACKEND_HOST);
+    auto group = (*client)->daemon(0).InitWeightTransfer(init);
+    if (!group.ok()) {
+      LOG(ERROR) << group.status();
+      return 1;
+    }
+    std::printf("trainer: group %s (%s)\n", group->group_id().c_str(),
+                group->build_info().c_str());
   }
-  std::printf("trainer: group %s (%s)\n", group->group_id().c_str(),
-              group->build_info().c_str());
   const std::vector<v1::TensorSpec> specs =
       synthetic::Checkpoint(*model, dtype);
   for (int u = 0; u < FLAGS_updates; ++u) {
@@ -140,11 +156,25 @@ int TrainerMain() {
     request.set_chunk_bytes(FLAGS_chunk_bytes);
     request.set_verify(FLAGS_receipts ? v1::VERIFY_ON : v1::VERIFY_OFF);
     const absl::Time t0 = absl::Now();
-    auto done = (*client)->Update(request, tensors);
+    // One daemon: Update (Finish = prepare + commit); several: MultiTrainer.
+    absl::StatusOr<std::vector<v1::FinishWeightUpdateResponse>> done;
+    if (several) {
+      done = (*client)->Update(request, tensors);
+    } else {
+      auto one = (*client)->daemon(0).Update(request, tensors);
+      if (one.ok()) done = std::vector<v1::FinishWeightUpdateResponse>{*one};
+      if (!one.ok()) done = one.status();
+    }
     const double seconds = absl::ToDoubleSeconds(absl::Now() - t0);
     if (!done.ok()) {
       LOG(ERROR) << "update " << version << ": " << done.status();
       return 1;
+    }
+    int64_t bytes = 0;
+    int engines = 0;
+    for (const v1::FinishWeightUpdateResponse& d : *done) {
+      bytes += d.bytes();
+      engines += d.engines_size();
     }
     bool ok = true;
     std::string verdict = FLAGS_receipts ? "receipts ok, verified" : "verified";
@@ -164,8 +194,7 @@ int TrainerMain() {
         "update v%lld: %lld tensors, %.1f MB, %.3f s, %.2f GB/s, %d engines: "
         "%s\n",
         static_cast<long long>(version), static_cast<long long>(tensors.size()),
-        done->bytes() / 1e6, seconds, done->bytes() / seconds / 1e9,
-        done->engines_size(), verdict.c_str());
+        bytes / 1e6, seconds, bytes / seconds / 1e9, engines, verdict.c_str());
     std::fflush(stdout);
     if (!ok) return 1;
   }

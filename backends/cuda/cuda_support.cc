@@ -33,4 +33,19 @@ std::string CudaBuildInfo() {
 #endif
 }
 
+int NcclVersionCode() {
+#if WEIGHTSYNC_HAS_CUDA
+  void* lib = dlopen("libnccl.so.2", RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) return 0;
+  using VersionFn = int (*)(int*);
+  auto get = reinterpret_cast<VersionFn>(dlsym(lib, "ncclGetVersion"));
+  int v = 0;
+  if (get == nullptr || get(&v) != 0) v = 0;
+  dlclose(lib);
+  return v;
+#else
+  return 0;
+#endif
+}
+
 }  // namespace weightsync

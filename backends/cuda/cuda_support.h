@@ -15,6 +15,11 @@ bool BuiltWithCuda();
 // "built with CUDA 13.0; 2 GPUs visible" / "...; no GPU visible".
 std::string CudaBuildInfo();
 
+// ncclGetVersion of the libnccl.so.2 this machine's loader finds (the one
+// the GPU worker loads), e.g. 22809 for 2.28.9; 0 without CUDA or NCCL.
+// Looked up with dlopen: loading NCCL initialises no CUDA.
+int NcclVersionCode();
+
 }  // namespace weightsync
 
 #endif  // WEIGHTSYNC_BACKENDS_CUDA_CUDA_SUPPORT_H_

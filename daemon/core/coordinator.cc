@@ -10,6 +10,7 @@
 #include "common/status_macros.h"
 #include "common/version.h"
 #include "daemon/core/event_log.h"
+#include "daemon/core/nccl_version.h"
 #include "daemon/core/receipt.h"
 #include "glog/logging.h"
 
@@ -260,6 +261,22 @@ absl::StatusOr<v1::InitWeightTransferResponse> Coordinator::InitWeightTransfer(
         absl::StrCat("timeout_ms must be >= 0 (0: the default, 10 min), not ",
                      request.timeout_ms()));
   }
+  if (request.backend() == v1::BACKEND_NCCL) {
+    // Before the worker joins a communicator that might hang.
+    WS_RETURN_IF_ERROR(CheckNcclVersions(request.nccl_version(),
+                                         options_.nccl_version,
+                                         options_.allow_nccl_version_mismatch));
+    if (request.nccl_version() != 0 && options_.nccl_version != 0 &&
+        !CheckNcclVersions(request.nccl_version(), options_.nccl_version,
+                           /*allow_mismatch=*/false)
+             .ok()) {
+      LOG(WARNING) << Event("group.nccl_mismatch") << "trainer NCCL "
+                   << NcclVersionString(request.nccl_version())
+                   << ", daemon NCCL "
+                   << NcclVersionString(options_.nccl_version)
+                   << ": allowed by --allow_nccl_version_mismatch";
+    }
+  }
   WS_ASSIGN_OR_RETURN(std::shared_ptr<DataPlane> plane,
                       data_planes_->Create(request));
   // A new group: the old one's sources (and their memory) go.
@@ -278,12 +295,18 @@ absl::StatusOr<v1::InitWeightTransferResponse> Coordinator::InitWeightTransfer(
   return response;
 }
 
-v1::GetWorldSizeResponse Coordinator::GetWorldSize() {
+v1::GetWorldSizeResponse Coordinator::GetWorldSize(
+    const v1::GetWorldSizeRequest& request) {
   absl::MutexLock lock(&mu_);
+  // A trainer lays out the ranks of several daemons before it forms the
+  // group, so it asks for a backend.
+  const v1::Backend backend = request.backend() != v1::BACKEND_UNSPECIFIED
+                                  ? request.backend()
+                                  : backend_;
   v1::GetWorldSizeResponse response;
-  response.set_world_size(backend_ == v1::BACKEND_UNSPECIFIED
+  response.set_world_size(backend == v1::BACKEND_UNSPECIFIED
                               ? 0
-                              : data_planes_->LocalWorldSize(backend_));
+                              : data_planes_->LocalWorldSize(backend));
   return response;
 }
 

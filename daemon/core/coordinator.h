@@ -9,10 +9,12 @@
 // registration, chunk submission and status run beside them and never wait
 // on the state lock mu_ behind an engine or the data plane.
 //
-// The class is defined in three files: coordinator.cc (the engine registry,
+// The class is defined in four files: coordinator.cc (the engine registry,
 // the transfer group, pause/resume, status), update_session.cc (an update's
-// start, its chunks, its failure, the idle watchdog) and update_finish.cc
-// (Finish with the staged commit, Abort, ending a failed update).
+// start, its chunks, its failure, the idle watchdog), update_finish.cc
+// (Finish with the staged commit, Abort, ending a failed update) and
+// update_commit.cc (Finish's two halves, prepare and commit, also called
+// one by one by a trainer of several daemons).
 #ifndef WEIGHTSYNC_DAEMON_CORE_COORDINATOR_H_
 #define WEIGHTSYNC_DAEMON_CORE_COORDINATOR_H_
 
@@ -89,6 +91,11 @@ struct CoordinatorOptions {
   absl::Duration update_idle_timeout = absl::Minutes(5);
   RegistrationLimits limits;
   std::string build_info;
+  // This daemon's NCCL as ncclGetVersion encodes it (0: none, the host-only
+  // build): an nccl Init from a trainer whose NCCL differs in major.minor
+  // is refused unless allow_nccl_version_mismatch (nccl_version.h).
+  int nccl_version = 0;
+  bool allow_nccl_version_mismatch = false;
 };
 
 class Coordinator {
@@ -143,13 +150,25 @@ class Coordinator {
   // message did not parse, which ends a gRPC stream like a half-close).
   absl::Status PushStreamEnded(const std::string& update_id, bool cancelled);
   absl::Status BeginPushStream(const std::string& update_id);
+  // Prepare and commit in one call (update_commit.cc).
   absl::StatusOr<v1::FinishWeightUpdateResponse> FinishWeightUpdate(
       const v1::FinishWeightUpdateRequest& request);
+  // Several daemons (docs/protocol.md): every byte in engine memory and the
+  // receipts read, engines paused at their old version; idempotent.
+  absl::StatusOr<v1::PrepareWeightUpdateResponse> PrepareWeightUpdate(
+      const v1::PrepareWeightUpdateRequest& request);
+  // Commits a prepared update: FAILED_PRECONDITION for one not prepared
+  // (or ended meanwhile: its engines are then DIRTY).
+  absl::StatusOr<v1::FinishWeightUpdateResponse> CommitWeightUpdate(
+      const v1::CommitWeightUpdateRequest& request);
   absl::StatusOr<v1::AbortWeightUpdateResponse> AbortWeightUpdate(
       const v1::AbortWeightUpdateRequest& request);
   absl::StatusOr<v1::PauseResponse> Pause(const v1::PauseRequest& request);
   absl::StatusOr<v1::ResumeResponse> Resume(const v1::ResumeRequest& request);
-  v1::GetWorldSizeResponse GetWorldSize();
+  // The ranks of the group formed (0 before Init), or with `request.backend`
+  // set those this daemon would contribute to a group of that backend.
+  v1::GetWorldSizeResponse GetWorldSize(
+      const v1::GetWorldSizeRequest& request = {});
   v1::GetStatusResponse GetStatus(bool include_layouts = false);
   // The receipt of every parameter `engine_id` holds, read from its memory
   // now (weightsyncctl check). Doesn't pause the engine: the daemon is the
@@ -188,7 +207,9 @@ class Coordinator {
   static SourceLimits SourceLimitsOf(const CoordinatorOptions& o);
   // Sets r.paused and keeps its paused time.
   static void SetPaused(EngineRecord& r, bool paused);
-  enum class Phase { kReceiving, kFailed };
+  // kPrepared: every byte in engine memory and the receipts read; only a
+  // commit makes the engines clean again (update_commit.cc).
+  enum class Phase { kReceiving, kFailed, kPrepared };
   struct Update {
     std::string id;
     int64_t target_version = 0;
@@ -222,6 +243,9 @@ class Coordinator {
     v1::StartWeightUpdateRequest request;  // for the data plane at commit
     absl::Time paused_at = absl::InfiniteFuture();
     bool verify = false;  // compute receipts at Finish
+    // Prepared: the receipts to report at the commit, and when.
+    std::vector<absl::StatusOr<v1::Receipt>> receipts;
+    absl::Time t_prepared;
     // The registered source the update copies from or names its manifest
     // by (kept alive, with its memory, until the update ends).
     std::shared_ptr<const Source> source;
@@ -242,6 +266,8 @@ class Coordinator {
     // The manifest: the request's tensors, or its registered source's.
     const Manifest* manifest = nullptr;
     std::shared_ptr<const Source> source;
+    // What the plan does with tensors no engine uses (skip_unused).
+    UnusedTensors unused = UnusedTensors::kRefuse;
     bool staged = false;          // after a fallback to streaming: false
     bool device_staging = false;  // the data plane stages its own bytes
     absl::Time t_entry, t_planned, t_paused, t_begun;
@@ -283,10 +309,21 @@ class Coordinator {
     absl::Time paused_at = absl::InfiniteFuture();
     absl::Time started;
   };
-  // Under mu_: the update Finish names, failed if chunks are missing; its
-  // data plane.
+  // Under mu_: the update Finish or Prepare names, failed if chunks are
+  // missing; its data plane.
   absl::StatusOr<std::shared_ptr<DataPlane>> CheckFinish(
-      const v1::FinishWeightUpdateRequest& request);
+      const std::string& update_id);
+  // The first half of Finish: waits for every byte (a staged update's
+  // commit copy included), reads the receipts and marks the update
+  // prepared; returns when it was prepared. On failure ends the update
+  // (FailFinish). Requires control_mu_.
+  absl::StatusOr<absl::Time> Prepare(const std::string& update_id,
+                                     const std::shared_ptr<DataPlane>& plane,
+                                     absl::Time deadline);
+  // The second half: versions, notices, the report; `t_commit` is when the
+  // commit began. Requires control_mu_ and a prepared update.
+  absl::StatusOr<v1::FinishWeightUpdateResponse> CommitPrepared(
+      const DataPlane& plane, absl::Time t_commit);
   // The receipts of what was installed (empty when not verifying): GPU
   // memory by the data plane, host memory here.
   absl::Status CollectReceipts(
@@ -304,9 +341,10 @@ class Coordinator {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends the new version (and Resume to the engines the update paused).
   void NotifyCommitted(const Committed& c);
-  // Response times, the listener and the log line of a commit.
+  // Response times, the listener and the log line of a commit that began
+  // at `t_commit`.
   void ReportCommitted(const Committed& c, const DataPlane& plane, bool staged,
-                       absl::Time t_receipts,
+                       absl::Time t_commit,
                        v1::FinishWeightUpdateResponse& response);
   // CommitStaged's pause: engines that left while being paused are lost to
   // the update and the others paused again. Requires control_mu_.
@@ -342,7 +380,11 @@ class Coordinator {
   absl::StatusOr<std::shared_ptr<const CopyPlan>> PlanFor(
       const Manifest& manifest, int64_t chunk_bytes,
       const std::vector<std::shared_ptr<const EngineLayout>>& layouts,
-      const Source* source) ABSL_EXCLUSIVE_LOCKS_REQUIRED(control_mu_);
+      const Source* source, UnusedTensors unused)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(control_mu_);
+  // Start's answer for the plan in `s` (plan_only, or an update begun).
+  static v1::StartWeightUpdateResponse StartResponse(
+      const v1::StartWeightUpdateRequest& request, const StartState& s);
   // Waits until no PushChunk is between its checks and its submit.
   absl::Status WaitForSubmits(absl::Time deadline);
   void FailUpdateLocked(const absl::Status& reason)

@@ -20,7 +20,10 @@ struct Use {
   const ParameterLayout* param;
   const SegmentLayout* segment;
   int64_t rows, cols;  // the source's matrix view for this use
+  SourceUse source_use;
 };
+
+using UsesByTensor = std::vector<std::vector<Use>>;
 
 absl::Status CheckUse(const v1::TensorSpec& t, const std::string& engine,
                       const ParameterLayout& p, const SegmentLayout& s) {
@@ -159,37 +162,23 @@ void EmitOps(const Use& use, int64_t e0, int64_t e1, int64_t chunk_offset,
   if (tail) emit(r_hi, ta, tb, 1);
 }
 
-}  // namespace
-
-absl::StatusOr<std::shared_ptr<const CopyPlan>> BuildCopyPlan(
-    const Manifest& manifest, int64_t chunk_bytes,
-    std::vector<std::shared_ptr<const EngineLayout>> engines) {
-  auto plan = std::make_shared<CopyPlan>();
-  WS_ASSIGN_OR_RETURN(plan->chunks, PlanChunks(manifest, chunk_bytes));
-  plan->manifest = manifest;
-  plan->engines = std::move(engines);
-  const int num_engines = plan->engines.size();
-  plan->bytes_by_engine.assign(num_engines, 0);
-  plan->covers_engine.assign(num_engines, false);
-  plan->dense_uses.resize(num_engines);
-
-  // Resolve and check every use of every manifest tensor first.
-  std::vector<std::vector<Use>> uses(manifest.size());
-  std::vector<int64_t> covered_bytes(num_engines, 0);
-  std::vector<int64_t> resolved_uses(num_engines, 0);
+// Every use of every manifest tensor by every engine, checked (CheckUse).
+absl::StatusOr<UsesByTensor> ResolveUses(
+    const Manifest& manifest,
+    const std::vector<std::shared_ptr<const EngineLayout>>& engines) {
+  UsesByTensor uses(manifest.size());
   for (int t = 0; t < manifest.size(); ++t) {
     const v1::TensorSpec& spec = manifest[t];
-    const bool sparse = spec.sparse_nnz() > 0;
     const std::vector<int64_t> shape(spec.shape().begin(), spec.shape().end());
-    for (int e = 0; e < num_engines; ++e) {
-      const EngineLayout& engine = *plan->engines[e];
+    for (int e = 0; e < static_cast<int>(engines.size()); ++e) {
+      const EngineLayout& engine = *engines[e];
       auto it = engine.uses_by_source.find(spec.name());
       if (it == engine.uses_by_source.end()) continue;
       for (const SourceUse& su : it->second) {
         const ParameterLayout& p = engine.parameters[su.parameter];
         const SegmentLayout& s = p.segments[su.segment];
         WS_RETURN_IF_ERROR(CheckUse(spec, engine.engine_id, p, s));
-        Use use{e, &p, &s, 0, 0};
+        Use use{e, &p, &s, 0, 0, su};
         if (p.implicit) {
           use.rows = 1;
           use.cols = p.numel;
@@ -197,38 +186,85 @@ absl::StatusOr<std::shared_ptr<const CopyPlan>> BuildCopyPlan(
           SourceMatrix(shape, &use.rows, &use.cols);
         }
         uses[t].push_back(use);
-        if (sparse) continue;  // a patch rewrites only some elements
-        plan->dense_uses[e].push_back(su);
-        covered_bytes[e] += s.row_count * s.col_count * ElementSize(p.dtype);
-        ++resolved_uses[e];
       }
     }
-    if (uses[t].empty()) {
+  }
+  return uses;
+}
+
+// Refuses (kRefuse) or lists in plan.unused the tensors no engine uses;
+// with kOmit, leaves them out of plan.manifest and `uses`.
+absl::Status HandleUnused(const Manifest& manifest, UnusedTensors mode,
+                          CopyPlan& plan, UsesByTensor& uses) {
+  for (int t = 0; t < manifest.size(); ++t) {
+    if (!uses[t].empty()) continue;
+    const v1::TensorSpec& spec = manifest[t];
+    if (mode == UnusedTensors::kRefuse) {
       std::vector<std::string> ids;
-      for (const auto& e : plan->engines) ids.push_back(e->engine_id);
+      for (const auto& e : plan.engines) ids.push_back(e->engine_id);
       return absl::InvalidArgumentError(
           absl::StrCat("tensor '", spec.name(),
                        "' is not a parameter or segment source of "
                        "any engine in the update (",
                        absl::StrJoin(ids, ", "), ")"));
     }
+    plan.unused.push_back(spec.name());
+  }
+  plan.manifest = manifest;
+  if (mode != UnusedTensors::kOmit || plan.unused.empty()) {
+    return absl::OkStatus();
+  }
+  Manifest used;
+  UsesByTensor kept;
+  used.Reserve(manifest.size() - plan.unused.size());
+  for (int t = 0; t < manifest.size(); ++t) {
+    if (uses[t].empty()) continue;
+    *used.Add() = manifest[t];
+    kept.push_back(std::move(uses[t]));
+  }
+  plan.manifest = std::move(used);
+  uses = std::move(kept);
+  return absl::OkStatus();
+}
+
+// Per engine: the bytes written, whether every segment is rewritten, and
+// the dense uses its receipt sums.
+void SumEngines(const UsesByTensor& uses, CopyPlan& plan) {
+  const int num_engines = plan.engines.size();
+  plan.bytes_by_engine.assign(num_engines, 0);
+  plan.covers_engine.assign(num_engines, false);
+  plan.dense_uses.assign(num_engines, {});
+  std::vector<int64_t> resolved_uses(num_engines, 0);
+  for (int t = 0; t < plan.manifest.size(); ++t) {
+    if (plan.manifest[t].sparse_nnz() > 0) continue;  // rewrites some only
+    for (const Use& u : uses[t]) {
+      plan.dense_uses[u.engine].push_back(u.source_use);
+      plan.bytes_by_engine[u.engine] += u.segment->row_count *
+                                        u.segment->col_count *
+                                        ElementSize(u.param->dtype);
+      ++resolved_uses[u.engine];
+    }
   }
   for (int e = 0; e < num_engines; ++e) {
-    plan->bytes_by_engine[e] = covered_bytes[e];
     // Every segment of every parameter is rewritten (padding that no
     // segment covers is never written, so it can't be stale).
     int64_t uses = 0;
-    for (const auto& [source, list] : plan->engines[e]->uses_by_source) {
+    for (const auto& [source, list] : plan.engines[e]->uses_by_source) {
       uses += list.size();
     }
-    plan->covers_engine[e] = resolved_uses[e] == uses;
-    std::sort(plan->dense_uses[e].begin(), plan->dense_uses[e].end(),
+    plan.covers_engine[e] = resolved_uses[e] == uses;
+    std::sort(plan.dense_uses[e].begin(), plan.dense_uses[e].end(),
               [](const SourceUse& a, const SourceUse& b) {
                 return a.parameter != b.parameter ? a.parameter < b.parameter
                                                   : a.segment < b.segment;
               });
   }
+}
 
+// The sparse patches of the manifest; returns, per tensor, its index into
+// plan.sparse (-1: dense).
+std::vector<int> PlanSparse(const UsesByTensor& uses, CopyPlan& plan) {
+  const Manifest& manifest = plan.manifest;
   std::vector<int> sparse_index(manifest.size(), -1);
   for (int t = 0; t < manifest.size(); ++t) {
     const v1::TensorSpec& spec = manifest[t];
@@ -237,7 +273,7 @@ absl::StatusOr<std::shared_ptr<const CopyPlan>> BuildCopyPlan(
     patch.tensor = t;
     patch.name = spec.name();
     patch.nnz = spec.sparse_nnz();
-    patch.payload_bytes = plan->chunks.payload_bytes[t];
+    patch.payload_bytes = plan.chunks.payload_bytes[t];
     patch.dtype = spec.dtype();
     const std::vector<int64_t> shape(spec.shape().begin(), spec.shape().end());
     int64_t rows;
@@ -259,18 +295,23 @@ absl::StatusOr<std::shared_ptr<const CopyPlan>> BuildCopyPlan(
       s.dest_row_stride = u.segment->dest_row_stride;
       patch.uses.push_back(s);
     }
-    sparse_index[t] = plan->sparse.size();
-    plan->sparse.push_back(std::move(patch));
+    sparse_index[t] = plan.sparse.size();
+    plan.sparse.push_back(std::move(patch));
   }
+  return sparse_index;
+}
 
-  plan->ops_by_chunk.resize(plan->chunks.chunks.size());
-  plan->sparse_pieces_by_chunk.resize(plan->chunks.chunks.size());
-  for (const Chunk& chunk : plan->chunks.chunks) {
-    std::vector<CopyOp>& ops = plan->ops_by_chunk[chunk.index];
+// Per chunk: the copies of its dense pieces, the pieces of its patches.
+void PlanOps(const UsesByTensor& uses, const std::vector<int>& sparse_index,
+             CopyPlan& plan) {
+  plan.ops_by_chunk.resize(plan.chunks.chunks.size());
+  plan.sparse_pieces_by_chunk.resize(plan.chunks.chunks.size());
+  for (const Chunk& chunk : plan.chunks.chunks) {
+    std::vector<CopyOp>& ops = plan.ops_by_chunk[chunk.index];
     for (const Piece& piece : chunk.pieces) {
-      const v1::TensorSpec& spec = manifest[piece.tensor];
+      const v1::TensorSpec& spec = plan.manifest[piece.tensor];
       if (sparse_index[piece.tensor] >= 0) {
-        plan->sparse_pieces_by_chunk[chunk.index].push_back(
+        plan.sparse_pieces_by_chunk[chunk.index].push_back(
             {sparse_index[piece.tensor], piece});
         continue;
       }
@@ -286,6 +327,26 @@ absl::StatusOr<std::shared_ptr<const CopyPlan>> BuildCopyPlan(
       }
     }
   }
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<const CopyPlan>> BuildCopyPlan(
+    const Manifest& manifest, int64_t chunk_bytes,
+    std::vector<std::shared_ptr<const EngineLayout>> engines,
+    UnusedTensors unused) {
+  auto plan = std::make_shared<CopyPlan>();
+  // Validates the manifest (names, dtypes, sizes) before anything else.
+  WS_ASSIGN_OR_RETURN(plan->chunks, PlanChunks(manifest, chunk_bytes));
+  plan->engines = std::move(engines);
+  WS_ASSIGN_OR_RETURN(UsesByTensor uses, ResolveUses(manifest, plan->engines));
+  WS_RETURN_IF_ERROR(HandleUnused(manifest, unused, *plan, uses));
+  if (plan->manifest.size() != manifest.size()) {
+    WS_ASSIGN_OR_RETURN(plan->chunks, PlanChunks(plan->manifest, chunk_bytes));
+  }
+  SumEngines(uses, *plan);
+  const std::vector<int> sparse_index = PlanSparse(uses, *plan);
+  PlanOps(uses, sparse_index, *plan);
   return std::shared_ptr<const CopyPlan>(std::move(plan));
 }
 

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -53,8 +54,23 @@ struct SparsePatch {
   std::vector<Use> uses;
 };
 
+// What BuildCopyPlan does with a manifest tensor no engine of the update
+// uses (a daemon of several holds only some pipeline stages or experts).
+enum class UnusedTensors {
+  kRefuse,  // INVALID_ARGUMENT naming it (one daemon: the trainer's mistake)
+  // Planned in the stream but copied nowhere: the bytes reach this daemon
+  // anyway (NCCL broadcasts) or are read in place (a source's memory).
+  kSkip,
+  // Left out of the stream: the chunk plan is the used tensors' only, in
+  // manifest order (bytes sent to this daemon alone, PushChunks).
+  kOmit,
+};
+
 struct CopyPlan {
-  Manifest manifest;  // what was planned (names for the data planes)
+  // What was planned (names for the data planes): with kOmit, the manifest
+  // without the unused tensors.
+  Manifest manifest;
+  std::vector<std::string> unused;  // kSkip, kOmit: in manifest order
   ChunkPlan chunks;
   std::vector<std::shared_ptr<const EngineLayout>> engines;
   std::vector<std::vector<CopyOp>> ops_by_chunk;  // one list per chunk
@@ -75,9 +91,11 @@ struct CopyPlan {
 // segment blocks, dtypes) and resolves the copies. INVALID_ARGUMENT names
 // the tensor, engine and parameter concerned. Sparse patches get no copy
 // ops: their pieces are listed for the data plane to assemble and apply.
+// A tensor no engine uses is handled as `unused` says.
 absl::StatusOr<std::shared_ptr<const CopyPlan>> BuildCopyPlan(
     const Manifest& manifest, int64_t chunk_bytes,
-    std::vector<std::shared_ptr<const EngineLayout>> engines);
+    std::vector<std::shared_ptr<const EngineLayout>> engines,
+    UnusedTensors unused = UnusedTensors::kRefuse);
 
 }  // namespace weightsync
 

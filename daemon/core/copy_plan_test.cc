@@ -1,6 +1,7 @@
 #include "daemon/core/copy_plan.h"
 
 #include <cstring>
+#include <functional>
 #include <limits>
 
 #include "absl/container/flat_hash_set.h"
@@ -256,6 +257,107 @@ TEST(CopyPlanTest, RejectsUnknownTensorShapeAndDtypeMismatches) {
   plan = BuildCopyPlan(m, 4096, layouts);
   EXPECT_THAT(plan.status().message(),
               HasSubstr("does not match the segment's source shape"));
+}
+
+// One pipeline stage of a model (issue 20): the engine holds only the
+// parameters `keep` accepts; the manifest is the whole checkpoint.
+Engine MakeStage(const std::string& id,
+                 const std::function<bool(const std::string&)>& keep,
+                 testing::HeapMapper& mapper) {
+  const auto model = *synthetic::ModelByName("tiny");
+  Engine e;
+  for (const v1::Parameter& p : synthetic::EngineParameters(
+           model, synthetic::Layout::kPlain, 0, 1, v1::FLOAT32)) {
+    if (keep(p.name())) e.params.push_back(p);
+  }
+  const int64_t bytes = *HostArena::Layout(&e.params);
+  v1::RegisterEngineRequest r;
+  r.set_engine_id(id);
+  v1::Allocation* a = r.add_allocations();
+  a->set_kind(v1::MEMORY_HOST_SHM);
+  a->set_handle("/heap");
+  a->set_size(bytes);
+  for (const auto& p : e.params) *r.add_parameters() = p;
+  auto built = BuildEngineLayout(r, mapper);
+  EXPECT_TRUE(built.ok()) << built.status();
+  e.layout = *built;
+  return e;
+}
+
+// A daemon of several gets the whole manifest and holds one stage: refused
+// as before by default; with kSkip the stream is the whole manifest's and
+// only the stage's tensors are copied; with kOmit the stream is the used
+// tensors' only. Both land bit for bit, and list what they left out.
+TEST(CopyPlanTest, UnusedTensorsAreRefusedSkippedOrOmitted) {
+  testing::HeapMapper mapper;
+  const Engine stage = MakeStage(
+      "stage1",
+      [](const std::string& n) { return n.find("layers.1.") != n.npos; },
+      mapper);
+  ASSERT_FALSE(stage.params.empty());
+  const auto model = *synthetic::ModelByName("tiny");
+  Manifest manifest;
+  synthetic::CheckpointData data;
+  for (const v1::TensorSpec& t : synthetic::Checkpoint(model, v1::FLOAT32)) {
+    *manifest.Add() = t;
+    data[t.name()] = {t, synthetic::Contents(t, 3)};
+  }
+  auto refused = BuildCopyPlan(manifest, 4096, {stage.layout});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("is not a parameter or segment source of any engine "
+                        "in the update (stage1)"));
+  auto full = PlanChunks(manifest, 4096);
+  ASSERT_TRUE(full.ok());
+  for (UnusedTensors mode : {UnusedTensors::kSkip, UnusedTensors::kOmit}) {
+    auto plan = BuildCopyPlan(manifest, 4096, {stage.layout}, mode);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    const CopyPlan& p = **plan;
+    EXPECT_EQ(p.unused.size(), manifest.size() - stage.params.size());
+    for (const std::string& name : p.unused) {
+      EXPECT_EQ(name.find("layers.1."), std::string::npos) << name;
+    }
+    if (mode == UnusedTensors::kSkip) {
+      EXPECT_EQ(p.chunks.total_bytes, full->total_bytes);
+      EXPECT_EQ(p.manifest.size(), manifest.size());
+    } else {
+      EXPECT_LT(p.chunks.total_bytes, full->total_bytes / 2);
+      EXPECT_EQ(p.manifest.size(), stage.params.size());
+    }
+    for (const Chunk& c : p.chunks.chunks) {
+      std::vector<uint8_t> buf(c.size, 0);
+      for (const Piece& piece : c.pieces) {
+        std::memcpy(buf.data() + piece.chunk_offset,
+                    data.at(p.manifest[piece.tensor].name()).second.data() +
+                        piece.tensor_offset,
+                    piece.length);
+      }
+      ScatterChunk(p, p.ops_by_chunk[c.index], buf.data(), nullptr);
+    }
+    for (const v1::Parameter& param : stage.params) {
+      const std::vector<uint8_t> want =
+          synthetic::ExpectedParameter(param, data);
+      ASSERT_EQ(std::memcmp(stage.layout->regions[0]->data() + param.offset(),
+                            want.data(), want.size()),
+                0)
+          << param.name();
+    }
+    EXPECT_TRUE(p.covers_engine[0]);
+    EXPECT_EQ(p.dense_uses[0].size(), stage.params.size());
+  }
+  // A stage that uses nothing of this update: an empty stream, no copies.
+  const Engine other = MakeStage(
+      "stage9", [](const std::string& n) { return n == "model.norm.weight"; },
+      mapper);
+  Manifest layer1;
+  for (const v1::TensorSpec& t : manifest) {
+    if (t.name().find("layers.1.") != std::string::npos) *layer1.Add() = t;
+  }
+  auto none = BuildCopyPlan(layer1, 4096, {other.layout}, UnusedTensors::kOmit);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ((*none)->chunks.chunks.size(), 0);
+  EXPECT_EQ((*none)->unused.size(), layer1.size());
+  EXPECT_FALSE((*none)->covers_engine[0]);
 }
 
 }  // namespace

@@ -182,56 +182,21 @@ absl::StatusOr<v1::FinishWeightUpdateResponse> Coordinator::FinishWeightUpdate(
   NoteTrainerCall();
   const absl::Time deadline =
       DeadlineFrom(request.timeout_ms(), options_.finish_timeout);
+  // Prepare and commit in one call: one daemon needs to wait for nobody
+  // (update_commit.cc; a prepared update is only committed here).
   WS_ASSIGN_OR_RETURN(const std::shared_ptr<DataPlane> plane,
-                      CheckFinish(request));
-  absl::Status status = WaitForSubmits(deadline);
-  bool staged;
-  {
-    absl::MutexLock lock(&mu_);
-    if (update_->phase == Phase::kFailed) status = update_->error;
-    staged = update_->staged;
-  }
-  if (status.ok() && staged) status = CommitStaged(deadline);
-  if (status.ok()) status = plane->Drain(deadline);
-  {
-    absl::MutexLock lock(&mu_);
-    DropFaultedEnginesLocked();
-  }
-  const absl::Time t_drained = absl::Now();
-  std::vector<absl::StatusOr<v1::Receipt>> receipts;
-  if (status.ok()) status = CollectReceipts(*plane, deadline, &receipts);
-  const absl::Time t_receipts = absl::Now();
-  if (!status.ok()) return FailFinish(request.update_id(), status);
-
-  // Commit.
-  v1::FinishWeightUpdateResponse response;
-  Committed c;
-  {
-    absl::MutexLock lock(&mu_);
-    c = CommitVersionsLocked(receipts, response);
-    v1::UpdateTimings* t = response.mutable_timings();
-    *t = update_->timings;
-    t->set_transfer_s(absl::ToDoubleSeconds(t_drained - update_->begun));
-    t->set_device_s(absl::ToDoubleSeconds(plane->device_time()));
-    t->set_receipts_s(absl::ToDoubleSeconds(t_receipts - t_drained));
-    RecordUpdateStatusLocked("committed");
-    update_.reset();
-  }
-  if (c.engines.empty()) {
-    return absl::AbortedError(absl::StrCat(
-        "update '", c.id, "': every engine disconnected during the update"));
-  }
-  NotifyCommitted(c);
-  ReportCommitted(c, *plane, staged, t_receipts, response);
-  return response;
+                      CheckFinish(request.update_id()));
+  WS_ASSIGN_OR_RETURN(const absl::Time t_receipts,
+                      Prepare(request.update_id(), plane, deadline));
+  return CommitPrepared(*plane, t_receipts);
 }
 
 absl::StatusOr<std::shared_ptr<DataPlane>> Coordinator::CheckFinish(
-    const v1::FinishWeightUpdateRequest& request) {
+    const std::string& update_id) {
   absl::MutexLock lock(&mu_);
-  if (update_ == nullptr || update_->id != request.update_id()) {
+  if (update_ == nullptr || update_->id != update_id) {
     return absl::FailedPreconditionError(
-        absl::StrCat("no update '", request.update_id(),
+        absl::StrCat("no update '", update_id,
                      "' in progress; call "
                      "StartWeightUpdate first"));
   }
@@ -371,7 +336,7 @@ void Coordinator::NotifyCommitted(const Committed& c) {
 }
 
 void Coordinator::ReportCommitted(const Committed& c, const DataPlane& plane,
-                                  bool staged, absl::Time t_receipts,
+                                  bool staged, absl::Time t_commit,
                                   v1::FinishWeightUpdateResponse& response) {
   const absl::Time t_committed = absl::Now();
   // The whole update, its commit notices included (as the pause is).
@@ -381,7 +346,7 @@ void Coordinator::ReportCommitted(const Committed& c, const DataPlane& plane,
         absl::ToDoubleSeconds(t_committed - c.paused_at));
   }
   v1::UpdateTimings* t = response.mutable_timings();
-  t->set_commit_s(absl::ToDoubleSeconds(t_committed - t_receipts));
+  t->set_commit_s(absl::ToDoubleSeconds(t_committed - t_commit));
   if (listener_) {
     UpdateOutcome o;
     o.update_id = c.id;

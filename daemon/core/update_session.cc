@@ -22,18 +22,30 @@ namespace weightsync {
 constexpr absl::Duration kFailedGrace = absl::Seconds(2);
 
 void Coordinator::EndIfFailed(absl::string_view by) {
-  bool failed;
+  absl::Status why;
   {
     absl::MutexLock lock(&mu_);
-    failed = update_ != nullptr && update_->phase == Phase::kFailed;
-    if (failed) {
+    if (update_ == nullptr || update_->phase == Phase::kReceiving) return;
+    if (update_->phase == Phase::kFailed) {
       LOG(WARNING) << Event("update.ended", update_->id,
                             update_->target_version)
                    << "failed (" << update_->error << ") and nobody ended it; "
                    << by << " ends it";
+      why = absl::AbortedError("superseded");
+    } else {
+      // Prepared and never committed: its trainer is gone or gave up. It
+      // may have committed other daemons, so the engines stay paused and
+      // DIRTY until a dense update repairs them.
+      LOG(WARNING) << Event("update.ended", update_->id,
+                            update_->target_version)
+                   << "prepared and never committed; " << by
+                   << " ends it (engines it wrote stay paused, DIRTY)";
+      why = absl::AbortedError(absl::StrCat("prepared update '", update_->id,
+                                            "' was never committed; ", by,
+                                            " superseded it"));
     }
   }
-  if (failed) EndFailedUpdate(absl::AbortedError("superseded"));
+  EndFailedUpdate(why);
 }
 
 void Coordinator::WatchIdle() {
@@ -86,6 +98,7 @@ bool Coordinator::ResumeOrphanedPauses() {
 void Coordinator::EndIdleUpdate() {
   std::string id;
   absl::Duration idle;
+  bool prepared = false;
   {
     absl::MutexLock lock(&mu_);
     if (update_ == nullptr || shut_down_) return;
@@ -105,6 +118,7 @@ void Coordinator::EndIdleUpdate() {
             std::min(kFailedGrace, options_.update_idle_timeout);
     if (idle < options_.update_idle_timeout && !failed_long) return;
     id = update_->id;
+    prepared = update_->phase == Phase::kPrepared;
   }
   // As Abort does, after a Finish or Abort in progress (they hold
   // control_mu_ and end the update themselves).
@@ -123,11 +137,11 @@ void Coordinator::EndIdleUpdate() {
                        : absl::StrCat("no word from its trainer for ",
                                       absl::FormatDuration(idle)))
                << "; ending it";
-  EndFailedUpdate(absl::DeadlineExceededError(
-      absl::StrCat("update '", id,
-                   "' abandoned: no chunk, call or progress from its "
-                   "trainer for ",
-                   absl::FormatDuration(idle), " (--update_idle_timeout_ms)")));
+  EndFailedUpdate(absl::DeadlineExceededError(absl::StrCat(
+      "update '", id, "' abandoned: ",
+      prepared ? "prepared but not committed, no call from its trainer for "
+               : "no chunk, call or progress from its trainer for ",
+      absl::FormatDuration(idle), " (--update_idle_timeout_ms)")));
 }
 
 // ---------------------------------------------------------------- start
@@ -151,10 +165,22 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
   EndIfFailed("StartWeightUpdate");
   WS_RETURN_IF_ERROR(SelectForStart(request, s));
   WS_RETURN_IF_ERROR(PlanStart(request, s));
+  if (request.plan_only()) return StartResponse(request, s);
   WS_RETURN_IF_ERROR(PauseAndBegin(request, s));
 
   absl::MutexLock lock(&mu_);
   InstallUpdateLocked(request, s);
+  LOG(INFO) << Event("update.started", request.update_id(),
+                     request.target_version(), absl::StrJoin(s.ids, ","))
+            << (s.staged ? "staged, " : "streaming, ") << s.manifest->size()
+            << " tensors (" << s.plan->unused.size() << " unused), "
+            << s.plan->chunks.total_bytes << " bytes in "
+            << s.plan->chunks.chunks.size() << " chunks";
+  return StartResponse(request, s);
+}
+
+v1::StartWeightUpdateResponse Coordinator::StartResponse(
+    const v1::StartWeightUpdateRequest& request, const StartState& s) {
   v1::StartWeightUpdateResponse response;
   response.set_update_id(request.update_id());
   response.set_total_bytes(s.plan->chunks.total_bytes);
@@ -163,11 +189,8 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
   response.set_mode(s.staged ? v1::UPDATE_MODE_STAGED
                              : v1::UPDATE_MODE_STREAMING);
   for (const std::string& id : s.ids) response.add_engine_ids(id);
-  LOG(INFO) << Event("update.started", request.update_id(),
-                     request.target_version(), absl::StrJoin(s.ids, ","))
-            << (s.staged ? "staged, " : "streaming, ") << s.manifest->size()
-            << " tensors, " << s.plan->chunks.total_bytes << " bytes in "
-            << s.plan->chunks.chunks.size() << " chunks";
+  for (const std::string& t : s.plan->unused) response.add_unused_tensors(t);
+  response.set_stream_omits_unused(s.unused == UnusedTensors::kOmit);
   return response;
 }
 
@@ -214,6 +237,11 @@ absl::Status Coordinator::ValidateStart(
 absl::Status Coordinator::ResolveSource(
     const v1::StartWeightUpdateRequest& request, StartState& s) {
   s.manifest = &request.tensors();
+  if (request.finish() && request.plan_only()) {
+    return absl::InvalidArgumentError(
+        "plan_only opens no update, so it can't finish one: leave finish "
+        "unset");
+  }
   if (request.source_id().empty()) {
     if (request.finish()) {
       return absl::InvalidArgumentError(
@@ -312,9 +340,19 @@ absl::Status Coordinator::PlanStart(const v1::StartWeightUpdateRequest& request,
         absl::StrCat("ipc_ring_slots is for the ipc backend; this group uses ",
                      plane.name()));
   }
+  // Several daemons share one manifest: each skips what its engines don't
+  // use. Bytes this daemon is sent alone (PushChunks) leave those tensors
+  // out of its stream; bytes that reach it anyway (NCCL broadcasts) or that
+  // it reads in place (a source's memory) are planned but copied nowhere.
+  if (request.skip_unused()) {
+    const bool sent_as_chunks =
+        !plane.ReceivesOwnBytes() &&
+        (s.source == nullptr || !s.source->has_memory());
+    s.unused = sent_as_chunks ? UnusedTensors::kOmit : UnusedTensors::kSkip;
+  }
   // Plan every byte before moving any (invariant 2).
-  WS_ASSIGN_OR_RETURN(
-      s.plan, PlanFor(*s.manifest, s.chunk_bytes, s.layouts, s.source.get()));
+  WS_ASSIGN_OR_RETURN(s.plan, PlanFor(*s.manifest, s.chunk_bytes, s.layouts,
+                                      s.source.get(), s.unused));
   s.staged = request.mode() == v1::UPDATE_MODE_STAGED;
   // Where bytes arrive by themselves (NCCL, IPC), the data plane stages them
   // in its own (GPU) memory, one chunk-sized buffer per chunk.
@@ -435,7 +473,7 @@ void Coordinator::InstallUpdateLocked(
 absl::StatusOr<std::shared_ptr<const CopyPlan>> Coordinator::PlanFor(
     const Manifest& manifest, int64_t chunk_bytes,
     const std::vector<std::shared_ptr<const EngineLayout>>& layouts,
-    const Source* source) {
+    const Source* source, UnusedTensors unused) {
   // An RL loop sends the same manifest to the same engines every step: the
   // plan is a pure function of (manifest, chunk size, layouts), so the last
   // one is reused when all three are identical (layouts by identity: a
@@ -452,7 +490,7 @@ absl::StatusOr<std::shared_ptr<const CopyPlan>> Coordinator::PlanFor(
       absl::StrAppend(&key, bytes.size(), ":", bytes);
     }
   }
-  absl::StrAppend(&key, "|", chunk_bytes);
+  absl::StrAppend(&key, "|", chunk_bytes, "|", static_cast<int>(unused));
   {
     absl::MutexLock lock(&mu_);
     if (last_plan_ != nullptr && key == last_plan_key_ &&
@@ -461,7 +499,7 @@ absl::StatusOr<std::shared_ptr<const CopyPlan>> Coordinator::PlanFor(
     }
   }
   WS_ASSIGN_OR_RETURN(std::shared_ptr<const CopyPlan> plan,
-                      BuildCopyPlan(manifest, chunk_bytes, layouts));
+                      BuildCopyPlan(manifest, chunk_bytes, layouts, unused));
   absl::MutexLock lock(&mu_);
   for (const auto& l : layouts) {
     // An engine left while planning: don't keep its mappings alive.

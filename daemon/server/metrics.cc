@@ -97,7 +97,9 @@ class StatusCollector : public prometheus::Collectable {
       connected.metric.push_back(
           Sample(e.connected() ? 1 : 0, {engine}, MetricType::Gauge));
     }
-    const bool active = st.update().phase() == "receiving";
+    // Prepared (several daemons): the engines wait, paused, for the commit.
+    const bool active =
+        st.update().phase() == "receiving" || st.update().phase() == "prepared";
     auto engines =
         Family("weightsync_engines", "Registered engines", MetricType::Gauge);
     engines.metric.push_back(Sample(st.engines_size(), {}, MetricType::Gauge));

@@ -58,6 +58,10 @@ absl::Status CheckRequest(const v1::StartWeightUpdateRequest& r) {
   return CheckEngineIds(r.engine_ids());
 }
 
+absl::Status CheckRequest(const v1::GetWorldSizeRequest& r) {
+  return CheckEnum("backend", r.backend(), v1::Backend_IsValid);
+}
+
 absl::Status CheckRequest(const v1::UnregisterSourceRequest& r) {
   return CheckIdLength("source_id", r.source_id(), kMaxUpdateIdBytes);
 }
@@ -66,6 +70,16 @@ absl::Status CheckRequest(const v1::FinishWeightUpdateRequest& r) {
   WS_RETURN_IF_ERROR(
       CheckIdLength("update_id", r.update_id(), kMaxUpdateIdBytes));
   return CheckTimeout("timeout_ms", r.timeout_ms());
+}
+
+absl::Status CheckRequest(const v1::PrepareWeightUpdateRequest& r) {
+  WS_RETURN_IF_ERROR(
+      CheckIdLength("update_id", r.update_id(), kMaxUpdateIdBytes));
+  return CheckTimeout("timeout_ms", r.timeout_ms());
+}
+
+absl::Status CheckRequest(const v1::CommitWeightUpdateRequest& r) {
+  return CheckIdLength("update_id", r.update_id(), kMaxUpdateIdBytes);
 }
 
 absl::Status CheckRequest(const v1::AbortWeightUpdateRequest& r) {

@@ -31,7 +31,10 @@ absl::Status CheckIdLength(absl::string_view field, absl::string_view id,
 absl::Status CheckRequest(const v1::InitWeightTransferRequest& r);
 absl::Status CheckRequest(const v1::StartWeightUpdateRequest& r);
 absl::Status CheckRequest(const v1::UnregisterSourceRequest& r);
+absl::Status CheckRequest(const v1::GetWorldSizeRequest& r);
 absl::Status CheckRequest(const v1::FinishWeightUpdateRequest& r);
+absl::Status CheckRequest(const v1::PrepareWeightUpdateRequest& r);
+absl::Status CheckRequest(const v1::CommitWeightUpdateRequest& r);
 absl::Status CheckRequest(const v1::AbortWeightUpdateRequest& r);
 absl::Status CheckRequest(const v1::PauseRequest& r);
 absl::Status CheckRequest(const v1::ResumeRequest& r);

@@ -259,6 +259,24 @@ grpc::Status TrainerServiceImpl::FinishWeightUpdate(
   return Answer(response, [&] { return core_->FinishWeightUpdate(*request); });
 }
 
+grpc::Status TrainerServiceImpl::PrepareWeightUpdate(
+    grpc::ServerContext* ctx, const v1::PrepareWeightUpdateRequest* request,
+    v1::PrepareWeightUpdateResponse* response) {
+  WS_CHECK_REQUEST(*request);
+  grpc::Status owner = CheckOwner(ctx, false);
+  if (!owner.ok()) return owner;
+  return Answer(response, [&] { return core_->PrepareWeightUpdate(*request); });
+}
+
+grpc::Status TrainerServiceImpl::CommitWeightUpdate(
+    grpc::ServerContext* ctx, const v1::CommitWeightUpdateRequest* request,
+    v1::FinishWeightUpdateResponse* response) {
+  WS_CHECK_REQUEST(*request);
+  grpc::Status owner = CheckOwner(ctx, false);
+  if (!owner.ok()) return owner;
+  return Answer(response, [&] { return core_->CommitWeightUpdate(*request); });
+}
+
 grpc::Status TrainerServiceImpl::AbortWeightUpdate(
     grpc::ServerContext* ctx, const v1::AbortWeightUpdateRequest* request,
     v1::AbortWeightUpdateResponse* response) {
@@ -287,9 +305,10 @@ grpc::Status TrainerServiceImpl::Resume(grpc::ServerContext* ctx,
 }
 
 grpc::Status TrainerServiceImpl::GetWorldSize(
-    grpc::ServerContext*, const v1::GetWorldSizeRequest*,
+    grpc::ServerContext*, const v1::GetWorldSizeRequest* request,
     v1::GetWorldSizeResponse* response) {
-  *response = core_->GetWorldSize();
+  WS_CHECK_REQUEST(*request);
+  *response = core_->GetWorldSize(*request);
   return grpc::Status::OK;
 }
 

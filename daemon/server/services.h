@@ -70,6 +70,12 @@ class TrainerServiceImpl final : public v1::TrainerService::Service {
   grpc::Status FinishWeightUpdate(
       grpc::ServerContext* ctx, const v1::FinishWeightUpdateRequest* request,
       v1::FinishWeightUpdateResponse* response) override;
+  grpc::Status PrepareWeightUpdate(
+      grpc::ServerContext* ctx, const v1::PrepareWeightUpdateRequest* request,
+      v1::PrepareWeightUpdateResponse* response) override;
+  grpc::Status CommitWeightUpdate(
+      grpc::ServerContext* ctx, const v1::CommitWeightUpdateRequest* request,
+      v1::FinishWeightUpdateResponse* response) override;
   grpc::Status AbortWeightUpdate(
       grpc::ServerContext* ctx, const v1::AbortWeightUpdateRequest* request,
       v1::AbortWeightUpdateResponse* response) override;

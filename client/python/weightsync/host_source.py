@@ -25,7 +25,8 @@ from weightsync._tensors import SentView, build_manifest
 class HostSource(collections.abc.Mapping):
     """{name: numpy array in the trainer's shared memory}, in send order.
 
-    Attributes: `source_id` (the daemon's id while registered), `manifest`
+    Attributes: `source_id` (the daemon's id while registered; with several
+    daemons `source_ids`, one per daemon index), `manifest`
     (a weightsync._tensors.Manifest of the arrays: names, dtypes, shapes,
     byte views)."""
 
@@ -37,6 +38,7 @@ class HostSource(collections.abc.Mapping):
         self.offsets = np.asarray(offsets, np.int64)
         self.manifest = build_manifest(list(zip(self.names, self.tensors)))
         self.source_id = None
+        self.source_ids = {}     # several daemons: {daemon index: source id}
         self.layout_ids = set()  # the engines' layouts at the last verified update
         self._sent = None
 

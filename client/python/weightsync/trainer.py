@@ -11,9 +11,13 @@ On GPUs (torch CUDA tensors, see weightsync.gpu_trainer):
     trainer.init_ipc(device=0)       # or: colocated, the daemon reads our buffer
     trainer.update(model.named_parameters(), version=step)
 
-`Trainer([target_a, target_b])` drives several daemons (one per node): the
-NCCL group then has the trainer at rank 0 and daemon i at rank 1 + i, and
-update/pause/resume go to all of them.
+`Trainer([target_a, target_b])` drives several daemons (one per node), on
+the host and nccl backends: the NCCL group has the trainer at rank 0 and
+each daemon's ranks (GetWorldSize) after those of the daemons before it;
+update() sends one manifest, each daemon applies what its engines use
+(on the host backend it is sent only those bytes), and the update commits
+on every daemon or on none (prepare, then commit: docs/protocol.md,
+"Several daemons"; weightsync._multi). pause/resume go to all of them.
 
 Thread-compatible: one update at a time per Trainer. Every call has a
 deadline; errors raise WeightSyncError with the daemon's code and message.
@@ -27,7 +31,7 @@ import threading
 import time
 import uuid
 
-from weightsync import planner
+from weightsync import _multi, planner
 from weightsync._errors import WeightSyncError
 from weightsync._proto import Stub, channel, default_target, v1
 from weightsync._tensors import build_manifest, describe
@@ -87,13 +91,83 @@ def _start_request(update_id, version, chunk_bytes, engine_ids, mode,
         verify=v1.VERIFY_ON if verify else v1.VERIFY_OFF, **fields)
 
 
+def _nccl_version(nccl):
+    """This trainer's NCCL as ncclGetVersion encodes it (InitWeightTransfer
+    .nccl_version): the library that joins the group (weightsync.nccl finds
+    the one torch loaded first), else torch.cuda.nccl.version(); 0 if
+    neither says (the daemon then checks nothing)."""
+    try:
+        return int(nccl.version())
+    except Exception:   # no libnccl to load here: ask torch
+        pass
+    try:
+        import torch
+        v = torch.cuda.nccl.version()
+        if isinstance(v, tuple):
+            major, minor, patch = (list(v) + [0, 0, 0])[:3]
+            return major * 10000 + minor * 100 + patch
+        return int(v)
+    except Exception:
+        return 0
+
+
+def _describe_host(named_tensors):
+    """(payloads, manifest dicts) of host (name, tensor) pairs: numpy
+    arrays, CPU torch tensors or SparsePatches."""
+    data, manifest = [], []
+    for name, tensor in named_tensors:
+        if isinstance(tensor, SparsePatch):
+            if not tensor.nnz:
+                raise ValueError(f"tensor '{name}': an empty patch (sparse_nnz 0 means a "
+                                 "dense tensor on the wire); leave the tensor out or "
+                                 "send it dense (weightsync.sparse.diff never returns one)")
+            payload = tensor.payload()
+            if isinstance(tensor, TorchSparsePatch):
+                from weightsync._gpu import dtype_name
+                dtype = dtype_name(name, tensor.values)
+                if hasattr(payload, "cpu"):
+                    payload = payload.cpu().numpy()
+            else:
+                dtype = describe(name, tensor.values)[0]
+            data.append(payload)
+            manifest.append({"name": name, "dtype": dtype, "shape": list(tensor.shape),
+                             "sparse_nnz": int(tensor.nnz),
+                             "sparse_index_bytes": tensor.index_bytes})
+            continue
+        dtype, shape, raw = describe(name, tensor)
+        data.append(raw)
+        manifest.append({"name": name, "dtype": dtype, "shape": list(shape)})
+    return data, manifest
+
+
+def _specs(manifest):
+    """TensorSpecs of manifest dicts."""
+    return [v1.TensorSpec(name=m["name"], dtype=getattr(v1, m["dtype"]), shape=m["shape"],
+                          sparse_nnz=m.get("sparse_nnz", 0),
+                          sparse_index_bytes=m.get("sparse_index_bytes", 0))
+            for m in manifest]
+
+
+def _sent(manifest, data):
+    """{name: (dtype, shape, payload)} of the dense tensors (what receipts
+    cover)."""
+    return {m["name"]: (m["dtype"], m["shape"], d) for m, d in zip(manifest, data)
+            if not m.get("sparse_nnz")}
+
+
 class Trainer:
     def __init__(self, target=None, timeout=30.0, stream_timeout=600.0):
         targets = [target] if target is None or isinstance(target, str) else list(target)
         if not targets:
             raise ValueError("no daemon target")
-        self._channels = [channel(t or default_target()) for t in targets]
+        self._targets = [t or default_target() for t in targets]
+        self._channels = [channel(t) for t in self._targets]
         self._stubs = [Stub(c, "TrainerService", timeout) for c in self._channels]
+        self._group = _multi.Group(self._stubs, self._targets)
+        # Tests only: called with "pushed" (bytes sent, before prepare) and
+        # "prepared" (every daemon prepared, receipts checked, before the
+        # commit) in an update of several daemons.
+        self._on_phase = None
         self._channel, self._stub = self._channels[0], self._stubs[0]
         self._timeout = timeout
         self._stream_timeout = stream_timeout
@@ -108,6 +182,7 @@ class Trainer:
         self._source_gen = 0     # registrations made (a process-unique number each)
         self._layouts = {}     # layout_id -> layout (for receipts)
         self.last_results = []
+        self.last_starts = []  # several daemons: each one's Start answer
 
     def close(self):
         if self._gpu is not None:
@@ -126,15 +201,22 @@ class Trainer:
         return dict(self._gpu.last_timings) if self._gpu is not None else {}
 
     def init_host(self):
-        """Forms a host-backend transfer group; returns its id."""
-        if len(self._stubs) > 1:
-            raise ValueError("the host backend talks to one daemon")
-        r = self._stub.call("InitWeightTransfer", backend=v1.BACKEND_HOST)
+        """Forms a host-backend transfer group; returns its id (a list of
+        ids, one per daemon, for several daemons: each then receives only
+        the bytes of the tensors its engines use, docs/protocol.md,
+        "Several daemons")."""
+        results = self._group.each(
+            lambda i, stub: stub.call("InitWeightTransfer", backend=v1.BACKEND_HOST))
+        for i, r in enumerate(results):
+            if isinstance(r, WeightSyncError):
+                raise WeightSyncError(r.code, f"{self._group.name(i)}: {r.message}")
         self._backend = "host"
         self._host_source_id = None   # a new group keeps no sources
         for src in self._host_sources:
             src.source_id = None
-        return r.group_id
+            src.source_ids = {}
+        ids = [r.group_id for r in results]
+        return ids[0] if len(ids) == 1 else ids
 
     def host_tensors(self, params):
         """Host backend (after init_host): lays out `params` [(name, dtype
@@ -158,14 +240,22 @@ class Trainer:
             raise ValueError("host_tensors: a tensor name appears twice")
         source = HostSource(shm, offsets, arrays)
         try:
-            self._register_host_memory(source)
+            if len(self._stubs) > 1:
+                # Every daemon opens the same shared memory (the host
+                # backend's daemons share this host's /dev/shm).
+                source.source_ids = {i: self._register_host_memory(source, stub)
+                                     for i, stub in enumerate(self._stubs)}
+            else:
+                self._register_host_memory(source)
         except BaseException:
             source.close()
             raise
         self._host_sources.append(source)
         return source
 
-    def _register_host_memory(self, source):
+    def _register_host_memory(self, source, stub=None):
+        """Registers `source` with the daemon of `stub` (default the first)
+        and returns its id there (also source.source_id for the first)."""
         m = source.manifest
         request = v1.RegisterSourceRequest(
             tensors=[v1.TensorSpec(name=n, dtype=getattr(v1, d), shape=sh)
@@ -175,16 +265,21 @@ class Trainer:
         add = request.placements.add
         for off in source.offsets.tolist():
             add(allocation=0, offset=off)
-        source.source_id = self._stub.call("RegisterSource", request).source_id
+        source_id = (stub or self._stub).call("RegisterSource", request).source_id
+        if stub is None or stub is self._stub:
+            source.source_id = source_id
+        return source_id
 
     def init_nccl(self, device=None, pack_buffers=2, timeout_ms=0):
         """Forms an NCCL transfer group with every daemon: makes an NCCL
-        unique id, calls InitWeightTransfer(BACKEND_NCCL, world_size=1 +
-        daemons, rank_offset=1 + i) on daemon i, then joins as rank 0 on
-        CUDA `device` (default: the current one) through libnccl (ctypes,
-        weightsync.nccl). Blocks until every daemon's rank has joined.
-        Call again after an update failed with ABORTED. Returns the group
-        ids."""
+        unique id, asks each daemon how many ranks it contributes
+        (GetWorldSize for BACKEND_NCCL), calls InitWeightTransfer(world_size
+        = 1 + all their ranks, rank_offset = 1 + the ranks of the daemons
+        before it, nccl_version = this process's NCCL) on each, then joins
+        as rank 0 on CUDA `device` (default: the current one) through
+        libnccl (ctypes, weightsync.nccl). Blocks until every daemon's rank
+        has joined. Call again after an update failed with ABORTED.
+        Returns the group ids."""
         import torch
         from weightsync import nccl
         from weightsync.gpu_trainer import GpuSender, _device
@@ -192,9 +287,13 @@ class Trainer:
         if self._gpu is not None:
             self._gpu.abort_comm()
         uid = nccl.get_unique_id()
-        world = 1 + len(self._stubs)
+        sizes = self.world_sizes("nccl")
+        world = 1 + sum(sizes)
+        offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
+        version = _nccl_version(nccl)
         groups = [stub.call("InitWeightTransfer", backend=v1.BACKEND_NCCL, world_size=world,
-                            rank_offset=1 + i, nccl_unique_id=uid, timeout_ms=timeout_ms).group_id
+                            rank_offset=offsets[i], nccl_unique_id=uid, timeout_ms=timeout_ms,
+                            nccl_version=version).group_id
                   for i, stub in enumerate(self._stubs)]
         with torch.cuda.device(dev):
             try:
@@ -233,11 +332,43 @@ class Trainer:
         self._backend = "ipc"
         return [r.group_id]
 
-    def world_size(self):
-        return self._stub.call("GetWorldSize").world_size
+    def world_size(self, backend=None):
+        """Ranks of the daemons' groups, summed over every daemon; with
+        `backend` ("host", "nccl", "ipc"), the ranks they would contribute
+        to a group of that backend (answered before init too)."""
+        return sum(self.world_sizes(backend))
+
+    def world_sizes(self, backend=None):
+        """[ranks of daemon i], as world_size()."""
+        b = {None: v1.BACKEND_UNSPECIFIED, "host": v1.BACKEND_HOST, "nccl": v1.BACKEND_NCCL,
+             "ipc": v1.BACKEND_IPC}[backend]
+        out = self._group.each(lambda i, stub: stub.call("GetWorldSize", backend=b).world_size)
+        for i, r in enumerate(out):
+            if isinstance(r, WeightSyncError):
+                raise WeightSyncError(r.code, f"{self._group.name(i)}: {r.message}")
+        return out
 
     def status(self):
+        """GetStatus of the first daemon (statuses() asks every one)."""
         return self._stub.call("GetStatus")
+
+    def statuses(self):
+        """[GetStatus of daemon i] for every daemon."""
+        out = self._group.each(lambda i, stub: stub.call("GetStatus"))
+        for i, r in enumerate(out):
+            if isinstance(r, WeightSyncError):
+                raise WeightSyncError(r.code, f"{self._group.name(i)}: {r.message}")
+        return out
+
+    def finish_prepared(self):
+        """After a trainer died between prepare and commit (several
+        daemons): commits an update still prepared on some daemons if
+        another daemon committed it, aborts it where it is committed
+        nowhere (its engines then stay DIRTY until a dense update).
+        Returns {update_id: "committed" | "aborted"} (empty: nothing was
+        left prepared). Call before the daemons' idle deadline
+        (--update_idle_timeout_ms) ends the prepared updates themselves."""
+        return _multi.finish_prepared(self._group, self.statuses())
 
     def check(self, engine_id):
         """Reads `engine_id`'s memory now and returns a CheckEngineResponse
@@ -291,7 +422,9 @@ class Trainer:
             return self._update_gpu(named_tensors, version, chunk_bytes, update_id, engine_ids,
                                     mode, allow_streaming_fallback, verify, base_version)
         if len(self._stubs) > 1:
-            raise ValueError("the host backend talks to one daemon")
+            return self._update_host_multi(named_tensors, version, chunk_bytes, update_id,
+                                           engine_ids, mode, allow_streaming_fallback, verify,
+                                           base_version)
         if isinstance(named_tensors, HostSource):
             source = named_tensors   # no per-tensor work at all
             if mode == "streaming":
@@ -308,44 +441,22 @@ class Trainer:
             return self._update_host_source(named_tensors, version, chunk_bytes, update_id,
                                             engine_ids, mode, allow_streaming_fallback,
                                             verify)
-        names, data, manifest = [], [], []
-        for name, tensor in named_tensors:
-            if isinstance(tensor, SparsePatch):
-                if not tensor.nnz:
-                    raise ValueError(f"tensor '{name}': an empty patch (sparse_nnz 0 means a "
-                                     "dense tensor on the wire); leave the tensor out or "
-                                     "send it dense (weightsync.sparse.diff never returns one)")
-                payload = tensor.payload()
-                if isinstance(tensor, TorchSparsePatch):
-                    from weightsync._gpu import dtype_name
-                    dtype = dtype_name(name, tensor.values)
-                    if hasattr(payload, "cpu"):
-                        payload = payload.cpu().numpy()
-                else:
-                    dtype = describe(name, tensor.values)[0]
-                names.append(name)
-                data.append(payload)
-                manifest.append({"name": name, "dtype": dtype, "shape": list(tensor.shape),
-                                 "sparse_nnz": int(tensor.nnz),
-                                 "sparse_index_bytes": tensor.index_bytes})
-                continue
-            dtype, shape, raw = describe(name, tensor)
-            names.append(name)
-            data.append(raw)
-            manifest.append({"name": name, "dtype": dtype, "shape": list(shape)})
+        data, manifest = _describe_host(named_tensors)
         request = _start_request(
             update_id, version, chunk_bytes, engine_ids, mode, allow_streaming_fallback,
-            verify,
-            sparse_base_version=base_version,
-            tensors=[v1.TensorSpec(name=m["name"], dtype=getattr(v1, m["dtype"]),
-                                   shape=m["shape"], sparse_nnz=m.get("sparse_nnz", 0),
-                                   sparse_index_bytes=m.get("sparse_index_bytes", 0))
-                     for m in manifest])
+            verify, sparse_base_version=base_version, tensors=_specs(manifest))
         started = self._stub.call("StartWeightUpdate", request)
         plan = planner.plan_chunks(manifest, started.chunk_bytes)
-        sent = {m["name"]: (m["dtype"], m["shape"], d) for m, d in zip(manifest, data)
-                if not m.get("sparse_nnz")}  # receipts cover dense tensors
-        return self._push_and_finish(update_id, plan, data, sent if verify else None)
+        return self._push_and_finish(update_id, plan, data, _sent(manifest, data) if verify else None)
+
+    def _update_host_multi(self, named_tensors, version, chunk_bytes, update_id, engine_ids,
+                           mode, allow_streaming_fallback, verify, base_version):
+        """Host update of several daemons (weightsync._multi_host); returns
+        one FinishWeightUpdateResponse per daemon of the update."""
+        from weightsync import _multi_host
+        return _multi_host.update(self, named_tensors, version, chunk_bytes, update_id,
+                                  engine_ids, mode, allow_streaming_fallback, verify,
+                                  base_version)
 
     def _push_and_finish(self, update_id, plan, payloads, sent, parts=None):
         """Host backend: streams the planned chunks packed from `payloads`
@@ -513,16 +624,26 @@ class Trainer:
                 prepacked = gpu.prepack(gpu.plan(manifest, chunk_bytes), flats)
             except Exception:
                 prepacked = set()   # planning errors are the daemon's to report
+        multi = len(self._stubs) > 1
+        names = [m["name"] for m in manifest]
+        if multi:
+            # Several daemons (docs/protocol.md, "Several daemons"): refuse a
+            # tensor no daemon uses before any daemon pauses; each skips the
+            # copies of what its engines don't use (it still takes part in
+            # every broadcast).
+            _multi.plan(self._group, [request] * len(self._stubs), names)
         started = []
         t_start = time.perf_counter()
         try:
-            for stub in self._stubs:
-                started.append(stub.call("StartWeightUpdate", request))
+            if multi:
+                started = _multi.start(self._group, [request] * len(self._stubs), names)
+            else:
+                started.append(self._stub.call("StartWeightUpdate", request))
         except WeightSyncError:
-            self._abort_started(update_id, len(started), "Start failed on another daemon")
-            if len(started):
+            if multi:
                 gpu.abort_comm()   # the daemons that started abort their communicators
             raise
+        self.last_starts = started
         t_started = time.perf_counter()
         plan = gpu.plan(manifest, started[0].chunk_bytes)
         if started[0].chunk_bytes != chunk_bytes:
@@ -542,16 +663,14 @@ class Trainer:
             raise WeightSyncError("ABORTED", f"update '{update_id}': sending failed on the "
                                   f"trainer: {e}{detail}; init_nccl() again") from None
         t_enqueued = time.perf_counter()
-        results, error = [], None
-        for stub in self._stubs:
-            try:
-                results.append(stub.call("FinishWeightUpdate", update_id=update_id,
-                                         timeout_ms=int(self._timeout * 1000 * 2 / 3)))
-            except WeightSyncError as e:
-                error = error or e
-        if error is not None:
+        if multi:
+            return self._finish_nccl_multi(update_id, manifest, flats, done, keep, verify, t0,
+                                           t_start, t_started, t_enqueued)
+        try:
+            results = [self.finish(update_id)]
+        except WeightSyncError:
             gpu.abort_comm()   # a broadcast whose receiver is gone never ends
-            raise error
+            raise
         gpu.wait(done, self._timeout)
         del keep
         t1 = time.perf_counter()
@@ -562,7 +681,39 @@ class Trainer:
         if verify:
             self._check_gpu_receipts(results, manifest, flats)
         gpu.last_timings["total_s"] = time.perf_counter() - t0
-        return results[0] if len(results) == 1 else results
+        return results[0]
+
+    def _finish_nccl_multi(self, update_id, manifest, flats, done, keep, verify, t0, t_start,
+                           t_started, t_enqueued):
+        """The end of an NCCL update of several daemons: prepare on every
+        daemon, the receipts checked, then the commit on every daemon
+        (weightsync._multi); any failure before the commit aborts the
+        update everywhere. Returns the commits, one per daemon."""
+        gpu = self._gpu
+        try:
+            prepared = _multi.prepare(self._group, update_id,
+                                      int(self._timeout * 1000 * 2 / 3))
+        except WeightSyncError:
+            gpu.abort_comm()   # a broadcast whose receiver is gone never ends
+            raise
+        gpu.wait(done, self._timeout)
+        del keep
+        t1 = time.perf_counter()
+        gpu.last_timings = {"prepare_s": t_start - t0, "start_s": t_started - t_start,
+                            "enqueue_s": t_enqueued - t_started,
+                            "start_to_finish_s": t1 - t_start}
+        if verify:
+            try:
+                self._check_gpu_receipts(prepared, manifest, flats)
+            except WeightSyncError as e:
+                gpu.abort_comm()   # the daemons' Abort drops their communicators
+                _multi.fail_everywhere(self._group, update_id, None, e, "receipts do not match")
+        if self._on_phase is not None:
+            self._on_phase("prepared")
+        results = _multi.commit(self._group, update_id)
+        self.last_results = results
+        gpu.last_timings["total_s"] = time.perf_counter() - t0
+        return results
 
     def _source_for(self, pairs):
         """The registered source for (name, tensor) `pairs`: the one already
@@ -717,15 +868,16 @@ class Trainer:
                 self._layouts[e.layout_id] = e.layout
         return layouts
 
-    def _check_receipts(self, results, expected, keyed=False):
+    def _check_receipts(self, results, expected, keyed=False, stubs=None):
         """Compares every engine's receipt in `results` (one
-        FinishWeightUpdateResponse per daemon, in self._stubs order) with
+        FinishWeightUpdateResponse or PrepareWeightUpdateResponse per
+        daemon, in `stubs` order, default self._stubs) with
         expected(layout) -> (checksum, parameters, bytes) for the layout
         the engine registered; raises DATA_LOSS naming the engine. Engines
         with one layout (replicas) are computed once. keyed: expected takes
         (layout, layout_id) and may keep work per layout id."""
         cache = {}
-        for stub, finished in zip(self._stubs, results):
+        for stub, finished in zip(stubs or self._stubs, results):
             if not any(r.HasField("receipt") for r in finished.engines):
                 continue
             layouts = self._layouts_of(stub, finished.engines)
