@@ -65,6 +65,70 @@ v1::Receipt ExpectedReceipt(
   return receipt;
 }
 
+absl::StatusOr<std::vector<cuda::ReceiptRegion>> ExpectedReceiptRegions(
+    const google::protobuf::RepeatedPtrField<v1::Parameter>& parameters,
+    const std::vector<HostTensor>& tensors, unsigned long long* out,
+    v1::Receipt* counts) {
+  absl::flat_hash_map<std::string, const HostTensor*> sent;
+  for (const HostTensor& t : tensors) {
+    if (t.spec.sparse_nnz() == 0) sent[t.spec.name()] = &t;
+  }
+  std::vector<cuda::ReceiptRegion> regions;
+  *counts = v1::Receipt();
+  for (const v1::Parameter& p : parameters) {
+    const int64_t es = ElementSize(p.dtype());
+    bool touched = false;
+    // rows x cols source elements from element `from` of `src` (its rows
+    // `src_cols` apart) become parameter elements `to` + r * dest_stride + c.
+    auto add = [&](const HostTensor& src, int64_t from, int64_t rows,
+                   int64_t cols, int64_t src_cols, int64_t to,
+                   int64_t dest_stride) -> absl::Status {
+      if (src.spec.dtype() != p.dtype()) {
+        return absl::UnimplementedError(absl::StrCat(
+            "parameter '", p.name(), "' converts '", src.spec.name(),
+            "' to its dtype: sum it on the host (ExpectedReceipt)"));
+      }
+      cuda::ReceiptRegion r{};
+      r.base = static_cast<const uint8_t*>(src.data) + from * es;
+      r.rows = rows;
+      r.cols = cols;
+      r.row_stride_bytes = src_cols * es;
+      r.dst_row_stride_bytes = dest_stride * es;
+      r.salt = ParameterSalt(p.name());
+      r.first_index = static_cast<uint64_t>(to);
+      r.out = out;
+      r.es = static_cast<int32_t>(es);
+      regions.push_back(r);
+      counts->set_bytes(counts->bytes() + rows * cols * es);
+      touched = true;
+      return absl::OkStatus();
+    };
+    if (p.segments_size() == 0) {
+      auto it = sent.find(p.name());
+      if (it != sent.end()) {
+        int64_t numel = 1;
+        for (int64_t d : p.shape()) numel *= d;
+        absl::Status s = add(*it->second, 0, 1, numel, numel, 0, numel);
+        if (!s.ok()) return s;
+      }
+    }
+    for (const v1::Segment& g : p.segments()) {
+      auto it = sent.find(g.source());
+      if (it == sent.end()) continue;
+      const HostTensor& src = *it->second;
+      int64_t cols = 1;
+      for (int i = 1; i < src.spec.shape_size(); ++i) cols *= src.spec.shape(i);
+      absl::Status s =
+          add(src, g.row_begin() * cols + g.col_begin(), g.row_count(),
+              g.col_count(), cols, g.dest_offset(),
+              g.dest_row_stride() ? g.dest_row_stride() : g.col_count());
+      if (!s.ok()) return s;
+    }
+    if (touched) counts->set_parameters(counts->parameters() + 1);
+  }
+  return regions;
+}
+
 absl::Status CheckReceipts(const v1::FinishWeightUpdateResponse& finished,
                            const v1::GetStatusResponse& status,
                            const std::vector<HostTensor>& tensors) {

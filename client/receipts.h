@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "backends/cuda/kernel_math.h"  // ReceiptRegion (plain C++)
 #include "client/trainer_client.h"
 #include "google/protobuf/repeated_field.h"
 #include "weightsync/v1/trainer_service.pb.h"
@@ -19,6 +21,19 @@ namespace weightsync {
 v1::Receipt ExpectedReceipt(
     const google::protobuf::RepeatedPtrField<v1::Parameter>& parameters,
     const std::vector<HostTensor>& tensors);
+
+// The same expectation as regions a GPU sums (backends/cuda/receipt_kernels.h
+// ReceiptSumBatch, after PlanReceiptRegions): one region per parameter, or
+// per segment, reading the sent tensor where `tensors[i].data` points (any
+// address space: device memory for the GPU kernel) with the checkpoint's row
+// stride, each element keyed on its place in the engine; every region adds
+// to `out`. `counts` gets the receipt's parameters and bytes (its checksum
+// is the regions' sum). UNIMPLEMENTED where a segment converts dtypes (the
+// kernel sums the bytes as they are: use ExpectedReceipt on the host).
+absl::StatusOr<std::vector<cuda::ReceiptRegion>> ExpectedReceiptRegions(
+    const google::protobuf::RepeatedPtrField<v1::Parameter>& parameters,
+    const std::vector<HostTensor>& tensors, unsigned long long* out,
+    v1::Receipt* counts);
 
 // Compares every receipt in `finished` with the expectation from `status`
 // (GetStatus with include_layouts). DATA_LOSS names the first engine whose

@@ -30,17 +30,21 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/algorithm/container.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "backends/cuda/gpu_uuid.h"
+#include "backends/cuda/receipt_kernels.h"
 #include "backends/cuda/sparse_kernels.h"
 #include "backends/cuda/vmm.h"
 #include "client/receipts.h"
@@ -102,8 +106,13 @@ DEFINE_bool(receipts, false,
             "ask for receipts (VERIFY_ON) and check them against what was "
             "sent (exit 5 on a mismatch)");
 DEFINE_bool(check_receipts, true,
-            "with --receipts: check them on the host (off for benchmarks: "
-            "the host check of a large model takes seconds)");
+            "with --receipts: check them against the expectation computed "
+            "from the trainer's tensors (on the GPU, see --gpu_expectation)");
+DEFINE_bool(gpu_expectation, true,
+            "--check_receipts: compute the expectation on the GPU from the "
+            "tensors as sent (client/receipts.h ExpectedReceiptRegions, the "
+            "daemon's receipt kernel); the host computes what it can't (dtype "
+            "conversion, a ring, --corrupt_version's version)");
 DEFINE_int64(corrupt_version, -1,
              "flip one bit of the broadcast buffer (not of the host copy the "
              "expected receipts come from) for this version");
@@ -466,6 +475,103 @@ int SparseSeries(TrainerClient& client,
   return 0;
 }
 
+// The engines' layouts (GetStatus with include_layouts), fetched again only
+// when an engine's layout_id is one not seen yet.
+class Layouts {
+ public:
+  absl::StatusOr<const v1::GetStatusResponse*> For(
+      TrainerClient& client, const v1::FinishWeightUpdateResponse& done) {
+    bool known = status_.has_value();
+    for (const v1::EngineResult& r : done.engines()) {
+      known = known && !r.layout_id().empty() && ids_.contains(r.layout_id());
+    }
+    if (!known) {
+      auto status = client.GetStatus(/*include_layouts=*/true);
+      if (!status.ok()) return status.status();
+      status_ = *status;
+      ids_.clear();
+      for (const v1::EngineStatus& e : status_->engines()) {
+        ids_.insert(e.layout_id());
+      }
+    }
+    return &*status_;
+  }
+
+ private:
+  std::optional<v1::GetStatusResponse> status_;
+  absl::flat_hash_set<std::string> ids_;
+};
+
+// CheckReceipts with the expectation summed on the GPU from `tensors`
+// (device pointers): one ReceiptSumBatch over every engine's regions.
+// UNIMPLEMENTED where a layout converts dtypes (then check on the host).
+absl::Status CheckReceiptsOnGpu(const v1::FinishWeightUpdateResponse& done,
+                                const v1::GetStatusResponse& status,
+                                const std::vector<HostTensor>& tensors,
+                                cudaStream_t stream) {
+  static uint8_t* dev = nullptr;  // sums, then the regions (grown as needed)
+  static size_t dev_bytes = 0;
+  absl::flat_hash_map<std::string, const v1::EngineStatus*> layouts;
+  for (const v1::EngineStatus& e : status.engines())
+    layouts[e.engine_id()] = &e;
+  const int n = done.engines_size();
+  std::vector<cuda::ReceiptRegion> regions;
+  std::vector<int> owner;  // the engine each region sums for
+  std::vector<v1::Receipt> want(n);
+  for (int e = 0; e < n; ++e) {
+    const v1::EngineResult& r = done.engines(e);
+    auto it = layouts.find(r.engine_id());
+    if (!r.has_receipt() || r.lost() || it == layouts.end()) continue;
+    // Sums are addressed once the device buffer is known (below).
+    auto more = ExpectedReceiptRegions(it->second->layout(), tensors, nullptr,
+                                       &want[e]);
+    if (!more.ok()) return more.status();
+    regions.insert(regions.end(), more->begin(), more->end());
+    owner.resize(regions.size(), e);
+  }
+  const size_t sums = sizeof(uint64_t) * n;
+  const size_t need = sums + sizeof(cuda::ReceiptRegion) * regions.size();
+  if (need > dev_bytes) {
+    if (dev != nullptr) CHECK_CUDA(cudaFree(dev));
+    CHECK_CUDA(cudaMalloc(&dev, need));
+    dev_bytes = need;
+  }
+  for (size_t i = 0; i < regions.size(); ++i) {
+    regions[i].out = reinterpret_cast<unsigned long long*>(dev) + owner[i];
+  }
+  const int64_t tiles =
+      cuda::PlanReceiptRegions(regions.data(), regions.size());
+  if (tiles < 0) {
+    return absl::InternalError("an expected-receipt region can't be planned");
+  }
+  std::vector<uint64_t> got(n, 0);
+  CHECK_CUDA(cudaMemsetAsync(dev, 0, sums, stream));
+  CHECK_CUDA(cudaMemcpyAsync(dev + sums, regions.data(),
+                             sizeof(cuda::ReceiptRegion) * regions.size(),
+                             cudaMemcpyHostToDevice, stream));
+  CHECK_CUDA(cuda::ReceiptSumBatch(
+      reinterpret_cast<const cuda::ReceiptRegion*>(dev + sums), regions.size(),
+      tiles, stream));
+  CHECK_CUDA(
+      cudaMemcpyAsync(got.data(), dev, sums, cudaMemcpyDeviceToHost, stream));
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  for (int e = 0; e < n; ++e) {
+    const v1::EngineResult& r = done.engines(e);
+    if (!r.has_receipt() || r.lost() || !layouts.contains(r.engine_id())) {
+      continue;
+    }
+    if (got[e] != r.receipt().checksum() ||
+        want[e].bytes() != r.receipt().bytes()) {
+      return absl::DataLossError(absl::StrFormat(
+          "engine '%s' receipt %016x over %d bytes does not match %016x over "
+          "%d bytes computed on the GPU from what was sent",
+          r.engine_id(), r.receipt().checksum(), r.receipt().bytes(), got[e],
+          want[e].bytes()));
+    }
+  }
+  return absl::OkStatus();
+}
+
 int Main() {
   auto model = synthetic::ModelByName(FLAGS_model);
   if (!model.ok()) return 2;
@@ -592,6 +698,7 @@ int Main() {
     std::fflush(stdout);
     raise(SIGSTOP);
   }
+  Layouts layouts;  // the engines' layouts, for the receipts' expectation
   for (int u = 0; u < FLAGS_updates; ++u) {
     const int64_t version = FLAGS_first_version + u;
     const int64_t data_version =
@@ -739,22 +846,44 @@ int Main() {
         std::printf("update v%lld: %d receipts (not checked)\n",
                     static_cast<long long>(version), with);
       } else {
-        std::vector<HostTensor> tensors;
-        for (size_t i = 0; i < specs.size(); ++i) {
-          tensors.push_back({specs[i], flat.data() + plan->tensor_offsets[i]});
+        const absl::Time t_expect = absl::Now();
+        auto status = layouts.For(**client, *done);
+        absl::Status checked = status.status();
+        const char* where = "host";
+        if (checked.ok() && FLAGS_gpu_expectation && !ring &&
+            FLAGS_corrupt_version != version) {
+          std::vector<HostTensor> on_gpu;
+          for (size_t i = 0; i < specs.size(); ++i) {
+            on_gpu.push_back({specs[i], static_cast<uint8_t*>(flat_dev) +
+                                            plan->tensor_offsets[i]});
+          }
+          checked = CheckReceiptsOnGpu(*done, **status, on_gpu, stream);
+          where = "gpu";
         }
-        auto status = (*client)->GetStatus(/*include_layouts=*/true);
-        absl::Status checked = status.ok()
-                                   ? CheckReceipts(*done, *status, tensors)
-                                   : status.status();
+        if (checked.ok() ? false
+                         : checked.code() == absl::StatusCode::kUnimplemented) {
+          checked = absl::OkStatus();
+          where = "host";
+        }
+        if (status.ok() && std::string(where) == "host") {
+          std::vector<HostTensor> tensors;
+          for (size_t i = 0; i < specs.size(); ++i) {
+            tensors.push_back(
+                {specs[i], flat.data() + plan->tensor_offsets[i]});
+          }
+          checked = CheckReceipts(*done, **status, tensors);
+        }
+        const double expect_s = absl::ToDoubleSeconds(absl::Now() - t_expect);
         if (checked.ok() && with != done->engines_size()) {
           checked = absl::InternalError(absl::StrCat(
               with, " receipts for ", done->engines_size(), " engines"));
         }
-        std::printf(
-            "update v%lld: receipts %s\n", static_cast<long long>(version),
-            checked.ok() ? absl::StrCat("ok (", with, " engines)").c_str()
-                         : checked.ToString().c_str());
+        std::printf("update v%lld: receipts %s, expectation on the %s %.6f s\n",
+                    static_cast<long long>(version),
+                    checked.ok()
+                        ? absl::StrCat("ok (", with, " engines)").c_str()
+                        : checked.ToString().c_str(),
+                    where, expect_s);
         std::fflush(stdout);
         if (!checked.ok()) _exit(5);
       }

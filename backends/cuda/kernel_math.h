@@ -79,7 +79,11 @@ struct ReceiptRegion {
   // dst (row r at dst + r * dst_row_stride_bytes), and element (r, c) is
   // element first_index + r * (dst_row_stride_bytes / es) + c: the terms are
   // keyed on where the element is written (the receipt of an IPC copy fused
-  // with it, GpuWorker::PlanFusedCopies). nullptr: base is only read.
+  // with it, GpuWorker::PlanFusedCopies). nullptr: base is only read, and
+  // a non-zero dst_row_stride_bytes then only sets the index's row stride
+  // (a trainer's expectation reads its checkpoint tensor with the
+  // checkpoint's row stride and keys each element on its place in the
+  // engine: ExpectedReceiptRegions).
   void* dst;
   int64_t dst_row_stride_bytes;
   int32_t es;  // 1, 2, 4 or 8
@@ -130,23 +134,24 @@ inline bool PlanReceiptRegion(ReceiptRegion& r, int64_t tile_begin) {
       return false;
     }
   }
-  if (r.dst != nullptr) {
-    if (reinterpret_cast<uintptr_t>(r.dst) % r.es != 0) return false;
+  const bool copy = r.dst != nullptr;
+  const bool second = copy || r.dst_row_stride_bytes != 0;  // a 2nd stride
+  if (second) {
+    if (copy && reinterpret_cast<uintptr_t>(r.dst) % r.es != 0) return false;
     if (r.rows > 1 && (r.dst_row_stride_bytes % r.es != 0 ||
                        r.dst_row_stride_bytes < r.cols * r.es ||
                        r.dst_row_stride_bytes > kMax / r.rows)) {
       return false;
     }
   }
-  const bool copy = r.dst != nullptr;
   if (r.rows > 1 && r.row_stride_bytes == r.cols * r.es &&
-      (!copy || r.dst_row_stride_bytes == r.cols * r.es)) {
+      (!second || r.dst_row_stride_bytes == r.cols * r.es)) {
     r.cols *= r.rows;  // contiguous: one long row
     r.rows = 1;
   }
   if (r.rows == 1) {
     r.row_stride_bytes = r.cols * r.es;
-    r.dst_row_stride_bytes = copy ? r.cols * r.es : 0;
+    r.dst_row_stride_bytes = second ? r.cols * r.es : 0;
   }
   if (copy && ((reinterpret_cast<uintptr_t>(r.base) -
                 reinterpret_cast<uintptr_t>(r.dst)) %
@@ -156,7 +161,7 @@ inline bool PlanReceiptRegion(ReceiptRegion& r, int64_t tile_begin) {
     return false;
   }
   r.index_row_stride =
-      (copy ? r.dst_row_stride_bytes : r.row_stride_bytes) / r.es;
+      (second ? r.dst_row_stride_bytes : r.row_stride_bytes) / r.es;
   const int64_t te = kReceiptTileBytes / r.es;  // elements per tile
   r.chunks_per_row = (r.cols + te - 1) / te;
   if (r.chunks_per_row == 1 && r.rows > 1 && te / r.cols > 1) {

@@ -90,6 +90,8 @@ export -f cpp_ipc; export BIN LOG
 if step cpp && [ -x "$BIN/weightsync_gpu_trainer" ]; then
   run cpp_ipc_receipts_off 400 bash -c 'cpp_ipc "$@"' _ off --baseline_copy
   run cpp_ipc_daemon_receipts 400 bash -c 'cpp_ipc "$@"' _ daemon_receipts --receipts --nocheck_receipts
+  # The default: receipts on and checked, the expectation on the GPU.
+  run cpp_ipc_receipts_default 400 bash -c 'cpp_ipc "$@"' _ default --receipts
   # The same with the receipt pass after the copy (before the fused kernel).
   WS_DAEMON_EXTRA="--ipc_fused_receipts=false ${WS_DAEMON_EXTRA:-}" \
     run cpp_ipc_daemon_receipts_unfused 400 bash -c 'cpp_ipc "$@"' _ unfused --receipts --nocheck_receipts
@@ -103,12 +105,26 @@ def medians(name):
     return (statistics.median(s[1:]) if len(s) > 1 else None), (float(copy.group(1)) if copy else None)
 off, copy_s = medians("cpp_ipc_receipts_off")
 daemon, _ = medians("cpp_ipc_daemon_receipts")
+def with_expectation(name):
+    # Each update's time plus its expectation's (the user's default).
+    text = open(os.path.join(log, name + ".log")).read()
+    upd = {int(v): float(x) for v, x in re.findall(r"^update v(\d+): .*?, ([0-9.]+) s,", text, re.M)}
+    exp = {int(v): float(x) for v, x in re.findall(
+        r"^update v(\d+): receipts ok .*?expectation on the gpu ([0-9.]+) s", text, re.M)}
+    both = [upd[v] + exp[v] for v in sorted(upd) if v in exp][1:]
+    return (statistics.median(both) if both else None,
+            statistics.median(sorted(exp.values())[1:]) if len(exp) > 1 else None)
+default, expect = (None, None)
+if os.path.exists(os.path.join(log, "cpp_ipc_receipts_default.log")):
+    default, expect = with_expectation("cpp_ipc_receipts_default")
 unfused = None
 if os.path.exists(os.path.join(log, "cpp_ipc_daemon_receipts_unfused.log")):
     unfused, _ = medians("cpp_ipc_daemon_receipts_unfused")
 out = {"cpp_copy_s": copy_s, "cpp_update_s_receipts_off": off,
        "cpp_update_s_daemon_receipts": daemon,
        "cpp_update_s_daemon_receipts_unfused": unfused,
+       "cpp_update_s_default": default, "cpp_expected_receipts_s": expect,
+       "cpp_ratio_default": copy_s / default if copy_s and default else None,
        "cpp_ratio_receipts_off": copy_s / off if copy_s and off else None}
 print(json.dumps(out))
 path = os.path.join(log, "python_ipc.json")
