@@ -84,6 +84,10 @@ def case(rng, src, dst):
         # inside a tile; a 16-byte-aligned strided block with a row tail.
         param("grid.t", dst, (1 << 33,), [seg("grid", 0, 64, 0, 8192, (1 << 32) - 200000)]),
         param("grid.block", dst, (40, 6000), [seg("grid", 3, 40, 8, 5000, 7, 6000)]),
+        # Small runs (the small-region kernel): whole short rows merged, one
+        # short row from inside a wide one.
+        param("narrow.small", dst, (3, 7), [seg("narrow", 10, 3, 0, 7, 0)]),
+        param("mid.row", dst, (40,), [seg("mid", 5, 1, 10, 30, 4)]),
     ]
     return layout, host, gpu
 

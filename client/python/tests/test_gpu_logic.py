@@ -22,7 +22,7 @@ import numpy as np
 if not os.environ.get("WEIGHTSYNC_TEST_INSTALLED"):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from weightsync import nccl, planner, receipts, sparse  # noqa: E402
+from weightsync import nccl, planner, receipts, receipts_gpu, sparse  # noqa: E402
 from weightsync import _gpu, _xp  # noqa: E402
 from weightsync._errors import WeightSyncError  # noqa: E402
 from weightsync._proto import v1  # noqa: E402
@@ -432,6 +432,43 @@ class FakeStub:
             e = r.engines.add(engine_id=eid)
             e.layout.extend(layout)
         return r
+
+
+class SmallRegionTableTest(unittest.TestCase):
+    """receipts_gpu._split_small: which runs the small-region kernel sums
+    and the table it reads (the kernel itself runs on a GPU:
+    tests/gpu/check_receipts_gpu.py)."""
+
+    def test_small_runs_grouped_and_padded(self):
+        K, E = receipts_gpu.SMALL_K, receipts_gpu.SMALL_E
+        # (addr, source cols, rows, cols, salt, dest, dest stride, group)
+        runs = [(1000 + 64 * i, 16, 1, 16, 7 + i, 100 * i, 16, i % 2) for i in range(70)]
+        runs.append((9000, 4, 3, 4, 5, 0, 4, 0))       # 3 whole rows: 12 elements, small
+        runs.append((9100, 10, 3, 4, 5, 0, 4, 1))      # rows apart in the source: not small
+        runs.append((9200, E + 1, 1, E + 1, 5, 0, E + 1, 0))   # too long
+        runs.append((9300, 0, 1, 0, 5, 0, 0, 0))       # empty: left where it was
+        rest, small = receipts_gpu._split_small(runs)
+        self.assertEqual(rest, runs[71:])
+        self.assertEqual(small.shape[1], 5)
+        self.assertEqual(small.shape[0] % K, 0)
+        # Every program's rows share one group, and each small run is there
+        # once with its element count.
+        groups = small[:, 4].reshape(-1, K)
+        self.assertTrue((groups == groups[:, :1]).all())
+        real = small[small[:, 1] > 0]
+        self.assertEqual(len(real), 71)
+        self.assertEqual(sorted(real[:, 0].tolist()), sorted([1000 + 64 * i for i in range(70)]
+                                                             + [9000]))
+        merged = real[real[:, 0] == 9000][0]
+        self.assertEqual(merged[1], 12)
+        self.assertEqual(merged[3], 0)
+        self.assertTrue(((small[:, 1] <= E)).all())
+
+    def test_nothing_small(self):
+        runs = [(0, 1000, 1, 1000, 1, 0, 1000, 0)]
+        rest, small = receipts_gpu._split_small(runs)
+        self.assertEqual(rest, runs)
+        self.assertIsNone(small)
 
 
 class ReceiptCheckTest(unittest.TestCase):

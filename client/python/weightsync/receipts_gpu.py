@@ -61,6 +61,8 @@ SPLIT = True      # fast path: uint32 sums of the terms' halves (fewer operation
 REL = True        # fast path: addresses as offsets from a kernel argument
 _DTYPES = {"FLOAT32": 0, "BFLOAT16": 1, "FLOAT16": 2}
 _COLS = 12
+SMALL_K = 64      # small regions per program of the small-region kernel
+SMALL_E = 64      # elements of a small region at most (one row of the program)
 _PLANS = 8        # cached tables (distinct layout sets x tensor sets)
 
 _kernel = None
@@ -288,7 +290,31 @@ def _build():
                 total += fast_total
         tl.atomic_add(out + group, total)
 
-    return _receipt_kernel
+    @triton.jit
+    def _small_kernel(table, out, SRC: tl.constexpr, DST: tl.constexpr, ES: tl.constexpr,
+                      RAW: tl.constexpr, K: tl.constexpr, E: tl.constexpr):
+        # K small regions (one row of at most E elements each) per program,
+        # a [K, E] block of lanes: a mixture of experts' 100k tiny tensors
+        # cost one program per K instead of one each. The table (int64 per
+        # region: address, cols, salt32, first destination index, group) is
+        # sorted by group and padded so that a program's regions share one.
+        pid = tl.program_id(0)
+        k = tl.arange(0, K)
+        e = tl.arange(0, E)
+        row = table + (pid * K + k).to(tl.int64) * 5
+        addr = tl.load(row + 0)
+        cols = tl.load(row + 1)
+        salt = tl.load(row + 2).to(tl.uint32)
+        dest = tl.load(row + 3)
+        ptr = addr.to(tl.pointer_type(RAW))[:, None] + e[None, :]
+        mask = e[None, :] < cols[:, None]
+        raw = tl.load(ptr, mask=mask, other=0, eviction_policy="evict_first")
+        x = _term(_bits32(raw, SRC, DST, ES), _key(dest[:, None] + e[None, :], salt[:, None]))
+        total = tl.sum(tl.sum(tl.where(mask, x.to(tl.int64), 0), axis=1), axis=0)
+        group = tl.load(table + (pid * K).to(tl.int64) * 5 + 4)
+        tl.atomic_add(out + group, total)
+
+    return _receipt_kernel, _small_kernel
 
 
 def _raw_dtype(es):
@@ -304,6 +330,38 @@ def _tiles(rows, cols, block=None, iters=None):
     cpr = np.where(narrow, 1, (cols + block * iters - 1) // (block * iters))
     tiles = np.where(narrow, (rows + rpt * iters - 1) // (rpt * iters), rows * cpr)
     return rpt, cpr, tiles
+
+
+def _split_small(rows_out):
+    """(the other runs, the small-region table or None) of one dtype pair's
+    runs: a run that is one row of at most SMALL_E elements (or whole rows
+    as contiguous in source and destination, merged) goes to the small
+    kernel's table, int64 rows (address, cols, salt32, first destination
+    index, group), sorted by group and padded with empty rows so that
+    every SMALL_K rows share one group. Pure numpy (tested in CI)."""
+    if not rows_out:
+        return rows_out, None
+    t = np.array(rows_out, dtype=np.uint64).view(np.int64).reshape(-1, 8)
+    addr, sstride, rc, cc, salt, dest, dstride, group = (t[:, k] for k in range(8))
+    whole = (cc == sstride) & (cc == dstride)
+    n = np.where(whole, cc * rc, np.where(rc == 1, cc, SMALL_E + 1))
+    small = (n <= SMALL_E) & (n > 0)
+    if not small.any():
+        return rows_out, None
+    idx = np.flatnonzero(small)
+    idx = idx[np.argsort(group[idx], kind="stable")]
+    pieces = []
+    for g in np.unique(group[idx]):
+        sel = idx[group[idx] == g]
+        rows = np.zeros(((len(sel) + SMALL_K - 1) // SMALL_K * SMALL_K, 5), np.int64)
+        rows[:, 4] = g
+        rows[:len(sel), 0] = addr[sel]
+        rows[:len(sel), 1] = n[sel]
+        rows[:len(sel), 2] = salt[sel]
+        rows[:len(sel), 3] = dest[sel]
+        pieces.append(rows)
+    rest = [r for r, is_small in zip(rows_out, small.tolist()) if not is_small]
+    return rest, np.concatenate(pieces)
 
 
 def _table(rows_out, es, block, iters):
@@ -357,6 +415,13 @@ def _plan(keys, layouts, sent, block, iters):
     parts, launches, offset = [], [], 0
     for (src, dst), rows_out in per_pair.items():
         es = receipts.ESIZE[src]
+        rows_out, small = _split_small(rows_out)
+        if small is not None:
+            launches.append((src, dst, offset, small.size, -1, 0, small.shape[0] // SMALL_K))
+            parts.append(small.reshape(-1))
+            offset += small.size
+        if not rows_out:
+            continue
         table, tile_region = _table(rows_out, es, block, iters)
         if tile_region.size == 0:
             continue
@@ -373,8 +438,8 @@ def _plan(keys, layouts, sent, block, iters):
     if parts:
         buffer = torch.from_numpy(np.concatenate(parts)).to(device)
         for src, dst, t0, tn, r0, rn, ntiles in launches:
-            views.append((src, dst, buffer[t0:t0 + tn], buffer[r0:r0 + rn].view(torch.int32),
-                          ntiles))
+            views.append((src, dst, buffer[t0:t0 + tn],
+                          None if r0 < 0 else buffer[r0:r0 + rn].view(torch.int32), ntiles))
     return _Plan([layouts[k] for k in keys], counts, views, device, buffer)
 
 
@@ -434,7 +499,12 @@ def expected_receipts_gpu(layouts, sent, stream=None, plan_key=None):
         for src, dst, table_d, tiles_d, ntiles in plan.launches:
             es = receipts.ESIZE[src]
             s, d = _DTYPES.get(src, -1 - es), _DTYPES.get(dst, -1 - es)
-            compiled[(src, dst)] = _kernel[(ntiles,)](
+            if tiles_d is None:   # small regions, SMALL_K a program
+                compiled[(src, dst, "small")] = _kernel[1][(ntiles,)](
+                    table_d, out, SRC=s, DST=d, ES=es, RAW=_raw_dtype(es), K=SMALL_K,
+                    E=SMALL_E, num_warps=4)
+                continue
+            compiled[(src, dst)] = _kernel[0][(ntiles,)](
                 table_d, tiles_d, out, SRC=s, DST=d, ES=es, RAW=_raw_dtype(es), BLOCK=block,
                 ITERS=iters, WORDS=block * es // 4, FAST=es in (2, 4), SPLIT=SPLIT,
                 REL=REL, num_warps=num_warps)
