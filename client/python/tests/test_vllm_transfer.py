@@ -46,10 +46,12 @@ FAKE_VLLM = os.path.join(HERE, "fake_vllm")
 def run_python(code):
     """`code` in a fresh interpreter that sees the package as this test does,
     and no vLLM."""
-    prefix = "" if os.environ.get("WEIGHTSYNC_TEST_INSTALLED") else \
-        f"import sys; sys.path.insert(0, {SOURCE!r}); "
-    return subprocess.run([sys.executable, "-c", prefix + code], capture_output=True,
-                          text=True, check=True)
+    prefix = "import sys; " + ("" if os.environ.get("WEIGHTSYNC_TEST_INSTALLED") else
+                               f"sys.path.insert(0, {SOURCE!r}); ")
+    out = subprocess.run([sys.executable, "-c", prefix + code], capture_output=True, text=True)
+    if out.returncode:
+        raise AssertionError(f"exit status {out.returncode}:\n{out.stderr}")
+    return out
 
 
 class WithoutVllmTest(unittest.TestCase):
