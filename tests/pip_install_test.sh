@@ -44,6 +44,7 @@ rm -rf "$work/src/weightsync/__pycache__"
 # The tests and their vectors, without the package.
 mkdir -p "$work/tree/client/python/tests" "$work/tree/tests/vectors"
 cp -L client/python/tests/*.py "$work/tree/client/python/tests/"
+cp -rL client/python/tests/fake_vllm "$work/tree/client/python/tests/"
 cp -L tests/vectors/chunk_plan.json tests/vectors/receipts.json "$work/tree/tests/vectors/"
 tests=$(cd "$work/tree" && ls client/python/tests/test_*.py)
 
@@ -67,6 +68,11 @@ text = zipfile.ZipFile(sys.argv[1]).read(meta[0]).decode()
 for want in ("Requires-Dist: grpcio", "Requires-Dist: protobuf", "Requires-Dist: numpy",
              "Provides-Extra: torch"):
     assert want in text, f"{want!r} missing from METADATA:\n{text}"
+# vLLM loads the "weightsync" weight-transfer backend in each of its processes.
+entry = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+text = zipfile.ZipFile(sys.argv[1]).read(entry[0]).decode()
+want = "[vllm.general_plugins]\nweightsync = weightsync.integrations.vllm_transfer:register"
+assert want in text, f"{want!r} missing from entry_points.txt:\n{text}"
 EOF
 "$py" -m venv --system-site-packages "$work/b"
 "$work/b/bin/pip" install --quiet --no-index "$wheel"

@@ -5,6 +5,11 @@ weightsync.integrations.vllm: a vLLM worker extension
 vLLM's parameter layouts as weightsync segments, and a trainer-side shim in
 the shape of vLLM's weight-transfer API.
 
+weightsync.integrations.vllm_transfer: the "weightsync" backend of vLLM's
+weight-transfer API (`--weight-transfer-config '{"backend": "weightsync"}'`),
+registered in vLLM's factories by register() (the package's
+vllm.general_plugins entry point calls it in every vLLM process).
+
 weightsync.integrations.sglang: an SGLang custom weight loader
 (`--custom-weight-loader weightsync.integrations.sglang.load_weights`) that
 registers every TP rank in place, SGLang's layouts, and a trainer shim

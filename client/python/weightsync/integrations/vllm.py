@@ -96,43 +96,19 @@ def check_layout(params, named_tensors, partial=False):
     return _check_layout(params, named_tensors, partial, engine="vLLM")
 
 
-class WeightsyncWorkerExtension:
-    """Mixed into vLLM's GPU worker by `--worker-extension-cls
-    weightsync.integrations.vllm.WeightsyncWorkerExtension` (vLLM appends
-    it to the worker class's bases in WorkerWrapperBase.init_worker and
-    refuses any attribute the worker already has: every name here starts
-    with weightsync_ / _weightsync_). Call its methods on every worker with
-    `collective_rpc("weightsync_start")` etc.
+class _WorkerSeams:
+    """What the worker extension and the weight-transfer backend
+    (vllm_transfer.WeightsyncWeightTransferEngine) share: reading a vLLM
+    worker's ranks and dtype and registering its parameters in place. Uses
+    `parallel_config`, `model_config` and `device`, which vLLM's Worker and
+    its WeightTransferEngine both have."""
 
-    Uses from the worker: `model_runner.model` (its named_parameters()),
-    `model_runner.execute_model` (wrapped by the step gate), `model_config`
-    (.hf_config, .dtype), `parallel_config` (.enable_expert_parallel,
-    .expert_placement_strategy, .data_parallel_rank), `device`; and from
-    vllm.distributed.parallel_state the TP, PP and EP groups.
-
-    Pause/resume: the daemon's pause notice closes a gate around
-    `model_runner.execute_model`; it is acknowledged once the running step
-    returned and the device is synchronized, and resume opens it. In keep
-    mode requests stay scheduled and continue on the new weights. With
-    TP > 1 the ranks must stop at the same step: pause vLLM's scheduler
-    first (AsyncLLM.pause_generation(mode="keep") or HTTP /pause) and
-    resume it after the update; WeightsyncTrainer does so when given
-    `pause`/`resume` callables. After a new version, reset the prefix cache
-    (LLM.reset_prefix_cache()): it holds KV computed with the old weights.
-    """
-
-    def weightsync_start(self, engine_id=None, target=None, version=0, trainer_uids=()):
-        """Registers this worker's parameters in place with the daemon at
-        `target` (default $WEIGHTSYNC_TARGET, else the node's default
-        socket) under `engine_id` (default
-        $WEIGHTSYNC_ENGINE_PREFIX (vllm) .dp<d>.pp<p>.tp<t>), with the
-        segments of vllm_engine_layout, and opens the control stream.
-        `version`: that of the loaded weights. Returns the engine id."""
-        if getattr(self, "_weightsync_engine", None) is not None:
-            raise RuntimeError(f"weightsync already started as {self._weightsync_engine.engine_id}")
+    def _weightsync_open(self, model, engine_id, target, version, trainer_uids):
+        """A weightsync.Engine holding `model`'s parameters (registered in
+        place, laid out by vllm_engine_layout and checked against the
+        model), its control stream not yet open."""
         import weightsync
         ranks = self._weightsync_parallel()
-        model = self.model_runner.model
         held = dict(model.named_parameters())
         params, segments = vllm_engine_layout(
             self.model_config.hf_config, ranks["tp_rank"], ranks["tp_size"],
@@ -147,44 +123,10 @@ class WeightsyncWorkerExtension:
         try:
             self._weightsync_register(engine, [(n, held[n]) for n, _, _ in params],
                                       params, segments, version)
-            gate = _StepGate(drain=self._weightsync_drain,
-                             hint="TP > 1: pause vLLM's scheduler first")
-            runner = self.model_runner
-            runner.execute_model = gate.wrap(runner.execute_model)
-            self._weightsync_gate = gate
-            self._weightsync_events = []
-            engine.start(on_pause=self._weightsync_on_pause, on_resume=self._weightsync_on_resume,
-                         on_new_version=self._weightsync_on_new_version,
-                         on_dirty=self._weightsync_on_dirty)
         except BaseException:
-            self._weightsync_unwrap()
             engine.close()
             raise
-        self._weightsync_engine = engine
-        return engine_id
-
-    def weightsync_version(self):
-        """The weight version this worker holds (0: as loaded), None if not started."""
-        engine = getattr(self, "_weightsync_engine", None)
-        return None if engine is None else engine.version
-
-    def weightsync_status(self):
-        """{engine_id, version, paused, dirty} of this worker, None if not started."""
-        engine = getattr(self, "_weightsync_engine", None)
-        if engine is None:
-            return None
-        return {"engine_id": engine.engine_id, "version": engine.version,
-                "paused": engine.paused, "dirty": engine.dirty}
-
-    def weightsync_stop(self):
-        """Ends the control stream (the daemon forgets this worker) and
-        removes the step gate."""
-        engine = getattr(self, "_weightsync_engine", None)
-        if engine is not None:
-            self._weightsync_gate.on_resume()
-            self._weightsync_unwrap()
-            engine.close()
-            self._weightsync_engine = None
+        return engine
 
     # The seams: what a test (or a CPU engine) replaces.
 
@@ -219,6 +161,83 @@ class WeightsyncWorkerExtension:
                 "pp_rank": pp.rank_in_group, "pp_size": pp.world_size,
                 "dp_rank": getattr(pc, "data_parallel_rank", 0) or 0,
                 "expert_placement": placement}
+
+
+class WeightsyncWorkerExtension(_WorkerSeams):
+    """Mixed into vLLM's GPU worker by `--worker-extension-cls
+    weightsync.integrations.vllm.WeightsyncWorkerExtension` (vLLM appends
+    it to the worker class's bases in WorkerWrapperBase.init_worker and
+    refuses any attribute the worker already has: every name here starts
+    with weightsync_ / _weightsync_). Call its methods on every worker with
+    `collective_rpc("weightsync_start")` etc.
+
+    Uses from the worker: `model_runner.model` (its named_parameters()),
+    `model_runner.execute_model` (wrapped by the step gate), `model_config`
+    (.hf_config, .dtype), `parallel_config` (.enable_expert_parallel,
+    .expert_placement_strategy, .data_parallel_rank), `device`; and from
+    vllm.distributed.parallel_state the TP, PP and EP groups.
+
+    Pause/resume: the daemon's pause notice closes a gate around
+    `model_runner.execute_model`; it is acknowledged once the running step
+    returned and the device is synchronized, and resume opens it. In keep
+    mode requests stay scheduled and continue on the new weights. With
+    TP > 1 the ranks must stop at the same step: pause vLLM's scheduler
+    first (AsyncLLM.pause_generation(mode="keep") or HTTP /pause) and
+    resume it after the update; WeightsyncTrainer does so when given
+    `pause`/`resume` callables. After a new version, reset the prefix cache
+    (LLM.reset_prefix_cache()): it holds KV computed with the old weights.
+    """
+
+    def weightsync_start(self, engine_id=None, target=None, version=0, trainer_uids=()):
+        """Registers this worker's parameters in place with the daemon at
+        `target` (default $WEIGHTSYNC_TARGET, else the node's default
+        socket) under `engine_id` (default
+        $WEIGHTSYNC_ENGINE_PREFIX (vllm) .dp<d>.pp<p>.tp<t>), with the
+        segments of vllm_engine_layout, and opens the control stream.
+        `version`: that of the loaded weights. Returns the engine id."""
+        if getattr(self, "_weightsync_engine", None) is not None:
+            raise RuntimeError(f"weightsync already started as {self._weightsync_engine.engine_id}")
+        engine = self._weightsync_open(self.model_runner.model, engine_id, target, version,
+                                       trainer_uids)
+        try:
+            gate = _StepGate(drain=self._weightsync_drain,
+                             hint="TP > 1: pause vLLM's scheduler first")
+            runner = self.model_runner
+            runner.execute_model = gate.wrap(runner.execute_model)
+            self._weightsync_gate = gate
+            self._weightsync_events = []
+            engine.start(on_pause=self._weightsync_on_pause, on_resume=self._weightsync_on_resume,
+                         on_new_version=self._weightsync_on_new_version,
+                         on_dirty=self._weightsync_on_dirty)
+        except BaseException:
+            self._weightsync_unwrap()
+            engine.close()
+            raise
+        self._weightsync_engine = engine
+        return engine.engine_id
+
+    def weightsync_version(self):
+        """The weight version this worker holds (0: as loaded), None if not started."""
+        engine = getattr(self, "_weightsync_engine", None)
+        return None if engine is None else engine.version
+
+    def weightsync_status(self):
+        """{engine_id, version, paused, dirty} of this worker, None if not started."""
+        engine = getattr(self, "_weightsync_engine", None)
+        if engine is None:
+            return None
+        return {"engine_id": engine.engine_id, "version": engine.version,
+                "paused": engine.paused, "dirty": engine.dirty}
+
+    def weightsync_stop(self):
+        """Ends the control stream (the daemon forgets this worker) and
+        removes the step gate."""
+        engine = getattr(self, "_weightsync_engine", None)
+        if engine is not None:
+            self._weightsync_gate.on_resume()
+            self._weightsync_unwrap()
+            engine.close()
+            self._weightsync_engine = None
 
     # Hooks, on the engine's control thread.
 

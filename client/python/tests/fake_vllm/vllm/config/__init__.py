@@ -1,0 +1,1 @@
+from vllm.config.weight_transfer import WeightTransferConfig  # noqa: F401
