@@ -332,6 +332,8 @@ def _predict_nccl(d, m):
     total, used, held = geometry(d)
     S, R = d.senders, min(d.ranks_per_daemon, r.nics_per_node)
     link = (gpu.nvlink_GBps * r.nccl_nvlink_eff if d.same_node else r.nic_GBps) * GB
+    kind = "NVLink" if d.same_node else "NIC"
+    SENDER, DAEMON = f"sender {kind}", f"daemon {kind}"
     peer = gpu.nvlink_GBps * r.peer_write_eff * GB
     hbm = gpu.hbm_copy_GBps * GB
     received = used if d.per_node_groups else total    # bytes into each node
@@ -357,7 +359,7 @@ def _predict_nccl(d, m):
     # to an RDMA receive too (conservative: that writes HBM at ~45 GB/s).
     daemon_busy = (received / (R * link) + calls_per_rank * per_call
                    + (c.scatter_interference * scatter_busy if d.mode == "streaming" else 0.0))
-    wire_name = "sender link" if sender_busy >= daemon_busy else "daemon link"
+    wire_name = SENDER if sender_busy >= daemon_busy else DAEMON
     stages.append(Stage(wire_name, max(sender_busy, daemon_busy),
                         first / link + per_call, last / link + per_call))
     if d.mode == "streaming":
@@ -396,8 +398,8 @@ def _predict_nccl(d, m):
         # theirs; every layout together covers one replica: the model).
         parts["receipts (trainer)"] = share / (r.expect_GBps * GB) + r.expect_fixed_s
     busy = {s.name: s.busy_s for s in stages}
-    busy["sender link"], busy["daemon link"] = sender_busy, daemon_busy
-    through = {"sender PCIe (H2D)": share, "sender link": share, "daemon link": received / R,
+    busy[SENDER], busy[DAEMON] = sender_busy, daemon_busy
+    through = {"sender PCIe (H2D)": share, SENDER: share, DAEMON: received / R,
                "node scatter": held * (1 - local) / R}
     return Prediction(sum(parts.values()), stages[b].name, parts, busy,
                       through[stages[b].name])
@@ -657,12 +659,13 @@ def anchor_table(m=None):
                          f"7/8 of the weights over NVLink | {checkpoint_engine_floor(m):.2f} s "
                          f"| | | | | | {checkpoint_engine_floor(m) / CHECKPOINT_ENGINE_S:.2f}× |")
         ref = PERPLEXITY_S if anchor == "Kimi-K2" else CHECKPOINT_ENGINE_S
-        receipts = sum(v for k, v in p.parts.items() if k.startswith("receipts"))
+        receipts = (f"{sum(v for k, v in p.parts.items() if k.startswith('receipts')) * 1e3:.1f} ms"
+                    if d.receipts else "off")
         lines.append(
             f"| {anchor} | {label} | {p.total_s:.2f} s | {p.bottleneck}: "
             f"{p.wire_bytes / GB:.0f} GB | {p.parts['fill'] * 1e3:.1f} ms | "
             f"{p.busy.get('node scatter', 0.0):.2f} s | {_control(p) * 1e3:.0f} ms | "
-            f"{receipts * 1e3:.1f} ms | {p.total_s / ref:.2f}× |")
+            f"{receipts} | {p.total_s / ref:.2f}× |")
     return "\n".join(lines)
 
 

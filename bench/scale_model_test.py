@@ -168,7 +168,7 @@ class AnchorTest(unittest.TestCase):
         finally:
             sm.load = real
         nvlink_bound = [label for label, d in sm.qwen_rows()
-                        if sm.predict(d, self.m).bottleneck == "daemon link" and d.same_node]
+                        if sm.predict(d, self.m).bottleneck == "daemon NVLink"]
         self.assertTrue(nvlink_bound)
         for label in nvlink_bound:
             self.assertGreater(after[label], 1.5 * before[label])
