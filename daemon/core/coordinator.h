@@ -9,12 +9,14 @@
 // registration, chunk submission and status run beside them and never wait
 // on the state lock mu_ behind an engine or the data plane.
 //
-// The class is defined in four files: coordinator.cc (the engine registry,
-// the transfer group, pause/resume, status), update_session.cc (an update's
-// start, its chunks, its failure, the idle watchdog), update_finish.cc
-// (Finish with the staged commit, Abort, ending a failed update) and
-// update_commit.cc (Finish's two halves, prepare and commit, also called
-// one by one by a trainer of several daemons).
+// The class is defined in eight files: coordinator.cc (the engine registry,
+// the transfer group, status, shutdown), pause.cc (pause/resume), sources.cc
+// (registered sources), update_start.cc (an update's validation, planning,
+// pause and Begin), update_session.cc (its chunks, its failure),
+// update_watchdog.cc (the idle watchdog), update_finish.cc (Finish with the
+// staged commit, Abort, ending a failed update) and update_commit.cc
+// (Finish's two halves, prepare and commit, also called one by one by a
+// trainer of several daemons).
 #ifndef WEIGHTSYNC_DAEMON_CORE_COORDINATOR_H_
 #define WEIGHTSYNC_DAEMON_CORE_COORDINATOR_H_
 
@@ -255,7 +257,7 @@ class Coordinator {
   };
 
   // StartWeightUpdate's working state, filled step by step by its helpers
-  // (update_session.cc).
+  // (update_start.cc).
   struct StartState {
     int64_t chunk_bytes = 0;
     std::vector<std::string> ids;  // the engines, in plan order

@@ -69,6 +69,61 @@ absl::Status CheckDisjoint(const std::string& engine, const std::string& where,
   return absl::OkStatus();
 }
 
+// Segment `s` of parameter `p` (named `seg` in errors) as a SegmentLayout:
+// a valid block, inside its source shape if one is given, that ends inside
+// the parameter.
+absl::Status SegmentFromProto(const std::string& engine, const std::string& seg,
+                              const ParameterLayout& p, const v1::Segment& s,
+                              SegmentLayout& l) {
+  l.source = s.source();
+  l.source_shape.assign(s.source_shape().begin(), s.source_shape().end());
+  l.row_begin = s.row_begin();
+  l.row_count = s.row_count();
+  l.col_begin = s.col_begin();
+  l.col_count = s.col_count();
+  l.dest_offset = s.dest_offset();
+  l.dest_row_stride =
+      s.dest_row_stride() == 0 ? s.col_count() : s.dest_row_stride();
+  if (l.row_begin < 0 || l.row_count <= 0 || l.col_begin < 0 ||
+      l.col_count <= 0 || l.dest_offset < 0 ||
+      l.dest_row_stride < l.col_count) {
+    return Invalid(
+        engine,
+        absl::StrCat(seg, ": rows [", l.row_begin, "+", l.row_count, "] cols [",
+                     l.col_begin, "+", l.col_count, "] dest ", l.dest_offset,
+                     " stride ", l.dest_row_stride, " is not a valid block"));
+  }
+  if (!l.source_shape.empty()) {
+    WS_RETURN_IF_ERROR(NumElements(l.source_shape, p.dtype,
+                                   absl::StrCat("engine '", engine, "': ", seg))
+                           .status());
+    int64_t rows, cols;
+    SourceMatrix(l.source_shape, &rows, &cols);
+    // Subtracted, not added: begin + count may not fit in 64 bits
+    // (found by tests/fuzz/update_fuzzer).
+    if (l.row_begin > rows || l.row_count > rows - l.row_begin ||
+        l.col_begin > cols || l.col_count > cols - l.col_begin) {
+      return Invalid(engine,
+                     absl::StrCat(seg, ": block rows ", l.row_begin, "+",
+                                  l.row_count, " cols ", l.col_begin, "+",
+                                  l.col_count, " lies outside source shape ",
+                                  ShapeString(l.source_shape)));
+    }
+  }
+  // Last element written: dest + (rows-1)*stride + cols, within numel.
+  const int64_t kMax = int64_t{1} << 62;
+  if (l.row_count > kMax / l.dest_row_stride ||
+      l.dest_offset > kMax - l.row_count * l.dest_row_stride ||
+      l.dest_offset + (l.row_count - 1) * l.dest_row_stride + l.col_count >
+          p.numel) {
+    return Invalid(engine, absl::StrCat(seg,
+                                        ": destination runs past the "
+                                        "parameter's ",
+                                        p.numel, " elements"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckSegments(const std::string& engine, ParameterLayout& p,
                            const v1::Parameter& proto,
                            const RegistrationLimits& limits,
@@ -89,53 +144,7 @@ absl::Status CheckSegments(const std::string& engine, ParameterLayout& p,
       return Invalid(engine, absl::StrCat(seg, ": bad source name"));
     }
     SegmentLayout l;
-    l.source = s.source();
-    l.source_shape.assign(s.source_shape().begin(), s.source_shape().end());
-    l.row_begin = s.row_begin();
-    l.row_count = s.row_count();
-    l.col_begin = s.col_begin();
-    l.col_count = s.col_count();
-    l.dest_offset = s.dest_offset();
-    l.dest_row_stride =
-        s.dest_row_stride() == 0 ? s.col_count() : s.dest_row_stride();
-    if (l.row_begin < 0 || l.row_count <= 0 || l.col_begin < 0 ||
-        l.col_count <= 0 || l.dest_offset < 0 ||
-        l.dest_row_stride < l.col_count) {
-      return Invalid(
-          engine, absl::StrCat(seg, ": rows [", l.row_begin, "+", l.row_count,
-                               "] cols [", l.col_begin, "+", l.col_count,
-                               "] dest ", l.dest_offset, " stride ",
-                               l.dest_row_stride, " is not a valid block"));
-    }
-    if (!l.source_shape.empty()) {
-      WS_RETURN_IF_ERROR(
-          NumElements(l.source_shape, p.dtype,
-                      absl::StrCat("engine '", engine, "': ", seg))
-              .status());
-      int64_t rows, cols;
-      SourceMatrix(l.source_shape, &rows, &cols);
-      // Subtracted, not added: begin + count may not fit in 64 bits
-      // (found by tests/fuzz/update_fuzzer).
-      if (l.row_begin > rows || l.row_count > rows - l.row_begin ||
-          l.col_begin > cols || l.col_count > cols - l.col_begin) {
-        return Invalid(engine,
-                       absl::StrCat(seg, ": block rows ", l.row_begin, "+",
-                                    l.row_count, " cols ", l.col_begin, "+",
-                                    l.col_count, " lies outside source shape ",
-                                    ShapeString(l.source_shape)));
-      }
-    }
-    // Last element written: dest + (rows-1)*stride + cols, within numel.
-    const int64_t kMax = int64_t{1} << 62;
-    if (l.row_count > kMax / l.dest_row_stride ||
-        l.dest_offset > kMax - l.row_count * l.dest_row_stride ||
-        l.dest_offset + (l.row_count - 1) * l.dest_row_stride + l.col_count >
-            p.numel) {
-      return Invalid(engine, absl::StrCat(seg,
-                                          ": destination runs past the "
-                                          "parameter's ",
-                                          p.numel, " elements"));
-    }
+    WS_RETURN_IF_ERROR(SegmentFromProto(engine, seg, p, s, l));
     if (l.col_count == l.dest_row_stride) {
       runs.push_back({l.dest_offset, 1, l.row_count * l.col_count,
                       l.row_count * l.col_count, i});
@@ -155,23 +164,10 @@ absl::Status CheckSegments(const std::string& engine, ParameterLayout& p,
   return CheckDisjoint(engine, where, runs);
 }
 
-}  // namespace
-
-void SourceMatrix(const std::vector<int64_t>& shape, int64_t* rows,
-                  int64_t* cols) {
-  if (shape.empty()) {
-    *rows = 1;
-    *cols = 1;
-    return;
-  }
-  *rows = shape[0];
-  *cols = 1;
-  for (size_t i = 1; i < shape.size(); ++i) *cols *= shape[i];
-}
-
-absl::StatusOr<std::shared_ptr<const EngineLayout>> BuildEngineLayout(
-    const v1::RegisterEngineRequest& request, MemoryMapper& mapper,
-    const RegistrationLimits& limits) {
+// The request before its parameters: the engine id, the counts, the version
+// and the allocations, each named once.
+absl::Status CheckRegistration(const v1::RegisterEngineRequest& request,
+                               const RegistrationLimits& limits) {
   const std::string& engine = request.engine_id();
   if (!ValidEngineId(engine)) {
     return absl::InvalidArgumentError(
@@ -209,6 +205,132 @@ absl::StatusOr<std::shared_ptr<const EngineLayout>> BuildEngineLayout(
                                           " repeats allocation ", it->second));
     }
   }
+  return absl::OkStatus();
+}
+
+// Parameter `proto` (its name already checked) as `p`: its size, its bytes
+// inside its allocation, and its segments (one implicit segment if it names
+// none).
+absl::Status ParameterFromProto(const std::string& engine,
+                                const v1::RegisterEngineRequest& request,
+                                const v1::Parameter& proto,
+                                const RegistrationLimits& limits,
+                                int64_t* rows_budget, ParameterLayout& p) {
+  p.name = proto.name();
+  p.dtype = proto.dtype();
+  p.shape.assign(proto.shape().begin(), proto.shape().end());
+  {
+    // The error context is only formatted for an error (not 100k times).
+    static const std::string kNoContext;
+    absl::StatusOr<int64_t> numel = NumElements(p.shape, p.dtype, kNoContext);
+    if (!numel.ok()) {
+      return NumElements(p.shape, p.dtype,
+                         absl::StrCat("engine '", engine, "': parameter '",
+                                      p.name, "'"))
+          .status();
+    }
+    p.numel = *numel;
+  }
+  p.bytes = p.numel * ElementSize(p.dtype);
+  if (proto.allocation() < 0 ||
+      proto.allocation() >= request.allocations_size()) {
+    return Invalid(
+        engine,
+        absl::StrCat("parameter '", p.name, "' names allocation ",
+                     proto.allocation(), " of ", request.allocations_size()));
+  }
+  p.region = proto.allocation();
+  p.offset = proto.offset();
+  const int64_t alloc_size = request.allocations(p.region).size();
+  if (p.offset < 0 || p.offset > alloc_size ||
+      p.bytes > alloc_size - p.offset) {
+    return Invalid(engine, absl::StrCat("parameter '", p.name, "' bytes ",
+                                        HalfOpen(p.offset, p.bytes),
+                                        " lie outside its allocation of ",
+                                        alloc_size, " bytes"));
+  }
+  if (proto.segments_size() == 0) {
+    p.implicit = true;
+    SegmentLayout s;
+    s.source = p.name;
+    s.source_shape = p.shape;
+    SourceMatrix(p.shape, &s.row_count, &s.col_count);
+    // A whole tensor is one contiguous run: view it as a single row.
+    s.col_count *= s.row_count;
+    s.row_count = 1;
+    s.dest_row_stride = s.col_count;
+    if (p.numel > 0) p.segments.push_back(std::move(s));
+  } else {
+    WS_RETURN_IF_ERROR(CheckSegments(engine, p, proto, limits, rows_budget));
+  }
+  p.salt = ParameterSalt(p.name);
+  return absl::OkStatus();
+}
+
+// Per allocation: [begin, end) byte ranges with the parameter index.
+using ByteRanges =
+    std::vector<std::vector<std::pair<std::pair<int64_t, int64_t>, int>>>;
+
+// OK if no two parameters share a byte of an allocation.
+absl::Status CheckNoOverlap(const std::string& engine, ByteRanges& ranges,
+                            const std::vector<ParameterLayout>& parameters) {
+  for (auto& r : ranges) {
+    std::sort(r.begin(), r.end());
+    for (size_t i = 1; i < r.size(); ++i) {
+      if (r[i].first.first < r[i - 1].first.second) {
+        return Invalid(
+            engine,
+            absl::StrCat("parameters '", parameters[r[i - 1].second].name,
+                         "' and '", parameters[r[i].second].name,
+                         "' overlap in allocation ",
+                         parameters[r[i].second].region));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Opens the request's allocations into `layout` (regions, device uuids).
+absl::Status OpenRegions(const v1::RegisterEngineRequest& request,
+                         MemoryMapper& mapper, EngineLayout& layout) {
+  for (int a = 0; a < request.allocations_size(); ++a) {
+    const v1::Allocation& alloc = request.allocations(a);
+    absl::StatusOr<std::shared_ptr<MappedRegion>> region = mapper.Open(alloc);
+    if (!region.ok()) {
+      return absl::Status(
+          region.status().code(),
+          absl::StrCat("engine '", request.engine_id(), "': allocation ", a,
+                       ": ", region.status().message()));
+    }
+    layout.regions.push_back(*std::move(region));
+    const std::string& uuid = alloc.device_uuid();
+    if (std::find(layout.device_uuids.begin(), layout.device_uuids.end(),
+                  uuid) == layout.device_uuids.end()) {
+      layout.device_uuids.push_back(uuid);
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+void SourceMatrix(const std::vector<int64_t>& shape, int64_t* rows,
+                  int64_t* cols) {
+  if (shape.empty()) {
+    *rows = 1;
+    *cols = 1;
+    return;
+  }
+  *rows = shape[0];
+  *cols = 1;
+  for (size_t i = 1; i < shape.size(); ++i) *cols *= shape[i];
+}
+
+absl::StatusOr<std::shared_ptr<const EngineLayout>> BuildEngineLayout(
+    const v1::RegisterEngineRequest& request, MemoryMapper& mapper,
+    const RegistrationLimits& limits) {
+  WS_RETURN_IF_ERROR(CheckRegistration(request, limits));
+  const std::string& engine = request.engine_id();
   auto layout = std::make_shared<EngineLayout>();
   layout->engine_id = engine;
   // Sized once: 100k-parameter (mixture-of-experts) registrations spent a
@@ -220,9 +342,7 @@ absl::StatusOr<std::shared_ptr<const EngineLayout>> BuildEngineLayout(
   absl::flat_hash_set<absl::string_view> names;
   names.reserve(num_parameters);
   int64_t rows_budget = limits.max_segment_rows;
-  // Per allocation: [begin, end) byte ranges with the parameter index.
-  std::vector<std::vector<std::pair<std::pair<int64_t, int64_t>, int>>> ranges(
-      request.allocations_size());
+  ByteRanges ranges(request.allocations_size());
   if (request.allocations_size() == 1) ranges[0].reserve(num_parameters);
   for (int i = 0; i < request.parameters_size(); ++i) {
     const v1::Parameter& proto = request.parameters(i);
@@ -235,93 +355,20 @@ absl::StatusOr<std::shared_ptr<const EngineLayout>> BuildEngineLayout(
                                           "' is registered twice"));
     }
     ParameterLayout p;
-    p.name = proto.name();
-    p.dtype = proto.dtype();
-    p.shape.assign(proto.shape().begin(), proto.shape().end());
-    {
-      // The error context is only formatted for an error (not 100k times).
-      static const std::string kNoContext;
-      absl::StatusOr<int64_t> numel = NumElements(p.shape, p.dtype, kNoContext);
-      if (!numel.ok()) {
-        return NumElements(p.shape, p.dtype,
-                           absl::StrCat("engine '", engine, "': parameter '",
-                                        p.name, "'"))
-            .status();
-      }
-      p.numel = *numel;
-    }
-    p.bytes = p.numel * ElementSize(p.dtype);
-    if (proto.allocation() < 0 ||
-        proto.allocation() >= request.allocations_size()) {
-      return Invalid(
-          engine,
-          absl::StrCat("parameter '", p.name, "' names allocation ",
-                       proto.allocation(), " of ", request.allocations_size()));
-    }
-    p.region = proto.allocation();
-    p.offset = proto.offset();
-    const int64_t alloc_size = request.allocations(p.region).size();
-    if (p.offset < 0 || p.offset > alloc_size ||
-        p.bytes > alloc_size - p.offset) {
-      return Invalid(engine, absl::StrCat("parameter '", p.name, "' bytes ",
-                                          HalfOpen(p.offset, p.bytes),
-                                          " lie outside its allocation of ",
-                                          alloc_size, " bytes"));
-    }
+    WS_RETURN_IF_ERROR(
+        ParameterFromProto(engine, request, proto, limits, &rows_budget, p));
     if (p.bytes > 0) {
       ranges[p.region].push_back({{p.offset, p.offset + p.bytes}, i});
-    }
-    if (proto.segments_size() == 0) {
-      p.implicit = true;
-      SegmentLayout s;
-      s.source = p.name;
-      s.source_shape = p.shape;
-      SourceMatrix(p.shape, &s.row_count, &s.col_count);
-      // A whole tensor is one contiguous run: view it as a single row.
-      s.col_count *= s.row_count;
-      s.row_count = 1;
-      s.dest_row_stride = s.col_count;
-      if (p.numel > 0) p.segments.push_back(std::move(s));
-    } else {
-      WS_RETURN_IF_ERROR(CheckSegments(engine, p, proto, limits, &rows_budget));
     }
     for (int s = 0; s < static_cast<int>(p.segments.size()); ++s) {
       layout->uses_by_source[p.segments[s].source].push_back({i, s});
     }
     layout->total_bytes += p.bytes;
-    p.salt = ParameterSalt(p.name);
     layout->parameters.push_back(std::move(p));
   }
-  for (auto& r : ranges) {
-    std::sort(r.begin(), r.end());
-    for (size_t i = 1; i < r.size(); ++i) {
-      if (r[i].first.first < r[i - 1].first.second) {
-        return Invalid(
-            engine,
-            absl::StrCat("parameters '",
-                         layout->parameters[r[i - 1].second].name, "' and '",
-                         layout->parameters[r[i].second].name,
-                         "' overlap in allocation ",
-                         layout->parameters[r[i].second].region));
-      }
-    }
-  }
+  WS_RETURN_IF_ERROR(CheckNoOverlap(engine, ranges, layout->parameters));
   // Everything checks out: only now open the memory.
-  for (int a = 0; a < request.allocations_size(); ++a) {
-    const v1::Allocation& alloc = request.allocations(a);
-    absl::StatusOr<std::shared_ptr<MappedRegion>> region = mapper.Open(alloc);
-    if (!region.ok()) {
-      return absl::Status(region.status().code(),
-                          absl::StrCat("engine '", engine, "': allocation ", a,
-                                       ": ", region.status().message()));
-    }
-    layout->regions.push_back(*std::move(region));
-    const std::string& uuid = alloc.device_uuid();
-    if (std::find(layout->device_uuids.begin(), layout->device_uuids.end(),
-                  uuid) == layout->device_uuids.end()) {
-      layout->device_uuids.push_back(uuid);
-    }
-  }
+  WS_RETURN_IF_ERROR(OpenRegions(request, mapper, *layout));
   return std::shared_ptr<const EngineLayout>(std::move(layout));
 }
 

@@ -1,7 +1,8 @@
 // Coordinator: how an update ends. FinishWeightUpdate commits it (the
 // staged commit first, then the receipts, the versions and the notices);
-// AbortWeightUpdate and EndFailedUpdate end it as failed. Start and the
-// chunks are in update_session.cc; the locking rules are coordinator.h's.
+// AbortWeightUpdate and EndFailedUpdate end it as failed. Start is in
+// update_start.cc, the chunks in update_session.cc; the locking rules are
+// coordinator.h's.
 #include <algorithm>
 #include <memory>
 #include <utility>
