@@ -206,6 +206,7 @@ class Coordinator {
     std::vector<uint32_t> trainer_uids;  // empty: any
     std::string layout_id;  // EngineStatus.layout_id: new per registration
   };
+  using EngineMap = absl::flat_hash_map<std::string, EngineRecord>;
   static SourceLimits SourceLimitsOf(const CoordinatorOptions& o);
   // Sets r.paused and keeps its paused time.
   static void SetPaused(EngineRecord& r, bool paused);
@@ -335,6 +336,11 @@ class Coordinator {
   // Requires control_mu_.
   absl::Status FailFinish(const std::string& update_id,
                           const absl::Status& status);
+  // The result of the update's engine i (id; lost: UNAVAILABLE and why);
+  // its record, or engines_.end() for a lost one.
+  EngineMap::iterator UpdateEngineResultLocked(size_t i,
+                                               v1::EngineResult* result)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sets the engines' new version and fills response's engines, version
   // and bytes.
   Committed CommitVersionsLocked(
@@ -430,7 +436,7 @@ class Coordinator {
   std::string last_plan_key_ ABSL_GUARDED_BY(mu_);
   std::vector<std::shared_ptr<const EngineLayout>> last_plan_layouts_
       ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, EngineRecord> engines_ ABSL_GUARDED_BY(mu_);
+  EngineMap engines_ ABSL_GUARDED_BY(mu_);
   v1::Backend backend_ ABSL_GUARDED_BY(mu_) = v1::BACKEND_UNSPECIFIED;
   UpdateListener listener_;
   std::shared_ptr<DataPlane> data_plane_ ABSL_GUARDED_BY(mu_);

@@ -91,16 +91,8 @@ Coordinator::PrepareWeightUpdate(
   for (size_t i = 0; i < update_->engine_ids.size(); ++i) {
     const std::string& e = update_->engine_ids[i];
     v1::EngineResult* result = response.add_engines();
-    result->set_engine_id(e);
-    auto it = engines_.find(e);
-    if (update_->lost[i] || it == engines_.end()) {
-      result->set_lost(true);
-      result->set_code(static_cast<int>(absl::StatusCode::kUnavailable));
-      result->set_message(update_->lost_why[i].empty()
-                              ? "engine disconnected during the update"
-                              : update_->lost_why[i]);
-      continue;
-    }
+    auto it = UpdateEngineResultLocked(i, result);
+    if (it == engines_.end()) continue;
     result->set_version(it->second.version);
     result->set_state(EngineStatusLocked(e, it->second).state());
     result->set_layout_id(it->second.layout_id);

@@ -261,6 +261,25 @@ absl::Status Coordinator::FailFinish(const std::string& update_id,
                                                 absl::StrJoin(dirty, ", "))));
 }
 
+// The result of the update's engine i: its id, and where it was lost (it
+// disconnected, or its registration is gone) UNAVAILABLE with why. Returns
+// its record, or engines_.end() for a lost one.
+Coordinator::EngineMap::iterator Coordinator::UpdateEngineResultLocked(
+    size_t i, v1::EngineResult* result) {
+  const std::string& e = update_->engine_ids[i];
+  result->set_engine_id(e);
+  auto it = engines_.find(e);
+  if (update_->lost[i] || it == engines_.end()) {
+    result->set_lost(true);
+    result->set_code(static_cast<int>(absl::StatusCode::kUnavailable));
+    result->set_message(update_->lost_why[i].empty()
+                            ? "engine disconnected during the update"
+                            : update_->lost_why[i]);
+    return engines_.end();
+  }
+  return it;
+}
+
 Coordinator::Committed Coordinator::CommitVersionsLocked(
     const std::vector<absl::StatusOr<v1::Receipt>>& receipts,
     v1::FinishWeightUpdateResponse& response) {
@@ -270,16 +289,8 @@ Coordinator::Committed Coordinator::CommitVersionsLocked(
   for (size_t i = 0; i < update_->engine_ids.size(); ++i) {
     const std::string& e = update_->engine_ids[i];
     v1::EngineResult* result = response.add_engines();
-    result->set_engine_id(e);
-    auto it = engines_.find(e);
-    if (update_->lost[i] || it == engines_.end()) {
-      result->set_lost(true);
-      result->set_code(static_cast<int>(absl::StatusCode::kUnavailable));
-      result->set_message(update_->lost_why[i].empty()
-                              ? "engine disconnected during the update"
-                              : update_->lost_why[i]);
-      continue;
-    }
+    auto it = UpdateEngineResultLocked(i, result);
+    if (it == engines_.end()) continue;
     EngineRecord& r = it->second;
     r.version = c.version;
     result->set_layout_id(r.layout_id);
