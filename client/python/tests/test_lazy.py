@@ -1,0 +1,389 @@
+"""Lazy tensors (weightsync.lazy) without torch: the order tensors are made
+and let go in (a pure function of the chunk plan), the feed that drives
+it, receipts summed tensor by tensor (equal to the whole, mod 2^64) and
+checked against the layouts an update started with.
+
+    python3 client/python/tests/test_lazy.py
+"""
+
+import os
+import random
+import sys
+import unittest
+
+import numpy as np
+
+# The source tree's package, unless WEIGHTSYNC_TEST_INSTALLED=1: then the
+# installed one (tests/pip_install_test.sh runs the suite that way).
+if not os.environ.get("WEIGHTSYNC_TEST_INSTALLED"):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import weightsync  # noqa: E402
+from weightsync import lazy, planner, receipts  # noqa: E402
+from weightsync._errors import WeightSyncError  # noqa: E402
+from weightsync._proto import v1  # noqa: E402
+from weightsync.lazy import LazyTensor  # noqa: E402
+from test_gpu_logic import _parameter, _rand_bits, _receipt_case  # noqa: E402
+
+
+def _manifests():
+    """(name, manifest) of the plans the order is checked on: tiny and
+    empty tensors, tensors over many chunks, sparse payloads, a Llama."""
+    yield "mixed", [{"name": f"t{i}", "dtype": d, "shape": list(s)} for i, (d, s) in enumerate([
+        ("BFLOAT16", (300, 7)), ("FLOAT32", (5,)), ("FLOAT32", (2048, 3)), ("BFLOAT16", ()),
+        ("UINT8", (0,)), ("FLOAT16", (1000,)), ("FLOAT32", (0, 4)), ("INT8", (3,)),
+        ("FLOAT32", (64, 64)), ("FLOAT32", (1,))])]
+    yield "sparse", [{"name": "d", "dtype": "FLOAT32", "shape": [500]},
+                     {"name": "s", "dtype": "BFLOAT16", "shape": [1000, 64], "sparse_nnz": 300,
+                      "sparse_index_bytes": 4},
+                     {"name": "e", "dtype": "FLOAT32", "shape": [0]},
+                     {"name": "t", "dtype": "FLOAT16", "shape": [77]}]
+    yield "empty", []
+    yield "llama", [{"name": t["name"], "dtype": t["dtype"], "shape": t["shape"]}
+                    for t in planner._llama_like_model()]
+
+
+class MaterializeOrderTest(unittest.TestCase):
+    def check(self, manifest, chunk_bytes, lazy_set=None):
+        plan = planner.plan_chunks(manifest, chunk_bytes)
+        order = lazy.materialize_order(plan, lazy_set)
+        self.assertEqual(len(order), len(plan["chunks"]))
+        wanted = set(range(len(manifest))) if lazy_set is None else set(lazy_set)
+        with_bytes = {i for i, n in enumerate(plan["payload_bytes"]) if n}
+        made_at, dropped_at, seq = {}, {}, []
+        for k, (make, drop) in enumerate(order):
+            for i in make:
+                self.assertNotIn(i, made_at, "made twice")
+                made_at[i] = k
+                seq.append(i)
+            for i in drop:
+                self.assertNotIn(i, dropped_at, "let go twice")
+                self.assertIn(i, made_at, "let go before it was made")
+                dropped_at[i] = k
+            self.assertEqual(make, sorted(make))
+            self.assertEqual(drop, sorted(drop))
+        # Every lazy tensor with bytes exactly once; never an empty one.
+        self.assertEqual(set(made_at), wanted & with_bytes)
+        self.assertEqual(set(dropped_at), set(made_at))
+        # Made before (at) its first piece, let go after (at) its last.
+        pieces = {}
+        for c in plan["chunks"]:
+            for p in c["pieces"]:
+                pieces.setdefault(p["tensor"], []).append(c["index"])
+        for i in made_at:
+            self.assertEqual(made_at[i], min(pieces[i]))
+            self.assertEqual(dropped_at[i], max(pieces[i]))
+        # While chunk k is sent, exactly the tensors it reads are alive:
+        # the peak is what one chunk spans, never more.
+        windows = lazy.window_bytes(plan, lazy_set)
+        for c in plan["chunks"]:
+            k = c["index"]
+            alive = {i for i in made_at if made_at[i] <= k <= dropped_at[i]}
+            read = {p["tensor"] for p in c["pieces"]} & set(made_at)
+            self.assertEqual(alive, read, f"chunk {k}")
+            self.assertEqual(windows[k], sum(plan["payload_bytes"][i] for i in read))
+        # Manifest order, whatever the chunk size: what every FSDP rank does.
+        sequence = [i for i in lazy.materialize_sequence(manifest) if i in wanted]
+        self.assertEqual(seq, sequence)
+        return plan, order
+
+    def test_every_manifest_and_chunk_size(self):
+        for name, manifest in _manifests():
+            for chunk in (256, 512, 1024, 4096, 65536, 1 << 20):
+                with self.subTest(manifest=name, chunk=chunk):
+                    self.check(manifest, chunk)
+
+    def test_some_tensors_lazy(self):
+        _, manifest = next(_manifests())
+        for chunk in (256, 1024):
+            _, order = self.check(manifest, chunk, {0, 2, 5, 6, 9})
+            self.assertNotIn(1, [i for make, _ in order for i in make])
+            # Per-tensor flags work like a set.
+            plan = planner.plan_chunks(manifest, chunk)
+            flags = [i in {0, 2, 5, 6, 9} for i in range(len(manifest))]
+            self.assertEqual(lazy.materialize_order(plan, flags), order)
+
+    def test_sequence_skips_empty_and_keeps_order(self):
+        _, manifest = next(_manifests())
+        self.assertEqual(lazy.materialize_sequence(manifest), [0, 1, 2, 3, 5, 7, 8, 9])
+
+    def test_one_tensor_over_many_chunks_is_made_once(self):
+        plan = planner.plan_chunks([{"name": "big", "dtype": "FLOAT32", "shape": [1000, 3]}],
+                                   1024)
+        order = lazy.materialize_order(plan)
+        self.assertEqual(order[0], ([0], []))
+        self.assertEqual(order[-1], ([], [0]))
+        self.assertTrue(all(o == ([], []) for o in order[1:-1]))
+        self.assertEqual(max(lazy.window_bytes(plan)), 12000)
+
+
+class FeedTest(unittest.TestCase):
+    """lazy.Feed: made once, let go once, and with a budget it waits for
+    tensors let go earlier before it holds more."""
+
+    def run_feed(self, manifest, chunk, budget):
+        plan = planner.plan_chunks(manifest, chunk)
+        entries = {i: LazyTensor(m["name"], m["dtype"], m["shape"], lambda: None)
+                   for i, m in enumerate(manifest)}
+        events = []
+        done = set()   # tokens the "device" has finished (only when waited)
+        windows = lazy.window_bytes(plan)
+        at = [0]
+
+        def make(i, entry):
+            # Memory grows only here: what is held then, with this tensor,
+            # is within the budget or the chunk's own window.
+            if budget is not None:
+                self.assertLessEqual(feed.live + plan["payload_bytes"][i],
+                                     max(budget, windows[at[0]]))
+            events.append(("make", i))
+            return ("payload", i)
+
+        def release(i, payload):
+            self.assertEqual(payload, ("payload", i))
+            events.append(("release", i))
+            return ("token", i)
+
+        def wait(token):
+            events.append(("wait", token[1]))
+            done.add(token)
+
+        feed = lazy.Feed(plan, entries, make, release, wait, budget)
+        payloads = [None] * len(manifest)
+        for c in plan["chunks"]:
+            k = at[0] = c["index"]
+            new = feed.before(k, payloads)
+            for p in c["pieces"]:
+                self.assertEqual(payloads[p["tensor"]], ("payload", p["tensor"]))
+            self.assertEqual(new, feed.order[k][0])
+            feed.after(k, payloads)
+        feed.settle()
+        self.assertEqual(feed.live, 0)
+        self.assertTrue(all(p is None for p in payloads))
+        made = [i for e, i in events if e == "make"]
+        self.assertEqual(made, lazy.materialize_sequence(manifest))
+        self.assertEqual(sorted(i for e, i in events if e == "release"), sorted(made))
+        self.assertEqual(sorted(i for e, i in events if e == "wait"), sorted(made))
+        return feed, events
+
+    def test_without_budget_never_waits_before_the_end(self):
+        _, manifest = next(_manifests())
+        feed, events = self.run_feed(manifest, 1024, None)
+        last_make = max(n for n, e in enumerate(events) if e[0] == "make")
+        self.assertTrue(all(n > last_make for n, e in enumerate(events) if e[0] == "wait"))
+        plan = planner.plan_chunks(manifest, 1024)
+        self.assertEqual(feed.peak_bytes, sum(plan["payload_bytes"]))   # nothing done early
+
+    def test_budget_bounds_what_is_held(self):
+        for name, manifest in _manifests():
+            for chunk in (256, 1024, 4096):
+                plan = planner.plan_chunks(manifest, chunk)
+                top = max(lazy.window_bytes(plan), default=0)
+                for budget in (0, top, 2 * top):
+                    with self.subTest(manifest=name, chunk=chunk, budget=budget):
+                        feed, _ = self.run_feed(manifest, chunk, budget)
+                        self.assertLessEqual(feed.peak_bytes, max(budget, top))
+
+    def test_none_token_frees_at_once(self):
+        plan = planner.plan_chunks([{"name": "a", "dtype": "FLOAT32", "shape": [100]},
+                                    {"name": "b", "dtype": "FLOAT32", "shape": [100]}], 256)
+        entries = {0: LazyTensor("a", "FLOAT32", [100], lambda: 1),
+                   1: LazyTensor("b", "FLOAT32", [100], lambda: 2)}
+        feed = lazy.Feed(plan, entries, lambda i, e: e.materialize())
+        payloads = [None, None]
+        for c in plan["chunks"]:
+            feed.before(c["index"], payloads)
+            feed.after(c["index"], payloads)
+        self.assertEqual((feed.made, feed.released, feed.live), (2, 2, 0))
+        self.assertEqual(feed.peak_bytes, 400)
+
+
+class LazyTensorTest(unittest.TestCase):
+    def test_dtypes_and_shape(self):
+        t = LazyTensor("w", "bfloat16", [3, 4], lambda: "made")
+        self.assertEqual((t.dtype, t.shape, t.numel, t.nbytes), ("BFLOAT16", (3, 4), 12, 24))
+        self.assertEqual(t.materialize(), "made")
+        self.assertEqual(LazyTensor("w", "torch.float16", (2,), int).dtype, "FLOAT16")
+        self.assertEqual(LazyTensor("w", np.float32, (2,), int).dtype, "FLOAT32")
+        self.assertEqual(LazyTensor("w", np.dtype("int64"), (2,), int).dtype, "INT64")
+        self.assertEqual(LazyTensor("w", "FLOAT8_E4M3FN", (), int).dtype, "FLOAT8_E4M3FN")
+        self.assertIs(weightsync.LazyTensor, LazyTensor)
+        with self.assertRaises(ValueError) as e:
+            LazyTensor("odd", np.complex64, (2,), int)
+        self.assertIn("'odd'", str(e.exception))
+        with self.assertRaises(ValueError):
+            LazyTensor("neg", "FLOAT32", (2, -1), int)
+        with self.assertRaises(TypeError):
+            LazyTensor("x", "FLOAT32", (2,), "not callable")
+
+    def test_is_lazy(self):
+        self.assertTrue(lazy.is_lazy([("a", np.zeros(2)), ("b", LazyTensor("b", "FLOAT32",
+                                                                           (1,), int))]))
+        self.assertFalse(lazy.is_lazy([("a", np.zeros(2))]))
+        self.assertFalse(lazy.is_lazy([]))
+        self.assertFalse(lazy.is_lazy([3]))   # not pairs: the update reports it
+
+    def test_check_materialized(self):
+        t = LazyTensor("w", "FLOAT32", (2, 3), int)
+        lazy.check_materialized("w", t, "FLOAT32", [2, 3])
+        for dtype, shape in (("FLOAT16", (2, 3)), ("FLOAT32", (3, 2)), ("FLOAT32", (6,))):
+            with self.assertRaises(ValueError) as e:
+                lazy.check_materialized("w", t, dtype, shape)
+            self.assertIn("'w'", str(e.exception))
+
+
+def _u8(sent):
+    return {n: (d, list(s), a.reshape(-1).view(np.uint8)) for n, (d, s, a) in sent.items()}
+
+
+class PartialReceiptsTest(unittest.TestCase):
+    """The receipt of a subset of the sent tensors is that subset's share:
+    a partition's shares add up to the whole (mod 2^64), bytes too;
+    parameter counts come from names and shapes alone."""
+
+    def partitions(self, names, rng):
+        yield [[n] for n in names]                      # one tensor at a time
+        yield [list(names)]                             # all at once
+        for _ in range(4):
+            parts = {}
+            for n in names:
+                parts.setdefault(int(rng.integers(0, 3)), []).append(n)
+            yield list(parts.values())
+
+    def test_partition_sums_to_the_whole(self):
+        rng = np.random.default_rng(31)
+        layout, sent = _receipt_case(rng)
+        whole = receipts.expected_receipt(layout, _u8(sent))
+        self.assertEqual(lazy.receipt_counts(layout, _u8(sent)), whole[1:])
+        shapes = {n: (d, s, None) for n, (d, s, _) in _u8(sent).items()}
+        self.assertEqual(lazy.receipt_counts(layout, shapes), whole[1:])
+        for parts in self.partitions(list(sent), rng):
+            total = nbytes = 0
+            for part in parts:
+                sub = {n: sent[n] for n in part}
+                c, _, b = receipts.expected_receipt(layout, _u8(sub))
+                total += c
+                nbytes += b
+                # The torch-style code (the GPU fallback), run on numpy.
+                self.assertEqual(receipts.expected_receipt_arrays(layout, sub, block=64)[0], c)
+            self.assertEqual(total & lazy.MASK64, whole[0], parts)
+            self.assertEqual(nbytes, whole[2])
+
+    def test_fused_and_sharded_layouts(self):
+        from weightsync import layouts
+        config = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
+                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                  "head_dim": 16, "model_type": "qwen3", "tie_word_embeddings": False}
+        rng = np.random.default_rng(32)
+        sent = {n: ("FLOAT32", list(s), _rand_bits(rng, "FLOAT32", int(np.prod(s))))
+                for n, s in layouts.checkpoint_shapes(config)}
+        for rank in (0, 1):
+            specs, segs = layouts.llama_engine_layout(config, rank, 2, dtype="BFLOAT16")
+            layout = [_parameter(n, dt, shape, segs.get(n, [])) for n, dt, shape in specs]
+            whole = receipts.expected_receipt(layout, _u8(sent))
+            total = sum(receipts.expected_receipt(layout, _u8({n: sent[n]}))[0] for n in sent)
+            self.assertEqual(total & lazy.MASK64, whole[0])
+            # Parameter counts are not additive (qkv has three sources):
+            # they come from the manifest.
+            self.assertGreater(sum(receipts.expected_receipt(layout, _u8({n: sent[n]}))[1]
+                                   for n in sent), whole[1])
+
+    def test_progressive_receipts(self):
+        rng = np.random.default_rng(33)
+        layout, sent = _receipt_case(rng)
+        other = [_parameter("plain", "FLOAT32", (37, 23)), _parameter("bias", "BFLOAT16", (30,))]
+        manifest = [{"name": n, "dtype": d, "shape": list(s)} for n, (d, s, _) in sent.items()]
+        manifest.append({"name": "patch", "dtype": "FLOAT32", "shape": [9], "sparse_nnz": 2})
+        computed = []
+
+        def compute(layouts, part):
+            computed.append(sorted(part))
+            return {k: receipts.expected_receipt(lay, part)[0] for k, lay in layouts.items()}
+
+        progress = lazy.ProgressiveReceipts({"a": layout, "b": other}, manifest, compute)
+        names = list(sent)
+        random.Random(4).shuffle(names)
+        for n in names[:-3]:
+            progress.add(_u8({n: sent[n]}))
+        self.assertFalse(progress.complete())
+        with self.assertRaises(WeightSyncError) as e:
+            progress.expected("a")
+        self.assertEqual(e.exception.code, "INTERNAL")
+        progress.add(_u8({n: sent[n] for n in names[-3:]}))
+        self.assertTrue(progress.complete())
+        self.assertEqual(progress.expected("a"), receipts.expected_receipt(layout, _u8(sent)))
+        self.assertEqual(progress.expected("b"), receipts.expected_receipt(other, _u8(sent)))
+        with self.assertRaises(ValueError):
+            progress.add(_u8({names[0]: sent[names[0]]}))   # twice
+        # The empty tensor is owed nothing; the patch isn't covered.
+        p2 = lazy.ProgressiveReceipts({"a": layout}, manifest, compute)
+        p2.add(_u8({n: sent[n] for n in sent if n != "empty"}))
+        self.assertEqual(p2.expected("a"), receipts.expected_receipt(layout, _u8(sent)))
+        # No layouts (no engines): nothing computed, still complete.
+        calls = len(computed)
+        p3 = lazy.ProgressiveReceipts({}, manifest, compute)
+        p3.add(_u8(sent))
+        self.assertTrue(p3.complete())
+        self.assertEqual(len(computed), calls)
+
+
+def _finished(engines):
+    f = v1.FinishWeightUpdateResponse()
+    for eid, layout_id, checksum, nbytes, lost in engines:
+        r = f.engines.add(engine_id=eid, layout_id=layout_id, lost=lost)
+        if checksum is not None:
+            r.receipt.CopyFrom(v1.Receipt(checksum=checksum, bytes=nbytes))
+    return f
+
+
+class CheckReceiptsTest(unittest.TestCase):
+    def test_layouts_from_status_and_cache(self):
+        layout = [_parameter("a", "FLOAT32", (4,)), _parameter("b", "BFLOAT16", (2, 2))]
+        other = [_parameter("a", "FLOAT16", (4,))]
+        status = v1.GetStatusResponse()
+        for eid, lid, lay in (("e0", "L1", layout), ("e1", "L1", layout), ("e2", "L2", other)):
+            e = status.engines.add(engine_id=eid, layout_id=lid, parameters=len(lay))
+            e.layout.extend(lay)
+        engines, layouts = lazy.engines_and_layouts([status, status])
+        self.assertEqual(len(layouts), 2)   # replicas (and daemons) share a key
+        self.assertEqual(engines[0]["e0"][1], engines[1]["e1"][1])
+        self.assertEqual(engines[0]["e0"][0], "L1")
+        engines, layouts = lazy.engines_and_layouts([status], engine_ids=["e2"])
+        self.assertEqual((list(engines[0]), len(layouts)), (["e2"], 1))
+        bare = v1.GetStatusResponse()
+        bare.engines.add(engine_id="e0", layout_id="L1", parameters=2)
+        with self.assertRaises(KeyError):
+            lazy.engines_and_layouts([bare])
+        engines, layouts = lazy.engines_and_layouts([bare], cached={"L1": layout})
+        self.assertEqual(list(layouts.values()), [layout])
+
+    def test_match_mismatch_and_new_layouts(self):
+        engines = [{"e0": ("L1", "k1"), "e1": ("L1", "k1")}, {"e2": ("L9", "k2")}]
+        want = {"k1": (111, 2, 40), "k2": (222, 1, 8)}
+        good = [_finished([("e0", "L1", 111, 40, False), ("e1", "L1", 111, 40, False)]),
+                _finished([("e2", "L9", 222, 8, False)])]
+        lazy.check_receipts(good, engines, want.__getitem__)
+        bad = [_finished([("e0", "L1", 111, 40, False), ("e1", "L1", 112, 40, False)]),
+               good[1]]
+        with self.assertRaises(WeightSyncError) as e:
+            lazy.check_receipts(bad, engines, want.__getitem__, names=["d0", "d1"])
+        self.assertEqual(e.exception.code, "DATA_LOSS")
+        self.assertIn("engine 'e1' on d0", e.exception.message)
+        # Registered again during the update: can't be checked.
+        moved = [_finished([("e0", "L7", 111, 40, False)]), good[1]]
+        with self.assertRaises(WeightSyncError) as e:
+            lazy.check_receipts(moved, engines, want.__getitem__)
+        self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
+        self.assertIn("L7", e.exception.message)
+        self.assertIn("L1", e.exception.message)
+        newcomer = [_finished([("e5", "L3", 1, 1, False)]), good[1]]
+        with self.assertRaises(WeightSyncError) as e:
+            lazy.check_receipts(newcomer, engines, want.__getitem__)
+        self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
+        # Lost engines and results without receipts are not checked.
+        lazy.check_receipts([_finished([("e0", "L7", 5, 5, True), ("e1", "L1", None, 0, False)]),
+                             _finished([])], engines, want.__getitem__)
+
+
+if __name__ == "__main__":
+    unittest.main()
