@@ -1,14 +1,20 @@
 """Lazy tensors (weightsync.lazy) without torch: the order tensors are made
 and let go in (a pure function of the chunk plan), the feed that drives
-it, receipts summed tensor by tensor (equal to the whole, mod 2^64) and
-checked against the layouts an update started with.
+it, receipts summed tensor by tensor (equal to the whole, mod 2^64), the
+IPC ring's control flow (numpy packing against a stand-in daemon that
+copies each slot as late as the protocol lets it), and LazyTensor updates
+on the host backend against the real weightsyncd, bytes compared bit for
+bit.
 
-    python3 client/python/tests/test_lazy.py
+    WEIGHTSYNCD=bazel-bin/daemon/weightsyncd python3 client/python/tests/test_lazy.py
 """
 
 import os
+import queue
 import random
 import sys
+import threading
+import time
 import unittest
 
 import numpy as np
@@ -22,6 +28,7 @@ import weightsync  # noqa: E402
 from weightsync import lazy, planner, receipts  # noqa: E402
 from weightsync._errors import WeightSyncError  # noqa: E402
 from weightsync._proto import v1  # noqa: E402
+from weightsync.gpu_trainer import RingStream, ring_send  # noqa: E402
 from weightsync.lazy import LazyTensor  # noqa: E402
 from test_gpu_logic import _parameter, _rand_bits, _receipt_case  # noqa: E402
 
@@ -383,6 +390,307 @@ class CheckReceiptsTest(unittest.TestCase):
         # Lost engines and results without receipts are not checked.
         lazy.check_receipts([_finished([("e0", "L7", 5, 5, True), ("e1", "L1", None, 0, False)]),
                              _finished([])], engines, want.__getitem__)
+
+
+class FakeDaemonRing:
+    """A stand-in for the daemon's end of IpcChunks: it copies chunk j out
+    of its slot only when it must report j done (an answer to announcement
+    k says k + 2 - slots chunks are done), or when the stream ends; a
+    trainer that refilled a slot too early would have its bytes copied."""
+
+    def __init__(self, plan, slots, buf, chunk_bytes):
+        self.plan, self.slots, self.buf, self.chunk_bytes = plan, slots, buf, chunk_bytes
+        self.copied = {}
+        self.first = None
+        self.cancelled = False
+
+    def _copy_upto(self, n):
+        for j in range(len(self.copied), n):
+            size = self.plan["chunks"][j]["size"]
+            at = (j % self.slots) * self.chunk_bytes
+            self.copied[j] = self.buf[at:at + size].copy()
+
+    def stream(self, name, requests, timeout=None):
+        assert name == "IpcChunks"
+        out = queue.Queue()
+        daemon = self
+
+        def serve():
+            expected = 0
+            for r in requests:
+                if daemon.first is None:
+                    daemon.first = r.update_id
+                assert r.chunk_index == expected, (r.chunk_index, expected)
+                expected += 1
+                need = r.chunk_index + 2 - daemon.slots
+                if need > 0:
+                    daemon._copy_upto(need)
+                    out.put(v1.IpcChunksResponse(chunks_done=need))
+            daemon._copy_upto(expected)
+            out.put(None)
+
+        threading.Thread(target=serve, daemon=True).start()
+
+        class Responses:
+            def __iter__(self):
+                return self
+
+            def __next__(self):
+                r = out.get(timeout=10)
+                if r is None:
+                    raise StopIteration
+                return r
+
+            def cancel(self):
+                daemon.cancelled = True
+
+        return Responses()
+
+
+class RingTest(unittest.TestCase):
+    def test_ring_delivers_the_packed_stream(self):
+        rng = np.random.default_rng(7)
+        _, manifest = next(_manifests())
+        datas = [rng.integers(0, 256, planner.payload_bytes(m["dtype"], m["shape"]),
+                              dtype=np.uint8) for m in manifest]
+        for chunk in (256, 1024, 4096):
+            for slots in (2, 3, 5):
+                plan = planner.plan_chunks(manifest, chunk)
+                buf = np.zeros(slots * chunk, np.uint8)
+                daemon = FakeDaemonRing(plan, slots, buf, chunk)
+                entries = {i: LazyTensor(m["name"], m["dtype"], m["shape"],
+                                         lambda i=i: datas[i]) for i, m in enumerate(manifest)
+                           if i % 2 == 0}
+                payloads = [None if i in entries else d for i, d in enumerate(datas)]
+                feed = lazy.Feed(plan, entries, lambda i, e: e.materialize())
+                made = []
+
+                def pack(c, slot):
+                    base = slot * chunk
+                    buf[base:base + chunk] = 0xEE   # stale bytes show up
+                    for p in c["pieces"]:
+                        buf[base + p["chunk_offset"]:base + p["chunk_offset"] + p["length"]] = \
+                            payloads[p["tensor"]][p["tensor_offset"]:
+                                                  p["tensor_offset"] + p["length"]]
+
+                ring = RingStream(daemon, "u-1", 10)
+                ring_send(plan, slots, ring, pack, feed, payloads, made.extend)
+                self.assertEqual(daemon.first, "u-1")
+                self.assertEqual(sorted(made), sorted(i for i in entries
+                                                      if plan["payload_bytes"][i]))
+                stream = np.zeros(plan["total_bytes"], np.uint8)
+                got = np.zeros(plan["total_bytes"], np.uint8)
+                for off, n, d in zip(plan["tensor_offsets"], plan["payload_bytes"], datas):
+                    stream[off:off + n] = d
+                for c in plan["chunks"]:
+                    part = daemon.copied[c["index"]]
+                    for p in c["pieces"]:
+                        at = c["offset"] + p["chunk_offset"]
+                        got[at:at + p["length"]] = part[p["chunk_offset"]:
+                                                        p["chunk_offset"] + p["length"]]
+                # Padding is never read: compare the tensors' bytes.
+                for off, n in zip(plan["tensor_offsets"], plan["payload_bytes"]):
+                    np.testing.assert_array_equal(got[off:off + n], stream[off:off + n],
+                                                  err_msg=f"chunk {chunk} slots {slots}")
+                self.assertTrue(all(p is None for i, p in enumerate(payloads) if i in entries))
+
+    def test_stream_ended_early_is_aborted(self):
+        class Ended:
+            def stream(self, name, requests, timeout=None):
+                class R:
+                    def __iter__(self):
+                        return self
+
+                    def __next__(self):
+                        raise StopIteration
+
+                    def cancel(self):
+                        pass
+                return R()
+
+        ring = RingStream(Ended(), "u", 1)
+        ring.ready(0)
+        with self.assertRaises(WeightSyncError) as e:
+            ring.wait_done(1)
+        self.assertEqual(e.exception.code, "ABORTED")
+        ring.cancel()
+
+
+class HostLazyTest(unittest.TestCase):
+    """LazyTensor updates through the real daemon on the host backend."""
+
+    def setUp(self):
+        import daemon_fixture
+        self.daemon, self.target = daemon_fixture.start(self, "--notice_timeout_ms=2000")
+        self.trainer = weightsync.Trainer(self.target, timeout=10)
+        self.engines = []
+
+    def tearDown(self):
+        for e in self.engines:
+            e.close()
+        self.trainer.close()
+        self.daemon.terminate()
+        self.assertEqual(self.daemon.wait(timeout=10), 0)
+
+    def engine(self, engine_id, params, **kwargs):
+        e = weightsync.Engine(engine_id, self.target, timeout=10)
+        hooks = kwargs.pop("hooks", {})
+        arrays = e.register_host(params, **kwargs)
+        e.start(**hooks)
+        self.engines.append(e)
+        for _ in range(100):
+            if any(s.engine_id == engine_id and s.connected
+                   for s in self.trainer.status().engines):
+                break
+            time.sleep(0.02)
+        return e, arrays
+
+    def llama(self, dtype="BFLOAT16"):
+        from weightsync import layouts
+        config = {"vocab_size": 1003, "hidden_size": 64, "intermediate_size": 160,
+                  "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "head_dim": 16, "model_type": "qwen3"}
+        ranks = []
+        for r in range(2):
+            params, segments = layouts.llama_engine_layout(config, r, 2, dtype=dtype)
+            ranks.append((params, segments, self.engine(f"tp{r}", params,
+                                                        segments=segments)[1]))
+        return config, ranks
+
+    def expected_engine(self, params, segments, ckpt, dtype):
+        """What a TP rank must hold: {name: (element bits, written mask)},
+        every segment of the checkpoint placed as docs/protocol.md says
+        (a source is rows = shape[0] x cols = the rest) and converted with
+        the daemon's rounding (receipts.convert_bits)."""
+        out = {}
+        for name, _, shape in params:
+            n = int(np.prod(shape))
+            dest = np.zeros(n, np.uint64)
+            written = np.zeros(n, bool)
+            for s in segments.get(name) or [None]:
+                if s is None:   # no segments: the tensor of the same name, whole
+                    src, rb, cb, rc, cc, off, stride = ckpt[name].reshape(1, n), 0, 0, 1, n, 0, n
+                else:
+                    t = ckpt[s["source"]]
+                    cols = int(np.prod(t.shape[1:]))
+                    src = t.reshape(-1, cols)
+                    rb, cb = s.get("row_begin", 0), s.get("col_begin", 0)
+                    rc, cc = s["row_count"], s["col_count"]
+                    off, stride = s.get("dest_offset", 0), s.get("dest_row_stride") or cc
+                part = np.ascontiguousarray(src[rb:rb + rc, cb:cb + cc])
+                idx = (off + np.arange(rc)[:, None] * stride + np.arange(cc)[None, :]).reshape(-1)
+                dest[idx] = receipts.convert_bits(part.reshape(-1).view(np.uint8), "FLOAT32",
+                                                  dtype)
+                written[idx] = True
+            out[name] = (dest, written)
+        return out
+
+    def assert_engine(self, arrays, params, segments, ckpt, dtype="BFLOAT16"):
+        for name, (dest, written) in self.expected_engine(params, segments, ckpt, dtype).items():
+            have = arrays[name].reshape(-1).view(f"u{arrays[name].itemsize}").astype(np.uint64)
+            np.testing.assert_array_equal(have[written], dest[written], err_msg=name)
+
+    def test_lazy_update_is_bit_exact_made_in_order_and_receipted(self):
+        config, ranks = self.llama()
+        from weightsync import layouts
+        self.trainer.init_host()
+        calls = []
+        real_start = self.trainer._stub.call
+
+        def spy(name, request=None, timeout=None, **fields):
+            calls.append(name)
+            return real_start(name, request, timeout, **fields)
+        self.trainer._stub.call = spy
+        rng = np.random.default_rng(8)
+        shapes = layouts.checkpoint_shapes(config)
+        for version in (1, 2, 3):
+            ckpt = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes}
+            made = []
+
+            def maker(n):
+                def make():
+                    made.append(n)
+                    return ckpt[n]
+                return make
+            items = []
+            for i, (n, s) in enumerate(shapes):
+                if i % 3 == 2:
+                    items.append((n, ckpt[n]))   # some eager tensors among the lazy
+                else:
+                    items.append((n, LazyTensor(n, np.float32, s, maker(n))))
+            del calls[:]
+            result = self.trainer.update(items, version=version, chunk_bytes=4096, verify=True)
+            self.assertEqual(result.version, version)
+            self.assertEqual(calls.count("StartWeightUpdate"), 1)   # one update, one pause
+            self.assertTrue(all(e.HasField("receipt") for e in result.engines))
+            self.assertEqual(made, [n for i, (n, _) in enumerate(shapes) if i % 3 != 2])
+            for params, segments, arrays in ranks:
+                self.assert_engine(arrays, params, segments, ckpt)
+            info = self.trainer.last_lazy
+            self.assertEqual(info["made"], len(made))
+            # Held at most: what one chunk spans; never the whole model.
+            self.assertEqual(info["peak_bytes"], info["window_bytes"])
+            self.assertLess(info["peak_bytes"], sum(a.nbytes for a in ckpt.values()) / 2)
+        # Receipts are really compared: a wrong share is DATA_LOSS.
+        real = receipts.expected_receipt
+
+        def wrong(layout, sent, *a, **k):
+            c, p, b = real(layout, sent, *a, **k)
+            return (c ^ 1 if "model.norm.weight" in sent else c), p, b
+        receipts.expected_receipt = wrong
+        try:
+            items = [(n, LazyTensor(n, "FLOAT32", s, lambda a=ckpt[n]: a)) for n, s in shapes]
+            with self.assertRaises(WeightSyncError) as e:
+                self.trainer.update(items, version=4, chunk_bytes=4096)
+        finally:
+            receipts.expected_receipt = real
+        self.assertEqual(e.exception.code, "DATA_LOSS")
+        self.assertIn("engine 'tp", e.exception.message)
+
+    def test_failures_while_making_abort_the_update(self):
+        _, w = self.engine("e0", [("a", "FLOAT32", (64, 16)), ("b", "FLOAT32", (300,)),
+                                  ("c", "FLOAT16", (7,))])
+        self.trainer.init_host()
+        a = np.arange(64 * 16, dtype=np.float32).reshape(64, 16)
+        b = np.ones(300, np.float32)
+        c = np.full(7, 3, np.float32)
+        self.trainer.update([("a", a), ("b", b), ("c", c)], version=1)
+
+        def boom():
+            raise RuntimeError("gather failed")
+        items = [("a", LazyTensor("a", "FLOAT32", (64, 16), lambda: a + 1)),
+                 ("b", LazyTensor("b", "FLOAT32", (300,), boom)),
+                 ("c", LazyTensor("c", "FLOAT32", (7,), lambda: c))]
+        with self.assertRaises(RuntimeError) as e:
+            self.trainer.update(items, version=2, chunk_bytes=1024)
+        self.assertIn("gather failed", str(e.exception))
+        # The update was aborted: the next one is accepted and lands.
+        items[1] = ("b", LazyTensor("b", "FLOAT32", (300,), lambda: b * 2))
+        wrong_shape = list(items)
+        wrong_shape[2] = ("c", LazyTensor("c", "FLOAT32", (7,), lambda: np.zeros(8, np.float32)))
+        with self.assertRaises(ValueError) as e:
+            self.trainer.update(wrong_shape, version=3, chunk_bytes=1024)
+        self.assertIn("'c'", str(e.exception))
+        self.assertEqual(self.trainer.update(items, version=4, chunk_bytes=1024).version, 4)
+        np.testing.assert_array_equal(w["a"], a + 1)
+        np.testing.assert_array_equal(w["b"], b * 2)
+        np.testing.assert_array_equal(w["c"], c.astype(np.float16))
+        # A refused Start makes nothing.
+        made = []
+        with self.assertRaises(WeightSyncError) as e:
+            self.trainer.update([("a", LazyTensor("a", "FLOAT32", (64, 16),
+                                                  lambda: made.append(1) or a))], version=4)
+        self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
+        self.assertEqual(made, [])
+
+    def test_several_daemons_refuse_lazy_host_updates(self):
+        other = weightsync.Trainer([self.target, self.target], timeout=10)
+        try:
+            with self.assertRaises(ValueError) as e:
+                other.update([("a", LazyTensor("a", "FLOAT32", (1,), int))], version=1)
+            self.assertIn("host backend", str(e.exception))
+        finally:
+            other.close()
 
 
 if __name__ == "__main__":
