@@ -1,10 +1,11 @@
-"""Lazy tensors (weightsync.lazy) without torch: the order tensors are made
-and let go in (a pure function of the chunk plan), the feed that drives
-it, receipts summed tensor by tensor (equal to the whole, mod 2^64), the
-IPC ring's control flow (numpy packing against a stand-in daemon that
-copies each slot as late as the protocol lets it), and LazyTensor updates
-on the host backend against the real weightsyncd, bytes compared bit for
-bit.
+"""Lazy tensors (weightsync.lazy) and the FSDP2 helper (weightsync.fsdp),
+without torch: the order tensors are made and let go in (a pure function
+of the chunk plan), the feed that drives it, receipts summed tensor by
+tensor (equal to the whole, mod 2^64), the IPC ring's control flow (numpy
+packing against a stand-in daemon that copies each slot as late as the
+protocol lets it), Hugging Face name mapping, and LazyTensor updates on
+the host backend against the real weightsyncd, bytes compared bit for bit
+(also two stand-in FSDP ranks in threads running send_fsdp2 in step).
 
     WEIGHTSYNCD=bazel-bin/daemon/weightsyncd python3 client/python/tests/test_lazy.py
 """
@@ -25,7 +26,7 @@ if not os.environ.get("WEIGHTSYNC_TEST_INSTALLED"):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import weightsync  # noqa: E402
-from weightsync import lazy, planner, receipts  # noqa: E402
+from weightsync import fsdp, lazy, planner, receipts  # noqa: E402
 from weightsync._errors import WeightSyncError  # noqa: E402
 from weightsync._proto import v1  # noqa: E402
 from weightsync.gpu_trainer import RingStream, ring_send  # noqa: E402
@@ -516,6 +517,126 @@ class RingTest(unittest.TestCase):
         ring.cancel()
 
 
+class NameMappingTest(unittest.TestCase):
+    def test_wrapper_components(self):
+        self.assertEqual(fsdp.checkpoint_name("model.layers.0.mlp.up_proj.weight"),
+                         "model.layers.0.mlp.up_proj.weight")
+        self.assertEqual(fsdp.checkpoint_name(
+            "_orig_mod.model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight"),
+            "model.layers.0.mlp.up_proj.weight")
+        self.assertEqual(fsdp.checkpoint_name(
+            "_fsdp_wrapped_module.model.layers.1._fsdp_wrapped_module.self_attn.q_proj.weight"),
+            "model.layers.1.self_attn.q_proj.weight")
+        self.assertEqual(fsdp.checkpoint_name("orig_mod_x._orig_modx.w"), "orig_mod_x._orig_modx.w")
+
+    def test_dict_function_skip_and_clash(self):
+        raw = ["_orig_mod.model.embed_tokens.weight", "_orig_mod.model.norm.weight",
+               "_orig_mod.lm_head.weight", "_orig_mod.value_head.weight"]
+        self.assertEqual(fsdp.checkpoint_names(raw), [
+            (0, "model.embed_tokens.weight"), (1, "model.norm.weight"), (2, "lm_head.weight"),
+            (3, "value_head.weight")])
+        got = fsdp.checkpoint_names(raw, {"value_head.weight": None,
+                                          "model.norm.weight": "model.final_norm.weight"})
+        self.assertEqual(got, [(0, "model.embed_tokens.weight"), (1, "model.final_norm.weight"),
+                               (2, "lm_head.weight")])
+        got = fsdp.checkpoint_names(raw, {"_orig_mod.lm_head.weight": "head"})  # a raw name
+        self.assertEqual(got[2], (2, "head"))
+        got = fsdp.checkpoint_names(raw, lambda n: None if n.startswith("value_head")
+                                    else "base." + n)
+        self.assertEqual([n for _, n in got], ["base.model.embed_tokens.weight",
+                                               "base.model.norm.weight", "base.lm_head.weight"])
+        with self.assertRaises(ValueError) as e:
+            fsdp.checkpoint_names(raw, lambda n: "same")
+        self.assertIn("both map to 'same'", str(e.exception))
+        with self.assertRaises(ValueError):
+            fsdp.checkpoint_names(raw, lambda n: "")
+
+    def test_mapping_is_computed_once_per_model(self):
+        calls = []
+
+        def names(n):
+            calls.append(n)
+            return n
+
+        model = FakeModel(0, {"a": np.zeros(4, np.float32), "b": np.zeros(2, np.float32)}, 1)
+        first = fsdp.lazy_parameters(model, names)
+        fsdp.lazy_parameters(model, names)
+        self.assertEqual(len(calls), 2)   # once per parameter, once per model
+        fsdp.lazy_parameters(model, lambda n: n)   # another mapping: again
+        model.params["c"] = FakeDTensor(model, "c", np.zeros(3, np.float32))
+        fsdp.lazy_parameters(model, names)   # new parameters: again
+        self.assertEqual(len(calls), 5)
+        self.assertEqual([(n, t.dtype, t.shape) for n, t in first],
+                         [("a", "FLOAT32", (4,)), ("b", "FLOAT32", (2,))])
+
+
+# -- stand-in FSDP ranks (threads) ---------------------------------------------
+
+class Collectives:
+    """What every stand-in rank's gathers go through: each call waits for
+    every rank's matching call (a barrier) and checks that all ranks
+    gather the same tensor, then returns the full tensor (the shards
+    concatenated)."""
+
+    def __init__(self, ranks):
+        self.ranks = ranks
+        self.barrier = threading.Barrier(ranks, timeout=30)
+        self.slots = {}
+        self.log = {r: [] for r in range(ranks)}
+        self.mismatch = []
+        self.status = None
+
+    def all_gather(self, rank, name, shard):
+        self.slots[rank] = (name, shard)
+        self.barrier.wait()
+        names = {self.slots[r][0] for r in range(self.ranks)}
+        if len(names) != 1:
+            self.mismatch.append(sorted(names))
+        full = np.concatenate([self.slots[r][1] for r in range(self.ranks)])
+        self.log[rank].append(name)
+        self.barrier.wait()
+        return full
+
+
+class FakeDTensor:
+    """Row shards of a numpy array; full_tensor() is the collective."""
+
+    def __init__(self, model, name, full):
+        self.model, self.name = model, name
+        self.dtype = full.dtype
+        self.shape = full.shape
+        rows = np.array_split(np.arange(full.shape[0]), model.world)[model.rank]
+        self.flat_local = np.ascontiguousarray(full[rows])
+
+    def full_tensor(self):
+        full = self.model.coll.all_gather(self.model.rank, self.name, self.flat_local)
+        out = full.reshape(self.shape)
+        if self.model.bad == self.name:
+            return out.astype(np.float64)   # a wrong dtype (after the collective)
+        return out
+
+
+class FakeModel:
+    def __init__(self, rank, arrays, world, coll=None, bad=None):
+        self.rank, self.world, self.coll, self.bad = rank, world, coll, bad
+        self.params = {n: FakeDTensor(self, n, a) for n, a in arrays.items()}
+
+    def named_parameters(self):
+        return list(self.params.items())
+
+
+class FakeGroup:
+    def __init__(self, spec, src):
+        self.rank, self.coll = spec
+        self.src = src
+
+    def outcome(self, code=0):
+        if self.rank == self.src:
+            self.coll.status = code
+        self.coll.barrier.wait()
+        return self.coll.status
+
+
 class HostLazyTest(unittest.TestCase):
     """LazyTensor updates through the real daemon on the host backend."""
 
@@ -691,6 +812,82 @@ class HostLazyTest(unittest.TestCase):
             self.assertIn("host backend", str(e.exception))
         finally:
             other.close()
+
+    def run_ranks(self, world, arrays, version, bad=None, chunk_bytes=2048, fail_start=False):
+        """send_fsdp2 on `world` stand-in ranks (threads); returns (per-rank
+        result or exception, the collectives)."""
+        coll = Collectives(world)
+        out = [None] * world
+        real = fsdp._group_factory
+        fsdp._group_factory = FakeGroup
+
+        def rank_main(r):
+            model = FakeModel(r, arrays, world, coll, bad=bad if r == 0 else None)
+            try:
+                out[r] = fsdp.send_fsdp2(self.trainer if r == 0 else None, model, version,
+                                         names={"value_head.weight": None}, group=(r, coll),
+                                         chunk_bytes=chunk_bytes)
+            except BaseException as e:  # noqa: BLE001 - the test looks at it
+                out[r] = e
+
+        try:
+            threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+                self.assertFalse(t.is_alive(), "a rank is stuck")
+        finally:
+            fsdp._group_factory = real
+        self.assertEqual(coll.mismatch, [])
+        self.assertEqual(len({tuple(v) for v in coll.log.values()}), 1, coll.log)
+        return out, coll
+
+    def test_send_fsdp2_ranks_in_step(self):
+        names = [("model.embed_tokens.weight", (40, 8)), ("model.layers.0.mlp.up_proj.weight",
+                                                          (24, 8)),
+                 ("model.norm.weight", (8,)), ("lm_head.weight", (40, 8))]
+        _, w = self.engine("e0", [(n, "FLOAT32", s) for n, s in names])
+        self.trainer.init_host()
+        rng = np.random.default_rng(9)
+        arrays = {n: rng.standard_normal(s).astype(np.float32) for n, s in names}
+        # A parameter no engine has (a value head), left out by `names`.
+        arrays["value_head.weight"] = np.ones((3, 8), np.float32)
+        for version in (1, 2):
+            for a in arrays.values():
+                a += 1   # a "training step"
+            out, coll = self.run_ranks(2, arrays, version)
+            self.assertNotIsInstance(out[0], BaseException, out[0])
+            self.assertEqual(out[0].version, version)
+            self.assertIsNone(out[1])
+            self.assertEqual(coll.status, 0)
+            self.assertEqual(coll.log[0], [n for n, _ in names])   # manifest order
+            for n, _ in names:
+                np.testing.assert_array_equal(w[n], arrays[n], err_msg=n)
+        # Start refused (the version is not above the engine's): rank 0
+        # gathers everything anyway, and both ranks raise its code.
+        out, coll = self.run_ranks(2, arrays, 2)
+        self.assertIsInstance(out[0], WeightSyncError)
+        self.assertEqual(out[0].code, "FAILED_PRECONDITION")
+        self.assertIsInstance(out[1], WeightSyncError)
+        self.assertEqual(out[1].code, "FAILED_PRECONDITION")
+        self.assertIn("rank 0", out[1].message)
+        self.assertEqual(len(coll.log[0]), 4)
+        # A tensor made wrong mid-update on rank 0: the update is aborted,
+        # the rest gathered in step, every rank raises.
+        before = {n: w[n].copy() for n, _ in names}
+        out, coll = self.run_ranks(2, arrays, 3, bad="model.layers.0.mlp.up_proj.weight")
+        self.assertIsInstance(out[0], ValueError)
+        self.assertIn("up_proj", str(out[0]))
+        self.assertEqual(out[1].code, "UNKNOWN")
+        self.assertEqual(len(coll.log[1]), 4)
+        np.testing.assert_array_equal(w["lm_head.weight"], before["lm_head.weight"])
+        # Three ranks, a fresh version: lands.
+        out, _ = self.run_ranks(3, arrays, 4)
+        self.assertEqual(out[0].version, 4)
+        self.assertEqual(out[1:], [None, None])
+        for n, _ in names:
+            np.testing.assert_array_equal(w[n], arrays[n], err_msg=n)
 
 
 if __name__ == "__main__":
