@@ -11,7 +11,7 @@ from weightsync._errors import WeightSyncError
 from weightsync._version import __version__
 from weightsync import planner
 
-__all__ = ["WeightSyncError", "Trainer", "Engine", "planner", "__version__"]
+__all__ = ["WeightSyncError", "Trainer", "Engine", "LazyTensor", "planner", "__version__"]
 
 
 def __getattr__(name):
@@ -22,4 +22,7 @@ def __getattr__(name):
     if name == "Engine":
         from weightsync.engine import Engine
         return Engine
+    if name == "LazyTensor":
+        from weightsync.lazy import LazyTensor
+        return LazyTensor
     raise AttributeError(name)

@@ -19,6 +19,14 @@ from offset 0); StartWeightUpdate carries its handle as ipc_source, the
 daemon copies, Finish returns when done; the buffer is not touched until
 Finish returns.
 
+Lazy tensors (weightsync.lazy.LazyTensor, e.g. FSDP2 parameters gathered
+with full_tensor()): each is made just before the first chunk that needs
+it and let go after the last chunk that reads it (weightsync.lazy.Feed),
+so the trainer holds about one chunk's tensors at a time. On NCCL they
+join the broadcast loop above; on IPC they go through a ring of chunk
+slots (docs/protocol.md, "Ring mode": IpcChunks), not one buffer of the
+whole update.
+
 Sparse patches (weightsync.sparse.diff of torch tensors, computed on the
 GPU) travel in both: a patch's payload (indices, then values) takes the
 tensor's place in the packed stream, on the GPU. Receipts (verify=True)
@@ -26,6 +34,7 @@ are checked after Finish against an expectation computed on the GPU from
 the tensors as sent (weightsync.receipts.expected_receipt_arrays).
 """
 
+import queue
 import time
 
 from weightsync import planner
@@ -33,7 +42,12 @@ from weightsync._errors import WeightSyncError
 from weightsync._gpu import dedupe_aliases, dtype_name, flat_bytes, gpu_uuid, parse_storage_handle
 from weightsync._proto import v1
 from weightsync._tensors import describe
+from weightsync.lazy import Feed, LazyTensor, check_materialized
 from weightsync.sparse import SparsePatch, TorchSparsePatch
+
+# Chunk size of a lazy IPC update (the ring's slots) when the caller asks
+# for none: the daemon's default --max_chunk_bytes.
+RING_CHUNK_BYTES = 64 << 20
 
 
 def chunk_schedule(plan, direct_ok, ring_size):
@@ -54,6 +68,95 @@ def chunk_schedule(plan, direct_ok, ring_size):
         used[slot] = True
         slot = (slot + 1) % len(used)
     return ops
+
+
+class RingStream:
+    """The trainer's end of IpcChunks (an IPC ring update): ready(k)
+    announces chunk k (in slot k % slots); wait_done(n) blocks until the
+    daemon reports n chunks copied out of their slots; close() ends the
+    announcements and returns once the daemon has answered them all.
+    Errors raise WeightSyncError with the daemon's code and message."""
+
+    def __init__(self, stub, update_id, timeout):
+        self._queue = queue.Queue()
+        self._update_id = update_id
+        self._first = True
+        self._closed = False
+        self.done = 0
+        self._responses = stub.stream("IpcChunks", self._requests(), timeout=timeout)
+
+    def _requests(self):
+        while True:
+            request = self._queue.get()
+            if request is None:
+                return
+            yield request
+
+    def ready(self, k):
+        request = v1.IpcChunksRequest(chunk_index=k)
+        if self._first:
+            request.update_id = self._update_id
+            self._first = False
+        self._queue.put(request)
+
+    def _next(self):
+        import grpc
+        try:
+            return next(self._responses)
+        except StopIteration:
+            return None
+        except grpc.RpcError as e:
+            raise WeightSyncError(e.code().name, e.details()) from None
+
+    def wait_done(self, n):
+        while self.done < n:
+            r = self._next()
+            if r is None:
+                raise WeightSyncError("ABORTED", f"the daemon ended the IPC chunk stream after "
+                                      f"{self.done} chunks copied")
+            self.done = max(self.done, r.chunks_done)
+
+    def close(self):
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        while True:
+            r = self._next()
+            if r is None:
+                return
+            self.done = max(self.done, r.chunks_done)
+
+    def cancel(self):
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+        try:
+            self._responses.cancel()
+        except Exception:  # noqa: BLE001 - already ended
+            pass
+
+
+def ring_send(plan, slots, ring, pack, feed=None, payloads=None, on_made=None):
+    """An IPC ring update's loop (docs/protocol.md, "Ring mode"): for each
+    chunk k, once the daemon has copied chunk k - slots out of slot k %
+    slots (ring.wait_done), make its lazy tensors (feed.before), pack it
+    into its slot and wait for the copy (pack(chunk, slot)), announce it
+    (ring.ready), sum the receipts of the tensors just made (on_made(new
+    indices)) and let go of those no later chunk reads (feed.after); then
+    ring.close(). Pure control flow (tested in CI with numpy)."""
+    for c in plan["chunks"]:
+        k = c["index"]
+        if k >= slots:
+            ring.wait_done(k - slots + 1)
+        new = feed.before(k, payloads) if feed is not None else ()
+        pack(c, k % slots)
+        ring.ready(k)
+        if new and on_made is not None:
+            on_made(new)
+        if feed is not None:
+            feed.after(k, payloads)
+    ring.close()
 
 
 def _device(device):
@@ -92,11 +195,17 @@ class GpuSender:
         """(names, flat uint8 payloads, manifest dicts, {dropped alias:
         kept name}). A SparsePatch's payload (indices, then values) goes in
         the stream in place of the tensor: a TorchSparsePatch's stays on its
-        device, a numpy one is copied to the trainer's GPU."""
+        device, a numpy one is copied to the trainer's GPU. A LazyTensor
+        stays in `flats` as it is (the caller makes it: lazy_feed)."""
         import torch
         pairs, dropped = dedupe_aliases(list(named_tensors))
         names, flats, manifest = [], [], []
         for name, t in pairs:
+            if isinstance(t, LazyTensor):
+                names.append(name)
+                flats.append(t)
+                manifest.append({"name": name, "dtype": t.dtype, "shape": list(t.shape)})
+                continue
             if isinstance(t, SparsePatch):
                 if not t.nnz:
                     raise ValueError(f"tensor '{name}': an empty patch (sparse_nnz 0 means a "
@@ -183,10 +292,52 @@ class GpuSender:
             packed.add(op["chunk"]["index"])
         return packed
 
-    def enqueue_nccl(self, plan, flats, prepacked=()):
+    def lazy_feed(self, names, plan, lazy, budget=None, timeout=600.0, synchronous=False):
+        """A weightsync.lazy.Feed for the lazy entries `lazy` ({index:
+        LazyTensor}) of an update of `plan`: each is made on the current
+        stream (materialize(), checked against its dtype and shape, copied
+        to this GPU if it is elsewhere) as a flat byte view; when let go it
+        is marked used by the pack and comm streams (record_stream: the
+        caching allocator reuses its memory only after they are done) and
+        an event on the comm stream says when. With a `budget` (bytes), the
+        feed waits for such events (watching the communicator, as wait()
+        does) before it makes more than that. synchronous: every chunk's
+        reads are waited for before the next (the IPC ring: pack_slot), so
+        a tensor let go is done with at once."""
+        import torch
+
+        def make(i, entry):
+            with torch.no_grad():
+                t = entry.materialize()
+            if type(t).__name__ == "AsyncCollectiveTensor" and hasattr(t, "wait"):
+                t = t.wait()   # a functional collective's result: its data
+            if not torch.is_tensor(t):
+                raise ValueError(f"tensor '{names[i]}': materialize() returned "
+                                 f"{type(t).__name__}, not a torch tensor")
+            check_materialized(names[i], entry, dtype_name(names[i], t), tuple(t.shape))
+            if t.device != self.device:
+                t = t.to(self.device)
+            return flat_bytes(names[i], t)
+
+        def release(i, flat):
+            flat.record_stream(self.pack_stream)
+            if synchronous:
+                return None
+            flat.record_stream(self.comm_stream)
+            done = torch.cuda.Event()
+            done.record(self.comm_stream)
+            return done
+
+        return Feed(plan, lazy, make, release, lambda e: self.wait(e, timeout), budget)
+
+    def enqueue_nccl(self, plan, flats, prepacked=(), feed=None, on_made=None):
         """Packs (unless in `prepacked`) and broadcasts every chunk; returns
         the event recorded after the last broadcast and the objects to keep
-        alive until it fires."""
+        alive until it fires. feed: a lazy_feed, whose tensors are made into
+        `flats` before the first chunk that needs them (the streams then
+        wait for the current one, where they were made) and let go after
+        the last; on_made(indices) runs after the chunk that made them was
+        enqueued (receipts)."""
         import torch
         if self.comm is None:
             raise WeightSyncError("FAILED_PRECONDITION", "no NCCL communicator (never formed, "
@@ -199,26 +350,37 @@ class GpuSender:
         self.pack_stream.wait_stream(current)   # tensors are ready (optimizer step)
         self.comm_stream.wait_stream(current)
         # Zero-copy chunks read the tensor on the comm stream: tell the
-        # caching allocator so a freed tensor isn't reused too early.
-        direct_ok = [f.device == self.device for f in flats]
+        # caching allocator so a freed tensor isn't reused too early. A lazy
+        # tensor (None until made) is made on this GPU.
+        direct_ok = [f is None or f.device == self.device for f in flats]
         keep = []
         stream_ptr = self.comm_stream.cuda_stream
         for op in chunk_schedule(plan, direct_ok, len(self._ring)):
             c = op["chunk"]
+            made = ()
+            if feed is not None:
+                made = feed.before(c["index"], flats)
+                if made:   # made on the current stream
+                    self.pack_stream.wait_stream(current)
+                    self.comm_stream.wait_stream(current)
             if op["direct"] is not None:
                 tensor, offset = op["direct"]
                 src = flats[tensor]
                 src.record_stream(self.comm_stream)
                 self.comm.broadcast(src.data_ptr() + offset, c["size"], 0, stream_ptr)
-                continue
-            buf, packed, free = self._ring[op["slot"]]
-            if c["index"] not in prepacked:
-                if op["wait_free"]:
-                    self.pack_stream.wait_event(free)   # the chunk that used this buffer is sent
-                self._pack(op, flats)
-            self.comm_stream.wait_event(packed)
-            self.comm.broadcast(buf.data_ptr(), c["size"], 0, stream_ptr)
-            free.record(self.comm_stream)
+            else:
+                buf, packed, free = self._ring[op["slot"]]
+                if c["index"] not in prepacked:
+                    if op["wait_free"]:
+                        self.pack_stream.wait_event(free)   # the chunk that used this buffer is sent
+                    self._pack(op, flats)
+                self.comm_stream.wait_event(packed)
+                self.comm.broadcast(buf.data_ptr(), c["size"], 0, stream_ptr)
+                free.record(self.comm_stream)
+            if feed is not None:
+                if made and on_made is not None:
+                    on_made(made)
+                feed.after(c["index"], flats)
         done = torch.cuda.Event()
         done.record(self.comm_stream)
         keep.append(flats)
@@ -292,6 +454,21 @@ class GpuSender:
             for off, n, f in zip(plan["tensor_offsets"], plan["payload_bytes"], flats):
                 if n:
                     buf[off:off + n].copy_(f, non_blocking=True)
+        self.pack_stream.synchronize()
+
+    def pack_slot(self, chunk, flats, buf, offset):
+        """Packs one chunk's pieces into buf[offset:] (an IPC ring slot) on
+        the pack stream, after the work queued on the current stream (where
+        tensors were made or written), and waits for it: the daemon reads
+        the slot from another process once the chunk is announced."""
+        import torch
+        self.pack_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.pack_stream):
+            for p in chunk["pieces"]:
+                src = flats[p["tensor"]]
+                at = offset + p["chunk_offset"]
+                buf[at:at + p["length"]].copy_(
+                    src[p["tensor_offset"]:p["tensor_offset"] + p["length"]], non_blocking=True)
         self.pack_stream.synchronize()
 
     def ipc_source(self, handle, size):

@@ -474,7 +474,7 @@ def _plan_for(key, build):
     return plan
 
 
-def expected_receipts_gpu(layouts, sent, stream=None, plan_key=None):
+def expected_receipts_gpu(layouts, sent, stream=None, plan_key=None, keep=True):
     """{key: (checksum, parameters, bytes)} for each layout in `layouts`
     ({key: weightsync.v1.Parameter messages}), from `sent` ({name: (dtype
     enum name, shape, flat torch CUDA tensor of the dtype's elements, or
@@ -485,14 +485,19 @@ def expected_receipts_gpu(layouts, sent, stream=None, plan_key=None):
     `plan_key` when given, a hashable the caller guarantees changes
     whenever the layouts, names, dtypes, shapes or data pointers do (then
     `sent` is not even built for a cached plan: a 100k-tensor update pays
-    nothing per tensor). The tensors must not change until it returns."""
+    nothing per tensor). keep=False (without plan_key): build the tables
+    for this call only and cache nothing (a lazy update sums each tensor
+    once as it is made: weightsync.lazy.ProgressiveReceipts). The tensors
+    must not change until it returns."""
     import torch
     global _kernel
     if _kernel is None:
         _kernel = _build()
     keys = list(layouts)
     block, iters, num_warps = BLOCK, ITERS, NUM_WARPS
-    if plan_key is None:
+    if plan_key is None and not keep:
+        plan = _plan(keys, layouts, sent() if callable(sent) else sent, block, iters)
+    elif plan_key is None:
         plan = _cached_plan(keys, layouts, sent() if callable(sent) else sent)
     else:
         plan = _keyed_plan(keys, layouts, sent, plan_key)

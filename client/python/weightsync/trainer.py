@@ -31,11 +31,12 @@ import threading
 import time
 import uuid
 
-from weightsync import _multi, planner
+from weightsync import _multi, lazy as _lazy, planner
 from weightsync._errors import WeightSyncError
 from weightsync._proto import Stub, channel, default_target, v1
 from weightsync._tensors import build_manifest, describe
 from weightsync.host_source import HostSource
+from weightsync.lazy import LazyTensor
 from weightsync.sparse import SparsePatch, TorchSparsePatch
 
 
@@ -140,6 +141,18 @@ def _describe_host(named_tensors):
     return data, manifest
 
 
+def _gpu_partial_receipts(layouts, sent):
+    """{layout key: checksum} of the tensors `sent` (torch, on the GPU) for
+    each layout: one Triton launch per dtype pair over all of them, else
+    torch int64 ops per layout (weightsync.receipts)."""
+    from weightsync import receipts, receipts_gpu
+    if receipts._all_cuda(sent) and receipts_gpu.available():
+        out = receipts_gpu.expected_receipts_gpu(layouts, sent, keep=False)
+        return {k: v[0] for k, v in out.items()}
+    return {k: receipts.expected_receipt_arrays(layout, sent)[0]
+            for k, layout in layouts.items()}
+
+
 def _specs(manifest):
     """TensorSpecs of manifest dicts."""
     return [v1.TensorSpec(name=m["name"], dtype=getattr(v1, m["dtype"]), shape=m["shape"],
@@ -181,8 +194,14 @@ class Trainer:
         self._source_raw = None  # _moved_signature of the pairs it was made from
         self._source_gen = 0     # registrations made (a process-unique number each)
         self._layouts = {}     # layout_id -> layout (for receipts)
+        self._ipc_ring_slots = 2
         self.last_results = []
         self.last_starts = []  # several daemons: each one's Start answer
+        # Lazy updates (LazyTensor): the most bytes of made tensors the NCCL
+        # path holds before it waits for sent ones (None: the largest run
+        # of tensors one chunk spans), and what the last one did.
+        self.lazy_budget_bytes = None
+        self.last_lazy = {}
 
     def close(self):
         if self._gpu is not None:
@@ -308,7 +327,7 @@ class Trainer:
         self._backend = "nccl"
         return groups
 
-    def init_ipc(self, device=None, packed=False):
+    def init_ipc(self, device=None, packed=False, ring_slots=2):
         """Forms an IPC transfer group (trainer on the engines' GPU). By
         default the trainer's tensors are a registered source: update()
         registers them with the daemon once (CUDA IPC handles of their
@@ -318,8 +337,13 @@ class Trainer:
         data pointer, dtype or shape) are registered again before the
         update. Sparse patches, staged mode, non-contiguous tensors and
         packed=True take the packed path: each update is packed into one
-        CUDA buffer whose IPC handle goes with StartWeightUpdate."""
+        CUDA buffer whose IPC handle goes with StartWeightUpdate. Updates
+        of LazyTensors go through a ring of `ring_slots` chunk slots
+        instead (IpcChunks), so the trainer never holds the whole update."""
+        if ring_slots < 2:
+            raise ValueError(f"ring_slots must be at least 2, got {ring_slots}")
         self._ipc_packed = packed
+        self._ipc_ring_slots = ring_slots
         self._source = None
         from weightsync.gpu_trainer import GpuSender, _device
         if len(self._stubs) > 1:
@@ -416,8 +440,19 @@ class Trainer:
         backend in numpy, on GPUs in torch; see bench/RESULTS.md). A tensor may be a weightsync.sparse.SparsePatch (numpy, or a
         TorchSparsePatch from sparse.diff of torch tensors, on the GPU):
         only its elements travel, and the update applies only on engines at
-        `base_version`."""
+        `base_version`. A tensor may be a weightsync.LazyTensor (name,
+        dtype, shape and a function that makes it): it is made just before
+        its bytes are sent and let go right after (weightsync.lazy; on
+        nccl/ipc in weightsync.gpu_trainer), receipts summed as it is
+        made."""
         update_id = update_id or f"update-{version}-{uuid.uuid4().hex[:8]}"
+        if not isinstance(named_tensors, HostSource):
+            if not isinstance(named_tensors, list):
+                named_tensors = list(named_tensors)
+            if _lazy.is_lazy(named_tensors):
+                return self._update_lazy(named_tensors, version, chunk_bytes, update_id,
+                                          engine_ids, mode, allow_streaming_fallback, verify,
+                                          base_version)
         if self._backend in ("nccl", "ipc"):
             return self._update_gpu(named_tensors, version, chunk_bytes, update_id, engine_ids,
                                     mode, allow_streaming_fallback, verify, base_version)
@@ -448,6 +483,318 @@ class Trainer:
         started = self._stub.call("StartWeightUpdate", request)
         plan = planner.plan_chunks(manifest, started.chunk_bytes)
         return self._push_and_finish(update_id, plan, data, _sent(manifest, data) if verify else None)
+
+    # -- lazy tensors (weightsync.lazy) -----------------------------------------
+
+    def _update_lazy(self, pairs, version, chunk_bytes, update_id, engine_ids, mode,
+                     allow_streaming_fallback, verify, base_version):
+        """An update with LazyTensors among its tensors: one Start .. Finish
+        (the engines are paused once), each lazy tensor made just before
+        the first chunk that needs it and let go after the last."""
+        if self._backend in ("nccl", "ipc"):
+            return self._update_gpu_lazy(pairs, version, chunk_bytes, update_id, engine_ids,
+                                         mode, allow_streaming_fallback, verify, base_version)
+        if len(self._stubs) > 1:
+            raise ValueError("LazyTensors on the host backend go to one daemon; with several "
+                             "daemons (each sent only what its engines use, from its own "
+                             "thread) make the tensors first, or use the nccl backend")
+        return self._update_host_lazy(pairs, version, chunk_bytes, update_id, engine_ids, mode,
+                                      allow_streaming_fallback, verify, base_version)
+
+    def _lazy_layouts(self, engine_ids):
+        """([{engine id: (layout id, layout key)} per daemon], {layout key:
+        layout}) of the engines an update may write, as registered now:
+        layout ids from GetStatus, the layouts themselves from this
+        client's cache or, for one not seen yet, GetStatus(include_layouts)."""
+        def ask(include):
+            out = self._group.each(lambda i, stub: stub.call("GetStatus",
+                                                             include_layouts=include))
+            for i, r in enumerate(out):
+                if isinstance(r, WeightSyncError):
+                    raise WeightSyncError(r.code, f"{self._group.name(i)}: {r.message}")
+            return out
+
+        try:
+            return _lazy.engines_and_layouts(ask(False), engine_ids, self._layouts)
+        except KeyError:
+            pass
+        statuses = ask(True)
+        for status in statuses:
+            for e in status.engines:
+                if e.layout_id:
+                    if len(self._layouts) > 64:
+                        self._layouts.clear()
+                    self._layouts[e.layout_id] = list(e.layout)
+        return _lazy.engines_and_layouts(statuses, engine_ids)
+
+    def _lazy_receipts(self, engine_ids, manifest, compute):
+        engines, layouts = self._lazy_layouts(engine_ids)
+        return engines, _lazy.ProgressiveReceipts(layouts, manifest, compute)
+
+    def _check_lazy_receipts(self, results, engines, progress, stubs=None):
+        stubs = stubs or self._stubs
+        names = [self._group.name(self._stubs.index(s)) for s in stubs]
+        _lazy.check_receipts(results, engines, progress.expected, names)
+
+    def _update_host_lazy(self, pairs, version, chunk_bytes, update_id, engine_ids, mode,
+                          allow_streaming_fallback, verify, base_version):
+        """Host backend: the chunks are packed on this thread as the stream
+        takes them (two ahead at most), each lazy tensor made (a numpy
+        array or CPU torch tensor) before the first chunk holding its bytes
+        and dropped after the last."""
+        data, manifest, lazy = [], [], {}
+        for i, (name, t) in enumerate(pairs):
+            if isinstance(t, LazyTensor):
+                lazy[i] = t
+                data.append(None)
+                manifest.append({"name": name, "dtype": t.dtype, "shape": list(t.shape)})
+            else:
+                d, m = _describe_host([(name, t)])
+                data += d
+                manifest += m
+        engines = progress = None
+        if verify:
+            from weightsync.receipts import expected_receipt
+            engines, progress = self._lazy_receipts(engine_ids, manifest, lambda layouts, sent: {
+                k: expected_receipt(layout, sent)[0] for k, layout in layouts.items()})
+            progress.add({m["name"]: (m["dtype"], m["shape"], d)
+                          for i, (m, d) in enumerate(zip(manifest, data))
+                          if i not in lazy and not m.get("sparse_nnz")})
+        request = _start_request(
+            update_id, version, chunk_bytes, engine_ids, mode, allow_streaming_fallback,
+            verify, sparse_base_version=base_version, tensors=_specs(manifest))
+        started = self._stub.call("StartWeightUpdate", request)
+        plan = planner.plan_chunks(manifest, started.chunk_bytes)
+
+        def make(i, entry):
+            name = manifest[i]["name"]
+            dtype, shape, raw = describe(name, entry.materialize())
+            _lazy.check_materialized(name, entry, dtype, shape)
+            if progress is not None:
+                progress.add({name: (dtype, list(shape), raw)})
+            return raw
+
+        feed = _lazy.Feed(plan, lazy, make)
+        finished = self._push_lazy(update_id, plan, data, feed)
+        self.last_results = [finished]
+        self.last_lazy = {"made": feed.made, "peak_bytes": feed.peak_bytes,
+                          "window_bytes": max(_lazy.window_bytes(plan, set(lazy)), default=0)}
+        if verify:
+            self._check_lazy_receipts([finished], engines, progress)
+        return finished
+
+    def _push_lazy(self, update_id, plan, payloads, feed):
+        """Streams the chunks of `plan` (PushChunks), each packed on this
+        thread (where feed makes the lazy tensors: an FSDP gather belongs
+        on the thread that runs the collectives) and handed to gRPC's
+        sending thread through a queue of two; then Finish. A failure here
+        cancels the stream and aborts the update; one of the stream lets
+        the daemon end the update and raises its error."""
+        import grpc
+        import queue
+        pending = queue.Queue(maxsize=2)
+        end = object()
+
+        def requests():
+            while True:
+                item = pending.get()
+                if item is end:
+                    return
+                yield item
+
+        method = self._stub._method("PushChunks")[0]
+        future = method.future(requests(), timeout=self._stream_timeout)
+
+        def put(item):
+            while not future.done():
+                try:
+                    pending.put(item, timeout=0.05)
+                    return True
+                except queue.Full:
+                    pass
+            return False
+
+        try:
+            for chunk in plan["chunks"]:
+                k = chunk["index"]
+                feed.before(k, payloads)
+                data = planner.pack_chunk(chunk, payloads)
+                feed.after(k, payloads)
+                if not put(v1.PushChunksRequest(update_id=update_id, chunk_index=k, data=data)):
+                    break
+            put(end)
+        except BaseException as e:
+            future.cancel()
+            self._abort_started(update_id, 1, f"trainer: {type(e).__name__}: {e}")
+            raise
+        try:
+            future.result()
+        except grpc.FutureCancelledError:
+            pushed = WeightSyncError("CANCELLED", "the chunk stream was cancelled")
+        except grpc.RpcError as e:
+            pushed = WeightSyncError(e.code().name, e.details())
+        else:
+            return self.finish(update_id)
+        try:   # let the daemon end the update (and say which engines are dirty)
+            self.finish(update_id)
+        except WeightSyncError as finished:
+            raise finished from pushed
+        raise pushed
+
+    def _update_gpu_lazy(self, pairs, version, chunk_bytes, update_id, engine_ids, mode,
+                         allow_streaming_fallback, verify, base_version):
+        """nccl / ipc update with LazyTensors (weightsync.gpu_trainer): on
+        nccl the broadcast loop makes each lazy tensor before its first
+        chunk and lets it go after its last, holding at most
+        lazy_budget_bytes of them (default: the largest run one chunk
+        spans); on ipc the chunks go through a ring of chunk slots
+        (IpcChunks). Receipts are summed on the GPU as tensors are made."""
+        from weightsync._gpu import elements
+        gpu = self._gpu
+        t0 = time.perf_counter()
+        names, flats, manifest, _ = gpu.manifest(pairs)
+        lazy = {i: f for i, f in enumerate(flats) if isinstance(f, LazyTensor)}
+        for i in lazy:
+            flats[i] = None
+        engines = progress = None
+        if verify:
+            engines, progress = self._lazy_receipts(engine_ids, manifest, _gpu_partial_receipts)
+            progress.add({m["name"]: (m["dtype"], m["shape"], elements(f, m["dtype"]))
+                          for i, (m, f) in enumerate(zip(manifest, flats))
+                          if i not in lazy and not m.get("sparse_nnz")})
+
+        def on_made(indices):
+            if progress is not None:
+                progress.add({manifest[i]["name"]: (manifest[i]["dtype"], manifest[i]["shape"],
+                                                    elements(flats[i], manifest[i]["dtype"]))
+                              for i in indices})
+
+        request = _start_request(
+            update_id, version, chunk_bytes, engine_ids, mode, allow_streaming_fallback, verify,
+            sparse_base_version=base_version, tensors=_specs(manifest))
+        if gpu.backend == "ipc":
+            return self._update_ipc_ring(request, names, flats, manifest, lazy, engines,
+                                         progress, on_made, chunk_bytes, update_id, t0)
+        multi = len(self._stubs) > 1
+        if multi:
+            _multi.plan(self._group, [request] * len(self._stubs), names)
+        started = []
+        t_start = time.perf_counter()
+        try:
+            if multi:
+                started = _multi.start(self._group, [request] * len(self._stubs), names)
+            else:
+                started.append(self._stub.call("StartWeightUpdate", request))
+        except WeightSyncError:
+            if multi:
+                gpu.abort_comm()
+            raise
+        self.last_starts = started
+        t_started = time.perf_counter()
+        plan = gpu.plan(manifest, started[0].chunk_bytes)
+        for s in started:
+            if s.total_bytes != plan["total_bytes"] or s.num_chunks != len(plan["chunks"]):
+                self._abort_started(update_id, len(started), "chunk plan mismatch")
+                gpu.abort_comm()
+                raise WeightSyncError(
+                    "INTERNAL", f"daemon plans {s.total_bytes} bytes in {s.num_chunks} chunks, "
+                    f"this client {plan['total_bytes']} in {len(plan['chunks'])}")
+        windows = _lazy.window_bytes(plan, set(lazy))
+        budget = self.lazy_budget_bytes or max(windows, default=0)
+        feed = gpu.lazy_feed(names, plan, lazy, budget=budget, timeout=self._timeout)
+        try:
+            done, keep = gpu.enqueue_nccl(plan, flats, (), feed=feed, on_made=on_made)
+        except Exception as e:   # NcclError, CUDA errors, a tensor that could not be made
+            gpu.abort_comm()
+            detail = self._abort_started(update_id, len(started), f"trainer: {e}")
+            raise WeightSyncError("ABORTED", f"update '{update_id}': sending failed on the "
+                                  f"trainer: {type(e).__name__}: {e}{detail}; init_nccl() "
+                                  "again") from None
+        t_enqueued = time.perf_counter()
+        self.last_lazy = {"made": feed.made, "peak_bytes": feed.peak_bytes,
+                          "window_bytes": max(windows, default=0), "budget_bytes": budget,
+                          "ring_bytes": len(gpu._ring) * gpu._ring_chunk}
+        check = (lambda results, stubs=None: self._check_lazy_receipts(
+            results, engines, progress, stubs)) if verify else None
+        if multi:
+            return self._finish_nccl_multi(update_id, manifest, flats, done, keep, False, t0,
+                                           t_start, t_started, t_enqueued, check=check)
+        try:
+            results = [self.finish(update_id)]
+        except WeightSyncError:
+            gpu.abort_comm()   # a broadcast whose receiver is gone never ends
+            raise
+        gpu.wait(done, self._timeout)
+        del keep
+        t1 = time.perf_counter()
+        gpu.last_timings = {"prepare_s": t_start - t0, "start_s": t_started - t_start,
+                            "enqueue_s": t_enqueued - t_started,
+                            "start_to_finish_s": t1 - t_start}
+        self.last_results = results
+        if check is not None:
+            check(results)
+        gpu.last_timings["total_s"] = time.perf_counter() - t0
+        return results[0]
+
+    def _update_ipc_ring(self, request, names, flats, manifest, lazy, engines, progress,
+                         on_made, chunk_bytes, update_id, t0):
+        """An IPC update through a ring of chunk slots (docs/protocol.md,
+        "Ring mode"): Start with ipc_source = the slots and ipc_ring_slots;
+        per chunk, wait until the daemon copied the chunk that was in its
+        slot, make the lazy tensors it needs, pack it, announce it
+        (IpcChunks); then Finish."""
+        from weightsync.gpu_trainer import RING_CHUNK_BYTES, RingStream, ring_send
+        gpu = self._gpu
+        slots = self._ipc_ring_slots
+        if not chunk_bytes:
+            total = gpu.plan(manifest, 1 << 30)["total_bytes"]
+            chunk_bytes = min(RING_CHUNK_BYTES, planner.align_up(max(total, 1)))
+        buf, handle = gpu.ipc_buffer(slots * chunk_bytes)
+        request.chunk_bytes = chunk_bytes
+        request.ipc_source.CopyFrom(gpu.ipc_source(handle, buf.numel()))
+        request.ipc_ring_slots = slots
+        t_start = time.perf_counter()
+        started = self._stub.call("StartWeightUpdate", request)
+        plan = gpu.plan(manifest, started.chunk_bytes)
+        if (started.chunk_bytes != chunk_bytes or started.total_bytes != plan["total_bytes"]
+                or started.num_chunks != len(plan["chunks"])):
+            self._abort_started(update_id, 1, "chunk plan mismatch")
+            raise WeightSyncError(
+                "INTERNAL", f"daemon plans {started.total_bytes} bytes in {started.num_chunks} "
+                f"chunks of {started.chunk_bytes}, this client {plan['total_bytes']} in "
+                f"{len(plan['chunks'])} of {chunk_bytes}")
+        feed = gpu.lazy_feed(names, plan, lazy, timeout=self._timeout, synchronous=True)
+        ring = RingStream(self._stub, update_id, self._stream_timeout)
+        try:
+            ring_send(plan, slots, ring,
+                      lambda c, slot: gpu.pack_slot(c, flats, buf, slot * chunk_bytes),
+                      feed, flats, on_made)
+        except WeightSyncError as e:
+            ring.cancel()
+            try:   # the daemon's verdict on the update
+                self.finish(update_id)
+            except WeightSyncError as finished:
+                raise finished from e
+            raise
+        except BaseException as e:
+            ring.cancel()
+            self._abort_started(update_id, 1, f"trainer: {type(e).__name__}: {e}")
+            raise
+        t_sent = time.perf_counter()
+        finished = self.finish(update_id)
+        t1 = time.perf_counter()
+        gpu.last_timings = {"prepare_s": t_start - t0, "send_s": t_sent - t_start,
+                            "start_to_finish_s": t1 - t_start}
+        self.last_results = [finished]
+        self.last_lazy = {"made": feed.made, "peak_bytes": feed.peak_bytes,
+                          "window_bytes": max(_lazy.window_bytes(plan, set(lazy)), default=0),
+                          "ring_bytes": int(buf.numel())}   # slots x chunk, rounded up
+        if progress is not None:
+            t = time.perf_counter()
+            self._check_lazy_receipts([finished], engines, progress)
+            gpu.last_timings["receipts_s"] = time.perf_counter() - t
+        gpu.last_timings["total_s"] = time.perf_counter() - t0
+        return finished
 
     def _update_host_multi(self, named_tensors, version, chunk_bytes, update_id, engine_ids,
                            mode, allow_streaming_fallback, verify, base_version):
@@ -684,11 +1031,12 @@ class Trainer:
         return results[0]
 
     def _finish_nccl_multi(self, update_id, manifest, flats, done, keep, verify, t0, t_start,
-                           t_started, t_enqueued):
+                           t_started, t_enqueued, check=None):
         """The end of an NCCL update of several daemons: prepare on every
         daemon, the receipts checked, then the commit on every daemon
         (weightsync._multi); any failure before the commit aborts the
-        update everywhere. Returns the commits, one per daemon."""
+        update everywhere. Returns the commits, one per daemon. check:
+        checks the prepared receipts instead (a lazy update's)."""
         gpu = self._gpu
         try:
             prepared = _multi.prepare(self._group, update_id,
@@ -702,9 +1050,12 @@ class Trainer:
         gpu.last_timings = {"prepare_s": t_start - t0, "start_s": t_started - t_start,
                             "enqueue_s": t_enqueued - t_started,
                             "start_to_finish_s": t1 - t_start}
-        if verify:
+        if verify or check is not None:
             try:
-                self._check_gpu_receipts(prepared, manifest, flats)
+                if check is not None:
+                    check(prepared)
+                else:
+                    self._check_gpu_receipts(prepared, manifest, flats)
             except WeightSyncError as e:
                 gpu.abort_comm()   # the daemons' Abort drops their communicators
                 _multi.fail_everywhere(self._group, update_id, None, e, "receipts do not match")
