@@ -719,22 +719,8 @@ class Trainer:
         if multi:
             return self._finish_nccl_multi(update_id, manifest, flats, done, keep, False, t0,
                                            t_start, t_started, t_enqueued, check=check)
-        try:
-            results = [self.finish(update_id)]
-        except WeightSyncError:
-            gpu.abort_comm()   # a broadcast whose receiver is gone never ends
-            raise
-        gpu.wait(done, self._timeout)
-        del keep
-        t1 = time.perf_counter()
-        gpu.last_timings = {"prepare_s": t_start - t0, "start_s": t_started - t_start,
-                            "enqueue_s": t_enqueued - t_started,
-                            "start_to_finish_s": t1 - t_start}
-        self.last_results = results
-        if check is not None:
-            check(results)
-        gpu.last_timings["total_s"] = time.perf_counter() - t0
-        return results[0]
+        return self._finish_nccl(update_id, done, keep, check,
+                                 (t0, t_start, t_started, t_enqueued))
 
     def _update_ipc_ring(self, request, names, flats, manifest, lazy, engines, progress,
                          on_made, chunk_bytes, update_id, t0):
@@ -1013,20 +999,32 @@ class Trainer:
         if multi:
             return self._finish_nccl_multi(update_id, manifest, flats, done, keep, verify, t0,
                                            t_start, t_started, t_enqueued)
+        check = (lambda results: self._check_gpu_receipts(results, manifest, flats)) \
+            if verify else None
+        return self._finish_nccl(update_id, done, keep, check,
+                                 (t0, t_start, t_started, t_enqueued))
+
+    def _finish_nccl(self, update_id, done, keep, check, times):
+        """The end of an NCCL update of one daemon: Finish (the daemon waits
+        for its bytes), then the trainer's own broadcasts, the timings and
+        check(results) (the receipts, unless None). times: (t0, Start
+        called, Start answered, last broadcast enqueued)."""
+        gpu = self._gpu
+        t0, t_start, t_started, t_enqueued = times
         try:
             results = [self.finish(update_id)]
         except WeightSyncError:
             gpu.abort_comm()   # a broadcast whose receiver is gone never ends
             raise
         gpu.wait(done, self._timeout)
-        del keep
+        keep.clear()   # the broadcasts are done: their sources may go
         t1 = time.perf_counter()
         gpu.last_timings = {"prepare_s": t_start - t0, "start_s": t_started - t_start,
                             "enqueue_s": t_enqueued - t_started,
                             "start_to_finish_s": t1 - t_start}
         self.last_results = results
-        if verify:
-            self._check_gpu_receipts(results, manifest, flats)
+        if check is not None:
+            check(results)
         gpu.last_timings["total_s"] = time.perf_counter() - t0
         return results[0]
 
