@@ -192,13 +192,32 @@ absl::StatusOr<UsesByTensor> ResolveUses(
   return uses;
 }
 
+// Whether `spec` is an engine's parameter of no elements (same name and
+// shape): nothing to copy, but not unused either.
+bool IsEmptyParameter(
+    const v1::TensorSpec& spec,
+    const std::vector<std::shared_ptr<const EngineLayout>>& engines) {
+  for (const auto& e : engines) {
+    auto it = e->empty_parameters.find(spec.name());
+    if (it == e->empty_parameters.end()) continue;
+    const std::vector<int64_t>& shape = e->parameters[it->second].shape;
+    if (std::equal(shape.begin(), shape.end(), spec.shape().begin(),
+                   spec.shape().end())) {
+      return true;
+    }
+  }
+  return false;
+}
+
 // Refuses (kRefuse) or lists in plan.unused the tensors no engine uses;
-// with kOmit, leaves them out of plan.manifest and `uses`.
+// with kOmit, leaves them out of plan.manifest and `uses`. A tensor that is
+// an engine's parameter of no elements is neither.
 absl::Status HandleUnused(const Manifest& manifest, UnusedTensors mode,
                           CopyPlan& plan, UsesByTensor& uses) {
   for (int t = 0; t < manifest.size(); ++t) {
     if (!uses[t].empty()) continue;
     const v1::TensorSpec& spec = manifest[t];
+    if (IsEmptyParameter(spec, plan.engines)) continue;
     if (mode == UnusedTensors::kRefuse) {
       std::vector<std::string> ids;
       for (const auto& e : plan.engines) ids.push_back(e->engine_id);

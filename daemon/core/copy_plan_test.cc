@@ -360,5 +360,48 @@ TEST(CopyPlanTest, UnusedTensorsAreRefusedSkippedOrOmitted) {
   EXPECT_FALSE((*none)->covers_engine[0]);
 }
 
+// A parameter of no elements registered without segments: a manifest
+// tensor of its name and shape is planned (nothing to copy), not refused as
+// unused; one of another shape still is.
+TEST(CopyPlanTest, EmptyParametersAreNotUnused) {
+  testing::HeapMapper mapper;
+  v1::RegisterEngineRequest r;
+  r.set_engine_id("empty");
+  v1::Allocation* a = r.add_allocations();
+  a->set_kind(v1::MEMORY_HOST_SHM);
+  a->set_handle("buf");
+  a->set_size(64);
+  v1::Parameter* w = r.add_parameters();
+  w->set_name("w");
+  w->set_dtype(v1::FLOAT32);
+  w->add_shape(4);
+  v1::Parameter* e = r.add_parameters();
+  e->set_name("bias");
+  e->set_dtype(v1::FLOAT32);
+  e->add_shape(0);
+  e->add_shape(8);
+  e->set_offset(16);
+  auto layout = BuildEngineLayout(r, mapper);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  Manifest manifest;
+  v1::TensorSpec* t = manifest.Add();
+  t->set_name("w");
+  t->set_dtype(v1::FLOAT32);
+  t->add_shape(4);
+  t = manifest.Add();
+  t->set_name("bias");
+  t->set_dtype(v1::BFLOAT16);
+  t->add_shape(0);
+  t->add_shape(8);
+  auto plan = BuildCopyPlan(manifest, 4096, {*layout});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ((*plan)->manifest.size(), 2);
+  EXPECT_TRUE((*plan)->unused.empty());
+  manifest.Mutable(1)->set_shape(1, 9);
+  auto other = BuildCopyPlan(manifest, 4096, {*layout});
+  EXPECT_EQ(other.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(other.status().message(), HasSubstr("'bias'"));
+}
+
 }  // namespace
 }  // namespace weightsync

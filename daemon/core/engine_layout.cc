@@ -363,6 +363,7 @@ absl::StatusOr<std::shared_ptr<const EngineLayout>> BuildEngineLayout(
     for (int s = 0; s < static_cast<int>(p.segments.size()); ++s) {
       layout->uses_by_source[p.segments[s].source].push_back({i, s});
     }
+    if (p.implicit && p.numel == 0) layout->empty_parameters[p.name] = i;
     layout->total_bytes += p.bytes;
     layout->parameters.push_back(std::move(p));
   }

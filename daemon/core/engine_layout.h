@@ -70,6 +70,10 @@ struct EngineLayout {
   std::vector<std::string> device_uuids;  // distinct, in registration order
   int64_t total_bytes = 0;
   absl::flat_hash_map<std::string, std::vector<SourceUse>> uses_by_source;
+  // Parameters of no elements registered without segments (name -> index):
+  // nothing to copy, but a manifest tensor of that name and shape is theirs,
+  // not unused (BuildCopyPlan).
+  absl::flat_hash_map<std::string, int> empty_parameters;
 };
 
 // Validates `request` (names, dtypes, shapes, ranges inside allocations, no
