@@ -14,6 +14,7 @@
 #include "common/dtype.h"
 #include "common/echo.h"
 #include "common/status_macros.h"
+#include "daemon/core/quant_layout.h"
 
 namespace weightsync {
 namespace {
@@ -209,6 +210,8 @@ absl::StatusOr<std::shared_ptr<const EngineLayout>> BuildEngineLayout(
                                           " repeats allocation ", it->second));
     }
   }
+  // FP8 targets and their scale parameters, by name, before the layout.
+  WS_ASSIGN_OR_RETURN(const QuantRoles roles, ResolveQuantRoles(request));
   auto layout = std::make_shared<EngineLayout>();
   layout->engine_id = engine;
   // Sized once: 100k-parameter (mixture-of-experts) registrations spent a
@@ -271,7 +274,16 @@ absl::StatusOr<std::shared_ptr<const EngineLayout>> BuildEngineLayout(
     if (p.bytes > 0) {
       ranges[p.region].push_back({{p.offset, p.offset + p.bytes}, i});
     }
-    if (proto.segments_size() == 0) {
+    if (!roles.is_scale.empty() && roles.is_scale[i]) {
+      // Written with its owner's blocks: no checkpoint tensor feeds it.
+      if (proto.segments_size() != 0) {
+        return Invalid(engine, absl::StrCat("parameter '", p.name,
+                                            "' holds an FP8 target's scales "
+                                            "and must be registered without "
+                                            "segments"));
+      }
+      p.is_scale = true;
+    } else if (proto.segments_size() == 0) {
       p.implicit = true;
       SegmentLayout s;
       s.source = p.name;
@@ -305,6 +317,9 @@ absl::StatusOr<std::shared_ptr<const EngineLayout>> BuildEngineLayout(
                          layout->parameters[r[i].second].region));
       }
     }
+  }
+  if (!roles.scale_of.empty()) {
+    WS_RETURN_IF_ERROR(CheckQuantization(request, roles, limits, *layout));
   }
   // Everything checks out: only now open the memory.
   for (int a = 0; a < request.allocations_size(); ++a) {
