@@ -420,7 +420,7 @@ def receipt_cases():
     n = tensor("norm", "FLOAT32", (1, 6))
     # TP rank 1 of 2 of a fused qkv: q rows 4..7, k rows 2..3, v rows 2..3,
     # blocks of 2 x 4 (row shards on block boundaries), e5m2, reciprocal.
-    add("fused qkv shard, e5m2, reciprocal scales, and a plain norm", [q, k, v, n], [
+    add("fused qkv shard, e5m2, reciprocal scales, a plain norm, side by side", [q, k, v, n], [
         dict(rv.param("qkv", "FLOAT8_E5M2", (8, 6), [
             rv.segment("q", 4, 4, 0, 6, 0, 6), rv.segment("k", 2, 2, 0, 6, 24, 6),
             rv.segment("v", 2, 2, 0, 6, 36, 6)]),
@@ -428,6 +428,11 @@ def receipt_cases():
                                form="SCALE_FORM_RECIPROCAL")),
         rv.param("qkv_scale", "FLOAT32", (4, 2)),
         rv.param("norm", "BFLOAT16", (1, 6)),
+        # Two sources side by side: the right one a block column from 4.
+        dict(rv.param("side", "FLOAT8_E4M3FN", (4, 8), [
+            rv.segment("q", 0, 4, 0, 4, 0, 8), rv.segment("k", 0, 4, 2, 4, 4, 8)]),
+            quantization=quant("FLOAT8_E4M3FN", "side_scale", br=2, bc=4)),
+        rv.param("side_scale", "FLOAT32", (2, 2)),
     ])
     # Row-parallel shard (a column block), per-row scales; k not sent.
     o = tensor("o", "FLOAT16", (5, 8), 2)

@@ -233,6 +233,7 @@ absl::Status HostDataPlane::Begin(std::shared_ptr<const CopyPlan> plan,
   for (int i = 0; i < lost_size_; ++i) lost_[i] = false;
   assembly_.assign(plan->sparse.size(), std::string());
   assembled_.assign(plan->sparse.size(), 0);
+  quant_.Reset(*plan);
   error_ = absl::OkStatus();
   plan_ = std::move(plan);
   source_ = nullptr;
@@ -345,6 +346,10 @@ void HostDataPlane::Run() {
       patched = ScatterFromSource(*plan, index, *source, lost);
     } else {
       ScatterChunk(*plan, plan->ops_by_chunk[index], bytes, lost);
+    }
+    if (!plan->quant.empty()) {
+      absl::Status quantized = quant_.Feed(*plan, index, bytes, source, lost);
+      if (patched.ok()) patched = quantized;
     }
     for (const auto& [si, piece] : plan->sparse_pieces_by_chunk[index]) {
       const SparsePatch& patch = plan->sparse[si];
