@@ -214,6 +214,15 @@ absl::Status HostDataPlane::Begin(std::shared_ptr<const CopyPlan> plan,
         plan->chunks.chunk_bytes, " bytes exceeds the budget of ",
         options_.staging_budget, "; use a smaller chunk_bytes"));
   }
+  // FP8 targets: the rows of blocks the uses of one tensor hold at once
+  // (quant_scatter.h) come out of the same budget.
+  if (staging + plan->quant_band_bytes > options_.staging_budget) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "host staging of ", staging, " bytes and ", plan->quant_band_bytes,
+        " bytes of FP8 targets' rows of blocks (float32) exceed the budget "
+        "of ",
+        options_.staging_budget, "; use a smaller chunk_bytes"));
+  }
   for (const auto& engine : plan->engines) {
     for (const auto& region : engine->regions) {
       if (region->data() == nullptr) {

@@ -286,6 +286,47 @@ TEST(QuantScatterTest, PlanRefusesPatchesAndSourcesThatCantBeQuantised) {
   EXPECT_THAT(plan.status().message(), HasSubstr("is not a parameter"));
 }
 
+// The rows of blocks that the uses of one tensor hold at once count
+// against the host staging budget, next to the staging buffers.
+TEST(QuantScatterTest, RowsOfBlocksCountAgainstTheStagingBudget) {
+  v1::RegisterEngineRequest r;
+  r.set_engine_id("fp8");
+  int64_t offset = 0;
+  for (const std::string name : {"a", "b"}) {
+    v1::Parameter* p = Add(r, name, v1::FLOAT8_E4M3FN, 300, 260, &offset);
+    Quantize(p, v1::FLOAT8_E4M3FN, name + "_scale", v1::QUANT_SCHEME_BLOCK,
+             v1::SCALE_FORM_DEQUANT);
+    AddSegment(p, "w", 0, 300, 0, 260, 0, 0);
+    Add(r, name + "_scale", v1::FLOAT32, 3, 3, &offset);
+  }
+  v1::Allocation* a = r.add_allocations();
+  a->set_kind(v1::MEMORY_HOST_SHM);
+  a->set_handle("/fp8");
+  a->set_size(offset);
+  testing::HeapMapper mapper;
+  auto layout = BuildEngineLayout(r, mapper);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  Manifest m;
+  v1::TensorSpec* t = m.Add();
+  t->set_name("w");
+  t->set_dtype(v1::FLOAT32);
+  t->add_shape(300);
+  t->add_shape(260);
+  auto plan = BuildCopyPlan(m, 4096, {*layout});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  // Two uses of "w" fill a 128 x 260 float32 row of blocks each.
+  EXPECT_EQ((*plan)->quant_band_bytes, 2 * 128 * 260 * 4);
+  const int64_t need = 2 * 4096 + 2 * 128 * 260 * 4;
+  v1::StartWeightUpdateRequest request;
+  HostDataPlane tight({/*staging_buffers=*/2, /*staging_budget=*/need - 1});
+  const absl::Status s = tight.Begin(*plan, request);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(s.message(), HasSubstr("FP8 targets' rows of blocks"));
+  HostDataPlane enough({/*staging_buffers=*/2, /*staging_budget=*/need});
+  EXPECT_TRUE(enough.Begin(*plan, request).ok());
+  enough.Abort();
+}
+
 // The receipt cases of tests/vectors/fp8.json installed by the daemon's
 // host data plane: ComputeReceipt of the memory equals the vector.
 TEST(QuantScatterTest, ReceiptsOfInstalledFp8EnginesMatchTheVectors) {

@@ -332,6 +332,7 @@ std::vector<std::vector<int>> PlanQuant(const UsesByTensor& uses,
                                         CopyPlan& plan) {
   std::vector<std::vector<int>> target_of;
   for (int t = 0; t < plan.manifest.size(); ++t) {
+    int64_t band_bytes = 0;  // of this tensor's uses, open together
     for (size_t u = 0; u < uses[t].size(); ++u) {
       const Use& use = uses[t][u];
       if (!use.param->quant.has_value()) continue;
@@ -344,9 +345,14 @@ std::vector<std::vector<int>> PlanQuant(const UsesByTensor& uses,
       q.src_dtype = plan.manifest[t].dtype();
       q.src_cols = use.cols;
       q.rect = *SegmentRect(use.param->quant->cols, *use.segment);
+      // Each at most 256 MiB (registration) and at most 2^20 uses.
+      band_bytes +=
+          std::min(q.rect.r1 - q.rect.r0, use.param->quant->block_rows) *
+          (q.rect.c1 - q.rect.c0) * 4;
       target_of[t][u] = plan.quant.size();
       plan.quant.push_back(q);
     }
+    plan.quant_band_bytes = std::max(plan.quant_band_bytes, band_bytes);
   }
   return target_of;
 }

@@ -114,6 +114,10 @@ struct CopyPlan {
   // carries, in stream order.
   std::vector<QuantTarget> quant;
   std::vector<std::vector<QuantPiece>> quant_by_chunk;
+  // The most float32 bytes of rows of blocks open at once: the uses of one
+  // tensor fill theirs together (what a host data plane holds; bounded by
+  // its staging budget).
+  int64_t quant_band_bytes = 0;
 };
 
 // Checks every manifest tensor against every engine (names, shapes,
