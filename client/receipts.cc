@@ -4,8 +4,10 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "client/fp8_receipts.h"
 #include "common/checksum.h"
 #include "common/dtype.h"
 
@@ -22,7 +24,17 @@ v1::Receipt ExpectedReceipt(
   v1::Receipt receipt;
   uint64_t sum = 0;
   std::vector<uint8_t> row;  // one run of source elements, converted
+  // FP8 targets' scale parameters: summed with their owners.
+  absl::flat_hash_set<std::string> scales;
   for (const v1::Parameter& p : parameters) {
+    if (p.has_quantization()) scales.insert(p.quantization().scale_parameter());
+  }
+  for (const v1::Parameter& p : parameters) {
+    if (p.has_quantization()) {
+      AddQuantizedTerms(p, sent, &sum, &receipt);
+      continue;
+    }
+    if (scales.contains(p.name())) continue;
     const uint64_t salt = ParameterSalt(p.name());
     const int64_t des = ElementSize(p.dtype());
     bool touched = false;

@@ -17,7 +17,8 @@
 namespace weightsync {
 
 // The receipt an engine registered with `parameters` must report after an
-// update that sent `tensors`.
+// update that sent `tensors` (FP8 targets: what the daemon quantises,
+// client/fp8_receipts.h).
 v1::Receipt ExpectedReceipt(
     const google::protobuf::RepeatedPtrField<v1::Parameter>& parameters,
     const std::vector<HostTensor>& tensors);

@@ -24,9 +24,9 @@ namespace {
 using google::protobuf::Struct;
 using google::protobuf::Value;
 
-Struct LoadVectors() {
-  std::ifstream in("tests/vectors/receipts.json");
-  EXPECT_TRUE(in.good()) << "tests/vectors/receipts.json not found";
+Struct LoadVectors(const std::string& path = "tests/vectors/receipts.json") {
+  std::ifstream in(path);
+  EXPECT_TRUE(in.good()) << path << " not found";
   std::stringstream text;
   text << in.rdbuf();
   Struct v;
@@ -67,10 +67,10 @@ TEST(ReceiptVectorsTest, Terms) {
   }
 }
 
-TEST(ReceiptVectorsTest, Updates) {
-  const Struct v = LoadVectors();
-  const auto& cases = v.fields().at("cases").list_value().values();
-  ASSERT_GE(cases.size(), 10);
+// Every update case of `vectors[list]` through ExpectedReceipt.
+void CheckUpdates(const Struct& v, const std::string& list, int at_least) {
+  const auto& cases = v.fields().at(list).list_value().values();
+  ASSERT_GE(cases.size(), at_least);
   for (const Value& c : cases) {
     const auto& f = c.struct_value().fields();
     SCOPED_TRACE(f.at("name").string_value());
@@ -101,6 +101,14 @@ TEST(ReceiptVectorsTest, Updates) {
     EXPECT_EQ(got.parameters(), f.at("parameters").number_value());
     EXPECT_EQ(got.bytes(), f.at("bytes").number_value());
   }
+}
+
+TEST(ReceiptVectorsTest, Updates) { CheckUpdates(LoadVectors(), "cases", 10); }
+
+// FP8 engines (tests/vectors/fp8.json, exact arithmetic): the FP8 elements
+// and scales the daemon installs, from what was sent.
+TEST(ReceiptVectorsTest, Fp8Updates) {
+  CheckUpdates(LoadVectors("tests/vectors/fp8.json"), "receipts", 3);
 }
 
 // RunTerms splits runs where lo32(index) wraps; a run across the wrap

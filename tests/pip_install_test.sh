@@ -45,7 +45,8 @@ rm -rf "$work/src/weightsync/__pycache__"
 mkdir -p "$work/tree/client/python/tests" "$work/tree/tests/vectors"
 cp -L client/python/tests/*.py "$work/tree/client/python/tests/"
 cp -rL client/python/tests/fake_vllm "$work/tree/client/python/tests/"
-cp -L tests/vectors/chunk_plan.json tests/vectors/receipts.json "$work/tree/tests/vectors/"
+cp -L tests/vectors/chunk_plan.json tests/vectors/receipts.json tests/vectors/fp8.json \
+  "$work/tree/tests/vectors/"
 tests=$(cd "$work/tree" && ls client/python/tests/test_*.py)
 
 step "venv A: pip install ./client/python"

@@ -16,6 +16,7 @@
 #include "client/host_arena.h"
 #include "gflags/gflags.h"
 #include "glog/logging.h"
+#include "tools/synthetic/fp8_layout.h"
 #include "tools/synthetic/synthetic_model.h"
 
 DEFINE_string(target, "", "daemon address, e.g. unix:/tmp/ws.sock");
@@ -27,6 +28,10 @@ DEFINE_int32(tp_size, 1, "tensor-parallel size");
 DEFINE_string(dtype, "bfloat16", "parameter dtype: float32/bfloat16/float16");
 DEFINE_string(shm_name, "",
               "shared memory name; default /weightsync-<engine_id>");
+DEFINE_string(fp8, "",
+              "e4m3fn or e5m2: the linear layers are FP8 targets the daemon "
+              "quantises (tools/synthetic/fp8_layout.h)");
+DEFINE_int64(fp8_block, 128, "FP8 block side (0: one scale per row)");
 DEFINE_bool(hang_on_pause, false,
             "never acknowledge a pause (tests the daemon's deadline)");
 
@@ -58,9 +63,20 @@ int EngineMain() {
                               ? "/weightsync-" + FLAGS_engine_id
                               : FLAGS_shm_name;
   shm_unlink(shm.c_str());  // a stale object of an earlier run
-  auto arena = HostArena::Create(
-      shm, synthetic::EngineParameters(*model, layout, FLAGS_tp_rank,
-                                       FLAGS_tp_size, *dtype));
+  absl::StatusOr<std::vector<v1::Parameter>> params =
+      synthetic::EngineParameters(*model, layout, FLAGS_tp_rank, FLAGS_tp_size,
+                                  *dtype);
+  if (!FLAGS_fp8.empty()) {
+    params = synthetic::Fp8EngineParameters(
+        *model, layout, FLAGS_tp_rank, FLAGS_tp_size, *dtype,
+        FLAGS_fp8 == "e5m2" ? v1::FLOAT8_E5M2 : v1::FLOAT8_E4M3FN,
+        FLAGS_fp8_block);
+  }
+  if (!params.ok()) {
+    LOG(ERROR) << params.status();
+    return 2;
+  }
+  auto arena = HostArena::Create(shm, *std::move(params));
   if (!arena.ok()) {
     LOG(ERROR) << arena.status();
     return 1;

@@ -18,6 +18,7 @@
 #include "common/dtype.h"
 #include "gflags/gflags.h"
 #include "glog/logging.h"
+#include "tools/synthetic/fp8_layout.h"
 #include "tools/synthetic/synthetic_model.h"
 
 DEFINE_string(target, "",
@@ -32,6 +33,11 @@ DEFINE_int64(chunk_bytes, 0, "chunk size (0: the daemon's default)");
 DEFINE_string(verify, "",
               "engines to verify after each update: id:plain or "
               "id:tp:rank:size, with :dtype appended, comma separated");
+DEFINE_string(verify_fp8, "",
+              "e4m3fn or e5m2: the engines in --verify are FP8 engines "
+              "(weightsync_engine --fp8), checked against the reference "
+              "quantisation");
+DEFINE_int64(verify_fp8_block, 128, "their FP8 block side (0: per row)");
 DEFINE_bool(receipts, true,
             "ask for receipts (the daemon checksums what it installed and the "
             "client checks it; costs about 2x the update on the host backend)");
@@ -63,10 +69,21 @@ absl::StatusOr<std::vector<VerifySpec>> ParseVerify(
     v1::DType dtype = dtype_name == "float32"   ? v1::FLOAT32
                       : dtype_name == "float16" ? v1::FLOAT16
                                                 : v1::BFLOAT16;
-    v.params = synthetic::EngineParameters(
-        model,
-        tp ? synthetic::Layout::kTensorParallel : synthetic::Layout::kPlain,
-        tp ? std::stoi(f[2]) : 0, tp ? std::stoi(f[3]) : 1, dtype);
+    const synthetic::Layout layout =
+        tp ? synthetic::Layout::kTensorParallel : synthetic::Layout::kPlain;
+    const int rank = tp ? std::stoi(f[2]) : 0;
+    const int tp_size = tp ? std::stoi(f[3]) : 1;
+    if (FLAGS_verify_fp8.empty()) {
+      v.params =
+          synthetic::EngineParameters(model, layout, rank, tp_size, dtype);
+    } else {
+      auto params = synthetic::Fp8EngineParameters(
+          model, layout, rank, tp_size, dtype,
+          FLAGS_verify_fp8 == "e5m2" ? v1::FLOAT8_E5M2 : v1::FLOAT8_E4M3FN,
+          FLAGS_verify_fp8_block);
+      if (!params.ok()) return params.status();
+      v.params = *std::move(params);
+    }
     auto size = HostArena::Layout(&v.params);
     if (!size.ok()) return size.status();
     v.size = *size;
@@ -81,8 +98,13 @@ absl::StatusOr<int64_t> Verify(const VerifySpec& v,
   auto region = ShmRegion::Open("/weightsync-" + v.id, v.size);
   if (!region.ok()) return region.status();
   int64_t bad = 0;
-  for (const v1::Parameter& p : v.params) {
-    const std::vector<uint8_t> want = synthetic::ExpectedParameter(p, sent);
+  std::vector<std::vector<uint8_t>> fp8;
+  if (!FLAGS_verify_fp8.empty())
+    fp8 = synthetic::ExpectedFp8Engine(v.params, sent);
+  for (size_t i = 0; i < v.params.size(); ++i) {
+    const v1::Parameter& p = v.params[i];
+    const std::vector<uint8_t> want =
+        fp8.empty() ? synthetic::ExpectedParameter(p, sent) : fp8[i];
     const uint8_t* got = (*region)->data() + p.offset();
     if (std::memcmp(got, want.data(), want.size()) != 0) {
       if (bad < 3)

@@ -801,6 +801,19 @@ absl::Status GpuDataPlane::BeginImpl(
     std::shared_ptr<const CopyPlan> plan,
     const v1::StartWeightUpdateRequest& request, bool staged,
     const Source* source) {
+  // FP8 targets have no copy ops: without the GPU quantisation kernels the
+  // worker would leave them unwritten. Registration refuses them in GPU
+  // memory already; this keeps a plan that has them from running at all.
+  if (!plan->quant.empty()) {
+    const QuantTarget& t = plan->quant.front();
+    const EngineLayout& engine = *plan->engines[t.engine];
+    return absl::UnimplementedError(absl::StrCat(
+        "engine '", engine.engine_id, "' parameter '",
+        engine.parameters[t.parameter].name, "' is an FP8 target: the ",
+        v1::Backend_Name(backend_),
+        " backend can't quantise yet (the GPU quantisation kernels are not "
+        "built); use the host backend (docs/protocol.md, \"FP8 targets\")"));
+  }
   const absl::Time t_entry = absl::Now();
   const auto& o = sup_->options();
   // Staged: one buffer per chunk, the whole update.

@@ -214,6 +214,15 @@ absl::Status HostDataPlane::Begin(std::shared_ptr<const CopyPlan> plan,
         plan->chunks.chunk_bytes, " bytes exceeds the budget of ",
         options_.staging_budget, "; use a smaller chunk_bytes"));
   }
+  // FP8 targets: the rows of blocks the uses of one tensor hold at once
+  // (quant_scatter.h) come out of the same budget.
+  if (staging + plan->quant_band_bytes > options_.staging_budget) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "host staging of ", staging, " bytes and ", plan->quant_band_bytes,
+        " bytes of FP8 targets' rows of blocks (float32) exceed the budget "
+        "of ",
+        options_.staging_budget, "; use a smaller chunk_bytes"));
+  }
   for (const auto& engine : plan->engines) {
     for (const auto& region : engine->regions) {
       if (region->data() == nullptr) {
@@ -233,6 +242,7 @@ absl::Status HostDataPlane::Begin(std::shared_ptr<const CopyPlan> plan,
   for (int i = 0; i < lost_size_; ++i) lost_[i] = false;
   assembly_.assign(plan->sparse.size(), std::string());
   assembled_.assign(plan->sparse.size(), 0);
+  quant_.Reset(*plan);
   error_ = absl::OkStatus();
   plan_ = std::move(plan);
   source_ = nullptr;
@@ -345,6 +355,10 @@ void HostDataPlane::Run() {
       patched = ScatterFromSource(*plan, index, *source, lost);
     } else {
       ScatterChunk(*plan, plan->ops_by_chunk[index], bytes, lost);
+    }
+    if (!plan->quant.empty()) {
+      absl::Status quantized = quant_.Feed(*plan, index, bytes, source, lost);
+      if (patched.ok()) patched = quantized;
     }
     for (const auto& [si, piece] : plan->sparse_pieces_by_chunk[index]) {
       const SparsePatch& patch = plan->sparse[si];

@@ -1,7 +1,8 @@
 // The host backend's data plane: chunks arrive as gRPC messages whose byte
 // strings become the host staging buffers (no extra copy); one owner thread
 // scatters them into engine shared memory following the CopyPlan, with
-// dtype conversion. While it writes chunk k the stream thread is already
+// dtype conversion, quantising FP8 targets as their rows of blocks complete
+// (quant_scatter.h). While it writes chunk k the stream thread is already
 // receiving chunk k+1 (up to `staging_buffers` chunks in flight). An update
 // from a registered source with memory (the trainer's tensors in its own
 // shared memory) has no stream: the owner thread copies each chunk's ops
@@ -19,6 +20,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "backends/host/quant_scatter.h"
 #include "daemon/core/data_plane.h"
 
 namespace weightsync {
@@ -85,6 +87,8 @@ class HostDataPlane : public DataPlane {
   // Sparse payloads being assembled from chunk pieces (worker thread only).
   std::vector<std::string> assembly_;
   std::vector<int64_t> assembled_;
+  // FP8 targets' rows of blocks being gathered (worker thread only).
+  QuantScatter quant_;
   int lost_size_ = 0;
   std::thread worker_;
 };

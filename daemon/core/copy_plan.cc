@@ -30,7 +30,20 @@ absl::Status CheckUse(const v1::TensorSpec& t, const std::string& engine,
   const std::vector<int64_t> shape(t.shape().begin(), t.shape().end());
   const std::string where = absl::StrCat("tensor '", t.name(), "' -> engine '",
                                          engine, "' parameter '", p.name, "'");
-  if (!CanConvert(t.dtype(), p.dtype)) {
+  if (p.quant.has_value()) {
+    if (!IsConvertibleFloat(t.dtype())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": dtype ", DTypeName(t.dtype()), " can't be quantised into ",
+          DTypeName(p.dtype), ": send float32, bfloat16 or float16"));
+    }
+    if (t.sparse_nnz() > 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          where,
+          ": a sparse patch can't update an FP8 target (the scales "
+          "of the blocks it touches would go stale); send the tensor "
+          "dense"));
+    }
+  } else if (!CanConvert(t.dtype(), p.dtype)) {
     return absl::InvalidArgumentError(
         absl::StrCat(where, ": dtype ", DTypeName(t.dtype()),
                      " can't be converted to ", DTypeName(p.dtype)));
@@ -246,6 +259,19 @@ absl::Status HandleUnused(const Manifest& manifest, UnusedTensors mode,
   return absl::OkStatus();
 }
 
+// Bytes a use writes: its elements, and for an FP8 target the scales of
+// the blocks it covers.
+int64_t UseBytes(const Use& u) {
+  const SegmentLayout& s = *u.segment;
+  const int64_t bytes = s.row_count * s.col_count * ElementSize(u.param->dtype);
+  if (!u.param->quant.has_value()) return bytes;
+  const QuantLayout& q = *u.param->quant;
+  const QuantRect r = *SegmentRect(q.cols, s);
+  const int64_t rows = (r.r1 - r.r0 + q.block_rows - 1) / q.block_rows;
+  const int64_t cols = (r.c1 - r.c0 + q.block_cols - 1) / q.block_cols;
+  return bytes + rows * cols * 4;
+}
+
 // Per engine: the bytes written, whether every segment is rewritten, and
 // the dense uses its receipt sums.
 void SumEngines(const UsesByTensor& uses, CopyPlan& plan) {
@@ -258,9 +284,7 @@ void SumEngines(const UsesByTensor& uses, CopyPlan& plan) {
     if (plan.manifest[t].sparse_nnz() > 0) continue;  // rewrites some only
     for (const Use& u : uses[t]) {
       plan.dense_uses[u.engine].push_back(u.source_use);
-      plan.bytes_by_engine[u.engine] += u.segment->row_count *
-                                        u.segment->col_count *
-                                        ElementSize(u.param->dtype);
+      plan.bytes_by_engine[u.engine] += UseBytes(u);
       ++resolved_uses[u.engine];
     }
   }
@@ -320,11 +344,45 @@ std::vector<int> PlanSparse(const UsesByTensor& uses, CopyPlan& plan) {
   return sparse_index;
 }
 
-// Per chunk: the copies of its dense pieces, the pieces of its patches.
+// The quantised uses of the manifest (plan.quant); returns, per tensor and
+// use, its index into plan.quant (-1: copied as it is). Empty where no use
+// is quantised.
+std::vector<std::vector<int>> PlanQuant(const UsesByTensor& uses,
+                                        CopyPlan& plan) {
+  std::vector<std::vector<int>> target_of;
+  for (int t = 0; t < plan.manifest.size(); ++t) {
+    int64_t band_bytes = 0;  // of this tensor's uses, open together
+    for (size_t u = 0; u < uses[t].size(); ++u) {
+      const Use& use = uses[t][u];
+      if (!use.param->quant.has_value()) continue;
+      if (target_of.empty()) target_of.resize(plan.manifest.size());
+      if (target_of[t].empty()) target_of[t].assign(uses[t].size(), -1);
+      QuantTarget q;
+      q.engine = use.engine;
+      q.parameter = use.source_use.parameter;
+      q.segment = use.source_use.segment;
+      q.src_dtype = plan.manifest[t].dtype();
+      q.src_cols = use.cols;
+      q.rect = *SegmentRect(use.param->quant->cols, *use.segment);
+      // Each at most 256 MiB (registration) and at most 2^20 uses.
+      band_bytes +=
+          std::min(q.rect.r1 - q.rect.r0, use.param->quant->block_rows) *
+          (q.rect.c1 - q.rect.c0) * 4;
+      target_of[t][u] = plan.quant.size();
+      plan.quant.push_back(q);
+    }
+    plan.quant_band_bytes = std::max(plan.quant_band_bytes, band_bytes);
+  }
+  return target_of;
+}
+
+// Per chunk: the copies of its dense pieces, the pieces of its patches,
+// the pieces of quantised uses.
 void PlanOps(const UsesByTensor& uses, const std::vector<int>& sparse_index,
-             CopyPlan& plan) {
+             const std::vector<std::vector<int>>& target_of, CopyPlan& plan) {
   plan.ops_by_chunk.resize(plan.chunks.chunks.size());
   plan.sparse_pieces_by_chunk.resize(plan.chunks.chunks.size());
+  if (!target_of.empty()) plan.quant_by_chunk.resize(plan.chunks.chunks.size());
   for (const Chunk& chunk : plan.chunks.chunks) {
     std::vector<CopyOp>& ops = plan.ops_by_chunk[chunk.index];
     for (const Piece& piece : chunk.pieces) {
@@ -341,8 +399,19 @@ void PlanOps(const UsesByTensor& uses, const std::vector<int>& sparse_index,
       CHECK_EQ(piece.length % es, 0);
       const int64_t e0 = piece.tensor_offset / es;
       const int64_t e1 = e0 + piece.length / es;
-      for (const Use& use : uses[piece.tensor]) {
-        EmitOps(use, e0, e1, piece.chunk_offset, spec.dtype(), ops);
+      const std::vector<int>* targets =
+          target_of.empty() || target_of[piece.tensor].empty()
+              ? nullptr
+              : &target_of[piece.tensor];
+      for (size_t u = 0; u < uses[piece.tensor].size(); ++u) {
+        if (targets != nullptr && (*targets)[u] >= 0) {
+          plan.quant_by_chunk[chunk.index].push_back(
+              {(*targets)[u], piece.tensor, e0, e1, piece.chunk_offset,
+               piece.tensor_offset});
+          continue;
+        }
+        EmitOps(uses[piece.tensor][u], e0, e1, piece.chunk_offset, spec.dtype(),
+                ops);
       }
     }
   }
@@ -365,7 +434,8 @@ absl::StatusOr<std::shared_ptr<const CopyPlan>> BuildCopyPlan(
   }
   SumEngines(uses, *plan);
   const std::vector<int> sparse_index = PlanSparse(uses, *plan);
-  PlanOps(uses, sparse_index, *plan);
+  const std::vector<std::vector<int>> target_of = PlanQuant(uses, *plan);
+  PlanOps(uses, sparse_index, target_of, *plan);
   return std::shared_ptr<const CopyPlan>(std::move(plan));
 }
 

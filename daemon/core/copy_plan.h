@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "common/chunk_planner.h"
 #include "daemon/core/engine_layout.h"
+#include "daemon/core/quant_layout.h"
 
 namespace weightsync {
 
@@ -54,6 +55,30 @@ struct SparsePatch {
   std::vector<Use> uses;
 };
 
+// A quantised use of a checkpoint tensor: segment `segment` of the FP8
+// target `parameter` of engine `engine` (docs/protocol.md, "FP8 targets").
+// Its elements get no CopyOp: the data plane gathers them as float32 and
+// quantises each row of blocks once all of it has arrived.
+struct QuantTarget {
+  int32_t engine = 0;
+  int32_t parameter = 0;  // index into that engine's parameters
+  int32_t segment = 0;
+  v1::DType src_dtype = v1::DTYPE_UNSPECIFIED;
+  int64_t src_cols = 0;  // of the source's 2-D view (the segment's view)
+  QuantRect rect;        // what the segment writes, on block boundaries
+};
+
+// Source elements [begin, end) of a quantised use, at byte `chunk_offset`
+// of a chunk; they are bytes [tensor_offset, ...) of manifest tensor
+// `tensor` (where a registered source's memory holds them).
+struct QuantPiece {
+  int32_t target = 0;  // index into CopyPlan::quant
+  int32_t tensor = 0;
+  int64_t begin = 0, end = 0;
+  int64_t chunk_offset = 0;
+  int64_t tensor_offset = 0;
+};
+
 // What BuildCopyPlan does with a manifest tensor no engine of the update
 // uses (a daemon of several holds only some pipeline stages or experts).
 enum class UnusedTensors {
@@ -85,12 +110,22 @@ struct CopyPlan {
   // tensors, ordered by parameter then segment: what the engine's receipt
   // sums (daemon/core/receipt.h), resolved once with the plan.
   std::vector<std::vector<SourceUse>> dense_uses;
+  // FP8 targets: the quantised uses, and per chunk the pieces of them it
+  // carries, in stream order.
+  std::vector<QuantTarget> quant;
+  std::vector<std::vector<QuantPiece>> quant_by_chunk;
+  // The most float32 bytes of rows of blocks open at once: the uses of one
+  // tensor fill theirs together (what a host data plane holds; bounded by
+  // its staging budget).
+  int64_t quant_band_bytes = 0;
 };
 
 // Checks every manifest tensor against every engine (names, shapes,
 // segment blocks, dtypes) and resolves the copies. INVALID_ARGUMENT names
 // the tensor, engine and parameter concerned. Sparse patches get no copy
-// ops: their pieces are listed for the data plane to assemble and apply.
+// ops: their pieces are listed for the data plane to assemble and apply;
+// a patch into an FP8 target is FAILED_PRECONDITION (its blocks' scales
+// would go stale). Quantised uses get QuantPieces instead of copy ops.
 // A tensor no engine uses is handled as `unused` says.
 absl::StatusOr<std::shared_ptr<const CopyPlan>> BuildCopyPlan(
     const Manifest& manifest, int64_t chunk_bytes,

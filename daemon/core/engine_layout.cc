@@ -14,6 +14,7 @@
 #include "common/dtype.h"
 #include "common/echo.h"
 #include "common/status_macros.h"
+#include "daemon/core/quant_layout.h"
 
 namespace weightsync {
 namespace {
@@ -214,7 +215,7 @@ absl::Status CheckRegistration(const v1::RegisterEngineRequest& request,
 absl::Status ParameterFromProto(const std::string& engine,
                                 const v1::RegisterEngineRequest& request,
                                 const v1::Parameter& proto,
-                                const RegistrationLimits& limits,
+                                const RegistrationLimits& limits, bool is_scale,
                                 int64_t* rows_budget, ParameterLayout& p) {
   p.name = proto.name();
   p.dtype = proto.dtype();
@@ -249,7 +250,16 @@ absl::Status ParameterFromProto(const std::string& engine,
                                         " lie outside its allocation of ",
                                         alloc_size, " bytes"));
   }
-  if (proto.segments_size() == 0) {
+  if (is_scale) {
+    // Written with its owner's blocks: no checkpoint tensor feeds it.
+    if (proto.segments_size() != 0) {
+      return Invalid(engine, absl::StrCat("parameter '", p.name,
+                                          "' holds an FP8 target's scales "
+                                          "and must be registered without "
+                                          "segments"));
+    }
+    p.is_scale = true;
+  } else if (proto.segments_size() == 0) {
     p.implicit = true;
     SegmentLayout s;
     s.source = p.name;
@@ -331,6 +341,8 @@ absl::StatusOr<std::shared_ptr<const EngineLayout>> BuildEngineLayout(
     const RegistrationLimits& limits) {
   WS_RETURN_IF_ERROR(CheckRegistration(request, limits));
   const std::string& engine = request.engine_id();
+  // FP8 targets and their scale parameters, by name, before the layout.
+  WS_ASSIGN_OR_RETURN(const QuantRoles roles, ResolveQuantRoles(request));
   auto layout = std::make_shared<EngineLayout>();
   layout->engine_id = engine;
   // Sized once: 100k-parameter (mixture-of-experts) registrations spent a
@@ -355,8 +367,9 @@ absl::StatusOr<std::shared_ptr<const EngineLayout>> BuildEngineLayout(
                                           "' is registered twice"));
     }
     ParameterLayout p;
-    WS_RETURN_IF_ERROR(
-        ParameterFromProto(engine, request, proto, limits, &rows_budget, p));
+    WS_RETURN_IF_ERROR(ParameterFromProto(
+        engine, request, proto, limits,
+        !roles.is_scale.empty() && roles.is_scale[i], &rows_budget, p));
     if (p.bytes > 0) {
       ranges[p.region].push_back({{p.offset, p.offset + p.bytes}, i});
     }
@@ -368,6 +381,9 @@ absl::StatusOr<std::shared_ptr<const EngineLayout>> BuildEngineLayout(
     layout->parameters.push_back(std::move(p));
   }
   WS_RETURN_IF_ERROR(CheckNoOverlap(engine, ranges, layout->parameters));
+  if (!roles.scale_of.empty()) {
+    WS_RETURN_IF_ERROR(CheckQuantization(request, roles, limits, *layout));
+  }
   // Everything checks out: only now open the memory.
   WS_RETURN_IF_ERROR(OpenRegions(request, mapper, *layout));
   return std::shared_ptr<const EngineLayout>(std::move(layout));

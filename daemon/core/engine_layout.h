@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -33,6 +34,10 @@ struct RegistrationLimits {
   int64_t max_name_length = 1024;
   // Destination rows enumerated for the segment-overlap check.
   int64_t max_segment_rows = int64_t{1} << 24;
+  // Float32 bytes of one row of blocks of a quantised parameter
+  // (block_rows x cols x 4): what the host data plane holds while a row of
+  // blocks arrives (docs/protocol.md, "FP8 targets").
+  int64_t max_quant_band_bytes = int64_t{256} << 20;
 };
 
 struct SegmentLayout {
@@ -40,6 +45,18 @@ struct SegmentLayout {
   std::vector<int64_t> source_shape;  // empty: not given at registration
   int64_t row_begin = 0, row_count = 0, col_begin = 0, col_count = 0;
   int64_t dest_offset = 0, dest_row_stride = 0;  // elements; stride >= cols
+};
+
+// How a quantised parameter (an FP8 target) is cut into blocks, each with
+// one float32 scale in its scale parameter (docs/protocol.md, "FP8
+// targets"). Per-row quantisation is blocks of 1 x cols.
+struct QuantLayout {
+  v1::DType format = v1::DTYPE_UNSPECIFIED;  // FLOAT8_E4M3FN or _E5M2
+  int32_t scale_parameter = -1;  // index into EngineLayout::parameters
+  int64_t rows = 0, cols = 0;    // the parameter's [rows, cols]
+  int64_t block_rows = 0, block_cols = 0;
+  int64_t grid_cols = 0;    // blocks per row of blocks: ceil(cols / block_cols)
+  bool reciprocal = false;  // the scale parameter holds 1 / d, not d
 };
 
 struct ParameterLayout {
@@ -55,6 +72,12 @@ struct ParameterLayout {
   bool implicit = false;
   std::vector<SegmentLayout> segments;
   uint64_t salt = 0;  // ParameterSalt(name) (common/checksum.h), for receipts
+  // Set for an FP8 target: what feeds it is quantised (segments lie on
+  // block boundaries).
+  std::optional<QuantLayout> quant;
+  // The scale parameter of an FP8 target: no segments, no source; written
+  // only with its owner's blocks.
+  bool is_scale = false;
 };
 
 // Where a checkpoint tensor is used: parameter index and segment index.
@@ -77,10 +100,11 @@ struct EngineLayout {
 };
 
 // Validates `request` (names, dtypes, shapes, ranges inside allocations, no
-// overlapping parameters, segments inside their parameter and disjoint) and
-// only then opens its allocations through `mapper`. INVALID_ARGUMENT names
-// the engine and the offending parameter or segment; nothing stays open on
-// failure.
+// overlapping parameters, segments inside their parameter and disjoint,
+// quantisation declarations: quant_layout.h) and only then opens its
+// allocations through `mapper`. INVALID_ARGUMENT names the engine and the
+// offending parameter or segment (UNIMPLEMENTED: an FP8 target in GPU
+// memory); nothing stays open on failure.
 absl::StatusOr<std::shared_ptr<const EngineLayout>> BuildEngineLayout(
     const v1::RegisterEngineRequest& request, MemoryMapper& mapper,
     const RegistrationLimits& limits = {});

@@ -9,6 +9,7 @@
 #include "common/checksum.h"
 #include "common/dtype.h"
 #include "daemon/core/bus_guard.h"
+#include "daemon/core/quant_layout.h"
 
 namespace weightsync {
 namespace {
@@ -29,6 +30,39 @@ std::vector<SourceUse> UsesOf(const EngineLayout& engine, const Named& named) {
   return uses;
 }
 
+absl::Status Gone(const ParameterLayout& p) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "parameter '", p.name, "': the memory behind its allocation ", p.region,
+      " is gone (its owner shrank the shared-memory object under the "
+      "daemon); the engine is dropped: register it again"));
+}
+
+// The terms of the scales of the blocks that segment `s` of FP8 target `p`
+// writes (docs/protocol.md, "FP8 targets"), added to *sum; *blocks gets
+// their count.
+absl::Status AddScaleTerms(const EngineLayout& engine, const ParameterLayout& p,
+                           const SegmentLayout& s, uint64_t* sum,
+                           int64_t* blocks) {
+  const QuantLayout& q = *p.quant;
+  const ParameterLayout& scale = engine.parameters[q.scale_parameter];
+  const QuantRect r = *SegmentRect(q.cols, s);
+  const int64_t i0 = r.r0 / q.block_rows;
+  const int64_t i1 = (r.r1 + q.block_rows - 1) / q.block_rows;
+  const int64_t j0 = r.c0 / q.block_cols;
+  const int64_t j1 = (r.c1 + q.block_cols - 1) / q.block_cols;
+  const MappedRegion& region = *engine.regions[scale.region];
+  const uint8_t* base = region.data() + scale.offset;
+  const bool read = GuardedAccess(region, [&] {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t first = i * q.grid_cols + j0;
+      *sum += RunTerms(scale.salt, first, base + first * 4, j1 - j0, 4);
+    }
+  });
+  if (!read) return Gone(scale);
+  *blocks = (i1 - i0) * (j1 - j0);
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<v1::Receipt> ComputeReceipt(const EngineLayout& engine,
@@ -36,6 +70,8 @@ absl::StatusOr<v1::Receipt> ComputeReceipt(const EngineLayout& engine,
   uint64_t sum = 0;
   int64_t parameters = 0, bytes = 0;
   int32_t last = -1;
+  // Scale parameters counted (an FP8 target's scales count once).
+  absl::flat_hash_set<int32_t> scales_seen;
   for (const SourceUse& u : uses) {
     const ParameterLayout& p = engine.parameters[u.parameter];
     const uint8_t* base = engine.regions[p.region]->data();
@@ -56,14 +92,15 @@ absl::StatusOr<v1::Receipt> ComputeReceipt(const EngineLayout& engine,
             RunTerms(p.salt, row, base + p.offset + row * es, s.col_count, es);
       }
     });
-    if (!read) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "parameter '", p.name, "': the memory behind its allocation ",
-          p.region,
-          " is gone (its owner shrank the shared-memory object under the "
-          "daemon); the engine is dropped: register it again"));
-    }
+    if (!read) return Gone(p);
     bytes += s.row_count * s.col_count * es;
+    if (p.quant.has_value()) {
+      int64_t blocks = 0;
+      const absl::Status scales = AddScaleTerms(engine, p, s, &sum, &blocks);
+      if (!scales.ok()) return scales;
+      bytes += blocks * 4;
+      if (scales_seen.insert(p.quant->scale_parameter).second) ++parameters;
+    }
   }
   v1::Receipt receipt;
   receipt.set_checksum(sum);

@@ -30,6 +30,7 @@ STORAGE = {
     "FLOAT32": np.float32, "FLOAT16": np.float16, "BFLOAT16": np.uint16,
     "FLOAT64": np.float64, "INT64": np.int64, "INT32": np.int32, "INT16": np.int16,
     "INT8": np.int8, "UINT8": np.uint8, "BOOL": np.bool_,
+    "FLOAT8_E4M3FN": np.uint8, "FLOAT8_E5M2": np.uint8,
 }
 _ELEMENT_SIZE = {"FLOAT32": 4, "BFLOAT16": 2, "FLOAT16": 2, "FLOAT64": 8, "INT64": 8,
                  "INT32": 4, "INT16": 2, "INT8": 1, "UINT8": 1, "BOOL": 1,

@@ -83,6 +83,13 @@ def lay_out_shared(params, prefix):
     return shm, offsets, enums, arrays
 
 
+def _set_quantization(parameter, fields):
+    """Fills parameter.quantization from a dict of Quantization fields
+    (enum values by name or number)."""
+    from google.protobuf import json_format
+    json_format.ParseDict(dict(fields), parameter.quantization)
+
+
 class Engine:
     def __init__(self, engine_id, target=None, timeout=30.0, trainer_uids=()):
         """`trainer_uids`: only trainers running as these uids (or root)
@@ -105,15 +112,21 @@ class Engine:
         self._closing = False
         self.reconnects = 0   # re-registrations after the daemon went away
 
-    def register_host(self, params, version=0, segments=None):
+    def register_host(self, params, version=0, segments=None, quantization=None):
         """Lays out `params` [(name, dtype enum name, shape)] in shared
         memory (256-byte aligned), registers them and returns {name: numpy
         array}. `segments` maps a parameter name to a list of
         weightsync.v1.Segment field dicts (checkpoint layout, see
         docs/protocol.md); without, each parameter is the checkpoint tensor
-        of the same name and shape."""
+        of the same name and shape. `quantization` maps the name of an FP8
+        parameter to weightsync.v1.Quantization fields (enum values by
+        name), e.g. from layouts.llama_fp8_engine_layout: the daemon
+        quantises what feeds it and writes the scales into the parameter
+        named by scale_parameter (docs/protocol.md, "FP8 targets"); FP8
+        arrays hold the encodings as uint8."""
         params = params if isinstance(params, (list, tuple)) else list(params)
         segments = segments or {}
+        quantization = quantization or {}
         # Shared-memory names allow no "/" and Python's resource tracker
         # splits on ":", both legal in engine ids: anything but [\w.-]
         # becomes "_" (the id itself is sent as it is).
@@ -130,6 +143,8 @@ class Engine:
             if segments:
                 for seg in segments.get(name, ()):
                     p.segments.add(**seg)
+            if name in quantization:
+                _set_quantization(p, quantization[name])
         try:
             self._stub.call("RegisterEngine", request)
         except BaseException:
@@ -143,7 +158,7 @@ class Engine:
         self.version = version
         return arrays
 
-    def register_torch(self, params, version=0, segments=None, names=None):
+    def register_torch(self, params, version=0, segments=None, names=None, quantization=None):
         """Registers torch CUDA tensors in place: the daemon writes straight
         into them. `params` is a torch.nn.Module (its named_parameters()) or
         (name, tensor) pairs. Each tensor must be contiguous. Parameters are
@@ -156,7 +171,9 @@ class Engine:
         `segments` maps a parameter name to Segment dicts (checkpoint
         layout, e.g. from weightsync.layouts); without, each parameter is
         the checkpoint tensor of the same name and shape. `names` maps a
-        parameter name to the name it is registered under. Returns
+        parameter name to the name it is registered under. `quantization`:
+        as register_host's, but the daemon refuses FP8 targets in GPU memory
+        (UNIMPLEMENTED) until its GPU quantisation kernels exist. Returns
         {registered name: tensor}."""
         import torch
         from weightsync._gpu import allocation_table, dedupe_aliases, dtype_names, ipc_locations
@@ -189,6 +206,8 @@ class Engine:
             if segments:
                 for seg in segments.get(reg, ()):
                     p.segments.add(**seg)
+            if quantization and reg in quantization:
+                _set_quantization(p, quantization[reg])
             out[reg] = t
         self._stub.call("RegisterEngine", request)
         self._registration = request

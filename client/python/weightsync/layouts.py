@@ -9,9 +9,18 @@ as the C++ tools/synthetic model, so both can be checked against each other.
     params, segments = llama_engine_layout(model.config, tp_rank=r, tp_size=2,
                                            dtype="BFLOAT16")
     weights = engine.register_host(params, segments=segments)
+
+FP8 engines (docs/protocol.md, "FP8 targets"): the linear layers hold
+float8 weights with one float32 scale per 128 x 128 block, which the daemon
+computes from the bf16/fp32 tensors the trainer sends:
+
+    params, segments, quant = llama_fp8_engine_layout(model.config, tp_rank=r,
+                                                      tp_size=2)
+    weights = engine.register_host(params, segments=segments, quantization=quant)
 """
 
-__all__ = ["llama_engine_layout", "checkpoint_shapes", "moe_layers"]
+__all__ = ["llama_engine_layout", "llama_fp8_engine_layout", "checkpoint_shapes",
+           "moe_layers", "FP8_LINEAR"]
 
 
 def _cfg(config, name, default=None):
@@ -159,3 +168,77 @@ def llama_engine_layout(config, tp_rank=0, tp_size=1, dtype="BFLOAT16", vocab_pa
     if not d["tied"]:
         vocab("lm_head.weight")
     return params, segments
+
+
+# The parameters of llama_engine_layout that FP8 checkpoints (DeepSeek-V3,
+# Qwen3-FP8) quantise: the attention and MLP projections. Embeddings,
+# lm_head and norms stay in the engine's dtype.
+FP8_LINEAR = ("self_attn.qkv_proj.weight", "self_attn.o_proj.weight",
+              "mlp.gate_up_proj.weight", "mlp.down_proj.weight")
+
+
+def _segment_rect(cols, seg):
+    """(r0, r1, c0, c1) a segment writes in a parameter of `cols` columns,
+    or None where that is no rectangle (daemon/core/quant_layout.cc)."""
+    stride = seg["dest_row_stride"] or seg["col_count"]
+    r0, c0 = divmod(seg["dest_offset"], cols)
+    if stride == cols and c0 + seg["col_count"] <= cols:
+        return r0, r0 + seg["row_count"], c0, c0 + seg["col_count"]
+    if seg["row_count"] != 1 and stride != seg["col_count"]:
+        return None
+    n = seg["row_count"] * seg["col_count"]
+    if c0 + n <= cols:
+        return r0, r0 + 1, c0, c0 + n
+    if c0 == 0 and n % cols == 0:
+        return r0, r0 + n // cols, 0, cols
+    return None
+
+
+def _check_blocks(name, shape, segs, br, bc):
+    rows, cols = shape
+    for i, seg in enumerate(segs):
+        rect = _segment_rect(cols, seg)
+        if rect is None:
+            raise ValueError(f"{name}: segment {i} ({seg['source']}) is no rectangle of the "
+                             f"parameter, so it can't be quantised in blocks")
+        r0, r1, c0, c1 = rect
+        if (r0 % br or c0 % bc or (r1 % br and r1 != rows) or (c1 % bc and c1 != cols)):
+            raise ValueError(
+                f"{name}: segment {i} ({seg['source']}) writes rows [{r0}, {r1}) x cols "
+                f"[{c0}, {c1}), which cuts a {br} x {bc} block: with this tensor-parallel "
+                f"size every shard must start and end on multiples of the block size")
+
+
+def llama_fp8_engine_layout(config, tp_rank=0, tp_size=1, dtype="BFLOAT16",
+                            fp8="FLOAT8_E4M3FN", block=(128, 128), vocab_pad=64,
+                            scale_suffix="_scale_inv"):
+    """(params, segments, quantization) of an FP8 engine: llama_engine_layout
+    with the linear layers (FP8_LINEAR: fused qkv and gate_up, o_proj,
+    down_proj) as `fp8` weights, each with a float32 scale parameter named
+    weight name + `scale_suffix` (DeepSeek-V3 / Qwen3-FP8 checkpoints'
+    "weight_scale_inv": the dequantisation multiplier amax / FMAX) of shape
+    [ceil(rows / 128), ceil(cols / 128)], or [rows, 1] with block=None (one
+    scale per output row). Norms, embeddings and lm_head stay `dtype`.
+    quantization maps a weight's name to weightsync.v1.Quantization fields
+    (Engine.register_host(..., quantization=)). ValueError if a
+    tensor-parallel shard would cut a block (e.g. 64 KV rows a rank)."""
+    params, segments = llama_engine_layout(config, tp_rank, tp_size, dtype, vocab_pad)
+    out, quant = [], {}
+    for name, dt, shape in params:
+        if not name.endswith(FP8_LINEAR):
+            out.append((name, dt, shape))
+            continue
+        rows, cols = shape
+        br, bc = (1, cols) if block is None else block
+        _check_blocks(name, shape, segments[name], br, bc)
+        scale = name + scale_suffix
+        out.append((name, fp8, shape))
+        out.append((scale, "FLOAT32",
+                    (rows, 1) if block is None else (-(-rows // br), -(-cols // bc))))
+        q = {"format": fp8, "scale_parameter": scale, "scale_form": "SCALE_FORM_DEQUANT"}
+        if block is None:
+            q["scheme"] = "QUANT_SCHEME_PER_ROW"
+        else:
+            q.update(scheme="QUANT_SCHEME_BLOCK", block_rows=br, block_cols=bc)
+        quant[name] = q
+    return out, segments, quant

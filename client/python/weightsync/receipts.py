@@ -238,7 +238,19 @@ def expected_receipt(layout, sent, block=_BLOCK, layout_key=None):
     names, dtypes and shapes in the same order, so a repeated update costs
     a few array passes over the sent elements and no Python work per
     tensor (a mixture of experts sends 100k tensors every step). Without
-    it nothing is kept."""
+    it nothing is kept.
+
+    FP8 targets (docs/protocol.md, "FP8 targets") count what the daemon
+    installs: the sent values quantised by weightsync.fp8, FP8 elements and
+    the scales of the blocks written."""
+    quantized = _quantized_part(layout, layout_key)
+    if quantized is not None:
+        plain, quant = quantized
+        key = None if layout_key is None else ("plain", layout_key)
+        checksum, params, nbytes = expected_receipt(plain, sent, block, key)
+        from weightsync import fp8
+        q_sum, q_params, q_bytes = fp8.quantized_receipt(quant, sent)
+        return (checksum + q_sum) & _xp.MASK64, params + q_params, nbytes + q_bytes
     if layout_key is None:
         return _receipt_of(_build_walk(layout, sent, cache_arrays=False), sent, block)
     signature = getattr(sent, "signature", None) or _signature(sent)
@@ -257,6 +269,32 @@ def expected_receipt(layout, sent, block=_BLOCK, layout_key=None):
             while len(_walks) > _WALKS_KEPT:
                 _walks.popitem(last=False)
     return _receipt_of(walk, sent, block)
+
+
+# layout_key -> (plain parameters, FP8 targets) or None, for the last few
+# layouts (the split is a pass over every parameter).
+_SPLITS = collections.OrderedDict()
+
+
+def _quantized_part(layout, layout_key):
+    """(plain parameters, FP8 targets) of a layout with FP8 targets, None
+    for one without (weightsync.fp8.split_layout; kept by layout_key)."""
+    if layout_key is not None:
+        with _walks_lock:
+            if layout_key in _SPLITS:
+                return _SPLITS[layout_key]
+    if any(p.HasField("quantization") for p in layout):
+        from weightsync import fp8
+        plain, quant, _ = fp8.split_layout(layout)
+        split = (plain, quant)
+    else:
+        split = None
+    if layout_key is not None:
+        with _walks_lock:
+            _SPLITS[layout_key] = split
+            while len(_SPLITS) > _WALKS_KEPT:
+                _SPLITS.popitem(last=False)
+    return split
 
 
 # Walks kept by expected_receipt (layout_key -> _Walk), least recently used
@@ -540,7 +578,9 @@ def expected_receipt_arrays(layout, sent, ops=None, block=1 << 22):
     (weightsync._tensors.STORAGE). CUDA tensors, no `ops`, Triton present:
     the fused kernel (weightsync.receipts_gpu) on the current stream;
     otherwise int64 array ops (`block` elements at a time) with `ops` or
-    those of the data. Returns (checksum, parameters, bytes)."""
+    those of the data. Returns (checksum, parameters, bytes). No FP8
+    targets: the GPU backends refuse them at registration (expected_receipt
+    sums them on the host)."""
     if ops is None and _all_cuda(sent):
         from weightsync import receipts_gpu
         if receipts_gpu.available():

@@ -1,0 +1,396 @@
+// FP8 targets through the host data plane: rows of blocks gathered across
+// chunks that cut them anywhere, quantised whole and written with their
+// scales, bit for bit the function applied to the whole parameter; the
+// daemon's receipts of FP8 engines against tests/vectors/fp8.json (exact
+// arithmetic, tools/fp8_vectors.py); the plan's refusals.
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
+#include "absl/time/clock.h"
+#include "backends/host/host_data_plane.h"
+#include "common/dtype.h"
+#include "common/fp8.h"
+#include "daemon/core/copy_plan.h"
+#include "daemon/core/engine_layout.h"
+#include "daemon/core/receipt.h"
+#include "gmock/gmock.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
+#include "gtest/gtest.h"
+#include "tests/testing/heap_memory.h"
+
+namespace weightsync {
+namespace {
+
+using ::testing::HasSubstr;
+
+struct Tensor {
+  v1::TensorSpec spec;
+  std::string bytes;
+};
+
+Tensor RandomTensor(const std::string& name, v1::DType dtype, int64_t rows,
+                    int64_t cols, std::mt19937& rng) {
+  Tensor t;
+  t.spec.set_name(name);
+  t.spec.set_dtype(dtype);
+  t.spec.add_shape(rows);
+  t.spec.add_shape(cols);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  std::vector<float> f(rows * cols);
+  for (float& x : f) x = normal(rng);
+  f[0] = NAN;  // a NaN in the first block: ignored by its amax
+  t.bytes.resize(rows * cols * ElementSize(dtype));
+  ConvertElements(f.data(), v1::FLOAT32, t.bytes.data(), dtype, rows * cols);
+  return t;
+}
+
+v1::Parameter* Add(v1::RegisterEngineRequest& r, const std::string& name,
+                   v1::DType dtype, int64_t rows, int64_t cols,
+                   int64_t* offset) {
+  v1::Parameter* p = r.add_parameters();
+  p->set_name(name);
+  p->set_dtype(dtype);
+  p->add_shape(rows);
+  if (cols > 0) p->add_shape(cols);
+  p->set_offset(*offset);
+  *offset += (rows * std::max<int64_t>(cols, 1) * ElementSize(dtype) + 255) /
+             256 * 256;
+  return p;
+}
+
+void Quantize(v1::Parameter* p, v1::DType format, const std::string& scale,
+              v1::QuantScheme scheme, v1::ScaleForm form) {
+  v1::Quantization* q = p->mutable_quantization();
+  q->set_format(format);
+  q->set_scale_parameter(scale);
+  q->set_scheme(scheme);
+  q->set_scale_form(form);
+}
+
+void AddSegment(v1::Parameter* p, const std::string& source, int64_t rb,
+                int64_t rc, int64_t cb, int64_t cc, int64_t dest,
+                int64_t stride) {
+  v1::Segment* s = p->add_segments();
+  s->set_source(source);
+  s->set_row_begin(rb);
+  s->set_row_count(rc);
+  s->set_col_begin(cb);
+  s->set_col_count(cc);
+  s->set_dest_offset(dest);
+  s->set_dest_row_stride(stride);
+}
+
+// Registers `r` in heap memory, plans `tensors` in chunks of `chunk_bytes`
+// and pushes them through a host data plane. Returns the layout.
+std::shared_ptr<const EngineLayout> Install(
+    const v1::RegisterEngineRequest& r, const std::vector<Tensor>& tensors,
+    int64_t chunk_bytes, testing::HeapMapper& mapper,
+    std::shared_ptr<const CopyPlan>* plan_out = nullptr) {
+  auto layout = BuildEngineLayout(r, mapper);
+  EXPECT_TRUE(layout.ok()) << layout.status();
+  if (!layout.ok()) return nullptr;
+  Manifest manifest;
+  for (const Tensor& t : tensors) *manifest.Add() = t.spec;
+  auto plan = BuildCopyPlan(manifest, chunk_bytes, {*layout});
+  EXPECT_TRUE(plan.ok()) << plan.status();
+  if (!plan.ok()) return nullptr;
+  std::string packed((*plan)->chunks.total_bytes, '\0');
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    std::memcpy(&packed[(*plan)->chunks.tensor_offsets[t]],
+                tensors[t].bytes.data(), tensors[t].bytes.size());
+  }
+  HostDataPlane plane({});
+  v1::StartWeightUpdateRequest request;
+  EXPECT_TRUE(plane.Begin(*plan, request).ok());
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  for (const Chunk& c : (*plan)->chunks.chunks) {
+    EXPECT_TRUE(
+        plane.SubmitChunk(c.index, packed.substr(c.offset, c.size), deadline)
+            .ok());
+  }
+  const absl::Status drained = plane.Drain(deadline);
+  EXPECT_TRUE(drained.ok()) << drained;
+  if (plan_out != nullptr) *plan_out = *plan;
+  return *layout;
+}
+
+std::string Bytes(const EngineLayout& layout, int i) {
+  const ParameterLayout& p = layout.parameters[i];
+  return std::string(
+      reinterpret_cast<const char*>(layout.regions[p.region]->data()) +
+          p.offset,
+      p.bytes);
+}
+
+// What quantising `x` (rows x cols float32) in blocks gives: FP8 bytes and
+// stored scales.
+std::pair<std::string, std::string> Reference(const std::vector<float>& x,
+                                              int64_t rows, int64_t cols,
+                                              const Fp8Blocks& q) {
+  const int64_t grid_rows = (rows + q.block_rows - 1) / q.block_rows;
+  const int64_t grid_cols = (cols + q.block_cols - 1) / q.block_cols;
+  std::string fp8(rows * cols, '\0'), scales(grid_rows * grid_cols * 4, '\0');
+  QuantizeBlocks(x.data(), rows, cols, cols, q,
+                 reinterpret_cast<uint8_t*>(fp8.data()), cols,
+                 reinterpret_cast<uint8_t*>(scales.data()), grid_cols);
+  return {fp8, scales};
+}
+
+// Rows [rb, rb + rc) x cols [cb, cb + cc) of a rows x cols tensor, widened.
+std::vector<float> Widen(const Tensor& t, int64_t cols, int64_t rb, int64_t rc,
+                         int64_t cb, int64_t cc) {
+  std::vector<float> out(rc * cc);
+  const int64_t es = ElementSize(t.spec.dtype());
+  for (int64_t r = 0; r < rc; ++r) {
+    ConvertElements(t.bytes.data() + ((rb + r) * cols + cb) * es,
+                    t.spec.dtype(), &out[r * cc], v1::FLOAT32, cc);
+  }
+  return out;
+}
+
+TEST(QuantScatterTest, ChunksThatCutBlocksGiveTheWholeParameterQuantised) {
+  std::mt19937 rng(7);
+  // w: bfloat16 [300, 260] into e4m3 128 x 128 (edge blocks partial), and
+  // the same tensor copied plainly into a bfloat16 parameter; qkv: a TP
+  // rank of fused float32/float16 sources into e5m2 with reciprocal
+  // scales; o: a row-parallel shard of a bfloat16 tensor, per-row scales;
+  // side: parts of two tensors side by side (a block column from 256).
+  const std::vector<Tensor> tensors = {
+      RandomTensor("w", v1::BFLOAT16, 300, 260, rng),
+      RandomTensor("q", v1::FLOAT32, 256, 200, rng),
+      RandomTensor("k", v1::FLOAT32, 128, 200, rng),
+      RandomTensor("v", v1::FLOAT16, 256, 200, rng),
+      RandomTensor("o_proj", v1::BFLOAT16, 130, 512, rng),
+  };
+  v1::RegisterEngineRequest r;
+  r.set_engine_id("fp8");
+  int64_t offset = 0;
+  Quantize(Add(r, "w", v1::FLOAT8_E4M3FN, 300, 260, &offset), v1::FLOAT8_E4M3FN,
+           "w_scale_inv", v1::QUANT_SCHEME_BLOCK, v1::SCALE_FORM_DEQUANT);
+  Add(r, "w_scale_inv", v1::FLOAT32, 3, 3, &offset);
+  AddSegment(Add(r, "w_copy", v1::BFLOAT16, 300, 260, &offset), "w", 0, 300, 0,
+             260, 0, 0);
+  v1::Parameter* qkv = Add(r, "qkv", v1::FLOAT8_E5M2, 384, 200, &offset);
+  Quantize(qkv, v1::FLOAT8_E5M2, "qkv_scale", v1::QUANT_SCHEME_BLOCK,
+           v1::SCALE_FORM_RECIPROCAL);
+  AddSegment(qkv, "q", 128, 128, 0, 200, 0, 200);
+  AddSegment(qkv, "k", 0, 128, 0, 200, 128 * 200, 200);
+  AddSegment(qkv, "v", 128, 128, 0, 200, 256 * 200, 200);
+  Add(r, "qkv_scale", v1::FLOAT32, 3, 2, &offset);
+  v1::Parameter* o = Add(r, "o", v1::FLOAT8_E4M3FN, 130, 256, &offset);
+  Quantize(o, v1::FLOAT8_E4M3FN, "o_scale", v1::QUANT_SCHEME_PER_ROW,
+           v1::SCALE_FORM_DEQUANT);
+  AddSegment(o, "o_proj", 0, 130, 256, 256, 0, 0);
+  Add(r, "o_scale", v1::FLOAT32, 130, 1, &offset);
+  // side: two sources side by side (a column block at 256), 2-row blocks.
+  v1::Parameter* side = Add(r, "side", v1::FLOAT8_E4M3FN, 130, 384, &offset);
+  Quantize(side, v1::FLOAT8_E4M3FN, "side_scale", v1::QUANT_SCHEME_BLOCK,
+           v1::SCALE_FORM_DEQUANT);
+  side->mutable_quantization()->set_block_rows(2);
+  AddSegment(side, "w", 0, 130, 0, 256, 0, 384);
+  AddSegment(side, "o_proj", 0, 130, 0, 128, 256, 384);
+  Add(r, "side_scale", v1::FLOAT32, 65, 3, &offset);
+  v1::Allocation* a = r.add_allocations();
+  a->set_kind(v1::MEMORY_HOST_SHM);
+  a->set_handle("/fp8");
+  a->set_size(offset);
+
+  // The references, from the whole matrices.
+  const auto w = Reference(Widen(tensors[0], 260, 0, 300, 0, 260), 300, 260,
+                           {v1::FLOAT8_E4M3FN, 128, 128, false});
+  std::vector<float> fused = Widen(tensors[1], 200, 128, 128, 0, 200);
+  for (const auto& part : {Widen(tensors[2], 200, 0, 128, 0, 200),
+                           Widen(tensors[3], 200, 128, 128, 0, 200)}) {
+    fused.insert(fused.end(), part.begin(), part.end());
+  }
+  const auto qkv_ref =
+      Reference(fused, 384, 200, {v1::FLOAT8_E5M2, 128, 128, true});
+  const auto o_ref = Reference(Widen(tensors[4], 512, 0, 130, 256, 256), 130,
+                               256, {v1::FLOAT8_E4M3FN, 1, 256, false});
+  const std::string& w_copy = tensors[0].bytes;
+  std::vector<float> beside(130 * 384);
+  const std::vector<float> left = Widen(tensors[0], 260, 0, 130, 0, 256);
+  const std::vector<float> right = Widen(tensors[4], 512, 0, 130, 0, 128);
+  for (int64_t i = 0; i < 130; ++i) {
+    std::copy(&left[i * 256], &left[i * 256] + 256, &beside[i * 384]);
+    std::copy(&right[i * 128], &right[i * 128] + 128, &beside[i * 384 + 256]);
+  }
+  const auto side_ref =
+      Reference(beside, 130, 384, {v1::FLOAT8_E4M3FN, 2, 128, false});
+
+  for (int64_t chunk_bytes : {256, 768, 4096, 11520, 65536, 1 << 20}) {
+    SCOPED_TRACE(chunk_bytes);
+    testing::HeapMapper mapper;
+    auto layout = Install(r, tensors, chunk_bytes, mapper);
+    ASSERT_NE(layout, nullptr);
+    EXPECT_TRUE(Bytes(*layout, 0) == w.first);
+    EXPECT_TRUE(Bytes(*layout, 1) == w.second);
+    EXPECT_TRUE(Bytes(*layout, 2) == w_copy);
+    EXPECT_TRUE(Bytes(*layout, 3) == qkv_ref.first);
+    EXPECT_TRUE(Bytes(*layout, 4) == qkv_ref.second);
+    EXPECT_TRUE(Bytes(*layout, 5) == o_ref.first);
+    EXPECT_TRUE(Bytes(*layout, 6) == o_ref.second);
+    EXPECT_TRUE(Bytes(*layout, 7) == side_ref.first);
+    EXPECT_TRUE(Bytes(*layout, 8) == side_ref.second);
+  }
+}
+
+TEST(QuantScatterTest, PlanRefusesPatchesAndSourcesThatCantBeQuantised) {
+  v1::RegisterEngineRequest r;
+  r.set_engine_id("fp8");
+  int64_t offset = 0;
+  Quantize(Add(r, "w", v1::FLOAT8_E4M3FN, 4, 8, &offset), v1::FLOAT8_E4M3FN,
+           "w_scale_inv", v1::QUANT_SCHEME_BLOCK, v1::SCALE_FORM_DEQUANT);
+  Add(r, "w_scale_inv", v1::FLOAT32, 1, 1, &offset);
+  v1::Allocation* a = r.add_allocations();
+  a->set_kind(v1::MEMORY_HOST_SHM);
+  a->set_handle("/fp8");
+  a->set_size(offset);
+  testing::HeapMapper mapper;
+  auto layout = BuildEngineLayout(r, mapper);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  Manifest m;
+  v1::TensorSpec* t = m.Add();
+  t->set_name("w");
+  t->set_dtype(v1::BFLOAT16);
+  t->add_shape(4);
+  t->add_shape(8);
+  t->set_sparse_nnz(3);
+  auto plan = BuildCopyPlan(m, 256, {*layout});
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(plan.status().message(),
+              HasSubstr("tensor 'w' -> engine 'fp8' parameter 'w': a sparse "
+                        "patch can't update an FP8 target"));
+  for (v1::DType d : {v1::INT32, v1::FLOAT8_E4M3FN, v1::FLOAT64}) {
+    t->set_sparse_nnz(0);
+    t->set_dtype(d);
+    plan = BuildCopyPlan(m, 256, {*layout});
+    EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(plan.status().message(), HasSubstr("can't be quantised"));
+  }
+  // The scale parameter is no checkpoint tensor: sending it is refused.
+  t->set_dtype(v1::FLOAT32);
+  t->set_name("w_scale_inv");
+  t->set_shape(0, 1);
+  t->set_shape(1, 1);
+  plan = BuildCopyPlan(m, 256, {*layout});
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(plan.status().message(), HasSubstr("is not a parameter"));
+}
+
+// The rows of blocks that the uses of one tensor hold at once count
+// against the host staging budget, next to the staging buffers.
+TEST(QuantScatterTest, RowsOfBlocksCountAgainstTheStagingBudget) {
+  v1::RegisterEngineRequest r;
+  r.set_engine_id("fp8");
+  int64_t offset = 0;
+  for (const std::string name : {"a", "b"}) {
+    v1::Parameter* p = Add(r, name, v1::FLOAT8_E4M3FN, 300, 260, &offset);
+    Quantize(p, v1::FLOAT8_E4M3FN, name + "_scale", v1::QUANT_SCHEME_BLOCK,
+             v1::SCALE_FORM_DEQUANT);
+    AddSegment(p, "w", 0, 300, 0, 260, 0, 0);
+    Add(r, name + "_scale", v1::FLOAT32, 3, 3, &offset);
+  }
+  v1::Allocation* a = r.add_allocations();
+  a->set_kind(v1::MEMORY_HOST_SHM);
+  a->set_handle("/fp8");
+  a->set_size(offset);
+  testing::HeapMapper mapper;
+  auto layout = BuildEngineLayout(r, mapper);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  Manifest m;
+  v1::TensorSpec* t = m.Add();
+  t->set_name("w");
+  t->set_dtype(v1::FLOAT32);
+  t->add_shape(300);
+  t->add_shape(260);
+  auto plan = BuildCopyPlan(m, 4096, {*layout});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  // Two uses of "w" fill a 128 x 260 float32 row of blocks each.
+  EXPECT_EQ((*plan)->quant_band_bytes, 2 * 128 * 260 * 4);
+  const int64_t need = 2 * 4096 + 2 * 128 * 260 * 4;
+  v1::StartWeightUpdateRequest request;
+  HostDataPlane tight({/*staging_buffers=*/2, /*staging_budget=*/need - 1});
+  const absl::Status s = tight.Begin(*plan, request);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(s.message(), HasSubstr("FP8 targets' rows of blocks"));
+  HostDataPlane enough({/*staging_buffers=*/2, /*staging_budget=*/need});
+  EXPECT_TRUE(enough.Begin(*plan, request).ok());
+  enough.Abort();
+}
+
+// The receipt cases of tests/vectors/fp8.json installed by the daemon's
+// host data plane: ComputeReceipt of the memory equals the vector.
+TEST(QuantScatterTest, ReceiptsOfInstalledFp8EnginesMatchTheVectors) {
+  std::ifstream in("tests/vectors/fp8.json");
+  ASSERT_TRUE(in.good());
+  std::stringstream text;
+  text << in.rdbuf();
+  google::protobuf::Struct v;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(text.str(), &v).ok());
+  const auto& cases = v.fields().at("receipts").list_value().values();
+  ASSERT_GE(cases.size(), 3);
+  for (const auto& c : cases) {
+    const auto& f = c.struct_value().fields();
+    SCOPED_TRACE(f.at("name").string_value());
+    v1::RegisterEngineRequest r;
+    r.set_engine_id("e");
+    int64_t offset = 0;
+    for (const auto& p : f.at("layout").list_value().values()) {
+      std::string json;
+      ASSERT_TRUE(google::protobuf::util::MessageToJsonString(p, &json).ok());
+      v1::Parameter* param = r.add_parameters();
+      ASSERT_TRUE(
+          google::protobuf::util::JsonStringToMessage(json, param).ok());
+      param->set_offset(offset);
+      int64_t numel = 1;
+      for (int64_t d : param->shape()) numel *= d;
+      offset += (numel * ElementSize(param->dtype()) + 255) / 256 * 256;
+    }
+    v1::Allocation* a = r.add_allocations();
+    a->set_kind(v1::MEMORY_HOST_SHM);
+    a->set_handle("/v");
+    a->set_size(offset);
+    std::vector<Tensor> tensors;
+    for (const auto& t : f.at("tensors").list_value().values()) {
+      std::string json;
+      ASSERT_TRUE(google::protobuf::util::MessageToJsonString(t, &json).ok());
+      google::protobuf::Struct s;
+      ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(json, &s).ok());
+      Tensor x;
+      x.spec.set_name(s.fields().at("name").string_value());
+      v1::DType d = v1::DTYPE_UNSPECIFIED;
+      ASSERT_TRUE(v1::DType_Parse(s.fields().at("dtype").string_value(), &d));
+      x.spec.set_dtype(d);
+      for (const auto& dim : s.fields().at("shape").list_value().values()) {
+        x.spec.add_shape(dim.number_value());
+      }
+      x.bytes = absl::HexStringToBytes(s.fields().at("hex").string_value());
+      tensors.push_back(x);
+    }
+    testing::HeapMapper mapper;
+    std::shared_ptr<const CopyPlan> plan;
+    auto layout = Install(r, tensors, 256, mapper, &plan);
+    ASSERT_NE(layout, nullptr);
+    auto receipt = ComputeReceipt(*layout, plan->dense_uses[0]);
+    ASSERT_TRUE(receipt.ok()) << receipt.status();
+    uint64_t want = 0;
+    ASSERT_TRUE(absl::SimpleHexAtoi(f.at("checksum").string_value(), &want));
+    EXPECT_EQ(receipt->checksum(), want);
+    EXPECT_EQ(receipt->parameters(), f.at("parameters").number_value());
+    EXPECT_EQ(receipt->bytes(), f.at("bytes").number_value());
+    // What the plan says it writes is what the receipt covers.
+    EXPECT_EQ(plan->bytes_by_engine[0], receipt->bytes());
+  }
+}
+
+}  // namespace
+}  // namespace weightsync

@@ -1,0 +1,295 @@
+// FP8 targets at registration (quant_layout.h through BuildEngineLayout):
+// what is accepted and recorded, and every refusal, each before any memory
+// is opened.
+#include "daemon/core/quant_layout.h"
+
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/heap_memory.h"
+
+namespace weightsync {
+namespace {
+
+using ::testing::HasSubstr;
+
+v1::Parameter* AddParameter(v1::RegisterEngineRequest& r,
+                            const std::string& name, v1::DType dtype,
+                            std::vector<int64_t> shape, int64_t offset) {
+  v1::Parameter* p = r.add_parameters();
+  p->set_name(name);
+  p->set_dtype(dtype);
+  for (int64_t d : shape) p->add_shape(d);
+  p->set_offset(offset);
+  return p;
+}
+
+// "w": float8_e4m3fn [300, 260] in 128 x 128 blocks, scales "w_scale_inv"
+// float32 [3, 3]; "norm": bfloat16 [260].
+v1::RegisterEngineRequest Fp8Engine() {
+  v1::RegisterEngineRequest r;
+  r.set_engine_id("e0");
+  v1::Allocation* a = r.add_allocations();
+  a->set_kind(v1::MEMORY_HOST_SHM);
+  a->set_handle("/x");
+  a->set_size(1 << 20);
+  v1::Parameter* w =
+      AddParameter(r, "w", v1::FLOAT8_E4M3FN, {300, 260}, /*offset=*/0);
+  v1::Quantization* q = w->mutable_quantization();
+  q->set_format(v1::FLOAT8_E4M3FN);
+  q->set_scale_parameter("w_scale_inv");
+  AddParameter(r, "w_scale_inv", v1::FLOAT32, {3, 3}, 100 * 1024);
+  AddParameter(r, "norm", v1::BFLOAT16, {260}, 110 * 1024);
+  return r;
+}
+
+v1::Segment* AddSegment(v1::Parameter* p, const std::string& source,
+                        int64_t row_begin, int64_t rows, int64_t col_begin,
+                        int64_t cols, int64_t dest, int64_t stride) {
+  v1::Segment* s = p->add_segments();
+  s->set_source(source);
+  s->set_row_begin(row_begin);
+  s->set_row_count(rows);
+  s->set_col_begin(col_begin);
+  s->set_col_count(cols);
+  s->set_dest_offset(dest);
+  s->set_dest_row_stride(stride);
+  return s;
+}
+
+// The refusal of `r`, checking that no memory was opened.
+absl::Status Refusal(const v1::RegisterEngineRequest& r,
+                     const RegistrationLimits& limits = {}) {
+  testing::HeapMapper mapper;
+  absl::Status s = BuildEngineLayout(r, mapper, limits).status();
+  EXPECT_TRUE(mapper.opened.empty()) << "memory opened before a refusal";
+  return s;
+}
+
+TEST(QuantLayoutTest, RecordsBlocksAndKeepsTheScaleOutOfTheSources) {
+  testing::HeapMapper mapper;
+  auto layout = BuildEngineLayout(Fp8Engine(), mapper);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  const ParameterLayout& w = (*layout)->parameters[0];
+  ASSERT_TRUE(w.quant.has_value());
+  EXPECT_EQ(w.quant->format, v1::FLOAT8_E4M3FN);
+  EXPECT_EQ(w.quant->scale_parameter, 1);
+  EXPECT_EQ(w.quant->block_rows, 128);
+  EXPECT_EQ(w.quant->block_cols, 128);
+  EXPECT_EQ(w.quant->grid_cols, 3);
+  EXPECT_FALSE(w.quant->reciprocal);
+  EXPECT_TRUE((*layout)->parameters[1].is_scale);
+  EXPECT_TRUE((*layout)->parameters[1].segments.empty());
+  EXPECT_FALSE((*layout)->uses_by_source.contains("w_scale_inv"));
+  EXPECT_TRUE((*layout)->uses_by_source.contains("w"));
+  EXPECT_FALSE((*layout)->parameters[2].quant.has_value());
+}
+
+TEST(QuantLayoutTest, AcceptsPerRowScalesAndReciprocalForms) {
+  for (std::vector<int64_t> shape :
+       {std::vector<int64_t>{300}, std::vector<int64_t>{300, 1}}) {
+    v1::RegisterEngineRequest r = Fp8Engine();
+    v1::Quantization* q = r.mutable_parameters(0)->mutable_quantization();
+    q->set_scheme(v1::QUANT_SCHEME_PER_ROW);
+    q->set_scale_form(v1::SCALE_FORM_RECIPROCAL);
+    r.mutable_parameters(1)->clear_shape();
+    for (int64_t d : shape) r.mutable_parameters(1)->add_shape(d);
+    testing::HeapMapper mapper;
+    auto layout = BuildEngineLayout(r, mapper);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    const QuantLayout& ql = *(*layout)->parameters[0].quant;
+    EXPECT_EQ(ql.block_rows, 1);
+    EXPECT_EQ(ql.block_cols, 260);
+    EXPECT_EQ(ql.grid_cols, 1);
+    EXPECT_TRUE(ql.reciprocal);
+  }
+}
+
+// Rank 1 of 2 of a fused qkv in 128 x 128 blocks: q 256 rows a rank, k and
+// v 128; and a row-parallel (column) shard of 256 columns.
+TEST(QuantLayoutTest, AcceptsTensorParallelShardsOnBlockBoundaries) {
+  v1::RegisterEngineRequest r = Fp8Engine();
+  r.mutable_allocations(0)->set_size(4 << 20);
+  v1::Parameter* qkv = r.mutable_parameters(0);
+  qkv->set_name("qkv");
+  qkv->set_shape(0, 512);
+  qkv->set_shape(1, 200);  // the last column block is partial
+  qkv->mutable_quantization()->set_scale_parameter("qkv_scale");
+  AddSegment(qkv, "q", 256, 256, 0, 200, 0, 200);
+  AddSegment(qkv, "k", 128, 128, 0, 200, 256 * 200, 200);
+  AddSegment(qkv, "v", 128, 128, 0, 200, 384 * 200, 200);
+  r.mutable_parameters(1)->set_name("qkv_scale");
+  r.mutable_parameters(1)->set_shape(0, 4);
+  r.mutable_parameters(1)->set_shape(1, 2);
+  v1::Parameter* o = AddParameter(r, "o", v1::FLOAT8_E5M2, {200, 256}, 1 << 20);
+  o->mutable_quantization()->set_format(v1::FLOAT8_E5M2);
+  o->mutable_quantization()->set_scale_parameter("o_scale");
+  AddSegment(o, "o_proj", 0, 200, 256, 256, 0, 0);
+  AddParameter(r, "o_scale", v1::FLOAT32, {2, 2}, 2 << 20);
+  testing::HeapMapper mapper;
+  auto layout = BuildEngineLayout(r, mapper);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  EXPECT_TRUE((*layout)->parameters[3].quant.has_value());
+}
+
+TEST(QuantLayoutTest, RefusesAShardThatCutsABlockNamingIt) {
+  v1::RegisterEngineRequest r = Fp8Engine();
+  v1::Parameter* w = r.mutable_parameters(0);
+  w->set_shape(0, 256);
+  r.mutable_parameters(1)->set_shape(0, 2);
+  // k/v of 64 rows a rank: rows [128, 192) end inside a block.
+  AddSegment(w, "q", 0, 128, 0, 260, 0, 260);
+  AddSegment(w, "k", 64, 64, 0, 260, 128 * 260, 260);
+  AddSegment(w, "v", 64, 64, 0, 260, 192 * 260, 260);
+  const absl::Status s = Refusal(r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("engine 'e0': parameter 'w'"));
+  EXPECT_THAT(s.message(), HasSubstr("segment 1 (source 'k')"));
+  EXPECT_THAT(s.message(), HasSubstr("rows [128, 192)"));
+  EXPECT_THAT(s.message(), HasSubstr("cuts a 128 x 128 block"));
+}
+
+TEST(QuantLayoutTest, RefusesEveryBadDeclarationBeforeOpeningMemory) {
+  struct Case {
+    std::string what;
+    std::function<void(v1::RegisterEngineRequest&)> change;
+    absl::StatusCode code;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {"format not FP8",
+       [](auto& r) {
+         r.mutable_parameters(0)->mutable_quantization()->set_format(
+             v1::BFLOAT16);
+       },
+       absl::StatusCode::kInvalidArgument, "FP8 targets are FLOAT8_E4M3FN"},
+      {"dtype differs from the format",
+       [](auto& r) { r.mutable_parameters(0)->set_dtype(v1::FLOAT8_E5M2); },
+       absl::StatusCode::kInvalidArgument,
+       "dtype float8_e5m2 differs from its quantization.format"},
+      {"scale parameter missing",
+       [](auto& r) {
+         r.mutable_parameters(0)->mutable_quantization()->set_scale_parameter(
+             "nope");
+       },
+       absl::StatusCode::kInvalidArgument, "'nope' is not a parameter"},
+      {"scale parameter is itself",
+       [](auto& r) {
+         r.mutable_parameters(0)->mutable_quantization()->set_scale_parameter(
+             "w");
+       },
+       absl::StatusCode::kInvalidArgument, "is the parameter itself"},
+      {"scale parameter quantised",
+       [](auto& r) {
+         v1::Quantization* q = r.mutable_parameters(1)->mutable_quantization();
+         q->set_format(v1::FLOAT8_E4M3FN);
+         q->set_scale_parameter("norm");
+       },
+       absl::StatusCode::kInvalidArgument, "is itself quantised"},
+      {"one scale for two parameters",
+       [](auto& r) {
+         v1::Parameter* p =
+             AddParameter(r, "w2", v1::FLOAT8_E4M3FN, {300, 260}, 200 * 1024);
+         p->mutable_quantization()->set_format(v1::FLOAT8_E4M3FN);
+         p->mutable_quantization()->set_scale_parameter("w_scale_inv");
+       },
+       absl::StatusCode::kInvalidArgument, "already holds the scales of 'w'"},
+      {"scale not float32",
+       [](auto& r) { r.mutable_parameters(1)->set_dtype(v1::BFLOAT16); },
+       absl::StatusCode::kInvalidArgument, "needs float32 [3, 3]"},
+      {"scale of the wrong shape",
+       [](auto& r) { r.mutable_parameters(1)->set_shape(1, 2); },
+       absl::StatusCode::kInvalidArgument, "'w_scale_inv' is float32 [3, 2]"},
+      {"per-row scale of the wrong shape",
+       [](auto& r) {
+         r.mutable_parameters(0)->mutable_quantization()->set_scheme(
+             v1::QUANT_SCHEME_PER_ROW);
+       },
+       absl::StatusCode::kInvalidArgument, "needs float32 [300] or [300, 1]"},
+      {"scale with segments",
+       [](auto& r) {
+         AddSegment(r.mutable_parameters(1), "s", 0, 1, 0, 1, 0, 0);
+       },
+       absl::StatusCode::kInvalidArgument,
+       "'w_scale_inv' holds an FP8 target's scales"},
+      {"a 1-D weight",
+       [](auto& r) { r.mutable_parameters(0)->mutable_shape()->RemoveLast(); },
+       absl::StatusCode::kInvalidArgument, "non-empty 2-D weight"},
+      {"negative block",
+       [](auto& r) {
+         r.mutable_parameters(0)->mutable_quantization()->set_block_rows(-1);
+       },
+       absl::StatusCode::kInvalidArgument, "block -1 x 0"},
+      {"block sizes with per-row",
+       [](auto& r) {
+         v1::Quantization* q = r.mutable_parameters(0)->mutable_quantization();
+         q->set_scheme(v1::QUANT_SCHEME_PER_ROW);
+         q->set_block_cols(128);
+       },
+       absl::StatusCode::kInvalidArgument, "leave them 0"},
+      {"unknown scheme",
+       [](auto& r) {
+         r.mutable_parameters(0)->mutable_quantization()->set_scheme(
+             static_cast<v1::QuantScheme>(99));
+       },
+       absl::StatusCode::kInvalidArgument, "not a value this daemon knows"},
+      {"rows landing off the parameter's rows",
+       [](auto& r) {
+         AddSegment(r.mutable_parameters(0), "w", 0, 2, 0, 128, 0, 300);
+       },
+       absl::StatusCode::kInvalidArgument, "not a rectangle"},
+      {"a column shard off the block grid",
+       [](auto& r) {
+         AddSegment(r.mutable_parameters(0), "w", 0, 300, 0, 100, 0, 260);
+       },
+       absl::StatusCode::kInvalidArgument, "cols [0, 100)"},
+      {"GPU memory",
+       [](auto& r) { r.mutable_allocations(0)->set_kind(v1::MEMORY_CUDA_IPC); },
+       absl::StatusCode::kUnimplemented, "GPU quantisation kernels"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    v1::RegisterEngineRequest r = Fp8Engine();
+    c.change(r);
+    const absl::Status s = Refusal(r);
+    EXPECT_EQ(s.code(), c.code) << s;
+    EXPECT_THAT(s.message(), HasSubstr(c.message));
+    EXPECT_THAT(s.message(), HasSubstr("engine 'e0'"));
+  }
+}
+
+TEST(QuantLayoutTest, BoundsTheRowOfBlocksHeldPerUse) {
+  RegistrationLimits limits;
+  limits.max_quant_band_bytes = 128 * 260 * 4 - 1;
+  const absl::Status s = Refusal(Fp8Engine(), limits);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("a row of its blocks (128 x 260"));
+}
+
+TEST(QuantLayoutTest, SegmentRectangles) {
+  SegmentLayout s;
+  s.row_count = 4;
+  s.col_count = 3;
+  s.dest_offset = 2 * 10 + 5;
+  s.dest_row_stride = 10;
+  auto r = SegmentRect(10, s);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->r0, 2);
+  EXPECT_EQ(r->r1, 6);
+  EXPECT_EQ(r->c0, 5);
+  EXPECT_EQ(r->c1, 8);
+  s.dest_row_stride = 3;  // contiguous 12 elements from (2, 5): crosses rows
+  EXPECT_FALSE(SegmentRect(10, s).has_value());
+  s.dest_offset = 20;  // whole rows 2..3 (and 2 over): not whole rows
+  EXPECT_FALSE(SegmentRect(10, s).has_value());
+  s.col_count = 5;  // 20 elements from row 2: rows [2, 4)
+  s.dest_row_stride = 5;
+  r = SegmentRect(10, s);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->r1, 4);
+  EXPECT_EQ(r->c1, 10);
+}
+
+}  // namespace
+}  // namespace weightsync
