@@ -17,6 +17,7 @@
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
+#include "tests/testing/json_vectors.h"
 
 namespace weightsync {
 namespace {
@@ -25,15 +26,7 @@ using google::protobuf::Struct;
 using google::protobuf::Value;
 
 Struct LoadVectors(const std::string& path = "tests/vectors/receipts.json") {
-  std::ifstream in(path);
-  EXPECT_TRUE(in.good()) << path << " not found";
-  std::stringstream text;
-  text << in.rdbuf();
-  Struct v;
-  const auto status =
-      google::protobuf::util::JsonStringToMessage(text.str(), &v);
-  EXPECT_TRUE(status.ok()) << status.ToString();
-  return v;
+  return testing::LoadJsonVectors(path);
 }
 
 uint64_t Hex(const Value& v) {

@@ -18,6 +18,7 @@
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
+#include "tests/testing/json_vectors.h"
 
 namespace weightsync {
 namespace {
@@ -26,15 +27,7 @@ using google::protobuf::Struct;
 using google::protobuf::Value;
 
 Struct LoadVectors() {
-  std::ifstream in("tests/vectors/fp8.json");
-  EXPECT_TRUE(in.good()) << "tests/vectors/fp8.json not found";
-  std::stringstream text;
-  text << in.rdbuf();
-  Struct v;
-  const auto status =
-      google::protobuf::util::JsonStringToMessage(text.str(), &v);
-  EXPECT_TRUE(status.ok()) << status.ToString();
-  return v;
+  return testing::LoadJsonVectors("tests/vectors/fp8.json");
 }
 
 uint32_t Hex(const Value& v) {
