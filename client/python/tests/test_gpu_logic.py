@@ -434,6 +434,61 @@ class FakeStub:
         return r
 
 
+class StartNcclTest(unittest.TestCase):
+    """Trainer._start_nccl (the NCCL path's Start on one daemon, which one
+    GPU can't run): the plan every daemon agreed to, or INTERNAL with the
+    update aborted and the communicator torn down when a daemon plans
+    otherwise."""
+
+    class Stub:
+        def __init__(self, total, chunks):
+            self.total, self.chunks, self.calls = total, chunks, []
+
+        def call(self, name, request=None, **fields):
+            self.calls.append(name)
+            if name == "StartWeightUpdate":
+                return v1.StartWeightUpdateResponse(
+                    update_id=request.update_id, total_bytes=self.total,
+                    num_chunks=self.chunks, chunk_bytes=request.chunk_bytes or 1024)
+            return v1.FinishWeightUpdateResponse()
+
+    class Gpu:
+        def __init__(self):
+            self.aborted = 0
+
+        def plan(self, manifest, chunk_bytes):
+            return planner.plan_chunks(manifest, chunk_bytes)
+
+        def abort_comm(self):
+            self.aborted += 1
+
+    def trainer(self, stub):
+        from weightsync.trainer import Trainer
+        t = Trainer.__new__(Trainer)
+        t._stubs, t._stub, t._gpu = [stub], stub, self.Gpu()
+        return t
+
+    def test_agreed_plan_and_mismatch(self):
+        manifest = [{"name": "a", "dtype": "FLOAT32", "shape": [300]},
+                    {"name": "b", "dtype": "FLOAT32", "shape": [7]}]
+        plan = planner.plan_chunks(manifest, 1024)
+        request = v1.StartWeightUpdateRequest(update_id="u", chunk_bytes=1024)
+        stub = self.Stub(plan["total_bytes"], len(plan["chunks"]))
+        t = self.trainer(stub)
+        started, got, t_start, t_started = t._start_nccl(request, ["a", "b"], manifest, "u")
+        self.assertEqual(got["total_bytes"], plan["total_bytes"])
+        self.assertEqual(len(started), 1)
+        self.assertLessEqual(t_start, t_started)
+        self.assertEqual(t._gpu.aborted, 0)
+        bad = self.Stub(plan["total_bytes"] + 256, len(plan["chunks"]))
+        t = self.trainer(bad)
+        with self.assertRaises(WeightSyncError) as cm:
+            t._start_nccl(request, ["a", "b"], manifest, "u")
+        self.assertEqual(cm.exception.code, "INTERNAL")
+        self.assertIn("AbortWeightUpdate", bad.calls)
+        self.assertEqual(t._gpu.aborted, 1)
+
+
 class SmallRegionTableTest(unittest.TestCase):
     """receipts_gpu._split_small: which runs the small-region kernel sums
     and the table it reads (the kernel itself runs on a GPU:

@@ -676,29 +676,8 @@ class Trainer:
             return self._update_ipc_ring(request, names, flats, manifest, lazy, engines,
                                          progress, on_made, chunk_bytes, update_id, t0)
         multi = len(self._stubs) > 1
-        if multi:
-            _multi.plan(self._group, [request] * len(self._stubs), names)
-        started = []
-        t_start = time.perf_counter()
-        try:
-            if multi:
-                started = _multi.start(self._group, [request] * len(self._stubs), names)
-            else:
-                started.append(self._stub.call("StartWeightUpdate", request))
-        except WeightSyncError:
-            if multi:
-                gpu.abort_comm()
-            raise
-        self.last_starts = started
-        t_started = time.perf_counter()
-        plan = gpu.plan(manifest, started[0].chunk_bytes)
-        for s in started:
-            if s.total_bytes != plan["total_bytes"] or s.num_chunks != len(plan["chunks"]):
-                self._abort_started(update_id, len(started), "chunk plan mismatch")
-                gpu.abort_comm()
-                raise WeightSyncError(
-                    "INTERNAL", f"daemon plans {s.total_bytes} bytes in {s.num_chunks} chunks, "
-                    f"this client {plan['total_bytes']} in {len(plan['chunks'])}")
+        started, plan, t_start, t_started = self._start_nccl(request, names, manifest,
+                                                             update_id)
         windows = _lazy.window_bytes(plan, set(lazy))
         budget = self.lazy_budget_bytes or max(windows, default=0)
         feed = gpu.lazy_feed(names, plan, lazy, budget=budget, timeout=self._timeout)
@@ -959,35 +938,10 @@ class Trainer:
                 prepacked = set()   # planning errors are the daemon's to report
         multi = len(self._stubs) > 1
         names = [m["name"] for m in manifest]
-        if multi:
-            # Several daemons (docs/protocol.md, "Several daemons"): refuse a
-            # tensor no daemon uses before any daemon pauses; each skips the
-            # copies of what its engines don't use (it still takes part in
-            # every broadcast).
-            _multi.plan(self._group, [request] * len(self._stubs), names)
-        started = []
-        t_start = time.perf_counter()
-        try:
-            if multi:
-                started = _multi.start(self._group, [request] * len(self._stubs), names)
-            else:
-                started.append(self._stub.call("StartWeightUpdate", request))
-        except WeightSyncError:
-            if multi:
-                gpu.abort_comm()   # the daemons that started abort their communicators
-            raise
-        self.last_starts = started
-        t_started = time.perf_counter()
-        plan = gpu.plan(manifest, started[0].chunk_bytes)
+        started, plan, t_start, t_started = self._start_nccl(request, names, manifest,
+                                                             update_id)
         if started[0].chunk_bytes != chunk_bytes:
             prepacked = set()   # packed for another chunk size: pack again
-        for s in started:
-            if s.total_bytes != plan["total_bytes"] or s.num_chunks != len(plan["chunks"]):
-                self._abort_started(update_id, len(started), "chunk plan mismatch")
-                gpu.abort_comm()
-                raise WeightSyncError(
-                    "INTERNAL", f"daemon plans {s.total_bytes} bytes in {s.num_chunks} chunks, "
-                    f"this client {plan['total_bytes']} in {len(plan['chunks'])}")
         try:
             done, keep = gpu.enqueue_nccl(plan, flats, prepacked)
         except Exception as e:   # NcclError, CUDA errors
@@ -1003,6 +957,41 @@ class Trainer:
             if verify else None
         return self._finish_nccl(update_id, done, keep, check,
                                  (t0, t_start, t_started, t_enqueued))
+
+    def _start_nccl(self, request, names, manifest, update_id):
+        """Starts an NCCL update on every daemon: with several
+        (docs/protocol.md, "Several daemons"), a tensor no daemon uses is
+        refused before any daemon pauses, and each skips the copies of what
+        its engines don't use (it still takes part in every broadcast).
+        Returns (started, the chunk plan every daemon agreed to, t Start
+        called, t answered); a daemon planning otherwise aborts the update
+        (INTERNAL)."""
+        gpu = self._gpu
+        multi = len(self._stubs) > 1
+        if multi:
+            _multi.plan(self._group, [request] * len(self._stubs), names)
+        started = []
+        t_start = time.perf_counter()
+        try:
+            if multi:
+                started = _multi.start(self._group, [request] * len(self._stubs), names)
+            else:
+                started.append(self._stub.call("StartWeightUpdate", request))
+        except WeightSyncError:
+            if multi:
+                gpu.abort_comm()   # the daemons that started abort their communicators
+            raise
+        self.last_starts = started
+        t_started = time.perf_counter()
+        plan = gpu.plan(manifest, started[0].chunk_bytes)
+        for s in started:
+            if s.total_bytes != plan["total_bytes"] or s.num_chunks != len(plan["chunks"]):
+                self._abort_started(update_id, len(started), "chunk plan mismatch")
+                gpu.abort_comm()
+                raise WeightSyncError(
+                    "INTERNAL", f"daemon plans {s.total_bytes} bytes in {s.num_chunks} chunks, "
+                    f"this client {plan['total_bytes']} in {len(plan['chunks'])}")
+        return started, plan, t_start, t_started
 
     def _finish_nccl(self, update_id, done, keep, check, times):
         """The end of an NCCL update of one daemon: Finish (the daemon waits
