@@ -204,6 +204,13 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   absl::Status PrepareReceipts(const worker::v1::BeginUpdateRequest& held,
                                const worker::v1::BeginUpdateRequest& request,
                                bool may_fuse);
+  // Uploads `regions` (summing into group_of[i], after chunk chunk_of[i])
+  // as receipt_batches_, each chunk's batch planned on its own, and zeroes
+  // the `groups` sums.
+  absl::Status UploadReceiptBatches(
+      const std::vector<cuda::ReceiptRegion>& regions,
+      const std::vector<int32_t>& group_of,
+      const std::vector<int64_t>& chunk_of, int64_t chunks, int groups);
   // The copy regions of an IPC update whose receipts are fused with its
   // copies: every op of `held` (same dtypes) cut at the boundaries of the
   // resolved receipt `regions` it writes into, each piece keyed on its

@@ -13,6 +13,53 @@
 
 namespace weightsync {
 
+namespace {
+
+// Resolved receipt regions with elements, by address: which one holds a
+// byte (PlanFusedCopies).
+class RegionIndex {
+ public:
+  explicit RegionIndex(const std::vector<cuda::ReceiptRegion>& regions)
+      : regions_(regions) {
+    for (size_t i = 0; i < regions.size(); ++i) {
+      if (regions[i].rows > 0 && regions[i].cols > 0) {
+        order_.push_back(i);
+        elements_ += regions[i].rows * regions[i].cols;
+      }
+    }
+    std::sort(order_.begin(), order_.end(), [&](int a, int b) {
+      return regions_[a].base < regions_[b].base;
+    });
+  }
+
+  // Elements of all the regions.
+  int64_t elements() const { return elements_; }
+
+  // The region whose elements hold `p` (a row, not a gap between rows): its
+  // index, the row and the column; -1 if none.
+  int Find(const uint8_t* p, int64_t* row, int64_t* col) const {
+    auto it = std::upper_bound(
+        order_.begin(), order_.end(), p,
+        [&](const uint8_t* x, int i) { return x < regions_[i].base; });
+    if (it == order_.begin()) return -1;
+    const cuda::ReceiptRegion& r = regions_[*(it - 1)];
+    const int64_t off = p - static_cast<const uint8_t*>(r.base);
+    const int64_t stride = r.rows > 1 ? r.row_stride_bytes : r.cols * r.es;
+    *row = off / stride;
+    *col = off % stride;
+    if (*col % r.es != 0 || *row >= r.rows || *col / r.es >= r.cols) return -1;
+    *col /= r.es;
+    return *(it - 1);
+  }
+
+ private:
+  const std::vector<cuda::ReceiptRegion>& regions_;
+  std::vector<int> order_;
+  int64_t elements_ = 0;
+};
+
+}  // namespace
+
 absl::Status GpuWorker::PrepareReceipts(
     const worker::v1::BeginUpdateRequest& held,
     const worker::v1::BeginUpdateRequest& request, bool may_fuse) {
@@ -62,6 +109,22 @@ absl::Status GpuWorker::PrepareReceipts(
     chunk_of.swap(copy_chunk);
     receipts_fused_ = true;
   }
+  absl::Status uploaded =
+      UploadReceiptBatches(regions, group_of, chunk_of, chunks, rr.groups());
+  if (!uploaded.ok()) return uploaded;
+  receipt_groups_ = rr.groups();
+  if (held.ops_id() != 0) {
+    receipts_ops_id_ = held.ops_id();
+    receipts_generation_ = generation;
+    receipts_may_fuse_ = may_fuse;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GpuWorker::UploadReceiptBatches(
+    const std::vector<cuda::ReceiptRegion>& regions,
+    const std::vector<int32_t>& group_of, const std::vector<int64_t>& chunk_of,
+    int64_t chunks, int groups) {
   // Regions in chunk order, each chunk's batch planned on its own.
   std::vector<std::vector<int>> by_chunk(chunks);
   for (size_t i = 0; i < regions.size(); ++i) {
@@ -72,7 +135,6 @@ absl::Status GpuWorker::PrepareReceipts(
     }
     by_chunk[k].push_back(i);
   }
-  const int groups = rr.groups();
   const int64_t sum_bytes = sizeof(uint64_t) * groups;
   const int64_t need = sum_bytes + sizeof(cuda::ReceiptRegion) * regions.size();
   WS_CUDA(cudaSetDevice(scatter_device_));
@@ -108,12 +170,6 @@ absl::Status GpuWorker::PrepareReceipts(
                        sizeof(cuda::ReceiptRegion) * ordered.size(),
                        cudaMemcpyHostToDevice));
   }
-  receipt_groups_ = groups;
-  if (held.ops_id() != 0) {
-    receipts_ops_id_ = held.ops_id();
-    receipts_generation_ = generation;
-    receipts_may_fuse_ = may_fuse;
-  }
   return absl::OkStatus();
 }
 
@@ -124,33 +180,7 @@ bool GpuWorker::PlanFusedCopies(const worker::v1::BeginUpdateRequest& held,
                                 std::vector<cuda::ReceiptRegion>* copies,
                                 std::vector<int32_t>* copy_group,
                                 std::vector<int64_t>* copy_chunk) {
-  // The regions with elements, by address.
-  std::vector<int> order;
-  int64_t want = 0;
-  for (size_t i = 0; i < regions.size(); ++i) {
-    if (regions[i].rows > 0 && regions[i].cols > 0) {
-      order.push_back(i);
-      want += regions[i].rows * regions[i].cols;
-    }
-  }
-  std::sort(order.begin(), order.end(),
-            [&](int a, int b) { return regions[a].base < regions[b].base; });
-  // The region whose elements hold `p` (a row, not a gap between rows):
-  // its index, the row and the column; -1 if none.
-  auto find = [&](const uint8_t* p, int64_t* row, int64_t* col) -> int {
-    auto it = std::upper_bound(
-        order.begin(), order.end(), p,
-        [&](const uint8_t* x, int i) { return x < regions[i].base; });
-    if (it == order.begin()) return -1;
-    const cuda::ReceiptRegion& r = regions[*(it - 1)];
-    const int64_t off = p - static_cast<const uint8_t*>(r.base);
-    const int64_t stride = r.rows > 1 ? r.row_stride_bytes : r.cols * r.es;
-    *row = off / stride;
-    *col = off % stride;
-    if (*col % r.es != 0 || *row >= r.rows || *col / r.es >= r.cols) return -1;
-    *col /= r.es;
-    return *(it - 1);
-  };
+  const RegionIndex index(regions);
   absl::MutexLock lock(&mu_);
   int64_t covered = 0;
   for (const worker::v1::GpuOp& o : held.ops()) {
@@ -177,7 +207,7 @@ bool GpuWorker::PlanFusedCopies(const worker::v1::BeginUpdateRequest& held,
       int64_t left = o.cols();
       while (left > 0) {
         int64_t row, col;
-        const int i = find(to, &row, &col);
+        const int i = index.Find(to, &row, &col);
         if (i < 0 || regions[i].es != es) return false;
         const cuda::ReceiptRegion& g = regions[i];
         // Contiguous rows of the region continue into the next one.
@@ -218,7 +248,7 @@ bool GpuWorker::PlanFusedCopies(const worker::v1::BeginUpdateRequest& held,
   // Every element of the regions written once (the pieces lie inside them;
   // a plan that wrote one twice and missed another shows as a receipt that
   // differs from the trainer's).
-  return covered == want;
+  return covered == index.elements();
 }
 
 absl::Status GpuWorker::EnqueueReceiptsAfter(int64_t k) {
