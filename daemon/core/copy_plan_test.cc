@@ -23,11 +23,8 @@ struct Engine {
   std::shared_ptr<const EngineLayout> layout;
 };
 
-Engine MakeEngine(const std::string& id, synthetic::Layout layout, int rank,
-                  int size, v1::DType dtype, testing::HeapMapper& mapper) {
-  const auto model = *synthetic::ModelByName("tiny");
-  Engine e;
-  e.params = synthetic::EngineParameters(model, layout, rank, size, dtype);
+// Lays e.params out in one heap allocation and registers them as `id`.
+void Register(const std::string& id, Engine& e, testing::HeapMapper& mapper) {
   const int64_t bytes = *HostArena::Layout(&e.params);
   v1::RegisterEngineRequest r;
   r.set_engine_id(id);
@@ -39,6 +36,14 @@ Engine MakeEngine(const std::string& id, synthetic::Layout layout, int rank,
   auto built = BuildEngineLayout(r, mapper);
   EXPECT_TRUE(built.ok()) << built.status();
   e.layout = *built;
+}
+
+Engine MakeEngine(const std::string& id, synthetic::Layout layout, int rank,
+                  int size, v1::DType dtype, testing::HeapMapper& mapper) {
+  const auto model = *synthetic::ModelByName("tiny");
+  Engine e;
+  e.params = synthetic::EngineParameters(model, layout, rank, size, dtype);
+  Register(id, e, mapper);
   return e;
 }
 
@@ -270,17 +275,7 @@ Engine MakeStage(const std::string& id,
            model, synthetic::Layout::kPlain, 0, 1, v1::FLOAT32)) {
     if (keep(p.name())) e.params.push_back(p);
   }
-  const int64_t bytes = *HostArena::Layout(&e.params);
-  v1::RegisterEngineRequest r;
-  r.set_engine_id(id);
-  v1::Allocation* a = r.add_allocations();
-  a->set_kind(v1::MEMORY_HOST_SHM);
-  a->set_handle("/heap");
-  a->set_size(bytes);
-  for (const auto& p : e.params) *r.add_parameters() = p;
-  auto built = BuildEngineLayout(r, mapper);
-  EXPECT_TRUE(built.ok()) << built.status();
-  e.layout = *built;
+  Register(id, e, mapper);
   return e;
 }
 

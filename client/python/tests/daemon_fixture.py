@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import unittest
 
 
 def _failures(test):
@@ -56,3 +57,40 @@ def start(test, *flags):
             break
         time.sleep(0.05)
     return daemon, "unix:" + sock
+
+
+class HostDaemonCase(unittest.TestCase):
+    """A test case with its own weightsyncd on the host backend (started per
+    test, stopped and checked for a clean exit after it), a Trainer of it,
+    and engine(): host engines registered and connected, closed after."""
+
+    def setUp(self):
+        import weightsync
+        # Its folder (socket, log) goes away with the test.
+        self.daemon, self.target = start(self, "--notice_timeout_ms=2000")
+        self.trainer = weightsync.Trainer(self.target, timeout=10)
+        self.engines = []
+
+    def tearDown(self):
+        for e in self.engines:
+            e.close()
+        self.trainer.close()
+        self.daemon.terminate()
+        self.assertEqual(self.daemon.wait(timeout=10), 0)
+
+    def engine(self, engine_id, params, **kwargs):
+        """(Engine, {name: array}) of a host engine registered with `params`
+        (register_host's kwargs; hooks= start()'s), once the daemon sees its
+        control stream."""
+        import weightsync
+        e = weightsync.Engine(engine_id, self.target, timeout=10)
+        hooks = kwargs.pop("hooks", {})
+        arrays = e.register_host(params, **kwargs)
+        e.start(**hooks)
+        self.engines.append(e)
+        for _ in range(100):  # until the daemon sees the control stream
+            if any(s.engine_id == engine_id and s.connected
+                   for s in self.trainer.status().engines):
+                break
+            time.sleep(0.02)
+        return e, arrays

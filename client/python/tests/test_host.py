@@ -7,7 +7,6 @@ python3 client/python/tests/test_host.py
 
 import os
 import sys
-import time
 import unittest
 
 import numpy as np
@@ -23,32 +22,7 @@ from weightsync import WeightSyncError  # noqa: E402
 from weightsync._tensors import build_manifest  # noqa: E402
 
 
-class HostBackendTest(unittest.TestCase):
-    def setUp(self):
-        # Its folder (socket, log) goes away with the test.
-        self.daemon, self.target = daemon_fixture.start(self, "--notice_timeout_ms=2000")
-        self.trainer = weightsync.Trainer(self.target, timeout=10)
-        self.engines = []
-
-    def tearDown(self):
-        for e in self.engines:
-            e.close()
-        self.trainer.close()
-        self.daemon.terminate()
-        self.assertEqual(self.daemon.wait(timeout=10), 0)
-
-    def engine(self, engine_id, params, **kwargs):
-        e = weightsync.Engine(engine_id, self.target, timeout=10)
-        hooks = kwargs.pop("hooks", {})
-        arrays = e.register_host(params, **kwargs)
-        e.start(**hooks)
-        self.engines.append(e)
-        for _ in range(100):  # until the daemon sees the control stream
-            if any(s.engine_id == engine_id and s.connected for s in self.trainer.status().engines):
-                break
-            time.sleep(0.02)
-        return e, arrays
-
+class HostBackendTest(daemon_fixture.HostDaemonCase):
     def test_updates_convert_and_commit_versions(self):
         events = []
         engine, w = self.engine(

@@ -15,7 +15,6 @@ import queue
 import random
 import sys
 import threading
-import time
 import unittest
 
 import numpy as np
@@ -25,6 +24,7 @@ import numpy as np
 if not os.environ.get("WEIGHTSYNC_TEST_INSTALLED"):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import daemon_fixture  # noqa: E402  (next to this file)
 import weightsync  # noqa: E402
 from weightsync import fsdp, lazy, planner, receipts  # noqa: E402
 from weightsync._errors import WeightSyncError  # noqa: E402
@@ -637,34 +637,8 @@ class FakeGroup:
         return self.coll.status
 
 
-class HostLazyTest(unittest.TestCase):
+class HostLazyTest(daemon_fixture.HostDaemonCase):
     """LazyTensor updates through the real daemon on the host backend."""
-
-    def setUp(self):
-        import daemon_fixture
-        self.daemon, self.target = daemon_fixture.start(self, "--notice_timeout_ms=2000")
-        self.trainer = weightsync.Trainer(self.target, timeout=10)
-        self.engines = []
-
-    def tearDown(self):
-        for e in self.engines:
-            e.close()
-        self.trainer.close()
-        self.daemon.terminate()
-        self.assertEqual(self.daemon.wait(timeout=10), 0)
-
-    def engine(self, engine_id, params, **kwargs):
-        e = weightsync.Engine(engine_id, self.target, timeout=10)
-        hooks = kwargs.pop("hooks", {})
-        arrays = e.register_host(params, **kwargs)
-        e.start(**hooks)
-        self.engines.append(e)
-        for _ in range(100):
-            if any(s.engine_id == engine_id and s.connected
-                   for s in self.trainer.status().engines):
-                break
-            time.sleep(0.02)
-        return e, arrays
 
     def llama(self, dtype="BFLOAT16"):
         from weightsync import layouts
