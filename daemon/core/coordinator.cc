@@ -77,6 +77,7 @@ void Coordinator::NoteTrainerCall() {
 
 absl::StatusOr<v1::RegisterEngineResponse> Coordinator::RegisterEngine(
     const v1::RegisterEngineRequest& request) {
+  const absl::Time start = absl::Now();
   // Validate and open memory without the lock: it touches the OS.
   WS_ASSIGN_OR_RETURN(std::shared_ptr<const EngineLayout> layout,
                       BuildEngineLayout(request, *mapper_, options_.limits));
@@ -116,7 +117,8 @@ absl::StatusOr<v1::RegisterEngineResponse> Coordinator::RegisterEngine(
   }
   LOG(INFO) << Event("engine.registered", "", r.version, id)
             << layout->parameters.size() << " parameters, "
-            << layout->total_bytes << " bytes"
+            << layout->total_bytes << " bytes in "
+            << absl::ToDoubleMilliseconds(absl::Now() - start) << " ms"
             << (request.dirty() ? ", dirty (its old daemon did not finish "
                                   "an update)"
                                 : "");

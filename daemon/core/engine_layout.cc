@@ -10,11 +10,13 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/clock.h"
 #include "common/checksum.h"
 #include "common/dtype.h"
 #include "common/echo.h"
 #include "common/status_macros.h"
 #include "daemon/core/quant_layout.h"
+#include "glog/logging.h"
 
 namespace weightsync {
 namespace {
@@ -339,6 +341,7 @@ void SourceMatrix(const std::vector<int64_t>& shape, int64_t* rows,
 absl::StatusOr<std::shared_ptr<const EngineLayout>> BuildEngineLayout(
     const v1::RegisterEngineRequest& request, MemoryMapper& mapper,
     const RegistrationLimits& limits) {
+  const absl::Time t0 = absl::Now();
   WS_RETURN_IF_ERROR(CheckRegistration(request, limits));
   const std::string& engine = request.engine_id();
   // FP8 targets and their scale parameters, by name, before the layout.
@@ -385,7 +388,13 @@ absl::StatusOr<std::shared_ptr<const EngineLayout>> BuildEngineLayout(
     WS_RETURN_IF_ERROR(CheckQuantization(request, roles, limits, *layout));
   }
   // Everything checks out: only now open the memory.
+  const absl::Time t1 = absl::Now();
   WS_RETURN_IF_ERROR(OpenRegions(request, mapper, *layout));
+  VLOG(1) << "engine '" << engine << "': " << num_parameters
+          << " parameters laid out and checked in "
+          << absl::ToDoubleMilliseconds(t1 - t0) << " ms, "
+          << request.allocations_size() << " allocations opened in "
+          << absl::ToDoubleMilliseconds(absl::Now() - t1) << " ms";
   return std::shared_ptr<const EngineLayout>(std::move(layout));
 }
 
