@@ -87,6 +87,10 @@ DEFINE_bool(ipc_fused_receipts, true,
             "IPC backend with receipts on: copy and sum each element in one "
             "pass (a kernel) instead of a copy and then a receipt pass that "
             "reads the engines' memory again");
+DEFINE_bool(gpu_worker_at_launch, true,
+            "Start the GPU worker (process, CUDA context) when the daemon "
+            "starts, in the background, rather than at first use: the first "
+            "engine registration then does not wait ~0.3 s for it");
 DEFINE_int32(gpu_staging_buffers, 4, "GPU staging buffers (chunks in flight)");
 DEFINE_int64(gpu_staging_budget_bytes, int64_t{4} << 30,
              "bytes of GPU staging the daemon never exceeds");
@@ -247,7 +251,10 @@ int Main() {
     worker_dir = *dir;
     g.socket_path = worker_dir + "/worker.sock";
     gpu = std::make_shared<GpuWorkerSupervisor>(g);
-    LOG(INFO) << "GPU backends via " << worker << " (started on first use)";
+    if (FLAGS_gpu_worker_at_launch) gpu->StartAsync();
+    LOG(INFO) << "GPU backends via " << worker
+              << (FLAGS_gpu_worker_at_launch ? " (starting now)"
+                                             : " (started on first use)");
   }
   Coordinator core(core_options, MakeMemoryMapper(gpu),
                    MakeDataPlaneFactory(host, gpu));

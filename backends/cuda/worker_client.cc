@@ -229,15 +229,31 @@ void GpuWorkerSupervisor::WarmAsync() {
   warm_requested_ = true;
 }
 
+void GpuWorkerSupervisor::StartAsync() {
+  absl::MutexLock lock(&mu_);
+  start_requested_ = true;
+}
+
 void GpuWorkerSupervisor::WarmerLoop() {
   while (true) {
     {
       absl::MutexLock lock(&mu_);
       auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return stop_ || warm_requested_;
+        return stop_ || warm_requested_ || start_requested_;
       };
       mu_.Await(absl::Condition(&ready));
       if (stop_) return;
+      if (start_requested_) {
+        // Under mu_, as every start is: a registration arriving meanwhile
+        // waits for this start instead of making its own.
+        start_requested_ = false;
+        absl::Status s = EnsureStartedLocked();
+        if (!s.ok()) {
+          LOG(WARNING) << "GPU worker not started at launch (" << s
+                       << "); the first use tries again";
+        }
+        continue;
+      }
       warm_requested_ = false;
     }
     // Unlocked: the update's own calls must not wait behind this one. A

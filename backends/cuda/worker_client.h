@@ -80,6 +80,11 @@ class GpuWorkerSupervisor {
   // (bench/results/worker_rpc_probe.txt). Requests made while one is in
   // flight fold into it.
   void WarmAsync();
+  // Starts the worker (its process, CUDA context and socket) on the warmer
+  // thread now rather than at first use, so that the first registration or
+  // update does not wait ~0.3 s for it. A failure is logged; the first use
+  // tries again and reports its own error.
+  void StartAsync();
   // Aborts the communicator; if that misses `deadline`, restarts the worker.
   void AbortUpdate(absl::Time deadline);
   // Kills the worker and starts a fresh one with every allocation re-opened.
@@ -104,6 +109,7 @@ class GpuWorkerSupervisor {
   int restarts_ ABSL_GUARDED_BY(mu_) = 0;
   std::deque<int64_t> to_close_ ABSL_GUARDED_BY(mu_);
   bool warm_requested_ ABSL_GUARDED_BY(mu_) = false;
+  bool start_requested_ ABSL_GUARDED_BY(mu_) = false;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread closer_;
   std::thread warmer_;
