@@ -773,5 +773,59 @@ class MovedSignatureTest(unittest.TestCase):
         self.assertIsNone(_moved_signature(pairs + [("x", 3.0)]))
 
 
+class SourcePairsTest(unittest.TestCase):
+    """trainer._SourcePairs: the check that lets an update of a registered
+    source's very pairs skip all per-tensor work but one pointer read."""
+
+    class T:
+        """Compares by value the way torch does: the truth of == raises for
+        more than one element, is the value's for one."""
+
+        def __init__(self, ptr, n=16, value=0.0):
+            self.ptr, self.n, self.value = ptr, n, value
+
+        def data_ptr(self):
+            return self.ptr
+
+        def numel(self):
+            return self.n
+
+        def __eq__(self, other):
+            if self.n != 1 or getattr(other, "n", 0) != 1:
+                raise RuntimeError("Boolean value of Tensor with more than one value "
+                                   "is ambiguous")
+            return self.value == other.value
+
+        __hash__ = object.__hash__
+
+    def make(self):
+        from weightsync.trainer import _SourcePairs
+        T = self.T
+        ts = [T(1000 + 64 * i) for i in range(4)] + [T(2000, n=1, value=3.0)]
+        pairs = [(f"w{i}", t) for i, t in enumerate(ts)]
+        return pairs, _SourcePairs(pairs, "src", data_ptr=T.data_ptr, numel=T.numel)
+
+    def test_same_objects(self):
+        pairs, kept = self.make()
+        self.assertTrue(kept.same(pairs))
+        self.assertTrue(kept.same([(n, t) for n, t in pairs]))   # new tuples
+        pairs[2][1].value = 9.0   # values are not what it checks
+        self.assertTrue(kept.same(pairs))
+
+    def test_changes(self):
+        T = self.T
+        pairs, kept = self.make()
+        pairs[1][1].ptr = 1   # moved in place (p.data = ...)
+        self.assertFalse(kept.same(pairs))
+        pairs, kept = self.make()
+        for changed in ([("w0", T(1000))] + pairs[1:],            # another tensor, same pointer
+                        pairs[:4] + [("w4", T(2000, n=1, value=3.0))],  # equal by value
+                        [("v0", pairs[0][1])] + pairs[1:],          # renamed
+                        pairs[:-1],                                 # one fewer
+                        [list(p) for p in pairs]):                  # not tuples
+            self.assertFalse(kept.same(changed))
+        self.assertTrue(kept.same(pairs))
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -58,27 +58,61 @@ _shape = operator.attrgetter("shape")
 def _moved_signature(pairs):
     """What a registered source depends on, of every (name, tensor), built
     by C-level passes (a mixture of experts sends 100k tensors every step;
-    a generator per tensor cost ~230 ms there). For torch tensors: names,
-    data pointers and element counts, three tuples (measured on an H100
-    at 100k tensors: 26 ms, against 66 ms when dtypes, shapes and
-    contiguity were read as well, torch's shape alone 26 ms). A tensor that
-    moved has a new data pointer, one cut or grown in place a new count;
-    what these don't see is a tensor given the same memory under another
-    dtype of the same size, shape or strides (p.data = p.data.view(...),
-    .t() of a square matrix), whose bytes the daemon still copies as they
-    were registered (docs/protocol.md, "Registered sources"). None when
-    an entry is not a tensor (the caller then never reuses a source)."""
+    a generator per tensor cost ~230 ms there): names and data pointers for
+    torch tensors (each torch accessor costs 13-21 ms per 100k tensors on
+    an H100 host, bench/results/control_probe.json, so one is read). A
+    tensor that moved has a new data pointer; what this doesn't see is a
+    tensor given the same first byte under another dtype, shape, strides or
+    element count (p.data = p.data.view(...), .t() of a square matrix,
+    p.data = p.data[:k]), whose registered bytes the daemon still copies
+    from memory the registration keeps alive (docs/protocol.md, "Registered
+    sources"). None when an entry is not a tensor (the caller then never
+    reuses a source)."""
     try:
         names = tuple(map(_first, pairs))
         tensors = tuple(map(_second, pairs))
         torch = sys.modules.get("torch")
         if torch is not None and tensors and isinstance(tensors[0], torch.Tensor):
-            T = torch.Tensor
-            return (names, tuple(map(T.data_ptr, tensors)), tuple(map(T.numel, tensors)))
+            return (names, tuple(map(torch.Tensor.data_ptr, tensors)))
         return (names, tuple(map(_data_ptr, tensors)), tuple(map(_dtype, tensors)),
                 tuple(map(_shape, tensors)), tuple(map(_stride, tensors)))
     except (AttributeError, TypeError):
         return None
+
+
+class _SourcePairs:
+    """The (name, tensor) pairs a registered source was last used with, kept
+    so that the next update of the very same objects costs two C-level
+    passes: the list compared with the kept one (item by item, identity
+    first: 0.2 ms per 100k pairs when the tuples are the same, 2.4 ms when
+    only their contents are) and the data pointers read again. It holds the
+    tensors, so their memory outlives any use the daemon makes of it."""
+
+    def __init__(self, pairs, source, data_ptr=None, numel=None):
+        if data_ptr is None:   # torch's, unbound (tests pass their fakes')
+            import torch
+            data_ptr, numel = torch.Tensor.data_ptr, torch.Tensor.numel
+        self._data_ptr = data_ptr
+        self.pairs = list(pairs)
+        self.tensors = list(map(_second, self.pairs))
+        self.ptrs = tuple(map(data_ptr, self.tensors))
+        # Where the list comparison could call a tensor "equal" by value:
+        # a non-identical tensor is compared with torch's ==, whose truth
+        # raises for more than one element but not for one.
+        self.one_element = [i for i, n in enumerate(map(numel, self.tensors)) if n <= 1]
+        self.source = source
+
+    def same(self, pairs):
+        """True if `pairs` are these pairs' very objects, in order, and no
+        tensor has a new data pointer."""
+        try:
+            if not pairs == self.pairs:
+                return False
+        except Exception:   # a tensor compared by value: another object
+            return False
+        if any(pairs[i][1] is not self.tensors[i] for i in self.one_element):
+            return False
+        return tuple(map(self._data_ptr, self.tensors)) == self.ptrs
 
 
 def _start_request(update_id, version, chunk_bytes, engine_ids, mode,
@@ -192,6 +226,7 @@ class Trainer:
         self._host_sources = []      # HostSource objects (host_tensors)
         self._source = None    # (key, source_id, manifest, flats) of the registered source
         self._source_raw = None  # _moved_signature of the pairs it was made from
+        self._source_pairs = None  # _SourcePairs: the last pairs sent from it
         self._source_gen = 0     # registrations made (a process-unique number each)
         self._layouts = {}     # layout_id -> layout (for receipts)
         self._ipc_ring_slots = 2
@@ -446,6 +481,15 @@ class Trainer:
         nccl/ipc in weightsync.gpu_trainer), receipts summed as it is
         made."""
         update_id = update_id or f"update-{version}-{uuid.uuid4().hex[:8]}"
+        fast = self._source_pairs
+        if (fast is not None and mode == "streaming" and type(named_tensors) is list
+                and self._backend == "ipc" and not self._ipc_packed
+                and fast.source is self._source and fast.same(named_tensors)):
+            # The registered source's own tensors, none moved: nothing per
+            # tensor beyond that check (no lazy or sparse entries among them).
+            return self._update_from_source(named_tensors, version, chunk_bytes, update_id,
+                                            engine_ids, verify, time.perf_counter(),
+                                            unchanged=True)
         if not isinstance(named_tensors, HostSource):
             if not isinstance(named_tensors, list):
                 named_tensors = list(named_tensors)
@@ -1094,24 +1138,34 @@ class Trainer:
         return self._source
 
     def _update_from_source(self, named_tensors, version, chunk_bytes, update_id, engine_ids,
-                            verify, t0):
+                            verify, t0, unchanged=False):
         """One-call IPC update from the registered source (init_ipc): the
         daemon copies from the trainer's tensors in place. Returns None
-        where the packed path must carry it."""
+        where the packed path must carry it. unchanged: the caller found
+        `named_tensors` to be the source's own pairs, none moved
+        (_SourcePairs.same)."""
         import torch
         from weightsync._gpu import dedupe_aliases
         pairs = named_tensors if isinstance(named_tensors, list) else list(named_tensors)
-        if _has_patches(pairs):
+        if not unchanged and _has_patches(pairs):
             return None
         gpu = self._gpu
-        raw = _moved_signature(pairs)
+        raw = None if unchanged else _moved_signature(pairs)
         for attempt in (0, 1):
-            if (attempt == 0 and raw is not None and self._source is not None
+            if attempt == 0 and unchanged:
+                source = self._source
+            elif (attempt == 0 and raw is not None and self._source is not None
                     and self._source_raw == raw):
                 source = self._source   # every tensor where it was: no per-tensor work
             else:
                 self._source_raw = None
+                self._source_pairs = None
                 source = self._source_for(dedupe_aliases(pairs)[0])
+                if source is not None:
+                    raw = raw if raw is not None else _moved_signature(pairs)
+                    if raw is not None and len(raw) == 2:   # torch tensors
+                        # The next update of these very pairs: _SourcePairs.same.
+                        self._source_pairs = _SourcePairs(pairs, source)
             if source is not None:
                 self._source_raw = raw
             if source is None:
