@@ -70,6 +70,11 @@ class Fp8VectorsTest(unittest.TestCase):
                 key = ("fp8 vector", case["name"])
                 self.assertEqual(receipts.expected_receipt(layout, sent, layout_key=key), want)
                 self.assertEqual(receipts.expected_receipt(layout, sent, layout_key=key), want)
+                # What a GPU trainer computes (the elements in their storage
+                # type; the quantised part by weightsync.fp8 on the host).
+                from weightsync._tensors import STORAGE
+                arrays = {n: (d, s, raw.view(STORAGE[d])) for n, (d, s, raw) in sent.items()}
+                self.assertEqual(receipts.expected_receipt_arrays(layout, arrays), want)
 
     def test_round_trip_and_dequantize(self):
         for fmt in fp8.FMAX:
