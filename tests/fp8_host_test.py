@@ -357,11 +357,23 @@ class Fp8HostTest(unittest.TestCase):
                 self.assertEqual(err.code, code, str(err))
                 self.assertIn(message, str(err))
                 self.assertIn("engine 'bad'", str(err))
-        # GPU memory: no kernels yet (before any worker is asked).
+        # GPU memory: the GPU backends quantise too, so the declaration
+        # passes; only this daemon's missing GPU worker refuses the memory.
         err = self.refused("gpu", w, quant=good, change=lambda r: r.allocations[0].__setattr__(
             "kind", v1.MEMORY_CUDA_IPC))
         self.assertEqual(err.code, "UNIMPLEMENTED")
-        self.assertIn("GPU quantisation kernels are not built yet", str(err))
+        self.assertIn("needs the GPU worker", str(err))
+
+        def split(r):   # the weight in host memory, its scales in GPU memory
+            r.allocations.add(kind=v1.MEMORY_CUDA_IPC, handle=b"h" * 64, size=4096,
+                              device_uuid="GPU-0")
+            scale = [p for p in r.parameters if p.name == "w_scale"][0]
+            scale.allocation = 1
+            scale.offset = 0
+        err = self.refused("split", w, quant=good, change=split)
+        self.assertEqual(err.code, "INVALID_ARGUMENT", str(err))
+        self.assertIn("both must be host shared memory (host backend) or both GPU memory",
+                      str(err))
         # The engines already registered serve on, untouched by all this.
         ck = checkpoint(1)
         self.update(ck, 1, chunk_bytes=64 << 10)

@@ -43,7 +43,8 @@ struct SparseJob;  // sparse_kernels.h
 // GpuWorker's members are defined by topic: gpu_worker.cc (the owner
 // thread, allocations, the NCCL group), gpu_worker_update.cc (an update's
 // life cycle and the NCCL pipeline), gpu_worker_ipc.cc (the IPC backend),
-// gpu_worker_sparse.cc (sparse patches), gpu_worker_receipts.cc (receipts).
+// gpu_worker_sparse.cc (sparse patches), gpu_worker_receipts.cc (receipts),
+// gpu_worker_quant.cc (FP8 targets).
 
 // One thread that runs posted closures in order. Joined on destruction.
 class OwnerThread {
@@ -161,6 +162,17 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
       const uint8_t* chunk,
       const absl::flat_hash_map<int64_t, Allocation>& allocs, bool sm_copies,
       int* op, const worker::v1::BeginUpdateRequest* ops = nullptr);
+  // FP8 targets (owner thread; gpu_worker_quant.cc). PrepareQuant, at
+  // BeginUpdate: the quant scratch `held` (the request, or the held ops)
+  // addresses. EnqueueChunkQuant: chunk k's quant steps of `held`, on
+  // scatter_stream_ after the chunk's ops: gathers from `chunk` (or the
+  // source allocation they name) into the scratch, and flushes that
+  // quantise complete rows of blocks into engine memory.
+  absl::Status PrepareQuant(const worker::v1::BeginUpdateRequest& held);
+  absl::Status EnqueueChunkQuant(
+      const worker::v1::BeginUpdateRequest& held, int64_t k,
+      const uint8_t* chunk,
+      const absl::flat_hash_map<int64_t, Allocation>& allocs);
   // Sparse patches (owner thread). PrepareSparse, at BeginUpdate: checks the
   // patches and pieces, lays out their payloads and reports in sparse_dev_.
   absl::Status PrepareSparse(const worker::v1::BeginUpdateRequest& request);
@@ -312,6 +324,12 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   worker::v1::BeginUpdateRequest staged_;
   cudaEvent_t received_ = nullptr;
   std::atomic<bool> staged_pending_{false};
+
+  // FP8 targets: the quant scratch (device, grown as needed) and the next
+  // quant step of the update to enqueue (owner thread).
+  uint8_t* quant_scratch_ = nullptr;
+  int64_t quant_scratch_bytes_ = 0;
+  int quant_next_step_ = 0;
 
   // Sparse patches of the update: per patch a SparseIndexReport (32 bytes)
   // then the payloads, each at sparse_offsets_[p] in sparse_dev_ (device,

@@ -35,6 +35,7 @@ absl::Status GpuWorker::EnqueueIpcUpdate(
                                ? nullptr
                                : ipc_source_ + k * request.chunk_bytes();
     absl::Status s = EnqueueChunkOps(ops, k, chunk, allocs, sm_copies_, &op);
+    if (s.ok()) s = EnqueueChunkQuant(ops, k, chunk, allocs);
     if (s.ok())
       s = EnqueueChunkSparse(request, k, chunk, allocs, /*apply=*/true);
     if (s.ok()) s = EnqueueReceiptsAfter(k);

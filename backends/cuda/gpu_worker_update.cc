@@ -110,8 +110,9 @@ absl::Status GpuWorker::EnqueueChunk(
     const uint8_t* chunk,
     const absl::flat_hash_map<int64_t, Allocation>& allocs, bool sm_copies,
     int* op, const worker::v1::BeginUpdateRequest* ops) {
-  absl::Status s = EnqueueChunkOps(ops != nullptr ? *ops : request, k, chunk,
-                                   allocs, sm_copies, op);
+  const worker::v1::BeginUpdateRequest& held = ops != nullptr ? *ops : request;
+  absl::Status s = EnqueueChunkOps(held, k, chunk, allocs, sm_copies, op);
+  if (s.ok()) s = EnqueueChunkQuant(held, k, chunk, allocs);
   if (!s.ok()) return s;
   s = EnqueueChunkSparse(request, k, chunk, allocs, /*apply=*/true);
   if (!s.ok()) return s;
@@ -297,9 +298,11 @@ absl::Status GpuWorker::BeginOnOwner(
   const absl::Time t_sparse = absl::Now();
   // An IPC update straight from the trainer's memory (no staging, no ring,
   // no patches) may copy and sum its receipts in one pass.
-  const bool may_fuse = ipc && !request.staged() &&
-                        request.ipc_ring_slots() == 0 &&
-                        request.sparse_size() == 0;
+  // (FP8 targets are written by quant steps, not ops: never fused.)
+  const bool may_fuse =
+      ipc && !request.staged() && request.ipc_ring_slots() == 0 &&
+      request.sparse_size() == 0 && held.quant_steps_size() == 0;
+  if (s.ok()) s = PrepareQuant(held);
   if (s.ok()) s = PrepareReceipts(held, request, may_fuse);
   if (!s.ok()) return s;
   VLOG(1) << "begin update (" << request.chunk_sizes_size() << " chunks, "
@@ -553,9 +556,12 @@ grpc::Status GpuWorker::CommitStaged(grpc::ServerContext* ctx,
         WS_CUDA(cudaStreamWaitEvent(scatter_stream_, received_, 0));
         WS_CUDA(cudaEventRecord(first_op_, scatter_stream_));
         int op = 0;
+        quant_next_step_ = 0;
         for (int64_t k = 0; k < staged_.chunk_sizes_size(); ++k) {
           absl::Status s =
               EnqueueChunkOps(staged_, k, staging_[k], allocs, false, &op);
+          // FP8 targets are quantised here, at the commit.
+          if (s.ok()) s = EnqueueChunkQuant(staged_, k, staging_[k], allocs);
           if (!s.ok()) return s;
         }
         // The patches were assembled and checked while receiving: one

@@ -5,12 +5,12 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "backends/cuda/quant_steps.h"
 #include "common/checksum.h"
 #include "common/dtype.h"
 #include "common/grpc_status.h"
@@ -432,11 +432,50 @@ absl::Status GpuDataPlane::CommitStaged(absl::Time deadline) {
 
 namespace {
 
-// The regions ComputeReceipt walks on the host (daemon/core/receipt.cc),
-// one group per engine: segment s of parameter p is rows x cols elements
-// from element s.dest_offset, rows s.dest_row_stride elements apart. Fills
-// *req, the receipts' parameter and byte counts in *out (one per engine),
-// and each region's source tensor in *region_sources.
+// The stored scales of the blocks that segment `s` of FP8 target `p`
+// writes, as ComputeReceipt sums them (daemon/core/receipt.cc,
+// AddScaleTerms): one region of the scale parameter, 4-byte elements keyed
+// on the block's index, salted with the scale parameter's name; counted in
+// *receipt (the scale parameter once per engine).
+absl::Status AddScaleRegion(const EngineLayout& engine,
+                            const ParameterLayout& p, const SegmentLayout& s,
+                            int group, worker::v1::ComputeReceiptsRequest* req,
+                            v1::Receipt* receipt,
+                            absl::flat_hash_set<int32_t>* scales_seen) {
+  const QuantLayout& q = *p.quant;
+  const ParameterLayout& scale = engine.parameters[q.scale_parameter];
+  const auto* region =
+      dynamic_cast<const GpuRegion*>(engine.regions[scale.region].get());
+  if (region == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "engine '", engine.engine_id, "': scale parameter '", scale.name,
+        "' is in host memory; the GPU backends read GPU memory"));
+  }
+  const QuantRect r = *SegmentRect(q.cols, s);
+  const int64_t i0 = r.r0 / q.block_rows;
+  const int64_t i1 = (r.r1 + q.block_rows - 1) / q.block_rows;
+  const int64_t j0 = r.c0 / q.block_cols;
+  const int64_t j1 = (r.c1 + q.block_cols - 1) / q.block_cols;
+  const int64_t first = i0 * q.grid_cols + j0;
+  worker::v1::ReceiptRegionSpec* g = req->add_regions();
+  g->set_allocation_id(region->id());
+  g->set_offset(scale.offset + first * 4);
+  g->set_rows(i1 - i0);
+  g->set_cols(j1 - j0);
+  g->set_row_stride_bytes(q.grid_cols * 4);
+  g->set_element_size(4);
+  g->set_salt(scale.salt);
+  g->set_first_index(static_cast<uint64_t>(first));
+  g->set_group(group);
+  receipt->set_bytes(receipt->bytes() + (i1 - i0) * (j1 - j0) * 4);
+  if (scales_seen->insert(q.scale_parameter).second) {
+    receipt->set_parameters(receipt->parameters() + 1);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status ReceiptRegionsOf(const std::vector<const EngineLayout*>& engines,
                               const absl::flat_hash_set<std::string>& sources,
                               const std::vector<bool>& skip,
@@ -449,6 +488,7 @@ absl::Status ReceiptRegionsOf(const std::vector<const EngineLayout*>& engines,
     if (e < skip.size() && skip[e]) continue;
     const EngineLayout& engine = *engines[e];
     v1::Receipt& receipt = (*out)[e];
+    absl::flat_hash_set<int32_t> scales_seen;  // counted scale parameters
     for (const ParameterLayout& p : engine.parameters) {
       const auto* region =
           dynamic_cast<const GpuRegion*>(engine.regions[p.region].get());
@@ -475,12 +515,19 @@ absl::Status ReceiptRegionsOf(const std::vector<const EngineLayout*>& engines,
         g->set_group(static_cast<int32_t>(e));
         region_sources->push_back(s.source);
         receipt.set_bytes(receipt.bytes() + s.row_count * s.col_count * es);
+        if (p.quant.has_value()) {
+          WS_RETURN_IF_ERROR(AddScaleRegion(engine, p, s, static_cast<int>(e),
+                                            req, &receipt, &scales_seen));
+          region_sources->push_back(s.source);
+        }
       }
       if (touched) receipt.set_parameters(receipt.parameters() + 1);
     }
   }
   return absl::OkStatus();
 }
+
+namespace {
 
 std::vector<const EngineLayout*> EnginesOf(const CopyPlan& plan) {
   std::vector<const EngineLayout*> engines;
@@ -611,63 +658,6 @@ absl::Status GpuDataPlane::SetIpcSource(
   return absl::OkStatus();
 }
 
-void MergeContiguousOps(worker::v1::BeginUpdateRequest* req) {
-  // A tensor the chunk planner cut at chunk boundaries arrives as one copy
-  // per chunk; where the whole source is there at once (ipc, no ring), the
-  // pieces that continue one another (the same allocations, dtypes, and
-  // source and destination bytes that follow on) become one copy: one
-  // copy-engine transfer per tensor instead of one per chunk (at 8 MiB
-  // chunks, ~2000 copies of ~8 us each for 16 GB, twice the copy itself).
-  // The merged copy keeps its first chunk: it runs earlier, never later, so
-  // receipts enqueued after a chunk still follow every copy they read.
-  using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int32_t, int32_t>;
-  absl::flat_hash_map<Key, int> next;  // where a copy ends -> its index
-  auto* ops = req->mutable_ops();
-  int out = 0;
-  for (int i = 0; i < ops->size(); ++i) {
-    worker::v1::GpuOp o = ops->Get(i);
-    const int64_t ss = ElementSize(static_cast<v1::DType>(o.src_dtype()));
-    const int64_t ds = ElementSize(static_cast<v1::DType>(o.dst_dtype()));
-    const bool flat = o.rows() == 1 || (o.src_stride() == o.cols() * ss &&
-                                        o.dst_stride() == o.cols() * ds);
-    if (flat) {
-      o.set_cols(o.rows() * o.cols());
-      o.set_rows(1);
-      o.set_src_stride(o.cols() * ss);
-      o.set_dst_stride(o.cols() * ds);
-    }
-    // Source bytes in the whole update (packed buffer) or in the source
-    // allocation (a registered source).
-    const int64_t src_at =
-        o.src_allocation_id() != 0
-            ? o.src_offset()
-            : o.chunk() * req->chunk_bytes() + o.src_offset();
-    const Key here{o.allocation_id(),     o.dst_offset(),
-                   o.src_allocation_id(), src_at,
-                   o.src_dtype(),         o.dst_dtype()};
-    auto it = flat ? next.find(here) : next.end();
-    if (it != next.end()) {
-      worker::v1::GpuOp& m = ops->at(it->second);
-      m.set_cols(m.cols() + o.cols());
-      m.set_src_stride(m.cols() * ss);
-      m.set_dst_stride(m.cols() * ds);
-      const int at = it->second;
-      next.erase(it);
-      next[Key{o.allocation_id(), o.dst_offset() + o.cols() * ds,
-               o.src_allocation_id(), src_at + o.cols() * ss, o.src_dtype(),
-               o.dst_dtype()}] = at;
-      continue;
-    }
-    if (flat) {
-      next[Key{o.allocation_id(), o.dst_offset() + o.cols() * ds,
-               o.src_allocation_id(), src_at + o.cols() * ss, o.src_dtype(),
-               o.dst_dtype()}] = out;
-    }
-    *ops->Mutable(out++) = std::move(o);
-  }
-  ops->DeleteSubrange(out, ops->size() - out);
-}
-
 namespace {
 
 // The worker's id of each of a source's regions.
@@ -685,11 +675,26 @@ absl::StatusOr<std::vector<int64_t>> SourceRegionIds(const Source* source) {
   return ids;
 }
 
+// The worker's id of region `r` of engine `e` of `plan`: GPU memory only.
+absl::StatusOr<int64_t> WorkerRegionId(const CopyPlan& plan, int32_t e,
+                                       int32_t r, const std::string& backend) {
+  const auto* region =
+      dynamic_cast<const GpuRegion*>(plan.engines[e]->regions[r].get());
+  if (region == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("engine '", plan.engines[e]->engine_id,
+                     "' registered host memory; the ", backend,
+                     " backend writes GPU memory"));
+  }
+  return region->id();
+}
+
 }  // namespace
 
 absl::Status GpuDataPlane::SetOps(const std::shared_ptr<const CopyPlan>& plan,
                                   const v1::StartWeightUpdateRequest& request,
                                   const Source* source, bool staged, bool reuse,
+                                  int64_t quant_window,
                                   worker::v1::BeginUpdateRequest* req) {
   req->clear_ops();
   req->clear_receipts();
@@ -704,7 +709,8 @@ absl::Status GpuDataPlane::SetOps(const std::shared_ptr<const CopyPlan>& plan,
   const bool named = source != nullptr && !staged;
   WS_ASSIGN_OR_RETURN(std::vector<int64_t> ids, SourceRegionIds(source));
   if (named && reuse && ops_id_ != 0 && ops_plan_.lock() == plan &&
-      ops_sources_ == ids && ops_receipts_ == receipts) {
+      ops_sources_ == ids && ops_receipts_ == receipts &&
+      ops_quant_window_ == quant_window) {
     req->set_ops_id(ops_id_);
     req->set_reuse_ops(true);
     absl::MutexLock lock(&mu_);
@@ -715,6 +721,12 @@ absl::Status GpuDataPlane::SetOps(const std::shared_ptr<const CopyPlan>& plan,
   if (backend_ == v1::BACKEND_IPC && !staged && req->ipc_ring_slots() == 0) {
     MergeContiguousOps(req);
   }
+  WS_RETURN_IF_ERROR(AddQuantSteps(
+      *plan, quant_window,
+      [&](int32_t e, int32_t r) -> absl::StatusOr<int64_t> {
+        return WorkerRegionId(*plan, e, r, name());
+      },
+      source, ids, req));
   if (receipts) WS_RETURN_IF_ERROR(AddReceipts(*plan, request, req));
   ops_plan_.reset();
   ops_id_ = 0;
@@ -722,6 +734,7 @@ absl::Status GpuDataPlane::SetOps(const std::shared_ptr<const CopyPlan>& plan,
     ops_plan_ = plan;
     ops_sources_ = std::move(ids);
     ops_receipts_ = receipts;
+    ops_quant_window_ = quant_window;
     absl::MutexLock lock(&mu_);
     ops_receipt_counts_ = inflight_receipts_;
     ops_id_ = next_ops_id_++;
@@ -765,71 +778,32 @@ absl::Status GpuDataPlane::AddOps(const CopyPlan& plan, const Source* source,
   return absl::OkStatus();
 }
 
-absl::Status SplitSourceOp(const ChunkPlan& chunks, const Source& source,
-                           const std::vector<int64_t>& region_ids, int64_t k,
-                           worker::v1::GpuOp g,
-                           worker::v1::BeginUpdateRequest* req) {
-  // The op reads bytes of the packed stream; a registered source has no
-  // packed stream, so each byte is read where its tensor lives. The copy
-  // plan joins ops that are contiguous in the stream and in the engine,
-  // across tensors: such an op is cut back into one op per tensor here
-  // (MergeContiguousOps joins again what is contiguous in the trainer's
-  // memory too).
-  const std::vector<int64_t>& starts = chunks.tensor_offsets;
-  const int64_t ss = ElementSize(static_cast<v1::DType>(g.src_dtype()));
-  const int64_t ds = ElementSize(static_cast<v1::DType>(g.dst_dtype()));
-  const bool flat = g.rows() == 1 || (g.src_stride() == g.cols() * ss &&
-                                      g.dst_stride() == g.cols() * ds);
-  int64_t packed = k * chunks.chunk_bytes + g.src_offset();
-  int64_t dst = g.dst_offset();
-  int64_t left = flat ? g.rows() * g.cols() : 1;
-  const int64_t extent =
-      flat ? 0 : (g.rows() - 1) * g.src_stride() + g.cols() * ss;
-  while (left > 0) {
-    const int64_t t = std::upper_bound(starts.begin(), starts.end(), packed) -
-                      starts.begin() - 1;
-    const int64_t end = t < 0 ? 0 : starts[t] + chunks.payload_bytes[t];
-    if (t < 0 || packed >= end || (!flat && packed + extent > end)) {
-      return absl::InternalError(absl::StrCat(
-          "a copy of chunk ", k, " reads packed bytes at ", packed,
-          " that no tensor of the registered source '", source.id, "' holds"));
-    }
-    const Source::Placement& p = source.placements[t];
-    worker::v1::GpuOp* out = req->add_ops();
-    *out = g;
-    out->set_src_allocation_id(region_ids[p.region]);
-    out->set_src_offset(p.offset + packed - starts[t]);
-    if (!flat) break;  // a strided block lies inside one tensor
-    const int64_t n = std::min(left, (end - packed) / ss);
-    out->set_rows(1);
-    out->set_cols(n);
-    out->set_src_stride(n * ss);
-    out->set_dst_stride(n * ds);
-    out->set_dst_offset(dst);
-    packed += n * ss;
-    dst += n * ds;
-    left -= n;
+namespace {
+
+// The quant steps' window (quant_steps.h): kQuantWindowBytes where the
+// scratch fits the staging budget beside `staging`, else one row of blocks
+// per use; RESOURCE_EXHAUSTED where even that does not fit.
+absl::StatusOr<int64_t> QuantWindow(const CopyPlan& plan, int64_t staging,
+                                    int64_t budget) {
+  if (plan.quant.empty()) return 0;
+  if (staging + QuantScratchBytes(plan, kQuantWindowBytes) <= budget) {
+    return kQuantWindowBytes;
   }
-  return absl::OkStatus();
+  const int64_t least = QuantScratchBytes(plan, 0);
+  if (staging + least <= budget) return 0;
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "GPU staging of ", staging, " bytes and ", least,
+      " bytes of FP8 targets' rows of blocks (float32) exceed the budget of ",
+      budget,
+      "; use a smaller chunk_bytes or raise --gpu_staging_budget_bytes"));
 }
+
+}  // namespace
 
 absl::Status GpuDataPlane::BeginImpl(
     std::shared_ptr<const CopyPlan> plan,
     const v1::StartWeightUpdateRequest& request, bool staged,
     const Source* source) {
-  // FP8 targets have no copy ops: without the GPU quantisation kernels the
-  // worker would leave them unwritten. Registration refuses them in GPU
-  // memory already; this keeps a plan that has them from running at all.
-  if (!plan->quant.empty()) {
-    const QuantTarget& t = plan->quant.front();
-    const EngineLayout& engine = *plan->engines[t.engine];
-    return absl::UnimplementedError(absl::StrCat(
-        "engine '", engine.engine_id, "' parameter '",
-        engine.parameters[t.parameter].name, "' is an FP8 target: the ",
-        v1::Backend_Name(backend_),
-        " backend can't quantise yet (the GPU quantisation kernels are not "
-        "built); use the host backend (docs/protocol.md, \"FP8 targets\")"));
-  }
   const absl::Time t_entry = absl::Now();
   const auto& o = sup_->options();
   // Staged: one buffer per chunk, the whole update.
@@ -850,7 +824,13 @@ absl::Status GpuDataPlane::BeginImpl(
   }
   // GPU staging the worker holds for this update (ipc streaming copies
   // straight from the trainer's buffer).
-  staging_bytes_ = backend_ == v1::BACKEND_NCCL || staged ? staging : 0;
+  const int64_t held_staging =
+      backend_ == v1::BACKEND_NCCL || staged ? staging : 0;
+  // FP8 targets: their rows of blocks (float32) in the worker's scratch,
+  // in windows of several rows of blocks where the budget allows.
+  WS_ASSIGN_OR_RETURN(const int64_t quant_window,
+                      QuantWindow(*plan, held_staging, o.staging_budget));
+  staging_bytes_ = held_staging + QuantScratchBytes(*plan, quant_window);
   req.set_chunk_bytes(plan->chunks.chunk_bytes);
   req.set_staging_buffers(o.staging_buffers);
   for (const Chunk& c : plan->chunks.chunks) req.add_chunk_sizes(c.size);
@@ -860,8 +840,8 @@ absl::Status GpuDataPlane::BeginImpl(
     inflight_receipts_ready_ = false;
     inflight_receipts_.clear();
   }
-  WS_RETURN_IF_ERROR(
-      SetOps(plan, request, source, staged, /*reuse=*/true, &req));
+  WS_RETURN_IF_ERROR(SetOps(plan, request, source, staged, /*reuse=*/true,
+                            quant_window, &req));
   // Sparse patches: assembled, checked and applied by the worker on its GPU.
   int64_t sparse_bytes = 0;
   for (const SparsePatch& patch : plan->sparse) {
@@ -926,8 +906,8 @@ absl::Status GpuDataPlane::BeginImpl(
       sup_->BeginUpdate(req, absl::Now() + sup_->options().call_timeout);
   if (absl::IsNotFound(s) && req.reuse_ops()) {
     // A worker that doesn't hold the ops (it was restarted): send them.
-    WS_RETURN_IF_ERROR(
-        SetOps(plan, request, source, staged, /*reuse=*/false, &req));
+    WS_RETURN_IF_ERROR(SetOps(plan, request, source, staged, /*reuse=*/false,
+                              quant_window, &req));
     s = sup_->BeginUpdate(req, absl::Now() + sup_->options().call_timeout);
   }
   if (!s.ok()) ops_plan_.reset();  // send them again next time

@@ -24,6 +24,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "backends/cuda/source_ops.h"
 #include "daemon/core/data_plane.h"
 #include "daemon/core/memory.h"
 #include "weightsync/v1/trainer_service.pb.h"
@@ -151,19 +152,20 @@ class GpuMapper : public MemoryMapper {
   const std::shared_ptr<GpuWorkerSupervisor> sup_;
 };
 
-// The copies of a registered source (exposed for tests). SplitSourceOp
-// appends `g`, an op of chunk k that reads the packed stream, as ops that
-// read the source's tensors where they live: one per tensor it covers (the
-// copy plan joins ops across tensors that are contiguous in the stream);
-// region_ids[i] is the worker's allocation id of source.regions[i].
-// INTERNAL if it reads bytes no tensor holds. MergeContiguousOps joins ops
-// that continue one another in source and destination (ipc, whole update
-// present: no ring, not staged).
-absl::Status SplitSourceOp(const ChunkPlan& chunks, const Source& source,
-                           const std::vector<int64_t>& region_ids, int64_t k,
-                           worker::v1::GpuOp g,
-                           worker::v1::BeginUpdateRequest* req);
-void MergeContiguousOps(worker::v1::BeginUpdateRequest* req);
+// The regions ComputeReceipt walks on the host (daemon/core/receipt.cc),
+// for the worker to sum (exposed for tests), one group per engine: segment
+// s of parameter p is rows x cols elements from element s.dest_offset, rows
+// s.dest_row_stride elements apart; an FP8 target's segment also has the
+// region of the scales of the blocks it writes. Fills *req, the receipts'
+// parameter and byte counts in *out (one per engine), and each region's
+// source tensor in *region_sources. Engines flagged in `skip` get none.
+// INVALID_ARGUMENT for memory that is not the worker's (host memory).
+absl::Status ReceiptRegionsOf(const std::vector<const EngineLayout*>& engines,
+                              const absl::flat_hash_set<std::string>& sources,
+                              const std::vector<bool>& skip,
+                              worker::v1::ComputeReceiptsRequest* req,
+                              std::vector<v1::Receipt>* out,
+                              std::vector<std::string>* region_sources);
 
 // The GPU backends' data plane. nccl: bytes arrive by broadcast straight
 // into the worker's GPU staging. ipc: the worker copies them with the copy
@@ -212,9 +214,12 @@ class GpuDataPlane : public DataPlane {
   // names the ops and regions the worker already holds when they are the
   // ones (a registered source's streaming update of the same plan, source
   // regions and verify: worker::v1::BeginUpdateRequest.reuse_ops).
+  // FP8 targets' quant steps (AddQuantSteps, windows of `quant_window`)
+  // go with the ops.
   absl::Status SetOps(const std::shared_ptr<const CopyPlan>& plan,
                       const v1::StartWeightUpdateRequest& request,
                       const Source* source, bool staged, bool reuse,
+                      int64_t quant_window,
                       worker::v1::BeginUpdateRequest* req);
   absl::Status BeginImpl(std::shared_ptr<const CopyPlan> plan,
                          const v1::StartWeightUpdateRequest& request,
@@ -245,6 +250,7 @@ class GpuDataPlane : public DataPlane {
   std::weak_ptr<const CopyPlan> ops_plan_;
   std::vector<int64_t> ops_sources_;
   bool ops_receipts_ = false;                    // they include receipt regions
+  int64_t ops_quant_window_ = 0;                 // their quant steps' window
   std::vector<v1::Receipt> ops_receipt_counts_;  // AddReceipts' counts
   uint64_t ops_id_ = 0, next_ops_id_ = 1;
   mutable absl::Mutex mu_;

@@ -109,26 +109,34 @@ absl::Status CheckSegmentsAligned(const std::string& engine,
   return absl::OkStatus();
 }
 
-// Both the parameter and its scales must be host memory the host data
-// plane writes: a GPU backend would copy nothing into them yet.
-absl::Status CheckHostMemory(const std::string& engine,
-                             const v1::RegisterEngineRequest& request,
-                             const ParameterLayout& p,
-                             const ParameterLayout& scale) {
-  for (const ParameterLayout* x : {&p, &scale}) {
-    const v1::MemoryKind kind = request.allocations(x->region).kind();
-    if (kind != v1::MEMORY_HOST_SHM) {
-      return absl::UnimplementedError(absl::StrCat(
-          "engine '", engine, "': parameter '", p.name, "' is an FP8 target (",
-          DTypeName(p.dtype), ") whose ",
-          x == &p ? "memory" : absl::StrCat("scale parameter '", x->name, "'"),
-          " is in ", v1::MemoryKind_Name(kind),
-          " memory: only the host backend quantises so far; the GPU "
-          "quantisation kernels are not built yet (docs/protocol.md, \"FP8 "
-          "targets\")"));
-    }
+bool IsGpuMemory(v1::MemoryKind kind) {
+  return kind == v1::MEMORY_CUDA_IPC || kind == v1::MEMORY_CUDA_VMM;
+}
+
+// The parameter and its scales are written together, by one data plane:
+// the host backend's (host shared memory) or a GPU backend's worker (GPU
+// memory), so both must be the one kind or the other.
+absl::Status CheckMemory(const std::string& engine,
+                         const v1::RegisterEngineRequest& request,
+                         const ParameterLayout& p,
+                         const ParameterLayout& scale) {
+  const v1::MemoryKind kind = request.allocations(p.region).kind();
+  const v1::MemoryKind scale_kind = request.allocations(scale.region).kind();
+  const bool host =
+      kind == v1::MEMORY_HOST_SHM && scale_kind == v1::MEMORY_HOST_SHM;
+  if (host || (IsGpuMemory(kind) && IsGpuMemory(scale_kind))) {
+    return absl::OkStatus();
   }
-  return absl::OkStatus();
+  return Invalid(
+      engine, p.name,
+      absl::StrCat("an FP8 target (", DTypeName(p.dtype), ") in ",
+                   v1::MemoryKind_Name(kind),
+                   " memory with its scale "
+                   "parameter '",
+                   scale.name, "' in ", v1::MemoryKind_Name(scale_kind),
+                   " memory: the FP8 elements and their scales are written "
+                   "together, so both must be host shared memory (host "
+                   "backend) or both GPU memory (GPU backends)"));
 }
 
 // Checks parameter `i` (quantised) of `layout` and records its QuantLayout.
@@ -187,7 +195,7 @@ absl::Status CheckOne(const v1::RegisterEngineRequest& request, int i,
                      " bytes the daemon holds per row of blocks"));
   }
   WS_RETURN_IF_ERROR(CheckSegmentsAligned(engine, p, q));
-  WS_RETURN_IF_ERROR(CheckHostMemory(engine, request, p, scale));
+  WS_RETURN_IF_ERROR(CheckMemory(engine, request, p, scale));
   p.quant = q;
   return absl::OkStatus();
 }

@@ -1,8 +1,8 @@
 // FP8 targets at registration (docs/protocol.md, "FP8 targets"): which
 // parameters are quantised and which hold their scales, and the checks
 // that let a block be quantised whole: dtypes, the scale parameter's
-// shape, segments that lie on block boundaries, the host memory the host
-// backend quantises into. Part of BuildEngineLayout; pure functions.
+// shape, segments that lie on block boundaries, the FP8 elements and their
+// scales in one kind of memory. Part of BuildEngineLayout; pure functions.
 #ifndef WEIGHTSYNC_DAEMON_CORE_QUANT_LAYOUT_H_
 #define WEIGHTSYNC_DAEMON_CORE_QUANT_LAYOUT_H_
 
@@ -41,9 +41,9 @@ absl::StatusOr<QuantRoles> ResolveQuantRoles(
 // writes a rectangle of the parameter whose edges lie on block boundaries
 // or on the parameter's edges (a tensor-parallel shard that cuts a block is
 // refused, naming the parameter, the segment and the block size); a row of
-// blocks fits limits.max_quant_band_bytes. INVALID_ARGUMENT for those;
-// UNIMPLEMENTED for either parameter in memory other than host shared
-// memory (the GPU quantisation kernels are not built yet).
+// blocks fits limits.max_quant_band_bytes; the parameter and its scale
+// parameter both in host shared memory or both in GPU memory (CUDA IPC or
+// VMM). INVALID_ARGUMENT for every one of those.
 absl::Status CheckQuantization(const v1::RegisterEngineRequest& request,
                                const QuantRoles& roles,
                                const RegistrationLimits& limits,

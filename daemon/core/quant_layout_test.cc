@@ -244,9 +244,18 @@ TEST(QuantLayoutTest, RefusesEveryBadDeclarationBeforeOpeningMemory) {
          AddSegment(r.mutable_parameters(0), "w", 0, 300, 0, 100, 0, 260);
        },
        absl::StatusCode::kInvalidArgument, "cols [0, 100)"},
-      {"GPU memory",
-       [](auto& r) { r.mutable_allocations(0)->set_kind(v1::MEMORY_CUDA_IPC); },
-       absl::StatusCode::kUnimplemented, "GPU quantisation kernels"},
+      {"the weight in GPU memory, its scales in host memory",
+       [](auto& r) {
+         r.mutable_allocations(0)->set_kind(v1::MEMORY_CUDA_IPC);
+         v1::Allocation* a = r.add_allocations();
+         a->set_kind(v1::MEMORY_HOST_SHM);
+         a->set_handle("/scales");
+         a->set_size(4096);
+         r.mutable_parameters(1)->set_allocation(1);
+         r.mutable_parameters(1)->set_offset(0);
+       },
+       absl::StatusCode::kInvalidArgument,
+       "both must be host shared memory (host backend) or both GPU memory"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
@@ -256,6 +265,26 @@ TEST(QuantLayoutTest, RefusesEveryBadDeclarationBeforeOpeningMemory) {
     EXPECT_EQ(s.code(), c.code) << s;
     EXPECT_THAT(s.message(), HasSubstr(c.message));
     EXPECT_THAT(s.message(), HasSubstr("engine 'e0'"));
+  }
+}
+
+// The GPU backends quantise too (issue 17): an FP8 target and its scales
+// in GPU memory, one allocation or two (CUDA IPC and VMM), are accepted.
+TEST(QuantLayoutTest, AcceptsFp8TargetsInGpuMemory) {
+  for (v1::MemoryKind scale_kind : {v1::MEMORY_CUDA_IPC, v1::MEMORY_CUDA_VMM}) {
+    v1::RegisterEngineRequest r = Fp8Engine();
+    r.mutable_allocations(0)->set_kind(v1::MEMORY_CUDA_IPC);
+    v1::Allocation* a = r.add_allocations();
+    a->set_kind(scale_kind);
+    a->set_handle("/scales");
+    a->set_size(4096);
+    r.mutable_parameters(1)->set_allocation(1);
+    r.mutable_parameters(1)->set_offset(0);
+    testing::HeapMapper mapper;
+    auto layout = BuildEngineLayout(r, mapper);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    ASSERT_TRUE((*layout)->parameters[0].quant.has_value());
+    EXPECT_EQ((*layout)->parameters[0].quant->scale_parameter, 1);
   }
 }
 

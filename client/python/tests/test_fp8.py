@@ -70,6 +70,15 @@ class Fp8VectorsTest(unittest.TestCase):
                 key = ("fp8 vector", case["name"])
                 self.assertEqual(receipts.expected_receipt(layout, sent, layout_key=key), want)
                 self.assertEqual(receipts.expected_receipt(layout, sent, layout_key=key), want)
+                # What a GPU trainer computes (the elements in their storage
+                # type; the quantised part by weightsync.fp8 on the host).
+                from weightsync._tensors import STORAGE
+                arrays = {n: (d, s, raw.view(STORAGE[d])) for n, (d, s, raw) in sent.items()}
+                self.assertEqual(receipts.expected_receipt_arrays(layout, arrays), want)
+                # A lazy update's counts, from names and shapes only.
+                from weightsync import lazy
+                shapes = {n: (d, list(s), None) for n, (d, s, _) in sent.items()}
+                self.assertEqual(lazy.receipt_counts(layout, shapes), want[1:])
 
     def test_round_trip_and_dequantize(self):
         for fmt in fp8.FMAX:

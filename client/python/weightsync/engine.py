@@ -172,8 +172,9 @@ class Engine:
         layout, e.g. from weightsync.layouts); without, each parameter is
         the checkpoint tensor of the same name and shape. `names` maps a
         parameter name to the name it is registered under. `quantization`:
-        as register_host's, but the daemon refuses FP8 targets in GPU memory
-        (UNIMPLEMENTED) until its GPU quantisation kernels exist. Returns
+        as register_host's: FP8 weights (torch.float8_e4m3fn / float8_e5m2
+        tensors) and their float32 scale tensors, which the daemon's GPU
+        backends quantise into and write on the GPU. Returns
         {registered name: tensor}."""
         import torch
         from weightsync._gpu import allocation_table, dedupe_aliases, dtype_names, ipc_locations

@@ -578,14 +578,45 @@ def expected_receipt_arrays(layout, sent, ops=None, block=1 << 22):
     (weightsync._tensors.STORAGE). CUDA tensors, no `ops`, Triton present:
     the fused kernel (weightsync.receipts_gpu) on the current stream;
     otherwise int64 array ops (`block` elements at a time) with `ops` or
-    those of the data. Returns (checksum, parameters, bytes). No FP8
-    targets: the GPU backends refuse them at registration (expected_receipt
-    sums them on the host)."""
+    those of the data. Returns (checksum, parameters, bytes). FP8 targets
+    (a GPU engine's, quantised by the daemon on its GPU): the rest of the
+    layout as above, the quantised parameters by weightsync.fp8 on host
+    copies of the tensors that feed them."""
+    if has_fp8(layout):
+        from weightsync import fp8
+        plain, quant, _ = fp8.split_layout(layout)
+        checksum, params, nbytes = expected_receipt_arrays(plain, sent, ops, block)
+        q_sum, q_params, q_bytes = fp8.quantized_receipt(quant, _on_host(quant, sent))
+        return (checksum + q_sum) & _xp.MASK64, params + q_params, nbytes + q_bytes
     if ops is None and _all_cuda(sent):
         from weightsync import receipts_gpu
         if receipts_gpu.available():
             return receipts_gpu.expected_receipts_gpu({0: layout}, sent)[0]
     return _receipt_by_ops(layout, sent, ops, block)
+
+
+def has_fp8(layout):
+    """True if `layout` has FP8 targets (docs/protocol.md, "FP8 targets")."""
+    return any(p.HasField("quantization") for p in layout)
+
+
+def _on_host(quantized, sent):
+    """The entries of `sent` that feed the quantised parameters, their
+    elements as numpy arrays (torch tensors, CUDA ones too, copied)."""
+    names = set()
+    for p in quantized:
+        names.update([s.source for s in p.segments] or [p.name])
+    out = {}
+    for name in names:
+        if name not in sent:
+            continue
+        dtype, shape, elements = sent[name][:3]
+        if _xp.is_torch(elements):
+            import torch
+            flat = elements.detach().contiguous().reshape(-1)
+            elements = flat.view(torch.uint8).cpu().numpy()
+        out[name] = (dtype, shape, elements)
+    return out
 
 
 def _all_cuda(sent):

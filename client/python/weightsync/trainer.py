@@ -180,11 +180,17 @@ def _gpu_partial_receipts(layouts, sent):
     each layout: one Triton launch per dtype pair over all of them, else
     torch int64 ops per layout (weightsync.receipts)."""
     from weightsync import receipts, receipts_gpu
-    if receipts._all_cuda(sent) and receipts_gpu.available():
-        out = receipts_gpu.expected_receipts_gpu(layouts, sent, keep=False)
-        return {k: v[0] for k, v in out.items()}
-    return {k: receipts.expected_receipt_arrays(layout, sent)[0]
-            for k, layout in layouts.items()}
+    # FP8 layouts: their quantised part by weightsync.fp8 (the kernel has none).
+    fp8 = {k: layout for k, layout in layouts.items() if receipts.has_fp8(layout)}
+    out = {k: receipts.expected_receipt_arrays(layout, sent)[0] for k, layout in fp8.items()}
+    rest = {k: layout for k, layout in layouts.items() if k not in fp8}
+    if rest and receipts._all_cuda(sent) and receipts_gpu.available():
+        gpu = receipts_gpu.expected_receipts_gpu(rest, sent, keep=False)
+        out.update({k: v[0] for k, v in gpu.items()})
+        return out
+    out.update({k: receipts.expected_receipt_arrays(layout, sent)[0]
+                for k, layout in rest.items()})
+    return out
 
 
 def _specs(manifest):
@@ -1222,12 +1228,15 @@ class Trainer:
             from weightsync import receipts_gpu
             if receipts_gpu.available():
                 fast = receipts_gpu
+        from weightsync.receipts import has_fp8
         try:
             if fast is None:
                 self._check_receipts(results, lambda layout: expected_receipt_arrays(
                     layout, sent()))
             else:
+                # FP8 layouts: the Triton kernel sums no quantised parameters.
                 self._check_receipts(results, lambda layout, layout_id: (
+                    expected_receipt_arrays(layout, sent()) if has_fp8(layout) else
                     fast.expected_receipts_gpu({0: layout}, sent, plan_key=(
                         plan_key, layout_id) if layout_id else None)[0]), keyed=True)
         finally:

@@ -1,0 +1,36 @@
+// FP8 quantisation on the GPU (docs/protocol.md, "FP8 targets"; issue 17):
+// a rectangle of float32 values in device memory (a row of blocks that the
+// worker gathered from the chunks, widened by CopyConvert2D) quantised in
+// blocks, its FP8 elements and one scale per block written into engine
+// memory. Bit for bit common/fp8.h's QuantizeBlocks: the per-thread
+// arithmetic is fp8_math.h's, which fp8_math_test checks on the CPU.
+//
+// Stateless and thread-safe; nothing here synchronises: the kernel is
+// enqueued on `stream` and the caller orders it after the writes of job.x
+// and before anything reads the outputs. Built only with CUDA
+// (//backends/cuda:quant_kernels is header-only otherwise); include it from
+// code that is itself compiled only when WEIGHTSYNC_HAS_CUDA.
+#ifndef WEIGHTSYNC_BACKENDS_CUDA_QUANT_KERNELS_H_
+#define WEIGHTSYNC_BACKENDS_CUDA_QUANT_KERNELS_H_
+
+#include <cuda_runtime.h>
+
+#include "backends/cuda/fp8_math.h"  // QuantJob
+
+namespace weightsync {
+namespace cuda {
+
+// Threads per block of the kernel (one thread block per FP8 block).
+inline constexpr int kQuantThreads = 256;
+
+// Quantises `job` (fp8_math.h): every pointer addressable from the current
+// device; job.x 4-byte aligned; job.q and job.scale may be unaligned.
+// cudaErrorInvalidValue, nothing enqueued, for null pointers of a non-empty
+// job, sizes below 0, block sides below 1, strides shorter than a row, or a
+// block of more than 2^26 elements. An empty job is a no-op.
+cudaError_t QuantizeFp8Blocks(const QuantJob& job, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace weightsync
+
+#endif  // WEIGHTSYNC_BACKENDS_CUDA_QUANT_KERNELS_H_

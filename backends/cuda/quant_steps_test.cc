@@ -1,0 +1,414 @@
+// The GPU worker's quant steps (quant_steps.h) run on the CPU as the worker
+// runs them: gathers widen into the scratch (ConvertElements, as
+// CopyConvert2D), flushes quantise through fp8_math.h thread by thread (as
+// the kernel), in step order, reusing the scratch as the worker does. The
+// engine memory they leave must equal, byte for byte, what the host data
+// plane installs for the same update, whatever the chunk size (blocks cut
+// anywhere), the window size, and whether the gathers read the packed
+// stream or a registered source's tensors in place.
+#include "backends/cuda/quant_steps.h"
+
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "backends/cuda/fp8_math.h"
+#include "backends/host/host_data_plane.h"
+#include "common/dtype.h"
+#include "daemon/core/copy_plan.h"
+#include "daemon/core/engine_layout.h"
+#include "gtest/gtest.h"
+#include "tests/testing/heap_memory.h"
+
+namespace weightsync {
+namespace {
+
+struct Tensor {
+  v1::TensorSpec spec;
+  std::string bytes;
+};
+
+Tensor RandomTensor(const std::string& name, v1::DType dtype, int64_t rows,
+                    int64_t cols, std::mt19937& rng) {
+  Tensor t;
+  t.spec.set_name(name);
+  t.spec.set_dtype(dtype);
+  t.spec.add_shape(rows);
+  t.spec.add_shape(cols);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  std::vector<float> f(rows * cols);
+  for (float& x : f) x = normal(rng);
+  f[0] = NAN;        // ignored by its block's amax
+  f[1] = -INFINITY;  // saturates
+  // A row of zeros: per-row blocks of scale 1.
+  for (int64_t c = 0; c < cols && rows > 3; ++c) f[3 * cols + c] = 0.0f;
+  t.bytes.resize(rows * cols * ElementSize(dtype));
+  ConvertElements(f.data(), v1::FLOAT32, t.bytes.data(), dtype, rows * cols);
+  return t;
+}
+
+v1::Parameter* Add(v1::RegisterEngineRequest& r, const std::string& name,
+                   v1::DType dtype, int64_t rows, int64_t cols,
+                   int64_t* offset) {
+  v1::Parameter* p = r.add_parameters();
+  p->set_name(name);
+  p->set_dtype(dtype);
+  p->add_shape(rows);
+  if (cols > 0) p->add_shape(cols);
+  p->set_offset(*offset);
+  // Odd offsets: the worker's FP8 and scale writes need no alignment.
+  *offset += rows * std::max<int64_t>(cols, 1) * ElementSize(dtype) + 4 + 1;
+  if (dtype != v1::FLOAT8_E4M3FN && dtype != v1::FLOAT8_E5M2) {
+    *offset = (*offset + 255) / 256 * 256;
+  }
+  return p;
+}
+
+void Quantize(v1::Parameter* p, v1::DType format, const std::string& scale,
+              v1::QuantScheme scheme, v1::ScaleForm form, int64_t br = 0,
+              int64_t bc = 0) {
+  v1::Quantization* q = p->mutable_quantization();
+  q->set_format(format);
+  q->set_scale_parameter(scale);
+  q->set_scheme(scheme);
+  q->set_scale_form(form);
+  q->set_block_rows(br);
+  q->set_block_cols(bc);
+}
+
+void AddSegment(v1::Parameter* p, const std::string& source, int64_t rb,
+                int64_t rc, int64_t cb, int64_t cc, int64_t dest,
+                int64_t stride) {
+  v1::Segment* s = p->add_segments();
+  s->set_source(source);
+  s->set_row_begin(rb);
+  s->set_row_count(rc);
+  s->set_col_begin(cb);
+  s->set_col_count(cc);
+  s->set_dest_offset(dest);
+  s->set_dest_row_stride(stride);
+}
+
+// Every kind of quantised use: a whole bf16 tensor in 64 x 64 blocks with
+// partial edges (and the same tensor copied plainly), fused q/k/v of
+// float32/float16 into e5m2 with reciprocal scales, a row-parallel shard in
+// per-row scales, two sources side by side, and a tensor whose rows land
+// one after another (half a parameter row each).
+struct Case {
+  std::vector<Tensor> tensors;
+  v1::RegisterEngineRequest r;
+};
+
+Case MakeCase() {
+  std::mt19937 rng(11);
+  Case c;
+  c.tensors = {
+      RandomTensor("w", v1::BFLOAT16, 150, 130, rng),
+      RandomTensor("q", v1::FLOAT32, 128, 100, rng),
+      RandomTensor("k", v1::FLOAT32, 64, 100, rng),
+      RandomTensor("v", v1::FLOAT16, 128, 100, rng),
+      RandomTensor("o_proj", v1::BFLOAT16, 70, 256, rng),
+      RandomTensor("halves", v1::FLOAT16, 24, 48, rng),
+  };
+  v1::RegisterEngineRequest& r = c.r;
+  r.set_engine_id("fp8");
+  int64_t offset = 0;
+  Quantize(Add(r, "w", v1::FLOAT8_E4M3FN, 150, 130, &offset), v1::FLOAT8_E4M3FN,
+           "w_scale_inv", v1::QUANT_SCHEME_BLOCK, v1::SCALE_FORM_DEQUANT, 64,
+           64);
+  Add(r, "w_scale_inv", v1::FLOAT32, 3, 3, &offset);
+  AddSegment(Add(r, "w_copy", v1::BFLOAT16, 150, 130, &offset), "w", 0, 150, 0,
+             130, 0, 0);
+  v1::Parameter* qkv = Add(r, "qkv", v1::FLOAT8_E5M2, 192, 100, &offset);
+  Quantize(qkv, v1::FLOAT8_E5M2, "qkv_scale", v1::QUANT_SCHEME_BLOCK,
+           v1::SCALE_FORM_RECIPROCAL, 32, 32);
+  AddSegment(qkv, "q", 64, 64, 0, 100, 0, 100);
+  AddSegment(qkv, "k", 0, 64, 0, 100, 64 * 100, 100);
+  AddSegment(qkv, "v", 64, 64, 0, 100, 128 * 100, 100);
+  Add(r, "qkv_scale", v1::FLOAT32, 6, 4, &offset);
+  v1::Parameter* o = Add(r, "o", v1::FLOAT8_E4M3FN, 70, 128, &offset);
+  Quantize(o, v1::FLOAT8_E4M3FN, "o_scale", v1::QUANT_SCHEME_PER_ROW,
+           v1::SCALE_FORM_RECIPROCAL);
+  AddSegment(o, "o_proj", 0, 70, 128, 128, 0, 0);
+  Add(r, "o_scale", v1::FLOAT32, 70, 1, &offset);
+  v1::Parameter* side = Add(r, "side", v1::FLOAT8_E4M3FN, 70, 192, &offset);
+  Quantize(side, v1::FLOAT8_E4M3FN, "side_scale", v1::QUANT_SCHEME_BLOCK,
+           v1::SCALE_FORM_DEQUANT, 2, 64);
+  AddSegment(side, "w", 0, 70, 0, 128, 0, 192);
+  AddSegment(side, "o_proj", 0, 70, 0, 64, 128, 192);
+  Add(r, "side_scale", v1::FLOAT32, 35, 3, &offset);
+  v1::Parameter* flat = Add(r, "flat", v1::FLOAT8_E5M2, 12, 96, &offset);
+  Quantize(flat, v1::FLOAT8_E5M2, "flat_scale", v1::QUANT_SCHEME_BLOCK,
+           v1::SCALE_FORM_DEQUANT, 4, 32);
+  AddSegment(flat, "halves", 0, 24, 0, 48, 0, 48);
+  Add(r, "flat_scale", v1::FLOAT32, 3, 3, &offset);
+  v1::Allocation* a = r.add_allocations();
+  a->set_kind(v1::MEMORY_HOST_SHM);
+  a->set_handle("/fp8");
+  a->set_size(offset);
+  return c;
+}
+
+std::string Packed(const CopyPlan& plan, const std::vector<Tensor>& tensors) {
+  std::string packed(plan.chunks.total_bytes, '\0');
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    std::memcpy(&packed[plan.chunks.tensor_offsets[t]], tensors[t].bytes.data(),
+                tensors[t].bytes.size());
+  }
+  return packed;
+}
+
+std::shared_ptr<const CopyPlan> PlanOf(const Case& c,
+                                       std::shared_ptr<const EngineLayout> e,
+                                       int64_t chunk_bytes) {
+  Manifest manifest;
+  for (const Tensor& t : c.tensors) *manifest.Add() = t.spec;
+  auto plan = BuildCopyPlan(manifest, chunk_bytes, {std::move(e)});
+  EXPECT_TRUE(plan.ok()) << plan.status();
+  return plan.ok() ? *plan : nullptr;
+}
+
+// The host data plane's engine memory after the update.
+std::string HostInstall(const Case& c, int64_t chunk_bytes) {
+  testing::HeapMapper mapper;
+  auto layout = BuildEngineLayout(c.r, mapper);
+  EXPECT_TRUE(layout.ok()) << layout.status();
+  auto plan = PlanOf(c, *layout, chunk_bytes);
+  const std::string packed = Packed(*plan, c.tensors);
+  HostDataPlane plane({});
+  EXPECT_TRUE(plane.Begin(plan, v1::StartWeightUpdateRequest()).ok());
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  for (const Chunk& k : plan->chunks.chunks) {
+    EXPECT_TRUE(
+        plane.SubmitChunk(k.index, packed.substr(k.offset, k.size), deadline)
+            .ok());
+  }
+  EXPECT_TRUE(plane.Drain(deadline).ok());
+  const MappedRegion& region = *(*layout)->regions[0];
+  return std::string(reinterpret_cast<const char*>(region.data()),
+                     region.size());
+}
+
+// rows x cols elements, row r at src + r * src_stride, widened or copied
+// into dst + r * dst_stride (what CopyConvert2D does).
+void Copy2D(const uint8_t* src, int64_t src_stride, v1::DType sd, uint8_t* dst,
+            int64_t dst_stride, v1::DType dd, int64_t rows, int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r) {
+    ConvertElements(src + r * src_stride, sd, dst + r * dst_stride, dd, cols);
+  }
+}
+
+// The worker's run of an update on the CPU: per chunk its ops, then its
+// quant steps in order. `memory`: allocation id -> bytes (engine regions
+// and a registered source's); `scratch` sized as the request says, filled
+// with garbage a flush must never read.
+class Worker {
+ public:
+  std::map<int64_t, uint8_t*> memory;
+
+  void Run(const CopyPlan& plan, const worker::v1::BeginUpdateRequest& req,
+           const std::string& packed, uint8_t* engine_base) {
+    std::vector<uint8_t> scratch(req.quant_scratch_bytes(), 0xFF);
+    int step = 0;
+    for (const Chunk& k : plan.chunks.chunks) {
+      const uint8_t* chunk =
+          reinterpret_cast<const uint8_t*>(packed.data()) + k.offset;
+      for (const CopyOp& op : plan.ops_by_chunk[k.index]) {
+        Copy2D(chunk + op.src_offset, op.src_stride, op.src_dtype,
+               engine_base + op.dst_offset, op.dst_stride, op.dst_dtype,
+               op.rows, op.cols);
+      }
+      for (; step < req.quant_steps_size() &&
+             req.quant_steps(step).chunk() == k.index;
+           ++step) {
+        const worker::v1::GpuQuantStep& s = req.quant_steps(step);
+        if (s.has_gather()) {
+          const worker::v1::GpuOp& g = s.gather();
+          ASSERT_EQ(g.allocation_id(), 0);
+          ASSERT_EQ(g.dst_dtype(), v1::FLOAT32);
+          ASSERT_LE(
+              g.dst_offset() + (g.rows() - 1) * g.dst_stride() + g.cols() * 4,
+              static_cast<int64_t>(scratch.size()));
+          const uint8_t* src = g.src_allocation_id() != 0
+                                   ? memory.at(g.src_allocation_id())
+                                   : chunk;
+          Copy2D(src + g.src_offset(), g.src_stride(),
+                 static_cast<v1::DType>(g.src_dtype()),
+                 scratch.data() + g.dst_offset(), g.dst_stride(), v1::FLOAT32,
+                 g.rows(), g.cols());
+          continue;
+        }
+        ASSERT_TRUE(s.has_flush());
+        const worker::v1::GpuQuantFlush& f = s.flush();
+        ASSERT_LE(f.scratch_offset() + f.rows() * f.width() * 4,
+                  static_cast<int64_t>(scratch.size()));
+        ASSERT_EQ(f.scratch_offset() % 256, 0);
+        cuda::QuantJob job{};
+        job.x =
+            reinterpret_cast<const float*>(scratch.data() + f.scratch_offset());
+        job.rows = f.rows();
+        job.width = f.width();
+        job.x_stride = f.width();
+        job.block_rows = f.block_rows();
+        job.block_cols = f.block_cols();
+        job.q = memory.at(f.allocation_id()) + f.offset();
+        job.q_stride = f.stride();
+        job.scale = memory.at(f.scale_allocation_id()) + f.scale_offset();
+        job.scale_stride = f.scale_stride();
+        job.e5m2 = f.format() == v1::FLOAT8_E5M2;
+        job.reciprocal = f.reciprocal();
+        for (int64_t b = 0; b < cuda::QuantJobBlocks(job); ++b) {
+          float amax = 0.0f;
+          for (uint32_t t = 0; t < 32; ++t) {
+            const float part = cuda::QuantAmaxPart(job, b, t, 32);
+            amax = part > amax ? part : amax;
+          }
+          for (uint32_t t = 0; t < 32; ++t) {
+            cuda::QuantWritePart(job, b, amax, t, 32);
+          }
+        }
+        // The worker may hand the slot to the next gathers: garbage again.
+        std::memset(scratch.data() + f.scratch_offset(), 0xFF,
+                    f.rows() * f.width() * 4);
+      }
+    }
+    EXPECT_EQ(step, req.quant_steps_size());
+  }
+};
+
+constexpr int64_t kEngineId = 7;
+
+std::string StepsInstall(const Case& c, int64_t chunk_bytes,
+                         int64_t window_bytes, bool from_source) {
+  testing::HeapMapper mapper;
+  auto layout = BuildEngineLayout(c.r, mapper);
+  EXPECT_TRUE(layout.ok()) << layout.status();
+  auto plan = PlanOf(c, *layout, chunk_bytes);
+  const std::string packed = Packed(*plan, c.tensors);
+  uint8_t* engine = (*layout)->regions[0]->data();
+  Worker worker;
+  worker.memory[kEngineId] = engine;
+  // A registered source: tensors alternately in two regions, out of order.
+  Source source;
+  std::vector<std::string> regions(2);
+  for (size_t t = 0; t < c.tensors.size(); ++t) {
+    std::string& region = regions[t % 2];
+    region.insert(0, c.tensors[t].bytes);
+    region.insert(0, 256, '\x55');
+  }
+  std::vector<int64_t> ids = {301, 302};
+  if (from_source) {
+    std::vector<int64_t> at(2, 0);
+    for (size_t t = 0; t < c.tensors.size(); ++t) {
+      // Tensor t sits where its bytes were inserted: after everything
+      // inserted later (tensors t + 2, t + 4, ...) and their 256 bytes.
+      int64_t offset = 256;
+      for (size_t u = t + 2; u < c.tensors.size(); u += 2) {
+        offset += c.tensors[u].bytes.size() + 256;
+      }
+      source.placements.push_back({static_cast<int32_t>(t % 2), offset});
+    }
+    worker.memory[301] = reinterpret_cast<uint8_t*>(regions[0].data());
+    worker.memory[302] = reinterpret_cast<uint8_t*>(regions[1].data());
+  }
+  worker::v1::BeginUpdateRequest req;
+  const absl::Status added = AddQuantSteps(
+      *plan, window_bytes,
+      [](int32_t engine, int32_t region) -> absl::StatusOr<int64_t> {
+        EXPECT_EQ(engine, 0);
+        EXPECT_EQ(region, 0);
+        return kEngineId;
+      },
+      from_source ? &source : nullptr, ids, &req);
+  EXPECT_TRUE(added.ok()) << added;
+  EXPECT_EQ(req.quant_scratch_bytes(), QuantScratchBytes(*plan, window_bytes));
+  EXPECT_GE(req.quant_scratch_bytes(), plan->quant_band_bytes);
+  for (const worker::v1::GpuQuantStep& s : req.quant_steps()) {
+    if (s.has_gather()) {
+      EXPECT_EQ(s.gather().src_allocation_id() != 0, from_source);
+    }
+  }
+  worker.Run(*plan, req, packed, engine);
+  const MappedRegion& region = *(*layout)->regions[0];
+  return std::string(reinterpret_cast<const char*>(region.data()),
+                     region.size());
+}
+
+TEST(QuantStepsTest, StepsInstallWhatTheHostDataPlaneInstalls) {
+  const Case c = MakeCase();
+  for (int64_t chunk_bytes : {256, 768, 4096, 11520, 1 << 20}) {
+    const std::string want = HostInstall(c, chunk_bytes);
+    ASSERT_NE(want, std::string(want.size(), '\0'));
+    for (int64_t window : {int64_t{0}, int64_t{3000}, int64_t{1} << 20}) {
+      for (bool from_source : {false, true}) {
+        SCOPED_TRACE(::testing::Message()
+                     << "chunk_bytes " << chunk_bytes << " window " << window
+                     << (from_source ? " from a source" : " packed"));
+        EXPECT_TRUE(StepsInstall(c, chunk_bytes, window, from_source) == want);
+      }
+    }
+  }
+}
+
+TEST(QuantStepsTest, WindowsBoundTheScratchAndTheFlushes) {
+  const Case c = MakeCase();
+  testing::HeapMapper mapper;
+  auto layout = BuildEngineLayout(c.r, mapper);
+  ASSERT_TRUE(layout.ok());
+  auto plan = PlanOf(c, *layout, 4096);
+  auto flushes = [&](int64_t window) {
+    worker::v1::BeginUpdateRequest req;
+    EXPECT_TRUE(
+        AddQuantSteps(
+            *plan, window,
+            [](int32_t, int32_t) -> absl::StatusOr<int64_t> { return 1; },
+            nullptr, {}, &req)
+            .ok());
+    int n = 0;
+    for (const auto& s : req.quant_steps()) n += s.has_flush();
+    return n;
+  };
+  // One row of blocks per flush and use: w 3, q/k/v 2 each, o 70, side's
+  // two uses 35 each, flat 3.
+  EXPECT_EQ(flushes(0), 3 + 6 + 70 + 70 + 3);
+  // Whole rectangles: one flush per use (w, q, k, v, o, side x 2, flat).
+  EXPECT_EQ(flushes(int64_t{1} << 20), 8);
+  EXPECT_LT(QuantScratchBytes(*plan, 0), QuantScratchBytes(*plan, 1 << 20));
+  // No quantised use: no steps, no scratch.
+  Case plain = MakeCase();
+  plain.r.clear_parameters();
+  int64_t offset = 0;
+  AddSegment(Add(plain.r, "w_copy", v1::BFLOAT16, 150, 130, &offset), "w", 0,
+             150, 0, 130, 0, 0);
+  plain.tensors.resize(1);
+  auto plain_layout = BuildEngineLayout(plain.r, mapper);
+  ASSERT_TRUE(plain_layout.ok()) << plain_layout.status();
+  auto plain_plan = PlanOf(plain, *plain_layout, 4096);
+  worker::v1::BeginUpdateRequest req;
+  ASSERT_TRUE(AddQuantSteps(*plain_plan, 0, nullptr, nullptr, {}, &req).ok());
+  EXPECT_EQ(req.quant_steps_size(), 0);
+  EXPECT_EQ(req.quant_scratch_bytes(), 0);
+}
+
+TEST(QuantStepsTest, AnEngineInHostMemoryIsRefusedByTheRegionIds) {
+  const Case c = MakeCase();
+  testing::HeapMapper mapper;
+  auto layout = BuildEngineLayout(c.r, mapper);
+  ASSERT_TRUE(layout.ok());
+  auto plan = PlanOf(c, *layout, 4096);
+  worker::v1::BeginUpdateRequest req;
+  const absl::Status s = AddQuantSteps(
+      *plan, 0,
+      [](int32_t, int32_t) -> absl::StatusOr<int64_t> {
+        return absl::InvalidArgumentError("host memory");
+      },
+      nullptr, {}, &req);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace weightsync
