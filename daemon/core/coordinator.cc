@@ -430,7 +430,7 @@ absl::StatusOr<v1::CheckEngineResponse> Coordinator::CheckEngine(
   }
   absl::flat_hash_set<std::string> sources;
   for (const auto& [source, uses] : layout->uses_by_source) {
-    sources.insert(source);
+    sources.emplace(source);
   }
   const absl::Time t0 = absl::Now();
   absl::StatusOr<v1::Receipt> receipt = ComputeReceipt(*layout, sources);

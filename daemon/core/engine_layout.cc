@@ -267,7 +267,6 @@ absl::Status ParameterFromRow(const std::string& engine,
     p.implicit = true;
     SegmentLayout s;
     s.source = p.name;
-    s.source_shape = p.shape;
     SourceMatrix(p.shape, &s.row_count, &s.col_count);
     // A whole tensor is one contiguous run: view it as a single row.
     s.col_count *= s.row_count;
@@ -390,12 +389,17 @@ absl::StatusOr<std::shared_ptr<const EngineLayout>> BuildEngineLayout(
     if (p.bytes > 0) {
       ranges[p.region].push_back({{p.offset, p.offset + p.bytes}, i});
     }
-    for (int s = 0; s < static_cast<int>(p.segments.size()); ++s) {
-      layout->uses_by_source[p.segments[s].source].push_back({i, s});
-    }
     if (p.implicit && p.numel == 0) layout->empty_parameters[p.name] = i;
     layout->total_bytes += p.bytes;
     layout->parameters.push_back(std::move(p));
+  }
+  // Indexed once every parameter has its place: the keys are views of
+  // the segments' source strings, which must not move afterwards.
+  for (int i = 0; i < num_parameters; ++i) {
+    const std::vector<SegmentLayout>& segments = layout->parameters[i].segments;
+    for (int s = 0; s < static_cast<int>(segments.size()); ++s) {
+      layout->uses_by_source[segments[s].source].push_back({i, s});
+    }
   }
   WS_RETURN_IF_ERROR(CheckNoOverlap(engine, ranges, layout->parameters));
   if (!roles.scale_of.empty()) {
