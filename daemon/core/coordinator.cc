@@ -16,6 +16,7 @@
 #include "common/version.h"
 #include "daemon/core/event_log.h"
 #include "daemon/core/nccl_version.h"
+#include "daemon/core/parameter_table.h"
 #include "daemon/core/receipt.h"
 #include "glog/logging.h"
 
@@ -347,7 +348,13 @@ v1::GetStatusResponse Coordinator::GetStatus(bool include_layouts) {
   for (const std::string& id : ids) {
     v1::EngineStatus* e = response.add_engines();
     *e = EngineStatusLocked(id, engines_.at(id));
-    if (include_layouts) *e->mutable_layout() = engines_.at(id).parameters;
+    if (include_layouts) {
+      const EngineRecord& r = engines_.at(id);
+      *e->mutable_layout() = r.parameters;
+      // The parameter_table's rows, as the messages they stand for.
+      AppendParameterMessages(*r.layout, r.parameters.size(),
+                              e->mutable_layout());
+    }
   }
   if (update_ != nullptr || !last_update_.update_id().empty()) {
     v1::UpdateStatus* u = response.mutable_update();
@@ -423,7 +430,7 @@ absl::StatusOr<v1::CheckEngineResponse> Coordinator::CheckEngine(
   }
   absl::flat_hash_set<std::string> sources;
   for (const auto& [source, uses] : layout->uses_by_source) {
-    sources.insert(source);
+    sources.emplace(source);
   }
   const absl::Time t0 = absl::Now();
   absl::StatusOr<v1::Receipt> receipt = ComputeReceipt(*layout, sources);

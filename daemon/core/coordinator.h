@@ -191,8 +191,10 @@ class Coordinator {
  private:
   struct EngineRecord {
     std::shared_ptr<const EngineLayout> layout;
-    // As registered, for GetStatus(include_layouts): trainers compute the
-    // receipts they expect from them.
+    // The Parameter messages as registered, for GetStatus(include_layouts):
+    // trainers compute the receipts they expect from them. The
+    // parameter_table's rows are not kept twice: GetStatus makes their
+    // messages from the layout (AppendParameterMessages).
     google::protobuf::RepeatedPtrField<v1::Parameter> parameters;
     int64_t version = 0;
     bool paused = false;

@@ -15,6 +15,7 @@
 #include "common/dtype.h"
 #include "common/echo.h"
 #include "common/status_macros.h"
+#include "daemon/core/parameter_table.h"
 #include "daemon/core/quant_layout.h"
 #include "glog/logging.h"
 
@@ -177,14 +178,16 @@ absl::Status CheckRegistration(const v1::RegisterEngineRequest& request,
         absl::StrCat("engine_id '", engine.substr(0, 64),
                      "' must be 1-128 characters of [A-Za-z0-9._:-]"));
   }
-  if (request.parameters_size() == 0) {
+  WS_RETURN_IF_ERROR(CheckParameterTable(engine, request.parameter_table()));
+  const int64_t parameters = RegisteredParameters(request);
+  if (parameters == 0) {
     return Invalid(engine, "registers no parameters");
   }
-  if (request.parameters_size() > limits.max_parameters ||
+  if (parameters > limits.max_parameters ||
       request.allocations_size() > limits.max_allocations) {
     return Invalid(engine,
-                   absl::StrCat("registers ", request.parameters_size(),
-                                " parameters in ", request.allocations_size(),
+                   absl::StrCat("registers ", parameters, " parameters in ",
+                                request.allocations_size(),
                                 " allocations; over the limit"));
   }
   if (request.version() < 0 || request.version() > kMaxVersion) {
@@ -211,17 +214,17 @@ absl::Status CheckRegistration(const v1::RegisterEngineRequest& request,
   return absl::OkStatus();
 }
 
-// Parameter `proto` (its name already checked) as `p`: its size, its bytes
+// Parameter `row` (its name already checked) as `p`: its size, its bytes
 // inside its allocation, and its segments (one implicit segment if it names
 // none).
-absl::Status ParameterFromProto(const std::string& engine,
-                                const v1::RegisterEngineRequest& request,
-                                const v1::Parameter& proto,
-                                const RegistrationLimits& limits, bool is_scale,
-                                int64_t* rows_budget, ParameterLayout& p) {
-  p.name = proto.name();
-  p.dtype = proto.dtype();
-  p.shape.assign(proto.shape().begin(), proto.shape().end());
+absl::Status ParameterFromRow(const std::string& engine,
+                              const v1::RegisterEngineRequest& request,
+                              const ParameterRow& row,
+                              const RegistrationLimits& limits, bool is_scale,
+                              int64_t* rows_budget, ParameterLayout& p) {
+  p.name = std::string(row.name);
+  p.dtype = row.dtype;
+  p.shape.assign(row.dims, row.dims + row.rank);
   {
     // The error context is only formatted for an error (not 100k times).
     static const std::string kNoContext;
@@ -235,15 +238,13 @@ absl::Status ParameterFromProto(const std::string& engine,
     p.numel = *numel;
   }
   p.bytes = p.numel * ElementSize(p.dtype);
-  if (proto.allocation() < 0 ||
-      proto.allocation() >= request.allocations_size()) {
-    return Invalid(
-        engine,
-        absl::StrCat("parameter '", p.name, "' names allocation ",
-                     proto.allocation(), " of ", request.allocations_size()));
+  if (row.allocation < 0 || row.allocation >= request.allocations_size()) {
+    return Invalid(engine, absl::StrCat("parameter '", p.name,
+                                        "' names allocation ", row.allocation,
+                                        " of ", request.allocations_size()));
   }
-  p.region = proto.allocation();
-  p.offset = proto.offset();
+  p.region = row.allocation;
+  p.offset = row.offset;
   const int64_t alloc_size = request.allocations(p.region).size();
   if (p.offset < 0 || p.offset > alloc_size ||
       p.bytes > alloc_size - p.offset) {
@@ -252,20 +253,20 @@ absl::Status ParameterFromProto(const std::string& engine,
                                         " lie outside its allocation of ",
                                         alloc_size, " bytes"));
   }
+  const int segments = row.proto != nullptr ? row.proto->segments_size() : 0;
   if (is_scale) {
     // Written with its owner's blocks: no checkpoint tensor feeds it.
-    if (proto.segments_size() != 0) {
+    if (segments != 0) {
       return Invalid(engine, absl::StrCat("parameter '", p.name,
                                           "' holds an FP8 target's scales "
                                           "and must be registered without "
                                           "segments"));
     }
     p.is_scale = true;
-  } else if (proto.segments_size() == 0) {
+  } else if (segments == 0) {
     p.implicit = true;
     SegmentLayout s;
     s.source = p.name;
-    s.source_shape = p.shape;
     SourceMatrix(p.shape, &s.row_count, &s.col_count);
     // A whole tensor is one contiguous run: view it as a single row.
     s.col_count *= s.row_count;
@@ -273,7 +274,8 @@ absl::Status ParameterFromProto(const std::string& engine,
     s.dest_row_stride = s.col_count;
     if (p.numel > 0) p.segments.push_back(std::move(s));
   } else {
-    WS_RETURN_IF_ERROR(CheckSegments(engine, p, proto, limits, rows_budget));
+    WS_RETURN_IF_ERROR(
+        CheckSegments(engine, p, *row.proto, limits, rows_budget));
   }
   p.salt = ParameterSalt(p.name);
   return absl::OkStatus();
@@ -351,7 +353,7 @@ absl::StatusOr<std::shared_ptr<const EngineLayout>> BuildEngineLayout(
   // Sized once: 100k-parameter (mixture-of-experts) registrations spent a
   // fifth of their time rehashing and reallocating. Names are views of the
   // request, which outlives this function.
-  const int num_parameters = request.parameters_size();
+  const int num_parameters = static_cast<int>(RegisteredParameters(request));
   layout->parameters.reserve(num_parameters);
   layout->uses_by_source.reserve(num_parameters);
   absl::flat_hash_set<absl::string_view> names;
@@ -359,29 +361,45 @@ absl::StatusOr<std::shared_ptr<const EngineLayout>> BuildEngineLayout(
   int64_t rows_budget = limits.max_segment_rows;
   ByteRanges ranges(request.allocations_size());
   if (request.allocations_size() == 1) ranges[0].reserve(num_parameters);
-  for (int i = 0; i < request.parameters_size(); ++i) {
-    const v1::Parameter& proto = request.parameters(i);
-    if (proto.name().empty() || proto.name().size() > limits.max_name_length) {
+  // The Parameter messages, then the table's rows (parameter_table.h).
+  const int num_messages = request.parameters_size();
+  const v1::ParameterTable& table = request.parameter_table();
+  int64_t dim_begin = 0;
+  for (int i = 0; i < num_parameters; ++i) {
+    ParameterRow row;
+    if (i < num_messages) {
+      row = RowOf(request.parameters(i));
+    } else {
+      row = RowOf(table, i - num_messages, dim_begin);
+      dim_begin += row.rank;
+    }
+    if (row.name.empty() ||
+        static_cast<int64_t>(row.name.size()) > limits.max_name_length) {
       return Invalid(engine, absl::StrCat("parameter #", i,
                                           " has an empty or overlong name"));
     }
-    if (!names.insert(proto.name()).second) {
-      return Invalid(engine, absl::StrCat("parameter '", proto.name(),
+    if (!names.insert(row.name).second) {
+      return Invalid(engine, absl::StrCat("parameter '", row.name,
                                           "' is registered twice"));
     }
     ParameterLayout p;
-    WS_RETURN_IF_ERROR(ParameterFromProto(
-        engine, request, proto, limits,
+    WS_RETURN_IF_ERROR(ParameterFromRow(
+        engine, request, row, limits,
         !roles.is_scale.empty() && roles.is_scale[i], &rows_budget, p));
     if (p.bytes > 0) {
       ranges[p.region].push_back({{p.offset, p.offset + p.bytes}, i});
     }
-    for (int s = 0; s < static_cast<int>(p.segments.size()); ++s) {
-      layout->uses_by_source[p.segments[s].source].push_back({i, s});
-    }
     if (p.implicit && p.numel == 0) layout->empty_parameters[p.name] = i;
     layout->total_bytes += p.bytes;
     layout->parameters.push_back(std::move(p));
+  }
+  // Indexed once every parameter has its place: the keys are views of
+  // the segments' source strings, which must not move afterwards.
+  for (int i = 0; i < num_parameters; ++i) {
+    const std::vector<SegmentLayout>& segments = layout->parameters[i].segments;
+    for (int s = 0; s < static_cast<int>(segments.size()); ++s) {
+      layout->uses_by_source[segments[s].source].push_back({i, s});
+    }
   }
   WS_RETURN_IF_ERROR(CheckNoOverlap(engine, ranges, layout->parameters));
   if (!roles.scale_of.empty()) {

@@ -13,7 +13,9 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/inlined_vector.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "daemon/core/memory.h"
 #include "weightsync/v1/engine_service.pb.h"
 
@@ -42,7 +44,9 @@ struct RegistrationLimits {
 
 struct SegmentLayout {
   std::string source;
-  std::vector<int64_t> source_shape;  // empty: not given at registration
+  // Empty: not given at registration, and always for a parameter's
+  // implicit segment (the parameter's own shape is checked instead).
+  std::vector<int64_t> source_shape;
   int64_t row_begin = 0, row_count = 0, col_begin = 0, col_count = 0;
   int64_t dest_offset = 0, dest_row_stride = 0;  // elements; stride >= cols
 };
@@ -92,7 +96,11 @@ struct EngineLayout {
   std::vector<std::shared_ptr<MappedRegion>> regions;
   std::vector<std::string> device_uuids;  // distinct, in registration order
   int64_t total_bytes = 0;
-  absl::flat_hash_map<std::string, std::vector<SourceUse>> uses_by_source;
+  // Keyed by views of the segments' `source` strings above (the layout is
+  // immutable once built, so they stay put); most sources feed one
+  // segment, held without an allocation of its own.
+  absl::flat_hash_map<absl::string_view, absl::InlinedVector<SourceUse, 1>>
+      uses_by_source;
   // Parameters of no elements registered without segments (name -> index):
   // nothing to copy, but a manifest tensor of that name and shape is theirs,
   // not unused (BuildCopyPlan).

@@ -220,7 +220,11 @@ std::optional<QuantRect> SegmentRect(int64_t cols, const SegmentLayout& s) {
 absl::StatusOr<QuantRoles> ResolveQuantRoles(
     const v1::RegisterEngineRequest& request) {
   QuantRoles roles;
-  const int n = request.parameters_size();
+  // Quantised parameters are messages; their scale parameters may also be
+  // rows of the parameter table, which follow the messages.
+  const int messages = request.parameters_size();
+  const v1::ParameterTable& table = request.parameter_table();
+  const int n = messages + table.names_size();
   bool any = false;
   for (const v1::Parameter& p : request.parameters()) {
     any = any || p.has_quantization();
@@ -229,11 +233,16 @@ absl::StatusOr<QuantRoles> ResolveQuantRoles(
   const std::string& engine = request.engine_id();
   absl::flat_hash_map<absl::string_view, int> index;
   index.reserve(n);
-  for (int i = 0; i < n; ++i) index.emplace(request.parameters(i).name(), i);
+  for (int i = 0; i < messages; ++i) {
+    index.emplace(request.parameters(i).name(), i);
+  }
+  for (int r = 0; r < table.names_size(); ++r) {
+    index.emplace(table.names(r), messages + r);
+  }
   roles.scale_of.assign(n, -1);
   roles.is_scale.assign(n, false);
   std::vector<int> owner(n, -1);
-  for (int i = 0; i < n; ++i) {
+  for (int i = 0; i < messages; ++i) {
     const v1::Parameter& p = request.parameters(i);
     if (!p.has_quantization()) continue;
     WS_RETURN_IF_ERROR(CheckDeclaration(engine, p));
@@ -248,7 +257,7 @@ absl::StatusOr<QuantRoles> ResolveQuantRoles(
                                          : "is the parameter itself"));
     }
     const int j = it->second;
-    if (request.parameters(j).has_quantization()) {
+    if (j < messages && request.parameters(j).has_quantization()) {
       return Invalid(engine, p.name(),
                      absl::StrCat("its scale parameter '", Echo(name),
                                   "' is itself quantised"));

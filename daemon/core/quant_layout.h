@@ -17,7 +17,8 @@
 
 namespace weightsync {
 
-// Per parameter of a registration: the index of its scale parameter (-1:
+// Per parameter of a registration (its Parameter messages, then its
+// parameter_table rows): the index of its scale parameter (-1:
 // not quantised) and whether it is a scale parameter. Empty vectors when
 // no parameter is quantised.
 struct QuantRoles {

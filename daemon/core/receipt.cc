@@ -112,7 +112,7 @@ absl::StatusOr<v1::Receipt> ComputeReceipt(const EngineLayout& engine,
 absl::StatusOr<v1::Receipt> ComputeReceipt(
     const EngineLayout& engine,
     const absl::flat_hash_set<std::string>& sources) {
-  return ComputeReceipt(engine, UsesOf(engine, [&](const std::string& name) {
+  return ComputeReceipt(engine, UsesOf(engine, [&](absl::string_view name) {
                           return sources.contains(name);
                         }));
 }

@@ -146,6 +146,35 @@ class AllocationTableTest(unittest.TestCase):
         self.assertIn("'y'", str(cm.exception))
 
 
+    def test_columns_equal_the_table(self):
+        # allocation_columns takes ipc_location_columns' columns (keys in any
+        # order) and numbers allocations by first use, as allocation_table.
+        h1, h2 = b"\x01" * 64, b"\x02" * 64
+        keys = [(h2, "GPU-a"), (h1, "GPU-a"), (h1, "GPU-b")]
+        allocs, index, off = _gpu.allocation_columns(
+            ["a", "b", "c", "d"], keys, np.array([1, 0, 1, 2]),
+            np.array([0, 512, 1024, 0]), np.array([100, 10, 50, 8]))
+        self.assertEqual(allocs, _gpu.allocation_table([
+            ("a", h1, "GPU-a", 0, 100), ("b", h2, "GPU-a", 512, 10),
+            ("c", h1, "GPU-a", 1024, 50), ("d", h1, "GPU-b", 0, 8)])[0])
+        self.assertEqual(index.dtype, np.int32)
+        self.assertEqual(index.tolist(), [0, 1, 0, 2])
+        self.assertEqual(off.tolist(), [0, 512, 1024, 0])
+        with self.assertRaises(ValueError) as cm:
+            _gpu.allocation_columns(["x", "y"], keys[:1], [0, 0], [0, 96], [100, 8])
+        self.assertIn("'x' and 'y' overlap", str(cm.exception))
+        allocs, index, off = _gpu.allocation_columns([], [], [], [], [])
+        self.assertEqual((allocs, index.size, off.size), ([], 0, 0))
+
+    def test_location_tuples_as_columns(self):
+        h1, h2 = b"\x01" * 64, b"\x02" * 64
+        keys, group, off, nbytes = _gpu._columns_of([
+            (h1, "GPU-a", 0, 64), (h2, "GPU-a", 8, 4), (h1, "GPU-a", 64, 16)])
+        self.assertEqual(keys, [(h1, "GPU-a"), (h2, "GPU-a")])
+        self.assertEqual((group.tolist(), off.tolist(), nbytes.tolist()),
+                         ([0, 1, 0], [0, 8, 64], [64, 4, 16]))
+
+
 class FakeTensor:
     def __init__(self, ptr, shape, dtype="torch.float32"):
         self.ptr, self.shape, self.dtype = ptr, shape, dtype

@@ -20,6 +20,7 @@ import daemon_fixture  # noqa: E402  (next to this file)
 import weightsync  # noqa: E402
 from weightsync import WeightSyncError  # noqa: E402
 from weightsync._tensors import build_manifest  # noqa: E402
+from weightsync._proto import v1  # noqa: E402
 
 
 class HostBackendTest(daemon_fixture.HostDaemonCase):
@@ -206,6 +207,46 @@ class HostBackendTest(daemon_fixture.HostDaemonCase):
         k = -np.arange(8, dtype=np.float32).reshape(2, 4)
         self.trainer.update([("q", q), ("k", k)], version=1)
         np.testing.assert_array_equal(w["qkv"], np.concatenate([q, k]))
+
+    def test_parameters_without_segments_register_as_table_rows(self):
+        # register_host sends plain parameters as parameter_table rows and
+        # those with segments as messages; the daemon lays them out and
+        # serves them back (GetStatus layouts) as the messages they stand
+        # for, and an update writes them bit-exactly.
+        params = [("qkv", "FLOAT32", (6, 4)), ("norm", "BFLOAT16", (5,)),
+                  ("scalar", "FLOAT32", ()), ("none", "FLOAT16", (0, 3)),
+                  ("experts", "FLOAT32", (2, 3, 4))]
+        segs = {"qkv": [
+            {"source": "q", "source_shape": [4, 4], "row_count": 4, "col_count": 4},
+            {"source": "k", "source_shape": [2, 4], "row_count": 2, "col_count": 4,
+             "dest_offset": 16}]}
+        engine, w = self.engine("tab", params, segments=segs)
+        request = engine._registration
+        self.assertEqual([p.name for p in request.parameters], ["qkv"])
+        table = request.parameter_table
+        self.assertEqual(list(table.names), ["norm", "scalar", "none", "experts"])
+        self.assertEqual(list(table.ranks), [1, 0, 2, 3])
+        self.assertEqual(list(table.dims), [5, 0, 3, 2, 3, 4])
+        self.assertEqual(list(table.allocations), [0, 0, 0, 0])
+        layout = {e.engine_id: e.layout for e in
+                  self.trainer._stub.call("GetStatus", include_layouts=True).engines}["tab"]
+        self.assertEqual([p.name for p in layout], ["qkv", "norm", "scalar", "none", "experts"])
+        for p, (name, dtype, shape), off in zip(layout[1:], params[1:], table.offsets):
+            self.assertEqual(p, v1.Parameter(
+                name=name, dtype=getattr(v1, dtype), shape=shape, offset=off))
+        self.assertEqual(len(layout[0].segments), 2)
+        self.trainer.init_host()
+        rng = np.random.default_rng(7)
+        q = rng.standard_normal((4, 4)).astype(np.float32)
+        k = rng.standard_normal((2, 4)).astype(np.float32)
+        experts = rng.standard_normal((2, 3, 4)).astype(np.float32)
+        scalar = np.array(3.5, np.float32)
+        self.trainer.update([("q", q), ("k", k), ("experts", experts), ("scalar", scalar),
+                             ("none", np.zeros((0, 3), np.float16))], version=1)
+        np.testing.assert_array_equal(w["qkv"], np.concatenate([q, k]))
+        np.testing.assert_array_equal(w["experts"], experts)
+        self.assertEqual(w["scalar"].tobytes(), scalar.tobytes())
+        self.assertTrue(engine.wait_for_version(1))
 
     def test_bad_input_names_the_culprit_and_writes_nothing(self):
         _, w = self.engine("e1", [("a", "FLOAT32", (4, 4))])

@@ -2,10 +2,11 @@
 of caching-allocator blocks, GPU UUIDs, allocation tables.
 
 The functions that don't take a torch object (parse_storage_handle,
-format_gpu_uuid, allocation_table, dedupe_aliases' key logic) are plain
+format_gpu_uuid, allocation_table, allocation_columns, dedupe_aliases' key logic) are plain
 Python so that CI, which has no GPU and no torch, can test them.
 """
 
+import operator
 import sys
 
 CUDA_IPC_HANDLE_BYTES = 64
@@ -45,7 +46,7 @@ def dtype_names(named):
     torch = sys.modules.get("torch")
     if torch is None or not all(torch.is_tensor(t) for _, t in named[:1]):
         return [dtype_name(n, t) for n, t in named]
-    dtypes = list(map(torch.Tensor.dtype.__get__, [t for _, t in named]))
+    dtypes = list(map(torch.Tensor.dtype.__get__, map(operator.itemgetter(1), named)))
     known = {}
     for d in set(dtypes):
         if str(d) in TORCH_DTYPES:
@@ -54,7 +55,7 @@ def dtype_names(named):
         for (n, t), d in zip(named, dtypes):
             if d not in known:
                 dtype_name(n, t)   # raises, naming the tensor
-    return [known[d] for d in dtypes]
+    return list(map(known.__getitem__, dtypes))
 
 
 def parse_storage_handle(handle):
@@ -123,23 +124,47 @@ def allocation_table(entries):
     "device_uuid"}] in first-use order, each `size` the end of the last
     byte any parameter uses (a lower bound of the real block size, which is
     all the daemon checks); placements [(name, allocation index, offset)].
-    Raises ValueError naming both parameters when two overlap. Vectorised
-    (numpy): a 100k-parameter engine pays C-level passes, not a Python step
-    per parameter."""
-    import numpy as np
+    Raises ValueError naming both parameters when two overlap. The
+    columnar form is allocation_columns."""
     if not entries:
         return [], []
     names, handles, uuids, offsets, nbytes = zip(*entries)
-    handles = tuple(map(bytes, handles))
-    keys = tuple(zip(uuids, handles))
-    first = dict.fromkeys(keys)          # first-use order
-    for a, key in enumerate(first):
-        first[key] = a
-    n = len(keys)
-    alloc = np.fromiter(map(first.__getitem__, keys), np.int64, n)
-    off = np.fromiter(offsets, np.int64, n)
-    size = np.fromiter(nbytes, np.int64, n)
-    ends = np.zeros(len(first), np.int64)
+    keys = list(zip(map(bytes, handles), uuids))
+    first = dict.fromkeys(keys)
+    for g, key in enumerate(first):
+        first[key] = g
+    group = list(map(first.__getitem__, keys))
+    allocations, index, off = allocation_columns(names, list(first), group, offsets, nbytes)
+    return allocations, list(zip(names, index.tolist(), off.tolist()))
+
+
+def allocation_columns(names, keys, group, offsets, nbytes):
+    """allocation_table in columns, for 100k-parameter engines: C-level
+    passes (numpy), not a Python step per parameter.
+
+    keys: the distinct (handle64, uuid) of the allocations; group, offsets,
+    nbytes: per parameter, the index into `keys` of its allocation, its
+    byte offset from the allocation's base and its size (sequences or
+    numpy arrays, e.g. from ipc_location_columns); names: per parameter,
+    for errors. Returns (allocations, index, offsets): allocations as
+    allocation_table's, in first-use order; index (int32) and offsets
+    (int64) numpy arrays, per parameter, its allocation's index in
+    `allocations` and its offset. ValueError naming both parameters when
+    two overlap."""
+    import numpy as np
+    group = np.asarray(group, np.int64)
+    n = group.size
+    off = np.asarray(offsets, np.int64).reshape(n)
+    size = np.asarray(nbytes, np.int64).reshape(n)
+    if n == 0:
+        return [], np.zeros(0, np.int32), off
+    # Keys renumbered in first-use order (how allocation_table lists them).
+    used_keys, first_use = np.unique(group, return_index=True)
+    by_first = used_keys[np.argsort(first_use, kind="stable")]
+    renumber = np.empty(len(keys), np.int64)
+    renumber[by_first] = np.arange(by_first.size)
+    alloc = renumber[group]
+    ends = np.zeros(by_first.size, np.int64)
     np.maximum.at(ends, alloc, off + size)
     used = np.flatnonzero(size > 0)
     if used.size > 1:
@@ -153,9 +178,12 @@ def allocation_table(entries):
                 f"[{off[k0]}, {off[k0] + size[k0]}) and [{off[k1]}, {off[k1] + size[k1]}) of "
                 "one allocation); register each storage once "
                 "(tied weights: register one name and let the trainer send it)")
-    allocations = [{"handle": h, "size": max(int(e), 1), "device_uuid": u}
-                   for (u, h), e in zip(first, ends.tolist())]
-    return allocations, list(zip(names, alloc.tolist(), off.tolist()))
+    allocations = []
+    for g, e in zip(by_first.tolist(), ends.tolist()):
+        handle, uuid = keys[g]
+        allocations.append({"handle": bytes(handle), "size": max(int(e), 1),
+                            "device_uuid": uuid})
+    return allocations, alloc.astype(np.int32), off
 
 
 def alias_key(tensor):
@@ -180,7 +208,7 @@ def dedupe_aliases(named_tensors):
     (TorchSparsePatch.source_key; patches without one are always kept).
     Returns (kept pairs, {dropped name: kept name})."""
     named_tensors = list(named_tensors)
-    ptrs = _torch_data_ptrs([t for _, t in named_tensors])
+    ptrs = _torch_data_ptrs(list(map(operator.itemgetter(1), named_tensors)))
     if ptrs is not None and len(set(ptrs)) == len(ptrs):
         # Aliases share a data pointer: with none shared there are none
         # (a 100k-tensor model pays one pass, not a key per tensor).
@@ -249,19 +277,44 @@ _ranges = []
 
 
 def ipc_locations(named):
-    """ipc_location of every (name, tensor) in `named`, with one CUDA IPC
-    handle per allocation rather than per tensor: the tensors are grouped by
-    the allocation (caching-allocator segment) holding them, found through
-    the driver in one pass over the sorted data pointers, and torch shares
-    one storage of each group. A 100k-tensor mixture of experts registers in
-    a fraction of a second this way, against ~17 us of torch's storage
-    sharing per tensor. Falls back to ipc_location per tensor wherever the
-    driver's answer and torch's disagree (expandable segments, an empty
-    tensor), so what it returns is always what ipc_location would."""
+    """ipc_location of every (name, tensor) in `named`: [(handle64, gpu
+    uuid, offset from the allocation base, nbytes)]; ipc_location_columns
+    is the columnar form."""
+    keys, group, offsets, nbytes = ipc_location_columns(named)
+    return [keys[g] + (o, b) for g, o, b in zip(group.tolist(), offsets.tolist(),
+                                                nbytes.tolist())]
+
+
+def _columns_of(locations):
+    """ipc_location tuples as ipc_location_columns' columns."""
+    import numpy as np
+    first = {}
+    group = np.fromiter((first.setdefault((h, u), len(first)) for h, u, _, _ in locations),
+                        np.int64, len(locations))
+    offsets = np.fromiter((o for _, _, o, _ in locations), np.int64, len(locations))
+    nbytes = np.fromiter((b for _, _, _, b in locations), np.int64, len(locations))
+    return list(first), group, offsets, nbytes
+
+
+def ipc_location_columns(named):
+    """ipc_location of every (name, tensor) in `named`, as columns: (keys,
+    group, offsets, nbytes) where keys are the distinct (handle64, gpu
+    uuid) of the allocations, and group (int64), offsets (int64, from the
+    allocation base) and nbytes (int64) numpy arrays hold each tensor's
+    allocation (index into keys) and bytes; allocation_columns takes them
+    as they are. One CUDA IPC handle per allocation rather than per
+    tensor: the tensors are grouped by the allocation (caching-allocator
+    segment) holding them, found through the driver in one pass over the
+    sorted data pointers, and torch shares one storage of each group. A
+    100k-tensor mixture of experts registers in a fraction of a second
+    this way, against ~17 us of torch's storage sharing per tensor. Falls
+    back to ipc_location per tensor wherever the driver's answer and
+    torch's disagree (expandable segments, an empty tensor), so what it
+    returns is always what ipc_location would."""
     import numpy as np
     import torch
     T = torch.Tensor
-    tensors = [t for _, t in named]
+    tensors = list(map(operator.itemgetter(1), named))
     if not (all(map(T.is_cuda.__get__, tensors)) and all(map(T.is_contiguous, tensors))):
         for name, t in named:
             ipc_location(name, t.detach())   # raises the error naming the first
@@ -269,12 +322,16 @@ def ipc_locations(named):
         ranges = _ranges[0] if _ranges else _ranges.append(_DriverRanges()) or _ranges[0]
     except (OSError, AttributeError):
         ranges = None
+
+    def one_by_one():
+        shared = {}
+        return _columns_of([ipc_location(name, t.detach(), shared) for name, t in named])
+
     n = len(tensors)
     ptrs = np.fromiter(map(T.data_ptr, tensors), np.uint64, n)
     nbytes = np.fromiter(map(T.nbytes.__get__, tensors), np.uint64, n)
     if ranges is None or n == 0 or not ptrs.all():
-        shared = {}
-        return [ipc_location(name, t.detach(), shared) for name, t in named]
+        return one_by_one()
     order = np.argsort(ptrs, kind="stable")
     sorted_ptrs = ptrs[order]
     group = np.empty(n, np.int64)
@@ -287,24 +344,20 @@ def ipc_locations(named):
         group[order[i:j]] = len(groups)
         groups.append((base, size, int(order[i])))
         i = j
-    handles, bases = [], np.empty(len(groups), np.uint64)
+    keys, bases = [], np.empty(len(groups), np.uint64)
     for g, (base, size, k) in enumerate(groups):
         t = tensors[k]
         storage = t.untyped_storage()
         raw = storage._share_cuda_()
         if storage.data_ptr() - int(raw[3]) != base:
-            # torch's block base is not the driver's allocation base.
-            shared = {}
-            return [ipc_location(name, x.detach(), shared) for name, x in named]
-        handles.append((parse_storage_handle(raw[1]), gpu_uuid(t.device)))
+            return one_by_one()   # torch's block base is not the driver's
+        keys.append((parse_storage_handle(raw[1]), gpu_uuid(t.device)))
         bases[g] = base
     offsets = ptrs - bases[group]
-    ends = offsets + nbytes
-    if any(int(e) > groups[g][1] for g, e in zip(group.tolist(), ends.tolist())):
-        shared = {}
-        return [ipc_location(name, x.detach(), shared) for name, x in named]
-    return [handles[g] + (o, b) for g, o, b in zip(group.tolist(), offsets.tolist(),
-                                                   nbytes.tolist())]
+    sizes = np.array([size for _, size, _ in groups], np.uint64)
+    if (offsets + nbytes > sizes[group]).any():
+        return one_by_one()
+    return keys, group, offsets.astype(np.int64), nbytes.astype(np.int64)
 
 
 def ipc_location(name, tensor, cache=None):

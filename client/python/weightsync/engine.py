@@ -16,7 +16,9 @@ GPU (torch CUDA parameters, registered in place by CUDA IPC handle):
     engine.start(on_pause=..., on_resume=...)
 """
 
+import itertools
 import math
+import operator
 import os
 import re
 import queue
@@ -54,33 +56,86 @@ def lay_out_shared(params, prefix):
     """Lays out `params` [(name, dtype enum name, shape)] 256-byte aligned
     in a new shared-memory object named prefix-<random>. Returns (shm,
     offsets, {dtype name: v1 enum}, {name: numpy array over the shm}).
-    Per parameter only what differs (no numpy calls, no dtype string work):
-    100,000 parameters lay out in about a tenth of a second of Python
+    Offsets by numpy over columns (each parameter starts at the previous
+    one's start plus its size rounded up to the alignment), the dtype work
+    once per distinct dtype; what is left per parameter is its numpy view
     (bench/manifest_scale.py). ValueError naming an unsupported dtype."""
+    names, dtypes, shapes = zip(*params) if params else ((), (), ())
+    n = len(names)
     esizes = {}
-    offsets, sizes, offset = [], [], 0
+    for dtype in set(dtypes):
+        esize = planner.element_size(dtype)
+        if esize is None or dtype not in STORAGE:
+            name = names[dtypes.index(dtype)]
+            raise ValueError(f"parameter '{name}': dtype {dtype!r} is not supported")
+        esizes[dtype] = esize
+    counts = np.fromiter(map(math.prod, shapes), np.int64, n)
+    nbytes = counts * np.fromiter(map(esizes.__getitem__, dtypes), np.int64, n)
     align = planner.ALIGNMENT - 1
-    for name, dtype, shape in params:
-        esize = esizes.get(dtype)
-        if esize is None:
-            esize = planner.element_size(dtype)
-            if esize is None or dtype not in STORAGE:
-                raise ValueError(f"parameter '{name}': dtype {dtype!r} is not supported")
-            esizes[dtype] = esize
-        offset = (offset + align) & ~align
-        offsets.append(offset)
-        count = math.prod(shape)
-        sizes.append(count)
-        offset += count * esize
-    shm = _create_shm(prefix, max(offset, 1))
+    ends = np.cumsum((nbytes + align) & ~align)
+    offsets = np.concatenate(([0], ends[:-1])) if n else ends
+    total = int(offsets[-1] + nbytes[-1]) if n else 0
+    shm = _create_shm(prefix, max(total, 1))
     enums = {d: getattr(v1, d) for d in esizes}
     storage = {d: np.dtype(STORAGE[d]) for d in esizes}
-    buf = shm.buf
-    arrays = {}
-    for (name, dtype, shape), off, count in zip(params, offsets, sizes):
-        arrays[name] = (np.ndarray(shape, storage[dtype], buf, off) if count
-                        else np.zeros(shape, storage[dtype]))
+    offsets = offsets.tolist()
+    views = map(np.ndarray, shapes, map(storage.__getitem__, dtypes),
+                itertools.repeat(shm.buf), offsets)
+    arrays = dict(zip(names, views))
+    if not counts.all():
+        # numpy views no bytes of an empty shape over a buffer: own arrays.
+        for i in np.flatnonzero(counts == 0).tolist():
+            arrays[names[i]] = np.zeros(shapes[i], storage[dtypes[i]])
     return shm, offsets, enums, arrays
+
+
+def _take(seq, indices):
+    """[seq[i] for i in indices] by one C-level call."""
+    indices = indices.tolist()
+    if len(indices) == 1:
+        return [seq[indices[0]]]
+    return list(operator.itemgetter(*indices)(seq)) if indices else []
+
+
+def _fill_parameters(request, names, dtypes, shapes, allocations, offsets, segments,
+                     quantization):
+    """Adds the parameters, given as columns (registered names, dtype enum
+    names, shapes, allocation indices, byte offsets; sequences or numpy
+    arrays of one entry each), to `request`: those named in `segments` or
+    `quantization` as Parameter messages, every other one as a row of
+    request.parameter_table (docs/protocol.md, "Parameter table"), which
+    the daemon reads as the same Parameter. The rows are built by C-level
+    passes (map, extend, numpy), not a Python step per parameter: 100k
+    rows are a few hundredths of a second where 100k messages took
+    tenths."""
+    names = list(names)
+    n = len(names)
+    allocations = np.asarray(allocations, np.int32).reshape(n)
+    offsets = np.asarray(offsets, np.int64).reshape(n)
+    enums = {d: getattr(v1, d) for d in set(dtypes)}
+    special = set(segments or ()) | set(quantization or ())
+    if special:
+        is_special = np.fromiter(map(special.__contains__, names), bool, n)
+        for i in np.flatnonzero(is_special).tolist():
+            name = names[i]
+            p = request.parameters.add(name=name, dtype=enums[dtypes[i]], shape=shapes[i],
+                                       allocation=int(allocations[i]), offset=int(offsets[i]))
+            for seg in (segments or {}).get(name, ()):
+                p.segments.add(**seg)
+            if quantization and name in quantization:
+                _set_quantization(p, quantization[name])
+        rows = np.flatnonzero(~is_special)
+        names, dtypes, shapes = (_take(c, rows) for c in (names, dtypes, shapes))
+        allocations, offsets = allocations[rows], offsets[rows]
+    if len(names) == 0:
+        return
+    t = request.parameter_table
+    t.names.extend(names)
+    t.dtypes.extend(map(enums.__getitem__, dtypes))
+    t.ranks.extend(map(len, shapes))
+    t.dims.extend(itertools.chain.from_iterable(shapes))
+    t.allocations.extend(allocations.tolist())
+    t.offsets.extend(offsets.tolist())
 
 
 def _set_quantization(parameter, fields):
@@ -137,14 +192,9 @@ class Engine:
                                            trainer_uids=self._trainer_uids)
         request.allocations.add(kind=v1.MEMORY_HOST_SHM, handle=("/" + self._shm.name).encode(),
                                 size=self._shm.size, device_uuid="host")
-        add = request.parameters.add
-        for (name, dtype, shape), off in zip(params, offsets):
-            p = add(name=name, dtype=enums[dtype], shape=shape, allocation=0, offset=off)
-            if segments:
-                for seg in segments.get(name, ()):
-                    p.segments.add(**seg)
-            if name in quantization:
-                _set_quantization(p, quantization[name])
+        names, dtypes, shapes = zip(*params) if params else ((), (), ())
+        _fill_parameters(request, names, dtypes, shapes, np.zeros(len(params), np.int32),
+                         offsets, segments, quantization)
         try:
             self._stub.call("RegisterEngine", request)
         except BaseException:
@@ -177,39 +227,34 @@ class Engine:
         backends quantise into and write on the GPU. Returns
         {registered name: tensor}."""
         import torch
-        from weightsync._gpu import allocation_table, dedupe_aliases, dtype_names, ipc_locations
+        from weightsync._gpu import allocation_columns, dedupe_aliases, dtype_names
+        from weightsync._gpu import ipc_location_columns
         if hasattr(params, "named_parameters"):
             params = params.named_parameters()
-        pairs, self.aliases = dedupe_aliases([(n, t) for n, t in params])
+        pairs, self.aliases = dedupe_aliases(params)
         if not pairs:
             raise ValueError("no parameters to register")
-        names = names or {}
-        regs = [names.get(n, n) for n, _ in pairs]
-        tensors = [t for _, t in pairs]
+        # Columns, each by one C-level pass (a 100k-tensor mixture of experts
+        # pays no Python step per parameter).
+        regs = list(map(operator.itemgetter(0), pairs))
+        if names:
+            regs = list(map(names.get, regs, regs))
+        tensors = list(map(operator.itemgetter(1), pairs))
         dts = dtype_names(pairs)
         devices = set(map(torch.Tensor.device.__get__, tensors))
-        entries = [(reg,) + loc for reg, loc in zip(regs, ipc_locations(pairs))]
-        shapes = list(map(list, map(torch.Tensor.shape.__get__, tensors)))
-        described = list(zip(regs, dts, shapes, tensors))
+        keys, group, offsets, nbytes = ipc_location_columns(pairs)
+        shapes = list(map(torch.Tensor.shape.__get__, tensors))
         for d in devices:
             torch.cuda.synchronize(d)   # initialised before the daemon may write
-        allocations, placements = allocation_table(entries)
+        allocations, alloc_index, offsets = allocation_columns(regs, keys, group, offsets, nbytes)
         request = v1.RegisterEngineRequest(engine_id=self.engine_id, version=version,
                                            trainer_uids=self._trainer_uids)
         for a in allocations:
             request.allocations.add(kind=v1.MEMORY_CUDA_IPC, handle=a["handle"], size=a["size"],
                                     device_uuid=a["device_uuid"])
-        out = {}
-        add = request.parameters.add
-        enums = {dt: getattr(v1, dt) for dt in set(dts)}
-        for (reg, dt, shape, t), (_, index, offset) in zip(described, placements):
-            p = add(name=reg, dtype=enums[dt], shape=shape, allocation=index, offset=offset)
-            if segments:
-                for seg in segments.get(reg, ()):
-                    p.segments.add(**seg)
-            if quantization and reg in quantization:
-                _set_quantization(p, quantization[reg])
-            out[reg] = t
+        _fill_parameters(request, regs, dts, shapes, alloc_index, offsets, segments,
+                         quantization)
+        out = dict(zip(regs, tensors))
         self._stub.call("RegisterEngine", request)
         self._registration = request
         self._torch_params = out   # keep the memory alive while registered
