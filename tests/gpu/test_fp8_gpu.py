@@ -157,6 +157,22 @@ def reference(tensors):
     return ref
 
 
+def reference_detail(tensors):
+    """{FP8 weight name: (its encodings' bytes, its source as float32 bytes,
+    source dtype)} for the synthetic weights (not the fused one): what a
+    mismatch report compares element by element."""
+    import numpy as np
+    from weightsync import fp8
+    out = {}
+    for name, shape, fmt, block, form in SYN:
+        br, bc = block or (1, shape[1])
+        x = tensors[name].detach().float().cpu().numpy()
+        enc, _ = fp8.quantize(x, br, bc, fmt, form == REC)
+        out[name] = (np.ascontiguousarray(enc, np.uint8).tobytes().hex(),
+                     np.ascontiguousarray(x, "<f4").tobytes().hex(), str(tensors[name].dtype))
+    return out
+
+
 def engine_digests(pairs):
     import torch
     out = {}
@@ -182,6 +198,11 @@ def exact_engine(conn, target):
     C.send(conn, {"ready": True})
     while True:
         cmd = C.recv(conn, 900, "a command")
+        if cmd["op"] == "bytes":   # a mismatch's details: the named tensors' bytes
+            torch.cuda.synchronize(dev)
+            C.send(conn, {n: t.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+                          .numpy().tobytes().hex() for n, t in pairs if n in cmd["names"]})
+            continue
         if cmd["op"] != "state":
             C.send(conn, {"bye": True})
             return
@@ -238,7 +259,7 @@ def exact_trainer(conn, target, n_gpus):
         torch.cuda.synchronize(dev)
         C.send(conn, {"tag": tag, "version": version, "update_error": err, "receipts": receipts,
                       "dtypes": {n: str(t.dtype) for n, t in tensors.items()},
-                      "expect": reference(tensors)})
+                      "expect": reference(tensors), "detail": reference_detail(tensors)})
         C.recv(conn, 600, "go on")
     C.send(conn, {"done": True})
     C.recv(conn, 60, "the end")
@@ -268,6 +289,20 @@ def run_exact(daemon_bin, worker_bin):
             check(e["version"] == t["version"], f"{tag}: engine at version {t['version']}")
             check(not bad, f"{tag}: every FP8 byte, scale and plain element equals "
                            f"weightsync.fp8's ({len(bad)} differ: {bad[:4]})")
+            detail = [n for n in bad if n in t["detail"]]
+            if detail:
+                import numpy as np
+                engine.send({"op": "bytes", "names": detail})
+                got = engine.recv(300, "the engine's bytes")
+                for n in detail:
+                    ref, src, dt = t["detail"][n]
+                    a = np.frombuffer(bytes.fromhex(got[n]), np.uint8)
+                    b = np.frombuffer(bytes.fromhex(ref), np.uint8)
+                    x = np.frombuffer(bytes.fromhex(src), "<u4")
+                    idx = np.flatnonzero(a != b)
+                    print(f"  {n} ({dt}): {idx.size} of {a.size} bytes differ; first: " +
+                          ", ".join(f"[{i}] engine {a[i]:#04x} ref {b[i]:#04x} "
+                                    f"src {x[i]:#010x}" for i in idx[:6]), flush=True)
             check(t["receipts"] == 1, f"{tag}: receipts checked by the trainer")
             rows.append((tag, ok_update and not bad and t["receipts"] == 1,
                          ",".join(sorted(set(t["dtypes"].values())))))

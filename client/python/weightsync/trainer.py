@@ -235,6 +235,7 @@ class Trainer:
         self._source_pairs = None  # _SourcePairs: the last pairs sent from it
         self._source_gen = 0     # registrations made (a process-unique number each)
         self._layouts = {}     # layout_id -> layout (for receipts)
+        self._layout_fp8 = {}  # layout_id -> whether it has FP8 targets
         self._ipc_ring_slots = 2
         self.last_results = []
         self.last_starts = []  # several daemons: each one's Start answer
@@ -1229,6 +1230,14 @@ class Trainer:
             if receipts_gpu.available():
                 fast = receipts_gpu
         from weightsync.receipts import has_fp8
+
+        def fp8_of(layout, layout_id):
+            # Once per layout id (a pass over 100k parameters cost ~50 ms).
+            if not layout_id:
+                return has_fp8(layout)
+            if layout_id not in self._layout_fp8:
+                self._layout_fp8[layout_id] = has_fp8(layout)
+            return self._layout_fp8[layout_id]
         try:
             if fast is None:
                 self._check_receipts(results, lambda layout: expected_receipt_arrays(
@@ -1236,7 +1245,7 @@ class Trainer:
             else:
                 # FP8 layouts: the Triton kernel sums no quantised parameters.
                 self._check_receipts(results, lambda layout, layout_id: (
-                    expected_receipt_arrays(layout, sent()) if has_fp8(layout) else
+                    expected_receipt_arrays(layout, sent()) if fp8_of(layout, layout_id) else
                     fast.expected_receipts_gpu({0: layout}, sent, plan_key=(
                         plan_key, layout_id) if layout_id else None)[0]), keyed=True)
         finally:
