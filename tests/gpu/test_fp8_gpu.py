@@ -131,15 +131,29 @@ def make_tensors(round_, dev):
     return out
 
 
+def f32(t):
+    """A tensor's elements widened to float32 on the host, bit by bit as
+    common/dtype.cc does: a NaN keeps its sign and payload. (torch's CUDA
+    float16 -> float32 conversion gives every NaN as 0x7FFFFFFF, dropping
+    the sign that the daemon keeps: the first reference, built with
+    .float() on the GPU, differed from the engine in exactly those bytes.)"""
+    import numpy as np
+    import torch
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.float16:
+        return t.view(torch.int16).numpy().view(np.float16).astype(np.float32)
+    if t.dtype == torch.bfloat16:
+        bits = t.view(torch.int16).numpy().view(np.uint16).astype(np.uint32) << 16
+        return bits.view(np.float32)
+    return t.float().numpy()
+
+
 def reference(tensors):
     """{engine parameter name: sha256 of its bytes} that the daemon must
     install from `tensors`, by weightsync.fp8 (numpy)."""
     import numpy as np
     import torch
     from weightsync import fp8
-
-    def f32(t):
-        return t.detach().float().cpu().numpy()
 
     ref = {}
     for name, shape, fmt, block, form in SYN:
@@ -166,7 +180,7 @@ def reference_detail(tensors):
     out = {}
     for name, shape, fmt, block, form in SYN:
         br, bc = block or (1, shape[1])
-        x = tensors[name].detach().float().cpu().numpy()
+        x = f32(tensors[name])
         enc, _ = fp8.quantize(x, br, bc, fmt, form == REC)
         out[name] = (np.ascontiguousarray(enc, np.uint8).tobytes().hex(),
                      np.ascontiguousarray(x, "<f4").tobytes().hex(), str(tensors[name].dtype))
@@ -433,7 +447,7 @@ def model_trainer(conn, target):
             if name not in lin:
                 expect.update(engine_digests([(name, p)]))
                 continue
-            x = p.detach().float().cpu().numpy()
+            x = f32(p)
             enc, d = fp8.quantize(x, BLOCK, BLOCK, E4, False)
             expect[name] = sha(np.ascontiguousarray(enc, np.uint8).tobytes())
             expect[name + "_scale_inv"] = sha(np.ascontiguousarray(d, "<f4").tobytes())
