@@ -107,6 +107,7 @@ def trainer_main(conn, target):
     linear = [t for n, t in pairs if t.dim() == 2 and n.endswith(
         ("proj.weight",)) and "embed" not in n]
     torch_quantize(linear[:2])
+    print("trainer: tensors ready", file=sys.stderr, flush=True)
     times = []
     for _ in range(REPEATS):
         torch.cuda.synchronize(dev)
@@ -136,12 +137,15 @@ def trainer_main(conn, target):
                 out[key + "_first"] = dt
         out[key] = statistics.median(times)
         out[key + "_all"] = times
+        print(f"{key}: {out[key] * 1e3:.2f} ms (first {out[key + '_first'] * 1e3:.1f})",
+              file=sys.stderr, flush=True)
 
     # Interleaved by setting, so a drift of the machine hits both engines.
     series("bf16", False, "bf16_update_s_receipts_off")
     series("fp8", False, "fp8_update_s_receipts_off")
-    series("bf16", True, "bf16_update_s")
-    series("fp8", True, "fp8_update_s")
+    if os.environ.get("BENCH_RECEIPTS", "on") == "on":
+        series("bf16", True, "bf16_update_s")
+        series("fp8", True, "fp8_update_s")
     C.send(conn, out)
     C.recv(conn, 60, "the end")
 
@@ -178,7 +182,8 @@ def main():
            **r,
            "engine_bytes_bf16": reg["bf16"]["bytes"], "engine_bytes_fp8": reg["fp8"]["bytes"],
            "engine_register_s": {k: v["register_s"] for k, v in reg.items()}}
-    res["ratio"] = res["fp8_update_s"] / res["bf16_update_s"]
+    if "fp8_update_s" in res:
+        res["ratio"] = res["fp8_update_s"] / res["bf16_update_s"]
     res["ratio_receipts_off"] = res["fp8_update_s_receipts_off"] / res["bf16_update_s_receipts_off"]
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
     with open(out_path, "w") as f:
@@ -188,8 +193,10 @@ def main():
           f"fp8 {res['engine_bytes_fp8'] / 1e9:.2f} GB")
     for k in ("bf16_update_s_receipts_off", "fp8_update_s_receipts_off", "bf16_update_s",
               "fp8_update_s"):
-        print(f"{k:28s} {res[k] * 1e3:9.2f} ms  (first {res[k + '_first'] * 1e3:.1f} ms)")
-    print(f"ratio fp8/bf16: receipts on {res['ratio']:.3f}, off {res['ratio_receipts_off']:.3f}")
+        if k in res:
+            print(f"{k:28s} {res[k] * 1e3:9.2f} ms  (first {res[k + '_first'] * 1e3:.1f} ms)")
+    print(f"ratio fp8/bf16: receipts on {res.get('ratio', float('nan')):.3f}, "
+          f"off {res['ratio_receipts_off']:.3f}")
     print(f"torch quantisation of the {res['torch_quantize_weights']} linear weights: "
           f"{res['torch_quantize_s'] * 1e3:.2f} ms")
     print(f"wrote {out_path}")
