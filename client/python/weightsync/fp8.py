@@ -1,7 +1,10 @@
 """FP8 targets: the quantisation the daemon applies on the way into an FP8
-engine (docs/protocol.md, "FP8 targets"), in numpy, bit for bit what
-common/fp8.cc computes; tests/vectors/fp8.json (tools/fp8_vectors.py,
-exact rational arithmetic) binds both.
+engine (docs/protocol.md, "FP8 targets"), bit for bit what common/fp8.cc
+computes; tests/vectors/fp8.json (tools/fp8_vectors.py, exact rational
+arithmetic) binds both. quantize, to_fp8 and quantized_receipt are one
+body for numpy arrays and torch tensors (ops=weightsync._xp.TorchOps():
+on the tensors' device, the same bits; CI runs the numpy instantiation and
+tests/gpu/check_fp8_receipts_gpu.py the torch one).
 
 Per block of float32 values x (the sent elements widened exactly):
 
@@ -20,7 +23,7 @@ import numpy as np
 from weightsync import _xp
 
 __all__ = ["FMAX", "quantize", "to_fp8", "from_fp8", "dequantize", "block_shape",
-           "quantized_receipt", "split_layout"]
+           "quantized_receipt", "split_layout", "CHUNK"]
 
 FMAX = {"FLOAT8_E4M3FN": 448.0, "FLOAT8_E5M2": 57344.0}
 # (mantissa bits, bias, largest finite encoding, NaN encoding, FMAX bits)
