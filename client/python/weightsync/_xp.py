@@ -92,6 +92,38 @@ class NumpyOps:
             return (u.astype(np.uint32).view(np.float32).astype(np.float16)
                     .view(np.uint16).astype(np.int64))
 
+    # Float32 work (weightsync.fp8's quantisation): IEEE float32 division
+    # and comparisons are the same in both; these are what is spelt apart.
+    def f32_bits(self, x):
+        """float32 bits of a float32 array as int64 in [0, 2^32)."""
+        return self._np.ascontiguousarray(x, self._np.float32).view(self._np.uint32).astype(
+            self._np.int64)
+
+    def f32_from_bits(self, u):
+        """float32 array of int64 lanes holding float32 bits."""
+        return u.astype(self._np.uint32).view(self._np.float32)
+
+    def zeros(self, shape, kind, like=None):
+        """Zeros of `kind` ("float32", "bool", "int64") where `like` is."""
+        return self._np.zeros(shape, {"float32": self._np.float32, "bool": bool,
+                                      "int64": self._np.int64}[kind])
+
+    def full_like(self, x, value):
+        return self._np.full_like(x, value)
+
+    def clip(self, x, lo, hi=None):
+        return self._np.clip(x, lo, hi) if hi is not None else self._np.maximum(x, lo)
+
+    def amax_blocks(self, x4):
+        """Max over axes 1 and 3 of a 4-D array (blocks of a padded grid)."""
+        return x4.max(axis=(1, 3))
+
+    def to_uint8(self, x):
+        return x.astype(self._np.uint8)
+
+    def errstate(self):
+        return self._np.errstate(all="ignore")
+
 
 class TorchOps:
     name = "torch"
@@ -152,3 +184,35 @@ class TorchOps:
         t = self._t
         u32 = ((u ^ 0x80000000) - 0x80000000).to(t.int32)   # the same 32 bits, signed
         return u32.view(t.float32).to(t.float16).view(t.int16).to(t.int64) & 0xFFFF
+
+    def f32_bits(self, x):
+        t = self._t
+        return x.contiguous().view(t.int32).to(t.int64) & MASK32
+
+    def f32_from_bits(self, u):
+        t = self._t
+        return ((u ^ 0x80000000) - 0x80000000).to(t.int32).view(t.float32)
+
+    def zeros(self, shape, kind, like=None):
+        t = self._t
+        return t.zeros(shape, dtype={"float32": t.float32, "bool": t.bool,
+                                     "int64": t.int64}[kind],
+                       device=like.device if like is not None else None)
+
+    def full_like(self, x, value):
+        # A tensor, never a Python scalar operand: CUDA divides by a CPU
+        # scalar as a multiplication by its reciprocal (not IEEE division).
+        return self._t.full_like(x, value)
+
+    def clip(self, x, lo, hi=None):
+        return self._t.clamp(x, min=lo, max=hi)
+
+    def amax_blocks(self, x4):
+        return x4.amax(dim=(1, 3))
+
+    def to_uint8(self, x):
+        return x.to(self._t.uint8)
+
+    def errstate(self):
+        import contextlib
+        return contextlib.nullcontext()

@@ -1,7 +1,10 @@
 """FP8 targets: the quantisation the daemon applies on the way into an FP8
-engine (docs/protocol.md, "FP8 targets"), in numpy, bit for bit what
-common/fp8.cc computes; tests/vectors/fp8.json (tools/fp8_vectors.py,
-exact rational arithmetic) binds both.
+engine (docs/protocol.md, "FP8 targets"), bit for bit what common/fp8.cc
+computes; tests/vectors/fp8.json (tools/fp8_vectors.py, exact rational
+arithmetic) binds both. quantize, to_fp8 and quantized_receipt are one
+body for numpy arrays and torch tensors (ops=weightsync._xp.TorchOps():
+on the tensors' device, the same bits; CI runs the numpy instantiation and
+tests/gpu/check_fp8_receipts_gpu.py the torch one).
 
 Per block of float32 values x (the sent elements widened exactly):
 
@@ -17,8 +20,10 @@ of weightsync.receipts.expected_receipt for quantised targets)."""
 
 import numpy as np
 
+from weightsync import _xp
+
 __all__ = ["FMAX", "quantize", "to_fp8", "from_fp8", "dequantize", "block_shape",
-           "quantized_receipt", "split_layout"]
+           "quantized_receipt", "split_layout", "CHUNK"]
 
 FMAX = {"FLOAT8_E4M3FN": 448.0, "FLOAT8_E5M2": 57344.0}
 # (mantissa bits, bias, largest finite encoding, NaN encoding, FMAX bits)
@@ -27,32 +32,38 @@ _SPEC = {"FLOAT8_E4M3FN": (3, 7, 0x7E, 0x7F, 0x43E00000),
 
 
 def _round_shift(m, shift):
-    """m >> shift rounded to nearest, ties to even (int64 arrays, shift
-    1..62)."""
+    """m >> shift rounded to nearest, ties to even (int64 numpy arrays or
+    torch tensors; `shift` an int or an int64 array like `m`, 1..62)."""
     k = m >> shift
-    rem = m & ((np.int64(1) << shift) - 1)
-    half = np.int64(1) << (shift - 1)
+    one = shift * 0 + 1   # 1, or int64 ones like `shift` (no uint arithmetic)
+    rem = m & ((one << shift) - 1)
+    half = one << (shift - 1)
     return k + ((rem > half) | ((rem == half) & ((k & 1) == 1)))
 
 
-def to_fp8(q, fmt):
-    """uint8 encodings of float32 `q` rounded to nearest even into `fmt`,
-    saturating at +-FMAX; NaN keeps its sign."""
+def to_fp8(q, fmt, ops=None):
+    """uint8 encodings of float32 `q` (a numpy array, or a torch tensor
+    with `ops` = weightsync._xp.TorchOps()) rounded to nearest even into
+    `fmt`, saturating at +-FMAX; NaN keeps its sign. Integer arithmetic in
+    int64 lanes, the same on both."""
+    ops = ops or _xp.NumpyOps()
     mb, bias, max_bits, nan_bits, fmax_bits = _SPEC[fmt]
-    bits = np.ascontiguousarray(q, np.float32).view(np.uint32).astype(np.int64)
+    if not _xp.is_torch(q):
+        q = np.asarray(q, np.float32)
+    bits = ops.f32_bits(q)
     sign = (bits >> 24) & 0x80
     a = bits & 0x7FFFFFFF
     e = a >> 23
     emin = 1 - bias
     drop = 23 - mb
     normal = _round_shift(((e - 127 + bias) << 23) | (a & 0x7FFFFF), drop)
-    m = np.where(e == 0, a, (a & 0x7FFFFF) | 0x800000)
-    shift = (emin - mb) - (np.maximum(e, 1) - 150)
-    sub = np.where(shift >= 25, 0, _round_shift(m, np.clip(shift, 1, 25)))
-    out = np.where(e - 127 < emin, sub, normal)
-    out = np.where(a >= fmax_bits, max_bits, out)
-    out = np.where(a > 0x7F800000, nan_bits, out)
-    return (out | sign).astype(np.uint8)
+    m = ops.where(e == 0, a, (a & 0x7FFFFF) | 0x800000)
+    shift = (emin - mb) - (ops.clip(e, 1) - 150)
+    sub = ops.where(shift >= 25, 0, _round_shift(m, ops.clip(shift, 1, 25)))
+    out = ops.where(e - 127 < emin, sub, normal)
+    out = ops.where(a >= fmax_bits, max_bits, out)
+    out = ops.where(a > 0x7F800000, nan_bits, out)
+    return ops.to_uint8(out | sign)
 
 
 def from_fp8(enc, fmt):
@@ -71,26 +82,37 @@ def from_fp8(enc, fmt):
     return np.where(e8 & 0x80, -v, v).astype(np.float32)
 
 
-def quantize(x, block_rows, block_cols, fmt="FLOAT8_E4M3FN", reciprocal=False):
+def quantize(x, block_rows, block_cols, fmt="FLOAT8_E4M3FN", reciprocal=False, ops=None):
     """(uint8 FP8 encodings of x's shape, float32 stored scales
     [ceil(rows / block_rows), ceil(cols / block_cols)]) of a 2-D float32
     array, cut into blocks from its top-left corner (edge blocks partial).
-    Per row: block_rows=1, block_cols=cols."""
-    x = np.asarray(x, np.float32)
+    Per row: block_rows=1, block_cols=cols. `x`: a numpy array, or a torch
+    tensor with `ops` = weightsync._xp.TorchOps() (then on its device,
+    bit for bit the same: float32 IEEE operations only, every operand a
+    tensor)."""
+    ops = ops or _xp.NumpyOps()
+    if not _xp.is_torch(x):
+        x = np.asarray(x, np.float32)
     rows, cols = x.shape
     gr, gc = -(-rows // block_rows), -(-cols // block_cols)
-    mag = np.abs(x)
-    mag[~np.isfinite(mag)] = 0
-    padded = np.zeros((gr * block_rows, gc * block_cols), np.float32)
-    padded[:rows, :cols] = mag
-    amax = padded.reshape(gr, block_rows, gc, block_cols).max(axis=(1, 3))
-    with np.errstate(all="ignore"):
-        d = amax / np.float32(FMAX[fmt])
-        d[d == 0] = np.float32(1)
-        full = np.repeat(np.repeat(d, block_rows, axis=0), block_cols, axis=1)[:rows, :cols]
-        q = np.where(np.isnan(x), x, x / full)
-        stored = np.float32(1) / d if reciprocal else d
-    return to_fp8(q, fmt), stored.astype(np.float32)
+    with ops.errstate():
+        padded = ops.zeros((gr * block_rows, gc * block_cols), "float32", x)
+        padded[:rows, :cols] = x
+        mag = abs(padded)
+        # NaN and inf count as 0 (a float32 zero: no Python float operand
+        # that an older numpy could widen the result with).
+        mag = ops.where(mag < float("inf"), mag, ops.zeros(1, "float32", x))
+        amax = ops.amax_blocks(mag.reshape(gr, block_rows, gc, block_cols))
+        del mag
+        d = amax / ops.full_like(amax, FMAX[fmt])
+        one = ops.full_like(d, 1.0)
+        d = ops.where(d == 0, one, d)
+        q = (padded.reshape(gr, block_rows, gc, block_cols)
+             / d.reshape(gr, 1, gc, 1)).reshape(gr * block_rows, gc * block_cols)
+        q = q[:rows, :cols]
+        q = ops.where(x != x, x, q)   # NaN as it is (its sign is kept)
+        stored = one / d if reciprocal else d
+    return to_fp8(q, fmt, ops), stored
 
 
 def dequantize(enc, scales, block_rows, block_cols, fmt="FLOAT8_E4M3FN", reciprocal=False):
@@ -134,23 +156,56 @@ def split_layout(layout):
     return plain, quantized, scales
 
 
-def _widen(raw, dtype):
-    from weightsync.receipts import _to_float32
-    return _to_float32(np.ascontiguousarray(raw), dtype)
+# Elements a step of quantized_receipt works on at most (rows of blocks of
+# a parameter; segments written into its image this many at a time): the
+# quantisation holds several int64 temporaries an element.
+CHUNK = 1 << 24
 
 
-def _image(p, sent, rows, cols):
+def _elements(ops, raw, dtype):
+    """Flat elements of a sent tensor (any integer or float view of its
+    storage, a flat uint8 one too) as integers of the dtype's width."""
+    from weightsync.receipts import ESIZE
+    flat = ops.flat(raw)
+    width = ESIZE[dtype]
+    if ops.itemsize(flat) != width:
+        flat = flat.view(ops.int_dtype(width))
+    return flat
+
+
+def _widen(ops, elements, dtype):
+    """float32 values of `elements` (_elements) of float dtype `dtype`,
+    exactly; NaN keeps sign and payload (as receipts._to_float32 and the
+    daemon: torch's CUDA float16 -> float32 drops a NaN's sign)."""
+    from weightsync.receipts import convert_element_bits
+    return ops.f32_from_bits(convert_element_bits(ops, ops.flat(elements), dtype, "FLOAT32"))
+
+
+def _sources(p):
+    return [s.source for s in p.segments] or [p.name]
+
+
+def _image(p, sent, rows, cols, ops=None, values=True, chunk=CHUNK):
     """(float32 [rows, cols] of the sent values, bool mask of the elements
-    a sent source writes) of quantised parameter `p`."""
-    values = np.zeros(rows * cols, np.float32)
-    mask = np.zeros(rows * cols, bool)
+    a sent source writes) of quantised parameter `p`; values=False: (None,
+    mask). Numpy arrays, or torch tensors on the sources' device with
+    `ops` = weightsync._xp.TorchOps()."""
+    ops = ops or _xp.NumpyOps()
+    like = next((sent[n][2] for n in _sources(p) if n in sent), None)
+    n = rows * cols
+    image = ops.zeros(n, "float32", like) if values else None
+    mask = ops.zeros(n, "bool", like)
     segments = list(p.segments)
     if not segments:
         if p.name in sent:
-            dtype, _, raw = sent[p.name][:3]
-            values[:] = _widen(np.asarray(raw).view(np.uint8), dtype)[:rows * cols]
             mask[:] = True
-        return values.reshape(rows, cols), mask.reshape(rows, cols)
+            if values:
+                dtype, _, raw = sent[p.name][:3]
+                src = _elements(ops, raw, dtype)
+                for lo in range(0, n, chunk):
+                    hi = min(n, lo + chunk)
+                    image[lo:hi] = _widen(ops, src[lo:hi], dtype)
+        return (image.reshape(rows, cols) if values else None), mask.reshape(rows, cols)
     for s in segments:
         if s.source not in sent:
             continue
@@ -159,42 +214,85 @@ def _image(p, sent, rows, cols):
         for d in list(shape)[1:]:
             scols *= int(d)
         srows = int(shape[0]) if len(shape) else 1
-        src = _widen(np.asarray(raw).view(np.uint8), dtype).reshape(srows, scols)
-        block = src[s.row_begin:s.row_begin + s.row_count, s.col_begin:s.col_begin + s.col_count]
-        stride = s.dest_row_stride or s.col_count
-        index = (s.dest_offset + np.arange(s.row_count, dtype=np.int64)[:, None] * stride
-                 + np.arange(s.col_count, dtype=np.int64)[None, :])
-        values[index] = block
-        mask[index] = True
-    return values.reshape(rows, cols), mask.reshape(rows, cols)
+        rc, cc = s.row_count, s.col_count
+        stride = s.dest_row_stride or cc
+        grid = _elements(ops, raw, dtype).reshape(srows, scols) if values else None
+        step = max(1, chunk // max(cc, 1))
+        for r0 in range(0, rc, step):
+            r1 = min(rc, r0 + step)
+            if stride == cc:   # rows back to back: one run of the image
+                where = slice(s.dest_offset + r0 * cc, s.dest_offset + r1 * cc)
+            else:
+                where = (s.dest_offset + (ops.arange(r1 - r0, like=mask)[:, None] + r0) * stride
+                         + ops.arange(cc, like=mask)[None, :]).reshape(-1)
+            mask[where] = True
+            if values:
+                block = grid[s.row_begin + r0:s.row_begin + r1,
+                             s.col_begin:s.col_begin + cc]
+                image[where] = _widen(ops, block, dtype)
+    return (image.reshape(rows, cols) if values else None), mask.reshape(rows, cols)
 
 
-def quantized_receipt(quantized, sent):
+def _written_blocks(ops, mask, br, bc):
+    """Flat indices (int64, increasing) of the blocks of a [rows, cols]
+    mask's grid that hold a true element (edge blocks partial)."""
+    rows, cols = mask.shape
+    gr, gc = -(-rows // br), -(-cols // bc)
+    pad = ops.zeros((gr * br, gc * bc), "bool", mask)
+    pad[:rows, :cols] = mask
+    return ops.nonzero(pad.reshape(gr, br, gc, bc).any(3).any(1).reshape(-1))
+
+
+def _terms_sum(ops, bits, index, salt):
+    """Sum of the receipt terms (receipts.terms32) of int64 lanes of 32-bit
+    `bits` at element indices `index` (< 2^31 of them: an int64 sum)."""
+    from weightsync.receipts import KEY_HI, KEY_LO, M32, mix32_bits
+    key = (salt + (index & M32) * KEY_LO + _xp.shr(index, 32) * KEY_HI) & M32
+    return ops.to_int(mix32_bits(bits ^ key).sum())
+
+
+def quantized_receipt(quantized, sent, ops=None, chunk=CHUNK, values=True):
     """(checksum, parameters, bytes) of the quantised parameters of a
     layout (split_layout) after an update that sent `sent` (as
     expected_receipt takes it): their FP8 elements that a sent source
-    writes and the scales of those blocks."""
-    from weightsync.receipts import salt32, terms32
+    writes and the scales of those blocks.
+
+    ops: None, numpy arrays (uint8 views or the dtypes' storage types);
+    weightsync._xp.TorchOps(): torch tensors, each parameter's sources on
+    one device, where all of it runs (the same code: bit for bit the same
+    sums). A parameter is quantised `chunk` elements at a time at most
+    (whole rows of blocks; at least one). values=False: the counts only
+    (the checksum is 0), nothing quantised."""
+    from weightsync.receipts import salt32
+    ops = ops or _xp.NumpyOps()
     total = params = nbytes = 0
     for p in quantized:
+        if not any(n in sent for n in _sources(p)):
+            continue
         br, bc, rows, cols = block_shape(p)
-        values, mask = _image(p, sent, rows, cols)
-        if not mask.any():
+        image, mask = _image(p, sent, rows, cols, ops, values, chunk)
+        if not bool(mask.any()):
             continue
         qz = p.quantization
         fmt = _enum("DType", qz.format)
-        enc, stored = quantize(values, br, bc, fmt,
-                               _enum("ScaleForm", qz.scale_form) == "SCALE_FORM_RECIPROCAL")
-        index = np.flatnonzero(mask.reshape(-1))
-        total += int(terms32(enc.reshape(-1)[index].astype(np.uint32), index,
-                             salt32(p.name)).sum(dtype=np.uint64))
-        gr, gc = stored.shape
-        pad = np.zeros((gr * br, gc * bc), bool)
-        pad[:rows, :cols] = mask
-        written = pad.reshape(gr, br, gc, bc).any(axis=(1, 3)).reshape(-1)
-        blocks = np.flatnonzero(written)
-        total += int(terms32(stored.reshape(-1)[blocks].view(np.uint32), blocks,
-                             salt32(qz.scale_parameter)).sum(dtype=np.uint64))
+        reciprocal = _enum("ScaleForm", qz.scale_form) == "SCALE_FORM_RECIPROCAL"
+        gc = -(-cols // bc)
+        step = br * max(1, chunk // max(br * cols, 1))
+        salt, scale_salt = salt32(p.name), salt32(qz.scale_parameter)
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            m = mask[r0:r1]
+            index = ops.nonzero(m.reshape(-1))
+            if not index.shape[0]:
+                continue
+            blocks = _written_blocks(ops, m, br, bc)
+            nbytes += int(index.shape[0]) + 4 * int(blocks.shape[0])
+            if not values:
+                continue
+            enc, stored = quantize(image[r0:r1], br, bc, fmt, reciprocal, ops)
+            total += _terms_sum(ops, ops.to_int64(enc.reshape(-1)[index]), index + r0 * cols,
+                                salt)
+            total += _terms_sum(ops, ops.f32_bits(stored.reshape(-1)[blocks]),
+                                blocks + (r0 // br) * gc, scale_salt)
         params += 2
-        nbytes += index.size + 4 * blocks.size
     return total & 0xFFFFFFFFFFFFFFFF, params, nbytes

@@ -275,15 +275,14 @@ def receipt_counts(layout, shapes):
         params, nbytes, _ = receipts._runs(layout, shapes)
         return params, nbytes
     # FP8 targets: their counts (FP8 elements and the scales of the blocks
-    # written) from weightsync.fp8 over zeros of the tensors' shapes.
-    import numpy as np
+    # written) from weightsync.fp8's walk of the tensors' shapes (nothing
+    # quantised: the masks of what they write only).
     from weightsync import fp8
     plain, quant, _ = fp8.split_layout(layout)
     params, nbytes, _ = receipts._runs(plain, shapes)
     feeds = {s.source for p in quant for s in p.segments} | {p.name for p in quant}
-    zeros = {n: (d, s, np.zeros(planner.payload_bytes(d, s), np.uint8))
-             for n, (d, s, _) in shapes.items() if n in feeds}
-    _, q_params, q_bytes = fp8.quantized_receipt(quant, zeros)
+    named = {n: (d, s, None) for n, (d, s, _) in shapes.items() if n in feeds}
+    _, q_params, q_bytes = fp8.quantized_receipt(quant, named, values=False)
     return params + q_params, nbytes + q_bytes
 
 

@@ -580,13 +580,14 @@ def expected_receipt_arrays(layout, sent, ops=None, block=1 << 22):
     otherwise int64 array ops (`block` elements at a time) with `ops` or
     those of the data. Returns (checksum, parameters, bytes). FP8 targets
     (a GPU engine's, quantised by the daemon on its GPU): the rest of the
-    layout as above, the quantised parameters by weightsync.fp8 on host
-    copies of the tensors that feed them."""
+    layout as above, the quantised parameters by weightsync.fp8 where the
+    tensors that feed them are: torch ops on their GPU for CUDA tensors,
+    numpy (on host copies) otherwise."""
     if has_fp8(layout):
         from weightsync import fp8
         plain, quant, _ = fp8.split_layout(layout)
         checksum, params, nbytes = expected_receipt_arrays(plain, sent, ops, block)
-        q_sum, q_params, q_bytes = fp8.quantized_receipt(quant, _on_host(quant, sent))
+        q_sum, q_params, q_bytes = _quantized_where_sent(quant, sent)
         return (checksum + q_sum) & _xp.MASK64, params + q_params, nbytes + q_bytes
     if ops is None and _all_cuda(sent):
         from weightsync import receipts_gpu
@@ -598,6 +599,26 @@ def expected_receipt_arrays(layout, sent, ops=None, block=1 << 22):
 def has_fp8(layout):
     """True if `layout` has FP8 targets (docs/protocol.md, "FP8 targets")."""
     return any(p.HasField("quantization") for p in layout)
+
+
+def _quantized_where_sent(quantized, sent):
+    """weightsync.fp8.quantized_receipt of FP8 targets where their sources
+    are: a parameter whose sent sources are all CUDA tensors of one device
+    is quantised and summed there with torch ops (the same code as numpy's,
+    bit for bit the same sums); the others by numpy on host copies."""
+    from weightsync import fp8
+    on_gpu, on_host = [], []
+    for p in quantized:
+        feeds = [sent[n][2] for n in fp8._sources(p) if n in sent]
+        if not feeds:
+            continue
+        cuda = all(_xp.is_torch(e) and e.is_cuda for e in feeds)
+        (on_gpu if cuda and len({e.device for e in feeds}) == 1 else on_host).append(p)
+    total, params, nbytes = fp8.quantized_receipt(on_host, _on_host(on_host, sent))
+    if on_gpu:
+        g_sum, g_params, g_bytes = fp8.quantized_receipt(on_gpu, sent, ops=_xp.TorchOps())
+        total, params, nbytes = total + g_sum, params + g_params, nbytes + g_bytes
+    return total & _xp.MASK64, params, nbytes
 
 
 def _on_host(quantized, sent):
