@@ -32,9 +32,8 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import _common as C  # noqa: E402
 
-QWEN3_8B = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
-            "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
-            "head_dim": 128, "model_type": "qwen3", "tie_word_embeddings": False}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
 MODEL = os.environ.get("BENCH_MODEL", "qwen3-8b")
 REPEATS = int(os.environ.get("BENCH_REPEATS", "5"))
 GPU = 0
@@ -42,11 +41,8 @@ TORCH_DT = {"BFLOAT16": "bfloat16", "FLOAT32": "float32", "FLOAT8_E4M3FN": "floa
 
 
 def config():
-    cfg = dict(QWEN3_8B)
-    if MODEL == "small":
-        cfg.update(vocab_size=8192, hidden_size=512, intermediate_size=1024,
-                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-    return cfg
+    from python_ipc_bench import model_config
+    return model_config(MODEL)
 
 
 def engine_main(conn, target, kind):

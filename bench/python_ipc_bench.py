@@ -38,13 +38,18 @@ REPEATS = int(os.environ.get("BENCH_REPEATS", "7"))
 GPU = 0
 
 
-def shapes():
-    from weightsync import layouts
+def model_config(model=MODEL):
+    """Qwen3-8B's config, or a small one of the same family (BENCH_MODEL=small)."""
     cfg = dict(QWEN3_8B)
-    if MODEL == "small":
+    if model == "small":
         cfg.update(vocab_size=8192, hidden_size=512, intermediate_size=1024,
                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-    return layouts.checkpoint_shapes(cfg)
+    return cfg
+
+
+def shapes():
+    from weightsync import layouts
+    return layouts.checkpoint_shapes(model_config())
 
 
 def engine_main(conn, target):
