@@ -211,6 +211,232 @@ WS_FP8_HD void QuantWritePart(const QuantJob& job, int64_t b, float amax,
   }
 }
 
+// Direct quantisation (docs/protocol.md, "FP8 targets on the GPU
+// backends"): where an update's whole source is in GPU memory from the
+// start, a use's rectangle is quantised straight from the source, with no
+// float32 scratch: one GPU thread block per FP8 block loads the block's
+// source elements once (widened exactly: NaN sign and payload kept, as
+// float_convert.cuh and common/dtype.cc), reduces the amax, and quantises
+// the values it holds. The arithmetic is the functions above; what follows
+// is where each thread's elements are.
+
+// The source dtypes (weightsync.v1.DType values).
+enum : int32_t {
+  kFp8SrcFloat32 = 1,
+  kFp8SrcBfloat16 = 2,
+  kFp8SrcFloat16 = 3,
+};
+
+// Threads per block of the direct kernel, and the source elements each
+// holds in registers: blocks of up to 16384 elements (128 x 128) are read
+// once; larger ones (wide per-row blocks) are read twice (amax, then the
+// elements), still without scratch. 1024 x 16 fits 64 registers a thread
+// (sm_90, ptxas -v: 64, no real spill), 32 warps per multiprocessor; 512 x
+// 32 took 92 registers (16 warps).
+inline constexpr int kDirectThreads = 1024;
+inline constexpr int kDirectPerThread = 16;
+
+#if defined(__CUDA_ARCH__)
+#define WS_FP8_UNROLL _Pragma("unroll")
+#else
+#define WS_FP8_UNROLL
+#endif
+
+// The float32 bits of float16 bits h, exactly (NaN payload and sign kept).
+WS_FP8_HD uint32_t Fp8HalfBits(uint32_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16;
+  const uint32_t e = (h >> 10) & 0x1Fu;
+  uint32_t m = h & 0x3FFu;
+  if (e == 0x1Fu) return sign | 0x7F800000u | (m << 13);
+  if (e != 0) return sign | ((e + 112u) << 23) | (m << 13);
+  if (m == 0) return sign;
+  // A subnormal m * 2^-24: shift its leading 1 up to bit 10.
+  uint32_t exp = 113;  // 2^-14's biased float32 exponent
+  while ((m & 0x400u) == 0) {
+    m <<= 1;
+    --exp;
+  }
+  return sign | (exp << 23) | ((m & 0x3FFu) << 13);
+}
+
+// Element i of a source of dtype kDtype at src (aligned to its size),
+// widened to float32 exactly.
+template <int kDtype>
+WS_FP8_HD float Fp8LoadSource(const uint8_t* src, int64_t i) {
+  if (kDtype == kFp8SrcFloat32) {
+#if defined(__CUDA_ARCH__)
+    return reinterpret_cast<const float*>(src)[i];
+#else
+    float f;
+    memcpy(&f, src + 4 * i, 4);
+    return f;
+#endif
+  }
+  uint16_t h;
+#if defined(__CUDA_ARCH__)
+  h = reinterpret_cast<const uint16_t*>(src)[i];
+#else
+  memcpy(&h, src + 2 * i, 2);
+#endif
+  if (kDtype == kFp8SrcBfloat16) return Fp8FloatOf(uint32_t{h} << 16);
+  return Fp8FloatOf(Fp8HalfBits(h));
+}
+
+// One use's rectangle quantised from its source: source element (r, c) of
+// the rectangle at src + (r * src_stride + c) * size of src_dtype; `out`
+// as QuantJob (its x and x_stride unused). In a batch, first_block is the
+// number of blocks of the jobs before it.
+struct DirectJob {
+  const uint8_t* src;
+  int64_t src_stride;  // elements
+  int32_t src_dtype;   // kFp8SrcFloat32, kFp8SrcBfloat16 or kFp8SrcFloat16
+  QuantJob out;
+  int64_t first_block;
+};
+
+// The job of block g of a batch of n jobs (first_block ascending from 0,
+// every g below the last job's end): the last job whose first_block <= g.
+// `hint` (the caller's last answer) and the job after it are tried first.
+WS_FP8_HD int DirectJobOf(const DirectJob* jobs, int n, int64_t g, int hint) {
+  for (int j = hint; j >= 0 && j < n && j <= hint + 1; ++j) {
+    if (jobs[j].first_block <= g &&
+        (j + 1 == n || g < jobs[j + 1].first_block)) {
+      return j;
+    }
+  }
+  int lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int mid = lo + (hi - lo + 1) / 2;
+    if (jobs[mid].first_block <= g) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+// Thread t's walk over block b of a direct job: its elements are t,
+// t + threads, ... of the block in row-major order; (r, c) is the current
+// one within the block, src and q its element offsets from job.src and
+// job.out.q. Valid while r < h.
+struct DirectWalk {
+  int32_t h, w;  // the block's size (a block holds at most 2^26 elements)
+  int64_t i, j;  // its scale's place
+  int32_t r, c;
+  int64_t src, q;
+  int32_t dr, dc;
+  int64_t src_step, q_step;
+};
+
+WS_FP8_HD DirectWalk DirectWalkOf(const DirectJob& job, int64_t b, uint32_t t,
+                                  uint32_t threads) {
+  DirectWalk k;
+  int64_t r0, c0, h, w;
+  QuantBlockOf(job.out, b, &r0, &c0, &h, &w, &k.i, &k.j);
+  k.h = static_cast<int32_t>(h);
+  k.w = static_cast<int32_t>(w);
+  k.r = static_cast<int32_t>(t / w);
+  k.c = static_cast<int32_t>(t % w);
+  k.src = (r0 + k.r) * job.src_stride + c0 + k.c;
+  k.q = (r0 + k.r) * job.out.q_stride + c0 + k.c;
+  k.dr = static_cast<int32_t>(threads / w);
+  k.dc = static_cast<int32_t>(threads % w);
+  k.src_step = int64_t{k.dr} * job.src_stride + k.dc;
+  k.q_step = int64_t{k.dr} * job.out.q_stride + k.dc;
+  return k;
+}
+
+// The walk's next element (`threads` further on in the block).
+WS_FP8_HD void DirectNext(const DirectJob& job, DirectWalk* k) {
+  k->r += k->dr;
+  k->c += k->dc;
+  k->src += k->src_step;
+  k->q += k->q_step;
+  if (k->c >= k->w) {  // dc < w: one row further at most
+    k->c -= k->w;
+    ++k->r;
+    k->src += job.src_stride - k->w;
+    k->q += job.out.q_stride - k->w;
+  }
+}
+
+// Whether block b's elements fit `threads` x kPer registers.
+WS_FP8_HD bool DirectHeld(const DirectJob& job, int64_t b, uint32_t threads,
+                          int per_thread) {
+  int64_t r0, c0, h, w, i, j;
+  QuantBlockOf(job.out, b, &r0, &c0, &h, &w, &i, &j);
+  return h * w <= static_cast<int64_t>(threads) * per_thread;
+}
+
+// Held blocks: thread t loads its elements of block b into v (0 past the
+// block's end); returns their amax.
+template <int kDtype, int kPer>
+WS_FP8_HD float DirectLoadPart(const DirectJob& job, int64_t b, uint32_t t,
+                               uint32_t threads, float (&v)[kPer]) {
+  DirectWalk k = DirectWalkOf(job, b, t, threads);
+  WS_FP8_UNROLL
+  for (int e = 0; e < kPer; ++e) {
+    v[e] = k.r < k.h ? Fp8LoadSource<kDtype>(job.src, k.src) : 0.0f;
+    DirectNext(job, &k);
+  }
+  float amax = 0.0f;
+  WS_FP8_UNROLL
+  for (int e = 0; e < kPer; ++e) amax = Fp8AmaxStep(amax, v[e]);
+  return amax;
+}
+
+// Block b's scale (thread 0 writes it).
+WS_FP8_HD void DirectStoreScale(const DirectJob& job, const DirectWalk& k,
+                                float d) {
+  Fp8StoreScale(job.out.scale + 4 * (k.i * job.out.scale_stride + k.j),
+                Fp8StoredScale(d, job.out.reciprocal));
+}
+
+// Held blocks: thread t's FP8 elements of block b from v (DirectLoadPart's),
+// in a block of amax `amax`; thread 0 also writes the scale.
+template <int kPer>
+WS_FP8_HD void DirectWritePart(const DirectJob& job, int64_t b, uint32_t t,
+                               uint32_t threads, float amax,
+                               const float (&v)[kPer]) {
+  DirectWalk k = DirectWalkOf(job, b, t, threads);
+  const Fp8Format f = Fp8FormatOf(job.out.e5m2);
+  const float d = Fp8DequantScale(amax, f);
+  if (t == 0) DirectStoreScale(job, k, d);
+  WS_FP8_UNROLL
+  for (int e = 0; e < kPer; ++e) {
+    if (k.r < k.h) job.out.q[k.q] = Fp8QuantizeElement(v[e], d, f);
+    DirectNext(job, &k);
+  }
+}
+
+// Blocks too large to hold: thread t's part of block b's amax, read from
+// the source ...
+template <int kDtype>
+WS_FP8_HD float DirectAmaxStream(const DirectJob& job, int64_t b, uint32_t t,
+                                 uint32_t threads) {
+  float amax = 0.0f;
+  for (DirectWalk k = DirectWalkOf(job, b, t, threads); k.r < k.h;
+       DirectNext(job, &k)) {
+    amax = Fp8AmaxStep(amax, Fp8LoadSource<kDtype>(job.src, k.src));
+  }
+  return amax;
+}
+
+// ... and its FP8 elements, read again; thread 0 also writes the scale.
+template <int kDtype>
+WS_FP8_HD void DirectWriteStream(const DirectJob& job, int64_t b, uint32_t t,
+                                 uint32_t threads, float amax) {
+  const Fp8Format f = Fp8FormatOf(job.out.e5m2);
+  const float d = Fp8DequantScale(amax, f);
+  DirectWalk k = DirectWalkOf(job, b, t, threads);
+  if (t == 0) DirectStoreScale(job, k, d);
+  for (; k.r < k.h; DirectNext(job, &k)) {
+    job.out.q[k.q] =
+        Fp8QuantizeElement(Fp8LoadSource<kDtype>(job.src, k.src), d, f);
+  }
+}
+
 }  // namespace cuda
 }  // namespace weightsync
 

@@ -168,7 +168,14 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   // scatter_stream_ after the chunk's ops: gathers from `chunk` (or the
   // source allocation they name) into the scratch, and flushes that
   // quantise complete rows of blocks into engine memory.
-  absl::Status PrepareQuant(const worker::v1::BeginUpdateRequest& held);
+  // `request`: the update's own request (mode, ipc source). Direct quant
+  // steps (held.quant_steps' `direct`) are resolved into one device table
+  // of cuda::DirectJob, one batch per chunk, kept for the next update of
+  // the same held ops and allocation generation (PrepareDirect).
+  absl::Status PrepareQuant(const worker::v1::BeginUpdateRequest& held,
+                            const worker::v1::BeginUpdateRequest& request);
+  absl::Status PrepareDirect(const worker::v1::BeginUpdateRequest& held,
+                             const worker::v1::BeginUpdateRequest& request);
   absl::Status EnqueueChunkQuant(
       const worker::v1::BeginUpdateRequest& held, int64_t k,
       const uint8_t* chunk,
@@ -330,6 +337,22 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   uint8_t* quant_scratch_ = nullptr;
   int64_t quant_scratch_bytes_ = 0;
   int quant_next_step_ = 0;
+  // Direct quant steps: the jobs on the device (grown as needed), per chunk
+  // that has some its batch (in chunk order) and the next to launch; the
+  // held ops, allocation generation and packed source they were resolved
+  // for (direct_ops_id_ 0: resolved for one update only).
+  struct DirectBatch {
+    int64_t chunk = 0;
+    int64_t first = 0;  // index of its first job in direct_dev_
+    int count = 0;
+    int64_t blocks = 0;
+  };
+  uint8_t* direct_dev_ = nullptr;
+  int64_t direct_dev_bytes_ = 0;
+  std::vector<DirectBatch> direct_batches_;
+  size_t direct_next_batch_ = 0;
+  uint64_t direct_ops_id_ = 0;
+  uint64_t direct_generation_ = 0;
 
   // Sparse patches of the update: per patch a SparseIndexReport (32 bytes)
   // then the payloads, each at sparse_offsets_[p] in sparse_dev_ (device,

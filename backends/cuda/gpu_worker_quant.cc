@@ -5,12 +5,17 @@
 // (CopyConvert2D into float32, exact); a flush quantises a window of
 // complete rows of blocks into the engine's FP8 parameter and its scales
 // (QuantizeFp8Blocks). Stream order makes the scratch safe to reuse: the
-// gathers after a flush are enqueued after it.
+// gathers after a flush are enqueued after it. Direct steps (the whole
+// source in GPU memory from the start) quantise a use's rectangle straight
+// from the source: a chunk's direct steps are one QuantizeFp8Direct launch
+// over a table of jobs uploaded at BeginUpdate (kept while the held ops
+// and the open allocations are the same).
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
 #include "backends/cuda/cuda_status.h"
 #include "backends/cuda/gpu_worker.h"
+#include "backends/cuda/quant_direct.h"
 #include "backends/cuda/quant_kernels.h"
 #include "backends/cuda/scatter.h"
 
@@ -23,12 +28,146 @@ constexpr int kFloat8E5m2 = 12;  // weightsync.v1.FLOAT8_E5M2
 }  // namespace
 
 absl::Status GpuWorker::PrepareQuant(
-    const worker::v1::BeginUpdateRequest& held) {
+    const worker::v1::BeginUpdateRequest& held,
+    const worker::v1::BeginUpdateRequest& request) {
   quant_next_step_ = 0;
-  if (held.quant_steps_size() == 0) return absl::OkStatus();
+  direct_next_batch_ = 0;
+  if (held.quant_steps_size() == 0) {
+    direct_batches_.clear();
+    direct_ops_id_ = 0;
+    return absl::OkStatus();
+  }
   WS_CUDA(cudaSetDevice(scatter_device_));
-  return Grow(&quant_scratch_, &quant_scratch_bytes_,
-              held.quant_scratch_bytes(), /*pinned=*/false);
+  absl::Status s = Grow(&quant_scratch_, &quant_scratch_bytes_,
+                        held.quant_scratch_bytes(), /*pinned=*/false);
+  if (!s.ok()) return s;
+  return PrepareDirect(held, request);
+}
+
+absl::Status GpuWorker::PrepareDirect(
+    const worker::v1::BeginUpdateRequest& held,
+    const worker::v1::BeginUpdateRequest& request) {
+  uint64_t generation;
+  {
+    absl::MutexLock lock(&mu_);
+    generation = allocations_generation_;
+  }
+  if (request.reuse_ops() && held.ops_id() != 0 &&
+      direct_ops_id_ == held.ops_id() && direct_generation_ == generation) {
+    return absl::OkStatus();  // the table on the device is this update's
+  }
+  direct_batches_.clear();
+  direct_ops_id_ = 0;
+  absl::flat_hash_map<int64_t, Allocation> allocs;
+  {
+    absl::MutexLock lock(&mu_);
+    allocs = allocations_;
+  }
+  // Bytes [offset, offset + bytes) of allocation `id` (0: the packed ipc
+  // source), or an error naming step i.
+  auto at = [&](int i, int64_t id, int64_t offset,
+                int64_t bytes) -> absl::StatusOr<uint8_t*> {
+    uint8_t* base = nullptr;
+    int64_t size = 0;
+    if (id == 0) {
+      base = const_cast<uint8_t*>(ipc_source_);
+      size = request.ipc_source_size();
+    } else if (auto it = allocs.find(id); it != allocs.end()) {
+      base = it->second.ptr;
+      size = it->second.size;
+    }
+    if (base == nullptr || offset < 0 || bytes < 0 || offset > size ||
+        bytes > size - offset) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "direct quant step ", i, " addresses bytes [", offset, ", +", bytes,
+          ") of ", id == 0 ? "the ipc source" : "allocation ",
+          id == 0 ? "" : absl::StrCat(id), ", which holds ", size));
+    }
+    return base + offset;
+  };
+  std::vector<cuda::DirectJob> jobs;
+  for (int i = 0; i < held.quant_steps_size(); ++i) {
+    const worker::v1::GpuQuantStep& step = held.quant_steps(i);
+    if (!step.has_direct()) continue;
+    // The whole source must be readable from the first step.
+    if (request.staged() || request.ipc_ring_slots() != 0 ||
+        (ipc_source_ == nullptr && !request.ipc_registered_source())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "direct quant step ", i,
+          " needs the whole source in GPU memory (ipc, not staged, no ring)"));
+    }
+    const worker::v1::GpuQuantDirect& d = step.direct();
+    const cuda::DirectExtents x = cuda::DirectExtentsOf(d);
+    if (!x.ok) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("direct quant step ", i, " has invalid sizes"));
+    }
+    if (x.src == 0) continue;  // an empty rectangle
+    absl::StatusOr<uint8_t*> src =
+        at(i, d.src_allocation_id(), d.src_offset(), x.src);
+    if (!src.ok()) return src.status();
+    if (reinterpret_cast<uintptr_t>(*src) %
+            cuda::DirectSourceElementBytes(d.src_dtype()) !=
+        0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "direct quant step ", i, "'s source is not element-aligned"));
+    }
+    absl::StatusOr<uint8_t*> q =
+        at(i, d.out().allocation_id(), d.out().offset(), x.q);
+    if (!q.ok()) return q.status();
+    absl::StatusOr<uint8_t*> scale =
+        at(i, d.out().scale_allocation_id(), d.out().scale_offset(), x.scale);
+    if (!scale.ok()) return scale.status();
+    if (d.out().allocation_id() == 0 || d.out().scale_allocation_id() == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "direct quant step ", i, " writes no engine allocation"));
+    }
+    if (direct_batches_.empty() ||
+        direct_batches_.back().chunk != step.chunk()) {
+      if (!direct_batches_.empty() &&
+          direct_batches_.back().chunk > step.chunk()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("direct quant step ", i, " is out of chunk order"));
+      }
+      DirectBatch b;
+      b.chunk = step.chunk();
+      b.first = static_cast<int64_t>(jobs.size());
+      direct_batches_.push_back(b);
+    }
+    DirectBatch& b = direct_batches_.back();
+    // DirectJobOf adds the offsets to the bases: give it the bases.
+    cuda::DirectJob job = cuda::DirectJobOf(d, *src, *q - d.out().offset(),
+                                            *scale - d.out().scale_offset());
+    job.first_block = b.blocks;
+    b.blocks += cuda::QuantJobBlocks(job.out);
+    ++b.count;
+    jobs.push_back(job);
+  }
+  for (const DirectBatch& b : direct_batches_) {
+    if (b.chunk < 0 || b.chunk >= request.chunk_sizes_size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("direct quant steps of chunk ", b.chunk, " in ",
+                       request.chunk_sizes_size(), " chunks"));
+    }
+    if (b.blocks > 0x7FFFFFFF) {
+      return absl::InvalidArgumentError("a batch of direct quant steps of " +
+                                        absl::StrCat(b.blocks) + " blocks");
+    }
+  }
+  if (jobs.empty()) return absl::OkStatus();
+  const int64_t bytes = static_cast<int64_t>(sizeof(cuda::DirectJob)) *
+                        static_cast<int64_t>(jobs.size());
+  // An earlier update's launch (one aborted) may still read the table.
+  WS_CUDA(cudaStreamSynchronize(scatter_stream_));
+  absl::Status grown =
+      Grow(&direct_dev_, &direct_dev_bytes_, bytes, /*pinned=*/false);
+  if (!grown.ok()) return grown;
+  WS_CUDA(cudaMemcpy(direct_dev_, jobs.data(), bytes, cudaMemcpyHostToDevice));
+  if (request.ipc_registered_source() && held.ops_id() != 0) {
+    direct_ops_id_ = held.ops_id();
+    direct_generation_ = generation;
+  }
+  return absl::OkStatus();
 }
 
 absl::Status GpuWorker::EnqueueChunkQuant(
@@ -41,6 +180,7 @@ absl::Status GpuWorker::EnqueueChunkQuant(
          held.quant_steps(quant_next_step_).chunk() == k;
        ++quant_next_step_) {
     const worker::v1::GpuQuantStep& s = held.quant_steps(quant_next_step_);
+    if (s.has_direct()) continue;  // the chunk's batch, below
     if (s.has_gather()) {
       const worker::v1::GpuOp& g = s.gather();
       const uint8_t* src = chunk + g.src_offset();
@@ -87,6 +227,14 @@ absl::Status GpuWorker::EnqueueChunkQuant(
     job.e5m2 = f.format() == kFloat8E5m2;
     job.reciprocal = f.reciprocal();
     WS_CUDA(cuda::QuantizeFp8Blocks(job, scatter_stream_));
+  }
+  // The chunk's direct steps: one launch (they touch no scratch).
+  if (direct_next_batch_ < direct_batches_.size() &&
+      direct_batches_[direct_next_batch_].chunk == k) {
+    const DirectBatch& b = direct_batches_[direct_next_batch_++];
+    WS_CUDA(cuda::QuantizeFp8Direct(
+        reinterpret_cast<const cuda::DirectJob*>(direct_dev_) + b.first,
+        b.count, b.blocks, scatter_stream_));
   }
   return absl::OkStatus();
 }

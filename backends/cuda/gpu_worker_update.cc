@@ -302,7 +302,7 @@ absl::Status GpuWorker::BeginOnOwner(
   const bool may_fuse =
       ipc && !request.staged() && request.ipc_ring_slots() == 0 &&
       request.sparse_size() == 0 && held.quant_steps_size() == 0;
-  if (s.ok()) s = PrepareQuant(held);
+  if (s.ok()) s = PrepareQuant(held, request);
   if (s.ok()) s = PrepareReceipts(held, request, may_fuse);
   if (!s.ok()) return s;
   VLOG(1) << "begin update (" << request.chunk_sizes_size() << " chunks, "

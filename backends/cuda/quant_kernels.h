@@ -15,7 +15,7 @@
 
 #include <cuda_runtime.h>
 
-#include "backends/cuda/fp8_math.h"  // QuantJob
+#include "backends/cuda/fp8_math.h"  // QuantJob, DirectJob
 
 namespace weightsync {
 namespace cuda {
@@ -29,6 +29,19 @@ inline constexpr int kQuantThreads = 256;
 // job, sizes below 0, block sides below 1, strides shorter than a row, or a
 // block of more than 2^26 elements. An empty job is a no-op.
 cudaError_t QuantizeFp8Blocks(const QuantJob& job, cudaStream_t stream);
+
+// Quantises a batch of direct jobs (fp8_math.h, DirectJob: each a use's
+// rectangle read straight from its source) in one launch of about as many
+// thread blocks (kDirectThreads threads) as the device runs at once, each
+// looping over FP8 blocks. `jobs`: n jobs in device memory, their
+// first_block ascending from 0, total_blocks their blocks in all; every
+// job's sizes checked (quant_direct.h, DirectExtentsOf), its source
+// aligned to its element size and of a dtype the kernel reads, its output
+// pointers valid (q and scale may be unaligned). cudaErrorInvalidValue,
+// nothing enqueued, for n or total_blocks below 0 or null jobs; n or
+// total_blocks 0 is a no-op.
+cudaError_t QuantizeFp8Direct(const DirectJob* jobs, int n,
+                              int64_t total_blocks, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace weightsync

@@ -57,6 +57,7 @@ std::vector<int32_t> TensorOfTargets(const CopyPlan& plan) {
 // Lays out the uses' windows (the uses of one tensor side by side from
 // offset 0); returns the scratch bytes.
 int64_t AssignWindows(const CopyPlan& plan, int64_t window_bytes,
+                      const std::vector<bool>& direct,
                       std::vector<Window>* windows) {
   const std::vector<int32_t> tensor = TensorOfTargets(plan);
   windows->assign(plan.quant.size(), Window());
@@ -65,6 +66,7 @@ int64_t AssignWindows(const CopyPlan& plan, int64_t window_bytes,
   for (size_t i = 0; i < plan.quant.size(); ++i) {
     if (tensor[i] != last) used = 0;
     last = tensor[i];
+    if (direct[i]) continue;  // no scratch
     const auto [bands, bytes] = WindowOf(plan, plan.quant[i], window_bytes);
     (*windows)[i].slot = used;
     (*windows)[i].bands = bands;
@@ -73,6 +75,86 @@ int64_t AssignWindows(const CopyPlan& plan, int64_t window_bytes,
     most = std::max(most, used);
   }
   return most;
+}
+
+// Use `t`'s rectangle in its source: rectangle element (r, c) is source
+// element *first + r * *stride + c of its tensor (the segment's view,
+// src_cols wide); false where no one stride does it (a contiguous
+// destination fed by part of each of several source rows).
+bool DirectGeometry(const CopyPlan& plan, const QuantTarget& t, int64_t* first,
+                    int64_t* stride) {
+  const ParameterLayout& p = ParamOf(plan, t);
+  const QuantLayout& q = *p.quant;
+  const SegmentLayout& s = p.segments[t.segment];
+  *first = s.row_begin * t.src_cols + s.col_begin;
+  // SegmentRect's cases: each source row on the parameter row below the
+  // last ...
+  if (s.dest_row_stride == q.cols &&
+      s.col_count <= q.cols - s.dest_offset % q.cols) {
+    *stride = t.src_cols;
+    return true;
+  }
+  // ... or one contiguous run of the parameter, fed by a contiguous run of
+  // the source (one source row, or whole ones) a rectangle row at a time.
+  if (s.row_count == 1 || s.col_count == t.src_cols) {
+    *stride = t.rect.c1 - t.rect.c0;
+    return true;
+  }
+  return false;
+}
+
+// Per use: whether a direct step quantises it (QuantIsDirect).
+std::vector<bool> DirectUses(const CopyPlan& plan, bool whole_source,
+                             const Source* source) {
+  std::vector<bool> direct(plan.quant.size(), false);
+  if (!whole_source) return direct;
+  const std::vector<int32_t> tensor = TensorOfTargets(plan);
+  for (size_t i = 0; i < plan.quant.size(); ++i) {
+    const QuantTarget& t = plan.quant[i];
+    int64_t first, stride;
+    if (tensor[i] < 0 || t.rect.r1 <= t.rect.r0 || t.rect.c1 <= t.rect.c0 ||
+        !DirectGeometry(plan, t, &first, &stride)) {
+      continue;
+    }
+    // The kernel loads whole elements: the tensor must start on one
+    // (the packed stream's tensors start 256-aligned).
+    if (source != nullptr &&
+        (tensor[i] >= static_cast<int32_t>(source->placements.size()) ||
+         source->placements[tensor[i]].offset % ElementSize(t.src_dtype) !=
+             0)) {
+      continue;
+    }
+    direct[i] = true;
+  }
+  return direct;
+}
+
+// The outputs of use `t`'s rows [first_row, end_row) (a flush, or a direct
+// step's `out`).
+absl::Status FillOut(const CopyPlan& plan, const QuantTarget& t,
+                     const RegionIdOf& region_id, int64_t first_row,
+                     int64_t end_row, worker::v1::GpuQuantFlush* f) {
+  const EngineLayout& engine = *plan.engines[t.engine];
+  const ParameterLayout& p = engine.parameters[t.parameter];
+  const QuantLayout& q = *p.quant;
+  const ParameterLayout& scale = engine.parameters[q.scale_parameter];
+  WS_ASSIGN_OR_RETURN(const int64_t out, region_id(t.engine, p.region));
+  WS_ASSIGN_OR_RETURN(const int64_t scales, region_id(t.engine, scale.region));
+  f->set_rows(end_row - first_row);
+  f->set_width(t.rect.c1 - t.rect.c0);
+  f->set_block_rows(q.block_rows);
+  f->set_block_cols(q.block_cols);
+  f->set_format(q.format);
+  f->set_reciprocal(q.reciprocal);
+  f->set_allocation_id(out);
+  f->set_offset(p.offset + first_row * q.cols + t.rect.c0);
+  f->set_stride(q.cols);
+  f->set_scale_allocation_id(scales);
+  f->set_scale_offset(
+      scale.offset +
+      4 * (first_row / q.block_rows * q.grid_cols + t.rect.c0 / q.block_cols));
+  f->set_scale_stride(q.grid_cols);
+  return absl::OkStatus();
 }
 
 // Turns the pieces of quantised uses into the worker's steps, chunk by
@@ -90,8 +172,8 @@ class StepBuilder {
         req_(req) {}
 
   absl::Status Piece(int64_t k, const QuantPiece& piece);
-  // INTERNAL for a use whose elements did not all arrive.
-  absl::Status Finish() const;
+  // INTERNAL for a use (not `direct`) whose elements did not all arrive.
+  absl::Status Finish(const std::vector<bool>& direct) const;
 
  private:
   // n_rows runs of n_cols source elements (row r at chunk byte src_off +
@@ -248,39 +330,20 @@ absl::Status StepBuilder::Gather(worker::v1::GpuOp g) {
 
 absl::Status StepBuilder::Flush(int32_t target, int64_t end_row) {
   const QuantTarget& t = plan_.quant[target];
-  const EngineLayout& engine = *plan_.engines[t.engine];
-  const ParameterLayout& p = engine.parameters[t.parameter];
-  const QuantLayout& q = *p.quant;
-  const ParameterLayout& scale = engine.parameters[q.scale_parameter];
   Window& w = windows_[target];
-  WS_ASSIGN_OR_RETURN(const int64_t out, region_id_(t.engine, p.region));
-  WS_ASSIGN_OR_RETURN(const int64_t scales, region_id_(t.engine, scale.region));
   worker::v1::GpuQuantStep* step = req_->add_quant_steps();
   step->set_chunk(chunk_);
   worker::v1::GpuQuantFlush* f = step->mutable_flush();
   f->set_scratch_offset(w.slot);
-  f->set_rows(end_row - w.first_row);
-  f->set_width(t.rect.c1 - t.rect.c0);
-  f->set_block_rows(q.block_rows);
-  f->set_block_cols(q.block_cols);
-  f->set_format(q.format);
-  f->set_reciprocal(q.reciprocal);
-  f->set_allocation_id(out);
-  f->set_offset(p.offset + w.first_row * q.cols + t.rect.c0);
-  f->set_stride(q.cols);
-  f->set_scale_allocation_id(scales);
-  f->set_scale_offset(scale.offset +
-                      4 * (w.first_row / q.block_rows * q.grid_cols +
-                           t.rect.c0 / q.block_cols));
-  f->set_scale_stride(q.grid_cols);
+  WS_RETURN_IF_ERROR(FillOut(plan_, t, region_id_, w.first_row, end_row, f));
   w.first_row = end_row;
   w.filled = 0;
   return absl::OkStatus();
 }
 
-absl::Status StepBuilder::Finish() const {
+absl::Status StepBuilder::Finish(const std::vector<bool>& direct) const {
   for (size_t i = 0; i < windows_.size(); ++i) {
-    if (windows_[i].first_row != plan_.quant[i].rect.r1) {
+    if (!direct[i] && windows_[i].first_row != plan_.quant[i].rect.r1) {
       return OutOfOrder(static_cast<int32_t>(i), windows_[i].first_row,
                         plan_.quant[i].rect.c0);
     }
@@ -290,28 +353,72 @@ absl::Status StepBuilder::Finish() const {
 
 }  // namespace
 
-int64_t QuantScratchBytes(const CopyPlan& plan, int64_t window_bytes) {
+bool QuantIsDirect(const CopyPlan& plan, int32_t target, bool whole_source,
+                   const Source* source) {
+  return DirectUses(plan, whole_source, source)[target];
+}
+
+int64_t QuantScratchBytes(const CopyPlan& plan, int64_t window_bytes,
+                          bool whole_source, const Source* source) {
   std::vector<Window> windows;
-  return AssignWindows(plan, window_bytes, &windows);
+  return AssignWindows(plan, window_bytes,
+                       DirectUses(plan, whole_source, source), &windows);
 }
 
 absl::Status AddQuantSteps(const CopyPlan& plan, int64_t window_bytes,
-                           const RegionIdOf& region_id, const Source* source,
+                           bool whole_source, const RegionIdOf& region_id,
+                           const Source* source,
                            const std::vector<int64_t>& source_ids,
                            worker::v1::BeginUpdateRequest* req) {
   req->clear_quant_steps();
   req->set_quant_scratch_bytes(0);
   if (plan.quant.empty()) return absl::OkStatus();
+  const std::vector<bool> direct = DirectUses(plan, whole_source, source);
   std::vector<Window> windows;
-  req->set_quant_scratch_bytes(AssignWindows(plan, window_bytes, &windows));
+  req->set_quant_scratch_bytes(
+      AssignWindows(plan, window_bytes, direct, &windows));
   StepBuilder builder(plan, region_id, source, source_ids, std::move(windows),
                       req);
   for (size_t k = 0; k < plan.quant_by_chunk.size(); ++k) {
     for (const QuantPiece& piece : plan.quant_by_chunk[k]) {
+      if (direct[piece.target]) continue;
       WS_RETURN_IF_ERROR(builder.Piece(static_cast<int64_t>(k), piece));
     }
   }
-  return builder.Finish();
+  WS_RETURN_IF_ERROR(builder.Finish(direct));
+  // Direct steps: in the last chunk (their source is all there from the
+  // first; with the whole update present the receipts are summed after
+  // the last chunk, so nothing reads their output before).
+  const std::vector<int32_t> tensor = TensorOfTargets(plan);
+  const int64_t last = static_cast<int64_t>(plan.chunks.chunks.size()) - 1;
+  for (size_t i = 0; i < plan.quant.size(); ++i) {
+    if (!direct[i]) continue;
+    const QuantTarget& t = plan.quant[i];
+    int64_t first = 0, stride = 0;
+    DirectGeometry(plan, t, &first, &stride);
+    const int64_t es = ElementSize(t.src_dtype);
+    worker::v1::GpuQuantStep* step = req->add_quant_steps();
+    step->set_chunk(last);
+    worker::v1::GpuQuantDirect* d = step->mutable_direct();
+    if (source == nullptr) {
+      d->set_src_offset(plan.chunks.tensor_offsets[tensor[i]] + first * es);
+    } else {
+      const Source::Placement& at = source->placements[tensor[i]];
+      if (at.region < 0 ||
+          at.region >= static_cast<int32_t>(source_ids.size())) {
+        return absl::InternalError(absl::StrCat(
+            "FP8 target '", ParamOf(plan, t).name,
+            "': its source tensor's region ", at.region, " has no worker id"));
+      }
+      d->set_src_allocation_id(source_ids[at.region]);
+      d->set_src_offset(at.offset + first * es);
+    }
+    d->set_src_stride(stride);
+    d->set_src_dtype(t.src_dtype);
+    WS_RETURN_IF_ERROR(
+        FillOut(plan, t, region_id, t.rect.r0, t.rect.r1, d->mutable_out()));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace weightsync

@@ -8,6 +8,7 @@
 // stream or a registered source's tensors in place.
 #include "backends/cuda/quant_steps.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -17,6 +18,8 @@
 
 #include "absl/time/clock.h"
 #include "backends/cuda/fp8_math.h"
+#include "backends/cuda/quant_direct.h"
+#include "backends/cuda/quant_direct_emulation.h"
 #include "backends/host/host_data_plane.h"
 #include "common/dtype.h"
 #include "daemon/core/copy_plan.h"
@@ -44,8 +47,21 @@ Tensor RandomTensor(const std::string& name, v1::DType dtype, int64_t rows,
   for (float& x : f) x = normal(rng);
   f[0] = NAN;        // ignored by its block's amax
   f[1] = -INFINITY;  // saturates
+  f[2] = -NAN;       // a NaN keeps its sign
+  // The largest values last in 64 x 64 and 128 x 128 blocks (the last
+  // element a thread holds).
+  for (int64_t r = 63; r < rows; r += 64) {
+    for (int64_t c = 63; c < cols; c += 64) {
+      f[r * cols + c] = -40.0f - r / 64 - c / 64;
+    }
+  }
   // A row of zeros: per-row blocks of scale 1.
   for (int64_t c = 0; c < cols && rows > 3; ++c) f[3 * cols + c] = 0.0f;
+  // float16: rows of subnormals (whole blocks of them: widened exactly).
+  for (int64_t r = 4; dtype == v1::FLOAT16 && r < std::min<int64_t>(rows, 16);
+       ++r) {
+    for (int64_t c = 0; c < cols; ++c) f[r * cols + c] = 1e-7f * (c % 50);
+  }
   t.bytes.resize(rows * cols * ElementSize(dtype));
   ConvertElements(f.data(), v1::FLOAT32, t.bytes.data(), dtype, rows * cols);
   return t;
@@ -113,6 +129,7 @@ Case MakeCase() {
       RandomTensor("v", v1::FLOAT16, 128, 100, rng),
       RandomTensor("o_proj", v1::BFLOAT16, 70, 256, rng),
       RandomTensor("halves", v1::FLOAT16, 24, 48, rng),
+      RandomTensor("big", v1::BFLOAT16, 200, 300, rng),
   };
   v1::RegisterEngineRequest& r = c.r;
   r.set_engine_id("fp8");
@@ -146,6 +163,18 @@ Case MakeCase() {
            v1::SCALE_FORM_DEQUANT, 4, 32);
   AddSegment(flat, "halves", 0, 24, 0, 48, 0, 48);
   Add(r, "flat_scale", v1::FLOAT32, 3, 3, &offset);
+  // Half of each of 8 source rows, one after another: no one stride (the
+  // gathers, even where the whole source is there).
+  v1::Parameter* part = Add(r, "part", v1::FLOAT8_E4M3FN, 4, 64, &offset);
+  Quantize(part, v1::FLOAT8_E4M3FN, "part_scale", v1::QUANT_SCHEME_BLOCK,
+           v1::SCALE_FORM_DEQUANT, 2, 32);
+  AddSegment(part, "o_proj", 8, 8, 0, 32, 0, 32);
+  Add(r, "part_scale", v1::FLOAT32, 2, 2, &offset);
+  // 128 x 128 blocks (the kernel's threads hold a whole one), partial edges.
+  Quantize(Add(r, "big", v1::FLOAT8_E4M3FN, 200, 300, &offset),
+           v1::FLOAT8_E4M3FN, "big_scale", v1::QUANT_SCHEME_BLOCK,
+           v1::SCALE_FORM_DEQUANT, 128, 128);
+  Add(r, "big_scale", v1::FLOAT32, 2, 3, &offset);
   v1::Allocation* a = r.add_allocations();
   a->set_kind(v1::MEMORY_HOST_SHM);
   a->set_handle("/fp8");
@@ -202,6 +231,9 @@ void Copy2D(const uint8_t* src, int64_t src_stride, v1::DType sd, uint8_t* dst,
   }
 }
 
+using testing::DirectShape;
+using testing::RunDirectBatch;
+
 // The worker's run of an update on the CPU: per chunk its ops, then its
 // quant steps in order. `memory`: allocation id -> bytes (engine regions
 // and a registered source's); `scratch` sized as the request says, filled
@@ -209,6 +241,21 @@ void Copy2D(const uint8_t* src, int64_t src_stride, v1::DType sd, uint8_t* dst,
 class Worker {
  public:
   std::map<int64_t, uint8_t*> memory;
+  std::map<int64_t, int64_t> sizes;  // of memory's allocations
+  DirectShape shape = DirectShape::kKernel;
+  int64_t direct_steps = 0;
+
+  // Chunk k's direct steps, as one batch.
+  void RunDirect(const std::vector<cuda::DirectJob>& jobs) {
+    if (jobs.empty()) return;
+    if (shape == DirectShape::kKernel) {
+      RunDirectBatch<cuda::kDirectPerThread>(jobs, cuda::kDirectThreads, 5);
+    } else if (shape == DirectShape::kSmall) {
+      RunDirectBatch<128>(jobs, 32, 2);  // 64 x 64 blocks fill every register
+    } else {
+      RunDirectBatch<2>(jobs, 16, 3);
+    }
+  }
 
   void Run(const CopyPlan& plan, const worker::v1::BeginUpdateRequest& req,
            const std::string& packed, uint8_t* engine_base) {
@@ -217,6 +264,7 @@ class Worker {
     for (const Chunk& k : plan.chunks.chunks) {
       const uint8_t* chunk =
           reinterpret_cast<const uint8_t*>(packed.data()) + k.offset;
+      std::vector<cuda::DirectJob> direct;
       for (const CopyOp& op : plan.ops_by_chunk[k.index]) {
         Copy2D(chunk + op.src_offset, op.src_stride, op.src_dtype,
                engine_base + op.dst_offset, op.dst_stride, op.dst_dtype,
@@ -226,6 +274,27 @@ class Worker {
              req.quant_steps(step).chunk() == k.index;
            ++step) {
         const worker::v1::GpuQuantStep& s = req.quant_steps(step);
+        if (s.has_direct()) {
+          // The worker's checks, then the job it builds.
+          const worker::v1::GpuQuantDirect& d = s.direct();
+          const cuda::DirectExtents x = cuda::DirectExtentsOf(d);
+          ASSERT_TRUE(x.ok);
+          const uint8_t* src = reinterpret_cast<const uint8_t*>(packed.data());
+          int64_t src_size = packed.size();
+          if (d.src_allocation_id() != 0) {
+            src = memory.at(d.src_allocation_id());
+            src_size = sizes.at(d.src_allocation_id());
+          }
+          ASSERT_LE(d.src_offset() + x.src, src_size);
+          ASSERT_LE(d.out().offset() + x.q, sizes.at(d.out().allocation_id()));
+          ASSERT_LE(d.out().scale_offset() + x.scale,
+                    sizes.at(d.out().scale_allocation_id()));
+          direct.push_back(cuda::DirectJobOf(
+              d, src + d.src_offset(), memory.at(d.out().allocation_id()),
+              memory.at(d.out().scale_allocation_id())));
+          ++direct_steps;
+          continue;
+        }
         if (s.has_gather()) {
           const worker::v1::GpuOp& g = s.gather();
           ASSERT_EQ(g.allocation_id(), 0);
@@ -275,6 +344,7 @@ class Worker {
         std::memset(scratch.data() + f.scratch_offset(), 0xFF,
                     f.rows() * f.width() * 4);
       }
+      RunDirect(direct);
     }
     EXPECT_EQ(step, req.quant_steps_size());
   }
@@ -282,57 +352,90 @@ class Worker {
 
 constexpr int64_t kEngineId = 7;
 
-std::string StepsInstall(const Case& c, int64_t chunk_bytes,
-                         int64_t window_bytes, bool from_source) {
+// How StepsInstall runs the update.
+struct Mode {
+  int64_t chunk_bytes = 4096;
+  int64_t window = 0;
+  bool from_source = false;
+  bool whole = false;  // the whole source there at once: direct steps
+  // A registered source whose tensor "w" starts one byte off an element.
+  bool misaligned = false;
+  DirectShape shape = DirectShape::kKernel;
+};
+
+std::string StepsInstall(const Case& c, const Mode& m,
+                         int64_t* direct_steps = nullptr) {
   testing::HeapMapper mapper;
   auto layout = BuildEngineLayout(c.r, mapper);
   EXPECT_TRUE(layout.ok()) << layout.status();
-  auto plan = PlanOf(c, *layout, chunk_bytes);
+  auto plan = PlanOf(c, *layout, m.chunk_bytes);
   const std::string packed = Packed(*plan, c.tensors);
   uint8_t* engine = (*layout)->regions[0]->data();
   Worker worker;
+  worker.shape = m.shape;
   worker.memory[kEngineId] = engine;
-  // A registered source: tensors alternately in two regions, out of order.
+  worker.sizes[kEngineId] = (*layout)->regions[0]->size();
+  // A registered source: tensors alternately in two regions, out of order,
+  // each after `pad` bytes.
+  auto pad = [&](size_t t) { return m.misaligned && t == 0 ? 257 : 256; };
   Source source;
   std::vector<std::string> regions(2);
   for (size_t t = 0; t < c.tensors.size(); ++t) {
     std::string& region = regions[t % 2];
     region.insert(0, c.tensors[t].bytes);
-    region.insert(0, 256, '\x55');
+    region.insert(0, pad(t), '\x55');
   }
   std::vector<int64_t> ids = {301, 302};
-  if (from_source) {
-    std::vector<int64_t> at(2, 0);
+  if (m.from_source) {
     for (size_t t = 0; t < c.tensors.size(); ++t) {
       // Tensor t sits where its bytes were inserted: after everything
-      // inserted later (tensors t + 2, t + 4, ...) and their 256 bytes.
-      int64_t offset = 256;
+      // inserted later (tensors t + 2, t + 4, ...) and their padding.
+      int64_t offset = pad(t);
       for (size_t u = t + 2; u < c.tensors.size(); u += 2) {
-        offset += c.tensors[u].bytes.size() + 256;
+        offset += c.tensors[u].bytes.size() + pad(u);
       }
       source.placements.push_back({static_cast<int32_t>(t % 2), offset});
     }
-    worker.memory[301] = reinterpret_cast<uint8_t*>(regions[0].data());
-    worker.memory[302] = reinterpret_cast<uint8_t*>(regions[1].data());
+    for (int i = 0; i < 2; ++i) {
+      worker.memory[ids[i]] = reinterpret_cast<uint8_t*>(regions[i].data());
+      worker.sizes[ids[i]] = regions[i].size();
+    }
   }
+  const Source* src = m.from_source ? &source : nullptr;
   worker::v1::BeginUpdateRequest req;
   const absl::Status added = AddQuantSteps(
-      *plan, window_bytes,
+      *plan, m.window, m.whole,
       [](int32_t engine, int32_t region) -> absl::StatusOr<int64_t> {
         EXPECT_EQ(engine, 0);
         EXPECT_EQ(region, 0);
         return kEngineId;
       },
-      from_source ? &source : nullptr, ids, &req);
+      src, ids, &req);
   EXPECT_TRUE(added.ok()) << added;
-  EXPECT_EQ(req.quant_scratch_bytes(), QuantScratchBytes(*plan, window_bytes));
-  EXPECT_GE(req.quant_scratch_bytes(), plan->quant_band_bytes);
+  EXPECT_EQ(req.quant_scratch_bytes(),
+            QuantScratchBytes(*plan, m.window, m.whole, src));
+  int64_t direct = 0;
+  for (size_t i = 0; i < plan->quant.size(); ++i) {
+    direct += QuantIsDirect(*plan, i, m.whole, src);
+  }
+  int64_t last_chunk = -1;
   for (const worker::v1::GpuQuantStep& s : req.quant_steps()) {
+    EXPECT_GE(s.chunk(), last_chunk);  // in chunk order
+    last_chunk = s.chunk();
     if (s.has_gather()) {
-      EXPECT_EQ(s.gather().src_allocation_id() != 0, from_source);
+      EXPECT_EQ(s.gather().src_allocation_id() != 0, m.from_source);
+    }
+    if (s.has_direct()) {
+      EXPECT_TRUE(m.whole);
+      EXPECT_EQ(s.direct().src_allocation_id() != 0, m.from_source);
+      EXPECT_EQ(s.chunk(),
+                static_cast<int64_t>(plan->chunks.chunks.size()) - 1);
+      --direct;
     }
   }
+  EXPECT_EQ(direct, 0);
   worker.Run(*plan, req, packed, engine);
+  if (direct_steps != nullptr) *direct_steps = worker.direct_steps;
   const MappedRegion& region = *(*layout)->regions[0];
   return std::string(reinterpret_cast<const char*>(region.data()),
                      region.size());
@@ -348,10 +451,70 @@ TEST(QuantStepsTest, StepsInstallWhatTheHostDataPlaneInstalls) {
         SCOPED_TRACE(::testing::Message()
                      << "chunk_bytes " << chunk_bytes << " window " << window
                      << (from_source ? " from a source" : " packed"));
-        EXPECT_TRUE(StepsInstall(c, chunk_bytes, window, from_source) == want);
+        Mode m;
+        m.chunk_bytes = chunk_bytes;
+        m.window = window;
+        m.from_source = from_source;
+        EXPECT_TRUE(StepsInstall(c, m) == want);
       }
     }
   }
+}
+
+// The whole source there at once (ipc, no ring, not staged): every use
+// but "part" (half of each source row, one after another) is quantised
+// by a direct step straight from the source, the kernel's way and with
+// blocks larger than the threads hold (read twice).
+TEST(QuantStepsTest, DirectStepsInstallWhatTheHostDataPlaneInstalls) {
+  const Case c = MakeCase();
+  for (int64_t chunk_bytes : {256, 768, 4096, 11520, 1 << 20}) {
+    const std::string want = HostInstall(c, chunk_bytes);
+    for (bool from_source : {false, true}) {
+      for (DirectShape shape : {DirectShape::kKernel, DirectShape::kSmall,
+                                DirectShape::kStreaming}) {
+        SCOPED_TRACE(::testing::Message()
+                     << "chunk_bytes " << chunk_bytes
+                     << (from_source ? " from a source" : " packed")
+                     << " shape " << static_cast<int>(shape));
+        Mode m;
+        m.chunk_bytes = chunk_bytes;
+        m.window = int64_t{1} << 20;
+        m.from_source = from_source;
+        m.whole = true;
+        m.shape = shape;
+        int64_t direct = 0;
+        EXPECT_TRUE(StepsInstall(c, m, &direct) == want);
+        // w, q, k, v, o, side x 2, flat, big; not part.
+        EXPECT_EQ(direct, 9);
+      }
+    }
+  }
+}
+
+// A registered source's tensor that starts off an element boundary keeps
+// the gathers (the kernel loads whole elements); the others go direct.
+TEST(QuantStepsTest, AMisalignedSourceTensorKeepsTheGathers) {
+  const Case c = MakeCase();
+  const std::string want = HostInstall(c, 4096);
+  Mode m;
+  m.from_source = true;
+  m.whole = true;
+  m.misaligned = true;
+  int64_t direct = 0;
+  EXPECT_TRUE(StepsInstall(c, m, &direct) == want);
+  EXPECT_EQ(direct, 9 - 2);  // w and side's first segment (from w)
+}
+
+// Direct uses hold no scratch: only "part" does.
+TEST(QuantStepsTest, DirectUsesNeedNoScratch) {
+  const Case c = MakeCase();
+  testing::HeapMapper mapper;
+  auto layout = BuildEngineLayout(c.r, mapper);
+  ASSERT_TRUE(layout.ok());
+  auto plan = PlanOf(c, *layout, 4096);
+  // part: one 2 x 64 window (float32), 256-aligned.
+  EXPECT_EQ(QuantScratchBytes(*plan, 0, /*whole_source=*/true, nullptr), 512);
+  EXPECT_GT(QuantScratchBytes(*plan, 0), 512);
 }
 
 TEST(QuantStepsTest, WindowsBoundTheScratchAndTheFlushes) {
@@ -364,7 +527,7 @@ TEST(QuantStepsTest, WindowsBoundTheScratchAndTheFlushes) {
     worker::v1::BeginUpdateRequest req;
     EXPECT_TRUE(
         AddQuantSteps(
-            *plan, window,
+            *plan, window, /*whole_source=*/false,
             [](int32_t, int32_t) -> absl::StatusOr<int64_t> { return 1; },
             nullptr, {}, &req)
             .ok());
@@ -373,10 +536,11 @@ TEST(QuantStepsTest, WindowsBoundTheScratchAndTheFlushes) {
     return n;
   };
   // One row of blocks per flush and use: w 3, q/k/v 2 each, o 70, side's
-  // two uses 35 each, flat 3.
-  EXPECT_EQ(flushes(0), 3 + 6 + 70 + 70 + 3);
-  // Whole rectangles: one flush per use (w, q, k, v, o, side x 2, flat).
-  EXPECT_EQ(flushes(int64_t{1} << 20), 8);
+  // two uses 35 each, flat 3, part 2, big 2.
+  EXPECT_EQ(flushes(0), 3 + 6 + 70 + 70 + 3 + 2 + 2);
+  // Whole rectangles: one flush per use (w, q, k, v, o, side x 2, flat,
+  // part, big).
+  EXPECT_EQ(flushes(int64_t{1} << 20), 10);
   EXPECT_LT(QuantScratchBytes(*plan, 0), QuantScratchBytes(*plan, 1 << 20));
   // No quantised use: no steps, no scratch.
   Case plain = MakeCase();
@@ -389,7 +553,8 @@ TEST(QuantStepsTest, WindowsBoundTheScratchAndTheFlushes) {
   ASSERT_TRUE(plain_layout.ok()) << plain_layout.status();
   auto plain_plan = PlanOf(plain, *plain_layout, 4096);
   worker::v1::BeginUpdateRequest req;
-  ASSERT_TRUE(AddQuantSteps(*plain_plan, 0, nullptr, nullptr, {}, &req).ok());
+  ASSERT_TRUE(
+      AddQuantSteps(*plain_plan, 0, false, nullptr, nullptr, {}, &req).ok());
   EXPECT_EQ(req.quant_steps_size(), 0);
   EXPECT_EQ(req.quant_scratch_bytes(), 0);
 }
@@ -402,7 +567,7 @@ TEST(QuantStepsTest, AnEngineInHostMemoryIsRefusedByTheRegionIds) {
   auto plan = PlanOf(c, *layout, 4096);
   worker::v1::BeginUpdateRequest req;
   const absl::Status s = AddQuantSteps(
-      *plan, 0,
+      *plan, 0, false,
       [](int32_t, int32_t) -> absl::StatusOr<int64_t> {
         return absl::InvalidArgumentError("host memory");
       },

@@ -718,11 +718,10 @@ absl::Status GpuDataPlane::SetOps(const std::shared_ptr<const CopyPlan>& plan,
     return absl::OkStatus();
   }
   WS_RETURN_IF_ERROR(AddOps(*plan, source, req));
-  if (backend_ == v1::BACKEND_IPC && !staged && req->ipc_ring_slots() == 0) {
-    MergeContiguousOps(req);
-  }
+  const bool whole = WholeSource(staged, *req);
+  if (whole) MergeContiguousOps(req);
   WS_RETURN_IF_ERROR(AddQuantSteps(
-      *plan, quant_window,
+      *plan, quant_window, whole,
       [&](int32_t e, int32_t r) -> absl::StatusOr<int64_t> {
         return WorkerRegionId(*plan, e, r, name());
       },
@@ -783,13 +782,16 @@ namespace {
 // The quant steps' window (quant_steps.h): kQuantWindowBytes where the
 // scratch fits the staging budget beside `staging`, else one row of blocks
 // per use; RESOURCE_EXHAUSTED where even that does not fit.
+// `whole`, `source`: as for AddQuantSteps (direct uses need no scratch).
 absl::StatusOr<int64_t> QuantWindow(const CopyPlan& plan, int64_t staging,
-                                    int64_t budget) {
+                                    int64_t budget, bool whole,
+                                    const Source* source) {
   if (plan.quant.empty()) return 0;
-  if (staging + QuantScratchBytes(plan, kQuantWindowBytes) <= budget) {
+  if (staging + QuantScratchBytes(plan, kQuantWindowBytes, whole, source) <=
+      budget) {
     return kQuantWindowBytes;
   }
-  const int64_t least = QuantScratchBytes(plan, 0);
+  const int64_t least = QuantScratchBytes(plan, 0, whole, source);
   if (staging + least <= budget) return 0;
   return absl::ResourceExhaustedError(absl::StrCat(
       "GPU staging of ", staging, " bytes and ", least,
@@ -828,9 +830,14 @@ absl::Status GpuDataPlane::BeginImpl(
       backend_ == v1::BACKEND_NCCL || staged ? staging : 0;
   // FP8 targets: their rows of blocks (float32) in the worker's scratch,
   // in windows of several rows of blocks where the budget allows.
-  WS_ASSIGN_OR_RETURN(const int64_t quant_window,
-                      QuantWindow(*plan, held_staging, o.staging_budget));
-  staging_bytes_ = held_staging + QuantScratchBytes(*plan, quant_window);
+  // Where the whole source is there from the start, FP8 uses are
+  // quantised straight from it (direct quant steps, no scratch).
+  const bool whole = WholeSource(staged, req);
+  WS_ASSIGN_OR_RETURN(
+      const int64_t quant_window,
+      QuantWindow(*plan, held_staging, o.staging_budget, whole, source));
+  staging_bytes_ =
+      held_staging + QuantScratchBytes(*plan, quant_window, whole, source);
   req.set_chunk_bytes(plan->chunks.chunk_bytes);
   req.set_staging_buffers(o.staging_buffers);
   for (const Chunk& c : plan->chunks.chunks) req.add_chunk_sizes(c.size);

@@ -221,6 +221,15 @@ class GpuDataPlane : public DataPlane {
                       const Source* source, bool staged, bool reuse,
                       int64_t quant_window,
                       worker::v1::BeginUpdateRequest* req);
+  // Whether `req`'s whole source is readable from its first step: the ipc
+  // backend, not staged (staging copies each chunk before the commit, and
+  // the trainer may reuse its buffer by then), no ring (a slot holds a
+  // chunk only until the trainer refills it). Copies then merge across
+  // chunks and FP8 uses get direct quant steps (quant_steps.h).
+  bool WholeSource(bool staged,
+                   const worker::v1::BeginUpdateRequest& req) const {
+    return backend_ == v1::BACKEND_IPC && !staged && req.ipc_ring_slots() == 0;
+  }
   absl::Status BeginImpl(std::shared_ptr<const CopyPlan> plan,
                          const v1::StartWeightUpdateRequest& request,
                          bool staged, const Source* source);
