@@ -66,7 +66,7 @@ def enabled():
     if _checked is None:
         try:
             import triton  # noqa: F401
-            import triton.language  # noqa: F401
+            import triton.language  # noqa: F401 - the kernel's module
             _checked = True
         except Exception:  # noqa: BLE001 - any import failure: no Triton
             _checked = False
@@ -276,9 +276,10 @@ def _build():
     @triton.jit
     def _round_shift(m, shift):
         # m >> shift rounded to nearest, ties to even (int32, shift 1..25).
+        one = m * 0 + 1   # int32 ones like m (1 << tensor: no constexpr operand)
         k = m >> shift
-        rem = m & ((1 << shift) - 1)
-        half = 1 << (shift - 1)
+        rem = m & ((one << shift) - 1)
+        half = one << (shift - 1)
         up = (rem > half) | ((rem == half) & ((k & 1) == 1))
         return k + up.to(tl.int32)
 
