@@ -604,10 +604,13 @@ def has_fp8(layout):
 def _quantized_where_sent(quantized, sent):
     """weightsync.fp8.quantized_receipt of FP8 targets where their sources
     are: a parameter whose sent sources are all CUDA tensors of one device
-    is quantised and summed there with torch ops (the same code as numpy's,
-    bit for bit the same sums); the others by numpy on host copies."""
+    is quantised and summed there by the fused Triton kernel
+    (weightsync.fp8_gpu) where Triton is present and WEIGHTSYNC_FP8_TRITON
+    is not "0", else (and for what its tables can't express) with torch ops
+    (the same code as numpy's, bit for bit the same sums); the others by
+    numpy on host copies."""
     from weightsync import fp8
-    on_gpu, on_host = [], []
+    on_gpu, on_host, acc = [], [], []
     for p in quantized:
         feeds = [sent[n][2] for n in fp8._sources(p) if n in sent]
         if not feeds:
@@ -616,9 +619,48 @@ def _quantized_where_sent(quantized, sent):
         (on_gpu if cuda and len({e.device for e in feeds}) == 1 else on_host).append(p)
     total, params, nbytes = fp8.quantized_receipt(on_host, _on_host(on_host, sent))
     if on_gpu:
+        on_gpu = _quantized_by_triton(on_gpu, sent, acc.append)
+        for g_sum, g_params, g_bytes in acc:
+            total, params, nbytes = total + g_sum, params + g_params, nbytes + g_bytes
+    if on_gpu:
         g_sum, g_params, g_bytes = fp8.quantized_receipt(on_gpu, sent, ops=_xp.TorchOps())
         total, params, nbytes = total + g_sum, params + g_params, nbytes + g_bytes
     return total & _xp.MASK64, params, nbytes
+
+
+_fp8_triton_failed = []
+
+
+def _quantized_by_triton(quantized, sent, add):
+    """The fused kernel (weightsync.fp8_gpu) for FP8 targets fed by CUDA
+    tensors, one device at a time, where Triton is present and
+    WEIGHTSYNC_FP8_TRITON is not "0": add((sum, parameters, bytes)) for
+    what it summed; returns the parameters left for the torch path (those
+    its tables can't express, or all of them if the kernel failed: then a
+    warning, once, and the torch path from then on)."""
+    from weightsync import fp8, fp8_gpu
+    if _fp8_triton_failed or not fp8_gpu.enabled():
+        return quantized
+    by_device = collections.OrderedDict()
+    for p in quantized:
+        device = next(sent[n][2].device for n in fp8._sources(p) if n in sent)
+        by_device.setdefault(device, []).append(p)
+    rest = []
+    for device, params in by_device.items():
+        try:
+            import torch
+            with torch.cuda.device(device):
+                total, n, nbytes, left = fp8_gpu.quantized_receipt_gpu(params, sent)
+        except Exception as e:  # noqa: BLE001 - the torch path is exact too
+            import warnings
+            warnings.warn(f"weightsync: the FP8 receipt kernel failed ({e!r}); "
+                          "using the torch path")
+            _fp8_triton_failed.append(repr(e))
+            rest += params
+            continue
+        add((total, n, nbytes))
+        rest += left
+    return rest
 
 
 def _on_host(quantized, sent):

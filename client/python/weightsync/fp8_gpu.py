@@ -1,0 +1,448 @@
+"""FP8 targets' receipts on the trainer's GPU in one fused Triton kernel:
+for every written block of an FP8 parameter (block_rows x block_cols, or
+1 x cols per row) it reads the sent source elements, widens them exactly
+(integer bit operations: NaN keeps sign and payload), takes amax over the
+finite |x|, d = amax / FMAX (correctly rounded: tl.math.div_rn), 1 where
+that is 0, encodes q = x / d with weightsync.fp8.to_fp8's integer round to
+nearest even and saturation (ported to int32 lanes), stores d or 1 / d,
+and adds the receipt terms of the written FP8 bytes and of the block's
+scale to one int64 sum, exactly weightsync.fp8.quantized_receipt (the
+reference; the torch path runs it with torch ops where Triton is missing
+or WEIGHTSYNC_FP8_TRITON=0). tests/gpu/check_fp8_triton_gpu.py checks it
+against the numpy reference on a GPU.
+
+The tables (built on the host by numpy, `plan`, tested in CI by
+`emulate`, a numpy run of what the kernel does with them):
+
+  block (int64 x 12): first piece, pieces, flat block index in the
+    parameter's scale grid, salt32(parameter), salt32(scale parameter),
+    mantissa bits, bias, largest finite encoding, NaN encoding, FMAX bits,
+    reciprocal, 0
+  piece (int64 x 6): source address of its first element, source row
+    stride (elements), rows, cols, destination index of its first element,
+    destination row stride (the parameter's cols)
+
+A piece is one source rectangle inside one block (a segment cut at block
+boundaries); a block has one or more (a segment not on block boundaries
+shares a block with another). Only written elements are read and summed;
+unwritten ones of a written block count as zeros in its amax, as in
+fp8._image. Parameters the tables can't express exactly go to the torch
+path (returned as `rest`): segments whose destination isn't a rectangle
+of the parameter's [rows, cols] grid, overlapping segments, a block fed by
+sources of different dtypes, sources that aren't contiguous float32 /
+bfloat16 / float16 tensors or are shorter than the parameter.
+
+One launch per source dtype (a constexpr), one program per block, two
+passes over the block's pieces (amax, then encodings: the second read of a
+block's 32 KiB comes from cache).
+"""
+
+import collections
+import os
+import threading
+
+import numpy as np
+
+from weightsync import fp8, receipts
+
+TILE = 2048
+NUM_WARPS = 4
+_DTYPES = {"FLOAT32": 0, "BFLOAT16": 1, "FLOAT16": 2}
+_ES = {"FLOAT32": 4, "BFLOAT16": 2, "FLOAT16": 2}
+BCOLS, PCOLS = 12, 6
+_PLANS = 8
+
+_kernel = None
+_checked = None
+_plans = collections.OrderedDict()
+_lock = threading.Lock()
+
+
+def enabled():
+    """Triton importable and WEIGHTSYNC_FP8_TRITON not "0"."""
+    global _checked
+    if os.environ.get("WEIGHTSYNC_FP8_TRITON", "1") == "0":
+        return False
+    if _checked is None:
+        try:
+            import triton  # noqa: F401
+            import triton.language  # noqa: F401 - the kernel's module
+            _checked = True
+        except Exception:  # noqa: BLE001 - any import failure: no Triton
+            _checked = False
+    return _checked
+
+
+# --- Tables (numpy; CI) ---------------------------------------------------
+
+def _numel(shape):
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _rects(p, meta, rows, cols):
+    """[(dtype, source address of the first element, source row stride,
+    first row, first col, rows, cols)] of the rectangles of p's [rows,
+    cols] grid that sent sources write, or None where that isn't exact
+    (module docstring). meta: {name: (dtype, shape, address, ok)}."""
+    out = []
+    segments = list(p.segments)
+    if not segments:
+        if p.name not in meta:
+            return out
+        dtype, shape, addr, ok = meta[p.name]
+        if not ok or dtype not in _DTYPES or _numel(shape) < rows * cols:
+            return None
+        if rows * cols:
+            out.append((dtype, addr, cols, 0, 0, rows, cols))
+        return out
+    for s in segments:
+        if s.source not in meta:
+            continue
+        dtype, shape, addr, ok = meta[s.source]
+        if not ok or dtype not in _DTYPES:
+            return None
+        rc, cc = int(s.row_count), int(s.col_count)
+        if rc * cc == 0:
+            continue
+        shape = list(shape)
+        scols = _numel(shape[1:])
+        srows = int(shape[0]) if shape else 1
+        if s.row_begin + rc > srows or s.col_begin + cc > scols:
+            return None
+        stride = s.dest_row_stride or cc
+        r0, c0 = divmod(int(s.dest_offset), cols)
+        if c0 + cc > cols or r0 + rc > rows or (rc > 1 and stride != cols):
+            return None
+        out.append((dtype, addr + (s.row_begin * scols + s.col_begin) * _ES[dtype], scols,
+                    r0, c0, rc, cc))
+    for i, a in enumerate(out):
+        for b in out[:i]:
+            if (a[3] < b[3] + b[5] and b[3] < a[3] + a[5]
+                    and a[4] < b[4] + b[6] and b[4] < a[4] + a[6]):
+                return None
+    return out
+
+
+def _pieces(rects, br, bc, cols):
+    """(dtype codes, piece rows [n, 6], block ids) of rectangles cut at
+    block boundaries."""
+    gc = -(-cols // bc)
+    codes, tables, ids = [], [], []
+    for dtype, addr, sstride, r0, c0, rc, cc in rects:
+        bi = np.arange(r0 // br, (r0 + rc - 1) // br + 1, dtype=np.int64)
+        bj = np.arange(c0 // bc, (c0 + cc - 1) // bc + 1, dtype=np.int64)
+        i, j = (a.reshape(-1) for a in np.meshgrid(bi, bj, indexing="ij"))
+        rlo, rhi = np.maximum(r0, i * br), np.minimum(r0 + rc, (i + 1) * br)
+        clo, chi = np.maximum(c0, j * bc), np.minimum(c0 + cc, (j + 1) * bc)
+        t = np.empty((i.size, PCOLS), np.int64)
+        t[:, 0] = addr + ((rlo - r0) * sstride + (clo - c0)) * _ES[dtype]
+        t[:, 1] = sstride
+        t[:, 2] = rhi - rlo
+        t[:, 3] = chi - clo
+        t[:, 4] = rlo * cols + clo
+        t[:, 5] = cols
+        tables.append(t)
+        ids.append(i * gc + j)
+        codes.append(np.full(i.size, _DTYPES[dtype], np.int64))
+    return np.concatenate(codes), np.concatenate(tables), np.concatenate(ids)
+
+
+def plan(quantized, meta):
+    """({dtype: (block table [b, 12], piece table [n, 6])}, checksum-free
+    counts (parameters, bytes), rest) of quantised parameters whose sources
+    `meta` describes ({name: (dtype, shape, address, ok)}; ok: contiguous
+    elements of that dtype at address). rest: the parameters the tables
+    can't express (module docstring), for the torch path."""
+    from weightsync.receipts import salt32
+    per = {}
+    params = nbytes = 0
+    rest = []
+    for p in quantized:
+        if not any(n in meta for n in fp8._sources(p)):
+            continue
+        br, bc, rows, cols = fp8.block_shape(p)
+        rects = _rects(p, meta, rows, cols)
+        if rects is None:
+            rest.append(p)
+            continue
+        if not rects:
+            continue
+        codes, pieces, ids = _pieces(rects, br, bc, cols)
+        order = np.argsort(ids, kind="stable")
+        codes, pieces, ids = codes[order], pieces[order], ids[order]
+        uniq, first, count = np.unique(ids, return_index=True, return_counts=True)
+        block_code = codes[first]
+        if not np.array_equal(np.repeat(block_code, count), codes):
+            rest.append(p)   # a block fed by two source dtypes
+            continue
+        qz = p.quantization
+        fmt = fp8._enum("DType", qz.format)
+        reciprocal = fp8._enum("ScaleForm", qz.scale_form) == "SCALE_FORM_RECIPROCAL"
+        mb, bias, max_bits, nan_bits, fmax_bits = fp8._SPEC[fmt]
+        params += 2
+        nbytes += int((pieces[:, 2] * pieces[:, 3]).sum()) + 4 * int(uniq.size)
+        for code in np.unique(block_code).tolist():
+            sel = block_code == code
+            psel = np.repeat(sel, count)
+            b = np.zeros((int(sel.sum()), BCOLS), np.int64)
+            cnt = count[sel]
+            b[:, 0] = np.cumsum(cnt) - cnt
+            b[:, 1] = cnt
+            b[:, 2] = uniq[sel]
+            b[:, 3] = salt32(p.name)
+            b[:, 4] = salt32(qz.scale_parameter)
+            b[:, 5:11] = (mb, bias, max_bits, nan_bits, fmax_bits, int(reciprocal))
+            per.setdefault(code, []).append((b, pieces[psel]))
+    tables = {}
+    for code, parts in per.items():
+        blocks, pieces, base = [], [], 0
+        for b, pc in parts:
+            b = b.copy()
+            b[:, 0] += base
+            base += pc.shape[0]
+            blocks.append(b)
+            pieces.append(pc)
+        tables[code] = (np.concatenate(blocks), np.concatenate(pieces))
+    return tables, (params, nbytes), rest
+
+
+def emulate(tables, memory):
+    """The kernel's sum (int, mod 2^64) over `tables` in numpy, reading
+    sources from `memory` ({base address: flat uint8 array}; a piece's
+    address lies in one). What CI checks the tables by."""
+    code_dtype = {v: k for k, v in _DTYPES.items()}
+    bases = sorted(memory)
+    total = 0
+
+    def read(addr, dtype, n):
+        base = max(b for b in bases if b <= addr)
+        off = addr - base
+        return memory[base][off:off + n * _ES[dtype]]
+
+    for code, (blocks, pieces) in tables.items():
+        dtype = code_dtype[code]
+        for b in blocks:
+            vals, idxs = [], []
+            for k in range(b[0], b[0] + b[1]):
+                addr, sstride, pr, pc, dest, dstride = (int(v) for v in pieces[k])
+                for r in range(pr):
+                    raw = read(addr + r * sstride * _ES[dtype], dtype, pc)
+                    vals.append(receipts._to_float32(np.ascontiguousarray(raw), dtype))
+                    idxs.append(dest + r * dstride + np.arange(pc, dtype=np.int64))
+            x = np.concatenate(vals)
+            index = np.concatenate(idxs)
+            mb, bias, max_bits, nan_bits, fmax_bits, rec = (int(v) for v in b[5:11])
+            fmt = next(f for f, s in fp8._SPEC.items() if s[0] == mb and s[1] == bias)
+            with np.errstate(all="ignore"):
+                mag = np.abs(x)
+                mag = np.where(mag < np.float32(np.inf), mag, np.float32(0))
+                amax = np.float32(max(mag.max(), np.float32(0)))
+                d = np.float32(amax / np.float32(fp8.FMAX[fmt]))
+                d = np.float32(1) if d == 0 else d
+                q = np.where(x != x, x, x / d).astype(np.float32)
+                stored = np.float32(np.float32(1) / d) if rec else d
+            enc = fp8.to_fp8(q, fmt).astype(np.int64)
+            total += fp8._terms_sum(fp8._xp.NumpyOps(), enc, index, int(b[3]))
+            sb = np.array([stored], np.float32).view(np.uint32).astype(np.int64)
+            total += fp8._terms_sum(fp8._xp.NumpyOps(), sb, np.array([int(b[2])], np.int64),
+                                    int(b[4]))
+    return total & 0xFFFFFFFFFFFFFFFF
+
+
+# --- Kernel (Triton; the GPU) ----------------------------------------------
+
+def _build():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _f32_bits(raw, SRC: tl.constexpr):
+        # float32 bits (uint32) of a float element's raw bits, exactly
+        # (float16 NaN: sign and payload kept, as receipts_gpu does).
+        if SRC == 0:
+            u = raw.to(tl.uint32, bitcast=True)
+        elif SRC == 1:
+            u = raw.to(tl.uint32) << 16
+        else:
+            h = raw.to(tl.uint32)
+            wide = raw.to(tl.float16, bitcast=True).to(tl.float32).to(tl.uint32, bitcast=True)
+            nan16 = ((h & 0x7C00) == 0x7C00) & ((h & 0x3FF) != 0)
+            u = tl.where(nan16, ((h & 0x8000) << 16) | 0x7F800000 | ((h & 0x3FF) << 13), wide)
+        return u
+
+    @triton.jit
+    def _round_shift(m, shift):
+        # m >> shift rounded to nearest, ties to even (int32, shift 1..25).
+        one = m * 0 + 1   # int32 ones like m (1 << tensor: no constexpr operand)
+        k = m >> shift
+        rem = m & ((one << shift) - 1)
+        half = one << (shift - 1)
+        up = (rem > half) | ((rem == half) & ((k & 1) == 1))
+        return k + up.to(tl.int32)
+
+    @triton.jit
+    def _to_fp8(bits, mb, bias, max_bits, nan_bits, fmax_bits):
+        # weightsync.fp8.to_fp8 on int32 float32 bits: every intermediate
+        # fits 32 bits (|(e - 127 + bias) << 23| < 2^31 for e <= 255).
+        sign = (bits >> 24) & 0x80
+        a = bits & 0x7FFFFFFF
+        e = a >> 23
+        emin = 1 - bias
+        drop = 23 - mb
+        normal = _round_shift(((e - 127 + bias) << 23) | (a & 0x7FFFFF), drop + e * 0)
+        m = tl.where(e == 0, a, (a & 0x7FFFFF) | 0x800000)
+        shift = (emin - mb) - (tl.maximum(e, 1) - 150)
+        sub = tl.where(shift >= 25, 0,
+                       _round_shift(m, tl.minimum(tl.maximum(shift, 1), 25)))
+        out = tl.where(e - 127 < emin, sub, normal)
+        out = tl.where(a >= fmax_bits, max_bits, out)
+        out = tl.where(a > 0x7F800000, nan_bits, out)
+        return (out | sign) & 0xFF
+
+    @triton.jit
+    def _term(b, key):
+        x = (b ^ key).to(tl.uint32)
+        x ^= x >> 16
+        x *= 0x85EBCA6B
+        return (x ^ (x >> 16)).to(tl.uint32)
+
+    @triton.jit
+    def _key(index, salt):
+        return (salt + (index & 0xFFFFFFFF).to(tl.uint32) * 0x9E3779B1
+                + (index >> 32).to(tl.uint32) * 0x85EBCA77)
+
+    @triton.jit
+    def _fp8_receipt_kernel(blocks, pieces, out, SRC: tl.constexpr, RAW: tl.constexpr,
+                            TILE: tl.constexpr):
+        pid = tl.program_id(0)
+        brow = blocks + pid.to(tl.int64) * 12
+        p0 = tl.load(brow + 0)
+        npieces = tl.load(brow + 1)
+        scale_index = tl.load(brow + 2)
+        salt = tl.load(brow + 3).to(tl.uint32)
+        scale_salt = tl.load(brow + 4).to(tl.uint32)
+        mb = tl.load(brow + 5).to(tl.int32)
+        bias = tl.load(brow + 6).to(tl.int32)
+        max_bits = tl.load(brow + 7).to(tl.int32)
+        nan_bits = tl.load(brow + 8).to(tl.int32)
+        fmax_bits = tl.load(brow + 9).to(tl.int32)
+        rec = tl.load(brow + 10)
+        lane = tl.arange(0, TILE)
+        # Pass 1: amax (as float32 bits: non-negative floats order as ints).
+        amax = tl.zeros([TILE], dtype=tl.int32)
+        for k in range(0, npieces):
+            prow = pieces + (p0 + k) * 6
+            src = tl.load(prow + 0).to(tl.pointer_type(RAW))
+            sstride = tl.load(prow + 1)
+            pr = tl.load(prow + 2).to(tl.int32)
+            pc = tl.load(prow + 3).to(tl.int32)
+            n = pr * pc
+            for f0 in range(0, n, TILE):
+                f = f0 + lane
+                mask = f < n
+                r = f // pc
+                c = f - r * pc
+                raw = tl.load(src + r.to(tl.int64) * sstride + c, mask=mask, other=0)
+                a = _f32_bits(raw, SRC).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+                a = tl.where(mask & (a < 0x7F800000), a, 0)
+                amax = tl.maximum(amax, a)
+        am = tl.max(amax, axis=0)
+        fmax = (tl.zeros([TILE], dtype=tl.int32) + fmax_bits).to(tl.float32, bitcast=True)
+        amv = (tl.zeros([TILE], dtype=tl.int32) + am).to(tl.float32, bitcast=True)
+        d = tl.math.div_rn(amv, fmax)
+        d = tl.where(d == 0.0, 1.0, d)
+        # Pass 2: the encodings' terms.
+        acc = tl.zeros([TILE], dtype=tl.int64)
+        for k in range(0, npieces):
+            prow = pieces + (p0 + k) * 6
+            src = tl.load(prow + 0).to(tl.pointer_type(RAW))
+            sstride = tl.load(prow + 1)
+            pr = tl.load(prow + 2).to(tl.int32)
+            pc = tl.load(prow + 3).to(tl.int32)
+            dest = tl.load(prow + 4)
+            dstride = tl.load(prow + 5)
+            n = pr * pc
+            for f0 in range(0, n, TILE):
+                f = f0 + lane
+                mask = f < n
+                r = f // pc
+                c = f - r * pc
+                raw = tl.load(src + r.to(tl.int64) * sstride + c, mask=mask, other=0)
+                u = _f32_bits(raw, SRC).to(tl.int32, bitcast=True)
+                q = tl.math.div_rn(u.to(tl.float32, bitcast=True), d)
+                qb = tl.where((u & 0x7FFFFFFF) > 0x7F800000, u,
+                              q.to(tl.int32, bitcast=True))
+                enc = _to_fp8(qb, mb, bias, max_bits, nan_bits, fmax_bits)
+                index = dest + r.to(tl.int64) * dstride + c.to(tl.int64)
+                t = _term(enc.to(tl.uint32), _key(index, salt))
+                acc += tl.where(mask, t.to(tl.int64), 0)
+        one = tl.zeros([TILE], dtype=tl.float32) + 1.0
+        stored = tl.where(rec != 0, tl.math.div_rn(one, d), d)
+        sidx = tl.zeros([TILE], dtype=tl.int64) + scale_index
+        st = _term(stored.to(tl.uint32, bitcast=True), _key(sidx, scale_salt))
+        acc += tl.where(lane == 0, st.to(tl.int64), 0)
+        tl.atomic_add(out, tl.sum(acc, axis=0))
+
+    return _fp8_receipt_kernel
+
+
+def _meta(sent, names):
+    meta = {}
+    for name in names:
+        if name not in sent:
+            continue
+        dtype, shape, t = sent[name][:3]
+        ok = bool(t.is_contiguous()) and dtype in _DTYPES
+        meta[name] = (dtype, tuple(int(d) for d in shape), int(t.data_ptr()), ok)
+    return meta
+
+
+def _device_plan(quantized, sent):
+    """(device, [(dtype code, blocks, pieces)] on the device, counts, rest),
+    kept by the parameters' identity and the sources' (name, dtype,
+    address, shape)."""
+    import torch
+    names = sorted({n for p in quantized for n in fp8._sources(p) if n in sent})
+    key = (tuple(id(p) for p in quantized),
+           tuple((n, sent[n][0], sent[n][2].data_ptr(), tuple(sent[n][1])) for n in names))
+    with _lock:
+        got = _plans.get(key)
+        if got is not None:
+            _plans.move_to_end(key)
+            return got[1]
+    device = sent[names[0]][2].device
+    tables, counts, rest = plan(quantized, _meta(sent, names))
+    launches = [(code, torch.from_numpy(b).to(device), torch.from_numpy(pc).to(device))
+                for code, (b, pc) in sorted(tables.items())]
+    value = (device, launches, counts, rest)
+    with _lock:
+        _plans[key] = (quantized, value)   # the parameters held: their ids are in the key
+        while len(_plans) > _PLANS:
+            _plans.popitem(last=False)
+    return value
+
+
+def quantized_receipt_gpu(quantized, sent):
+    """(checksum, parameters, bytes, rest): weightsync.fp8.quantized_receipt
+    of the quantised parameters whose sent sources are CUDA tensors of one
+    device, by the fused kernel, except `rest` (module docstring), which
+    the caller sums with the torch path. Runs on the current stream and
+    waits for it."""
+    import torch
+    import triton.language as tl
+    global _kernel
+    if not any(n in sent for p in quantized for n in fp8._sources(p)):
+        return 0, 0, 0, []
+    if _kernel is None:
+        _kernel = _build()
+    device, launches, (params, nbytes), rest = _device_plan(list(quantized), sent)
+    out = torch.zeros(1, dtype=torch.int64, device=device)
+    raw = {0: tl.uint32, 1: tl.uint16, 2: tl.uint16}
+    for code, blocks, pieces in launches:
+        _kernel[(blocks.shape[0],)](blocks, pieces, out, SRC=code, RAW=raw[code], TILE=TILE,
+                                    num_warps=NUM_WARPS)
+    total = int(out.item()) & 0xFFFFFFFFFFFFFFFF
+    return total, params, nbytes, rest
