@@ -87,6 +87,11 @@ DEFINE_bool(ipc_fused_receipts, true,
             "IPC backend with receipts on: copy and sum each element in one "
             "pass (a kernel) instead of a copy and then a receipt pass that "
             "reads the engines' memory again");
+DEFINE_string(fp8_direct_kernel, "regs",
+              "GPU backends: the kernel that quantises FP8 targets straight "
+              "from a source in GPU memory: regs (proven default), vec "
+              "(16-byte vectors, 2 thread blocks per SM) or cvt (vec with "
+              "the hardware's FP8 rounding below FMAX)");
 DEFINE_bool(gpu_worker_at_launch, true,
             "Start the GPU worker (process, CUDA context) when the daemon "
             "starts, in the background, rather than at first use: the first "
@@ -233,12 +238,18 @@ int Main() {
       }
     }
   }
+  if (FLAGS_fp8_direct_kernel != "regs" && FLAGS_fp8_direct_kernel != "vec" &&
+      FLAGS_fp8_direct_kernel != "cvt") {
+    LOG(ERROR) << "--fp8_direct_kernel must be regs, vec or cvt";
+    return 2;
+  }
   if (BuiltWithCuda() && access(worker.c_str(), X_OK) == 0) {
     GpuWorkerSupervisor::Options g;
     g.worker_binary = worker;
     g.device = FLAGS_gpu;
     g.ipc_sm_copies = FLAGS_ipc_sm_copies;
     g.ipc_fused_receipts = FLAGS_ipc_fused_receipts;
+    g.fp8_direct_kernel = FLAGS_fp8_direct_kernel;
     g.staging_buffers = FLAGS_gpu_staging_buffers;
     g.staging_budget = FLAGS_gpu_staging_budget_bytes;
     // The worker's socket in a directory of the daemon's own (mode 0700):

@@ -77,10 +77,12 @@ void OwnerThread::Loop() {
 
 // ------------------------------------------------------------ worker
 
-GpuWorker::GpuWorker(int device, bool sm_copies, bool fused_receipts)
+GpuWorker::GpuWorker(int device, bool sm_copies, bool fused_receipts,
+                     cuda::Fp8DirectKernel fp8_direct_kernel)
     : scatter_device_(device),
       sm_copies_(sm_copies),
       fused_receipts_(fused_receipts),
+      fp8_direct_kernel_(fp8_direct_kernel),
       device_(device) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;

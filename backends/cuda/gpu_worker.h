@@ -30,6 +30,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "backends/cuda/cuda_status.h"
+#include "backends/cuda/fp8_direct_vec.h"
 #include "backends/cuda/kernel_math.h"
 #include "backends/cuda/scatter.h"
 #include "backends/cuda/vmm.h"
@@ -78,8 +79,11 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   // `sm_copies`: IPC updates copy same-dtype blocks with a kernel rather
   // than the copy engines (faster on one GPU; takes SMs from the engine).
   // `fused_receipts`: an IPC update with receipts copies and sums in one
-  // pass where its ops allow (PlanFusedCopies).
-  GpuWorker(int device, bool sm_copies, bool fused_receipts = true);
+  // pass where its ops allow (PlanFusedCopies). `fp8_direct_kernel`: the
+  // direct FP8 quantisation kernel's variant (--fp8_direct_kernel).
+  GpuWorker(
+      int device, bool sm_copies, bool fused_receipts = true,
+      cuda::Fp8DirectKernel fp8_direct_kernel = cuda::Fp8DirectKernel::kRegs);
   ~GpuWorker() override;
 
   grpc::Status Ping(grpc::ServerContext*, const worker::v1::PingRequest*,
@@ -279,6 +283,7 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   const int scatter_device_;
   const bool sm_copies_;
   const bool fused_receipts_;
+  const cuda::Fp8DirectKernel fp8_direct_kernel_;
   std::vector<std::string> uuids_;  // by device ordinal
 
   absl::Mutex mu_;

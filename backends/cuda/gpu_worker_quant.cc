@@ -234,7 +234,7 @@ absl::Status GpuWorker::EnqueueChunkQuant(
     const DirectBatch& b = direct_batches_[direct_next_batch_++];
     WS_CUDA(cuda::QuantizeFp8Direct(
         reinterpret_cast<const cuda::DirectJob*>(direct_dev_) + b.first,
-        b.count, b.blocks, scatter_stream_));
+        b.count, b.blocks, scatter_stream_, fp8_direct_kernel_));
   }
   return absl::OkStatus();
 }

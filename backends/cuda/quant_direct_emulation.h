@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "backends/cuda/fp8_direct_vec.h"
 #include "backends/cuda/fp8_math.h"
 #include "gtest/gtest.h"
 
@@ -41,9 +42,53 @@ void DirectBlock(const cuda::DirectJob& job, int64_t b, uint32_t threads) {
   }
 }
 
+// How many blocks the vec emulation ran in 16-byte vectors (the rest took
+// DirectBlock's walk): the test checks both ways ran.
+inline int64_t& VecBlocksRun() {
+  static int64_t n = 0;
+  return n;
+}
+
+// One block as the vec and cvt kernels (quant_kernels.cu, VecBlock) run
+// it, thread by thread: `threads` threads holding kPer vectors each (or
+// reading the source twice), or DirectBlock's walk with kWalkPer elements
+// a thread where the block is not laid out in aligned vectors. (cvt's
+// hardware rounding is the GPU's only; here it is Fp8Encode.)
+template <int kDtype, int kPer, int kWalkPer>
+void VecBlock(const cuda::DirectJob& job, int64_t b, uint32_t threads) {
+  int64_t r0, c0, h, w, i, j;
+  cuda::QuantBlockOf(job.out, b, &r0, &c0, &h, &w, &i, &j);
+  if (!cuda::VecBlockOk<kDtype>(job, c0, w)) {
+    DirectBlock<kDtype, kWalkPer>(job, b, threads);
+    return;
+  }
+  ++VecBlocksRun();
+  const bool held = cuda::VecHeld<kDtype>(job, b, threads, kPer);
+  std::vector<std::array<cuda::Fp8Raw16, kPer>> v(threads);
+  auto regs = [&](uint32_t t) -> cuda::Fp8Raw16(&)[kPer] {
+    return *reinterpret_cast<cuda::Fp8Raw16(*)[kPer]>(v[t].data());
+  };
+  float amax = 0.0f;
+  for (uint32_t t = 0; t < threads; ++t) {
+    const float part =
+        held ? cuda::VecLoadPart<kDtype, kPer>(job, b, t, threads, regs(t))
+             : cuda::VecAmaxStream<kDtype>(job, b, t, threads);
+    amax = part > amax ? part : amax;
+  }
+  for (uint32_t t = 0; t < threads; ++t) {
+    if (held) {
+      cuda::VecWritePart<kDtype, kPer, false>(job, b, t, threads, amax,
+                                              regs(t));
+    } else {
+      cuda::VecWriteStream<kDtype, false>(job, b, t, threads, amax);
+    }
+  }
+}
+
 // A batch of direct jobs as the kernel runs it: `grid` thread blocks, each
-// taking blocks cta, cta + grid, ... of the batch.
-template <int kPer>
+// taking blocks cta, cta + grid, ... of the batch. kVecPer > 0: the vec
+// kernel's blocks (kVecPer vectors a thread, kPer elements in the walk).
+template <int kPer, int kVecPer = 0>
 void RunDirectBatch(std::vector<cuda::DirectJob> jobs, uint32_t threads,
                     int64_t grid) {
   int64_t total = 0;
@@ -61,13 +106,25 @@ void RunDirectBatch(std::vector<cuda::DirectJob> jobs, uint32_t threads,
       ASSERT_LT(b, cuda::QuantJobBlocks(job.out));
       switch (job.src_dtype) {
         case cuda::kFp8SrcFloat32:
-          DirectBlock<cuda::kFp8SrcFloat32, kPer>(job, b, threads);
+          if constexpr (kVecPer > 0) {
+            VecBlock<cuda::kFp8SrcFloat32, kVecPer, kPer>(job, b, threads);
+          } else {
+            DirectBlock<cuda::kFp8SrcFloat32, kPer>(job, b, threads);
+          }
           break;
         case cuda::kFp8SrcBfloat16:
-          DirectBlock<cuda::kFp8SrcBfloat16, kPer>(job, b, threads);
+          if constexpr (kVecPer > 0) {
+            VecBlock<cuda::kFp8SrcBfloat16, kVecPer, kPer>(job, b, threads);
+          } else {
+            DirectBlock<cuda::kFp8SrcBfloat16, kPer>(job, b, threads);
+          }
           break;
         case cuda::kFp8SrcFloat16:
-          DirectBlock<cuda::kFp8SrcFloat16, kPer>(job, b, threads);
+          if constexpr (kVecPer > 0) {
+            VecBlock<cuda::kFp8SrcFloat16, kVecPer, kPer>(job, b, threads);
+          } else {
+            DirectBlock<cuda::kFp8SrcFloat16, kPer>(job, b, threads);
+          }
           break;
         default:
           FAIL() << "source dtype " << job.src_dtype;
@@ -77,8 +134,9 @@ void RunDirectBatch(std::vector<cuda::DirectJob> jobs, uint32_t threads,
 }
 
 // How the emulation runs the direct kernel: the kernel's own shape (every
-// block held), or small thread blocks that read most blocks twice.
-enum class DirectShape { kKernel, kSmall, kStreaming };
+// block held), or small thread blocks that read most blocks twice; the vec
+// kernel's own shape, or small (most blocks read twice).
+enum class DirectShape { kKernel, kSmall, kStreaming, kVec, kVecStreaming };
 
 }  // namespace testing
 }  // namespace weightsync

@@ -33,11 +33,12 @@ __global__ void __launch_bounds__(kQuantThreads) QuantizeKernel(QuantJob job) {
   QuantWritePart(job, b, amax, threadIdx.x, kQuantThreads);
 }
 
-constexpr int kDirectWarps = kDirectThreads / 32;
-
-// The thread block's largest amax; every thread gets it. warp_max is free
-// again when it returns (the next FP8 block of the thread block reuses it).
+// The thread block's largest amax (kThreads threads); every thread gets
+// it. warp_max is free again when it returns (the next FP8 block of the
+// thread block reuses it).
+template <int kThreads = kDirectThreads>
 __device__ __forceinline__ float DirectBlockMax(float amax, float* warp_max) {
+  constexpr int kDirectWarps = kThreads / 32;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     const float other = __shfl_down_sync(0xFFFFFFFFu, amax, o);
@@ -56,28 +57,78 @@ __device__ __forceinline__ float DirectBlockMax(float amax, float* warp_max) {
 
 // FP8 block b of `job`: held in registers (read once) where it fits, else
 // read twice; fp8_math.h's functions, as quant_steps_test runs them.
-template <int kDtype>
+template <int kDtype, int kThreads = kDirectThreads>
 __device__ __forceinline__ void DirectBlock(const DirectJob& job, int64_t b,
                                             float* warp_max) {
   const uint32_t t = threadIdx.x;
-  if (DirectHeld(job, b, kDirectThreads, kDirectPerThread)) {
+  if (DirectHeld(job, b, kThreads, kDirectPerThread)) {
     float v[kDirectPerThread];
     float amax =
-        DirectLoadPart<kDtype, kDirectPerThread>(job, b, t, kDirectThreads, v);
-    amax = DirectBlockMax(amax, warp_max);
-    DirectWritePart<kDirectPerThread>(job, b, t, kDirectThreads, amax, v);
+        DirectLoadPart<kDtype, kDirectPerThread>(job, b, t, kThreads, v);
+    amax = DirectBlockMax<kThreads>(amax, warp_max);
+    DirectWritePart<kDirectPerThread>(job, b, t, kThreads, amax, v);
     return;
   }
-  float amax = DirectAmaxStream<kDtype>(job, b, t, kDirectThreads);
-  amax = DirectBlockMax(amax, warp_max);
-  DirectWriteStream<kDtype>(job, b, t, kDirectThreads, amax);
+  float amax = DirectAmaxStream<kDtype>(job, b, t, kThreads);
+  amax = DirectBlockMax<kThreads>(amax, warp_max);
+  DirectWriteStream<kDtype>(job, b, t, kThreads, amax);
+}
+
+// The vec and cvt variants (fp8_direct_vec.h): FP8 block b in 16-byte
+// vectors where its layout allows, else DirectBlock's walk with the same
+// kVecThreads threads.
+template <int kDtype, bool kCvt>
+__device__ __forceinline__ void VecBlock(const DirectJob& job, int64_t b,
+                                         float* warp_max) {
+  const uint32_t t = threadIdx.x;
+  int64_t r0, c0, h, w, i, j;
+  QuantBlockOf(job.out, b, &r0, &c0, &h, &w, &i, &j);
+  if (!VecBlockOk<kDtype>(job, c0, w)) {
+    DirectBlock<kDtype, kVecThreads>(job, b, warp_max);
+    return;
+  }
+  if (VecHeld<kDtype>(job, b, kVecThreads, kVecPerThread)) {
+    Fp8Raw16 v[kVecPerThread];
+    float amax = VecLoadPart<kDtype, kVecPerThread>(job, b, t, kVecThreads, v);
+    amax = DirectBlockMax<kVecThreads>(amax, warp_max);
+    VecWritePart<kDtype, kVecPerThread, kCvt>(job, b, t, kVecThreads, amax, v);
+    return;
+  }
+  float amax = VecAmaxStream<kDtype>(job, b, t, kVecThreads);
+  amax = DirectBlockMax<kVecThreads>(amax, warp_max);
+  VecWriteStream<kDtype, kCvt>(job, b, t, kVecThreads, amax);
+}
+
+template <bool kCvt>
+__global__ void __launch_bounds__(kVecThreads)
+    VecKernel(const DirectJob* __restrict__ jobs, int n, int64_t total) {
+  __shared__ float warp_max[kVecThreads / 32];
+  int j = 0;
+  for (int64_t g = blockIdx.x; g < total; g += gridDim.x) {
+    j = DirectJobOf(jobs, n, g, j);
+    const DirectJob job = jobs[j];
+    const int64_t b = g - job.first_block;
+    switch (job.src_dtype) {  // the same for the whole thread block
+      case kFp8SrcFloat32:
+        VecBlock<kFp8SrcFloat32, kCvt>(job, b, warp_max);
+        break;
+      case kFp8SrcBfloat16:
+        VecBlock<kFp8SrcBfloat16, kCvt>(job, b, warp_max);
+        break;
+      case kFp8SrcFloat16:
+        VecBlock<kFp8SrcFloat16, kCvt>(job, b, warp_max);
+        break;
+      default:
+        break;  // refused by the caller
+    }
+  }
 }
 
 // A batch of direct jobs: thread block x takes FP8 blocks x, x + gridDim.x,
 // ... of the batch (the job of each found from the last one's).
 __global__ void __launch_bounds__(kDirectThreads)
     DirectKernel(const DirectJob* __restrict__ jobs, int n, int64_t total) {
-  __shared__ float warp_max[kDirectWarps];
+  __shared__ float warp_max[kDirectThreads / 32];
   int j = 0;
   for (int64_t g = blockIdx.x; g < total; g += gridDim.x) {
     j = DirectJobOf(jobs, n, g, j);
@@ -102,27 +153,33 @@ __global__ void __launch_bounds__(kDirectThreads)
 }  // namespace
 
 cudaError_t QuantizeFp8Direct(const DirectJob* jobs, int n,
-                              int64_t total_blocks, cudaStream_t stream) {
+                              int64_t total_blocks, cudaStream_t stream,
+                              Fp8DirectKernel kernel) {
   if (n < 0 || total_blocks < 0 || (total_blocks > 0 && jobs == nullptr)) {
     return cudaErrorInvalidValue;
   }
   if (n == 0 || total_blocks == 0) return cudaSuccess;
+  const int k = static_cast<int>(kernel);
+  if (k < 0 || k > 2) return cudaErrorInvalidValue;
+  using Kernel = void (*)(const DirectJob*, int, int64_t);
+  const Kernel kernels[3] = {DirectKernel, VecKernel<false>, VecKernel<true>};
+  const int threads[3] = {kDirectThreads, kVecThreads, kVecThreads};
   // As many thread blocks as run at once (each then loops over blocks).
-  static std::atomic<int> per_sm{0};
-  int resident = per_sm.load(std::memory_order_relaxed);
+  static std::atomic<int> per_sm[3] = {};
+  int resident = per_sm[k].load(std::memory_order_relaxed);
   if (resident <= 0) {
     cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &resident, DirectKernel, kDirectThreads, 0);
+        &resident, kernels[k], threads[k], 0);
     if (err != cudaSuccess) return err;
     if (resident < 1) resident = 1;
-    per_sm.store(resident, std::memory_order_relaxed);
+    per_sm[k].store(resident, std::memory_order_relaxed);
   }
   int sms = 0;
   cudaError_t err = MultiprocessorCount(&sms);
   if (err != cudaSuccess) return err;
   int64_t grid = static_cast<int64_t>(sms) * resident;
   if (grid > total_blocks) grid = total_blocks;
-  DirectKernel<<<static_cast<unsigned>(grid), kDirectThreads, 0, stream>>>(
+  kernels[k]<<<static_cast<unsigned>(grid), threads[k], 0, stream>>>(
       jobs, n, total_blocks);
   return cudaGetLastError();
 }

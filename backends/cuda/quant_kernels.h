@@ -15,7 +15,8 @@
 
 #include <cuda_runtime.h>
 
-#include "backends/cuda/fp8_math.h"  // QuantJob, DirectJob
+#include "backends/cuda/fp8_direct_vec.h"  // Fp8DirectKernel
+#include "backends/cuda/fp8_math.h"        // QuantJob, DirectJob
 
 namespace weightsync {
 namespace cuda {
@@ -41,7 +42,8 @@ cudaError_t QuantizeFp8Blocks(const QuantJob& job, cudaStream_t stream);
 // nothing enqueued, for n or total_blocks below 0 or null jobs; n or
 // total_blocks 0 is a no-op.
 cudaError_t QuantizeFp8Direct(const DirectJob* jobs, int n,
-                              int64_t total_blocks, cudaStream_t stream);
+                              int64_t total_blocks, cudaStream_t stream,
+                              Fp8DirectKernel kernel = Fp8DirectKernel::kRegs);
 
 }  // namespace cuda
 }  // namespace weightsync

@@ -252,6 +252,11 @@ class Worker {
       RunDirectBatch<cuda::kDirectPerThread>(jobs, cuda::kDirectThreads, 5);
     } else if (shape == DirectShape::kSmall) {
       RunDirectBatch<128>(jobs, 32, 2);  // 64 x 64 blocks fill every register
+    } else if (shape == DirectShape::kVec) {
+      RunDirectBatch<cuda::kDirectPerThread, cuda::kVecPerThread>(
+          jobs, cuda::kVecThreads, 5);
+    } else if (shape == DirectShape::kVecStreaming) {
+      RunDirectBatch<2, 2>(jobs, 16, 3);
     } else {
       RunDirectBatch<2>(jobs, 16, 3);
     }
@@ -470,8 +475,9 @@ TEST(QuantStepsTest, DirectStepsInstallWhatTheHostDataPlaneInstalls) {
   for (int64_t chunk_bytes : {256, 768, 4096, 11520, 1 << 20}) {
     const std::string want = HostInstall(c, chunk_bytes);
     for (bool from_source : {false, true}) {
-      for (DirectShape shape : {DirectShape::kKernel, DirectShape::kSmall,
-                                DirectShape::kStreaming}) {
+      for (DirectShape shape :
+           {DirectShape::kKernel, DirectShape::kSmall, DirectShape::kStreaming,
+            DirectShape::kVec, DirectShape::kVecStreaming}) {
         SCOPED_TRACE(::testing::Message()
                      << "chunk_bytes " << chunk_bytes
                      << (from_source ? " from a source" : " packed")
@@ -489,6 +495,8 @@ TEST(QuantStepsTest, DirectStepsInstallWhatTheHostDataPlaneInstalls) {
       }
     }
   }
+  // The vec shapes ran blocks both in vectors and by the walk.
+  EXPECT_GT(testing::VecBlocksRun(), 0);
 }
 
 // A registered source's tensor that starts off an element boundary keeps

@@ -93,6 +93,8 @@ absl::Status GpuWorkerSupervisor::EnsureStartedLocked() {
       "--ipc_sm_copies=", options_.ipc_sm_copies ? "true" : "false");
   const std::string fused_flag = absl::StrCat(
       "--ipc_fused_receipts=", options_.ipc_fused_receipts ? "true" : "false");
+  const std::string fp8_flag =
+      "--fp8_direct_kernel=" + options_.fp8_direct_kernel;
   unlink(options_.socket_path.c_str());
   const pid_t pid = fork();
   if (pid < 0) return absl::UnavailableError("fork failed");
@@ -103,7 +105,7 @@ absl::Status GpuWorkerSupervisor::EnsureStartedLocked() {
     pthread_sigmask(SIG_UNBLOCK, &all, nullptr);
     execl(options_.worker_binary.c_str(), options_.worker_binary.c_str(),
           socket_flag.c_str(), parent_flag.c_str(), device_flag.c_str(),
-          sm_flag.c_str(), fused_flag.c_str(), nullptr);
+          sm_flag.c_str(), fused_flag.c_str(), fp8_flag.c_str(), nullptr);
     _exit(127);
   }
   pid_ = pid;
