@@ -18,7 +18,7 @@ DEFINE_bool(ipc_sm_copies, false,
 DEFINE_bool(ipc_fused_receipts, true,
             "IPC backend with receipts: copy and sum in one pass (a kernel) "
             "instead of a copy and then a receipt pass over the destination");
-DEFINE_string(fp8_direct_kernel, "regs",
+DEFINE_string(fp8_direct_kernel, "cvt",
               "FP8 targets quantised straight from a source in GPU memory: "
               "regs (1024 threads, per-element walk), vec (256 threads, "
               "16-byte vectors) or cvt (vec with the hardware's FP8 "
