@@ -26,6 +26,7 @@
 #include "daemon/core/engine_layout.h"
 #include "gtest/gtest.h"
 #include "tests/testing/heap_memory.h"
+#include "tests/testing/layout_builders.h"
 
 namespace weightsync {
 namespace {
@@ -84,30 +85,8 @@ v1::Parameter* Add(v1::RegisterEngineRequest& r, const std::string& name,
   return p;
 }
 
-void Quantize(v1::Parameter* p, v1::DType format, const std::string& scale,
-              v1::QuantScheme scheme, v1::ScaleForm form, int64_t br = 0,
-              int64_t bc = 0) {
-  v1::Quantization* q = p->mutable_quantization();
-  q->set_format(format);
-  q->set_scale_parameter(scale);
-  q->set_scheme(scheme);
-  q->set_scale_form(form);
-  q->set_block_rows(br);
-  q->set_block_cols(bc);
-}
-
-void AddSegment(v1::Parameter* p, const std::string& source, int64_t rb,
-                int64_t rc, int64_t cb, int64_t cc, int64_t dest,
-                int64_t stride) {
-  v1::Segment* s = p->add_segments();
-  s->set_source(source);
-  s->set_row_begin(rb);
-  s->set_row_count(rc);
-  s->set_col_begin(cb);
-  s->set_col_count(cc);
-  s->set_dest_offset(dest);
-  s->set_dest_row_stride(stride);
-}
+using testing::AddSegment;
+using testing::Quantize;
 
 // Every kind of quantised use: a whole bf16 tensor in 64 x 64 blocks with
 // partial edges (and the same tensor copied plainly), fused q/k/v of

@@ -25,6 +25,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
 #include "tests/testing/heap_memory.h"
+#include "tests/testing/layout_builders.h"
 
 namespace weightsync {
 namespace {
@@ -66,27 +67,8 @@ v1::Parameter* Add(v1::RegisterEngineRequest& r, const std::string& name,
   return p;
 }
 
-void Quantize(v1::Parameter* p, v1::DType format, const std::string& scale,
-              v1::QuantScheme scheme, v1::ScaleForm form) {
-  v1::Quantization* q = p->mutable_quantization();
-  q->set_format(format);
-  q->set_scale_parameter(scale);
-  q->set_scheme(scheme);
-  q->set_scale_form(form);
-}
-
-void AddSegment(v1::Parameter* p, const std::string& source, int64_t rb,
-                int64_t rc, int64_t cb, int64_t cc, int64_t dest,
-                int64_t stride) {
-  v1::Segment* s = p->add_segments();
-  s->set_source(source);
-  s->set_row_begin(rb);
-  s->set_row_count(rc);
-  s->set_col_begin(cb);
-  s->set_col_count(cc);
-  s->set_dest_offset(dest);
-  s->set_dest_row_stride(stride);
-}
+using testing::AddSegment;
+using testing::Quantize;
 
 // Registers `r` in heap memory, plans `tensors` in chunks of `chunk_bytes`
 // and pushes them through a host data plane. Returns the layout.
