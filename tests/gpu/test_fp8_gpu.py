@@ -72,12 +72,8 @@ def scale_shape(shape, block):
 
 
 def quant_fields(name, fmt, block, form):
-    q = {"format": fmt, "scale_parameter": scale_name(name), "scale_form": form}
-    if block is None:
-        q["scheme"] = "QUANT_SCHEME_PER_ROW"
-    else:
-        q.update(scheme="QUANT_SCHEME_BLOCK", block_rows=block[0], block_cols=block[1])
-    return q
+    from weightsync import fp8
+    return fp8.quantization_fields(fmt, scale_name(name), block, form == REC)
 
 
 def syn_layout():

@@ -55,13 +55,7 @@ def param(name, dtype, shape, segments=(), quant=None):
 
 
 def quant(fmt, scale, block, reciprocal):
-    q = dict(format=getattr(v1, fmt), scale_parameter=scale,
-             scale_form=v1.SCALE_FORM_RECIPROCAL if reciprocal else v1.SCALE_FORM_DEQUANT)
-    if block is None:
-        q["scheme"] = v1.QUANT_SCHEME_PER_ROW
-    else:
-        q.update(scheme=v1.QUANT_SCHEME_BLOCK, block_rows=block[0], block_cols=block[1])
-    return q
+    return fp8.quantization_fields(fmt, scale, block, reciprocal)
 
 
 def seg(source, rb, rc, cb, cc, dest, stride=0):

@@ -130,6 +130,22 @@ def _enum(kind, value):
     return v1.enum_name(kind, value)
 
 
+def quantization_fields(fmt, scale_parameter, block=(128, 128), reciprocal=False):
+    """weightsync.v1.Quantization fields (enum values by name) of an FP8
+    target: `fmt` ("FLOAT8_E4M3FN" / "FLOAT8_E5M2"), its scales in
+    `scale_parameter`, blocks of `block` = (rows, cols) or one scale per row
+    (block=None), stored as d (DEQUANT) or 1 / d (reciprocal). What
+    Engine.register_host / register_torch take per name, and
+    v1.Quantization(**fields) builds."""
+    q = {"format": fmt, "scale_parameter": scale_parameter,
+         "scale_form": "SCALE_FORM_RECIPROCAL" if reciprocal else "SCALE_FORM_DEQUANT"}
+    if block is None:
+        q["scheme"] = "QUANT_SCHEME_PER_ROW"
+    else:
+        q.update(scheme="QUANT_SCHEME_BLOCK", block_rows=block[0], block_cols=block[1])
+    return q
+
+
 def block_shape(parameter):
     """(block_rows, block_cols, rows, cols) of a quantised Parameter
     message: the defaults (0 = 128) applied, per row as 1 x cols."""

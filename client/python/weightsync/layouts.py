@@ -222,6 +222,7 @@ def llama_fp8_engine_layout(config, tp_rank=0, tp_size=1, dtype="BFLOAT16",
     quantization maps a weight's name to weightsync.v1.Quantization fields
     (Engine.register_host(..., quantization=)). ValueError if a
     tensor-parallel shard would cut a block (e.g. 64 KV rows a rank)."""
+    from weightsync.fp8 import quantization_fields
     params, segments = llama_engine_layout(config, tp_rank, tp_size, dtype, vocab_pad)
     out, quant = [], {}
     for name, dt, shape in params:
@@ -235,10 +236,5 @@ def llama_fp8_engine_layout(config, tp_rank=0, tp_size=1, dtype="BFLOAT16",
         out.append((name, fp8, shape))
         out.append((scale, "FLOAT32",
                     (rows, 1) if block is None else (-(-rows // br), -(-cols // bc))))
-        q = {"format": fp8, "scale_parameter": scale, "scale_form": "SCALE_FORM_DEQUANT"}
-        if block is None:
-            q["scheme"] = "QUANT_SCHEME_PER_ROW"
-        else:
-            q.update(scheme="QUANT_SCHEME_BLOCK", block_rows=br, block_cols=bc)
-        quant[name] = q
+        quant[name] = quantization_fields(fp8, scale, block)
     return out, segments, quant
