@@ -39,9 +39,11 @@
 #if WEIGHTSYNC_HAS_CUDA
 #include <cuda_runtime.h>
 
+#include "backends/cuda/quant_kernels.h"
 #include "backends/cuda/receipt_kernels.h"
 #include "backends/cuda/scatter.h"
 #include "backends/cuda/sparse_kernels.h"
+#include "bench/fp8_probe.h"
 #include "bench/sparse_probe.h"
 #endif
 
@@ -491,6 +493,141 @@ void SparseModel(cudaStream_t stream, Timer& timer) {
   }
 }
 
+// The linear weights of --model (2-D, "proj" in the name: what an FP8
+// engine holds in float8_e4m3fn with 128 x 128 block scales) in bfloat16,
+// small normal-ish values (no NaN, inf or subnormal: the kernels' common
+// path), quantised by QuantizeFp8Direct (one launch, every kernel) and the
+// probe variants (bench/fp8_probe.h), against a cudaMemcpy of the same
+// source bytes (what a bf16 engine's update of these weights moves) and
+// with the daemon's receipt pass over the FP8 bytes written. Each probe's
+// output is compared with cvt's (a checksum of both).
+void Fp8(cudaStream_t stream, Timer& timer) {
+  auto model = synthetic::ModelByName(FLAGS_model);
+  if (!model.ok()) Die(model.status().ToString());
+  const std::vector<v1::TensorSpec> tensors =
+      synthetic::Checkpoint(*model, v1::BFLOAT16);
+  std::vector<std::pair<int64_t, int64_t>> shapes;
+  int64_t src_bytes = 0, q_bytes = 0, scale_bytes = 0;
+  for (const v1::TensorSpec& t : tensors) {
+    if (t.shape_size() != 2 || t.name().find("proj") == std::string::npos ||
+        t.shape(0) % 128 != 0 || t.shape(1) % 128 != 0) {
+      continue;
+    }
+    shapes.emplace_back(t.shape(0), t.shape(1));
+    src_bytes += t.shape(0) * t.shape(1) * 2;
+    q_bytes += t.shape(0) * t.shape(1);
+    scale_bytes += (t.shape(0) / 128) * (t.shape(1) / 128) * 4;
+  }
+  std::printf("\nfp8: %s, %zu linear weights, %.2f GB bfloat16 -> %.2f GB "
+              "e4m3 + %.1f MB scales\n",
+              FLAGS_model.c_str(), shapes.size(), src_bytes / 1e9,
+              q_bytes / 1e9, scale_bytes / 1e6);
+  uint8_t* src = Malloc(src_bytes);
+  uint8_t* copy = Malloc(src_bytes);
+  uint8_t* q = Malloc(q_bytes);
+  uint8_t* scales = Malloc(scale_bytes);
+  uint8_t* outs = Malloc(16);
+  {
+    // bf16 of x * 2^-7 for x roughly uniform in (-2, 2): weights' range.
+    std::vector<uint16_t> host(1 << 22);
+    uint64_t x = 0x9E3779B97F4A7C15ull;
+    for (uint16_t& v : host) {
+      x = x * 6364136223846793005ull + 1442695040888963407ull;
+      const uint32_t e = 119 + static_cast<uint32_t>((x >> 33) % 8);
+      v = static_cast<uint16_t>(((x >> 63) << 15) | (e << 7) |
+                                ((x >> 20) & 0x7F));
+    }
+    const int64_t block = host.size() * 2;
+    for (int64_t at = 0; at < src_bytes; at += block) {
+      CHECK_CUDA(cudaMemcpyAsync(src + at, host.data(),
+                                 std::min(block, src_bytes - at),
+                                 cudaMemcpyHostToDevice, stream));
+    }
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+  }
+  std::vector<cuda::DirectJob> jobs;
+  int64_t s_at = 0, q_at = 0, sc_at = 0, blocks = 0;
+  for (const auto& [rows, cols] : shapes) {
+    cuda::DirectJob job{};
+    job.src = src + s_at;
+    job.src_stride = cols;
+    job.src_dtype = cuda::kFp8SrcBfloat16;
+    job.out.rows = rows;
+    job.out.width = cols;
+    job.out.block_rows = 128;
+    job.out.block_cols = 128;
+    job.out.q = q + q_at;
+    job.out.q_stride = cols;
+    job.out.scale = scales + sc_at;
+    job.out.scale_stride = cols / 128;
+    job.first_block = blocks;
+    jobs.push_back(job);
+    blocks += (rows / 128) * (cols / 128);
+    s_at += rows * cols * 2;
+    q_at += rows * cols;
+    sc_at += (rows / 128) * (cols / 128) * 4;
+  }
+  uint8_t* jobs_dev = Malloc(sizeof(cuda::DirectJob) * jobs.size());
+  CHECK_CUDA(cudaMemcpy(jobs_dev, jobs.data(),
+                        sizeof(cuda::DirectJob) * jobs.size(),
+                        cudaMemcpyHostToDevice));
+  const auto* jd = reinterpret_cast<const cuda::DirectJob*>(jobs_dev);
+  const int n = static_cast<int>(jobs.size());
+  const double memcpy_sec = timer.Median([&] {
+    CHECK_CUDA(cudaMemcpyAsync(copy, src, src_bytes, cudaMemcpyDeviceToDevice,
+                               stream));
+  });
+  Line("cudaMemcpy D2D of the bf16 source", src_bytes, memcpy_sec,
+       memcpy_sec);
+  auto* out = reinterpret_cast<unsigned long long*>(outs);
+  auto checksum = [&](unsigned long long* at) {
+    CHECK_CUDA(cudaMemsetAsync(at, 0, 8, stream));
+    CHECK_CUDA(cuda::ReceiptSum(q, 1, q_bytes, 0, 1, 7, 0,
+                                reinterpret_cast<uint64_t*>(at), stream));
+    CHECK_CUDA(cuda::ReceiptSum(scales, 1, scale_bytes / 4, 0, 4, 9, 0,
+                                reinterpret_cast<uint64_t*>(at), stream));
+    unsigned long long h = 0;
+    CHECK_CUDA(cudaMemcpyAsync(&h, at, 8, cudaMemcpyDeviceToHost, stream));
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    return h;
+  };
+  const char* names[3] = {"regs", "vec", "cvt"};
+  unsigned long long want = 0;
+  for (int k = 0; k < 3; ++k) {
+    const double sec = timer.Median([&] {
+      CHECK_CUDA(cuda::QuantizeFp8Direct(jd, n, blocks, stream,
+                                         static_cast<cuda::Fp8DirectKernel>(k)));
+    });
+    const unsigned long long h = checksum(out);
+    if (k == 0) want = h;
+    const std::string what = std::string("QuantizeFp8Direct ") + names[k] +
+                             (h == want ? "" : " (DIFFERS from regs)");
+    Line(what.c_str(), src_bytes, sec, memcpy_sec);
+  }
+  const double receipt_sec = timer.Median([&] { checksum(out + 1); });
+  Line("receipt pass over the FP8 bytes and scales (+ sync)", q_bytes,
+       receipt_sec, memcpy_sec);
+  for (int threads : {256, 512}) {
+    for (int variant : {0, 1, 2, 3, 4, 5}) {
+      CHECK_CUDA(cudaMemsetAsync(q, 0, q_bytes, stream));
+      const double sec = timer.Median([&] {
+        CHECK_CUDA(bench::Fp8Probe(variant, threads, jd, n, blocks, stream));
+      });
+      const unsigned long long h = checksum(out);
+      char what[128];
+      std::snprintf(what, sizeof(what), "probe %d threads%s%s%s%s", threads,
+                    (variant & 1) ? " +ahead" : "",
+                    (variant & 2) ? " +markstein" : "",
+                    (variant & 4) ? " +mul-only" : "",
+                    h == want ? "" : " (DIFFERS)");
+      Line(what, src_bytes, sec, memcpy_sec);
+    }
+  }
+  for (uint8_t* p : {src, copy, q, scales, outs, jobs_dev}) {
+    CHECK_CUDA(cudaFree(p));
+  }
+}
+
 bool Section(const char* name) {
   for (absl::string_view s : absl::StrSplit(FLAGS_sections, ',')) {
     if (s == name) return true;
@@ -509,6 +646,7 @@ int Run() {
   Timer timer(stream);
   if (Section("receipt")) Receipts(stream, timer);
   if (Section("sparse")) Sparse(stream, timer);
+  if (Section("fp8")) Fp8(stream, timer);
   if (Section("sparse_model") && !FLAGS_sparse_model.empty()) {
     SparseModel(stream, timer);
   }

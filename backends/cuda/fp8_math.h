@@ -15,6 +15,7 @@
 #ifndef WEIGHTSYNC_BACKENDS_CUDA_FP8_MATH_H_
 #define WEIGHTSYNC_BACKENDS_CUDA_FP8_MATH_H_
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -61,6 +62,67 @@ WS_FP8_HD float Fp8Div(float a, float b) {
 #else
   return a / b;
 #endif
+}
+
+// a * b rounded (never contracted into an FMA).
+WS_FP8_HD float Fp8Mul(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+// a * b + c rounded once (to nearest even).
+WS_FP8_HD float Fp8Fma(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
+// x / d for the many x of one block, without a division each: x / d ==
+// (x * 2^k) / (d * 2^k) exactly where both products are exact, so with
+// d' = d * 2^k in [1, 2) and y = 1 / d' rounded once, Markstein's step
+//   q0 = x' * y,  r = fma(-q0, d', x') (exact),  q = fma(r, y, q0)
+// gives x' / d' rounded to nearest even wherever x' is not tiny; where it
+// is (|x'| < 2^-100, so |q| < 2^-100), q is a tiny value given x's sign,
+// as is x / d: both encode to the same FP8 zero. Used only where that was
+// checked for every element and every scale (fp8_divide_test: all
+// bfloat16 and float16 x against all amax of their dtype, both formats);
+// float32 sources divide (Fp8Div). `fast` false (d subnormal or above
+// 2^100): Fp8Div for every element.
+struct Fp8Divider {
+  float d;       // the block's scale
+  float scale;   // 2^k
+  float d_k;     // d * 2^k
+  float y;       // 1 / d_k, rounded
+  bool fast;
+};
+
+WS_FP8_HD Fp8Divider Fp8DividerOf(float d) {
+  Fp8Divider v{d, 1.0f, d, 1.0f, false};
+  const uint32_t bits = Fp8BitsOf(d);
+  const int e = static_cast<int>((bits >> 23) & 0xFFu);  // biased exponent
+  if (e == 0 || e > 127 + 100 || (bits >> 31) != 0) return v;
+  v.scale = Fp8FloatOf(static_cast<uint32_t>(254 - e) << 23);  // 2^(127-e)
+  v.d_k = Fp8FloatOf((bits & 0x807FFFFFu) | (127u << 23));     // in [1, 2)
+  v.y = Fp8Div(1.0f, v.d_k);
+  v.fast = true;
+  return v;
+}
+
+// x / d rounded to nearest even (NaN and +-inf in, as Fp8Div would give:
+// the callers encode those by x's class, never by this quotient).
+WS_FP8_HD float Fp8Quotient(const Fp8Divider& v, float x) {
+  if (!v.fast) return Fp8Div(x, v.d);
+  const float xk = Fp8Mul(x, v.scale);
+  const float q0 = Fp8Mul(xk, v.y);
+  const float q = Fp8Fma(Fp8Fma(-q0, v.d_k, xk), v.y, q0);
+  // x's sign (d > 0): a zero sum of a tiny -x is +0 otherwise.
+  return Fp8FloatOf((Fp8BitsOf(q) & 0x7FFFFFFFu) |
+                    (Fp8BitsOf(x) & 0x80000000u));
 }
 
 // The integer m * 2^-shift rounded to nearest, ties to even (shift >= 1).

@@ -267,10 +267,20 @@ def time_big():
         ref, t_torch = timed(lambda: fp8.quantized_receipt(q, sent, ops), 3)
         fp8_gpu._plans.clear()
         _, t_plan = timed(lambda: fp8_gpu.quantized_receipt_gpu(q, sent), 1)
+        # The general kernel alone (WEIGHTSYNC_FP8_TILE=0), for the record.
+        os.environ["WEIGHTSYNC_FP8_TILE"] = "0"
+        fp8_gpu._plans.clear()
+        try:
+            gen, t_gen = timed(lambda: fp8_gpu.quantized_receipt_gpu(q, sent), 5)
+        finally:
+            del os.environ["WEIGHTSYNC_FP8_TILE"]
+            fp8_gpu._plans.clear()
         check(name, tri[:3] == ref and not tri[3], f"triton {tri} torch {ref}")
+        check("big weight: tile kernel == general kernel", gen == tri, f"{gen} vs {tri}")
         gbs = rows * cols * 2 / min(t_tri) / 1e9
         print(f"TIME {rows}x{cols} bf16 -> e4m3 128x128 receipt: triton min "
-              f"{min(t_tri) * 1e3:.2f} ms ({gbs:.0f} GB/s of source), with the table built "
+              f"{min(t_tri) * 1e3:.2f} ms ({gbs:.0f} GB/s of source), general kernel only "
+              f"{min(t_gen) * 1e3:.2f} ms, with the table built "
               f"{t_plan[0] * 1e3:.2f} ms, first call {first * 1e3:.0f} ms; torch path min "
               f"{min(t_torch) * 1e3:.1f} ms; speedup x{min(t_torch) / min(t_tri):.1f}",
               flush=True)

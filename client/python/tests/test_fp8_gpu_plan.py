@@ -15,7 +15,7 @@ import numpy as np
 if not os.environ.get("WEIGHTSYNC_TEST_INSTALLED"):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from weightsync import fp8, fp8_gpu  # noqa: E402
+from weightsync import fp8, fp8_gpu, receipts  # noqa: E402
 from weightsync._proto import v1  # noqa: E402
 
 FORMATS = ("FLOAT8_E4M3FN", "FLOAT8_E5M2")
@@ -130,6 +130,73 @@ class PlanTest(unittest.TestCase):
                     self.assertEqual(rest, [])
                     got = (fp8_gpu.emulate(tables, s.memory),) + counts
                     self.assertEqual(got, want, (fmt, rec, src_w, src_qkv))
+
+    def test_split_between_kernels(self):
+        rng = np.random.default_rng(9)
+        for fmt in FORMATS:
+            for src_w, src_qkv in (("BFLOAT16", "FLOAT32"), ("FLOAT16", "BFLOAT16")):
+                s = self.sources(rng, src_w, src_qkv)
+                _, q, _ = fp8.split_layout(layout_of(fmt, True))
+                want = fp8.quantized_receipt(q, s.host)
+                tables, counts, _ = fp8_gpu.plan(q, s.meta)
+                tiles, general = fp8_gpu.split(tables)
+                self.assertEqual((fp8_gpu.emulate(fp8_gpu.unsplit(tiles, general), s.memory),)
+                                 + counts, want, (fmt, src_w, src_qkv))
+                # Every block in one kernel or the other, once.
+                n = sum(b.shape[0] for b, _ in tables.values())
+                self.assertEqual(sum(t.shape[0] for t in tiles.values())
+                                 + sum(b.shape[0] for b, _ in general.values()), n)
+                for (code, e5m2, aligned), t in tiles.items():
+                    self.assertEqual(e5m2, fmt == "FLOAT8_E5M2")
+                    self.assertTrue(((t[:, 2] <= 128) & (t[:, 3] <= 128)).all())
+                    es = 4 if code == 0 else 2
+                    self.assertEqual(bool(aligned), bool(((t[:, 0] % 16 == 0)
+                                                          & (t[:, 1] * es % 16 == 0)).all()))
+                # "w" (300 x 400, 128 x 128): 12 tile blocks, the row-blocks
+                # of "r" (1 x 130) and the two-piece blocks of "odd" general.
+                salt_w = receipts.salt32("w")
+                self.assertEqual(sum(int((t[:, 7] == salt_w).sum()) for t in tiles.values()), 12)
+                self.assertFalse(any((t[:, 7] == receipts.salt32("r")).any()
+                                     for t in tiles.values()))
+                self.assertTrue(any((b[:, 3] == receipts.salt32("r")).any()
+                                    for b, _ in general.values()))
+                # "d" starts one column in: an unaligned tile launch.
+                self.assertTrue(any(not a and (t[:, 7] == receipts.salt32("d")).any()
+                                    for (_, _, a), t in tiles.items()))
+
+    def test_split_keeps_upper_index_halves_apart(self):
+        # A piece whose destination indices cross 2^32 goes to the general
+        # kernel (the tile kernel keys with 32-bit indices).
+        blocks = np.zeros((2, fp8_gpu.BCOLS), np.int64)
+        blocks[:, 0] = [0, 1]
+        blocks[:, 1] = 1
+        blocks[:, 5:10] = fp8._SPEC["FLOAT8_E4M3FN"]
+        pieces = np.zeros((2, fp8_gpu.PCOLS), np.int64)
+        pieces[:, 0] = 1 << 20
+        pieces[:, 1:4] = (1 << 20, 128, 128)
+        pieces[:, 5] = 1 << 20
+        pieces[0, 4] = (1 << 32) - 64          # crosses
+        pieces[1, 4] = (1 << 32) + 5
+        tiles, general = fp8_gpu.split({1: (blocks, pieces)})
+        self.assertEqual([list(r[:5]) for r in general[1][0]], [list(blocks[0, :5])])
+        self.assertEqual(list(tiles[(1, False, True)][:, 4]), [(1 << 32) + 5])
+
+    def test_split_off(self):
+        rng = np.random.default_rng(10)
+        s = self.sources(rng, "BFLOAT16", "BFLOAT16")
+        _, q, _ = fp8.split_layout(layout_of("FLOAT8_E4M3FN", False))
+        tables, _, _ = fp8_gpu.plan(q, s.meta)
+        old = os.environ.get("WEIGHTSYNC_FP8_TILE")
+        os.environ["WEIGHTSYNC_FP8_TILE"] = "0"
+        try:
+            tiles, general = fp8_gpu.split(tables)
+        finally:
+            if old is None:
+                del os.environ["WEIGHTSYNC_FP8_TILE"]
+            else:
+                os.environ["WEIGHTSYNC_FP8_TILE"] = old
+        self.assertEqual(tiles, {})
+        self.assertTrue(all(np.array_equal(general[c][0], tables[c][0]) for c in tables))
 
     def test_partly_sent_and_unsent(self):
         rng = np.random.default_rng(8)

@@ -32,9 +32,19 @@ of the parameter's [rows, cols] grid, overlapping segments, a block fed by
 sources of different dtypes, sources that aren't contiguous float32 /
 bfloat16 / float16 tensors or are shorter than the parameter.
 
-One launch per source dtype (a constexpr), one program per block, two
-passes over the block's pieces (amax, then encodings: the second read of a
-block's 32 KiB comes from cache).
+Blocks of one piece of at most TILE_R x TILE_C elements whose indices
+share their upper 32 bits (every block of a Llama/Qwen linear layer) take
+the tile kernel: one program per block loads it once as a 2-D tile (16-byte
+vectors where the piece's address and row stride allow: a launch of its
+own), reduces the amax, divides (tl.math.div_rn), encodes by the
+hardware's round-to-nearest-even conversion into the format (cvt
+satfinite; NaN and |q| >= FMAX take to_fp8's answers explicitly, as the
+daemon's "cvt" kernel does) and sums the terms with 32-bit keys. One
+launch per (source dtype, format, aligned). The rest take the general
+kernel: one launch per source dtype, one program per block, two passes
+over the block's pieces (amax, then encodings: the second read comes from
+cache), to_fp8's rounding in integer lanes. WEIGHTSYNC_FP8_TILE=0 sends
+every block to the general kernel.
 """
 
 import collections
@@ -47,6 +57,9 @@ from weightsync import fp8, receipts
 
 TILE = 2048
 NUM_WARPS = 4
+TILE_R = TILE_C = 128
+TILE_WARPS = 8
+TCOLS = 10
 _DTYPES = {"FLOAT32": 0, "BFLOAT16": 1, "FLOAT16": 2}
 _ES = {"FLOAT32": 4, "BFLOAT16": 2, "FLOAT16": 2}
 BCOLS, PCOLS = 12, 6
@@ -252,6 +265,70 @@ def emulate(tables, memory):
     return total & 0xFFFFFFFFFFFFFFFF
 
 
+def split(tables, tile_r=TILE_R, tile_c=TILE_C):
+    """`plan`'s tables split between the two kernels: ({(dtype code, e5m2,
+    aligned): tile rows [n, TCOLS]}, {dtype code: (blocks, pieces)} for the
+    general kernel). A tile row: source address, source row stride,
+    rows, cols, destination index, destination row stride (the piece's),
+    then flat scale index, salt32(parameter), salt32(scale parameter),
+    reciprocal (the block's). Tile blocks: one piece of at most tile_r x
+    tile_c whose first and last destination index share their upper 32
+    bits; aligned: the piece's address and row stride in whole 16-byte
+    vectors."""
+    tiles, general = {}, {}
+    code_es = {_DTYPES[k]: v for k, v in _ES.items()}
+    for code, (blocks, pieces) in tables.items():
+        one = blocks[:, 1] == 1
+        pc = pieces[blocks[:, 0]]
+        last = pc[:, 4] + (pc[:, 2] - 1) * pc[:, 5] + pc[:, 3] - 1
+        fast = (one & (pc[:, 2] <= tile_r) & (pc[:, 3] <= tile_c)
+                & ((pc[:, 4] >> 32) == (last >> 32)))
+        if os.environ.get("WEIGHTSYNC_FP8_TILE", "1") == "0":
+            fast[:] = False
+        es = code_es[code]
+        aligned = (pc[:, 0] % 16 == 0) & ((pc[:, 1] * es) % 16 == 0)
+        e5m2 = blocks[:, 5] == fp8._SPEC["FLOAT8_E5M2"][0]
+        for e in (False, True):
+            for a in (False, True):
+                sel = fast & (e5m2 == e) & (aligned == a)
+                if not sel.any():
+                    continue
+                t = np.empty((int(sel.sum()), TCOLS), np.int64)
+                t[:, 0:6] = pc[sel]
+                t[:, 6:9] = blocks[sel][:, 2:5]
+                t[:, 9] = blocks[sel][:, 10]
+                tiles[(code, e, a)] = t
+        if (~fast).any():
+            general[code] = (blocks[~fast], pieces)
+    return tiles, general
+
+
+def unsplit(tiles, general):
+    """`plan`-form tables of `split`'s output (each tile row back as a block
+    of one piece), for `emulate`: what CI checks the split by."""
+    out = {}
+    for code, (blocks, pieces) in general.items():
+        out[code] = [blocks.copy()], [pieces]
+    for (code, e5m2, _), t in sorted(tiles.items()):
+        blocks_l, pieces_l = out.setdefault(code, ([], []))
+        base = sum(p.shape[0] for p in pieces_l)
+        spec = fp8._SPEC["FLOAT8_E5M2" if e5m2 else "FLOAT8_E4M3FN"]
+        b = np.zeros((t.shape[0], BCOLS), np.int64)
+        b[:, 0] = base + np.arange(t.shape[0])
+        b[:, 1] = 1
+        b[:, 2:5] = t[:, 6:9]
+        b[:, 5:10] = spec
+        b[:, 10] = t[:, 9]
+        blocks_l.append(b)
+        pieces_l.append(t[:, 0:6])
+    merged = {}
+    for code, (blocks_l, pieces_l) in out.items():
+        # The general blocks index the whole piece table of their code,
+        # which comes first.
+        merged[code] = (np.concatenate(blocks_l), np.concatenate(pieces_l))
+    return merged
+
+
 # --- Kernel (Triton; the GPU) ----------------------------------------------
 
 def _build():
@@ -386,7 +463,62 @@ def _build():
         acc += tl.where(lane == 0, st.to(tl.int64), 0)
         tl.atomic_add(out, tl.sum(acc, axis=0))
 
-    return _fp8_receipt_kernel
+    @triton.jit
+    def _fp8_tile_kernel(tab, out, SRC: tl.constexpr, RAW: tl.constexpr, E5M2: tl.constexpr,
+                         FMAX_BITS: tl.constexpr, MAX_BITS: tl.constexpr,
+                         NAN_BITS: tl.constexpr, VEC: tl.constexpr, R: tl.constexpr,
+                         C: tl.constexpr):
+        # One block of one piece (split's tile rows), held as an R x C tile.
+        row = tab + tl.program_id(0).to(tl.int64) * 10
+        src = tl.load(row + 0).to(tl.pointer_type(RAW))
+        sstride = tl.load(row + 1)
+        pr = tl.load(row + 2).to(tl.int32)
+        pc = tl.load(row + 3).to(tl.int32)
+        dest = tl.load(row + 4)
+        dstride = tl.load(row + 5)
+        scale_index = tl.load(row + 6)
+        salt = tl.load(row + 7).to(tl.uint32)
+        scale_salt = tl.load(row + 8).to(tl.uint32)
+        rec = tl.load(row + 9)
+        if VEC > 1:   # the launch's pieces start and stride in 16-byte vectors
+            src = tl.multiple_of(src, 16)
+            sstride = tl.multiple_of(sstride, VEC)
+        rr = tl.arange(0, R)[:, None]
+        cc = tl.arange(0, C)[None, :]
+        mask = (rr < pr) & (cc < pc)
+        raw = tl.load(src + rr.to(tl.int64) * sstride + cc, mask=mask, other=0)
+        u = _f32_bits(raw, SRC).to(tl.int32, bitcast=True)
+        a = u & 0x7FFFFFFF
+        am = tl.max(tl.max(tl.where(a < 0x7F800000, a, 0), axis=1), axis=0)
+        fmax = (tl.zeros([1, 1], dtype=tl.int32) + FMAX_BITS).to(tl.float32, bitcast=True)
+        amv = (tl.zeros([1, 1], dtype=tl.int32) + am).to(tl.float32, bitcast=True)
+        d = tl.math.div_rn(amv, fmax)
+        d = tl.where(d == 0.0, 1.0, d)
+        q = tl.math.div_rn(u.to(tl.float32, bitcast=True), d)
+        if E5M2:
+            hw = q.to(tl.float8e5, fp_downcast_rounding="rtne")
+        else:
+            hw = q.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+        hw = hw.to(tl.uint8, bitcast=True).to(tl.int32)
+        sign = (u >> 24) & 0x80
+        aq = q.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        enc = tl.where(a > 0x7F800000, sign | NAN_BITS,
+                       tl.where(aq >= FMAX_BITS, sign | MAX_BITS, hw))
+        # Keys of 32 bits: the piece's indices share their upper half.
+        hi = (dest >> 32).to(tl.uint32)
+        rowkey = (salt + hi * 0x85EBCA77
+                  + ((dest & 0xFFFFFFFF).to(tl.uint32)
+                     + rr.to(tl.uint32) * (dstride & 0xFFFFFFFF).to(tl.uint32)) * 0x9E3779B1)
+        key = rowkey + cc.to(tl.uint32) * 0x9E3779B1
+        t = _term(enc.to(tl.uint32), key)
+        acc = tl.sum(tl.sum(tl.where(mask, t.to(tl.int64), 0), axis=1), axis=0)
+        one = tl.zeros([1, 1], dtype=tl.float32) + 1.0
+        stored = tl.where(rec != 0, tl.math.div_rn(one, d), d)
+        sidx = tl.zeros([1, 1], dtype=tl.int64) + scale_index
+        st = _term(stored.to(tl.uint32, bitcast=True), _key(sidx, scale_salt))
+        tl.atomic_add(out, acc + tl.sum(tl.sum(st.to(tl.int64), axis=1), axis=0))
+
+    return _fp8_receipt_kernel, _fp8_tile_kernel
 
 
 def _meta(sent, names):
@@ -415,8 +547,11 @@ def _device_plan(quantized, sent):
             return got[1]
     device = sent[names[0]][2].device
     tables, counts, rest = plan(quantized, _meta(sent, names))
-    launches = [(code, torch.from_numpy(b).to(device), torch.from_numpy(pc).to(device))
-                for code, (b, pc) in sorted(tables.items())]
+    tiles, general = split(tables)
+    launches = [(code, None, torch.from_numpy(b).to(device), torch.from_numpy(pc).to(device))
+                for code, (b, pc) in sorted(general.items())]
+    launches += [(code, (e5m2, aligned), torch.from_numpy(t).to(device), None)
+                 for (code, e5m2, aligned), t in sorted(tiles.items())]
     value = (device, launches, counts, rest)
     with _lock:
         _plans[key] = (quantized, value)   # the parameters held: their ids are in the key
@@ -441,8 +576,18 @@ def quantized_receipt_gpu(quantized, sent):
     device, launches, (params, nbytes), rest = _device_plan(list(quantized), sent)
     out = torch.zeros(1, dtype=torch.int64, device=device)
     raw = {0: tl.uint32, 1: tl.uint16, 2: tl.uint16}
-    for code, blocks, pieces in launches:
-        _kernel[(blocks.shape[0],)](blocks, pieces, out, SRC=code, RAW=raw[code], TILE=TILE,
-                                    num_warps=NUM_WARPS)
+    general, tile = _kernel
+    for code, tile_of, blocks, pieces in launches:
+        if tile_of is None:
+            general[(blocks.shape[0],)](blocks, pieces, out, SRC=code, RAW=raw[code],
+                                        TILE=TILE, num_warps=NUM_WARPS)
+        else:
+            e5m2, aligned = tile_of
+            _, _, max_bits, nan_bits, fmax_bits = fp8._SPEC[
+                "FLOAT8_E5M2" if e5m2 else "FLOAT8_E4M3FN"]
+            tile[(blocks.shape[0],)](blocks, out, SRC=code, RAW=raw[code], E5M2=e5m2,
+                                     FMAX_BITS=fmax_bits, MAX_BITS=max_bits, NAN_BITS=nan_bits,
+                                     VEC=(4 if code == 0 else 8) if aligned else 1,
+                                     R=TILE_R, C=TILE_C, num_warps=TILE_WARPS)
     total = int(out.item()) & 0xFFFFFFFFFFFFFFFF
     return total, params, nbytes, rest

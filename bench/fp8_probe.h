@@ -1,0 +1,29 @@
+// Probe kernels for gpu_kernels_bench's fp8 section: where the direct FP8
+// kernel's time goes (bench/fp8_probe.cu). Not the product's kernels: they
+// handle only what the bench feeds them (bfloat16 sources, blocks of
+// whole aligned 16-byte vectors held in registers) and exist to measure
+// what loading ahead and a cheaper division would buy.
+#ifndef WEIGHTSYNC_BENCH_FP8_PROBE_H_
+#define WEIGHTSYNC_BENCH_FP8_PROBE_H_
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backends/cuda/fp8_math.h"
+
+namespace weightsync {
+namespace bench {
+
+// variant: bit 0 loads the thread block's next FP8 block before working on
+// the current one; bit 1 divides by a Markstein step (x * r, one residual
+// FMA, one correcting FMA; r = 1 / d rounded, once per block) instead of
+// __fdiv_rn; bit 2 multiplies by r only (no correction: a lower bound on
+// the division's cost, not exact). threads: 256 or 512.
+cudaError_t Fp8Probe(int variant, int threads, const cuda::DirectJob* jobs,
+                     int n, int64_t total_blocks, cudaStream_t stream);
+
+}  // namespace bench
+}  // namespace weightsync
+
+#endif  // WEIGHTSYNC_BENCH_FP8_PROBE_H_
