@@ -58,7 +58,9 @@ from weightsync import fp8, receipts
 TILE = 2048
 NUM_WARPS = 4
 TILE_R = TILE_C = 128
+TILE_RB = 128      # rows per step (TILE_R: the block held at once)
 TILE_WARPS = 8
+TILE_FAST_DIV = True   # Fp8Divider for bfloat16 / float16 sources
 TCOLS = 10
 _DTYPES = {"FLOAT32": 0, "BFLOAT16": 1, "FLOAT16": 2}
 _ES = {"FLOAT32": 4, "BFLOAT16": 2, "FLOAT16": 2}
@@ -464,11 +466,58 @@ def _build():
         tl.atomic_add(out, tl.sum(acc, axis=0))
 
     @triton.jit
+    def _tile_quotient(x, d, FAST_DIV: tl.constexpr):
+        # x / d rounded to nearest even: fp8_math.h's Fp8Divider (checked
+        # for every bfloat16 / float16 x and scale by fp8_divide_test) where
+        # FAST_DIV (such sources) and d is normal and <= 2^100, else div_rn.
+        if FAST_DIV:
+            dbits = d.to(tl.int32, bitcast=True)
+            e = (dbits >> 23) & 0xFF
+            e_s = tl.max(tl.max(e, axis=1), axis=0)
+            if (e_s != 0) & (e_s <= 227):
+                scale = ((254 - e) << 23).to(tl.float32, bitcast=True)
+                d_k = ((dbits & -0x7F800001) | (127 << 23)).to(tl.float32, bitcast=True)
+                y = tl.broadcast_to(tl.math.div_rn(d_k * 0.0 + 1.0, d_k), x.shape)
+                xk = x * scale
+                q0 = xk * y
+                q = tl.fma(tl.fma(-q0, tl.broadcast_to(d_k, x.shape), xk), y, q0)
+                qb = ((q.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+                      | (x.to(tl.int32, bitcast=True) & -0x80000000))
+                q = qb.to(tl.float32, bitcast=True)
+            else:
+                q = tl.math.div_rn(x, d)
+        else:
+            q = tl.math.div_rn(x, d)
+        return q
+
+    @triton.jit
+    def _tile_terms(u, a, mask, d, rows, cc, dest_lo, dstride_lo, salt_hi,
+                    FMAX_BITS: tl.constexpr, MAX_BITS: tl.constexpr,
+                    NAN_BITS: tl.constexpr, E5M2: tl.constexpr, FAST_DIV: tl.constexpr):
+        # The summed receipt terms of one [rows, cols] tile's FP8 bytes.
+        q = _tile_quotient(u.to(tl.float32, bitcast=True), d, FAST_DIV)
+        if E5M2:
+            hw = q.to(tl.float8e5, fp_downcast_rounding="rtne")
+        else:
+            hw = q.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+        hw = hw.to(tl.uint8, bitcast=True).to(tl.int32)
+        sign = (u >> 24) & 0x80
+        aq = q.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        enc = tl.where(a > 0x7F800000, sign | NAN_BITS,
+                       tl.where(aq >= FMAX_BITS, sign | MAX_BITS, hw))
+        rowkey = salt_hi + (dest_lo + rows.to(tl.uint32) * dstride_lo) * 0x9E3779B1
+        key = rowkey + cc.to(tl.uint32) * 0x9E3779B1
+        t = _term(enc.to(tl.uint32), key)
+        return tl.sum(tl.sum(tl.where(mask, t.to(tl.int64), 0), axis=1), axis=0)
+
+    @triton.jit
     def _fp8_tile_kernel(tab, out, SRC: tl.constexpr, RAW: tl.constexpr, E5M2: tl.constexpr,
                          FMAX_BITS: tl.constexpr, MAX_BITS: tl.constexpr,
                          NAN_BITS: tl.constexpr, VEC: tl.constexpr, R: tl.constexpr,
-                         C: tl.constexpr):
-        # One block of one piece (split's tile rows), held as an R x C tile.
+                         C: tl.constexpr, RB: tl.constexpr, FAST_DIV: tl.constexpr):
+        # One block of one piece (split's tile rows): held as one R x C tile
+        # (RB == R), or read in RB-row steps twice (amax, then the terms;
+        # the second read comes from cache).
         row = tab + tl.program_id(0).to(tl.int64) * 10
         src = tl.load(row + 0).to(tl.pointer_type(RAW))
         sstride = tl.load(row + 1)
@@ -483,35 +532,44 @@ def _build():
         if VEC > 1:   # the launch's pieces start and stride in 16-byte vectors
             src = tl.multiple_of(src, 16)
             sstride = tl.multiple_of(sstride, VEC)
-        rr = tl.arange(0, R)[:, None]
-        cc = tl.arange(0, C)[None, :]
-        mask = (rr < pr) & (cc < pc)
-        raw = tl.load(src + rr.to(tl.int64) * sstride + cc, mask=mask, other=0)
-        u = _f32_bits(raw, SRC).to(tl.int32, bitcast=True)
-        a = u & 0x7FFFFFFF
-        am = tl.max(tl.max(tl.where(a < 0x7F800000, a, 0), axis=1), axis=0)
-        fmax = (tl.zeros([1, 1], dtype=tl.int32) + FMAX_BITS).to(tl.float32, bitcast=True)
-        amv = (tl.zeros([1, 1], dtype=tl.int32) + am).to(tl.float32, bitcast=True)
-        d = tl.math.div_rn(amv, fmax)
-        d = tl.where(d == 0.0, 1.0, d)
-        q = tl.math.div_rn(u.to(tl.float32, bitcast=True), d)
-        if E5M2:
-            hw = q.to(tl.float8e5, fp_downcast_rounding="rtne")
-        else:
-            hw = q.to(tl.float8e4nv, fp_downcast_rounding="rtne")
-        hw = hw.to(tl.uint8, bitcast=True).to(tl.int32)
-        sign = (u >> 24) & 0x80
-        aq = q.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        enc = tl.where(a > 0x7F800000, sign | NAN_BITS,
-                       tl.where(aq >= FMAX_BITS, sign | MAX_BITS, hw))
         # Keys of 32 bits: the piece's indices share their upper half.
-        hi = (dest >> 32).to(tl.uint32)
-        rowkey = (salt + hi * 0x85EBCA77
-                  + ((dest & 0xFFFFFFFF).to(tl.uint32)
-                     + rr.to(tl.uint32) * (dstride & 0xFFFFFFFF).to(tl.uint32)) * 0x9E3779B1)
-        key = rowkey + cc.to(tl.uint32) * 0x9E3779B1
-        t = _term(enc.to(tl.uint32), key)
-        acc = tl.sum(tl.sum(tl.where(mask, t.to(tl.int64), 0), axis=1), axis=0)
+        salt_hi = salt + (dest >> 32).to(tl.uint32) * 0x85EBCA77
+        dest_lo = (dest & 0xFFFFFFFF).to(tl.uint32)
+        dstride_lo = (dstride & 0xFFFFFFFF).to(tl.uint32)
+        cc = tl.arange(0, C)[None, :]
+        fmax = (tl.zeros([1, 1], dtype=tl.int32) + FMAX_BITS).to(tl.float32, bitcast=True)
+        if RB == R:
+            rr = tl.arange(0, R)[:, None]
+            mask = (rr < pr) & (cc < pc)
+            raw = tl.load(src + rr.to(tl.int64) * sstride + cc, mask=mask, other=0)
+            u = _f32_bits(raw, SRC).to(tl.int32, bitcast=True)
+            a = u & 0x7FFFFFFF
+            am = tl.max(tl.max(tl.where(a < 0x7F800000, a, 0), axis=1), axis=0)
+            amv = (tl.zeros([1, 1], dtype=tl.int32) + am).to(tl.float32, bitcast=True)
+            d = tl.math.div_rn(amv, fmax)
+            d = tl.where(d == 0.0, 1.0, d)
+            acc = _tile_terms(u, a, mask, d, rr, cc, dest_lo, dstride_lo, salt_hi,
+                              FMAX_BITS, MAX_BITS, NAN_BITS, E5M2, FAST_DIV)
+        else:
+            am = tl.zeros([RB, C], dtype=tl.int32)
+            for r0 in range(0, pr, RB):
+                rr = r0 + tl.arange(0, RB)[:, None]
+                mask = (rr < pr) & (cc < pc)
+                raw = tl.load(src + rr.to(tl.int64) * sstride + cc, mask=mask, other=0)
+                a = _f32_bits(raw, SRC).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+                am = tl.maximum(am, tl.where(a < 0x7F800000, a, 0))
+            amv = (tl.zeros([1, 1], dtype=tl.int32)
+                   + tl.max(tl.max(am, axis=1), axis=0)).to(tl.float32, bitcast=True)
+            d = tl.math.div_rn(amv, fmax)
+            d = tl.where(d == 0.0, 1.0, d)
+            acc = tl.sum(tl.zeros([1], dtype=tl.int64), axis=0)
+            for r0 in range(0, pr, RB):
+                rr = r0 + tl.arange(0, RB)[:, None]
+                mask = (rr < pr) & (cc < pc)
+                raw = tl.load(src + rr.to(tl.int64) * sstride + cc, mask=mask, other=0)
+                u = _f32_bits(raw, SRC).to(tl.int32, bitcast=True)
+                acc += _tile_terms(u, u & 0x7FFFFFFF, mask, d, rr, cc, dest_lo, dstride_lo,
+                                   salt_hi, FMAX_BITS, MAX_BITS, NAN_BITS, E5M2, FAST_DIV)
         one = tl.zeros([1, 1], dtype=tl.float32) + 1.0
         stored = tl.where(rec != 0, tl.math.div_rn(one, d), d)
         sidx = tl.zeros([1, 1], dtype=tl.int64) + scale_index
@@ -588,6 +646,8 @@ def quantized_receipt_gpu(quantized, sent):
             tile[(blocks.shape[0],)](blocks, out, SRC=code, RAW=raw[code], E5M2=e5m2,
                                      FMAX_BITS=fmax_bits, MAX_BITS=max_bits, NAN_BITS=nan_bits,
                                      VEC=(4 if code == 0 else 8) if aligned else 1,
-                                     R=TILE_R, C=TILE_C, num_warps=TILE_WARPS)
+                                     R=TILE_R, C=TILE_C, RB=TILE_RB,
+                                     FAST_DIV=TILE_FAST_DIV and code != 0,
+                                     num_warps=TILE_WARPS)
     total = int(out.item()) & 0xFFFFFFFFFFFFFFFF
     return total, params, nbytes, rest
