@@ -214,9 +214,13 @@ WS_FP8_HD uint32_t VecEncode2(float q0, float q1, const Fp8Format& f,
 }
 
 // Vector v's FP8 bytes at q (a block of scale d): one 8- or 4-byte store.
-template <int kDtype, bool kCvt>
+// kReceipt: their terms added to *sum, the first byte at offset `at` of
+// the job's rectangle (job.receipt).
+template <int kDtype, bool kCvt, bool kReceipt = false>
 WS_FP8_HD void VecWrite(uint8_t* q, const Fp8Raw16& v, float d,
-                        const Fp8Format& f, bool e5m2) {
+                        const Fp8Format& f, bool e5m2,
+                        const DirectReceipt* rc = nullptr, int64_t at = 0,
+                        uint64_t* sum = nullptr) {
   constexpr int kN = VecElems<kDtype>();
   uint32_t out[kN / 4];
   WS_FP8_UNROLL
@@ -242,6 +246,12 @@ WS_FP8_HD void VecWrite(uint8_t* q, const Fp8Raw16& v, float d,
 #else
   memcpy(q, out, kN);
 #endif
+  if constexpr (kReceipt) {
+    WS_FP8_UNROLL
+    for (int e = 0; e < kN; ++e) {
+      *sum += DirectQTerm(*rc, at + e, (out[e / 4] >> (8 * (e % 4))) & 0xFFu);
+    }
+  }
 }
 
 // Whether block b's vectors fit `threads` x kPer registers.
@@ -271,22 +281,22 @@ WS_FP8_HD float VecLoadPart(const DirectJob& job, int64_t b, uint32_t t,
 }
 
 // Held blocks: thread t's FP8 vectors of block b from v, in a block of
-// amax `amax`; thread 0 also writes the scale.
-template <int kDtype, int kPer, bool kCvt>
+// amax `amax`; thread 0 also writes the scale. kReceipt: the terms of what
+// the thread stores added to *sum (job.receipt).
+template <int kDtype, int kPer, bool kCvt, bool kReceipt = false>
 WS_FP8_HD void VecWritePart(const DirectJob& job, int64_t b, uint32_t t,
                             uint32_t threads, float amax,
-                            const Fp8Raw16 (&v)[kPer]) {
+                            const Fp8Raw16 (&v)[kPer],
+                            uint64_t* sum = nullptr) {
   VecWalk k = VecWalkOf<kDtype>(job, b, t, threads);
   const Fp8Format f = Fp8FormatOf(job.out.e5m2);
   const float d = Fp8DequantScale(amax, f);
-  if (t == 0) {
-    Fp8StoreScale(job.out.scale + 4 * (k.i * job.out.scale_stride + k.j),
-                  Fp8StoredScale(d, job.out.reciprocal));
-  }
+  if (t == 0) DirectStoreScale<kReceipt>(job, k.i, k.j, d, sum);
   WS_FP8_UNROLL
   for (int s = 0; s < kPer; ++s) {
     if (k.r < k.h) {
-      VecWrite<kDtype, kCvt>(job.out.q + k.q, v[s], d, f, job.out.e5m2);
+      VecWrite<kDtype, kCvt, kReceipt>(job.out.q + k.q, v[s], d, f,
+                                       job.out.e5m2, &job.receipt, k.q, sum);
     }
     VecNext<kDtype>(&k);
   }
@@ -306,19 +316,19 @@ WS_FP8_HD float VecAmaxStream(const DirectJob& job, int64_t b, uint32_t t,
 }
 
 // ... and its FP8 vectors, read again; thread 0 also writes the scale.
-template <int kDtype, bool kCvt>
+// kReceipt: as VecWritePart.
+template <int kDtype, bool kCvt, bool kReceipt = false>
 WS_FP8_HD void VecWriteStream(const DirectJob& job, int64_t b, uint32_t t,
-                              uint32_t threads, float amax) {
+                              uint32_t threads, float amax,
+                              uint64_t* sum = nullptr) {
   const Fp8Format f = Fp8FormatOf(job.out.e5m2);
   const float d = Fp8DequantScale(amax, f);
   VecWalk k = VecWalkOf<kDtype>(job, b, t, threads);
-  if (t == 0) {
-    Fp8StoreScale(job.out.scale + 4 * (k.i * job.out.scale_stride + k.j),
-                  Fp8StoredScale(d, job.out.reciprocal));
-  }
+  if (t == 0) DirectStoreScale<kReceipt>(job, k.i, k.j, d, sum);
   for (; k.r < k.h; VecNext<kDtype>(&k)) {
-    VecWrite<kDtype, kCvt>(job.out.q + k.q, VecLoad(job.src + k.src), d, f,
-                           job.out.e5m2);
+    VecWrite<kDtype, kCvt, kReceipt>(job.out.q + k.q, VecLoad(job.src + k.src),
+                                     d, f, job.out.e5m2, &job.receipt, k.q,
+                                     sum);
   }
 }
 

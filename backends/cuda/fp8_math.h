@@ -19,6 +19,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "backends/cuda/kernel_math.h"  // the receipt's KeyOf, TermOf
+
 #if defined(__CUDACC__)
 #define WS_FP8_HD __host__ __device__ __forceinline__
 #else
@@ -348,13 +350,47 @@ WS_FP8_HD float Fp8LoadSource(const uint8_t* src, int64_t i) {
 // the rectangle at src + (r * src_stride + c) * size of src_dtype; `out`
 // as QuantJob (its x and x_stride unused). In a batch, first_block is the
 // number of blocks of the jobs before it.
+//
+// Optional, the job's receipt (docs/protocol.md, "Receipts"): where
+// receipt.out is set, the kernel adds to *out (mod 2^64, atomicAdd) the
+// ElementTerm of every FP8 byte and every scale it stores, as it stores
+// them, so the receipt of an FP8 target costs no second pass over engine
+// memory (GpuWorker fuses it: fused_receipts.h). FP8 element (r, c) of the
+// rectangle is element q_first + r * out.q_stride + c of the weight salted
+// q_salt; the scale of block (i, j) element scale_first + i *
+// out.scale_stride + j of the scale parameter salted scale_salt (salts:
+// Salt32 of ParameterSalt). The receipt keys an element on its place in
+// its parameter, so the index's row strides are the job's own.
+struct DirectReceipt {
+  unsigned long long* out;  // device memory; nullptr: no receipt
+  uint32_t q_salt, scale_salt;
+  uint64_t q_first, scale_first;
+};
+
 struct DirectJob {
   const uint8_t* src;
   int64_t src_stride;  // elements
   int32_t src_dtype;   // kFp8SrcFloat32, kFp8SrcBfloat16 or kFp8SrcFloat16
   QuantJob out;
   int64_t first_block;
+  DirectReceipt receipt;
 };
+
+// The receipt term of FP8 byte `q` at offset `at` (r * out.q_stride + c)
+// of the job's rectangle ...
+WS_FP8_HD uint32_t DirectQTerm(const DirectReceipt& rc, int64_t at,
+                               uint32_t q) {
+  return TermOf(KeyOf(rc.q_salt, rc.q_first + static_cast<uint64_t>(at)), q);
+}
+
+// ... and of the stored scale `v` of block (i, j).
+WS_FP8_HD uint32_t DirectScaleTerm(const DirectJob& job, int64_t i, int64_t j,
+                                   float v) {
+  return TermOf(KeyOf(job.receipt.scale_salt,
+                      job.receipt.scale_first +
+                          static_cast<uint64_t>(i * job.out.scale_stride + j)),
+                Fp8BitsOf(v));
+}
 
 // The job of block g of a batch of n jobs (first_block ascending from 0,
 // every g below the last job's end): the last job whose first_block <= g.
@@ -448,26 +484,35 @@ WS_FP8_HD float DirectLoadPart(const DirectJob& job, int64_t b, uint32_t t,
   return amax;
 }
 
-// Block b's scale (thread 0 writes it).
-WS_FP8_HD void DirectStoreScale(const DirectJob& job, const DirectWalk& k,
-                                float d) {
-  Fp8StoreScale(job.out.scale + 4 * (k.i * job.out.scale_stride + k.j),
-                Fp8StoredScale(d, job.out.reciprocal));
+// The scale of block (i, j) (thread 0 writes it); kReceipt: its term
+// added to *sum.
+template <bool kReceipt = false>
+WS_FP8_HD void DirectStoreScale(const DirectJob& job, int64_t i, int64_t j,
+                                float d, uint64_t* sum = nullptr) {
+  const float v = Fp8StoredScale(d, job.out.reciprocal);
+  Fp8StoreScale(job.out.scale + 4 * (i * job.out.scale_stride + j), v);
+  if constexpr (kReceipt) *sum += DirectScaleTerm(job, i, j, v);
 }
 
 // Held blocks: thread t's FP8 elements of block b from v (DirectLoadPart's),
-// in a block of amax `amax`; thread 0 also writes the scale.
-template <int kPer>
+// in a block of amax `amax`; thread 0 also writes the scale. kReceipt: the
+// terms of what the thread stores added to *sum (job.receipt).
+template <int kPer, bool kReceipt = false>
 WS_FP8_HD void DirectWritePart(const DirectJob& job, int64_t b, uint32_t t,
                                uint32_t threads, float amax,
-                               const float (&v)[kPer]) {
+                               const float (&v)[kPer],
+                               uint64_t* sum = nullptr) {
   DirectWalk k = DirectWalkOf(job, b, t, threads);
   const Fp8Format f = Fp8FormatOf(job.out.e5m2);
   const float d = Fp8DequantScale(amax, f);
-  if (t == 0) DirectStoreScale(job, k, d);
+  if (t == 0) DirectStoreScale<kReceipt>(job, k.i, k.j, d, sum);
   WS_FP8_UNROLL
   for (int e = 0; e < kPer; ++e) {
-    if (k.r < k.h) job.out.q[k.q] = Fp8QuantizeElement(v[e], d, f);
+    if (k.r < k.h) {
+      const uint8_t q = Fp8QuantizeElement(v[e], d, f);
+      job.out.q[k.q] = q;
+      if constexpr (kReceipt) *sum += DirectQTerm(job.receipt, k.q, q);
+    }
     DirectNext(job, &k);
   }
 }
@@ -486,16 +531,20 @@ WS_FP8_HD float DirectAmaxStream(const DirectJob& job, int64_t b, uint32_t t,
 }
 
 // ... and its FP8 elements, read again; thread 0 also writes the scale.
-template <int kDtype>
+// kReceipt: as DirectWritePart.
+template <int kDtype, bool kReceipt = false>
 WS_FP8_HD void DirectWriteStream(const DirectJob& job, int64_t b, uint32_t t,
-                                 uint32_t threads, float amax) {
+                                 uint32_t threads, float amax,
+                                 uint64_t* sum = nullptr) {
   const Fp8Format f = Fp8FormatOf(job.out.e5m2);
   const float d = Fp8DequantScale(amax, f);
   DirectWalk k = DirectWalkOf(job, b, t, threads);
-  if (t == 0) DirectStoreScale(job, k, d);
+  if (t == 0) DirectStoreScale<kReceipt>(job, k.i, k.j, d, sum);
   for (; k.r < k.h; DirectNext(job, &k)) {
-    job.out.q[k.q] =
+    const uint8_t q =
         Fp8QuantizeElement(Fp8LoadSource<kDtype>(job.src, k.src), d, f);
+    job.out.q[k.q] = q;
+    if constexpr (kReceipt) *sum += DirectQTerm(job.receipt, k.q, q);
   }
 }
 

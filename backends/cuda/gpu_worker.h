@@ -31,6 +31,7 @@
 #include "absl/time/time.h"
 #include "backends/cuda/cuda_status.h"
 #include "backends/cuda/fp8_direct_vec.h"
+#include "backends/cuda/fused_receipts.h"
 #include "backends/cuda/kernel_math.h"
 #include "backends/cuda/scatter.h"
 #include "backends/cuda/vmm.h"
@@ -173,13 +174,18 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   // source allocation they name) into the scratch, and flushes that
   // quantise complete rows of blocks into engine memory.
   // `request`: the update's own request (mode, ipc source). Direct quant
-  // steps (held.quant_steps' `direct`) are resolved into one device table
-  // of cuda::DirectJob, one batch per chunk, kept for the next update of
-  // the same held ops and allocation generation (PrepareDirect).
+  // steps (held.quant_steps' `direct`) are resolved into a table of
+  // cuda::DirectJob (direct_jobs_), one batch per chunk, kept for the next
+  // update of the same held ops and allocation generation (PrepareDirect;
+  // a table resolved again makes PrepareReceipts plan again, as the
+  // receipt fields of the jobs follow the receipt tables).
+  // PrepareReceipts then sets or clears the jobs' receipt fields, and
+  // UploadDirect copies the table to the device where it changed.
   absl::Status PrepareQuant(const worker::v1::BeginUpdateRequest& held,
                             const worker::v1::BeginUpdateRequest& request);
   absl::Status PrepareDirect(const worker::v1::BeginUpdateRequest& held,
                              const worker::v1::BeginUpdateRequest& request);
+  absl::Status UploadDirect();
   absl::Status EnqueueChunkQuant(
       const worker::v1::BeginUpdateRequest& held, int64_t k,
       const uint8_t* chunk,
@@ -223,7 +229,10 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   // event.
   // `held`: the ops and regions (a reuse_ops request's held ones);
   // `request`: the update's own request. Where `may_fuse` and every op
-  // allows it, the batches hold copy regions instead (receipts_fused_).
+  // allows it, the batches hold copy regions instead (receipts_fused_),
+  // and the FP8 weights and scales that direct quant jobs write are summed
+  // by the direct kernel (their receipt fields in direct_jobs_). Called
+  // after PrepareQuant, before UploadDirect.
   absl::Status PrepareReceipts(const worker::v1::BeginUpdateRequest& held,
                                const worker::v1::BeginUpdateRequest& request,
                                bool may_fuse);
@@ -234,22 +243,19 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
       const std::vector<cuda::ReceiptRegion>& regions,
       const std::vector<int32_t>& group_of,
       const std::vector<int64_t>& chunk_of, int64_t chunks, int groups);
-  // The copy regions of an IPC update whose receipts are fused with its
-  // copies: every op of `held` (same dtypes) cut at the boundaries of the
-  // resolved receipt `regions` it writes into, each piece keyed on its
-  // destination (salt and element index of the region it lands in) and
-  // summed into its region's group. False (nothing fused: the copies and
-  // then the receipt pass run as usual) where an op converts dtypes, reads
-  // no source the worker knows, or writes outside the regions, or where the
-  // ops do not cover the regions' elements exactly.
+  // The fused receipts of an IPC update (fused_receipts.h): every op of
+  // `held` (same dtypes) cut at the boundaries of the resolved receipt
+  // `regions` it writes into, each piece keyed on its destination and
+  // summed into its region's group; the direct jobs (direct_jobs_) keyed on
+  // the FP8 weights and scales they write. False (nothing fused: the
+  // copies and then the receipt pass run as usual) where an op converts
+  // dtypes or reads no source the worker knows, or PlanFusedReceipts
+  // refuses (a byte outside the regions, regions not covered exactly).
   bool PlanFusedCopies(const worker::v1::BeginUpdateRequest& held,
                        int64_t chunk_bytes,
                        const std::vector<cuda::ReceiptRegion>& regions,
                        const std::vector<int32_t>& group_of,
-                       std::vector<cuda::ReceiptRegion>* copies,
-                       std::vector<int32_t>* copy_group,
-                       std::vector<int64_t>* copy_chunk)
-      ABSL_LOCKS_EXCLUDED(mu_);
+                       cuda::FusedReceiptPlan* plan) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status EnqueueReceiptsAfter(int64_t k);
   absl::Status CopyReceiptsOut();
   absl::Status WaitComm(absl::Time deadline);
@@ -342,16 +348,20 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   uint8_t* quant_scratch_ = nullptr;
   int64_t quant_scratch_bytes_ = 0;
   int quant_next_step_ = 0;
-  // Direct quant steps: the jobs on the device (grown as needed), per chunk
-  // that has some its batch (in chunk order) and the next to launch; the
-  // held ops, allocation generation and packed source they were resolved
-  // for (direct_ops_id_ 0: resolved for one update only).
+  // Direct quant steps: the jobs on the host and on the device (grown as
+  // needed; direct_upload_: the device's copy is stale), per chunk that has
+  // some its batch (in chunk order) and the next to launch; the held ops,
+  // allocation generation and packed source they were resolved for
+  // (direct_ops_id_ 0: resolved for one update only).
   struct DirectBatch {
     int64_t chunk = 0;
     int64_t first = 0;  // index of its first job in direct_dev_
     int count = 0;
     int64_t blocks = 0;
+    bool receipts = false;  // some job of it sums a receipt
   };
+  std::vector<cuda::DirectJob> direct_jobs_;
+  bool direct_upload_ = false;
   uint8_t* direct_dev_ = nullptr;
   int64_t direct_dev_bytes_ = 0;
   std::vector<DirectBatch> direct_batches_;

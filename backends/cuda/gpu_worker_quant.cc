@@ -9,7 +9,9 @@
 // source in GPU memory from the start) quantise a use's rectangle straight
 // from the source: a chunk's direct steps are one QuantizeFp8Direct launch
 // over a table of jobs uploaded at BeginUpdate (kept while the held ops
-// and the open allocations are the same).
+// and the open allocations are the same). Where the update's receipts are
+// fused (PrepareReceipts), the jobs also sum the receipt terms of the FP8
+// weights and scales they write.
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
@@ -34,6 +36,7 @@ absl::Status GpuWorker::PrepareQuant(
   direct_next_batch_ = 0;
   if (held.quant_steps_size() == 0) {
     direct_batches_.clear();
+    direct_jobs_.clear();
     direct_ops_id_ = 0;
     return absl::OkStatus();
   }
@@ -54,10 +57,15 @@ absl::Status GpuWorker::PrepareDirect(
   }
   if (request.reuse_ops() && held.ops_id() != 0 &&
       direct_ops_id_ == held.ops_id() && direct_generation_ == generation) {
-    return absl::OkStatus();  // the table on the device is this update's
+    return absl::OkStatus();  // the table is this update's
   }
   direct_batches_.clear();
+  direct_jobs_.clear();
   direct_ops_id_ = 0;
+  // The jobs' receipt fields are planned against this table, and the
+  // device's copy is stale from here.
+  receipts_ops_id_ = 0;
+  direct_upload_ = true;
   absl::flat_hash_map<int64_t, Allocation> allocs;
   {
     absl::MutexLock lock(&mu_);
@@ -85,7 +93,7 @@ absl::Status GpuWorker::PrepareDirect(
     }
     return base + offset;
   };
-  std::vector<cuda::DirectJob> jobs;
+  std::vector<cuda::DirectJob>& jobs = direct_jobs_;
   for (int i = 0; i < held.quant_steps_size(); ++i) {
     const worker::v1::GpuQuantStep& step = held.quant_steps(i);
     if (!step.has_direct()) continue;
@@ -154,19 +162,32 @@ absl::Status GpuWorker::PrepareDirect(
                                         absl::StrCat(b.blocks) + " blocks");
     }
   }
-  if (jobs.empty()) return absl::OkStatus();
+  if (request.ipc_registered_source() && held.ops_id() != 0) {
+    direct_ops_id_ = held.ops_id();
+    direct_generation_ = generation;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GpuWorker::UploadDirect() {
+  for (DirectBatch& b : direct_batches_) {
+    b.receipts = false;
+    for (int64_t i = b.first; i < b.first + b.count; ++i) {
+      b.receipts = b.receipts || direct_jobs_[i].receipt.out != nullptr;
+    }
+  }
+  if (!direct_upload_ || direct_jobs_.empty()) return absl::OkStatus();
   const int64_t bytes = static_cast<int64_t>(sizeof(cuda::DirectJob)) *
-                        static_cast<int64_t>(jobs.size());
+                        static_cast<int64_t>(direct_jobs_.size());
+  WS_CUDA(cudaSetDevice(scatter_device_));
   // An earlier update's launch (one aborted) may still read the table.
   WS_CUDA(cudaStreamSynchronize(scatter_stream_));
   absl::Status grown =
       Grow(&direct_dev_, &direct_dev_bytes_, bytes, /*pinned=*/false);
   if (!grown.ok()) return grown;
-  WS_CUDA(cudaMemcpy(direct_dev_, jobs.data(), bytes, cudaMemcpyHostToDevice));
-  if (request.ipc_registered_source() && held.ops_id() != 0) {
-    direct_ops_id_ = held.ops_id();
-    direct_generation_ = generation;
-  }
+  WS_CUDA(cudaMemcpy(direct_dev_, direct_jobs_.data(), bytes,
+                     cudaMemcpyHostToDevice));
+  direct_upload_ = false;
   return absl::OkStatus();
 }
 
@@ -234,7 +255,7 @@ absl::Status GpuWorker::EnqueueChunkQuant(
     const DirectBatch& b = direct_batches_[direct_next_batch_++];
     WS_CUDA(cuda::QuantizeFp8Direct(
         reinterpret_cast<const cuda::DirectJob*>(direct_dev_) + b.first,
-        b.count, b.blocks, scatter_stream_, fp8_direct_kernel_));
+        b.count, b.blocks, scatter_stream_, fp8_direct_kernel_, b.receipts));
   }
   return absl::OkStatus();
 }

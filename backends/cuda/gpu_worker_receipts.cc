@@ -1,7 +1,10 @@
 // GpuWorker's receipts: summed as an update goes (PrepareReceipts,
 // EnqueueReceiptsAfter, CopyReceiptsOut) or on request (ComputeReceipts),
-// over regions validated against the open allocations.
-#include <algorithm>
+// over regions validated against the open allocations. Fused where the
+// update allows (fused_receipts.h): the copies copy and sum in one pass
+// (ReceiptCopyBatch), the direct quant kernel sums the FP8 weights and
+// scales it writes; anything else falls back to the copies, the quant
+// steps, then a pass that reads back every region (ReceiptSumBatch).
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
@@ -12,53 +15,6 @@
 #include "common/grpc_status.h"
 
 namespace weightsync {
-
-namespace {
-
-// Resolved receipt regions with elements, by address: which one holds a
-// byte (PlanFusedCopies).
-class RegionIndex {
- public:
-  explicit RegionIndex(const std::vector<cuda::ReceiptRegion>& regions)
-      : regions_(regions) {
-    for (size_t i = 0; i < regions.size(); ++i) {
-      if (regions[i].rows > 0 && regions[i].cols > 0) {
-        order_.push_back(i);
-        elements_ += regions[i].rows * regions[i].cols;
-      }
-    }
-    std::sort(order_.begin(), order_.end(), [&](int a, int b) {
-      return regions_[a].base < regions_[b].base;
-    });
-  }
-
-  // Elements of all the regions.
-  int64_t elements() const { return elements_; }
-
-  // The region whose elements hold `p` (a row, not a gap between rows): its
-  // index, the row and the column; -1 if none.
-  int Find(const uint8_t* p, int64_t* row, int64_t* col) const {
-    auto it = std::upper_bound(
-        order_.begin(), order_.end(), p,
-        [&](const uint8_t* x, int i) { return x < regions_[i].base; });
-    if (it == order_.begin()) return -1;
-    const cuda::ReceiptRegion& r = regions_[*(it - 1)];
-    const int64_t off = p - static_cast<const uint8_t*>(r.base);
-    const int64_t stride = r.rows > 1 ? r.row_stride_bytes : r.cols * r.es;
-    *row = off / stride;
-    *col = off % stride;
-    if (*col % r.es != 0 || *row >= r.rows || *col / r.es >= r.cols) return -1;
-    *col /= r.es;
-    return *(it - 1);
-  }
-
- private:
-  const std::vector<cuda::ReceiptRegion>& regions_;
-  std::vector<int> order_;
-  int64_t elements_ = 0;
-};
-
-}  // namespace
 
 absl::Status GpuWorker::PrepareReceipts(
     const worker::v1::BeginUpdateRequest& held,
@@ -75,8 +31,9 @@ absl::Status GpuWorker::PrepareReceipts(
       receipts_ops_id_ == held.ops_id() && receipts_generation_ == generation &&
       receipts_may_fuse_ == may_fuse && receipt_groups_ == rr.groups() &&
       static_cast<int64_t>(receipt_batches_.size()) == chunks) {
-    // The same ops into the same allocations: the tables on the device are
-    // this update's. Only the sums start again.
+    // The same ops into the same allocations: the tables on the device
+    // (and the direct jobs' receipt fields) are this update's. Only the
+    // sums start again.
     WS_CUDA(cudaSetDevice(scatter_device_));
     WS_CUDA(cudaMemsetAsync(receipt_dev_, 0, sizeof(uint64_t) * rr.groups(),
                             scatter_stream_));
@@ -86,6 +43,10 @@ absl::Status GpuWorker::PrepareReceipts(
   receipt_groups_ = 0;
   receipts_fused_ = false;
   receipts_ops_id_ = 0;
+  // No direct job adds into sums of an earlier plan (receipts off, not
+  // fused, or receipt_dev_ moved): fields cleared, set again below.
+  for (cuda::DirectJob& job : direct_jobs_) job.receipt = cuda::DirectReceipt{};
+  direct_upload_ = direct_upload_ || !direct_jobs_.empty();
   if (rr.groups() == 0) return absl::OkStatus();
   if (held.receipt_after_chunk_size() != rr.regions_size()) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -98,20 +59,27 @@ absl::Status GpuWorker::PrepareReceipts(
   if (!s.ok()) return s;
   std::vector<int64_t> chunk_of(held.receipt_after_chunk().begin(),
                                 held.receipt_after_chunk().end());
-  std::vector<cuda::ReceiptRegion> copies;
-  std::vector<int32_t> copy_group;
-  std::vector<int64_t> copy_chunk;
+  cuda::FusedReceiptPlan fused;
   if (may_fuse &&
-      PlanFusedCopies(held, request.chunk_bytes(), regions, group_of, &copies,
-                      &copy_group, &copy_chunk)) {
-    regions.swap(copies);
-    group_of.swap(copy_group);
-    chunk_of.swap(copy_chunk);
+      PlanFusedCopies(held, request.chunk_bytes(), regions, group_of, &fused)) {
+    regions.swap(fused.copies);
+    group_of.swap(fused.copy_group);
+    chunk_of.swap(fused.copy_chunk);
     receipts_fused_ = true;
   }
   absl::Status uploaded =
       UploadReceiptBatches(regions, group_of, chunk_of, chunks, rr.groups());
   if (!uploaded.ok()) return uploaded;
+  if (receipts_fused_) {
+    // The direct jobs add into their group's sum (receipt_dev_ starts with
+    // the sums; UploadReceiptBatches sized it).
+    auto* sums = reinterpret_cast<unsigned long long*>(receipt_dev_);
+    for (size_t i = 0; i < direct_jobs_.size(); ++i) {
+      if (fused.direct_group[i] < 0) continue;
+      direct_jobs_[i].receipt = fused.direct[i];
+      direct_jobs_[i].receipt.out = sums + fused.direct_group[i];
+    }
+  }
   receipt_groups_ = rr.groups();
   if (held.ops_id() != 0) {
     receipts_ops_id_ = held.ops_id();
@@ -177,78 +145,34 @@ bool GpuWorker::PlanFusedCopies(const worker::v1::BeginUpdateRequest& held,
                                 int64_t chunk_bytes,
                                 const std::vector<cuda::ReceiptRegion>& regions,
                                 const std::vector<int32_t>& group_of,
-                                std::vector<cuda::ReceiptRegion>* copies,
-                                std::vector<int32_t>* copy_group,
-                                std::vector<int64_t>* copy_chunk) {
-  const RegionIndex index(regions);
-  absl::MutexLock lock(&mu_);
-  int64_t covered = 0;
-  for (const worker::v1::GpuOp& o : held.ops()) {
-    if (o.src_dtype() != o.dst_dtype()) return false;
-    const int64_t es = cuda::DTypeSize(o.dst_dtype());
-    if (o.rows() <= 0 || o.cols() <= 0) continue;
-    auto dst_alloc = allocations_.find(o.allocation_id());
-    if (dst_alloc == allocations_.end()) return false;
-    const uint8_t* src;
-    if (o.src_allocation_id() != 0) {
-      auto it = allocations_.find(o.src_allocation_id());
-      if (it == allocations_.end()) return false;
-      src = it->second.ptr + o.src_offset();
-    } else if (ipc_source_ != nullptr) {
-      src = ipc_source_ + o.chunk() * chunk_bytes + o.src_offset();
-    } else {
-      return false;
-    }
-    uint8_t* dst = dst_alloc->second.ptr + o.dst_offset();
-    for (int64_t r = 0; r < o.rows(); ++r) {
-      // Row r of the op, cut where it leaves a region's row.
-      const uint8_t* from = src + r * o.src_stride();
-      uint8_t* to = dst + r * o.dst_stride();
-      int64_t left = o.cols();
-      while (left > 0) {
-        int64_t row, col;
-        const int i = index.Find(to, &row, &col);
-        if (i < 0 || regions[i].es != es) return false;
-        const cuda::ReceiptRegion& g = regions[i];
-        // Contiguous rows of the region continue into the next one.
-        const bool dense = g.rows == 1 || g.row_stride_bytes == g.cols * es;
-        const int64_t room =
-            dense ? (g.rows - row) * g.cols - col : g.cols - col;
-        const int64_t n = std::min(left, room);
-        // The kernel moves 16-byte vectors: both sides equally misaligned.
-        if ((reinterpret_cast<uintptr_t>(from) -
-             reinterpret_cast<uintptr_t>(to)) %
-                16 !=
-            0) {
-          return false;
-        }
-        cuda::ReceiptRegion c{};
-        c.base = from;
-        c.dst = to;
-        c.rows = 1;
-        c.cols = n;
-        c.row_stride_bytes = n * es;
-        c.dst_row_stride_bytes = n * es;
-        c.es = static_cast<int32_t>(es);
-        c.salt = g.salt;
-        c.first_index = g.first_index +
-                        static_cast<uint64_t>(row) *
-                            static_cast<uint64_t>(g.row_stride_bytes / es) +
-                        static_cast<uint64_t>(col);
-        copies->push_back(c);
-        copy_group->push_back(group_of[i]);
-        copy_chunk->push_back(o.chunk());
-        covered += n;
-        left -= n;
-        from += n * es;
-        to += n * es;
+                                cuda::FusedReceiptPlan* plan) {
+  std::vector<cuda::FusedCopyOp> ops;
+  ops.reserve(held.ops_size());
+  {
+    absl::MutexLock lock(&mu_);
+    for (const worker::v1::GpuOp& o : held.ops()) {
+      if (o.src_dtype() != o.dst_dtype()) return false;
+      if (o.rows() <= 0 || o.cols() <= 0) continue;
+      auto dst_alloc = allocations_.find(o.allocation_id());
+      if (dst_alloc == allocations_.end()) return false;
+      const uint8_t* src;
+      if (o.src_allocation_id() != 0) {
+        auto it = allocations_.find(o.src_allocation_id());
+        if (it == allocations_.end()) return false;
+        src = it->second.ptr + o.src_offset();
+      } else if (ipc_source_ != nullptr) {
+        src = ipc_source_ + o.chunk() * chunk_bytes + o.src_offset();
+      } else {
+        return false;
       }
+      ops.push_back({src, dst_alloc->second.ptr + o.dst_offset(), o.rows(),
+                     o.cols(), o.src_stride(), o.dst_stride(),
+                     static_cast<int32_t>(cuda::DTypeSize(o.dst_dtype())),
+                     o.chunk()});
     }
   }
-  // Every element of the regions written once (the pieces lie inside them;
-  // a plan that wrote one twice and missed another shows as a receipt that
-  // differs from the trainer's).
-  return covered == index.elements();
+  // direct_jobs_: the held ops' direct quant steps (PrepareQuant ran).
+  return cuda::PlanFusedReceipts(regions, group_of, ops, direct_jobs_, plan);
 }
 
 absl::Status GpuWorker::EnqueueReceiptsAfter(int64_t k) {

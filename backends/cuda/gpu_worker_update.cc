@@ -297,13 +297,19 @@ absl::Status GpuWorker::BeginOnOwner(
   s = PrepareSparse(request);
   const absl::Time t_sparse = absl::Now();
   // An IPC update straight from the trainer's memory (no staging, no ring,
-  // no patches) may copy and sum its receipts in one pass.
-  // (FP8 targets are written by quant steps, not ops: never fused.)
-  const bool may_fuse =
-      ipc && !request.staged() && request.ipc_ring_slots() == 0 &&
-      request.sparse_size() == 0 && held.quant_steps_size() == 0;
+  // no patches) may copy and sum its receipts in one pass; its FP8 targets
+  // too where direct quant steps write them all (the direct kernel sums
+  // what it writes). Gathers and flushes (quant scratch) never fuse.
+  bool all_direct = true;
+  for (const worker::v1::GpuQuantStep& q : held.quant_steps()) {
+    all_direct = all_direct && q.has_direct();
+  }
+  const bool may_fuse = ipc && !request.staged() &&
+                        request.ipc_ring_slots() == 0 &&
+                        request.sparse_size() == 0 && all_direct;
   if (s.ok()) s = PrepareQuant(held, request);
   if (s.ok()) s = PrepareReceipts(held, request, may_fuse);
+  if (s.ok()) s = UploadDirect();
   if (!s.ok()) return s;
   VLOG(1) << "begin update (" << request.chunk_sizes_size() << " chunks, "
           << request.ops_size() << " copies, " << request.sparse_size()
@@ -313,7 +319,8 @@ absl::Status GpuWorker::BeginOnOwner(
           << absl::ToDoubleMilliseconds(t_data - t_run) << ", sparse "
           << absl::ToDoubleMilliseconds(t_sparse - t_data) << ", receipts "
           << absl::ToDoubleMilliseconds(absl::Now() - t_sparse)
-          << (receipts_fused_ ? " (fused with the copies)" : "");
+          << (receipts_fused_ ? " (fused with the copies and direct quant)"
+                              : "");
   ended_clean_ = false;
   update_active_ = true;
   update_chunks_ = request.chunk_sizes_size();

@@ -1,7 +1,8 @@
 // The direct quant kernel (quant_kernels.cu, DirectKernel) run on the CPU
 // thread by thread through fp8_math.h's functions, as the kernel runs them:
 // for quant_steps_test, which compares what it writes with the host data
-// plane. Test only.
+// plane, and the receipts summed by jobs that carry one (DirectReceipt;
+// receipt.out a host address here) with the host's receipt. Test only.
 #ifndef WEIGHTSYNC_BACKENDS_CUDA_QUANT_DIRECT_EMULATION_H_
 #define WEIGHTSYNC_BACKENDS_CUDA_QUANT_DIRECT_EMULATION_H_
 
@@ -34,11 +35,22 @@ void DirectBlock(const cuda::DirectJob& job, int64_t b, uint32_t threads) {
     amax = part > amax ? part : amax;
   }
   for (uint32_t t = 0; t < threads; ++t) {
-    if (held) {
-      cuda::DirectWritePart<kPer>(job, b, t, threads, amax, regs(t));
+    // A job with a receipt: each thread's sum, added to *out (the
+    // kernel's warp reduction and atomicAdd: a sum mod 2^64).
+    uint64_t sum = 0;
+    if (job.receipt.out == nullptr) {
+      if (held) {
+        cuda::DirectWritePart<kPer>(job, b, t, threads, amax, regs(t));
+      } else {
+        cuda::DirectWriteStream<kDtype>(job, b, t, threads, amax);
+      }
+    } else if (held) {
+      cuda::DirectWritePart<kPer, true>(job, b, t, threads, amax, regs(t),
+                                        &sum);
     } else {
-      cuda::DirectWriteStream<kDtype>(job, b, t, threads, amax);
+      cuda::DirectWriteStream<kDtype, true>(job, b, t, threads, amax, &sum);
     }
+    if (job.receipt.out != nullptr) *job.receipt.out += sum;
   }
 }
 
@@ -76,12 +88,21 @@ void VecBlock(const cuda::DirectJob& job, int64_t b, uint32_t threads) {
     amax = part > amax ? part : amax;
   }
   for (uint32_t t = 0; t < threads; ++t) {
-    if (held) {
-      cuda::VecWritePart<kDtype, kPer, false>(job, b, t, threads, amax,
-                                              regs(t));
+    uint64_t sum = 0;  // as DirectBlock's
+    if (job.receipt.out == nullptr) {
+      if (held) {
+        cuda::VecWritePart<kDtype, kPer, false>(job, b, t, threads, amax,
+                                                regs(t));
+      } else {
+        cuda::VecWriteStream<kDtype, false>(job, b, t, threads, amax);
+      }
+    } else if (held) {
+      cuda::VecWritePart<kDtype, kPer, false, true>(job, b, t, threads, amax,
+                                                    regs(t), &sum);
     } else {
-      cuda::VecWriteStream<kDtype, false>(job, b, t, threads, amax);
+      cuda::VecWriteStream<kDtype, false, true>(job, b, t, threads, amax, &sum);
     }
+    if (job.receipt.out != nullptr) *job.receipt.out += sum;
   }
 }
 

@@ -57,104 +57,156 @@ __device__ __forceinline__ float DirectBlockMax(float amax, float* warp_max) {
 
 // FP8 block b of `job`: held in registers (read once) where it fits, else
 // read twice; fp8_math.h's functions, as quant_steps_test runs them.
-template <int kDtype, int kThreads = kDirectThreads>
+// kReceipt: the terms of what the thread stores added to *sum.
+template <int kDtype, int kThreads = kDirectThreads, bool kReceipt = false>
 __device__ __forceinline__ void DirectBlock(const DirectJob& job, int64_t b,
-                                            float* warp_max) {
+                                            float* warp_max,
+                                            uint64_t* sum = nullptr) {
   const uint32_t t = threadIdx.x;
   if (DirectHeld(job, b, kThreads, kDirectPerThread)) {
     float v[kDirectPerThread];
     float amax =
         DirectLoadPart<kDtype, kDirectPerThread>(job, b, t, kThreads, v);
     amax = DirectBlockMax<kThreads>(amax, warp_max);
-    DirectWritePart<kDirectPerThread>(job, b, t, kThreads, amax, v);
+    DirectWritePart<kDirectPerThread, kReceipt>(job, b, t, kThreads, amax, v,
+                                                sum);
     return;
   }
   float amax = DirectAmaxStream<kDtype>(job, b, t, kThreads);
   amax = DirectBlockMax<kThreads>(amax, warp_max);
-  DirectWriteStream<kDtype>(job, b, t, kThreads, amax);
+  DirectWriteStream<kDtype, kReceipt>(job, b, t, kThreads, amax, sum);
 }
 
 // The vec and cvt variants (fp8_direct_vec.h): FP8 block b in 16-byte
 // vectors where its layout allows, else DirectBlock's walk with the same
 // kVecThreads threads.
-template <int kDtype, bool kCvt>
+template <int kDtype, bool kCvt, bool kReceipt = false>
 __device__ __forceinline__ void VecBlock(const DirectJob& job, int64_t b,
-                                         float* warp_max) {
+                                         float* warp_max,
+                                         uint64_t* sum = nullptr) {
   const uint32_t t = threadIdx.x;
   int64_t r0, c0, h, w, i, j;
   QuantBlockOf(job.out, b, &r0, &c0, &h, &w, &i, &j);
   if (!VecBlockOk<kDtype>(job, c0, w)) {
-    DirectBlock<kDtype, kVecThreads>(job, b, warp_max);
+    DirectBlock<kDtype, kVecThreads, kReceipt>(job, b, warp_max, sum);
     return;
   }
   if (VecHeld<kDtype>(job, b, kVecThreads, kVecPerThread)) {
     Fp8Raw16 v[kVecPerThread];
     float amax = VecLoadPart<kDtype, kVecPerThread>(job, b, t, kVecThreads, v);
     amax = DirectBlockMax<kVecThreads>(amax, warp_max);
-    VecWritePart<kDtype, kVecPerThread, kCvt>(job, b, t, kVecThreads, amax, v);
+    VecWritePart<kDtype, kVecPerThread, kCvt, kReceipt>(job, b, t, kVecThreads,
+                                                        amax, v, sum);
     return;
   }
   float amax = VecAmaxStream<kDtype>(job, b, t, kVecThreads);
   amax = DirectBlockMax<kVecThreads>(amax, warp_max);
-  VecWriteStream<kDtype, kCvt>(job, b, t, kVecThreads, amax);
+  VecWriteStream<kDtype, kCvt, kReceipt>(job, b, t, kVecThreads, amax, sum);
 }
 
-template <bool kCvt>
-__global__ void __launch_bounds__(kVecThreads)
-    VecKernel(const DirectJob* __restrict__ jobs, int n, int64_t total) {
-  __shared__ float warp_max[kVecThreads / 32];
-  int j = 0;
-  for (int64_t g = blockIdx.x; g < total; g += gridDim.x) {
-    j = DirectJobOf(jobs, n, g, j);
-    const DirectJob job = jobs[j];
-    const int64_t b = g - job.first_block;
-    switch (job.src_dtype) {  // the same for the whole thread block
-      case kFp8SrcFloat32:
-        VecBlock<kFp8SrcFloat32, kCvt>(job, b, warp_max);
-        break;
-      case kFp8SrcBfloat16:
-        VecBlock<kFp8SrcBfloat16, kCvt>(job, b, warp_max);
-        break;
-      case kFp8SrcFloat16:
-        VecBlock<kFp8SrcFloat16, kCvt>(job, b, warp_max);
-        break;
-      default:
-        break;  // refused by the caller
-    }
+// Receipts (DirectJob's receipt): each thread sums the terms of what it
+// stores while the thread block's jobs add to one `out`; where `out`
+// changes (a job of another group) and at the end, the thread block's sums
+// go to it, one atomicAdd a warp. Every thread of the block gets here
+// together (the blocks it takes are the same for all of its threads).
+__device__ __forceinline__ void FlushDirectReceipt(uint64_t sum,
+                                                   unsigned long long* out) {
+  if (out == nullptr) return;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    sum += __shfl_down_sync(0xFFFFFFFFu, sum, o);
+  }
+  if ((threadIdx.x & 31) == 0) {
+    atomicAdd(out, static_cast<unsigned long long>(sum));
+  }
+}
+
+// FP8 block b of `job` by the variant kKernel (0 regs, 1 vec, 2 cvt).
+template <int kKernel, bool kReceipt>
+__device__ __forceinline__ void DirectDispatch(const DirectJob& job, int64_t b,
+                                               float* warp_max, uint64_t* sum) {
+  constexpr bool kCvt = kKernel == 2;
+  switch (job.src_dtype) {  // the same for the whole thread block
+    case kFp8SrcFloat32:
+      if constexpr (kKernel == 0) {
+        DirectBlock<kFp8SrcFloat32, kDirectThreads, kReceipt>(job, b, warp_max,
+                                                              sum);
+      } else {
+        VecBlock<kFp8SrcFloat32, kCvt, kReceipt>(job, b, warp_max, sum);
+      }
+      break;
+    case kFp8SrcBfloat16:
+      if constexpr (kKernel == 0) {
+        DirectBlock<kFp8SrcBfloat16, kDirectThreads, kReceipt>(job, b, warp_max,
+                                                               sum);
+      } else {
+        VecBlock<kFp8SrcBfloat16, kCvt, kReceipt>(job, b, warp_max, sum);
+      }
+      break;
+    case kFp8SrcFloat16:
+      if constexpr (kKernel == 0) {
+        DirectBlock<kFp8SrcFloat16, kDirectThreads, kReceipt>(job, b, warp_max,
+                                                              sum);
+      } else {
+        VecBlock<kFp8SrcFloat16, kCvt, kReceipt>(job, b, warp_max, sum);
+      }
+      break;
+    default:
+      break;  // refused by the caller
   }
 }
 
 // A batch of direct jobs: thread block x takes FP8 blocks x, x + gridDim.x,
 // ... of the batch (the job of each found from the last one's).
-__global__ void __launch_bounds__(kDirectThreads)
-    DirectKernel(const DirectJob* __restrict__ jobs, int n, int64_t total) {
-  __shared__ float warp_max[kDirectThreads / 32];
+// kReceipts (a batch with receipts): jobs with a receipt also sum their
+// terms (FlushDirectReceipt); without, the kernel is what it was before
+// receipts were fused, register for register.
+template <int kKernel, bool kReceipts>
+__device__ __forceinline__ void DirectBatch(const DirectJob* __restrict__ jobs,
+                                            int n, int64_t total,
+                                            float* warp_max) {
   int j = 0;
+  uint64_t sum = 0;
+  unsigned long long* out = nullptr;
   for (int64_t g = blockIdx.x; g < total; g += gridDim.x) {
     j = DirectJobOf(jobs, n, g, j);
     const DirectJob job = jobs[j];
     const int64_t b = g - job.first_block;
-    switch (job.src_dtype) {  // the same for the whole thread block
-      case kFp8SrcFloat32:
-        DirectBlock<kFp8SrcFloat32>(job, b, warp_max);
-        break;
-      case kFp8SrcBfloat16:
-        DirectBlock<kFp8SrcBfloat16>(job, b, warp_max);
-        break;
-      case kFp8SrcFloat16:
-        DirectBlock<kFp8SrcFloat16>(job, b, warp_max);
-        break;
-      default:
-        break;  // refused by the caller
+    if constexpr (kReceipts) {
+      if (job.receipt.out != out) {
+        FlushDirectReceipt(sum, out);
+        sum = 0;
+        out = job.receipt.out;
+      }
+      if (out != nullptr) {
+        DirectDispatch<kKernel, true>(job, b, warp_max, &sum);
+        continue;
+      }
     }
+    DirectDispatch<kKernel, false>(job, b, warp_max, nullptr);
   }
+  if constexpr (kReceipts) FlushDirectReceipt(sum, out);
+}
+
+template <bool kCvt, bool kReceipts>
+__global__ void __launch_bounds__(kVecThreads)
+    VecKernel(const DirectJob* __restrict__ jobs, int n, int64_t total) {
+  __shared__ float warp_max[kVecThreads / 32];
+  DirectBatch<kCvt ? 2 : 1, kReceipts>(jobs, n, total, warp_max);
+}
+
+template <bool kReceipts>
+__global__ void __launch_bounds__(kDirectThreads)
+    DirectKernel(const DirectJob* __restrict__ jobs, int n, int64_t total) {
+  __shared__ float warp_max[kDirectThreads / 32];
+  DirectBatch<0, kReceipts>(jobs, n, total, warp_max);
 }
 
 }  // namespace
 
 cudaError_t QuantizeFp8Direct(const DirectJob* jobs, int n,
                               int64_t total_blocks, cudaStream_t stream,
-                              Fp8DirectKernel kernel) {
+                              Fp8DirectKernel kernel, bool receipts) {
   if (n < 0 || total_blocks < 0 || (total_blocks > 0 && jobs == nullptr)) {
     return cudaErrorInvalidValue;
   }
@@ -162,24 +214,27 @@ cudaError_t QuantizeFp8Direct(const DirectJob* jobs, int n,
   const int k = static_cast<int>(kernel);
   if (k < 0 || k > 2) return cudaErrorInvalidValue;
   using Kernel = void (*)(const DirectJob*, int, int64_t);
-  const Kernel kernels[3] = {DirectKernel, VecKernel<false>, VecKernel<true>};
+  const Kernel kernels[2][3] = {
+      {DirectKernel<false>, VecKernel<false, false>, VecKernel<true, false>},
+      {DirectKernel<true>, VecKernel<false, true>, VecKernel<true, true>}};
   const int threads[3] = {kDirectThreads, kVecThreads, kVecThreads};
+  const int rc = receipts ? 1 : 0;
   // As many thread blocks as run at once (each then loops over blocks).
-  static std::atomic<int> per_sm[3] = {};
-  int resident = per_sm[k].load(std::memory_order_relaxed);
+  static std::atomic<int> per_sm[2][3] = {};
+  int resident = per_sm[rc][k].load(std::memory_order_relaxed);
   if (resident <= 0) {
     cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &resident, kernels[k], threads[k], 0);
+        &resident, kernels[rc][k], threads[k], 0);
     if (err != cudaSuccess) return err;
     if (resident < 1) resident = 1;
-    per_sm[k].store(resident, std::memory_order_relaxed);
+    per_sm[rc][k].store(resident, std::memory_order_relaxed);
   }
   int sms = 0;
   cudaError_t err = MultiprocessorCount(&sms);
   if (err != cudaSuccess) return err;
   int64_t grid = static_cast<int64_t>(sms) * resident;
   if (grid > total_blocks) grid = total_blocks;
-  kernels[k]<<<static_cast<unsigned>(grid), threads[k], 0, stream>>>(
+  kernels[rc][k]<<<static_cast<unsigned>(grid), threads[k], 0, stream>>>(
       jobs, n, total_blocks);
   return cudaGetLastError();
 }

@@ -41,9 +41,16 @@ cudaError_t QuantizeFp8Blocks(const QuantJob& job, cudaStream_t stream);
 // pointers valid (q and scale may be unaligned). cudaErrorInvalidValue,
 // nothing enqueued, for n or total_blocks below 0 or null jobs; n or
 // total_blocks 0 is a no-op.
+//
+// `receipts`: some job's receipt.out is set (fp8_math.h, DirectReceipt):
+// those jobs also add the receipt terms of every FP8 byte and scale they
+// store to *receipt.out (atomicAdd, mod 2^64; the caller zeroes it first
+// and orders its read after the launch). False: the jobs' receipts
+// are ignored: the kernel is the one without receipts at all.
 cudaError_t QuantizeFp8Direct(const DirectJob* jobs, int n,
                               int64_t total_blocks, cudaStream_t stream,
-                              Fp8DirectKernel kernel = Fp8DirectKernel::kRegs);
+                              Fp8DirectKernel kernel = Fp8DirectKernel::kRegs,
+                              bool receipts = false);
 
 }  // namespace cuda
 }  // namespace weightsync

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <random>
 #include <string>
@@ -18,12 +19,16 @@
 
 #include "absl/time/clock.h"
 #include "backends/cuda/fp8_math.h"
+#include "backends/cuda/fused_receipts.h"
 #include "backends/cuda/quant_direct.h"
 #include "backends/cuda/quant_direct_emulation.h"
 #include "backends/host/host_data_plane.h"
+#include "common/checksum.h"
 #include "common/dtype.h"
 #include "daemon/core/copy_plan.h"
 #include "daemon/core/engine_layout.h"
+#include "daemon/core/quant_layout.h"
+#include "daemon/core/receipt.h"
 #include "gtest/gtest.h"
 #include "tests/testing/heap_memory.h"
 #include "tests/testing/layout_builders.h"
@@ -223,6 +228,10 @@ class Worker {
   std::map<int64_t, int64_t> sizes;  // of memory's allocations
   DirectShape shape = DirectShape::kKernel;
   int64_t direct_steps = 0;
+  // Called with each chunk's direct jobs before they run (receipt fields).
+  std::function<void(std::vector<cuda::DirectJob>&)> before_direct;
+  // Called once the update has run (engine memory still there).
+  std::function<void()> after_run;
 
   // Chunk k's direct steps, as one batch.
   void RunDirect(const std::vector<cuda::DirectJob>& jobs) {
@@ -328,9 +337,11 @@ class Worker {
         std::memset(scratch.data() + f.scratch_offset(), 0xFF,
                     f.rows() * f.width() * 4);
       }
+      if (before_direct && !direct.empty()) before_direct(direct);
       RunDirect(direct);
     }
     EXPECT_EQ(step, req.quant_steps_size());
+    if (after_run) after_run();
   }
 };
 
@@ -347,8 +358,13 @@ struct Mode {
   DirectShape shape = DirectShape::kKernel;
 };
 
+// Called by StepsInstall with the engine's layout before the update runs;
+// may set the worker's before_direct.
+using BeforeRun = std::function<void(const EngineLayout&, Worker&)>;
+
 std::string StepsInstall(const Case& c, const Mode& m,
-                         int64_t* direct_steps = nullptr) {
+                         int64_t* direct_steps = nullptr,
+                         const BeforeRun& before_run = nullptr) {
   testing::HeapMapper mapper;
   auto layout = BuildEngineLayout(c.r, mapper);
   EXPECT_TRUE(layout.ok()) << layout.status();
@@ -357,6 +373,7 @@ std::string StepsInstall(const Case& c, const Mode& m,
   uint8_t* engine = (*layout)->regions[0]->data();
   Worker worker;
   worker.shape = m.shape;
+  if (before_run) before_run(**layout, worker);
   worker.memory[kEngineId] = engine;
   worker.sizes[kEngineId] = (*layout)->regions[0]->size();
   // A registered source: tensors alternately in two regions, out of order,
@@ -476,6 +493,165 @@ TEST(QuantStepsTest, DirectStepsInstallWhatTheHostDataPlaneInstalls) {
   }
   // The vec shapes ran blocks both in vectors and by the walk.
   EXPECT_GT(testing::VecBlocksRun(), 0);
+}
+
+// The receipt regions of `engine` for an update of `sources`, as the
+// daemon makes them (worker_client.cc, ReceiptRegionsOf: one per segment
+// fed by a source, one per such segment's scales), resolved to host
+// addresses; the names of their parameters in *names.
+std::vector<cuda::ReceiptRegion> RegionsOf(
+    const EngineLayout& engine, const absl::flat_hash_set<std::string>& sources,
+    std::vector<std::string>* names) {
+  std::vector<cuda::ReceiptRegion> regions;
+  uint8_t* base = engine.regions[0]->data();
+  for (const ParameterLayout& p : engine.parameters) {
+    const int64_t es = ElementSize(p.dtype);
+    for (const SegmentLayout& s : p.segments) {
+      if (!sources.contains(s.source)) continue;
+      cuda::ReceiptRegion g{};
+      g.base = base + p.offset + s.dest_offset * es;
+      g.rows = s.row_count;
+      g.cols = s.col_count;
+      g.row_stride_bytes = s.dest_row_stride * es;
+      g.es = static_cast<int32_t>(es);
+      g.salt = p.salt;
+      g.first_index = static_cast<uint64_t>(s.dest_offset);
+      regions.push_back(g);
+      names->push_back(p.name);
+      if (!p.quant.has_value()) continue;
+      const QuantLayout& q = *p.quant;
+      const ParameterLayout& scale = engine.parameters[q.scale_parameter];
+      const QuantRect r = *SegmentRect(q.cols, s);
+      const int64_t i0 = r.r0 / q.block_rows;
+      const int64_t i1 = (r.r1 + q.block_rows - 1) / q.block_rows;
+      const int64_t j0 = r.c0 / q.block_cols;
+      const int64_t j1 = (r.c1 + q.block_cols - 1) / q.block_cols;
+      const int64_t first = i0 * q.grid_cols + j0;
+      cuda::ReceiptRegion k{};
+      k.base = base + scale.offset + first * 4;
+      k.rows = i1 - i0;
+      k.cols = j1 - j0;
+      k.row_stride_bytes = q.grid_cols * 4;
+      k.es = 4;
+      k.salt = scale.salt;
+      k.first_index = static_cast<uint64_t>(first);
+      regions.push_back(k);
+      names->push_back(scale.name);
+    }
+  }
+  return regions;
+}
+
+// common/checksum.h over the regions.
+uint64_t TermsOf(const std::vector<cuda::ReceiptRegion>& regions) {
+  uint64_t sum = 0;
+  for (const cuda::ReceiptRegion& g : regions) {
+    for (int64_t r = 0; r < g.rows; ++r) {
+      sum +=
+          RunTerms(g.salt, g.first_index + r * (g.row_stride_bytes / g.es),
+                   static_cast<const uint8_t*>(g.base) + r * g.row_stride_bytes,
+                   g.cols, g.es);
+    }
+  }
+  return sum;
+}
+
+// What a fused update's direct kernel sums (DirectReceipt), run thread by
+// thread for each kernel kind: the receipt fields that PlanFusedReceipts
+// (the worker's planning) gives the direct jobs, over the receipt regions
+// of the FP8 weights and scales they write, make the kernel's sum the
+// host's receipt of those regions; the regions themselves sum, with the
+// rest, to ComputeReceipt of the host data plane's install. The FP8
+// targets: fused q/k/v in 32 x 32 blocks (e5m2, reciprocal scales, partial
+// edge blocks), a bf16 weight in 64 x 64 (e4m3, partial edges), per-row
+// scales, two sources side by side, 128 x 128 blocks with partial edges,
+// float32, bfloat16 and float16 sources. A wrong index or salt in a job's
+// fields gives another sum.
+TEST(QuantStepsTest, DirectKernelsSumTheReceiptOfWhatTheyWrite) {
+  const Case c = MakeCase();
+  const absl::flat_hash_set<std::string> sources = {
+      "w", "q", "k", "v", "o_proj", "halves", "big"};
+  for (int64_t chunk_bytes : {768, 1 << 20}) {
+    const std::string want = HostInstall(c, chunk_bytes);
+    uint64_t host_receipt = 0;
+    {
+      testing::HeapMapper mapper;
+      auto layout = BuildEngineLayout(c.r, mapper);
+      ASSERT_TRUE(layout.ok()) << layout.status();
+      std::memcpy((*layout)->regions[0]->data(), want.data(), want.size());
+      auto receipt = ComputeReceipt(**layout, sources);
+      ASSERT_TRUE(receipt.ok()) << receipt.status();
+      host_receipt = receipt->checksum();
+    }
+    for (bool from_source : {false, true}) {
+      for (DirectShape shape :
+           {DirectShape::kKernel, DirectShape::kSmall, DirectShape::kStreaming,
+            DirectShape::kVec, DirectShape::kVecStreaming}) {
+        for (int wrong : {0, 1, 2}) {
+          SCOPED_TRACE(::testing::Message()
+                       << "chunk_bytes " << chunk_bytes
+                       << (from_source ? " from a source" : " packed")
+                       << " shape " << static_cast<int>(shape) << " wrong "
+                       << wrong);
+          Mode m;
+          m.chunk_bytes = chunk_bytes;
+          m.window = int64_t{1} << 20;
+          m.from_source = from_source;
+          m.whole = true;
+          m.shape = shape;
+          uint64_t fused = 0, direct_terms = 0, other_terms = 0;
+          std::vector<cuda::ReceiptRegion> all, direct_regions, other_regions;
+          const BeforeRun before = [&](const EngineLayout& engine,
+                                       Worker& worker) {
+            std::vector<std::string> names;
+            all = RegionsOf(engine, sources, &names);
+            for (size_t i = 0; i < all.size(); ++i) {
+              // part (gathered, then flushed) and w_copy (a copy) are not
+              // the direct kernel's.
+              const bool direct = names[i] != "part" &&
+                                  names[i] != "part_scale" &&
+                                  names[i] != "w_copy";
+              (direct ? direct_regions : other_regions).push_back(all[i]);
+            }
+            worker.before_direct = [&](std::vector<cuda::DirectJob>& jobs) {
+              // The whole engine's regions: part's are nobody's here, so
+              // nothing fuses (the worker falls back).
+              cuda::FusedReceiptPlan plan;
+              std::vector<int32_t> groups(all.size(), 0);
+              EXPECT_FALSE(
+                  cuda::PlanFusedReceipts(all, groups, {}, jobs, &plan));
+              groups.resize(direct_regions.size());
+              ASSERT_TRUE(cuda::PlanFusedReceipts(direct_regions, groups, {},
+                                                  jobs, &plan));
+              for (size_t j = 0; j < jobs.size(); ++j) {
+                ASSERT_EQ(plan.direct_group[j], 0);
+                jobs[j].receipt = plan.direct[j];
+                jobs[j].receipt.out =
+                    reinterpret_cast<unsigned long long*>(&fused);
+              }
+              if (wrong == 1) jobs.back().receipt.q_first += 1;
+              if (wrong == 2) jobs.front().receipt.scale_salt += 1;
+            };
+            // Summed over the bytes just written (the host's, as checked).
+            worker.after_run = [&] {
+              direct_terms = TermsOf(direct_regions);
+              other_terms = TermsOf(other_regions);
+            };
+          };
+          int64_t direct = 0;
+          EXPECT_TRUE(StepsInstall(c, m, &direct, before) == want);
+          EXPECT_EQ(direct, 9);
+          ASSERT_FALSE(direct_regions.empty());
+          if (wrong == 0) {
+            EXPECT_EQ(fused, direct_terms);
+          } else {
+            EXPECT_NE(fused, direct_terms);
+          }
+          EXPECT_EQ(direct_terms + other_terms, host_receipt);
+        }
+      }
+    }
+  }
 }
 
 // A registered source's tensor that starts off an element boundary keeps
