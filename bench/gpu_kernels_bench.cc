@@ -604,6 +604,32 @@ void Fp8(cudaStream_t stream, Timer& timer) {
                              (h == want ? "" : " (DIFFERS from regs)");
     Line(what.c_str(), src_bytes, sec, memcpy_sec);
   }
+  for (bool receipts : {false, true}) {
+    // The lean kernel (the default's kernel for these jobs), without and
+    // with its fused receipt (into outs + 8: every job's sum there).
+    for (cuda::DirectJob& job : jobs) {
+      job.receipt = cuda::DirectReceipt{};
+      if (receipts) {
+        job.receipt.out = reinterpret_cast<unsigned long long*>(outs + 8);
+        job.receipt.q_salt = 7;
+        job.receipt.scale_salt = 9;
+      }
+    }
+    CHECK_CUDA(cudaMemcpy(jobs_dev, jobs.data(),
+                          sizeof(cuda::DirectJob) * jobs.size(),
+                          cudaMemcpyHostToDevice));
+    const double sec = timer.Median([&] {
+      CHECK_CUDA(cuda::QuantizeFp8DirectLean(jd, n, blocks,
+                                             cuda::kFp8SrcBfloat16, stream,
+                                             receipts));
+    });
+    const unsigned long long h = checksum(out);
+    const std::string what =
+        std::string("QuantizeFp8DirectLean") +
+        (receipts ? " + fused receipt" : "") +
+        (h == want ? "" : " (DIFFERS from regs)");
+    Line(what.c_str(), src_bytes, sec, memcpy_sec);
+  }
   const double receipt_sec = timer.Median([&] { checksum(out + 1); });
   Line("receipt pass over the FP8 bytes and scales (+ sync)", q_bytes,
        receipt_sec, memcpy_sec);

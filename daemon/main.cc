@@ -87,12 +87,15 @@ DEFINE_bool(ipc_fused_receipts, true,
             "IPC backend with receipts on: copy and sum each element in one "
             "pass (a kernel) instead of a copy and then a receipt pass that "
             "reads the engines' memory again");
-DEFINE_string(fp8_direct_kernel, "cvt",
+DEFINE_string(fp8_direct_kernel, "lean",
               "GPU backends: the kernel that quantises FP8 targets straight "
-              "from a source in GPU memory: cvt (default; 16-byte vectors, "
-              "2 thread blocks per SM, the hardware's FP8 rounding below "
-              "FMAX), vec (the same, integer rounding) or regs (one "
-              "1024-thread block per SM); each bit-exact on an H100");
+              "from a source in GPU memory: lean (default; jobs of whole "
+              "aligned 16-byte vectors by a kernel of that path alone, "
+              "bf16/fp16 quotients by Markstein's step checked exhaustively; "
+              "the rest by cvt), cvt (16-byte vectors, the hardware's FP8 "
+              "rounding below FMAX), vec (the same, integer rounding) or "
+              "regs (one 1024-thread block per SM); each bit-exact on an "
+              "H100");
 DEFINE_bool(gpu_worker_at_launch, true,
             "Start the GPU worker (process, CUDA context) when the daemon "
             "starts, in the background, rather than at first use: the first "
@@ -240,8 +243,8 @@ int Main() {
     }
   }
   if (FLAGS_fp8_direct_kernel != "regs" && FLAGS_fp8_direct_kernel != "vec" &&
-      FLAGS_fp8_direct_kernel != "cvt") {
-    LOG(ERROR) << "--fp8_direct_kernel must be regs, vec or cvt";
+      FLAGS_fp8_direct_kernel != "cvt" && FLAGS_fp8_direct_kernel != "lean") {
+    LOG(ERROR) << "--fp8_direct_kernel must be lean, regs, vec or cvt";
     return 2;
   }
   if (BuiltWithCuda() && access(worker.c_str(), X_OK) == 0) {

@@ -38,9 +38,9 @@ namespace weightsync {
 namespace cuda {
 
 // --fp8_direct_kernel's values.
-enum class Fp8DirectKernel : int { kRegs = 0, kVec = 1, kCvt = 2 };
+enum class Fp8DirectKernel : int { kRegs = 0, kVec = 1, kCvt = 2, kLean = 3 };
 
-// "regs", "vec" or "cvt"; false for anything else.
+// "regs", "vec", "cvt" or "lean"; false for anything else.
 inline bool ParseFp8DirectKernel(const char* s, Fp8DirectKernel* out) {
   if (strcmp(s, "regs") == 0) {
     *out = Fp8DirectKernel::kRegs;
@@ -48,6 +48,8 @@ inline bool ParseFp8DirectKernel(const char* s, Fp8DirectKernel* out) {
     *out = Fp8DirectKernel::kVec;
   } else if (strcmp(s, "cvt") == 0) {
     *out = Fp8DirectKernel::kCvt;
+  } else if (strcmp(s, "lean") == 0) {
+    *out = Fp8DirectKernel::kLean;
   } else {
     return false;
   }
@@ -216,8 +218,10 @@ WS_FP8_HD uint32_t VecEncode2(float q0, float q1, const Fp8Format& f,
 // Vector v's FP8 bytes at q (a block of scale d): one 8- or 4-byte store.
 // kReceipt: their terms added to *sum, the first byte at offset `at` of
 // the job's rectangle (job.receipt).
-template <int kDtype, bool kCvt, bool kReceipt = false>
-WS_FP8_HD void VecWrite(uint8_t* q, const Fp8Raw16& v, float d,
+// kDivider: x / d by Fp8Quotient (fp8_math.h's Fp8Divider; the lean
+// kernel, bfloat16 and float16 sources only), else Fp8Div.
+template <int kDtype, bool kCvt, bool kReceipt = false, bool kDivider = false>
+WS_FP8_HD void VecWrite(uint8_t* q, const Fp8Raw16& v, const Fp8Divider& dv,
                         const Fp8Format& f, bool e5m2,
                         const DirectReceipt* rc = nullptr, int64_t at = 0,
                         uint64_t* sum = nullptr) {
@@ -229,8 +233,10 @@ WS_FP8_HD void VecWrite(uint8_t* q, const Fp8Raw16& v, float d,
     const float x1 = VecWiden<kDtype>(VecBits<kDtype>(v, 2 * p + 1));
     const bool n0 = (Fp8BitsOf(x0) & 0x7FFFFFFFu) > 0x7F800000u;
     const bool n1 = (Fp8BitsOf(x1) & 0x7FFFFFFFu) > 0x7F800000u;
-    const uint32_t pair = VecEncode2<kCvt>(n0 ? x0 : Fp8Div(x0, d),
-                                           n1 ? x1 : Fp8Div(x1, d), f, e5m2);
+    const float q0 = kDivider ? Fp8Quotient(dv, x0) : Fp8Div(x0, dv.d);
+    const float q1 = kDivider ? Fp8Quotient(dv, x1) : Fp8Div(x1, dv.d);
+    const uint32_t pair =
+        VecEncode2<kCvt>(n0 ? x0 : q0, n1 ? x1 : q1, f, e5m2);
     if (p % 2 == 0) {
       out[p / 2] = pair;
     } else {
@@ -247,9 +253,21 @@ WS_FP8_HD void VecWrite(uint8_t* q, const Fp8Raw16& v, float d,
   memcpy(q, out, kN);
 #endif
   if constexpr (kReceipt) {
-    WS_FP8_UNROLL
-    for (int e = 0; e < kN; ++e) {
-      *sum += DirectQTerm(*rc, at + e, (out[e / 4] >> (8 * (e % 4))) & 0xFFu);
+    const uint64_t index = rc->q_first + static_cast<uint64_t>(at);
+    if (static_cast<uint32_t>(index) <= 0xFFFFFFFFu - (kN - 1)) {
+      // The low half doesn't wrap within the vector: the keys step by
+      // kKeyLo (DirectQTerm's, one add an element).
+      const uint32_t key = KeyOf(rc->q_salt, index);
+      WS_FP8_UNROLL
+      for (int e = 0; e < kN; ++e) {
+        *sum += TermOf(key + static_cast<uint32_t>(e) * kKeyLo,
+                       (out[e / 4] >> (8 * (e % 4))) & 0xFFu);
+      }
+    } else {
+      for (int e = 0; e < kN; ++e) {
+        *sum +=
+            DirectQTerm(*rc, at + e, (out[e / 4] >> (8 * (e % 4))) & 0xFFu);
+      }
     }
   }
 }
@@ -283,7 +301,8 @@ WS_FP8_HD float VecLoadPart(const DirectJob& job, int64_t b, uint32_t t,
 // Held blocks: thread t's FP8 vectors of block b from v, in a block of
 // amax `amax`; thread 0 also writes the scale. kReceipt: the terms of what
 // the thread stores added to *sum (job.receipt).
-template <int kDtype, int kPer, bool kCvt, bool kReceipt = false>
+template <int kDtype, int kPer, bool kCvt, bool kReceipt = false,
+          bool kDivider = false>
 WS_FP8_HD void VecWritePart(const DirectJob& job, int64_t b, uint32_t t,
                             uint32_t threads, float amax,
                             const Fp8Raw16 (&v)[kPer],
@@ -292,11 +311,13 @@ WS_FP8_HD void VecWritePart(const DirectJob& job, int64_t b, uint32_t t,
   const Fp8Format f = Fp8FormatOf(job.out.e5m2);
   const float d = Fp8DequantScale(amax, f);
   if (t == 0) DirectStoreScale<kReceipt>(job, k.i, k.j, d, sum);
+  const Fp8Divider dv =
+      kDivider ? Fp8DividerOf(d) : Fp8Divider{d, 1.0f, d, 1.0f, false};
   WS_FP8_UNROLL
   for (int s = 0; s < kPer; ++s) {
     if (k.r < k.h) {
-      VecWrite<kDtype, kCvt, kReceipt>(job.out.q + k.q, v[s], d, f,
-                                       job.out.e5m2, &job.receipt, k.q, sum);
+      VecWrite<kDtype, kCvt, kReceipt, kDivider>(
+          job.out.q + k.q, v[s], dv, f, job.out.e5m2, &job.receipt, k.q, sum);
     }
     VecNext<kDtype>(&k);
   }
@@ -325,11 +346,37 @@ WS_FP8_HD void VecWriteStream(const DirectJob& job, int64_t b, uint32_t t,
   const float d = Fp8DequantScale(amax, f);
   VecWalk k = VecWalkOf<kDtype>(job, b, t, threads);
   if (t == 0) DirectStoreScale<kReceipt>(job, k.i, k.j, d, sum);
+  const Fp8Divider dv{d, 1.0f, d, 1.0f, false};
   for (; k.r < k.h; VecNext<kDtype>(&k)) {
     VecWrite<kDtype, kCvt, kReceipt>(job.out.q + k.q, VecLoad(job.src + k.src),
-                                     d, f, job.out.e5m2, &job.receipt, k.q,
+                                     dv, f, job.out.e5m2, &job.receipt, k.q,
                                      sum);
   }
+}
+
+// The lean kernel (--fp8_direct_kernel=lean, quant_kernels.cu): every
+// block of a job walked in whole aligned 16-byte vectors and held in
+// kVecThreads x kVecPerThread registers (VecBlockOk and VecHeld true for
+// all of them), so its kernel carries none of the other paths; bfloat16
+// and float16 sources divide by Fp8Divider. Jobs of which this is false
+// go to the cvt kernel (GpuWorker::PrepareDirect splits a batch).
+inline bool DirectLeanOk(const DirectJob& job) {
+  const int64_t es = job.src_dtype == kFp8SrcFloat32 ? 4
+                     : job.src_dtype == kFp8SrcBfloat16 ||
+                             job.src_dtype == kFp8SrcFloat16
+                         ? 2
+                         : 0;
+  if (es == 0) return false;
+  const int64_t n = 16 / es;  // elements of a vector
+  const QuantJob& o = job.out;
+  if (o.rows <= 0 || o.width <= 0) return false;
+  const int64_t h = o.rows < o.block_rows ? o.rows : o.block_rows;
+  const int64_t w = o.width < o.block_cols ? o.width : o.block_cols;
+  return o.block_cols % n == 0 && o.width % n == 0 &&
+         job.src_stride % n == 0 && o.q_stride % n == 0 &&
+         reinterpret_cast<uintptr_t>(job.src) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(o.q) % n == 0 &&
+         h * (w / n) <= int64_t{kVecThreads} * kVecPerThread;
 }
 
 }  // namespace cuda

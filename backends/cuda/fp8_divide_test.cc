@@ -1,7 +1,7 @@
 // Fp8Divider (fp8_math.h) against the division it replaces, for every
 // element and every scale a bfloat16 or float16 source can have: each
 // x of the dtype against each positive finite amax of the dtype with
-// |x| <= amax (x of both signs, zeros and subnormals included), d =
+// |x| <= amax (x of both signs, zeros and subnormals included) and +-inf, d =
 // Fp8DequantScale(amax), e4m3fn and e5m2. The FP8 byte must be the one
 // x / d (an IEEE division here) encodes to, and the quotient itself bit
 // for bit x / d wherever it is not tiny (|x * 2^k| >= 2^-100). This is
@@ -38,7 +38,9 @@ void Sweep(bool bf16, bool e5m2, uint32_t lo, uint32_t hi, Tally* t) {
     const float d = Fp8DequantScale(amax, f);
     const Fp8Divider v = Fp8DividerOf(d);
     fast += v.fast;
-    for (uint32_t xb = 0; xb <= ab; ++xb) {
+    // Every x up to amax, and +-inf (which amax skips).
+    for (uint32_t xi = 0; xi <= ab + 1; ++xi) {
+      const uint32_t xb = xi <= ab ? xi : inf;
       for (uint32_t sign : {0u, 0x8000u}) {
         const float x = Widen(xb | sign, bf16);
         const float want = x / d;

@@ -115,16 +115,19 @@ WS_FP8_HD Fp8Divider Fp8DividerOf(float d) {
   return v;
 }
 
-// x / d rounded to nearest even (NaN and +-inf in, as Fp8Div would give:
-// the callers encode those by x's class, never by this quotient).
+// x / d rounded to nearest even; +-inf and NaN x come back as they are
+// (what x / d is for them, up to a NaN's payload, which callers never
+// encode from the quotient).
 WS_FP8_HD float Fp8Quotient(const Fp8Divider& v, float x) {
   if (!v.fast) return Fp8Div(x, v.d);
   const float xk = Fp8Mul(x, v.scale);
   const float q0 = Fp8Mul(xk, v.y);
   const float q = Fp8Fma(Fp8Fma(-q0, v.d_k, xk), v.y, q0);
+  const uint32_t xb = Fp8BitsOf(x);
+  // +-inf / d is +-inf (the residual step would make it NaN); NaN stays.
+  if ((xb & 0x7FFFFFFFu) >= 0x7F800000u) return x;
   // x's sign (d > 0): a zero sum of a tiny -x is +0 otherwise.
-  return Fp8FloatOf((Fp8BitsOf(q) & 0x7FFFFFFFu) |
-                    (Fp8BitsOf(x) & 0x80000000u));
+  return Fp8FloatOf((Fp8BitsOf(q) & 0x7FFFFFFFu) | (xb & 0x80000000u));
 }
 
 // The integer m * 2^-shift rounded to nearest, ties to even (shift >= 1).

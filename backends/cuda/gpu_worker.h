@@ -359,7 +359,11 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
     int count = 0;
     int64_t blocks = 0;
     bool receipts = false;  // some job of it sums a receipt
+    int32_t lean_dtype = 0;  // > 0: all DirectLeanOk, of this source dtype
   };
+  // --fp8_direct_kernel=lean: each batch cut into runs of the lean kernel
+  // (one per source dtype) and the rest (the cvt kernel).
+  void SplitDirectBatches();
   std::vector<cuda::DirectJob> direct_jobs_;
   bool direct_upload_ = false;
   uint8_t* direct_dev_ = nullptr;

@@ -151,6 +151,7 @@ absl::Status GpuWorker::PrepareDirect(
     ++b.count;
     jobs.push_back(job);
   }
+  SplitDirectBatches();
   for (const DirectBatch& b : direct_batches_) {
     if (b.chunk < 0 || b.chunk >= request.chunk_sizes_size()) {
       return absl::InvalidArgumentError(
@@ -167,6 +168,42 @@ absl::Status GpuWorker::PrepareDirect(
     direct_generation_ = generation;
   }
   return absl::OkStatus();
+}
+
+void GpuWorker::SplitDirectBatches() {
+  if (fp8_direct_kernel_ != cuda::Fp8DirectKernel::kLean) return;
+  constexpr int32_t kDtypes[3] = {cuda::kFp8SrcFloat32, cuda::kFp8SrcBfloat16,
+                                  cuda::kFp8SrcFloat16};
+  std::vector<DirectBatch> parts;
+  for (const DirectBatch& b : direct_batches_) {
+    std::vector<cuda::DirectJob> group[4];  // lean by dtype, then the rest
+    for (int64_t i = b.first; i < b.first + b.count; ++i) {
+      const cuda::DirectJob& job = direct_jobs_[i];
+      int g = 3;
+      if (cuda::DirectLeanOk(job)) {
+        for (int d = 0; d < 3; ++d) {
+          if (job.src_dtype == kDtypes[d]) g = d;
+        }
+      }
+      group[g].push_back(job);
+    }
+    int64_t at = b.first;
+    for (int g = 0; g < 4; ++g) {
+      if (group[g].empty()) continue;
+      DirectBatch p;
+      p.chunk = b.chunk;
+      p.first = at;
+      p.lean_dtype = g < 3 ? kDtypes[g] : 0;
+      for (cuda::DirectJob& job : group[g]) {
+        job.first_block = p.blocks;
+        p.blocks += cuda::QuantJobBlocks(job.out);
+        ++p.count;
+        direct_jobs_[at++] = job;
+      }
+      parts.push_back(p);
+    }
+  }
+  direct_batches_.swap(parts);
 }
 
 absl::Status GpuWorker::UploadDirect() {
@@ -249,13 +286,25 @@ absl::Status GpuWorker::EnqueueChunkQuant(
     job.reciprocal = f.reciprocal();
     WS_CUDA(cuda::QuantizeFp8Blocks(job, scatter_stream_));
   }
-  // The chunk's direct steps: one launch (they touch no scratch).
-  if (direct_next_batch_ < direct_batches_.size() &&
-      direct_batches_[direct_next_batch_].chunk == k) {
+  // The chunk's direct steps: one launch a batch (they touch no scratch);
+  // with --fp8_direct_kernel=lean, one for each run SplitDirectBatches cut.
+  while (direct_next_batch_ < direct_batches_.size() &&
+         direct_batches_[direct_next_batch_].chunk == k) {
     const DirectBatch& b = direct_batches_[direct_next_batch_++];
-    WS_CUDA(cuda::QuantizeFp8Direct(
-        reinterpret_cast<const cuda::DirectJob*>(direct_dev_) + b.first,
-        b.count, b.blocks, scatter_stream_, fp8_direct_kernel_, b.receipts));
+    const auto* jobs =
+        reinterpret_cast<const cuda::DirectJob*>(direct_dev_) + b.first;
+    if (b.lean_dtype != 0) {
+      WS_CUDA(cuda::QuantizeFp8DirectLean(jobs, b.count, b.blocks,
+                                          b.lean_dtype, scatter_stream_,
+                                          b.receipts));
+    } else {
+      const cuda::Fp8DirectKernel kernel =
+          fp8_direct_kernel_ == cuda::Fp8DirectKernel::kLean
+              ? cuda::Fp8DirectKernel::kCvt
+              : fp8_direct_kernel_;
+      WS_CUDA(cuda::QuantizeFp8Direct(jobs, b.count, b.blocks,
+                                      scatter_stream_, kernel, b.receipts));
+    }
   }
   return absl::OkStatus();
 }

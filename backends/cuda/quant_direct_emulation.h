@@ -54,6 +54,12 @@ void DirectBlock(const cuda::DirectJob& job, int64_t b, uint32_t threads) {
   }
 }
 
+// How many blocks the lean emulation ran (LeanBlock).
+inline int64_t& LeanBlocksRun() {
+  static int64_t n = 0;
+  return n;
+}
+
 // How many blocks the vec emulation ran in 16-byte vectors (the rest took
 // DirectBlock's walk): the test checks both ways ran.
 inline int64_t& VecBlocksRun() {
@@ -154,10 +160,73 @@ void RunDirectBatch(std::vector<cuda::DirectJob> jobs, uint32_t threads,
   }
 }
 
+// One block as the lean kernel (quant_kernels.cu, LeanKernel) runs it:
+// kVecThreads threads holding kVecPerThread vectors, Fp8Divider's
+// quotients for bfloat16 and float16 (the job is DirectLeanOk).
+template <int kDtype>
+void LeanBlock(const cuda::DirectJob& job, int64_t b) {
+  constexpr uint32_t kThreads = cuda::kVecThreads;
+  constexpr int kPer = cuda::kVecPerThread;
+  constexpr bool kDivider = kDtype != cuda::kFp8SrcFloat32;
+  ++LeanBlocksRun();
+  std::vector<std::array<cuda::Fp8Raw16, kPer>> v(kThreads);
+  auto regs = [&](uint32_t t) -> cuda::Fp8Raw16(&)[kPer] {
+    return *reinterpret_cast<cuda::Fp8Raw16(*)[kPer]>(v[t].data());
+  };
+  float amax = 0.0f;
+  for (uint32_t t = 0; t < kThreads; ++t) {
+    const float part =
+        cuda::VecLoadPart<kDtype, kPer>(job, b, t, kThreads, regs(t));
+    amax = part > amax ? part : amax;
+  }
+  for (uint32_t t = 0; t < kThreads; ++t) {
+    uint64_t sum = 0;
+    cuda::VecWritePart<kDtype, kPer, false, true, kDivider>(
+        job, b, t, kThreads, amax, regs(t), &sum);
+    if (job.receipt.out != nullptr) *job.receipt.out += sum;
+  }
+}
+
+// A batch as --fp8_direct_kernel=lean runs it (GpuWorker::
+// SplitDirectBatches): the DirectLeanOk jobs by the lean kernel, one run
+// per source dtype; the rest by the vec kernel's blocks.
+inline void RunLeanBatch(const std::vector<cuda::DirectJob>& jobs) {
+  std::vector<cuda::DirectJob> rest;
+  for (int32_t dtype : {cuda::kFp8SrcFloat32, cuda::kFp8SrcBfloat16,
+                        cuda::kFp8SrcFloat16}) {
+    for (const cuda::DirectJob& job : jobs) {
+      if (job.src_dtype != dtype || !cuda::DirectLeanOk(job)) continue;
+      for (int64_t b = 0; b < cuda::QuantJobBlocks(job.out); ++b) {
+        if (dtype == cuda::kFp8SrcFloat32) {
+          LeanBlock<cuda::kFp8SrcFloat32>(job, b);
+        } else if (dtype == cuda::kFp8SrcBfloat16) {
+          LeanBlock<cuda::kFp8SrcBfloat16>(job, b);
+        } else {
+          LeanBlock<cuda::kFp8SrcFloat16>(job, b);
+        }
+      }
+    }
+  }
+  for (const cuda::DirectJob& job : jobs) {
+    if (!cuda::DirectLeanOk(job)) rest.push_back(job);
+  }
+  if (!rest.empty()) {
+    RunDirectBatch<cuda::kDirectPerThread, cuda::kVecPerThread>(
+        rest, cuda::kVecThreads, 5);
+  }
+}
+
 // How the emulation runs the direct kernel: the kernel's own shape (every
 // block held), or small thread blocks that read most blocks twice; the vec
-// kernel's own shape, or small (most blocks read twice).
-enum class DirectShape { kKernel, kSmall, kStreaming, kVec, kVecStreaming };
+// kernel's own shape, or small (most blocks read twice); the lean split.
+enum class DirectShape {
+  kKernel,
+  kSmall,
+  kStreaming,
+  kVec,
+  kVecStreaming,
+  kLean
+};
 
 }  // namespace testing
 }  // namespace weightsync

@@ -202,7 +202,101 @@ __global__ void __launch_bounds__(kDirectThreads)
   DirectBatch<0, kReceipts>(jobs, n, total, warp_max);
 }
 
+// The lean kernel: jobs of one source dtype, each DirectLeanOk (every
+// block held as whole aligned vectors), so the kernel holds only that path
+// (fewer registers, more warps a multiprocessor: bench/RESULTS.md); the
+// bfloat16 and float16 quotients by Fp8Divider. kReceipts as DirectBatch.
+template <int kDtype, bool kReceipts>
+__global__ void __launch_bounds__(kVecThreads)
+    LeanKernel(const DirectJob* __restrict__ jobs, int n, int64_t total) {
+  __shared__ float warp_max[kVecThreads / 32];
+  constexpr bool kDivider = kDtype != kFp8SrcFloat32;
+  int j = 0;
+  uint64_t sum = 0;
+  unsigned long long* out = nullptr;
+  for (int64_t g = blockIdx.x; g < total; g += gridDim.x) {
+    j = DirectJobOf(jobs, n, g, j);
+    const DirectJob job = jobs[j];
+    const int64_t b = g - job.first_block;
+    if constexpr (kReceipts) {
+      if (job.receipt.out != out) {
+        FlushDirectReceipt(sum, out);
+        sum = 0;
+        out = job.receipt.out;
+      }
+    }
+    Fp8Raw16 v[kVecPerThread];
+    float amax = VecLoadPart<kDtype, kVecPerThread>(job, b, threadIdx.x,
+                                                    kVecThreads, v);
+    amax = DirectBlockMax<kVecThreads>(amax, warp_max);
+    // A job without a receipt in a batch with receipts sums terms that
+    // FlushDirectReceipt drops (out == nullptr).
+    VecWritePart<kDtype, kVecPerThread, true, kReceipts, kDivider>(
+        job, b, threadIdx.x, kVecThreads, amax, v, &sum);
+  }
+  if constexpr (kReceipts) FlushDirectReceipt(sum, out);
+}
+
+// Thread blocks for a grid-stride kernel: as many as run at once.
+cudaError_t ResidentGrid(const void* kernel, int threads, int64_t total,
+                         std::atomic<int>* per_sm, int64_t* grid) {
+  int resident = per_sm->load(std::memory_order_relaxed);
+  if (resident <= 0) {
+    cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &resident, kernel, threads, 0);
+    if (err != cudaSuccess) return err;
+    if (resident < 1) resident = 1;
+    per_sm->store(resident, std::memory_order_relaxed);
+  }
+  int sms = 0;
+  cudaError_t err = MultiprocessorCount(&sms);
+  if (err != cudaSuccess) return err;
+  *grid = static_cast<int64_t>(sms) * resident;
+  if (*grid > total) *grid = total;
+  return cudaSuccess;
+}
+
 }  // namespace
+
+cudaError_t QuantizeFp8DirectLean(const DirectJob* jobs, int n,
+                                  int64_t total_blocks, int32_t src_dtype,
+                                  cudaStream_t stream, bool receipts) {
+  if (n < 0 || total_blocks < 0 || (total_blocks > 0 && jobs == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  if (n == 0 || total_blocks == 0) return cudaSuccess;
+  using Kernel = void (*)(const DirectJob*, int, int64_t);
+  Kernel kernel;
+  int d;
+  switch (src_dtype) {
+    case kFp8SrcFloat32:
+      d = 0;
+      kernel = receipts ? LeanKernel<kFp8SrcFloat32, true>
+                        : LeanKernel<kFp8SrcFloat32, false>;
+      break;
+    case kFp8SrcBfloat16:
+      d = 1;
+      kernel = receipts ? LeanKernel<kFp8SrcBfloat16, true>
+                        : LeanKernel<kFp8SrcBfloat16, false>;
+      break;
+    case kFp8SrcFloat16:
+      d = 2;
+      kernel = receipts ? LeanKernel<kFp8SrcFloat16, true>
+                        : LeanKernel<kFp8SrcFloat16, false>;
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  static std::atomic<int> per_sm[2][3] = {};
+  int64_t grid = 0;
+  cudaError_t err =
+      ResidentGrid(reinterpret_cast<const void*>(kernel), kVecThreads,
+                   total_blocks, &per_sm[receipts ? 1 : 0][d], &grid);
+  if (err != cudaSuccess) return err;
+  kernel<<<static_cast<unsigned>(grid), kVecThreads, 0, stream>>>(
+      jobs, n, total_blocks);
+  return cudaGetLastError();
+}
 
 cudaError_t QuantizeFp8Direct(const DirectJob* jobs, int n,
                               int64_t total_blocks, cudaStream_t stream,
@@ -221,19 +315,11 @@ cudaError_t QuantizeFp8Direct(const DirectJob* jobs, int n,
   const int rc = receipts ? 1 : 0;
   // As many thread blocks as run at once (each then loops over blocks).
   static std::atomic<int> per_sm[2][3] = {};
-  int resident = per_sm[rc][k].load(std::memory_order_relaxed);
-  if (resident <= 0) {
-    cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &resident, kernels[rc][k], threads[k], 0);
-    if (err != cudaSuccess) return err;
-    if (resident < 1) resident = 1;
-    per_sm[rc][k].store(resident, std::memory_order_relaxed);
-  }
-  int sms = 0;
-  cudaError_t err = MultiprocessorCount(&sms);
+  int64_t grid = 0;
+  cudaError_t err =
+      ResidentGrid(reinterpret_cast<const void*>(kernels[rc][k]), threads[k],
+                   total_blocks, &per_sm[rc][k], &grid);
   if (err != cudaSuccess) return err;
-  int64_t grid = static_cast<int64_t>(sms) * resident;
-  if (grid > total_blocks) grid = total_blocks;
   kernels[rc][k]<<<static_cast<unsigned>(grid), threads[k], 0, stream>>>(
       jobs, n, total_blocks);
   return cudaGetLastError();

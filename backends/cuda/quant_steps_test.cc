@@ -245,6 +245,8 @@ class Worker {
           jobs, cuda::kVecThreads, 5);
     } else if (shape == DirectShape::kVecStreaming) {
       RunDirectBatch<2, 2>(jobs, 16, 3);
+    } else if (shape == DirectShape::kLean) {
+      testing::RunLeanBatch(jobs);
     } else {
       RunDirectBatch<2>(jobs, 16, 3);
     }
@@ -473,7 +475,8 @@ TEST(QuantStepsTest, DirectStepsInstallWhatTheHostDataPlaneInstalls) {
     for (bool from_source : {false, true}) {
       for (DirectShape shape :
            {DirectShape::kKernel, DirectShape::kSmall, DirectShape::kStreaming,
-            DirectShape::kVec, DirectShape::kVecStreaming}) {
+            DirectShape::kVec, DirectShape::kVecStreaming,
+            DirectShape::kLean}) {
         SCOPED_TRACE(::testing::Message()
                      << "chunk_bytes " << chunk_bytes
                      << (from_source ? " from a source" : " packed")
@@ -493,6 +496,7 @@ TEST(QuantStepsTest, DirectStepsInstallWhatTheHostDataPlaneInstalls) {
   }
   // The vec shapes ran blocks both in vectors and by the walk.
   EXPECT_GT(testing::VecBlocksRun(), 0);
+  EXPECT_GT(testing::LeanBlocksRun(), 0);  // the lean kernel's blocks too
 }
 
 // The receipt regions of `engine` for an update of `sources`, as the
@@ -586,7 +590,8 @@ TEST(QuantStepsTest, DirectKernelsSumTheReceiptOfWhatTheyWrite) {
     for (bool from_source : {false, true}) {
       for (DirectShape shape :
            {DirectShape::kKernel, DirectShape::kSmall, DirectShape::kStreaming,
-            DirectShape::kVec, DirectShape::kVecStreaming}) {
+            DirectShape::kVec, DirectShape::kVecStreaming,
+            DirectShape::kLean}) {
         for (int wrong : {0, 1, 2}) {
           SCOPED_TRACE(::testing::Message()
                        << "chunk_bytes " << chunk_bytes

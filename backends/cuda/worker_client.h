@@ -42,7 +42,7 @@ class GpuWorkerSupervisor {
     int device = 0;                  // GPU of the daemon's NCCL rank
     bool ipc_sm_copies = false;      // IPC: kernel copies, not copy engines
     bool ipc_fused_receipts = true;  // IPC: copy and receipts in one pass
-    std::string fp8_direct_kernel = "cvt";  // --fp8_direct_kernel
+    std::string fp8_direct_kernel = "lean";  // --fp8_direct_kernel
     int staging_buffers = 4;
     int64_t staging_budget = int64_t{4} << 30;  // GPU staging bytes
   };

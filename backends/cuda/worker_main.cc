@@ -18,11 +18,12 @@ DEFINE_bool(ipc_sm_copies, false,
 DEFINE_bool(ipc_fused_receipts, true,
             "IPC backend with receipts: copy and sum in one pass (a kernel) "
             "instead of a copy and then a receipt pass over the destination");
-DEFINE_string(fp8_direct_kernel, "cvt",
+DEFINE_string(fp8_direct_kernel, "lean",
               "FP8 targets quantised straight from a source in GPU memory: "
-              "regs (1024 threads, per-element walk), vec (256 threads, "
-              "16-byte vectors) or cvt (vec with the hardware's FP8 "
-              "rounding below FMAX)");
+              "lean (jobs of whole aligned vectors by a kernel of that path "
+              "alone, the rest by cvt), regs (1024 threads, per-element "
+              "walk), vec (256 threads, 16-byte vectors) or cvt (vec with "
+              "the hardware's FP8 rounding below FMAX)");
 DEFINE_int32(device, 0,
              "CUDA ordinal that receives and scatters: engine memory on "
              "other GPUs is opened for it, so its copies reach them by peer");
@@ -38,7 +39,7 @@ int main(int argc, char** argv) {
   weightsync::cuda::Fp8DirectKernel fp8_kernel;
   if (!weightsync::cuda::ParseFp8DirectKernel(FLAGS_fp8_direct_kernel.c_str(),
                                               &fp8_kernel)) {
-    LOG(ERROR) << "--fp8_direct_kernel must be regs, vec or cvt";
+    LOG(ERROR) << "--fp8_direct_kernel must be lean, regs, vec or cvt";
     return 2;
   }
   unlink(FLAGS_socket.c_str());
