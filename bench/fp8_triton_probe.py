@@ -41,13 +41,14 @@ def main():
     print(f"{len(q)} weights, {nbytes / 1e9:.2f} GB bf16, {torch.cuda.get_device_name(dev)}",
           flush=True)
     variants = [("tile RB=128 w8 div_rn", 128, 8, False, "1"),
-                ("tile RB=128 w8 divider", 128, 8, True, "1"),
-                ("tile RB=128 w16 divider", 128, 16, True, "1"),
-                ("tile RB=128 w4 divider", 128, 4, True, "1"),
-                ("tile RB=64 w8 divider", 64, 8, True, "1"),
-                ("tile RB=32 w4 divider", 32, 4, True, "1"),
-                ("tile RB=32 w8 divider", 32, 8, True, "1"),
+                ("tile RB=16 w4 div_rn", 16, 4, False, "1"),
                 ("tile RB=16 w4 divider", 16, 4, True, "1"),
+                ("tile RB=16 w2 divider", 16, 2, True, "1"),
+                ("tile RB=8 w4 divider", 8, 4, True, "1"),
+                ("tile RB=8 w2 divider", 8, 2, True, "1"),
+                ("tile RB=8 w1 divider", 8, 1, True, "1"),
+                ("tile RB=32 w2 divider", 32, 2, True, "1"),
+                ("tile RB=4 w1 divider", 4, 1, True, "1"),
                 ("general kernel", 128, 8, True, "0")]
     want = None
     for name, rb, warps, fast, tile in variants:

@@ -58,8 +58,8 @@ from weightsync import fp8, receipts
 TILE = 2048
 NUM_WARPS = 4
 TILE_R = TILE_C = 128
-TILE_RB = 128      # rows per step (TILE_R: the block held at once)
-TILE_WARPS = 8
+TILE_RB = 16       # rows per step (TILE_R: the block held at once)
+TILE_WARPS = 4
 TILE_FAST_DIV = True   # Fp8Divider for bfloat16 / float16 sources
 TCOLS = 10
 _DTYPES = {"FLOAT32": 0, "BFLOAT16": 1, "FLOAT16": 2}
