@@ -233,8 +233,9 @@ WS_FP8_HD void VecWrite(uint8_t* q, const Fp8Raw16& v, const Fp8Divider& dv,
     const float x1 = VecWiden<kDtype>(VecBits<kDtype>(v, 2 * p + 1));
     const bool n0 = (Fp8BitsOf(x0) & 0x7FFFFFFFu) > 0x7F800000u;
     const bool n1 = (Fp8BitsOf(x1) & 0x7FFFFFFFu) > 0x7F800000u;
-    const float q0 = kDivider ? Fp8Quotient(dv, x0) : Fp8Div(x0, dv.d);
-    const float q1 = kDivider ? Fp8Quotient(dv, x1) : Fp8Div(x1, dv.d);
+    // kDivider: the caller checked dv.fast (Fp8QuotientFast).
+    const float q0 = kDivider ? Fp8QuotientFast(dv, x0) : Fp8Div(x0, dv.d);
+    const float q1 = kDivider ? Fp8QuotientFast(dv, x1) : Fp8Div(x1, dv.d);
     const uint32_t pair =
         VecEncode2<kCvt>(n0 ? x0 : q0, n1 ? x1 : q1, f, e5m2);
     if (p % 2 == 0) {
@@ -313,6 +314,20 @@ WS_FP8_HD void VecWritePart(const DirectJob& job, int64_t b, uint32_t t,
   if (t == 0) DirectStoreScale<kReceipt>(job, k.i, k.j, d, sum);
   const Fp8Divider dv =
       kDivider ? Fp8DividerOf(d) : Fp8Divider{d, 1.0f, d, 1.0f, false};
+  if (kDivider && !dv.fast) {
+    // A subnormal or huge scale (the whole block): plain divisions, so the
+    // loop below carries no per-element branch to them.
+    WS_FP8_UNROLL
+    for (int s = 0; s < kPer; ++s) {
+      if (k.r < k.h) {
+        VecWrite<kDtype, kCvt, kReceipt, false>(job.out.q + k.q, v[s], dv, f,
+                                                job.out.e5m2, &job.receipt,
+                                                k.q, sum);
+      }
+      VecNext<kDtype>(&k);
+    }
+    return;
+  }
   WS_FP8_UNROLL
   for (int s = 0; s < kPer; ++s) {
     if (k.r < k.h) {

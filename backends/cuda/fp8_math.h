@@ -118,8 +118,15 @@ WS_FP8_HD Fp8Divider Fp8DividerOf(float d) {
 // x / d rounded to nearest even; +-inf and NaN x come back as they are
 // (what x / d is for them, up to a NaN's payload, which callers never
 // encode from the quotient).
+WS_FP8_HD float Fp8QuotientFast(const Fp8Divider& v, float x);
+
 WS_FP8_HD float Fp8Quotient(const Fp8Divider& v, float x) {
   if (!v.fast) return Fp8Div(x, v.d);
+  return Fp8QuotientFast(v, x);
+}
+
+// Fp8Quotient where v.fast (the caller branched on it once per block).
+WS_FP8_HD float Fp8QuotientFast(const Fp8Divider& v, float x) {
   const float xk = Fp8Mul(x, v.scale);
   const float q0 = Fp8Mul(xk, v.y);
   const float q = Fp8Fma(Fp8Fma(-q0, v.d_k, xk), v.y, q0);
