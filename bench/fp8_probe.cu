@@ -1,6 +1,5 @@
-#include "bench/fp8_probe.h"
-
 #include "backends/cuda/fp8_direct_vec.h"
+#include "bench/fp8_probe.h"
 
 namespace weightsync {
 namespace bench {
@@ -59,9 +58,8 @@ __device__ __forceinline__ void Write(const DirectJob& job, int64_t b,
   const float d = cuda::Fp8DequantScale(amax, f);
   const float r = __frcp_rn(d);
   if (threadIdx.x == 0) {
-    cuda::Fp8StoreScale(
-        job.out.scale + 4 * (k.i * job.out.scale_stride + k.j),
-        cuda::Fp8StoredScale(d, job.out.reciprocal));
+    cuda::Fp8StoreScale(job.out.scale + 4 * (k.i * job.out.scale_stride + k.j),
+                        cuda::Fp8StoredScale(d, job.out.reciprocal));
   }
 #pragma unroll
   for (int s = 0; s < kPer; ++s) {
@@ -70,8 +68,7 @@ __device__ __forceinline__ void Write(const DirectJob& job, int64_t b,
 #pragma unroll
       for (int p = 0; p < 4; ++p) {
         const float x0 = cuda::VecWiden<kB>(cuda::VecBits<kB>(v[s], 2 * p));
-        const float x1 =
-            cuda::VecWiden<kB>(cuda::VecBits<kB>(v[s], 2 * p + 1));
+        const float x1 = cuda::VecWiden<kB>(cuda::VecBits<kB>(v[s], 2 * p + 1));
         const bool n0 = (cuda::Fp8BitsOf(x0) & 0x7FFFFFFFu) > 0x7F800000u;
         const bool n1 = (cuda::Fp8BitsOf(x1) & 0x7FFFFFFFu) > 0x7F800000u;
         const uint32_t pair = cuda::VecEncode2<true>(
@@ -158,8 +155,8 @@ cudaError_t Launch(const DirectJob* jobs, int n, int64_t total,
 }
 
 template <int kThreads>
-cudaError_t ByVariant(int variant, const DirectJob* jobs, int n,
-                      int64_t total, cudaStream_t stream) {
+cudaError_t ByVariant(int variant, const DirectJob* jobs, int n, int64_t total,
+                      cudaStream_t stream) {
   const int div = (variant & 4) ? 2 : (variant & 2) ? 1 : 0;
   const bool ahead = (variant & 1) != 0;
   if (ahead) {

@@ -518,10 +518,11 @@ void Fp8(cudaStream_t stream, Timer& timer) {
     q_bytes += t.shape(0) * t.shape(1);
     scale_bytes += (t.shape(0) / 128) * (t.shape(1) / 128) * 4;
   }
-  std::printf("\nfp8: %s, %zu linear weights, %.2f GB bfloat16 -> %.2f GB "
-              "e4m3 + %.1f MB scales\n",
-              FLAGS_model.c_str(), shapes.size(), src_bytes / 1e9,
-              q_bytes / 1e9, scale_bytes / 1e6);
+  std::printf(
+      "\nfp8: %s, %zu linear weights, %.2f GB bfloat16 -> %.2f GB "
+      "e4m3 + %.1f MB scales\n",
+      FLAGS_model.c_str(), shapes.size(), src_bytes / 1e9, q_bytes / 1e9,
+      scale_bytes / 1e6);
   uint8_t* src = Malloc(src_bytes);
   uint8_t* copy = Malloc(src_bytes);
   uint8_t* q = Malloc(q_bytes);
@@ -577,8 +578,7 @@ void Fp8(cudaStream_t stream, Timer& timer) {
     CHECK_CUDA(cudaMemcpyAsync(copy, src, src_bytes, cudaMemcpyDeviceToDevice,
                                stream));
   });
-  Line("cudaMemcpy D2D of the bf16 source", src_bytes, memcpy_sec,
-       memcpy_sec);
+  Line("cudaMemcpy D2D of the bf16 source", src_bytes, memcpy_sec, memcpy_sec);
   auto* out = reinterpret_cast<unsigned long long*>(outs);
   auto checksum = [&](unsigned long long* at) {
     CHECK_CUDA(cudaMemsetAsync(at, 0, 8, stream));
@@ -595,8 +595,8 @@ void Fp8(cudaStream_t stream, Timer& timer) {
   unsigned long long want = 0;
   for (int k = 0; k < 3; ++k) {
     const double sec = timer.Median([&] {
-      CHECK_CUDA(cuda::QuantizeFp8Direct(jd, n, blocks, stream,
-                                         static_cast<cuda::Fp8DirectKernel>(k)));
+      CHECK_CUDA(cuda::QuantizeFp8Direct(
+          jd, n, blocks, stream, static_cast<cuda::Fp8DirectKernel>(k)));
     });
     const unsigned long long h = checksum(out);
     if (k == 0) want = h;
@@ -619,15 +619,13 @@ void Fp8(cudaStream_t stream, Timer& timer) {
                           sizeof(cuda::DirectJob) * jobs.size(),
                           cudaMemcpyHostToDevice));
     const double sec = timer.Median([&] {
-      CHECK_CUDA(cuda::QuantizeFp8DirectLean(jd, n, blocks,
-                                             cuda::kFp8SrcBfloat16, stream,
-                                             receipts));
+      CHECK_CUDA(cuda::QuantizeFp8DirectLean(
+          jd, n, blocks, cuda::kFp8SrcBfloat16, stream, receipts));
     });
     const unsigned long long h = checksum(out);
-    const std::string what =
-        std::string("QuantizeFp8DirectLean") +
-        (receipts ? " + fused receipt" : "") +
-        (h == want ? "" : " (DIFFERS from regs)");
+    const std::string what = std::string("QuantizeFp8DirectLean") +
+                             (receipts ? " + fused receipt" : "") +
+                             (h == want ? "" : " (DIFFERS from regs)");
     Line(what.c_str(), src_bytes, sec, memcpy_sec);
   }
   const double receipt_sec = timer.Median([&] { checksum(out + 1); });
@@ -641,11 +639,10 @@ void Fp8(cudaStream_t stream, Timer& timer) {
       });
       const unsigned long long h = checksum(out);
       char what[128];
-      std::snprintf(what, sizeof(what), "probe %d threads%s%s%s%s", threads,
-                    (variant & 1) ? " +ahead" : "",
-                    (variant & 2) ? " +markstein" : "",
-                    (variant & 4) ? " +mul-only" : "",
-                    h == want ? "" : " (DIFFERS)");
+      std::snprintf(
+          what, sizeof(what), "probe %d threads%s%s%s%s", threads,
+          (variant & 1) ? " +ahead" : "", (variant & 2) ? " +markstein" : "",
+          (variant & 4) ? " +mul-only" : "", h == want ? "" : " (DIFFERS)");
       Line(what, src_bytes, sec, memcpy_sec);
     }
   }

@@ -236,8 +236,7 @@ WS_FP8_HD void VecWrite(uint8_t* q, const Fp8Raw16& v, const Fp8Divider& dv,
     // kDivider: the caller checked dv.fast (Fp8QuotientFast).
     const float q0 = kDivider ? Fp8QuotientFast(dv, x0) : Fp8Div(x0, dv.d);
     const float q1 = kDivider ? Fp8QuotientFast(dv, x1) : Fp8Div(x1, dv.d);
-    const uint32_t pair =
-        VecEncode2<kCvt>(n0 ? x0 : q0, n1 ? x1 : q1, f, e5m2);
+    const uint32_t pair = VecEncode2<kCvt>(n0 ? x0 : q0, n1 ? x1 : q1, f, e5m2);
     if (p % 2 == 0) {
       out[p / 2] = pair;
     } else {
@@ -266,8 +265,7 @@ WS_FP8_HD void VecWrite(uint8_t* q, const Fp8Raw16& v, const Fp8Divider& dv,
       }
     } else {
       for (int e = 0; e < kN; ++e) {
-        *sum +=
-            DirectQTerm(*rc, at + e, (out[e / 4] >> (8 * (e % 4))) & 0xFFu);
+        *sum += DirectQTerm(*rc, at + e, (out[e / 4] >> (8 * (e % 4))) & 0xFFu);
       }
     }
   }
@@ -320,9 +318,8 @@ WS_FP8_HD void VecWritePart(const DirectJob& job, int64_t b, uint32_t t,
     WS_FP8_UNROLL
     for (int s = 0; s < kPer; ++s) {
       if (k.r < k.h) {
-        VecWrite<kDtype, kCvt, kReceipt, false>(job.out.q + k.q, v[s], dv, f,
-                                                job.out.e5m2, &job.receipt,
-                                                k.q, sum);
+        VecWrite<kDtype, kCvt, kReceipt, false>(
+            job.out.q + k.q, v[s], dv, f, job.out.e5m2, &job.receipt, k.q, sum);
       }
       VecNext<kDtype>(&k);
     }
@@ -376,19 +373,18 @@ WS_FP8_HD void VecWriteStream(const DirectJob& job, int64_t b, uint32_t t,
 // and float16 sources divide by Fp8Divider. Jobs of which this is false
 // go to the cvt kernel (GpuWorker::PrepareDirect splits a batch).
 inline bool DirectLeanOk(const DirectJob& job) {
-  const int64_t es = job.src_dtype == kFp8SrcFloat32 ? 4
-                     : job.src_dtype == kFp8SrcBfloat16 ||
-                             job.src_dtype == kFp8SrcFloat16
-                         ? 2
-                         : 0;
+  const int64_t es =
+      job.src_dtype == kFp8SrcFloat32                                       ? 4
+      : job.src_dtype == kFp8SrcBfloat16 || job.src_dtype == kFp8SrcFloat16 ? 2
+                                                                            : 0;
   if (es == 0) return false;
   const int64_t n = 16 / es;  // elements of a vector
   const QuantJob& o = job.out;
   if (o.rows <= 0 || o.width <= 0) return false;
   const int64_t h = o.rows < o.block_rows ? o.rows : o.block_rows;
   const int64_t w = o.width < o.block_cols ? o.width : o.block_cols;
-  return o.block_cols % n == 0 && o.width % n == 0 &&
-         job.src_stride % n == 0 && o.q_stride % n == 0 &&
+  return o.block_cols % n == 0 && o.width % n == 0 && job.src_stride % n == 0 &&
+         o.q_stride % n == 0 &&
          reinterpret_cast<uintptr_t>(job.src) % 16 == 0 &&
          reinterpret_cast<uintptr_t>(o.q) % n == 0 &&
          h * (w / n) <= int64_t{kVecThreads} * kVecPerThread;

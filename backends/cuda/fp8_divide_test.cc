@@ -92,10 +92,18 @@ void Exhaustive(bool bf16, bool e5m2) {
   EXPECT_GT(t.fast.load(), amaxes * 3 / 4);
 }
 
-TEST(Fp8DivideTest, EveryBfloat16ElementAndScaleE4m3) { Exhaustive(true, false); }
-TEST(Fp8DivideTest, EveryBfloat16ElementAndScaleE5m2) { Exhaustive(true, true); }
-TEST(Fp8DivideTest, EveryFloat16ElementAndScaleE4m3) { Exhaustive(false, false); }
-TEST(Fp8DivideTest, EveryFloat16ElementAndScaleE5m2) { Exhaustive(false, true); }
+TEST(Fp8DivideTest, EveryBfloat16ElementAndScaleE4m3) {
+  Exhaustive(true, false);
+}
+TEST(Fp8DivideTest, EveryBfloat16ElementAndScaleE5m2) {
+  Exhaustive(true, true);
+}
+TEST(Fp8DivideTest, EveryFloat16ElementAndScaleE4m3) {
+  Exhaustive(false, false);
+}
+TEST(Fp8DivideTest, EveryFloat16ElementAndScaleE5m2) {
+  Exhaustive(false, true);
+}
 
 // The slow cases: subnormal and huge scales divide; 2^k is exact.
 TEST(Fp8DivideTest, Divider) {

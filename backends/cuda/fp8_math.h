@@ -96,10 +96,10 @@ WS_FP8_HD float Fp8Fma(float a, float b, float c) {
 // float32 sources divide (Fp8Div). `fast` false (d subnormal or above
 // 2^100): Fp8Div for every element.
 struct Fp8Divider {
-  float d;       // the block's scale
-  float scale;   // 2^k
-  float d_k;     // d * 2^k
-  float y;       // 1 / d_k, rounded
+  float d;      // the block's scale
+  float scale;  // 2^k
+  float d_k;    // d * 2^k
+  float y;      // 1 / d_k, rounded
   bool fast;
 };
 

@@ -358,7 +358,7 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
     int64_t first = 0;  // index of its first job in direct_dev_
     int count = 0;
     int64_t blocks = 0;
-    bool receipts = false;  // some job of it sums a receipt
+    bool receipts = false;   // some job of it sums a receipt
     int32_t lean_dtype = 0;  // > 0: all DirectLeanOk, of this source dtype
   };
   // --fp8_direct_kernel=lean: each batch cut into runs of the lean kernel

@@ -294,16 +294,15 @@ absl::Status GpuWorker::EnqueueChunkQuant(
     const auto* jobs =
         reinterpret_cast<const cuda::DirectJob*>(direct_dev_) + b.first;
     if (b.lean_dtype != 0) {
-      WS_CUDA(cuda::QuantizeFp8DirectLean(jobs, b.count, b.blocks,
-                                          b.lean_dtype, scatter_stream_,
-                                          b.receipts));
+      WS_CUDA(cuda::QuantizeFp8DirectLean(jobs, b.count, b.blocks, b.lean_dtype,
+                                          scatter_stream_, b.receipts));
     } else {
       const cuda::Fp8DirectKernel kernel =
           fp8_direct_kernel_ == cuda::Fp8DirectKernel::kLean
               ? cuda::Fp8DirectKernel::kCvt
               : fp8_direct_kernel_;
-      WS_CUDA(cuda::QuantizeFp8Direct(jobs, b.count, b.blocks,
-                                      scatter_stream_, kernel, b.receipts));
+      WS_CUDA(cuda::QuantizeFp8Direct(jobs, b.count, b.blocks, scatter_stream_,
+                                      kernel, b.receipts));
     }
   }
   return absl::OkStatus();

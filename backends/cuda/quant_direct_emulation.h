@@ -192,8 +192,8 @@ void LeanBlock(const cuda::DirectJob& job, int64_t b) {
 // per source dtype; the rest by the vec kernel's blocks.
 inline void RunLeanBatch(const std::vector<cuda::DirectJob>& jobs) {
   std::vector<cuda::DirectJob> rest;
-  for (int32_t dtype : {cuda::kFp8SrcFloat32, cuda::kFp8SrcBfloat16,
-                        cuda::kFp8SrcFloat16}) {
+  for (int32_t dtype :
+       {cuda::kFp8SrcFloat32, cuda::kFp8SrcBfloat16, cuda::kFp8SrcFloat16}) {
     for (const cuda::DirectJob& job : jobs) {
       if (job.src_dtype != dtype || !cuda::DirectLeanOk(job)) continue;
       for (int64_t b = 0; b < cuda::QuantJobBlocks(job.out); ++b) {

@@ -226,8 +226,8 @@ __global__ void __launch_bounds__(kVecThreads)
       }
     }
     Fp8Raw16 v[kVecPerThread];
-    float amax = VecLoadPart<kDtype, kVecPerThread>(job, b, threadIdx.x,
-                                                    kVecThreads, v);
+    float amax =
+        VecLoadPart<kDtype, kVecPerThread>(job, b, threadIdx.x, kVecThreads, v);
     amax = DirectBlockMax<kVecThreads>(amax, warp_max);
     // A job without a receipt in a batch with receipts sums terms that
     // FlushDirectReceipt drops (out == nullptr).
@@ -293,8 +293,8 @@ cudaError_t QuantizeFp8DirectLean(const DirectJob* jobs, int n,
       ResidentGrid(reinterpret_cast<const void*>(kernel), kVecThreads,
                    total_blocks, &per_sm[receipts ? 1 : 0][d], &grid);
   if (err != cudaSuccess) return err;
-  kernel<<<static_cast<unsigned>(grid), kVecThreads, 0, stream>>>(
-      jobs, n, total_blocks);
+  kernel<<<static_cast<unsigned>(grid), kVecThreads, 0, stream>>>(jobs, n,
+                                                                  total_blocks);
   return cudaGetLastError();
 }
 
