@@ -120,6 +120,19 @@ void Line(const char* what, int64_t bytes, double sec, double memcpy_sec) {
               bytes / sec / 1e9, sec / memcpy_sec);
 }
 
+// `bytes` of device memory filled with `host`'s bytes over and over.
+template <typename T>
+void FillRepeated(uint8_t* dev, int64_t bytes, const std::vector<T>& host,
+                  cudaStream_t stream) {
+  const int64_t block = static_cast<int64_t>(host.size() * sizeof(T));
+  for (int64_t at = 0; at < bytes; at += block) {
+    CHECK_CUDA(cudaMemcpyAsync(dev + at, host.data(),
+                               std::min(block, bytes - at),
+                               cudaMemcpyHostToDevice, stream));
+  }
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+}
+
 // Random-ish bytes, fast: a pattern the receipt can't shortcut.
 void FillPattern(uint8_t* dev, int64_t bytes, cudaStream_t stream) {
   std::vector<uint64_t> host(1 << 20);
@@ -128,13 +141,7 @@ void FillPattern(uint8_t* dev, int64_t bytes, cudaStream_t stream) {
     x = x * 6364136223846793005ull + 1442695040888963407ull;
     v = x;
   }
-  const int64_t block = host.size() * 8;
-  for (int64_t at = 0; at < bytes; at += block) {
-    CHECK_CUDA(cudaMemcpyAsync(dev + at, host.data(),
-                               std::min(block, bytes - at),
-                               cudaMemcpyHostToDevice, stream));
-  }
-  CHECK_CUDA(cudaStreamSynchronize(stream));
+  FillRepeated(dev, bytes, host, stream);
 }
 
 void Receipts(cudaStream_t stream, Timer& timer) {
@@ -538,13 +545,7 @@ void Fp8(cudaStream_t stream, Timer& timer) {
       v = static_cast<uint16_t>(((x >> 63) << 15) | (e << 7) |
                                 ((x >> 20) & 0x7F));
     }
-    const int64_t block = host.size() * 2;
-    for (int64_t at = 0; at < src_bytes; at += block) {
-      CHECK_CUDA(cudaMemcpyAsync(src + at, host.data(),
-                                 std::min(block, src_bytes - at),
-                                 cudaMemcpyHostToDevice, stream));
-    }
-    CHECK_CUDA(cudaStreamSynchronize(stream));
+    FillRepeated(src, src_bytes, host, stream);
   }
   std::vector<cuda::DirectJob> jobs;
   int64_t s_at = 0, q_at = 0, sc_at = 0, blocks = 0;

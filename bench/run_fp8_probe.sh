@@ -14,16 +14,9 @@
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/.." && pwd)"
-BIN="$(cd "${1:-.dev/bin}" && pwd)"
-OUT="${2:-/tmp/ws-fp8-probe}"
-mkdir -p "$OUT"
-OUT="$(cd "$OUT" && pwd)"
-export NCCL_NVLS_ENABLE=0
-NCCL_LIB=$(python3 -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "nccl", "lib"))' 2>/dev/null)
-export LD_LIBRARY_PATH="$BIN/../lib:${NCCL_LIB:+$NCCL_LIB:}/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export PYTHONPATH="$repo/client/python${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
-cd "$repo"
+. "$repo/tests/gpu/gpu_env.sh"
+gpu_env "$repo" "${1:-.dev/bin}" "${2:-/tmp/ws-fp8-probe}" || exit 2
+OUT="$LOG"
 { echo "date: $(date -Is) commit: ${COMMIT:-?}"; nvidia-smi -L; } | tee "$OUT/env.txt"
 echo "=== kernels"
 timeout -k 5 120 "$BIN/gpu_kernels_bench" --sections=fp8 --repeats="${REPEATS:-5}" \

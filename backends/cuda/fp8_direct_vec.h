@@ -297,6 +297,21 @@ WS_FP8_HD float VecLoadPart(const DirectJob& job, int64_t b, uint32_t t,
   return VecWiden<kDtype>(amax);
 }
 
+// Thread t's held vectors v, walked from k, into the block of divider dv.
+template <int kDtype, int kPer, bool kCvt, bool kReceipt, bool kDivider>
+WS_FP8_HD void VecWriteHeld(const DirectJob& job, VecWalk k,
+                            const Fp8Divider& dv, const Fp8Format& f,
+                            const Fp8Raw16 (&v)[kPer], uint64_t* sum) {
+  WS_FP8_UNROLL
+  for (int s = 0; s < kPer; ++s) {
+    if (k.r < k.h) {
+      VecWrite<kDtype, kCvt, kReceipt, kDivider>(
+          job.out.q + k.q, v[s], dv, f, job.out.e5m2, &job.receipt, k.q, sum);
+    }
+    VecNext<kDtype>(&k);
+  }
+}
+
 // Held blocks: thread t's FP8 vectors of block b from v, in a block of
 // amax `amax`; thread 0 also writes the scale. kReceipt: the terms of what
 // the thread stores added to *sum (job.receipt).
@@ -306,7 +321,7 @@ WS_FP8_HD void VecWritePart(const DirectJob& job, int64_t b, uint32_t t,
                             uint32_t threads, float amax,
                             const Fp8Raw16 (&v)[kPer],
                             uint64_t* sum = nullptr) {
-  VecWalk k = VecWalkOf<kDtype>(job, b, t, threads);
+  const VecWalk k = VecWalkOf<kDtype>(job, b, t, threads);
   const Fp8Format f = Fp8FormatOf(job.out.e5m2);
   const float d = Fp8DequantScale(amax, f);
   if (t == 0) DirectStoreScale<kReceipt>(job, k.i, k.j, d, sum);
@@ -314,25 +329,11 @@ WS_FP8_HD void VecWritePart(const DirectJob& job, int64_t b, uint32_t t,
       kDivider ? Fp8DividerOf(d) : Fp8Divider{d, 1.0f, d, 1.0f, false};
   if (kDivider && !dv.fast) {
     // A subnormal or huge scale (the whole block): plain divisions, so the
-    // loop below carries no per-element branch to them.
-    WS_FP8_UNROLL
-    for (int s = 0; s < kPer; ++s) {
-      if (k.r < k.h) {
-        VecWrite<kDtype, kCvt, kReceipt, false>(
-            job.out.q + k.q, v[s], dv, f, job.out.e5m2, &job.receipt, k.q, sum);
-      }
-      VecNext<kDtype>(&k);
-    }
+    // fast loop carries no per-element branch to them.
+    VecWriteHeld<kDtype, kPer, kCvt, kReceipt, false>(job, k, dv, f, v, sum);
     return;
   }
-  WS_FP8_UNROLL
-  for (int s = 0; s < kPer; ++s) {
-    if (k.r < k.h) {
-      VecWrite<kDtype, kCvt, kReceipt, kDivider>(
-          job.out.q + k.q, v[s], dv, f, job.out.e5m2, &job.receipt, k.q, sum);
-    }
-    VecNext<kDtype>(&k);
-  }
+  VecWriteHeld<kDtype, kPer, kCvt, kReceipt, kDivider>(job, k, dv, f, v, sum);
 }
 
 // Blocks too large to hold: thread t's part of the amax, read from the

@@ -228,6 +228,11 @@ enum class DirectShape {
   kLean
 };
 
+// Every shape, for the tests that run them all.
+inline constexpr DirectShape kAllDirectShapes[] = {
+    DirectShape::kKernel, DirectShape::kSmall,        DirectShape::kStreaming,
+    DirectShape::kVec,    DirectShape::kVecStreaming, DirectShape::kLean};
+
 }  // namespace testing
 }  // namespace weightsync
 

@@ -121,35 +121,30 @@ __device__ __forceinline__ void FlushDirectReceipt(uint64_t sum,
   }
 }
 
-// FP8 block b of `job` by the variant kKernel (0 regs, 1 vec, 2 cvt).
+// FP8 block b of `job` (source dtype kDtype) by the variant kKernel (0
+// regs, 1 vec, 2 cvt).
+template <int kDtype, int kKernel, bool kReceipt>
+__device__ __forceinline__ void DirectBlockBy(const DirectJob& job, int64_t b,
+                                              float* warp_max, uint64_t* sum) {
+  if constexpr (kKernel == 0) {
+    DirectBlock<kDtype, kDirectThreads, kReceipt>(job, b, warp_max, sum);
+  } else {
+    VecBlock<kDtype, kKernel == 2, kReceipt>(job, b, warp_max, sum);
+  }
+}
+
 template <int kKernel, bool kReceipt>
 __device__ __forceinline__ void DirectDispatch(const DirectJob& job, int64_t b,
                                                float* warp_max, uint64_t* sum) {
-  constexpr bool kCvt = kKernel == 2;
   switch (job.src_dtype) {  // the same for the whole thread block
     case kFp8SrcFloat32:
-      if constexpr (kKernel == 0) {
-        DirectBlock<kFp8SrcFloat32, kDirectThreads, kReceipt>(job, b, warp_max,
-                                                              sum);
-      } else {
-        VecBlock<kFp8SrcFloat32, kCvt, kReceipt>(job, b, warp_max, sum);
-      }
+      DirectBlockBy<kFp8SrcFloat32, kKernel, kReceipt>(job, b, warp_max, sum);
       break;
     case kFp8SrcBfloat16:
-      if constexpr (kKernel == 0) {
-        DirectBlock<kFp8SrcBfloat16, kDirectThreads, kReceipt>(job, b, warp_max,
-                                                               sum);
-      } else {
-        VecBlock<kFp8SrcBfloat16, kCvt, kReceipt>(job, b, warp_max, sum);
-      }
+      DirectBlockBy<kFp8SrcBfloat16, kKernel, kReceipt>(job, b, warp_max, sum);
       break;
     case kFp8SrcFloat16:
-      if constexpr (kKernel == 0) {
-        DirectBlock<kFp8SrcFloat16, kDirectThreads, kReceipt>(job, b, warp_max,
-                                                              sum);
-      } else {
-        VecBlock<kFp8SrcFloat16, kCvt, kReceipt>(job, b, warp_max, sum);
-      }
+      DirectBlockBy<kFp8SrcFloat16, kKernel, kReceipt>(job, b, warp_max, sum);
       break;
     default:
       break;  // refused by the caller
@@ -266,27 +261,17 @@ cudaError_t QuantizeFp8DirectLean(const DirectJob* jobs, int n,
   }
   if (n == 0 || total_blocks == 0) return cudaSuccess;
   using Kernel = void (*)(const DirectJob*, int, int64_t);
-  Kernel kernel;
-  int d;
-  switch (src_dtype) {
-    case kFp8SrcFloat32:
-      d = 0;
-      kernel = receipts ? LeanKernel<kFp8SrcFloat32, true>
-                        : LeanKernel<kFp8SrcFloat32, false>;
-      break;
-    case kFp8SrcBfloat16:
-      d = 1;
-      kernel = receipts ? LeanKernel<kFp8SrcBfloat16, true>
-                        : LeanKernel<kFp8SrcBfloat16, false>;
-      break;
-    case kFp8SrcFloat16:
-      d = 2;
-      kernel = receipts ? LeanKernel<kFp8SrcFloat16, true>
-                        : LeanKernel<kFp8SrcFloat16, false>;
-      break;
-    default:
-      return cudaErrorInvalidValue;
-  }
+  const Kernel kernels[2][3] = {
+      {LeanKernel<kFp8SrcFloat32, false>, LeanKernel<kFp8SrcBfloat16, false>,
+       LeanKernel<kFp8SrcFloat16, false>},
+      {LeanKernel<kFp8SrcFloat32, true>, LeanKernel<kFp8SrcBfloat16, true>,
+       LeanKernel<kFp8SrcFloat16, true>}};
+  const int d = src_dtype == kFp8SrcFloat32    ? 0
+                : src_dtype == kFp8SrcBfloat16 ? 1
+                : src_dtype == kFp8SrcFloat16  ? 2
+                                               : -1;
+  if (d < 0) return cudaErrorInvalidValue;
+  const Kernel kernel = kernels[receipts ? 1 : 0][d];
   static std::atomic<int> per_sm[2][3] = {};
   int64_t grid = 0;
   cudaError_t err =

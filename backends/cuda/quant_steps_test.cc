@@ -473,10 +473,7 @@ TEST(QuantStepsTest, DirectStepsInstallWhatTheHostDataPlaneInstalls) {
   for (int64_t chunk_bytes : {256, 768, 4096, 11520, 1 << 20}) {
     const std::string want = HostInstall(c, chunk_bytes);
     for (bool from_source : {false, true}) {
-      for (DirectShape shape :
-           {DirectShape::kKernel, DirectShape::kSmall, DirectShape::kStreaming,
-            DirectShape::kVec, DirectShape::kVecStreaming,
-            DirectShape::kLean}) {
+      for (DirectShape shape : testing::kAllDirectShapes) {
         SCOPED_TRACE(::testing::Message()
                      << "chunk_bytes " << chunk_bytes
                      << (from_source ? " from a source" : " packed")
@@ -588,10 +585,7 @@ TEST(QuantStepsTest, DirectKernelsSumTheReceiptOfWhatTheyWrite) {
       host_receipt = receipt->checksum();
     }
     for (bool from_source : {false, true}) {
-      for (DirectShape shape :
-           {DirectShape::kKernel, DirectShape::kSmall, DirectShape::kStreaming,
-            DirectShape::kVec, DirectShape::kVecStreaming,
-            DirectShape::kLean}) {
+      for (DirectShape shape : testing::kAllDirectShapes) {
         for (int wrong : {0, 1, 2}) {
           SCOPED_TRACE(::testing::Message()
                        << "chunk_bytes " << chunk_bytes

@@ -18,18 +18,9 @@
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
-BIN="$(cd "${1:-.dev/bin}" && pwd)"
-LOG="${2:-/tmp/ws-src}"
-mkdir -p "$LOG"
-LOG="$(cd "$LOG" && pwd)"
-export NCCL_NVLS_ENABLE=0
-NCCL_LIB=$(python3 -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "nccl", "lib"))' 2>/dev/null)
-export LD_LIBRARY_PATH="$BIN/../lib:${NCCL_LIB:+$NCCL_LIB:}/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export PYTHONPATH="$repo/client/python${PYTHONPATH:+:$PYTHONPATH}"
-export WEIGHTSYNCD="$BIN/weightsyncd" WEIGHTSYNC_GPU_WORKER="$BIN/weightsync_gpu_worker"
-export WS_LOG_DIR="$LOG" PYTHONUNBUFFERED=1
-PY="${PYTHON:-python3}"
-cd "$repo"
+. "$here/gpu_env.sh"
+gpu_env "$repo" "${1:-.dev/bin}" "${2:-/tmp/ws-src}" || exit 2
+export WS_LOG_DIR="$LOG"
 results=()
 record() { results+=("$(printf '%-60s %s' "$1" "$2")"); }
 run() {  # name seconds command...

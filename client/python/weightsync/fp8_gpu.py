@@ -511,13 +511,22 @@ def _build():
         return tl.sum(tl.sum(tl.where(mask, t.to(tl.int64), 0), axis=1), axis=0)
 
     @triton.jit
+    def _tile_load(src, sstride, r0, pr, pc, cc, SRC: tl.constexpr, RB: tl.constexpr):
+        # Rows [r0, r0 + RB) of the piece as float32 bits (int32), their
+        # row numbers and the mask of the piece's elements among them.
+        rr = r0 + tl.arange(0, RB)[:, None]
+        mask = (rr < pr) & (cc < pc)
+        raw = tl.load(src + rr.to(tl.int64) * sstride + cc, mask=mask, other=0)
+        return _f32_bits(raw, SRC).to(tl.int32, bitcast=True), rr, mask
+
+    @triton.jit
     def _fp8_tile_kernel(tab, out, SRC: tl.constexpr, RAW: tl.constexpr, E5M2: tl.constexpr,
                          FMAX_BITS: tl.constexpr, MAX_BITS: tl.constexpr,
-                         NAN_BITS: tl.constexpr, VEC: tl.constexpr, R: tl.constexpr,
-                         C: tl.constexpr, RB: tl.constexpr, FAST_DIV: tl.constexpr):
-        # One block of one piece (split's tile rows): held as one R x C tile
-        # (RB == R), or read in RB-row steps twice (amax, then the terms;
-        # the second read comes from cache).
+                         NAN_BITS: tl.constexpr, VEC: tl.constexpr, C: tl.constexpr,
+                         RB: tl.constexpr, FAST_DIV: tl.constexpr):
+        # One block of one piece (split's tile rows), read in RB x C tiles
+        # twice: the amax, then the terms (the second read comes from cache;
+        # holding the whole block at once was slower: bench/RESULTS.md).
         row = tab + tl.program_id(0).to(tl.int64) * 10
         src = tl.load(row + 0).to(tl.pointer_type(RAW))
         sstride = tl.load(row + 1)
@@ -538,38 +547,20 @@ def _build():
         dstride_lo = (dstride & 0xFFFFFFFF).to(tl.uint32)
         cc = tl.arange(0, C)[None, :]
         fmax = (tl.zeros([1, 1], dtype=tl.int32) + FMAX_BITS).to(tl.float32, bitcast=True)
-        if RB == R:
-            rr = tl.arange(0, R)[:, None]
-            mask = (rr < pr) & (cc < pc)
-            raw = tl.load(src + rr.to(tl.int64) * sstride + cc, mask=mask, other=0)
-            u = _f32_bits(raw, SRC).to(tl.int32, bitcast=True)
+        am = tl.zeros([RB, C], dtype=tl.int32)
+        for r0 in range(0, pr, RB):
+            u, rr, mask = _tile_load(src, sstride, r0, pr, pc, cc, SRC, RB)
             a = u & 0x7FFFFFFF
-            am = tl.max(tl.max(tl.where(a < 0x7F800000, a, 0), axis=1), axis=0)
-            amv = (tl.zeros([1, 1], dtype=tl.int32) + am).to(tl.float32, bitcast=True)
-            d = tl.math.div_rn(amv, fmax)
-            d = tl.where(d == 0.0, 1.0, d)
-            acc = _tile_terms(u, a, mask, d, rr, cc, dest_lo, dstride_lo, salt_hi,
-                              FMAX_BITS, MAX_BITS, NAN_BITS, E5M2, FAST_DIV)
-        else:
-            am = tl.zeros([RB, C], dtype=tl.int32)
-            for r0 in range(0, pr, RB):
-                rr = r0 + tl.arange(0, RB)[:, None]
-                mask = (rr < pr) & (cc < pc)
-                raw = tl.load(src + rr.to(tl.int64) * sstride + cc, mask=mask, other=0)
-                a = _f32_bits(raw, SRC).to(tl.int32, bitcast=True) & 0x7FFFFFFF
-                am = tl.maximum(am, tl.where(a < 0x7F800000, a, 0))
-            amv = (tl.zeros([1, 1], dtype=tl.int32)
-                   + tl.max(tl.max(am, axis=1), axis=0)).to(tl.float32, bitcast=True)
-            d = tl.math.div_rn(amv, fmax)
-            d = tl.where(d == 0.0, 1.0, d)
-            acc = tl.sum(tl.zeros([1], dtype=tl.int64), axis=0)
-            for r0 in range(0, pr, RB):
-                rr = r0 + tl.arange(0, RB)[:, None]
-                mask = (rr < pr) & (cc < pc)
-                raw = tl.load(src + rr.to(tl.int64) * sstride + cc, mask=mask, other=0)
-                u = _f32_bits(raw, SRC).to(tl.int32, bitcast=True)
-                acc += _tile_terms(u, u & 0x7FFFFFFF, mask, d, rr, cc, dest_lo, dstride_lo,
-                                   salt_hi, FMAX_BITS, MAX_BITS, NAN_BITS, E5M2, FAST_DIV)
+            am = tl.maximum(am, tl.where(a < 0x7F800000, a, 0))
+        amv = (tl.zeros([1, 1], dtype=tl.int32)
+               + tl.max(tl.max(am, axis=1), axis=0)).to(tl.float32, bitcast=True)
+        d = tl.math.div_rn(amv, fmax)
+        d = tl.where(d == 0.0, 1.0, d)
+        acc = tl.sum(tl.zeros([1], dtype=tl.int64), axis=0)
+        for r0 in range(0, pr, RB):
+            u, rr, mask = _tile_load(src, sstride, r0, pr, pc, cc, SRC, RB)
+            acc += _tile_terms(u, u & 0x7FFFFFFF, mask, d, rr, cc, dest_lo, dstride_lo,
+                               salt_hi, FMAX_BITS, MAX_BITS, NAN_BITS, E5M2, FAST_DIV)
         one = tl.zeros([1, 1], dtype=tl.float32) + 1.0
         stored = tl.where(rec != 0, tl.math.div_rn(one, d), d)
         sidx = tl.zeros([1, 1], dtype=tl.int64) + scale_index
@@ -646,7 +637,7 @@ def quantized_receipt_gpu(quantized, sent):
             tile[(blocks.shape[0],)](blocks, out, SRC=code, RAW=raw[code], E5M2=e5m2,
                                      FMAX_BITS=fmax_bits, MAX_BITS=max_bits, NAN_BITS=nan_bits,
                                      VEC=(4 if code == 0 else 8) if aligned else 1,
-                                     R=TILE_R, C=TILE_C, RB=TILE_RB,
+                                     C=TILE_C, RB=TILE_RB,
                                      FAST_DIV=TILE_FAST_DIV and code != 0,
                                      num_warps=TILE_WARPS)
     total = int(out.item()) & 0xFFFFFFFFFFFFFFFF
