@@ -231,8 +231,10 @@ WS_FP8_HD void VecWrite(uint8_t* q, const Fp8Raw16& v, const Fp8Divider& dv,
   for (int p = 0; p < kN / 2; ++p) {
     const float x0 = VecWiden<kDtype>(VecBits<kDtype>(v, 2 * p));
     const float x1 = VecWiden<kDtype>(VecBits<kDtype>(v, 2 * p + 1));
-    const bool n0 = (Fp8BitsOf(x0) & 0x7FFFFFFFu) > 0x7F800000u;
-    const bool n1 = (Fp8BitsOf(x1) & 0x7FFFFFFFu) > 0x7F800000u;
+    // NaN and +-inf pass as they are (+-inf / d is +-inf; Fp8Encode
+    // saturates it), the rest divides.
+    const bool n0 = (Fp8BitsOf(x0) & 0x7FFFFFFFu) >= 0x7F800000u;
+    const bool n1 = (Fp8BitsOf(x1) & 0x7FFFFFFFu) >= 0x7F800000u;
     // kDivider: the caller checked dv.fast (Fp8QuotientFast).
     const float q0 = kDivider ? Fp8QuotientFast(dv, x0) : Fp8Div(x0, dv.d);
     const float q1 = kDivider ? Fp8QuotientFast(dv, x1) : Fp8Div(x1, dv.d);
@@ -325,8 +327,7 @@ WS_FP8_HD void VecWritePart(const DirectJob& job, int64_t b, uint32_t t,
   const Fp8Format f = Fp8FormatOf(job.out.e5m2);
   const float d = Fp8DequantScale(amax, f);
   if (t == 0) DirectStoreScale<kReceipt>(job, k.i, k.j, d, sum);
-  const Fp8Divider dv =
-      kDivider ? Fp8DividerOf(d) : Fp8Divider{d, 1.0f, d, 1.0f, false};
+  const Fp8Divider dv = kDivider ? Fp8DividerOf(d) : Fp8Divider{d, 1.0f, false};
   if (kDivider && !dv.fast) {
     // A subnormal or huge scale (the whole block): plain divisions, so the
     // fast loop carries no per-element branch to them.
@@ -359,7 +360,7 @@ WS_FP8_HD void VecWriteStream(const DirectJob& job, int64_t b, uint32_t t,
   const float d = Fp8DequantScale(amax, f);
   VecWalk k = VecWalkOf<kDtype>(job, b, t, threads);
   if (t == 0) DirectStoreScale<kReceipt>(job, k.i, k.j, d, sum);
-  const Fp8Divider dv{d, 1.0f, d, 1.0f, false};
+  const Fp8Divider dv{d, 1.0f, false};
   for (; k.r < k.h; VecNext<kDtype>(&k)) {
     VecWrite<kDtype, kCvt, kReceipt>(job.out.q + k.q, VecLoad(job.src + k.src),
                                      dv, f, job.out.e5m2, &job.receipt, k.q,

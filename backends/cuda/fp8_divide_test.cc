@@ -4,10 +4,11 @@
 // |x| <= amax (x of both signs, zeros and subnormals included) and +-inf, d =
 // Fp8DequantScale(amax), e4m3fn and e5m2. The FP8 byte must be the one
 // x / d (an IEEE division here) encodes to, and the quotient itself bit
-// for bit x / d wherever it is not tiny (|x * 2^k| >= 2^-100). This is
+// for bit x / d wherever it is not tiny (|x / d| >= 2^-24). This is
 // the check Fp8Divider's comment relies on; the GPU runs the same
 // operations (__fmul_rn, __fmaf_rn).
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <thread>
 #include <vector>
@@ -44,10 +45,11 @@ void Sweep(bool bf16, bool e5m2, uint32_t lo, uint32_t hi, Tally* t) {
       for (uint32_t sign : {0u, 0x8000u}) {
         const float x = Widen(xb | sign, bf16);
         const float want = x / d;
-        const float got = Fp8Quotient(v, x);
+        // +-inf passes as it is, as VecWrite passes it.
+        const float got = std::isinf(x) ? x : Fp8Quotient(v, x);
         ++checked;
         const bool byte_ok = Fp8Encode(got, f) == Fp8Encode(want, f);
-        const bool tiny = v.fast && std::fabs(x * v.scale) < 0x1p-100f;
+        const bool tiny = std::fabs(want) < 0x1p-24f;
         const bool q_ok = tiny || Fp8BitsOf(got) == Fp8BitsOf(want);
         if (!byte_ok || !q_ok) {
           if (bad_bytes + bad_q == 0) {
@@ -86,10 +88,12 @@ void Exhaustive(bool bf16, bool e5m2) {
   EXPECT_EQ(t.bad_quotients.load(), 0)
       << "first bad: x bits " << std::hex << t.first_bad_x.load()
       << " amax bits " << t.first_bad_amax.load();
-  // Every amax swept, each against all x up to it; most take the fast path.
+  // Every amax swept, each against all x up to it.
   const int64_t amaxes = inf - 1;
   EXPECT_GT(t.checked.load(), amaxes * int64_t{inf});
-  EXPECT_GT(t.fast.load(), amaxes * 3 / 4);
+  // The fast path covers scales in [2^-60, 2^60]: every float16 amax,
+  // about half of the bfloat16 ones (the rest divide).
+  EXPECT_GT(t.fast.load(), amaxes * 2 / 5);
 }
 
 TEST(Fp8DivideTest, EveryBfloat16ElementAndScaleE4m3) {
@@ -105,16 +109,19 @@ TEST(Fp8DivideTest, EveryFloat16ElementAndScaleE5m2) {
   Exhaustive(false, true);
 }
 
-// The slow cases: subnormal and huge scales divide; 2^k is exact.
+// The slow cases: scales outside [2^-60, 2^60] divide.
 TEST(Fp8DivideTest, Divider) {
+  EXPECT_FALSE(Fp8DividerOf(0x1p-61f).fast);
+  EXPECT_FALSE(Fp8DividerOf(0x1p61f).fast);
   EXPECT_FALSE(Fp8DividerOf(0x1p-130f).fast);
-  EXPECT_FALSE(Fp8DividerOf(0x1p101f).fast);
   const Fp8Divider v = Fp8DividerOf(0x1.8p-20f);
   EXPECT_TRUE(v.fast);
-  EXPECT_EQ(v.scale, 0x1p20f);
-  EXPECT_EQ(v.d_k, 1.5f);
+  EXPECT_EQ(v.y, 1.0f / 0x1.8p-20f);
   EXPECT_EQ(Fp8Quotient(v, 3.0f), 3.0f / 0x1.8p-20f);
   EXPECT_EQ(Fp8Quotient(Fp8DividerOf(0x1p-130f), 0x1p-140f), 0x1p-10f);
+  // Signed zeros keep their sign.
+  EXPECT_TRUE(std::signbit(Fp8Quotient(v, -0.0f)));
+  EXPECT_FALSE(std::signbit(Fp8Quotient(v, 0.0f)));
 }
 
 }  // namespace

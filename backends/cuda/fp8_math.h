@@ -84,57 +84,45 @@ WS_FP8_HD float Fp8Fma(float a, float b, float c) {
 #endif
 }
 
-// x / d for the many x of one block, without a division each: x / d ==
-// (x * 2^k) / (d * 2^k) exactly where both products are exact, so with
-// d' = d * 2^k in [1, 2) and y = 1 / d' rounded once, Markstein's step
-//   q0 = x' * y,  r = fma(-q0, d', x') (exact),  q = fma(r, y, q0)
-// gives x' / d' rounded to nearest even wherever x' is not tiny; where it
-// is (|x'| < 2^-100, so |q| < 2^-100), q is a tiny value given x's sign,
-// as is x / d: both encode to the same FP8 zero. Used only where that was
-// checked for every element and every scale (fp8_divide_test: all
-// bfloat16 and float16 x against all amax of their dtype, both formats);
-// float32 sources divide (Fp8Div). `fast` false (d subnormal or above
-// 2^100): Fp8Div for every element.
+// x / d for the many x of one block, without a division each: with
+// y = 1 / d rounded once per block, Markstein's step
+//   q0 = x * y,  r = fma(q0, d, -x) (exact),  q = fma(-r, y, q0)
+// gives x / d rounded to nearest even wherever the residual r does not
+// underflow. With d in [2^-60, 2^60] (`fast`) that holds wherever |x / d|
+// >= 2^-24; below, q is within an ulp of a value that small, which every
+// FP8 format encodes to the zero of x's sign either way (the residual is
+// negated into the second FMA, not the first, so that +-0 and tiny x keep
+// their sign). +-inf x gives NaN here: callers pass +-inf and NaN x through
+// as they are, never by this quotient. Used only where that was checked
+// for every element and every scale (fp8_divide_test: all bfloat16 and
+// float16 x, +-inf included, against all amax of their dtype, both
+// formats); float32 sources divide (Fp8Div). `fast` false (d outside
+// [2^-60, 2^60]): Fp8Div for every element.
 struct Fp8Divider {
-  float d;      // the block's scale
-  float scale;  // 2^k
-  float d_k;    // d * 2^k
-  float y;      // 1 / d_k, rounded
+  float d;  // the block's scale
+  float y;  // 1 / d, rounded
   bool fast;
 };
 
 WS_FP8_HD Fp8Divider Fp8DividerOf(float d) {
-  Fp8Divider v{d, 1.0f, d, 1.0f, false};
+  Fp8Divider v{d, 1.0f, false};
   const uint32_t bits = Fp8BitsOf(d);
   const int e = static_cast<int>((bits >> 23) & 0xFFu);  // biased exponent
-  if (e == 0 || e > 127 + 100 || (bits >> 31) != 0) return v;
-  v.scale = Fp8FloatOf(static_cast<uint32_t>(254 - e) << 23);  // 2^(127-e)
-  v.d_k = Fp8FloatOf((bits & 0x807FFFFFu) | (127u << 23));     // in [1, 2)
-  v.y = Fp8Div(1.0f, v.d_k);
+  if (e < 127 - 60 || e > 127 + 60 || (bits >> 31) != 0) return v;
+  v.y = Fp8Div(1.0f, d);
   v.fast = true;
   return v;
 }
 
-// x / d rounded to nearest even; +-inf and NaN x come back as they are
-// (what x / d is for them, up to a NaN's payload, which callers never
-// encode from the quotient).
-WS_FP8_HD float Fp8QuotientFast(const Fp8Divider& v, float x);
-
-WS_FP8_HD float Fp8Quotient(const Fp8Divider& v, float x) {
-  if (!v.fast) return Fp8Div(x, v.d);
-  return Fp8QuotientFast(v, x);
+// x / d as above, where v.fast (the caller branched on it once per block).
+WS_FP8_HD float Fp8QuotientFast(const Fp8Divider& v, float x) {
+  const float q0 = Fp8Mul(x, v.y);
+  return Fp8Fma(-Fp8Fma(q0, v.d, -x), v.y, q0);
 }
 
-// Fp8Quotient where v.fast (the caller branched on it once per block).
-WS_FP8_HD float Fp8QuotientFast(const Fp8Divider& v, float x) {
-  const float xk = Fp8Mul(x, v.scale);
-  const float q0 = Fp8Mul(xk, v.y);
-  const float q = Fp8Fma(Fp8Fma(-q0, v.d_k, xk), v.y, q0);
-  const uint32_t xb = Fp8BitsOf(x);
-  // +-inf / d is +-inf (the residual step would make it NaN); NaN stays.
-  if ((xb & 0x7FFFFFFFu) >= 0x7F800000u) return x;
-  // x's sign (d > 0): a zero sum of a tiny -x is +0 otherwise.
-  return Fp8FloatOf((Fp8BitsOf(q) & 0x7FFFFFFFu) | (xb & 0x80000000u));
+// x / d rounded to nearest even (finite x; Fp8QuotientFast's domain).
+WS_FP8_HD float Fp8Quotient(const Fp8Divider& v, float x) {
+  return v.fast ? Fp8QuotientFast(v, x) : Fp8Div(x, v.d);
 }
 
 // The integer m * 2^-shift rounded to nearest, ties to even (shift >= 1).

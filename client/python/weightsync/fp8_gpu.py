@@ -469,21 +469,15 @@ def _build():
     def _tile_quotient(x, d, FAST_DIV: tl.constexpr):
         # x / d rounded to nearest even: fp8_math.h's Fp8Divider (checked
         # for every bfloat16 / float16 x and scale by fp8_divide_test) where
-        # FAST_DIV (such sources) and d is normal and <= 2^100, else div_rn.
+        # FAST_DIV (such sources) and d is in [2^-60, 2^60], else div_rn.
+        # +-inf x gives NaN: the caller encodes it by x's class.
         if FAST_DIV:
-            dbits = d.to(tl.int32, bitcast=True)
-            e = (dbits >> 23) & 0xFF
+            e = (d.to(tl.int32, bitcast=True) >> 23) & 0xFF
             e_s = tl.max(tl.max(e, axis=1), axis=0)
-            if (e_s != 0) & (e_s <= 227):
-                scale = ((254 - e) << 23).to(tl.float32, bitcast=True)
-                d_k = ((dbits & -0x7F800001) | (127 << 23)).to(tl.float32, bitcast=True)
-                y = tl.broadcast_to(tl.math.div_rn(d_k * 0.0 + 1.0, d_k), x.shape)
-                xk = x * scale
-                q0 = xk * y
-                q = tl.fma(tl.fma(-q0, tl.broadcast_to(d_k, x.shape), xk), y, q0)
-                qb = ((q.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
-                      | (x.to(tl.int32, bitcast=True) & -0x80000000))
-                q = qb.to(tl.float32, bitcast=True)
+            if (e_s >= 127 - 60) & (e_s <= 127 + 60):
+                y = tl.broadcast_to(tl.math.div_rn(d * 0.0 + 1.0, d), x.shape)
+                q0 = x * y
+                q = tl.fma(-tl.fma(q0, tl.broadcast_to(d, x.shape), -x), y, q0)
             else:
                 q = tl.math.div_rn(x, d)
         else:
