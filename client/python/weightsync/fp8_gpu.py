@@ -478,6 +478,12 @@ def _build():
                 y = tl.broadcast_to(tl.math.div_rn(d * 0.0 + 1.0, d), x.shape)
                 q0 = x * y
                 q = tl.fma(-tl.fma(q0, tl.broadcast_to(d, x.shape), -x), y, q0)
+                # x's sign, explicitly: the compiler may fold the negations
+                # (exact but for signed zeros), which lost -0's sign on an
+                # H100 (tests/gpu/check_fp8_triton_gpu.py's zero blocks).
+                q = ((q.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+                     | (x.to(tl.int32, bitcast=True) & -0x80000000)).to(tl.float32,
+                                                                         bitcast=True)
             else:
                 q = tl.math.div_rn(x, d)
         else:
