@@ -314,6 +314,8 @@ absl::Status GpuWorker::EnsureStreams() {
   WS_CUDA(cudaSetDevice(scatter_device_));
   WS_CUDA(cudaStreamCreateWithFlags(&recv_stream_, cudaStreamNonBlocking));
   WS_CUDA(cudaStreamCreateWithFlags(&scatter_stream_, cudaStreamNonBlocking));
+  WS_CUDA(cudaStreamCreateWithFlags(&quant_stream_, cudaStreamNonBlocking));
+  WS_CUDA(cudaEventCreateWithFlags(&quant_done_, cudaEventDisableTiming));
   WS_CUDA(cudaEventCreateWithFlags(&all_done_, cudaEventDisableTiming));
   WS_CUDA(cudaEventCreate(&first_op_));
   WS_CUDA(cudaEventCreate(&last_op_));

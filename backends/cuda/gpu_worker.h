@@ -186,6 +186,9 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   absl::Status PrepareDirect(const worker::v1::BeginUpdateRequest& held,
                              const worker::v1::BeginUpdateRequest& request);
   absl::Status UploadDirect();
+  // The direct batches of chunk k (all of them: k < 0) on `stream`, the
+  // next ones in order (direct_next_batch_).
+  absl::Status EnqueueDirect(int64_t k, cudaStream_t stream);
   absl::Status EnqueueChunkQuant(
       const worker::v1::BeginUpdateRequest& held, int64_t k,
       const uint8_t* chunk,
@@ -306,6 +309,10 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   absl::Duration enqueue_timeout_ = kDefaultEnqueueTimeout;
   int device_ = -1;
   cudaStream_t recv_stream_ = nullptr, scatter_stream_ = nullptr;
+  // An IPC update's direct quant steps run here, beside the chunks' copies
+  // on scatter_stream_ (EnqueueIpcUpdate); quant_done_ joins them back.
+  cudaStream_t quant_stream_ = nullptr;
+  cudaEvent_t quant_done_ = nullptr;
   std::vector<uint8_t*> staging_;
   int64_t staging_chunk_ = 0;
   std::vector<cudaEvent_t> recv_done_, scatter_done_;

@@ -29,18 +29,47 @@ absl::Status GpuWorker::EnqueueIpcUpdate(
   if (!batch.ok()) return batch;
   int op = 0;
   WS_CUDA(cudaEventRecord(first_op_, scatter_stream_));
+  // The direct quant steps read only the source, whole from the start, and
+  // write only FP8 targets: they run on their own stream, beside the
+  // chunks' copies (the copy engines, or kernels sharing the SMs), from the
+  // first op on, and join back before the chunk they were planned in (the
+  // last: its receipts may read what they wrote). The join is enqueued on
+  // every path, so whatever waits for scatter_stream_ waits for them too.
+  int64_t join_at = -1;
+  if (direct_next_batch_ < direct_batches_.size()) {
+    join_at = direct_batches_[direct_next_batch_].chunk;
+    WS_CUDA(cudaStreamWaitEvent(quant_stream_, first_op_, 0));
+    absl::Status d = EnqueueDirect(-1, quant_stream_);
+    WS_CUDA(cudaEventRecord(quant_done_, quant_stream_));
+    if (!d.ok()) {
+      WS_CUDA(cudaStreamWaitEvent(scatter_stream_, quant_done_, 0));
+      return d;
+    }
+  }
+  auto join = [&]() -> absl::Status {
+    if (join_at < 0) return absl::OkStatus();
+    join_at = -1;
+    WS_CUDA(cudaStreamWaitEvent(scatter_stream_, quant_done_, 0));
+    return absl::OkStatus();
+  };
   for (int64_t k = 0; k < request.chunk_sizes_size(); ++k) {
     // A registered source has no packed buffer: its ops name their source.
     const uint8_t* chunk = ipc_source_ == nullptr
                                ? nullptr
                                : ipc_source_ + k * request.chunk_bytes();
-    absl::Status s = EnqueueChunkOps(ops, k, chunk, allocs, sm_copies_, &op);
+    absl::Status s = k >= join_at && join_at >= 0 ? join() : absl::OkStatus();
+    if (s.ok()) s = EnqueueChunkOps(ops, k, chunk, allocs, sm_copies_, &op);
     if (s.ok()) s = EnqueueChunkQuant(ops, k, chunk, allocs);
     if (s.ok())
       s = EnqueueChunkSparse(request, k, chunk, allocs, /*apply=*/true);
     if (s.ok()) s = EnqueueReceiptsAfter(k);
-    if (!s.ok()) return s;
+    if (!s.ok()) {
+      join().IgnoreError();
+      return s;
+    }
   }
+  absl::Status joined = join();
+  if (!joined.ok()) return joined;
   absl::Status out = CopyReportsOut();
   if (out.ok()) out = CopyReceiptsOut();
   if (!out.ok()) return out;

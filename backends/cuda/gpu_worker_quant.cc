@@ -286,10 +286,15 @@ absl::Status GpuWorker::EnqueueChunkQuant(
     job.reciprocal = f.reciprocal();
     WS_CUDA(cuda::QuantizeFp8Blocks(job, scatter_stream_));
   }
-  // The chunk's direct steps: one launch a batch (they touch no scratch);
-  // with --fp8_direct_kernel=lean, one for each run SplitDirectBatches cut.
+  // The chunk's direct steps (they touch no scratch).
+  return EnqueueDirect(k, scatter_stream_);
+}
+
+absl::Status GpuWorker::EnqueueDirect(int64_t k, cudaStream_t stream) {
+  // One launch a batch; with --fp8_direct_kernel=lean, one for each run
+  // SplitDirectBatches cut.
   while (direct_next_batch_ < direct_batches_.size() &&
-         direct_batches_[direct_next_batch_].chunk == k) {
+         (k < 0 || direct_batches_[direct_next_batch_].chunk == k)) {
     const DirectBatch& b = direct_batches_[direct_next_batch_++];
     const auto* jobs =
         reinterpret_cast<const cuda::DirectJob*>(direct_dev_) + b.first;
