@@ -18,7 +18,9 @@ update aimed at one engine (`engine_ids`):
     python3 bench/fp8_bench.py WEIGHTSYNCD WEIGHTSYNC_GPU_WORKER [OUT_JSON]
 
 Writes OUT_JSON (default bench/results/fp8.json); BENCH_MODEL=small for a
-quick dry run.
+quick dry run; BENCH_CHUNK_BYTES asks for another chunk size. Each series
+also records the medians of the trainer's own timings (`*_parts`: prepare,
+start_to_finish, receipts).
 """
 
 import datetime
@@ -36,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 MODEL = os.environ.get("BENCH_MODEL", "qwen3-8b")
 REPEATS = int(os.environ.get("BENCH_REPEATS", "5"))
+CHUNK_BYTES = int(os.environ.get("BENCH_CHUNK_BYTES", "0"))   # 0: the daemon's default
 GPU = 0
 TORCH_DT = {"BFLOAT16": "bfloat16", "FLOAT32": "float32", "FLOAT8_E4M3FN": "float8_e4m3fn"}
 
@@ -119,20 +122,25 @@ def trainer_main(conn, target):
     version = [0]
 
     def series(engine, verify, key):
-        times = []
+        times, parts = [], {}
         for i in range(REPEATS + 1):
             version[0] += 1
             torch.cuda.synchronize(dev)
             t = time.perf_counter()
             trainer.update(pairs, version=version[0], verify=verify,
-                           engine_ids=[f"engine-{engine}"])
+                           engine_ids=[f"engine-{engine}"], chunk_bytes=CHUNK_BYTES)
             dt = time.perf_counter() - t
             if i:
                 times.append(dt)
+                for k, v in (trainer._gpu.last_timings or {}).items():
+                    parts.setdefault(k, []).append(v)
             else:
                 out[key + "_first"] = dt
         out[key] = statistics.median(times)
         out[key + "_all"] = times
+        # Where the time went (the trainer's timings: prepare, Start to
+        # Finish on the daemon, the receipts' expectation), medians.
+        out[key + "_parts"] = {k: statistics.median(v) for k, v in parts.items()}
         print(f"{key}: {out[key] * 1e3:.2f} ms (first {out[key + '_first'] * 1e3:.1f})",
               file=sys.stderr, flush=True)
 
@@ -190,7 +198,9 @@ def main():
     for k in ("bf16_update_s_receipts_off", "fp8_update_s_receipts_off", "bf16_update_s",
               "fp8_update_s"):
         if k in res:
-            print(f"{k:28s} {res[k] * 1e3:9.2f} ms  (first {res[k + '_first'] * 1e3:.1f} ms)")
+            parts = ", ".join(f"{p} {v * 1e3:.2f}" for p, v in res.get(k + "_parts", {}).items())
+            print(f"{k:28s} {res[k] * 1e3:9.2f} ms  (first {res[k + '_first'] * 1e3:.1f} ms; "
+                  f"{parts})")
     print(f"ratio fp8/bf16: receipts on {res.get('ratio', float('nan')):.3f}, "
           f"off {res['ratio_receipts_off']:.3f}")
     print(f"torch quantisation of the {res['torch_quantize_weights']} linear weights: "
