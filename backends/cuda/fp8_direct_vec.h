@@ -314,6 +314,11 @@ WS_FP8_HD void VecWriteHeld(const DirectJob& job, VecWalk k,
   }
 }
 
+template <int kDtype, bool kCvt, bool kReceipt>
+WS_FP8_HD void VecWriteStream(const DirectJob& job, int64_t b, uint32_t t,
+                              uint32_t threads, float amax, uint64_t* sum,
+                              bool scale_written);
+
 // Held blocks: thread t's FP8 vectors of block b from v, in a block of
 // amax `amax`; thread 0 also writes the scale. kReceipt: the terms of what
 // the thread stores added to *sum (job.receipt).
@@ -329,9 +334,13 @@ WS_FP8_HD void VecWritePart(const DirectJob& job, int64_t b, uint32_t t,
   if (t == 0) DirectStoreScale<kReceipt>(job, k.i, k.j, d, sum);
   const Fp8Divider dv = kDivider ? Fp8DividerOf(d) : Fp8Divider{d, 1.0f, false};
   if (kDivider && !dv.fast) {
-    // A subnormal or huge scale (the whole block): plain divisions, so the
-    // fast loop carries no per-element branch to them.
-    VecWriteHeld<kDtype, kPer, kCvt, kReceipt, false>(job, k, dv, f, v, sum);
+    // A scale outside the divider's range (the whole block, rare): plain
+    // divisions of the source read again, a small loop of its own, so that
+    // neither a per-element branch nor a second unrolled copy of the loop
+    // weighs on the common path (the kernel's code size counts: the
+    // second copy cost ~2 ms of 14.8 on Qwen3-8B, bench/RESULTS.md).
+    VecWriteStream<kDtype, kCvt, kReceipt>(job, b, t, threads, amax, sum,
+                                           /*scale_written=*/true);
     return;
   }
   VecWriteHeld<kDtype, kPer, kCvt, kReceipt, kDivider>(job, k, dv, f, v, sum);
@@ -352,14 +361,17 @@ WS_FP8_HD float VecAmaxStream(const DirectJob& job, int64_t b, uint32_t t,
 
 // ... and its FP8 vectors, read again; thread 0 also writes the scale.
 // kReceipt: as VecWritePart.
-template <int kDtype, bool kCvt, bool kReceipt = false>
+// scale_written: the caller stored the scale (and summed its term).
+template <int kDtype, bool kCvt, bool kReceipt>
 WS_FP8_HD void VecWriteStream(const DirectJob& job, int64_t b, uint32_t t,
-                              uint32_t threads, float amax,
-                              uint64_t* sum = nullptr) {
+                              uint32_t threads, float amax, uint64_t* sum,
+                              bool scale_written) {
   const Fp8Format f = Fp8FormatOf(job.out.e5m2);
   const float d = Fp8DequantScale(amax, f);
   VecWalk k = VecWalkOf<kDtype>(job, b, t, threads);
-  if (t == 0) DirectStoreScale<kReceipt>(job, k.i, k.j, d, sum);
+  if (t == 0 && !scale_written) {
+    DirectStoreScale<kReceipt>(job, k.i, k.j, d, sum);
+  }
   const Fp8Divider dv{d, 1.0f, false};
   for (; k.r < k.h; VecNext<kDtype>(&k)) {
     VecWrite<kDtype, kCvt, kReceipt>(job.out.q + k.q, VecLoad(job.src + k.src),

@@ -109,7 +109,11 @@ WS_FP8_HD Fp8Divider Fp8DividerOf(float d) {
   const uint32_t bits = Fp8BitsOf(d);
   const int e = static_cast<int>((bits >> 23) & 0xFFu);  // biased exponent
   if (e < 127 - 60 || e > 127 + 60 || (bits >> 31) != 0) return v;
+#if defined(__CUDA_ARCH__)
+  v.y = __frcp_rn(d);  // 1 / d rounded to nearest even, as Fp8Div(1, d)
+#else
   v.y = Fp8Div(1.0f, d);
+#endif
   v.fast = true;
   return v;
 }

@@ -100,13 +100,15 @@ void VecBlock(const cuda::DirectJob& job, int64_t b, uint32_t threads) {
         cuda::VecWritePart<kDtype, kPer, false>(job, b, t, threads, amax,
                                                 regs(t));
       } else {
-        cuda::VecWriteStream<kDtype, false>(job, b, t, threads, amax);
+        cuda::VecWriteStream<kDtype, false, false>(job, b, t, threads, amax,
+                                                   nullptr, false);
       }
     } else if (held) {
       cuda::VecWritePart<kDtype, kPer, false, true>(job, b, t, threads, amax,
                                                     regs(t), &sum);
     } else {
-      cuda::VecWriteStream<kDtype, false, true>(job, b, t, threads, amax, &sum);
+      cuda::VecWriteStream<kDtype, false, true>(job, b, t, threads, amax, &sum,
+                                                false);
     }
     if (job.receipt.out != nullptr) *job.receipt.out += sum;
   }

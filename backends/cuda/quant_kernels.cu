@@ -101,7 +101,8 @@ __device__ __forceinline__ void VecBlock(const DirectJob& job, int64_t b,
   }
   float amax = VecAmaxStream<kDtype>(job, b, t, kVecThreads);
   amax = DirectBlockMax<kVecThreads>(amax, warp_max);
-  VecWriteStream<kDtype, kCvt, kReceipt>(job, b, t, kVecThreads, amax, sum);
+  VecWriteStream<kDtype, kCvt, kReceipt>(job, b, t, kVecThreads, amax, sum,
+                                         false);
 }
 
 // Receipts (DirectJob's receipt): each thread sums the terms of what it
