@@ -390,7 +390,7 @@ class TorchShimTest(unittest.TestCase):
             for chunk in (fp8.CHUNK, 7, 700):
                 self.assertEqual(fp8.quantized_receipt(quant, as_t, ops, chunk=chunk), want)
             # expected_receipt_arrays sends them to the torch path.
-            self.assertEqual(receipts._quantized_where_sent(quant, as_t), want)
+            self.assertEqual(receipts.quantized_where_sent(quant, as_t), want)
             x = receipts._to_float32(_values(rng, "FLOAT16", 130 * 70).view(np.uint8),
                                      "FLOAT16").reshape(130, 70)
             for fmt in FORMATS:
@@ -419,7 +419,7 @@ class TorchShimTest(unittest.TestCase):
                 return real(q, s, ops, **kw)
             fp8.quantized_receipt = spy
             try:
-                got = receipts._quantized_where_sent(quant, mixed)
+                got = receipts.quantized_where_sent(quant, mixed)
             finally:
                 fp8.quantized_receipt = real
             self.assertEqual(got, want)

@@ -587,7 +587,7 @@ def expected_receipt_arrays(layout, sent, ops=None, block=1 << 22):
         from weightsync import fp8
         plain, quant, _ = fp8.split_layout(layout)
         checksum, params, nbytes = expected_receipt_arrays(plain, sent, ops, block)
-        q_sum, q_params, q_bytes = _quantized_where_sent(quant, sent)
+        q_sum, q_params, q_bytes = quantized_where_sent(quant, sent)
         return (checksum + q_sum) & _xp.MASK64, params + q_params, nbytes + q_bytes
     if ops is None and _all_cuda(sent):
         from weightsync import receipts_gpu
@@ -601,7 +601,7 @@ def has_fp8(layout):
     return any(p.HasField("quantization") for p in layout)
 
 
-def _quantized_where_sent(quantized, sent):
+def quantized_where_sent(quantized, sent):
     """weightsync.fp8.quantized_receipt of FP8 targets where their sources
     are: a parameter whose sent sources are all CUDA tensors of one device
     is quantised and summed there by the fused Triton kernel

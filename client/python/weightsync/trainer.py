@@ -236,6 +236,7 @@ class Trainer:
         self._source_gen = 0     # registrations made (a process-unique number each)
         self._layouts = {}     # layout_id -> layout (for receipts)
         self._layout_fp8 = {}  # layout_id -> whether it has FP8 targets
+        self._layout_split = {}  # layout_id -> (plain, quantised) parameters
         self._ipc_ring_slots = 2
         self.last_results = []
         self.last_starts = []  # several daemons: each one's Start answer
@@ -1238,14 +1239,30 @@ class Trainer:
             if layout_id not in self._layout_fp8:
                 self._layout_fp8[layout_id] = has_fp8(layout)
             return self._layout_fp8[layout_id]
+        def fp8_expected(layout, layout_id):
+            # The plain parameters by the receipts kernel with the plan
+            # cached as for a layout without FP8 targets (keyed: nothing per
+            # tensor), the quantised ones by weightsync.fp8_gpu; the split
+            # once per layout id.
+            from weightsync import fp8
+            from weightsync.receipts import quantized_where_sent
+            split = self._layout_split.get(layout_id) if layout_id else None
+            if split is None:
+                split = fp8.split_layout(layout)[:2]
+                if layout_id:
+                    self._layout_split[layout_id] = split
+            plain, quant = split
+            c, n, b = fast.expected_receipts_gpu({0: plain}, sent, plan_key=(
+                plan_key, layout_id, "plain") if layout_id else None)[0]
+            q_sum, q_params, q_bytes = quantized_where_sent(quant, sent())
+            return (c + q_sum) & 0xFFFFFFFFFFFFFFFF, n + q_params, b + q_bytes
         try:
             if fast is None:
                 self._check_receipts(results, lambda layout: expected_receipt_arrays(
                     layout, sent()))
             else:
-                # FP8 layouts: the Triton kernel sums no quantised parameters.
                 self._check_receipts(results, lambda layout, layout_id: (
-                    expected_receipt_arrays(layout, sent()) if fp8_of(layout, layout_id) else
+                    fp8_expected(layout, layout_id) if fp8_of(layout, layout_id) else
                     fast.expected_receipts_gpu({0: layout}, sent, plan_key=(
                         plan_key, layout_id) if layout_id else None)[0]), keyed=True)
         finally:
