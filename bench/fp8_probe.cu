@@ -42,7 +42,7 @@ __device__ __forceinline__ void Load(const DirectJob& job, int64_t b,
 
 template <int kDiv>
 __device__ __forceinline__ float Quot(float x, float d, float r) {
-  if (kDiv == 0) return __fdiv_rn(x, d);
+  if (kDiv == 0 || kDiv > 2) return __fdiv_rn(x, d);
   const float q0 = __fmul_rn(x, r);
   if (kDiv == 2) return q0;
   const float e = __fmaf_rn(-q0, d, x);
@@ -53,10 +53,16 @@ template <int kPer, int kDiv>
 __device__ __forceinline__ void Write(const DirectJob& job, int64_t b,
                                       uint32_t threads, float amax,
                                       const Fp8Raw16 (&v)[kPer]) {
+  if constexpr (kDiv == 4) {  // the lean kernel's own per-thread code
+    cuda::VecWritePart<kB, kPer, true, false, true>(job, b, threadIdx.x,
+                                                    threads, amax, v);
+    return;
+  }
   cuda::VecWalk k = cuda::VecWalkOf<kB>(job, b, threadIdx.x, threads);
   const cuda::Fp8Format f = cuda::Fp8FormatOf(job.out.e5m2);
   const float d = cuda::Fp8DequantScale(amax, f);
   const float r = __frcp_rn(d);
+  const cuda::Fp8Divider dv = cuda::Fp8DividerOf(d);
   if (threadIdx.x == 0) {
     cuda::Fp8StoreScale(job.out.scale + 4 * (k.i * job.out.scale_stride + k.j),
                         cuda::Fp8StoredScale(d, job.out.reciprocal));
@@ -69,11 +75,17 @@ __device__ __forceinline__ void Write(const DirectJob& job, int64_t b,
       for (int p = 0; p < 4; ++p) {
         const float x0 = cuda::VecWiden<kB>(cuda::VecBits<kB>(v[s], 2 * p));
         const float x1 = cuda::VecWiden<kB>(cuda::VecBits<kB>(v[s], 2 * p + 1));
-        const bool n0 = (cuda::Fp8BitsOf(x0) & 0x7FFFFFFFu) > 0x7F800000u;
-        const bool n1 = (cuda::Fp8BitsOf(x1) & 0x7FFFFFFFu) > 0x7F800000u;
-        const uint32_t pair = cuda::VecEncode2<true>(
-            n0 ? x0 : Quot<kDiv>(x0, d, r), n1 ? x1 : Quot<kDiv>(x1, d, r), f,
-            job.out.e5m2);
+        const bool n0 = (cuda::Fp8BitsOf(x0) & 0x7FFFFFFFu) >=
+                        (kDiv == 3 ? 0x7F800000u : 0x7F800001u);
+        const bool n1 = (cuda::Fp8BitsOf(x1) & 0x7FFFFFFFu) >=
+                        (kDiv == 3 ? 0x7F800000u : 0x7F800001u);
+        // kDiv 3: the lean kernel's math (Fp8Divider) in the probe's loop.
+        const float q0 =
+            kDiv == 3 ? cuda::Fp8QuotientFast(dv, x0) : Quot<kDiv>(x0, d, r);
+        const float q1 =
+            kDiv == 3 ? cuda::Fp8QuotientFast(dv, x1) : Quot<kDiv>(x1, d, r);
+        const uint32_t pair =
+            cuda::VecEncode2<true>(n0 ? x0 : q0, n1 ? x1 : q1, f, job.out.e5m2);
         if (p % 2 == 0) {
           out[p / 2] = pair;
         } else {
@@ -157,8 +169,14 @@ cudaError_t Launch(const DirectJob* jobs, int n, int64_t total,
 template <int kThreads>
 cudaError_t ByVariant(int variant, const DirectJob* jobs, int n, int64_t total,
                       cudaStream_t stream) {
-  const int div = (variant & 4) ? 2 : (variant & 2) ? 1 : 0;
+  const int div = (variant & 16)  ? 4
+                  : (variant & 8) ? 3
+                  : (variant & 4) ? 2
+                  : (variant & 2) ? 1
+                                  : 0;
   const bool ahead = (variant & 1) != 0;
+  if (div == 3) return Launch<kThreads, false, 3>(jobs, n, total, stream);
+  if (div == 4) return Launch<kThreads, false, 4>(jobs, n, total, stream);
   if (ahead) {
     if (div == 0) return Launch<kThreads, true, 0>(jobs, n, total, stream);
     if (div == 1) return Launch<kThreads, true, 1>(jobs, n, total, stream);

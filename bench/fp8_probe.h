@@ -19,7 +19,10 @@ namespace bench {
 // the current one; bit 1 divides by a Markstein step (x * r, one residual
 // FMA, one correcting FMA; r = 1 / d rounded, once per block) instead of
 // __fdiv_rn; bit 2 multiplies by r only (no correction: a lower bound on
-// the division's cost, not exact). threads: 256 or 512.
+// the division's cost, not exact); bit 3 the lean kernel's quotient
+// (Fp8Divider) in the probe's loop, bit 4 the lean kernel's per-thread
+// write (VecWritePart) in it (bits 3 and 4 ignore bit 0). threads: 256 or
+// 512.
 cudaError_t Fp8Probe(int variant, int threads, const cuda::DirectJob* jobs,
                      int n, int64_t total_blocks, cudaStream_t stream);
 

@@ -633,17 +633,22 @@ void Fp8(cudaStream_t stream, Timer& timer) {
   Line("receipt pass over the FP8 bytes and scales (+ sync)", q_bytes,
        receipt_sec, memcpy_sec);
   for (int threads : {256, 512}) {
-    for (int variant : {0, 1, 2, 3, 4, 5}) {
+    for (int variant : {0, 1, 2, 3, 4, 5, 8, 16}) {
+      if (threads == 512 && variant >= 8) continue;
       CHECK_CUDA(cudaMemsetAsync(q, 0, q_bytes, stream));
       const double sec = timer.Median([&] {
         CHECK_CUDA(bench::Fp8Probe(variant, threads, jd, n, blocks, stream));
       });
       const unsigned long long h = checksum(out);
       char what[128];
-      std::snprintf(
-          what, sizeof(what), "probe %d threads%s%s%s%s", threads,
-          (variant & 1) ? " +ahead" : "", (variant & 2) ? " +markstein" : "",
-          (variant & 4) ? " +mul-only" : "", h == want ? "" : " (DIFFERS)");
+      std::snprintf(what, sizeof(what), "probe %d threads%s%s%s%s", threads,
+                    (variant & 1) ? " +ahead" : "",
+                    (variant & 2) ? " +markstein" : "",
+                    (variant & 4)    ? " +mul-only"
+                    : (variant & 8)  ? " lean's quotient"
+                    : (variant & 16) ? " lean's write"
+                                     : "",
+                    h == want ? "" : " (DIFFERS)");
       Line(what, src_bytes, sec, memcpy_sec);
     }
   }
