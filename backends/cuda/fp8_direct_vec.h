@@ -282,21 +282,20 @@ WS_FP8_HD bool VecHeld(const DirectJob& job, int64_t b, uint32_t threads,
   return h * (w / VecElems<kDtype>()) <= int64_t{threads} * per_thread;
 }
 
-// Held blocks: thread t's vectors of block b into v (zeros past the
-// block's end); their amax. Every load is issued before any is used, so
-// that all of them are in flight together.
+// Held blocks: thread t's vectors of block b into v; their amax.
 template <int kDtype, int kPer>
 WS_FP8_HD float VecLoadPart(const DirectJob& job, int64_t b, uint32_t t,
                             uint32_t threads, Fp8Raw16 (&v)[kPer]) {
   VecWalk k = VecWalkOf<kDtype>(job, b, t, threads);
-  WS_FP8_UNROLL
-  for (int s = 0; s < kPer; ++s) {
-    v[s] = k.r < k.h ? VecLoad(job.src + k.src) : Fp8Raw16{};
-    VecNext<kDtype>(&k);
-  }
   uint32_t amax = 0;
   WS_FP8_UNROLL
-  for (int s = 0; s < kPer; ++s) amax = VecAmaxBits<kDtype>(amax, v[s]);
+  for (int s = 0; s < kPer; ++s) {
+    if (k.r < k.h) {
+      v[s] = VecLoad(job.src + k.src);
+      amax = VecAmaxBits<kDtype>(amax, v[s]);
+    }
+    VecNext<kDtype>(&k);
+  }
   return VecWiden<kDtype>(amax);
 }
 
