@@ -522,12 +522,7 @@ std::vector<cuda::ReceiptRegion> RegionsOf(
       if (!p.quant.has_value()) continue;
       const QuantLayout& q = *p.quant;
       const ParameterLayout& scale = engine.parameters[q.scale_parameter];
-      const QuantRect r = *SegmentRect(q.cols, s);
-      const int64_t i0 = r.r0 / q.block_rows;
-      const int64_t i1 = (r.r1 + q.block_rows - 1) / q.block_rows;
-      const int64_t j0 = r.c0 / q.block_cols;
-      const int64_t j1 = (r.c1 + q.block_cols - 1) / q.block_cols;
-      const int64_t first = i0 * q.grid_cols + j0;
+      const auto [i0, i1, j0, j1, first] = ScaleBlocksOf(q, s);
       cuda::ReceiptRegion k{};
       k.base = base + scale.offset + first * 4;
       k.rows = i1 - i0;

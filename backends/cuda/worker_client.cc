@@ -453,12 +453,7 @@ absl::Status AddScaleRegion(const EngineLayout& engine,
         "engine '", engine.engine_id, "': scale parameter '", scale.name,
         "' is in host memory; the GPU backends read GPU memory"));
   }
-  const QuantRect r = *SegmentRect(q.cols, s);
-  const int64_t i0 = r.r0 / q.block_rows;
-  const int64_t i1 = (r.r1 + q.block_rows - 1) / q.block_rows;
-  const int64_t j0 = r.c0 / q.block_cols;
-  const int64_t j1 = (r.c1 + q.block_cols - 1) / q.block_cols;
-  const int64_t first = i0 * q.grid_cols + j0;
+  const auto [i0, i1, j0, j1, first] = ScaleBlocksOf(q, s);
   worker::v1::ReceiptRegionSpec* g = req->add_regions();
   g->set_allocation_id(region->id());
   g->set_offset(scale.offset + first * 4);

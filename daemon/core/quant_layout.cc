@@ -202,6 +202,17 @@ absl::Status CheckOne(const v1::RegisterEngineRequest& request, int i,
 
 }  // namespace
 
+ScaleBlocks ScaleBlocksOf(const QuantLayout& q, const SegmentLayout& s) {
+  const QuantRect r = *SegmentRect(q.cols, s);
+  ScaleBlocks b;
+  b.i0 = r.r0 / q.block_rows;
+  b.i1 = (r.r1 + q.block_rows - 1) / q.block_rows;
+  b.j0 = r.c0 / q.block_cols;
+  b.j1 = (r.c1 + q.block_cols - 1) / q.block_cols;
+  b.first = b.i0 * q.grid_cols + b.j0;
+  return b;
+}
+
 std::optional<QuantRect> SegmentRect(int64_t cols, const SegmentLayout& s) {
   const int64_t r0 = s.dest_offset / cols, c0 = s.dest_offset % cols;
   if (s.dest_row_stride == cols && s.col_count <= cols - c0) {

@@ -59,6 +59,15 @@ struct QuantRect {
 };
 std::optional<QuantRect> SegmentRect(int64_t cols, const SegmentLayout& s);
 
+// The blocks rows [i0, i1) x cols [j0, j1) of FP8 target `q`'s scale grid
+// that segment `s` (of a checked layout: SegmentRect has a value) writes,
+// and `first`, the flat index of block (i0, j0): the scales its receipt
+// counts.
+struct ScaleBlocks {
+  int64_t i0 = 0, i1 = 0, j0 = 0, j1 = 0, first = 0;
+};
+ScaleBlocks ScaleBlocksOf(const QuantLayout& q, const SegmentLayout& s);
+
 }  // namespace weightsync
 
 #endif  // WEIGHTSYNC_DAEMON_CORE_QUANT_LAYOUT_H_

@@ -45,21 +45,17 @@ absl::Status AddScaleTerms(const EngineLayout& engine, const ParameterLayout& p,
                            int64_t* blocks) {
   const QuantLayout& q = *p.quant;
   const ParameterLayout& scale = engine.parameters[q.scale_parameter];
-  const QuantRect r = *SegmentRect(q.cols, s);
-  const int64_t i0 = r.r0 / q.block_rows;
-  const int64_t i1 = (r.r1 + q.block_rows - 1) / q.block_rows;
-  const int64_t j0 = r.c0 / q.block_cols;
-  const int64_t j1 = (r.c1 + q.block_cols - 1) / q.block_cols;
+  const ScaleBlocks b = ScaleBlocksOf(q, s);
   const MappedRegion& region = *engine.regions[scale.region];
   const uint8_t* base = region.data() + scale.offset;
   const bool read = GuardedAccess(region, [&] {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t first = i * q.grid_cols + j0;
-      *sum += RunTerms(scale.salt, first, base + first * 4, j1 - j0, 4);
+    for (int64_t i = b.i0; i < b.i1; ++i) {
+      const int64_t first = i * q.grid_cols + b.j0;
+      *sum += RunTerms(scale.salt, first, base + first * 4, b.j1 - b.j0, 4);
     }
   });
   if (!read) return Gone(scale);
-  *blocks = (i1 - i0) * (j1 - j0);
+  *blocks = (b.i1 - b.i0) * (b.j1 - b.j0);
   return absl::OkStatus();
 }
 
