@@ -1,3 +1,5 @@
+#include <cuda_fp8.h>
+
 #include "backends/cuda/fp8_direct_vec.h"
 #include "bench/fp8_probe.h"
 
@@ -187,7 +189,35 @@ cudaError_t ByVariant(int variant, const DirectJob* jobs, int n, int64_t total,
   return Launch<kThreads, false, 2>(jobs, n, total, stream);
 }
 
+__global__ void SatfiniteKernel(unsigned long long* bad) {
+  const cuda::Fp8Format f4 = cuda::Fp8FormatOf(false);
+  const cuda::Fp8Format f5 = cuda::Fp8FormatOf(true);
+  unsigned long long b4 = 0, b5 = 0;
+  const uint64_t step = uint64_t{gridDim.x} * blockDim.x;
+  for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+       i < (uint64_t{1} << 32); i += step) {
+    const uint32_t bits = static_cast<uint32_t>(i);
+    if ((bits & 0x7FFFFFFFu) >= 0x7F800000u) continue;  // inf, NaN
+    const float q = __uint_as_float(bits);
+    const uint32_t h4 = __nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3);
+    const uint32_t h5 = __nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E5M2);
+    const bool d4 = (h4 & 0xFFu) != cuda::Fp8Encode(q, f4);
+    const bool d5 = (h5 & 0xFFu) != cuda::Fp8Encode(q, f5);
+    b4 += d4;
+    b5 += d5;
+    if (d4 || d5)
+      atomicCAS(bad + 2, 0ull, static_cast<unsigned long long>(bits));
+  }
+  if (b4) atomicAdd(bad, b4);
+  if (b5) atomicAdd(bad + 1, b5);
+}
+
 }  // namespace
+
+cudaError_t Fp8SatfiniteCheck(unsigned long long* bad, cudaStream_t stream) {
+  SatfiniteKernel<<<132 * 8, 256, 0, stream>>>(bad);
+  return cudaGetLastError();
+}
 
 cudaError_t Fp8Probe(int variant, int threads, const DirectJob* jobs, int n,
                      int64_t total_blocks, cudaStream_t stream) {

@@ -26,6 +26,13 @@ namespace bench {
 cudaError_t Fp8Probe(int variant, int threads, const cuda::DirectJob* jobs,
                      int n, int64_t total_blocks, cudaStream_t stream);
 
+// The hardware's saturating conversion (cvt.rn.satfinite, what the cvt
+// and lean kernels encode with) against fp8_math.h's Fp8Encode for every
+// finite float32 bit pattern, e4m3fn and e5m2: bad[0], bad[1] get the
+// number of patterns whose bytes differ in each format, bad[2] the first
+// such pattern (device memory; the caller zeroes it).
+cudaError_t Fp8SatfiniteCheck(unsigned long long* bad, cudaStream_t stream);
+
 }  // namespace bench
 }  // namespace weightsync
 

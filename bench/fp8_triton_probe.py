@@ -40,19 +40,20 @@ def main():
     nbytes = sum(t.numel() * 2 for _, _, t in sent.values())
     print(f"{len(q)} weights, {nbytes / 1e9:.2f} GB bf16, {torch.cuda.get_device_name(dev)}",
           flush=True)
-    variants = [("tile RB=128 w8 div_rn", 128, 8, False, "1"),
-                ("tile RB=16 w4 div_rn", 16, 4, False, "1"),
-                ("tile RB=16 w4 divider", 16, 4, True, "1"),
-                ("tile RB=16 w2 divider", 16, 2, True, "1"),
-                ("tile RB=8 w4 divider", 8, 4, True, "1"),
-                ("tile RB=8 w2 divider", 8, 2, True, "1"),
-                ("tile RB=8 w1 divider", 8, 1, True, "1"),
-                ("tile RB=32 w2 divider", 32, 2, True, "1"),
-                ("tile RB=4 w1 divider", 4, 1, True, "1"),
-                ("general kernel", 128, 8, True, "0")]
+    # (name, rows per step, warps, Fp8Divider, tile kernel, whole tiles
+    # unmasked, finite blocks' fast encoding)
+    variants = [("tile RB=16 w4 masked", 16, 4, True, "1", False, False),
+                ("tile RB=16 w4 full", 16, 4, True, "1", True, False),
+                ("tile RB=16 w4 full finite", 16, 4, True, "1", True, True),
+                ("tile RB=8 w2 full finite", 8, 2, True, "1", True, True),
+                ("tile RB=32 w4 full finite", 32, 4, True, "1", True, True),
+                ("tile RB=32 w8 full finite", 32, 8, True, "1", True, True),
+                ("tile RB=64 w8 full finite", 64, 8, True, "1", True, True),
+                ("tile RB=8 w4 full finite", 8, 4, True, "1", True, True)]
     want = None
-    for name, rb, warps, fast, tile in variants:
+    for name, rb, warps, fast, tile, full, finite in variants:
         fp8_gpu.TILE_RB, fp8_gpu.TILE_WARPS, fp8_gpu.TILE_FAST_DIV = rb, warps, fast
+        fp8_gpu.TILE_FULL, fp8_gpu.TILE_FINITE_FAST = full, finite
         os.environ["WEIGHTSYNC_FP8_TILE"] = tile
         fp8_gpu._plans.clear()
         try:

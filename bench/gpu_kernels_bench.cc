@@ -605,9 +605,11 @@ void Fp8(cudaStream_t stream, Timer& timer) {
                              (h == want ? "" : " (DIFFERS from regs)");
     Line(what.c_str(), src_bytes, sec, memcpy_sec);
   }
+  unsigned long long fused_want = 0;
   for (bool receipts : {false, true}) {
     // The lean kernel (the default's kernel for these jobs), without and
-    // with its fused receipt (into outs + 8: every job's sum there).
+    // with its fused receipt (into outs + 8: every job's sum there), in
+    // its pipelined form (the default) and the one before it.
     for (cuda::DirectJob& job : jobs) {
       job.receipt = cuda::DirectReceipt{};
       if (receipts) {
@@ -619,15 +621,46 @@ void Fp8(cudaStream_t stream, Timer& timer) {
     CHECK_CUDA(cudaMemcpy(jobs_dev, jobs.data(),
                           sizeof(cuda::DirectJob) * jobs.size(),
                           cudaMemcpyHostToDevice));
-    const double sec = timer.Median([&] {
-      CHECK_CUDA(cuda::QuantizeFp8DirectLean(
-          jd, n, blocks, cuda::kFp8SrcBfloat16, stream, receipts));
-    });
-    const unsigned long long h = checksum(out);
-    const std::string what = std::string("QuantizeFp8DirectLean") +
-                             (receipts ? " + fused receipt" : "") +
-                             (h == want ? "" : " (DIFFERS from regs)");
-    Line(what.c_str(), src_bytes, sec, memcpy_sec);
+    for (bool pipelined : {false, true}) {
+      CHECK_CUDA(cudaMemsetAsync(q, 0, q_bytes, stream));
+      const double sec = timer.Median([&] {
+        CHECK_CUDA(cuda::QuantizeFp8DirectLean(
+            jd, n, blocks, cuda::kFp8SrcBfloat16, stream, receipts, pipelined));
+      });
+      const unsigned long long h = checksum(out);
+      bool fused_ok = true;
+      if (receipts) {  // one more run for the fused sum alone
+        unsigned long long f = 0;
+        CHECK_CUDA(cudaMemsetAsync(outs + 8, 0, 8, stream));
+        CHECK_CUDA(cuda::QuantizeFp8DirectLean(
+            jd, n, blocks, cuda::kFp8SrcBfloat16, stream, true, pipelined));
+        CHECK_CUDA(
+            cudaMemcpyAsync(&f, outs + 8, 8, cudaMemcpyDeviceToHost, stream));
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+        if (!pipelined) fused_want = f;
+        fused_ok = f == fused_want;
+      }
+      const std::string what = std::string("QuantizeFp8DirectLean") +
+                               (pipelined ? " pipelined" : "") +
+                               (receipts ? " + fused receipt" : "") +
+                               (h == want ? "" : " (DIFFERS from regs)") +
+                               (fused_ok ? "" : " (FUSED SUM DIFFERS)");
+      Line(what.c_str(), src_bytes, sec, memcpy_sec);
+    }
+  }
+  {
+    // What the lean kernel's finite blocks rely on (VecEncode2, kFinite).
+    unsigned long long* bad = reinterpret_cast<unsigned long long*>(copy);
+    unsigned long long h[3] = {0, 0, 0};
+    CHECK_CUDA(cudaMemsetAsync(bad, 0, sizeof(h), stream));
+    CHECK_CUDA(bench::Fp8SatfiniteCheck(bad, stream));
+    CHECK_CUDA(
+        cudaMemcpyAsync(h, bad, sizeof(h), cudaMemcpyDeviceToHost, stream));
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    std::printf(
+        "satfinite cvt vs Fp8Encode, every finite float32: e4m3fn %llu "
+        "differ, e5m2 %llu differ (first 0x%08llx) %s\n",
+        h[0], h[1], h[2], h[0] == 0 && h[1] == 0 ? "OK" : "FAIL");
   }
   const double receipt_sec = timer.Median([&] { checksum(out + 1); });
   Line("receipt pass over the FP8 bytes and scales (+ sync)", q_bytes,

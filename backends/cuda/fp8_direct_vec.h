@@ -188,11 +188,73 @@ WS_FP8_HD uint32_t VecAmaxBits(uint32_t acc, const Fp8Raw16& v) {
   return acc;
 }
 
+// |x|'s largest bits over vector v (and acc), inf and NaN included: one
+// 32-bit word per float32 element, else two 16-bit lanes, each the max
+// of its half of the elements (on the GPU one bfloat16x2 / half2 max with
+// NaN kept, which orders non-negative non-NaN values as their bits do,
+// subnormals included; a NaN lane comes out above inf, as its bits are).
+// VecTopOf folds the lanes: below inf, the block holds no inf or NaN and
+// it is the block's amax bits (VecAmaxBits'), else it is inf or above.
+template <int kDtype>
+WS_FP8_HD uint32_t VecTop(uint32_t acc, const Fp8Raw16& v) {
+  WS_FP8_UNROLL
+  for (int w = 0; w < 4; ++w) {
+    if (kDtype == kFp8SrcFloat32) {
+      const uint32_t a = v.w[w] & 0x7FFFFFFFu;
+      acc = a > acc ? a : acc;
+      continue;
+    }
+    const uint32_t a = v.w[w] & 0x7FFF7FFFu;
+#if defined(__CUDA_ARCH__)
+    uint32_t m;
+    if (kDtype == kFp8SrcBfloat16) {
+      asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(m) : "r"(acc), "r"(a));
+    } else {
+      asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(m) : "r"(acc), "r"(a));
+    }
+    acc = m;
+#else
+    const uint32_t lo =
+        (a & 0xFFFFu) > (acc & 0xFFFFu) ? a & 0xFFFFu : acc & 0xFFFFu;
+    const uint32_t hi = (a >> 16) > (acc >> 16) ? a >> 16 : acc >> 16;
+    acc = lo | (hi << 16);
+#endif
+  }
+  return acc;
+}
+
+template <int kDtype>
+WS_FP8_HD uint32_t VecTopOf(uint32_t acc) {
+  if (kDtype == kFp8SrcFloat32) return acc;
+  const uint32_t lo = acc & 0xFFFFu, hi = acc >> 16;
+  return lo > hi ? lo : hi;
+}
+
+// The bits of +inf in the source dtype (VecTopOf's bound).
+template <int kDtype>
+WS_FP8_HD constexpr uint32_t VecInfBits() {
+  return kDtype == kFp8SrcFloat32    ? 0x7F800000u
+         : kDtype == kFp8SrcBfloat16 ? 0x7F80u
+                                     : 0x7C00u;
+}
+
 // q (= x / d, or a NaN x) into the format: Fp8Encode's bytes.
-template <bool kCvt>
+// kFinite (the lean kernel's blocks without inf or NaN, so every q is
+// finite): the hardware's bytes alone. For finite |q| >= FMAX its
+// saturation gives sign | max, Fp8Encode's answer (checked for every
+// finite float32 and both formats on a GPU: gpu_kernels_bench's
+// "satfinite cvt" line, bench/results/fp8_probe).
+template <bool kCvt, bool kFinite = false>
 WS_FP8_HD uint32_t VecEncode2(float q0, float q1, const Fp8Format& f,
                               bool e5m2) {
 #if defined(__CUDA_ARCH__)
+  if (kCvt && kFinite) {
+    float2 p;
+    p.x = q0;
+    p.y = q1;
+    return __nv_cvt_float2_to_fp8x2(p, __NV_SATFINITE,
+                                    e5m2 ? __NV_E5M2 : __NV_E4M3);
+  }
   if (kCvt) {
     // The hardware rounds |q| < FMAX (IEEE RNE, signs kept); the rest is
     // Fp8Encode's explicitly.
@@ -220,7 +282,9 @@ WS_FP8_HD uint32_t VecEncode2(float q0, float q1, const Fp8Format& f,
 // the job's rectangle (job.receipt).
 // kDivider: x / d by Fp8Quotient (fp8_math.h's Fp8Divider; the lean
 // kernel, bfloat16 and float16 sources only), else Fp8Div.
-template <int kDtype, bool kCvt, bool kReceipt = false, bool kDivider = false>
+// kFinite: v holds no inf or NaN (the lean kernel checked its block).
+template <int kDtype, bool kCvt, bool kReceipt = false, bool kDivider = false,
+          bool kFinite = false>
 WS_FP8_HD void VecWrite(uint8_t* q, const Fp8Raw16& v, const Fp8Divider& dv,
                         const Fp8Format& f, bool e5m2,
                         const DirectReceipt* rc = nullptr, int64_t at = 0,
@@ -233,12 +297,13 @@ WS_FP8_HD void VecWrite(uint8_t* q, const Fp8Raw16& v, const Fp8Divider& dv,
     const float x1 = VecWiden<kDtype>(VecBits<kDtype>(v, 2 * p + 1));
     // NaN and +-inf pass as they are (+-inf / d is +-inf; Fp8Encode
     // saturates it), the rest divides.
-    const bool n0 = (Fp8BitsOf(x0) & 0x7FFFFFFFu) >= 0x7F800000u;
-    const bool n1 = (Fp8BitsOf(x1) & 0x7FFFFFFFu) >= 0x7F800000u;
+    const bool n0 = !kFinite && (Fp8BitsOf(x0) & 0x7FFFFFFFu) >= 0x7F800000u;
+    const bool n1 = !kFinite && (Fp8BitsOf(x1) & 0x7FFFFFFFu) >= 0x7F800000u;
     // kDivider: the caller checked dv.fast (Fp8QuotientFast).
     const float q0 = kDivider ? Fp8QuotientFast(dv, x0) : Fp8Div(x0, dv.d);
     const float q1 = kDivider ? Fp8QuotientFast(dv, x1) : Fp8Div(x1, dv.d);
-    const uint32_t pair = VecEncode2<kCvt>(n0 ? x0 : q0, n1 ? x1 : q1, f, e5m2);
+    const uint32_t pair =
+        VecEncode2<kCvt, kFinite>(n0 ? x0 : q0, n1 ? x1 : q1, f, e5m2);
     if (p % 2 == 0) {
       out[p / 2] = pair;
     } else {
@@ -299,15 +364,45 @@ WS_FP8_HD float VecLoadPart(const DirectJob& job, int64_t b, uint32_t t,
   return VecWiden<kDtype>(amax);
 }
 
+// Held blocks: VecTopOf over thread t's vectors of block b in v (0 for a
+// thread without any) ...
+template <int kDtype, int kPer>
+WS_FP8_HD uint32_t VecTopPart(const DirectJob& job, int64_t b, uint32_t t,
+                              uint32_t threads, const Fp8Raw16 (&v)[kPer]) {
+  VecWalk k = VecWalkOf<kDtype>(job, b, t, threads);
+  uint32_t top = 0;
+  WS_FP8_UNROLL
+  for (int s = 0; s < kPer; ++s) {
+    if (k.r < k.h) top = VecTop<kDtype>(top, v[s]);
+    VecNext<kDtype>(&k);
+  }
+  return VecTopOf<kDtype>(top);
+}
+
+// ... and their amax (VecLoadPart's, from the held vectors).
+template <int kDtype, int kPer>
+WS_FP8_HD float VecAmaxHeld(const DirectJob& job, int64_t b, uint32_t t,
+                            uint32_t threads, const Fp8Raw16 (&v)[kPer]) {
+  VecWalk k = VecWalkOf<kDtype>(job, b, t, threads);
+  uint32_t amax = 0;
+  WS_FP8_UNROLL
+  for (int s = 0; s < kPer; ++s) {
+    if (k.r < k.h) amax = VecAmaxBits<kDtype>(amax, v[s]);
+    VecNext<kDtype>(&k);
+  }
+  return VecWiden<kDtype>(amax);
+}
+
 // Thread t's held vectors v, walked from k, into the block of divider dv.
-template <int kDtype, int kPer, bool kCvt, bool kReceipt, bool kDivider>
+template <int kDtype, int kPer, bool kCvt, bool kReceipt, bool kDivider,
+          bool kFinite = false>
 WS_FP8_HD void VecWriteHeld(const DirectJob& job, VecWalk k,
                             const Fp8Divider& dv, const Fp8Format& f,
                             const Fp8Raw16 (&v)[kPer], uint64_t* sum) {
   WS_FP8_UNROLL
   for (int s = 0; s < kPer; ++s) {
     if (k.r < k.h) {
-      VecWrite<kDtype, kCvt, kReceipt, kDivider>(
+      VecWrite<kDtype, kCvt, kReceipt, kDivider, kFinite>(
           job.out.q + k.q, v[s], dv, f, job.out.e5m2, &job.receipt, k.q, sum);
     }
     VecNext<kDtype>(&k);
@@ -322,8 +417,9 @@ WS_FP8_HD void VecWriteStream(const DirectJob& job, int64_t b, uint32_t t,
 // Held blocks: thread t's FP8 vectors of block b from v, in a block of
 // amax `amax`; thread 0 also writes the scale. kReceipt: the terms of what
 // the thread stores added to *sum (job.receipt).
+// kFinite: as VecWrite (the held vectors hold no inf or NaN).
 template <int kDtype, int kPer, bool kCvt, bool kReceipt = false,
-          bool kDivider = false>
+          bool kDivider = false, bool kFinite = false>
 WS_FP8_HD void VecWritePart(const DirectJob& job, int64_t b, uint32_t t,
                             uint32_t threads, float amax,
                             const Fp8Raw16 (&v)[kPer],
@@ -342,7 +438,8 @@ WS_FP8_HD void VecWritePart(const DirectJob& job, int64_t b, uint32_t t,
                                            /*scale_written=*/true);
     return;
   }
-  VecWriteHeld<kDtype, kPer, kCvt, kReceipt, kDivider>(job, k, dv, f, v, sum);
+  VecWriteHeld<kDtype, kPer, kCvt, kReceipt, kDivider, kFinite>(job, k, dv, f,
+                                                                v, sum);
 }
 
 // Blocks too large to hold: thread t's part of the amax, read from the

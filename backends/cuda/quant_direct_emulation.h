@@ -60,6 +60,12 @@ inline int64_t& LeanBlocksRun() {
   return n;
 }
 
+// How many of them were without inf or NaN (the finite path).
+inline int64_t& LeanFiniteBlocksRun() {
+  static int64_t n = 0;
+  return n;
+}
+
 // How many blocks the vec emulation ran in 16-byte vectors (the rest took
 // DirectBlock's walk): the test checks both ways ran.
 inline int64_t& VecBlocksRun() {
@@ -162,9 +168,11 @@ void RunDirectBatch(std::vector<cuda::DirectJob> jobs, uint32_t threads,
   }
 }
 
-// One block as the lean kernel (quant_kernels.cu, LeanKernel) runs it:
+// One block as the lean kernel (quant_kernels.cu, LeanPipeKernel) runs it:
 // kVecThreads threads holding kVecPerThread vectors, Fp8Divider's
-// quotients for bfloat16 and float16 (the job is DirectLeanOk).
+// quotients for bfloat16 and float16 (the job is DirectLeanOk); a block
+// without inf or NaN (VecTopPart below inf) takes its amax from the top
+// and writes without the specials' tests, any other takes VecAmaxHeld's.
 template <int kDtype>
 void LeanBlock(const cuda::DirectJob& job, int64_t b) {
   constexpr uint32_t kThreads = cuda::kVecThreads;
@@ -175,16 +183,33 @@ void LeanBlock(const cuda::DirectJob& job, int64_t b) {
   auto regs = [&](uint32_t t) -> cuda::Fp8Raw16(&)[kPer] {
     return *reinterpret_cast<cuda::Fp8Raw16(*)[kPer]>(v[t].data());
   };
-  float amax = 0.0f;
+  uint32_t top = 0;
   for (uint32_t t = 0; t < kThreads; ++t) {
-    const float part =
-        cuda::VecLoadPart<kDtype, kPer>(job, b, t, kThreads, regs(t));
-    amax = part > amax ? part : amax;
+    cuda::VecLoadPart<kDtype, kPer>(job, b, t, kThreads, regs(t));
+    const uint32_t part =
+        cuda::VecTopPart<kDtype, kPer>(job, b, t, kThreads, regs(t));
+    top = part > top ? part : top;
+  }
+  const bool finite = top < cuda::VecInfBits<kDtype>();
+  if (finite) ++LeanFiniteBlocksRun();
+  float amax = cuda::VecWiden<kDtype>(top);
+  if (!finite) {
+    amax = 0.0f;
+    for (uint32_t t = 0; t < kThreads; ++t) {
+      const float part =
+          cuda::VecAmaxHeld<kDtype, kPer>(job, b, t, kThreads, regs(t));
+      amax = part > amax ? part : amax;
+    }
   }
   for (uint32_t t = 0; t < kThreads; ++t) {
     uint64_t sum = 0;
-    cuda::VecWritePart<kDtype, kPer, false, true, kDivider>(
-        job, b, t, kThreads, amax, regs(t), &sum);
+    if (finite) {
+      cuda::VecWritePart<kDtype, kPer, false, true, kDivider, true>(
+          job, b, t, kThreads, amax, regs(t), &sum);
+    } else {
+      cuda::VecWritePart<kDtype, kPer, false, true, kDivider>(
+          job, b, t, kThreads, amax, regs(t), &sum);
+    }
     if (job.receipt.out != nullptr) *job.receipt.out += sum;
   }
 }

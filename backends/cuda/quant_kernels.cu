@@ -1,3 +1,4 @@
+#include <cuda_pipeline.h>
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -233,13 +234,140 @@ __global__ void __launch_bounds__(kVecThreads)
   if constexpr (kReceipts) FlushDirectReceipt(sum, out);
 }
 
-// Thread blocks for a grid-stride kernel: as many as run at once.
+// The pipelined lean kernel: the same blocks, math, bytes and sums as
+// LeanKernel, but each thread block copies its next kLeanStages - 1 FP8
+// blocks' source into shared memory (cp.async, 16 bytes a thread a vector)
+// while it quantises the current one, so the loads of one block overlap
+// the amax, the quotients and the stores of the one before (LeanKernel
+// issues a block's loads only once the block before is stored, and its
+// multiprocessors wait on memory between: bench/RESULTS.md). Thread t
+// copies and later reads only its own vectors (slot s of stage p at
+// stage[(p * kVecPerThread + s) * kVecThreads + t]), so no barrier orders
+// the copies: __pipeline_wait_prior does, thread by thread.
+constexpr int kLeanStages = 2;
+constexpr size_t kLeanStageBytes =
+    size_t{kLeanStages} * kVecPerThread * kVecThreads * sizeof(Fp8Raw16);
+
+// Thread t's vectors of block b of `job` into its slots of one stage.
+template <int kDtype>
+__device__ __forceinline__ void LeanIssue(const DirectJob& job, int64_t b,
+                                          Fp8Raw16* stage) {
+  VecWalk k = VecWalkOf<kDtype>(job, b, threadIdx.x, kVecThreads);
+#pragma unroll
+  for (int s = 0; s < kVecPerThread; ++s) {
+    if (k.r < k.h) {
+      __pipeline_memcpy_async(stage + s * kVecThreads + threadIdx.x,
+                              job.src + k.src, sizeof(Fp8Raw16));
+    }
+    VecNext<kDtype>(&k);
+  }
+}
+
+// Thread t's vectors of block b back from its slots (as VecLoadPart reads
+// them from the source).
+template <int kDtype>
+__device__ __forceinline__ void LeanTake(const DirectJob& job, int64_t b,
+                                         const Fp8Raw16* stage,
+                                         Fp8Raw16 (&v)[kVecPerThread]) {
+  VecWalk k = VecWalkOf<kDtype>(job, b, threadIdx.x, kVecThreads);
+#pragma unroll
+  for (int s = 0; s < kVecPerThread; ++s) {
+    if (k.r < k.h) v[s] = stage[s * kVecThreads + threadIdx.x];
+    VecNext<kDtype>(&k);
+  }
+}
+
+// The thread block's largest `top` (unsigned); every thread gets it.
+__device__ __forceinline__ uint32_t BlockTop(uint32_t top, uint32_t* warp_top) {
+  top = __reduce_max_sync(0xFFFFFFFFu, top);
+  if ((threadIdx.x & 31) == 0) warp_top[threadIdx.x >> 5] = top;
+  __syncthreads();
+  top = 0;
+#pragma unroll
+  for (int w = 0; w < kVecThreads / 32; ++w) {
+    top = warp_top[w] > top ? warp_top[w] : top;
+  }
+  __syncthreads();
+  return top;
+}
+
+template <int kDtype, bool kReceipts>
+__global__ void __launch_bounds__(kVecThreads)
+    LeanPipeKernel(const DirectJob* __restrict__ jobs, int n, int64_t total) {
+  extern __shared__ Fp8Raw16 lean_stage[];
+  __shared__ float warp_max[kVecThreads / 32];
+  __shared__ uint32_t warp_top[kVecThreads / 32];
+  constexpr bool kDivider = kDtype != kFp8SrcFloat32;
+  constexpr int kSlots = kVecPerThread * kVecThreads;
+  // The blocks ahead: gi (its job ji) is the next to copy.
+  int64_t gi = blockIdx.x;
+  int ji = 0;
+#pragma unroll
+  for (int p = 0; p + 1 < kLeanStages; ++p) {
+    if (gi < total) {
+      ji = DirectJobOf(jobs, n, gi, ji);
+      LeanIssue<kDtype>(jobs[ji], gi - jobs[ji].first_block,
+                        lean_stage + p * kSlots);
+    }
+    __pipeline_commit();
+    gi += gridDim.x;
+  }
+  int j = 0;
+  int p = 0;  // the stage of block g
+  uint64_t sum = 0;
+  unsigned long long* out = nullptr;
+  for (int64_t g = blockIdx.x; g < total; g += gridDim.x) {
+    const int ahead = p == 0 ? kLeanStages - 1 : p - 1;  // freed last round
+    if (gi < total) {
+      ji = DirectJobOf(jobs, n, gi, ji);
+      LeanIssue<kDtype>(jobs[ji], gi - jobs[ji].first_block,
+                        lean_stage + ahead * kSlots);
+    }
+    __pipeline_commit();
+    gi += gridDim.x;
+    __pipeline_wait_prior(kLeanStages - 1);  // block g's copies are in
+    j = DirectJobOf(jobs, n, g, j);
+    const DirectJob job = jobs[j];
+    const int64_t b = g - job.first_block;
+    if constexpr (kReceipts) {
+      if (job.receipt.out != out) {
+        FlushDirectReceipt(sum, out);
+        sum = 0;
+        out = job.receipt.out;
+      }
+    }
+    Fp8Raw16 v[kVecPerThread];
+    LeanTake<kDtype>(job, b, lean_stage + p * kSlots, v);
+    const uint32_t top = BlockTop(
+        VecTopPart<kDtype, kVecPerThread>(job, b, threadIdx.x, kVecThreads, v),
+        warp_top);
+    if (top < VecInfBits<kDtype>()) {
+      // No inf or NaN in the block (nearly every block): top is its amax,
+      // and the write skips the specials' tests.
+      VecWritePart<kDtype, kVecPerThread, true, kReceipts, kDivider, true>(
+          job, b, threadIdx.x, kVecThreads, VecWiden<kDtype>(top), v, &sum);
+    } else {
+      const float amax =
+          DirectBlockMax<kVecThreads>(VecAmaxHeld<kDtype, kVecPerThread>(
+                                          job, b, threadIdx.x, kVecThreads, v),
+                                      warp_max);
+      VecWritePart<kDtype, kVecPerThread, true, kReceipts, kDivider>(
+          job, b, threadIdx.x, kVecThreads, amax, v, &sum);
+    }
+    p = p + 1 == kLeanStages ? 0 : p + 1;
+  }
+  if constexpr (kReceipts) FlushDirectReceipt(sum, out);
+}
+
+// Thread blocks for a grid-stride kernel: as many as run at once (with
+// `smem` bytes of dynamic shared memory each).
 cudaError_t ResidentGrid(const void* kernel, int threads, int64_t total,
-                         std::atomic<int>* per_sm, int64_t* grid) {
+                         std::atomic<int>* per_sm, int64_t* grid,
+                         size_t smem = 0) {
   int resident = per_sm->load(std::memory_order_relaxed);
   if (resident <= 0) {
     cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &resident, kernel, threads, 0);
+        &resident, kernel, threads, smem);
     if (err != cudaSuccess) return err;
     if (resident < 1) resident = 1;
     per_sm->store(resident, std::memory_order_relaxed);
@@ -256,31 +384,48 @@ cudaError_t ResidentGrid(const void* kernel, int threads, int64_t total,
 
 cudaError_t QuantizeFp8DirectLean(const DirectJob* jobs, int n,
                                   int64_t total_blocks, int32_t src_dtype,
-                                  cudaStream_t stream, bool receipts) {
+                                  cudaStream_t stream, bool receipts,
+                                  bool pipelined) {
   if (n < 0 || total_blocks < 0 || (total_blocks > 0 && jobs == nullptr)) {
     return cudaErrorInvalidValue;
   }
   if (n == 0 || total_blocks == 0) return cudaSuccess;
   using Kernel = void (*)(const DirectJob*, int, int64_t);
-  const Kernel kernels[2][3] = {
-      {LeanKernel<kFp8SrcFloat32, false>, LeanKernel<kFp8SrcBfloat16, false>,
-       LeanKernel<kFp8SrcFloat16, false>},
-      {LeanKernel<kFp8SrcFloat32, true>, LeanKernel<kFp8SrcBfloat16, true>,
-       LeanKernel<kFp8SrcFloat16, true>}};
+  const Kernel kernels[2][2][3] = {
+      {{LeanKernel<kFp8SrcFloat32, false>, LeanKernel<kFp8SrcBfloat16, false>,
+        LeanKernel<kFp8SrcFloat16, false>},
+       {LeanKernel<kFp8SrcFloat32, true>, LeanKernel<kFp8SrcBfloat16, true>,
+        LeanKernel<kFp8SrcFloat16, true>}},
+      {{LeanPipeKernel<kFp8SrcFloat32, false>,
+        LeanPipeKernel<kFp8SrcBfloat16, false>,
+        LeanPipeKernel<kFp8SrcFloat16, false>},
+       {LeanPipeKernel<kFp8SrcFloat32, true>,
+        LeanPipeKernel<kFp8SrcBfloat16, true>,
+        LeanPipeKernel<kFp8SrcFloat16, true>}}};
   const int d = src_dtype == kFp8SrcFloat32    ? 0
                 : src_dtype == kFp8SrcBfloat16 ? 1
                 : src_dtype == kFp8SrcFloat16  ? 2
                                                : -1;
   if (d < 0) return cudaErrorInvalidValue;
-  const Kernel kernel = kernels[receipts ? 1 : 0][d];
-  static std::atomic<int> per_sm[2][3] = {};
+  const int pi = pipelined ? 1 : 0, rc = receipts ? 1 : 0;
+  const Kernel kernel = kernels[pi][rc][d];
+  const size_t smem = pipelined ? kLeanStageBytes : 0;
+  static std::atomic<int> per_sm[2][2][3] = {};
+  if (pipelined && per_sm[pi][rc][d].load(std::memory_order_relaxed) <= 0) {
+    // Over the 48 KiB a kernel gets without asking (set before the
+    // occupancy query, which counts it).
+    cudaError_t err = cudaFuncSetAttribute(
+        reinterpret_cast<const void*>(kernel),
+        cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+  }
   int64_t grid = 0;
   cudaError_t err =
       ResidentGrid(reinterpret_cast<const void*>(kernel), kVecThreads,
-                   total_blocks, &per_sm[receipts ? 1 : 0][d], &grid);
+                   total_blocks, &per_sm[pi][rc][d], &grid, smem);
   if (err != cudaSuccess) return err;
-  kernel<<<static_cast<unsigned>(grid), kVecThreads, 0, stream>>>(jobs, n,
-                                                                  total_blocks);
+  kernel<<<static_cast<unsigned>(grid), kVecThreads, smem, stream>>>(
+      jobs, n, total_blocks);
   return cudaGetLastError();
 }
 

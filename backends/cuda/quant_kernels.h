@@ -57,9 +57,12 @@ cudaError_t QuantizeFp8Direct(const DirectJob* jobs, int n,
 // as QuantizeFp8Direct. The same bytes, scales and receipt sums as the
 // other kernels (quant_steps_test emulates it; tests/gpu/test_fp8_gpu.py
 // exact on a GPU).
+// pipelined: LeanPipeKernel (the next block's source copied into shared
+// memory while the current one is quantised), else LeanKernel.
 cudaError_t QuantizeFp8DirectLean(const DirectJob* jobs, int n,
                                   int64_t total_blocks, int32_t src_dtype,
-                                  cudaStream_t stream, bool receipts = false);
+                                  cudaStream_t stream, bool receipts = false,
+                                  bool pipelined = true);
 
 }  // namespace cuda
 }  // namespace weightsync

@@ -494,6 +494,9 @@ TEST(QuantStepsTest, DirectStepsInstallWhatTheHostDataPlaneInstalls) {
   // The vec shapes ran blocks both in vectors and by the walk.
   EXPECT_GT(testing::VecBlocksRun(), 0);
   EXPECT_GT(testing::LeanBlocksRun(), 0);  // the lean kernel's blocks too
+  // ... both its finite path and the one with inf or NaN in the block.
+  EXPECT_GT(testing::LeanFiniteBlocksRun(), 0);
+  EXPECT_LT(testing::LeanFiniteBlocksRun(), testing::LeanBlocksRun());
 }
 
 // The receipt regions of `engine` for an update of `sources`, as the

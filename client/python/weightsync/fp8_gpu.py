@@ -61,6 +61,8 @@ TILE_R = TILE_C = 128
 TILE_RB = 16       # rows per step (TILE_R: the block held at once)
 TILE_WARPS = 4
 TILE_FAST_DIV = True   # Fp8Divider for bfloat16 / float16 sources
+TILE_FULL = True       # launches of whole 128 x 128 tiles without masks
+TILE_FINITE_FAST = True   # blocks without inf / NaN: the hardware encoding alone
 TCOLS = 10
 _DTYPES = {"FLOAT32": 0, "BFLOAT16": 1, "FLOAT16": 2}
 _ES = {"FLOAT32": 4, "BFLOAT16": 2, "FLOAT16": 2}
@@ -491,42 +493,74 @@ def _build():
         return q
 
     @triton.jit
-    def _tile_terms(u, a, mask, d, rows, cc, dest_lo, dstride_lo, salt_hi,
+    def _tile_terms(u, a, d, rows, cc, dest_lo, dstride_lo, salt_hi,
                     FMAX_BITS: tl.constexpr, MAX_BITS: tl.constexpr,
-                    NAN_BITS: tl.constexpr, E5M2: tl.constexpr, FAST_DIV: tl.constexpr):
-        # The summed receipt terms of one [rows, cols] tile's FP8 bytes.
+                    NAN_BITS: tl.constexpr, E5M2: tl.constexpr, FAST_DIV: tl.constexpr,
+                    SPECIALS: tl.constexpr):
+        # The receipt terms (uint32) of one [rows, cols] tile's FP8 bytes.
+        # SPECIALS false: the block holds no inf or NaN, so every quotient
+        # is finite and the hardware's saturating conversion is to_fp8's
+        # answer (|q| >= FMAX saturates to the largest finite, as to_fp8).
         q = _tile_quotient(u.to(tl.float32, bitcast=True), d, FAST_DIV)
         if E5M2:
             hw = q.to(tl.float8e5, fp_downcast_rounding="rtne")
         else:
             hw = q.to(tl.float8e4nv, fp_downcast_rounding="rtne")
         hw = hw.to(tl.uint8, bitcast=True).to(tl.int32)
-        sign = (u >> 24) & 0x80
-        aq = q.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        enc = tl.where(a > 0x7F800000, sign | NAN_BITS,
-                       tl.where(aq >= FMAX_BITS, sign | MAX_BITS, hw))
+        if SPECIALS:
+            sign = (u >> 24) & 0x80
+            aq = q.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+            enc = tl.where(a > 0x7F800000, sign | NAN_BITS,
+                           tl.where(aq >= FMAX_BITS, sign | MAX_BITS, hw))
+        else:
+            enc = hw
         rowkey = salt_hi + (dest_lo + rows.to(tl.uint32) * dstride_lo) * 0x9E3779B1
         key = rowkey + cc.to(tl.uint32) * 0x9E3779B1
-        t = _term(enc.to(tl.uint32), key)
-        return tl.sum(tl.sum(tl.where(mask, t.to(tl.int64), 0), axis=1), axis=0)
+        return _term(enc.to(tl.uint32), key)
 
     @triton.jit
-    def _tile_load(src, sstride, r0, pr, pc, cc, SRC: tl.constexpr, RB: tl.constexpr):
+    def _tile_load(src, sstride, r0, pr, pc, cc, SRC: tl.constexpr, RB: tl.constexpr,
+                   FULL: tl.constexpr):
         # Rows [r0, r0 + RB) of the piece as float32 bits (int32), their
-        # row numbers and the mask of the piece's elements among them.
+        # row numbers and the mask of the piece's elements among them
+        # (FULL: the piece is whole tiles; no mask).
         rr = r0 + tl.arange(0, RB)[:, None]
-        mask = (rr < pr) & (cc < pc)
-        raw = tl.load(src + rr.to(tl.int64) * sstride + cc, mask=mask, other=0)
+        mask = (rr < pr) & (cc < pc)   # unused (and dropped) where FULL
+        if FULL:
+            raw = tl.load(src + rr.to(tl.int64) * sstride + cc)
+        else:
+            raw = tl.load(src + rr.to(tl.int64) * sstride + cc, mask=mask, other=0)
         return _f32_bits(raw, SRC).to(tl.int32, bitcast=True), rr, mask
+
+    @triton.jit
+    def _tile_pass(src, sstride, pr, pc, cc, d, dest_lo, dstride_lo, salt_hi,
+                   SRC: tl.constexpr, RB: tl.constexpr, C: tl.constexpr, FULL: tl.constexpr,
+                   FMAX_BITS: tl.constexpr, MAX_BITS: tl.constexpr, NAN_BITS: tl.constexpr,
+                   E5M2: tl.constexpr, FAST_DIV: tl.constexpr, SPECIALS: tl.constexpr):
+        # The second read: the block's terms in an int64 tile (reduced once
+        # by the caller).
+        acc = tl.zeros([RB, C], dtype=tl.int64)
+        for r0 in range(0, pr, RB):
+            u, rr, mask = _tile_load(src, sstride, r0, pr, pc, cc, SRC, RB, FULL)
+            t = _tile_terms(u, u & 0x7FFFFFFF, d, rr, cc, dest_lo, dstride_lo, salt_hi,
+                            FMAX_BITS, MAX_BITS, NAN_BITS, E5M2, FAST_DIV, SPECIALS)
+            if FULL:
+                acc += t.to(tl.int64)
+            else:
+                acc += tl.where(mask, t.to(tl.int64), 0)
+        return acc
 
     @triton.jit
     def _fp8_tile_kernel(tab, out, SRC: tl.constexpr, RAW: tl.constexpr, E5M2: tl.constexpr,
                          FMAX_BITS: tl.constexpr, MAX_BITS: tl.constexpr,
                          NAN_BITS: tl.constexpr, VEC: tl.constexpr, C: tl.constexpr,
-                         RB: tl.constexpr, FAST_DIV: tl.constexpr):
+                         RB: tl.constexpr, FAST_DIV: tl.constexpr, FULL: tl.constexpr,
+                         FINITE_FAST: tl.constexpr):
         # One block of one piece (split's tile rows), read in RB x C tiles
         # twice: the amax, then the terms (the second read comes from cache;
         # holding the whole block at once was slower: bench/RESULTS.md).
+        # FULL: every piece of the launch is RB-row tiles of C columns
+        # (no masks). The terms add up in an int64 tile, reduced once.
         row = tab + tl.program_id(0).to(tl.int64) * 10
         src = tl.load(row + 0).to(tl.pointer_type(RAW))
         sstride = tl.load(row + 1)
@@ -548,24 +582,33 @@ def _build():
         cc = tl.arange(0, C)[None, :]
         fmax = (tl.zeros([1, 1], dtype=tl.int32) + FMAX_BITS).to(tl.float32, bitcast=True)
         am = tl.zeros([RB, C], dtype=tl.int32)
+        top = tl.zeros([RB, C], dtype=tl.int32)   # the largest |bits|, inf and NaN included
         for r0 in range(0, pr, RB):
-            u, rr, mask = _tile_load(src, sstride, r0, pr, pc, cc, SRC, RB)
+            u, rr, mask = _tile_load(src, sstride, r0, pr, pc, cc, SRC, RB, FULL)
             a = u & 0x7FFFFFFF
             am = tl.maximum(am, tl.where(a < 0x7F800000, a, 0))
+            if FINITE_FAST:
+                top = tl.maximum(top, a)
         amv = (tl.zeros([1, 1], dtype=tl.int32)
                + tl.max(tl.max(am, axis=1), axis=0)).to(tl.float32, bitcast=True)
         d = tl.math.div_rn(amv, fmax)
         d = tl.where(d == 0.0, 1.0, d)
-        acc = tl.sum(tl.zeros([1], dtype=tl.int64), axis=0)
-        for r0 in range(0, pr, RB):
-            u, rr, mask = _tile_load(src, sstride, r0, pr, pc, cc, SRC, RB)
-            acc += _tile_terms(u, u & 0x7FFFFFFF, mask, d, rr, cc, dest_lo, dstride_lo,
-                               salt_hi, FMAX_BITS, MAX_BITS, NAN_BITS, E5M2, FAST_DIV)
+        # A block without inf or NaN (FINITE_FAST; top is 0 without it)
+        # takes the pass without the specials' selects.
+        if tl.max(tl.max(top, axis=1), axis=0) < (0x7F800000 if FINITE_FAST else 0):
+            acc = _tile_pass(src, sstride, pr, pc, cc, d, dest_lo, dstride_lo, salt_hi,
+                             SRC, RB, C, FULL, FMAX_BITS, MAX_BITS, NAN_BITS, E5M2,
+                             FAST_DIV, False)
+        else:
+            acc = _tile_pass(src, sstride, pr, pc, cc, d, dest_lo, dstride_lo, salt_hi,
+                             SRC, RB, C, FULL, FMAX_BITS, MAX_BITS, NAN_BITS, E5M2,
+                             FAST_DIV, True)
         one = tl.zeros([1, 1], dtype=tl.float32) + 1.0
         stored = tl.where(rec != 0, tl.math.div_rn(one, d), d)
         sidx = tl.zeros([1, 1], dtype=tl.int64) + scale_index
         st = _term(stored.to(tl.uint32, bitcast=True), _key(sidx, scale_salt))
-        tl.atomic_add(out, acc + tl.sum(tl.sum(st.to(tl.int64), axis=1), axis=0))
+        tl.atomic_add(out, tl.sum(tl.sum(acc, axis=1), axis=0)
+                      + tl.sum(tl.sum(st.to(tl.int64), axis=1), axis=0))
 
     return _fp8_receipt_kernel, _fp8_tile_kernel
 
@@ -599,8 +642,15 @@ def _device_plan(quantized, sent):
     tiles, general = split(tables)
     launches = [(code, None, torch.from_numpy(b).to(device), torch.from_numpy(pc).to(device))
                 for code, (b, pc) in sorted(general.items())]
-    launches += [(code, (e5m2, aligned), torch.from_numpy(t).to(device), None)
-                 for (code, e5m2, aligned), t in sorted(tiles.items())]
+    for (code, e5m2, aligned), t in sorted(tiles.items()):
+        # Whole tiles (every Llama/Qwen block) in a launch without masks.
+        full = ((t[:, 2] == TILE_R) & (t[:, 3] == TILE_C)) if TILE_FULL else np.zeros(
+            t.shape[0], bool)
+        for f in (True, False):
+            if (full == f).any():
+                launches.append((code, (e5m2, aligned, f),
+                                 torch.from_numpy(np.ascontiguousarray(t[full == f])).to(device),
+                                 None))
     value = (device, launches, counts, rest)
     with _lock:
         _plans[key] = (quantized, value)   # the parameters held: their ids are in the key
@@ -631,7 +681,7 @@ def quantized_receipt_gpu(quantized, sent):
             general[(blocks.shape[0],)](blocks, pieces, out, SRC=code, RAW=raw[code],
                                         TILE=TILE, num_warps=NUM_WARPS)
         else:
-            e5m2, aligned = tile_of
+            e5m2, aligned, full = tile_of
             _, _, max_bits, nan_bits, fmax_bits = fp8._SPEC[
                 "FLOAT8_E5M2" if e5m2 else "FLOAT8_E4M3FN"]
             tile[(blocks.shape[0],)](blocks, out, SRC=code, RAW=raw[code], E5M2=e5m2,
@@ -639,6 +689,7 @@ def quantized_receipt_gpu(quantized, sent):
                                      VEC=(4 if code == 0 else 8) if aligned else 1,
                                      C=TILE_C, RB=TILE_RB,
                                      FAST_DIV=TILE_FAST_DIV and code != 0,
+                                     FULL=full, FINITE_FAST=TILE_FINITE_FAST,
                                      num_warps=TILE_WARPS)
     total = int(out.item()) & 0xFFFFFFFFFFFFFFFF
     return total, params, nbytes, rest
