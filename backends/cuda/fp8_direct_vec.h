@@ -365,10 +365,11 @@ WS_FP8_HD float VecLoadPart(const DirectJob& job, int64_t b, uint32_t t,
 }
 
 // Held blocks: VecTopOf over thread t's vectors of block b in v (0 for a
-// thread without any) ...
-template <int kDtype, int kPer>
+// thread without any) ... Held: v[s] is the thread's vector s (an array
+// in registers, or the lean kernel's shared-memory slots).
+template <int kDtype, int kPer, typename Held>
 WS_FP8_HD uint32_t VecTopPart(const DirectJob& job, int64_t b, uint32_t t,
-                              uint32_t threads, const Fp8Raw16 (&v)[kPer]) {
+                              uint32_t threads, const Held& v) {
   VecWalk k = VecWalkOf<kDtype>(job, b, t, threads);
   uint32_t top = 0;
   WS_FP8_UNROLL
@@ -380,9 +381,9 @@ WS_FP8_HD uint32_t VecTopPart(const DirectJob& job, int64_t b, uint32_t t,
 }
 
 // ... and their amax (VecLoadPart's, from the held vectors).
-template <int kDtype, int kPer>
+template <int kDtype, int kPer, typename Held>
 WS_FP8_HD float VecAmaxHeld(const DirectJob& job, int64_t b, uint32_t t,
-                            uint32_t threads, const Fp8Raw16 (&v)[kPer]) {
+                            uint32_t threads, const Held& v) {
   VecWalk k = VecWalkOf<kDtype>(job, b, t, threads);
   uint32_t amax = 0;
   WS_FP8_UNROLL
@@ -395,10 +396,10 @@ WS_FP8_HD float VecAmaxHeld(const DirectJob& job, int64_t b, uint32_t t,
 
 // Thread t's held vectors v, walked from k, into the block of divider dv.
 template <int kDtype, int kPer, bool kCvt, bool kReceipt, bool kDivider,
-          bool kFinite = false>
+          bool kFinite = false, typename Held>
 WS_FP8_HD void VecWriteHeld(const DirectJob& job, VecWalk k,
                             const Fp8Divider& dv, const Fp8Format& f,
-                            const Fp8Raw16 (&v)[kPer], uint64_t* sum) {
+                            const Held& v, uint64_t* sum) {
   WS_FP8_UNROLL
   for (int s = 0; s < kPer; ++s) {
     if (k.r < k.h) {
@@ -419,10 +420,9 @@ WS_FP8_HD void VecWriteStream(const DirectJob& job, int64_t b, uint32_t t,
 // the thread stores added to *sum (job.receipt).
 // kFinite: as VecWrite (the held vectors hold no inf or NaN).
 template <int kDtype, int kPer, bool kCvt, bool kReceipt = false,
-          bool kDivider = false, bool kFinite = false>
+          bool kDivider = false, bool kFinite = false, typename Held>
 WS_FP8_HD void VecWritePart(const DirectJob& job, int64_t b, uint32_t t,
-                            uint32_t threads, float amax,
-                            const Fp8Raw16 (&v)[kPer],
+                            uint32_t threads, float amax, const Held& v,
                             uint64_t* sum = nullptr) {
   const VecWalk k = VecWalkOf<kDtype>(job, b, t, threads);
   const Fp8Format f = Fp8FormatOf(job.out.e5m2);

@@ -263,19 +263,16 @@ __device__ __forceinline__ void LeanIssue(const DirectJob& job, int64_t b,
   }
 }
 
-// Thread t's vectors of block b back from its slots (as VecLoadPart reads
-// them from the source).
-template <int kDtype>
-__device__ __forceinline__ void LeanTake(const DirectJob& job, int64_t b,
-                                         const Fp8Raw16* stage,
-                                         Fp8Raw16 (&v)[kVecPerThread]) {
-  VecWalk k = VecWalkOf<kDtype>(job, b, threadIdx.x, kVecThreads);
-#pragma unroll
-  for (int s = 0; s < kVecPerThread; ++s) {
-    if (k.r < k.h) v[s] = stage[s * kVecThreads + threadIdx.x];
-    VecNext<kDtype>(&k);
+// Thread t's vectors of one stage, read where they are used (VecTopPart,
+// VecWritePart: v[s]) rather than held in registers across the block's
+// reduction (fewer registers: 3 thread blocks a multiprocessor with the
+// fused receipt too).
+struct LeanSlots {
+  const Fp8Raw16* stage;
+  __device__ __forceinline__ Fp8Raw16 operator[](int s) const {
+    return stage[s * kVecThreads + threadIdx.x];
   }
-}
+};
 
 // The thread block's largest `top` (unsigned); every thread gets it.
 __device__ __forceinline__ uint32_t BlockTop(uint32_t top, uint32_t* warp_top) {
@@ -336,8 +333,7 @@ __global__ void __launch_bounds__(kVecThreads)
         out = job.receipt.out;
       }
     }
-    Fp8Raw16 v[kVecPerThread];
-    LeanTake<kDtype>(job, b, lean_stage + p * kSlots, v);
+    const LeanSlots v{lean_stage + p * kSlots};
     const uint32_t top = BlockTop(
         VecTopPart<kDtype, kVecPerThread>(job, b, threadIdx.x, kVecThreads, v),
         warp_top);

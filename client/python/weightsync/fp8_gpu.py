@@ -58,11 +58,12 @@ from weightsync import fp8, receipts
 TILE = 2048
 NUM_WARPS = 4
 TILE_R = TILE_C = 128
-TILE_RB = 16       # rows per step (TILE_R: the block held at once)
+TILE_RB = 8        # rows per step (TILE_R: the block held at once)
 TILE_WARPS = 4
 TILE_FAST_DIV = True   # Fp8Divider for bfloat16 / float16 sources
 TILE_FULL = True       # launches of whole 128 x 128 tiles without masks
 TILE_FINITE_FAST = True   # blocks without inf / NaN: the hardware encoding alone
+TILE_PACKED = True     # 16-bit sources' first read in 32-bit words (bf16x2 / f16x2 max)
 TCOLS = 10
 _DTYPES = {"FLOAT32": 0, "BFLOAT16": 1, "FLOAT16": 2}
 _ES = {"FLOAT32": 4, "BFLOAT16": 2, "FLOAT16": 2}
@@ -533,6 +534,46 @@ def _build():
         return _f32_bits(raw, SRC).to(tl.int32, bitcast=True), rr, mask
 
     @triton.jit
+    def _tile_amax(src, sstride, pr, pc, cc, SRC: tl.constexpr, RB: tl.constexpr,
+                   C: tl.constexpr, FULL: tl.constexpr):
+        # The first read: (the largest finite |x|'s float32 bits, the
+        # largest |bits| with inf and NaN), int32 scalars.
+        am = tl.zeros([RB, C], dtype=tl.int32)
+        top = tl.zeros([RB, C], dtype=tl.int32)
+        for r0 in range(0, pr, RB):
+            u, rr, mask = _tile_load(src, sstride, r0, pr, pc, cc, SRC, RB, FULL)
+            a = u & 0x7FFFFFFF
+            am = tl.maximum(am, tl.where(a < 0x7F800000, a, 0))
+            top = tl.maximum(top, a)
+        return tl.max(tl.max(am, axis=1), axis=0), tl.max(tl.max(top, axis=1), axis=0)
+
+    @triton.jit
+    def _tile_top16(addr, sstride, pr, SRC: tl.constexpr, RB: tl.constexpr,
+                    C: tl.constexpr):
+        # The first read of whole tiles of a 16-bit source in aligned 32-bit
+        # words (two elements each): the largest |bits| of the block, inf
+        # and NaN included, as an int32 scalar. One bf16x2 / f16x2 max with
+        # NaN kept a word (non-negative non-NaN values order as their bits;
+        # a NaN lane comes out above inf), as the daemon's VecTop.
+        w32 = tl.multiple_of(addr.to(tl.pointer_type(tl.uint32)), 16)
+        cw = tl.arange(0, C // 2)[None, :]
+        top = tl.zeros([RB, C // 2], dtype=tl.uint32)
+        for r0 in range(0, pr, RB):
+            rr = r0 + tl.arange(0, RB)[:, None]
+            w = tl.load(w32 + rr.to(tl.int64) * (sstride // 2) + cw)
+            a = w & 0x7FFF7FFF
+            if SRC == 1:
+                top = tl.inline_asm_elementwise("max.NaN.bf16x2 $0, $1, $2;", "=r,r,r",
+                                                [top, a], dtype=tl.uint32, is_pure=True,
+                                                pack=1)
+            else:
+                top = tl.inline_asm_elementwise("max.NaN.f16x2 $0, $1, $2;", "=r,r,r",
+                                                [top, a], dtype=tl.uint32, is_pure=True,
+                                                pack=1)
+        lane = tl.maximum(top & 0xFFFF, top >> 16)
+        return tl.max(tl.max(lane, axis=1), axis=0).to(tl.int32)
+
+    @triton.jit
     def _tile_pass(src, sstride, pr, pc, cc, d, dest_lo, dstride_lo, salt_hi,
                    SRC: tl.constexpr, RB: tl.constexpr, C: tl.constexpr, FULL: tl.constexpr,
                    FMAX_BITS: tl.constexpr, MAX_BITS: tl.constexpr, NAN_BITS: tl.constexpr,
@@ -555,7 +596,7 @@ def _build():
                          FMAX_BITS: tl.constexpr, MAX_BITS: tl.constexpr,
                          NAN_BITS: tl.constexpr, VEC: tl.constexpr, C: tl.constexpr,
                          RB: tl.constexpr, FAST_DIV: tl.constexpr, FULL: tl.constexpr,
-                         FINITE_FAST: tl.constexpr):
+                         FINITE_FAST: tl.constexpr, PACKED: tl.constexpr):
         # One block of one piece (split's tile rows), read in RB x C tiles
         # twice: the amax, then the terms (the second read comes from cache;
         # holding the whole block at once was slower: bench/RESULTS.md).
@@ -581,21 +622,28 @@ def _build():
         dstride_lo = (dstride & 0xFFFFFFFF).to(tl.uint32)
         cc = tl.arange(0, C)[None, :]
         fmax = (tl.zeros([1, 1], dtype=tl.int32) + FMAX_BITS).to(tl.float32, bitcast=True)
-        am = tl.zeros([RB, C], dtype=tl.int32)
-        top = tl.zeros([RB, C], dtype=tl.int32)   # the largest |bits|, inf and NaN included
-        for r0 in range(0, pr, RB):
-            u, rr, mask = _tile_load(src, sstride, r0, pr, pc, cc, SRC, RB, FULL)
-            a = u & 0x7FFFFFFF
-            am = tl.maximum(am, tl.where(a < 0x7F800000, a, 0))
-            if FINITE_FAST:
-                top = tl.maximum(top, a)
-        amv = (tl.zeros([1, 1], dtype=tl.int32)
-               + tl.max(tl.max(am, axis=1), axis=0)).to(tl.float32, bitcast=True)
+        if PACKED:
+            # Whole tiles of a 16-bit source (FULL, VEC, FINITE_FAST): the
+            # top in words; below inf it is the amax, else the first read
+            # again element by element (a block with inf or NaN: rare).
+            top = _tile_top16(tl.load(row + 0), sstride, pr, SRC, RB, C)
+            if SRC == 1:
+                amb = top << 16
+            else:
+                amb = top.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32).to(
+                    tl.int32, bitcast=True)
+            finite = top < (0x7F80 if SRC == 1 else 0x7C00)
+            if top >= (0x7F80 if SRC == 1 else 0x7C00):
+                amb, top = _tile_amax(src, sstride, pr, pc, cc, SRC, RB, C, FULL)
+        else:
+            amb, top = _tile_amax(src, sstride, pr, pc, cc, SRC, RB, C, FULL)
+            # FINITE_FAST: a block without inf or NaN takes the pass
+            # without the specials' selects.
+            finite = top < (0x7F800000 if FINITE_FAST else 0)
+        amv = (tl.zeros([1, 1], dtype=tl.int32) + amb).to(tl.float32, bitcast=True)
         d = tl.math.div_rn(amv, fmax)
         d = tl.where(d == 0.0, 1.0, d)
-        # A block without inf or NaN (FINITE_FAST; top is 0 without it)
-        # takes the pass without the specials' selects.
-        if tl.max(tl.max(top, axis=1), axis=0) < (0x7F800000 if FINITE_FAST else 0):
+        if finite:
             acc = _tile_pass(src, sstride, pr, pc, cc, d, dest_lo, dstride_lo, salt_hi,
                              SRC, RB, C, FULL, FMAX_BITS, MAX_BITS, NAN_BITS, E5M2,
                              FAST_DIV, False)
@@ -690,6 +738,8 @@ def quantized_receipt_gpu(quantized, sent):
                                      C=TILE_C, RB=TILE_RB,
                                      FAST_DIV=TILE_FAST_DIV and code != 0,
                                      FULL=full, FINITE_FAST=TILE_FINITE_FAST,
+                                     PACKED=(TILE_PACKED and full and aligned and code != 0
+                                             and TILE_FINITE_FAST),
                                      num_warps=TILE_WARPS)
     total = int(out.item()) & 0xFFFFFFFFFFFFFFFF
     return total, params, nbytes, rest
