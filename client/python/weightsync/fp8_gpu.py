@@ -713,14 +713,22 @@ def quantized_receipt_gpu(quantized, sent):
     device, by the fused kernel, except `rest` (module docstring), which
     the caller sums with the torch path. Runs on the current stream and
     waits for it."""
-    import torch
-    import triton.language as tl
     global _kernel
     if not any(n in sent for p in quantized for n in fp8._sources(p)):
         return 0, 0, 0, []
     if _kernel is None:
         _kernel = _build()
     device, launches, (params, nbytes), rest = _device_plan(list(quantized), sent)
+    out = _launch(device, launches)
+    total = int(out.item()) & 0xFFFFFFFFFFFFFFFF
+    return total, params, nbytes, rest
+
+
+def _launch(device, launches):
+    """Starts `launches` (_device_plan's) on the current stream; the device
+    int64 their sums go to."""
+    import torch
+    import triton.language as tl
     out = torch.zeros(1, dtype=torch.int64, device=device)
     raw = {0: tl.uint32, 1: tl.uint16, 2: tl.uint16}
     general, tile = _kernel
@@ -741,5 +749,36 @@ def quantized_receipt_gpu(quantized, sent):
                                      PACKED=(TILE_PACKED and full and aligned and code != 0
                                              and TILE_FINITE_FAST),
                                      num_warps=TILE_WARPS)
-    total = int(out.item()) & 0xFFFFFFFFFFFFFFFF
-    return total, params, nbytes, rest
+    return out
+
+
+def prepared_receipt_gpu(quantized, sent):
+    """quantized_receipt_gpu's plan, for a caller that keys it by the
+    sources' placement itself (Trainer: the registered source's number and
+    the engine's layout id) and so builds nothing per tensor on later
+    updates: a handle for start_prepared, or None where the kernels would
+    not cover every parameter fed by `sent` (sources off the GPU, on two
+    devices, or `rest`): the caller takes the general path then."""
+    global _kernel
+    if not enabled():
+        return None
+    names = {n for p in quantized for n in fp8._sources(p) if n in sent}
+    if not names:
+        return None
+    feeds = [sent[n][2] for n in names]
+    if not all(getattr(t, "is_cuda", False) for t in feeds) or len(
+            {t.device for t in feeds}) != 1:
+        return None
+    if _kernel is None:
+        _kernel = _build()
+    device, launches, counts, rest = _device_plan(list(quantized), sent)
+    return None if rest else (device, launches, counts)
+
+
+def start_prepared(handle):
+    """Starts a prepared_receipt_gpu handle's kernels on the current stream;
+    returns a function that waits for them and gives (checksum, parameters,
+    bytes), as quantized_receipt_gpu would."""
+    device, launches, (params, nbytes) = handle
+    out = _launch(device, launches)
+    return lambda: (int(out.item()) & 0xFFFFFFFFFFFFFFFF, params, nbytes)

@@ -237,6 +237,9 @@ class Trainer:
         self._layouts = {}     # layout_id -> layout (for receipts)
         self._layout_fp8 = {}  # layout_id -> whether it has FP8 targets
         self._layout_split = {}  # layout_id -> (plain, quantised) parameters
+        # (plan_key, layout_id) -> weightsync.fp8_gpu.prepared_receipt_gpu's
+        # handle (None: that path can't take the layout's FP8 targets)
+        self._fp8_prepared = {}
         self._ipc_ring_slots = 2
         self.last_results = []
         self.last_starts = []  # several daemons: each one's Start answer
@@ -1252,10 +1255,31 @@ class Trainer:
                 if layout_id:
                     self._layout_split[layout_id] = split
             plain, quant = split
+            # The FP8 kernels' tables keyed like the plain plan (nothing per
+            # tensor on a repeated update), started before the plain part.
+            wait = fp8_started(quant, (plan_key, layout_id)) if layout_id else None
             c, n, b = fast.expected_receipts_gpu({0: plain}, sent, plan_key=(
                 plan_key, layout_id, "plain") if layout_id else None)[0]
-            q_sum, q_params, q_bytes = quantized_where_sent(quant, sent())
+            if wait is not None:
+                q_sum, q_params, q_bytes = wait()
+            else:
+                q_sum, q_params, q_bytes = quantized_where_sent(quant, sent())
             return (c + q_sum) & 0xFFFFFFFFFFFFFFFF, n + q_params, b + q_bytes
+
+        def fp8_started(quant, key):
+            from weightsync import fp8_gpu, receipts
+            if receipts._fp8_triton_failed:
+                return None
+            try:
+                if key not in self._fp8_prepared:
+                    if len(self._fp8_prepared) > 16:
+                        self._fp8_prepared.clear()
+                    self._fp8_prepared[key] = fp8_gpu.prepared_receipt_gpu(quant, sent())
+                handle = self._fp8_prepared[key]
+                return None if handle is None else fp8_gpu.start_prepared(handle)
+            except Exception as e:  # noqa: BLE001 - the general path is exact too
+                receipts._fp8_triton_failed.append(repr(e))
+                return None
         try:
             if fast is None:
                 self._check_receipts(results, lambda layout: expected_receipt_arrays(
