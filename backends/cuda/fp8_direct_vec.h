@@ -19,7 +19,11 @@
 //   included); |q| >= FMAX, +-inf and NaN take Fp8Encode's answers (sign |
 //   max, sign | NaN) explicitly, never the hardware's. On the CPU "cvt"
 //   runs Fp8Encode (the CPU cannot run cvt); tests/gpu/test_fp8_gpu.py
-//   exact checks the GPU's bytes.
+//   exact checks the GPU's bytes. The lean kernel's blocks without inf or
+//   NaN (VecTop finds them) take the hardware's bytes for every q (kFinite):
+//   for finite |q| >= FMAX its saturation is Fp8Encode's sign | max
+//   (every finite float32, both formats, checked on a GPU:
+//   gpu_kernels_bench fp8, "satfinite cvt").
 // Blocks whose rows are not whole 16-byte vectors at aligned addresses
 // take fp8_math.h's per-element walk with the same 256 threads.
 #ifndef WEIGHTSYNC_BACKENDS_CUDA_FP8_DIRECT_VEC_H_

@@ -168,7 +168,7 @@ void RunDirectBatch(std::vector<cuda::DirectJob> jobs, uint32_t threads,
   }
 }
 
-// One block as the lean kernel (quant_kernels.cu, LeanPipeKernel) runs it:
+// One block as the lean kernel (quant_kernels.cu, LeanKernel) runs it:
 // kVecThreads threads holding kVecPerThread vectors, Fp8Divider's
 // quotients for bfloat16 and float16 (the job is DirectLeanOk); a block
 // without inf or NaN (VecTopPart below inf) takes its amax from the top

@@ -202,48 +202,20 @@ __global__ void __launch_bounds__(kDirectThreads)
 // The lean kernel: jobs of one source dtype, each DirectLeanOk (every
 // block held as whole aligned vectors), so the kernel holds only that path
 // (fewer registers, more warps a multiprocessor: bench/RESULTS.md); the
-// bfloat16 and float16 quotients by Fp8Divider. kReceipts as DirectBatch.
-template <int kDtype, bool kReceipts>
-__global__ void __launch_bounds__(kVecThreads)
-    LeanKernel(const DirectJob* __restrict__ jobs, int n, int64_t total) {
-  __shared__ float warp_max[kVecThreads / 32];
-  constexpr bool kDivider = kDtype != kFp8SrcFloat32;
-  int j = 0;
-  uint64_t sum = 0;
-  unsigned long long* out = nullptr;
-  for (int64_t g = blockIdx.x; g < total; g += gridDim.x) {
-    j = DirectJobOf(jobs, n, g, j);
-    const DirectJob job = jobs[j];
-    const int64_t b = g - job.first_block;
-    if constexpr (kReceipts) {
-      if (job.receipt.out != out) {
-        FlushDirectReceipt(sum, out);
-        sum = 0;
-        out = job.receipt.out;
-      }
-    }
-    Fp8Raw16 v[kVecPerThread];
-    float amax =
-        VecLoadPart<kDtype, kVecPerThread>(job, b, threadIdx.x, kVecThreads, v);
-    amax = DirectBlockMax<kVecThreads>(amax, warp_max);
-    // A job without a receipt in a batch with receipts sums terms that
-    // FlushDirectReceipt drops (out == nullptr).
-    VecWritePart<kDtype, kVecPerThread, true, kReceipts, kDivider>(
-        job, b, threadIdx.x, kVecThreads, amax, v, &sum);
-  }
-  if constexpr (kReceipts) FlushDirectReceipt(sum, out);
-}
-
-// The pipelined lean kernel: the same blocks, math, bytes and sums as
-// LeanKernel, but each thread block copies its next kLeanStages - 1 FP8
-// blocks' source into shared memory (cp.async, 16 bytes a thread a vector)
-// while it quantises the current one, so the loads of one block overlap
-// the amax, the quotients and the stores of the one before (LeanKernel
-// issues a block's loads only once the block before is stored, and its
-// multiprocessors wait on memory between: bench/RESULTS.md). Thread t
-// copies and later reads only its own vectors (slot s of stage p at
-// stage[(p * kVecPerThread + s) * kVecThreads + t]), so no barrier orders
-// the copies: __pipeline_wait_prior does, thread by thread.
+// bfloat16 and float16 quotients by Fp8Divider. Each thread block copies
+// its next kLeanStages - 1 FP8 blocks' source into shared memory
+// (cp.async, 16 bytes a thread a vector) while it quantises the current
+// one, so one block's loads overlap the work of the one before (without
+// it, 12.1 against 6.2 ms on an H200: a block's loads waited for the
+// stores of the one before). Thread t copies and reads only its own
+// vectors (slot s of stage p at stage[(p * kVecPerThread + s) *
+// kVecThreads + t]), so no barrier orders the copies: __pipeline_wait_prior
+// does, thread by thread. A block without inf or NaN (VecTopPart: one
+// packed max a word; nearly every block) takes its amax from that top and
+// is written without the specials' tests (VecWrite's kFinite); any other
+// takes VecAmaxHeld and the full tests. kReceipts: jobs with a receipt
+// also sum their terms (FlushDirectReceipt; a job without one in such a
+// batch sums terms it then drops).
 constexpr int kLeanStages = 2;
 constexpr size_t kLeanStageBytes =
     size_t{kLeanStages} * kVecPerThread * kVecThreads * sizeof(Fp8Raw16);
@@ -290,7 +262,7 @@ __device__ __forceinline__ uint32_t BlockTop(uint32_t top, uint32_t* warp_top) {
 
 template <int kDtype, bool kReceipts>
 __global__ void __launch_bounds__(kVecThreads)
-    LeanPipeKernel(const DirectJob* __restrict__ jobs, int n, int64_t total) {
+    LeanKernel(const DirectJob* __restrict__ jobs, int n, int64_t total) {
   extern __shared__ Fp8Raw16 lean_stage[];
   __shared__ float warp_max[kVecThreads / 32];
   __shared__ uint32_t warp_top[kVecThreads / 32];
@@ -380,47 +352,40 @@ cudaError_t ResidentGrid(const void* kernel, int threads, int64_t total,
 
 cudaError_t QuantizeFp8DirectLean(const DirectJob* jobs, int n,
                                   int64_t total_blocks, int32_t src_dtype,
-                                  cudaStream_t stream, bool receipts,
-                                  bool pipelined) {
+                                  cudaStream_t stream, bool receipts) {
   if (n < 0 || total_blocks < 0 || (total_blocks > 0 && jobs == nullptr)) {
     return cudaErrorInvalidValue;
   }
   if (n == 0 || total_blocks == 0) return cudaSuccess;
   using Kernel = void (*)(const DirectJob*, int, int64_t);
-  const Kernel kernels[2][2][3] = {
-      {{LeanKernel<kFp8SrcFloat32, false>, LeanKernel<kFp8SrcBfloat16, false>,
-        LeanKernel<kFp8SrcFloat16, false>},
-       {LeanKernel<kFp8SrcFloat32, true>, LeanKernel<kFp8SrcBfloat16, true>,
-        LeanKernel<kFp8SrcFloat16, true>}},
-      {{LeanPipeKernel<kFp8SrcFloat32, false>,
-        LeanPipeKernel<kFp8SrcBfloat16, false>,
-        LeanPipeKernel<kFp8SrcFloat16, false>},
-       {LeanPipeKernel<kFp8SrcFloat32, true>,
-        LeanPipeKernel<kFp8SrcBfloat16, true>,
-        LeanPipeKernel<kFp8SrcFloat16, true>}}};
+  const Kernel kernels[2][3] = {
+      {LeanKernel<kFp8SrcFloat32, false>, LeanKernel<kFp8SrcBfloat16, false>,
+       LeanKernel<kFp8SrcFloat16, false>},
+      {LeanKernel<kFp8SrcFloat32, true>, LeanKernel<kFp8SrcBfloat16, true>,
+       LeanKernel<kFp8SrcFloat16, true>}};
   const int d = src_dtype == kFp8SrcFloat32    ? 0
                 : src_dtype == kFp8SrcBfloat16 ? 1
                 : src_dtype == kFp8SrcFloat16  ? 2
                                                : -1;
   if (d < 0) return cudaErrorInvalidValue;
-  const int pi = pipelined ? 1 : 0, rc = receipts ? 1 : 0;
-  const Kernel kernel = kernels[pi][rc][d];
-  const size_t smem = pipelined ? kLeanStageBytes : 0;
-  static std::atomic<int> per_sm[2][2][3] = {};
-  if (pipelined && per_sm[pi][rc][d].load(std::memory_order_relaxed) <= 0) {
+  const int rc = receipts ? 1 : 0;
+  const Kernel kernel = kernels[rc][d];
+  static std::atomic<int> per_sm[2][3] = {};
+  if (per_sm[rc][d].load(std::memory_order_relaxed) <= 0) {
     // Over the 48 KiB a kernel gets without asking (set before the
     // occupancy query, which counts it).
-    cudaError_t err = cudaFuncSetAttribute(
-        reinterpret_cast<const void*>(kernel),
-        cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    cudaError_t err =
+        cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(kLeanStageBytes));
     if (err != cudaSuccess) return err;
   }
   int64_t grid = 0;
   cudaError_t err =
       ResidentGrid(reinterpret_cast<const void*>(kernel), kVecThreads,
-                   total_blocks, &per_sm[pi][rc][d], &grid, smem);
+                   total_blocks, &per_sm[rc][d], &grid, kLeanStageBytes);
   if (err != cudaSuccess) return err;
-  kernel<<<static_cast<unsigned>(grid), kVecThreads, smem, stream>>>(
+  kernel<<<static_cast<unsigned>(grid), kVecThreads, kLeanStageBytes, stream>>>(
       jobs, n, total_blocks);
   return cudaGetLastError();
 }

@@ -52,17 +52,16 @@ cudaError_t QuantizeFp8Direct(const DirectJob* jobs, int n,
                               Fp8DirectKernel kernel = Fp8DirectKernel::kRegs,
                               bool receipts = false);
 
-// The lean kernel (fp8_direct_vec.h, DirectLeanOk) over a batch of direct
-// jobs that are all DirectLeanOk and of source dtype `src_dtype`; otherwise
-// as QuantizeFp8Direct. The same bytes, scales and receipt sums as the
-// other kernels (quant_steps_test emulates it; tests/gpu/test_fp8_gpu.py
-// exact on a GPU).
-// pipelined: LeanPipeKernel (the next block's source copied into shared
-// memory while the current one is quantised), else LeanKernel.
+// The lean kernel (fp8_direct_vec.h, DirectLeanOk; quant_kernels.cu,
+// LeanKernel: the next block's source copied into shared memory while the
+// current one is quantised) over a batch of direct jobs that are all
+// DirectLeanOk and of source dtype `src_dtype`; otherwise as
+// QuantizeFp8Direct. The same bytes, scales and receipt sums as the other
+// kernels (quant_steps_test emulates it; tests/gpu/test_fp8_gpu.py exact
+// on a GPU).
 cudaError_t QuantizeFp8DirectLean(const DirectJob* jobs, int n,
                                   int64_t total_blocks, int32_t src_dtype,
-                                  cudaStream_t stream, bool receipts = false,
-                                  bool pipelined = true);
+                                  cudaStream_t stream, bool receipts = false);
 
 }  // namespace cuda
 }  // namespace weightsync

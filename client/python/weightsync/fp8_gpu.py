@@ -34,16 +34,22 @@ bfloat16 / float16 tensors or are shorter than the parameter.
 
 Blocks of one piece of at most TILE_R x TILE_C elements whose indices
 share their upper 32 bits (every block of a Llama/Qwen linear layer) take
-the tile kernel: one program per block loads it once as a 2-D tile (16-byte
-vectors where the piece's address and row stride allow: a launch of its
-own), reduces the amax, divides (tl.math.div_rn), encodes by the
-hardware's round-to-nearest-even conversion into the format (cvt
-satfinite; NaN and |q| >= FMAX take to_fp8's answers explicitly, as the
-daemon's "cvt" kernel does) and sums the terms with 32-bit keys. One
-launch per (source dtype, format, aligned). The rest take the general
-kernel: one launch per source dtype, one program per block, two passes
-over the block's pieces (amax, then encodings: the second read comes from
-cache), to_fp8's rounding in integer lanes. WEIGHTSYNC_FP8_TILE=0 sends
+the tile kernel: one program per block reads it in TILE_RB-row tiles
+(16-byte vectors where the piece's address and row stride allow) twice:
+the amax, then the terms. It divides by Fp8Divider's step (bfloat16 /
+float16) or tl.math.div_rn, encodes by the hardware's round-to-nearest-even
+conversion into the format (cvt satfinite; NaN and |q| >= FMAX take
+to_fp8's answers explicitly, as the daemon's "cvt" kernel does) and sums
+the terms with 32-bit keys in an int64 tile. Launches of whole tiles
+(TILE_FULL) carry no masks; a block without inf or NaN (TILE_FINITE_FAST)
+takes the conversion's bytes alone (its saturation is to_fp8's for finite
+q); of a 16-bit source's whole aligned tiles the first read takes 32-bit
+words, one bf16x2 / f16x2 max with NaN kept a word (TILE_PACKED; the
+daemon's VecTop). One launch per (source dtype, format, aligned, whole).
+The rest take the general kernel: one launch per source dtype, one program
+per block, two passes over the block's pieces (amax, then encodings: the
+second read comes from cache), to_fp8's rounding in integer lanes.
+WEIGHTSYNC_FP8_TILE=0 sends
 every block to the general kernel.
 """
 
