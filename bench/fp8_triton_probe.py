@@ -57,9 +57,10 @@ def main():
                 ("tile RB=16 w4 full", 16, 4, True, "1", True, False, False),
                 ("tile RB=16 w4 masked (before)", 16, 4, True, "1", False, False, False)]
     want = None
-    for name, rb, warps, fast, tile, full, finite in variants:
+    for name, rb, warps, fast, tile, full, finite, packed in variants:
         fp8_gpu.TILE_RB, fp8_gpu.TILE_WARPS, fp8_gpu.TILE_FAST_DIV = rb, warps, fast
         fp8_gpu.TILE_FULL, fp8_gpu.TILE_FINITE_FAST = full, finite
+        fp8_gpu.TILE_PACKED = packed
         os.environ["WEIGHTSYNC_FP8_TILE"] = tile
         fp8_gpu._plans.clear()
         try:
