@@ -368,34 +368,38 @@ WS_FP8_HD float VecLoadPart(const DirectJob& job, int64_t b, uint32_t t,
   return VecWiden<kDtype>(amax);
 }
 
-// Held blocks: VecTopOf over thread t's vectors of block b in v (0 for a
-// thread without any) ... Held: v[s] is the thread's vector s (an array
-// in registers, or the lean kernel's shared-memory slots).
+// Held blocks: thread t's vectors of block b in v folded by VecTop (kTop)
+// or VecAmaxBits. Held: v[s] is the thread's vector s (an array in
+// registers, or the lean kernel's shared-memory slots).
+template <int kDtype, int kPer, bool kTop, typename Held>
+WS_FP8_HD uint32_t VecFoldHeld(const DirectJob& job, int64_t b, uint32_t t,
+                               uint32_t threads, const Held& v) {
+  VecWalk k = VecWalkOf<kDtype>(job, b, t, threads);
+  uint32_t acc = 0;
+  WS_FP8_UNROLL
+  for (int s = 0; s < kPer; ++s) {
+    if (k.r < k.h) {
+      acc = kTop ? VecTop<kDtype>(acc, v[s]) : VecAmaxBits<kDtype>(acc, v[s]);
+    }
+    VecNext<kDtype>(&k);
+  }
+  return acc;
+}
+
+// VecTopOf over them (0 for a thread without any) ...
 template <int kDtype, int kPer, typename Held>
 WS_FP8_HD uint32_t VecTopPart(const DirectJob& job, int64_t b, uint32_t t,
                               uint32_t threads, const Held& v) {
-  VecWalk k = VecWalkOf<kDtype>(job, b, t, threads);
-  uint32_t top = 0;
-  WS_FP8_UNROLL
-  for (int s = 0; s < kPer; ++s) {
-    if (k.r < k.h) top = VecTop<kDtype>(top, v[s]);
-    VecNext<kDtype>(&k);
-  }
-  return VecTopOf<kDtype>(top);
+  return VecTopOf<kDtype>(
+      VecFoldHeld<kDtype, kPer, true>(job, b, t, threads, v));
 }
 
 // ... and their amax (VecLoadPart's, from the held vectors).
 template <int kDtype, int kPer, typename Held>
 WS_FP8_HD float VecAmaxHeld(const DirectJob& job, int64_t b, uint32_t t,
                             uint32_t threads, const Held& v) {
-  VecWalk k = VecWalkOf<kDtype>(job, b, t, threads);
-  uint32_t amax = 0;
-  WS_FP8_UNROLL
-  for (int s = 0; s < kPer; ++s) {
-    if (k.r < k.h) amax = VecAmaxBits<kDtype>(amax, v[s]);
-    VecNext<kDtype>(&k);
-  }
-  return VecWiden<kDtype>(amax);
+  return VecWiden<kDtype>(
+      VecFoldHeld<kDtype, kPer, false>(job, b, t, threads, v));
 }
 
 // Thread t's held vectors v, walked from k, into the block of divider dv.

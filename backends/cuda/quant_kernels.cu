@@ -235,6 +235,20 @@ __device__ __forceinline__ void LeanIssue(const DirectJob& job, int64_t b,
   }
 }
 
+// The copies of the next block ahead, gi (of job *ji), into `stage`, as
+// one commit group (empty past the last block); gi moves on a stride.
+template <int kDtype>
+__device__ __forceinline__ void LeanIssueNext(const DirectJob* jobs, int n,
+                                              int64_t total, int64_t* gi,
+                                              int* ji, Fp8Raw16* stage) {
+  if (*gi < total) {
+    *ji = DirectJobOf(jobs, n, *gi, *ji);
+    LeanIssue<kDtype>(jobs[*ji], *gi - jobs[*ji].first_block, stage);
+  }
+  __pipeline_commit();
+  *gi += gridDim.x;
+}
+
 // Thread t's vectors of one stage, read where they are used (VecTopPart,
 // VecWritePart: v[s]) rather than held in registers across the block's
 // reduction (fewer registers: 3 thread blocks a multiprocessor with the
@@ -273,13 +287,7 @@ __global__ void __launch_bounds__(kVecThreads)
   int ji = 0;
 #pragma unroll
   for (int p = 0; p + 1 < kLeanStages; ++p) {
-    if (gi < total) {
-      ji = DirectJobOf(jobs, n, gi, ji);
-      LeanIssue<kDtype>(jobs[ji], gi - jobs[ji].first_block,
-                        lean_stage + p * kSlots);
-    }
-    __pipeline_commit();
-    gi += gridDim.x;
+    LeanIssueNext<kDtype>(jobs, n, total, &gi, &ji, lean_stage + p * kSlots);
   }
   int j = 0;
   int p = 0;  // the stage of block g
@@ -287,13 +295,8 @@ __global__ void __launch_bounds__(kVecThreads)
   unsigned long long* out = nullptr;
   for (int64_t g = blockIdx.x; g < total; g += gridDim.x) {
     const int ahead = p == 0 ? kLeanStages - 1 : p - 1;  // freed last round
-    if (gi < total) {
-      ji = DirectJobOf(jobs, n, gi, ji);
-      LeanIssue<kDtype>(jobs[ji], gi - jobs[ji].first_block,
-                        lean_stage + ahead * kSlots);
-    }
-    __pipeline_commit();
-    gi += gridDim.x;
+    LeanIssueNext<kDtype>(jobs, n, total, &gi, &ji,
+                          lean_stage + ahead * kSlots);
     __pipeline_wait_prior(kLeanStages - 1);  // block g's copies are in
     j = DirectJobOf(jobs, n, g, j);
     const DirectJob job = jobs[j];
