@@ -61,9 +61,11 @@ void AddQuantizedTerms(
     uint64_t* sum, v1::Receipt* receipt) {
   const v1::Quantization& decl = p.quantization();
   Image image;
-  image.rows = p.shape_size() > 0 ? p.shape(0) : 1;
-  image.cols = 1;
-  for (int i = 1; i < p.shape_size(); ++i) image.cols *= p.shape(i);
+  // A stacked weight [..., n, k] (experts) is the matrix of its rows
+  // (quant_layout.cc): rows = prod(...) * n, cols = k.
+  image.cols = p.shape_size() > 0 ? p.shape(p.shape_size() - 1) : 1;
+  image.rows = 1;
+  for (int i = 0; i + 1 < p.shape_size(); ++i) image.rows *= p.shape(i);
   if (!Gather(p, sent, image)) return;
   const bool per_row = decl.scheme() == v1::QUANT_SCHEME_PER_ROW;
   Fp8Blocks q;

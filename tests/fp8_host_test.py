@@ -2,8 +2,9 @@
 """FP8 targets on the host backend, end to end (docs/protocol.md, "FP8
 targets"): a real weightsyncd, an engine process holding FP8 engines (a
 TP=2 pair of a Qwen3-style model in e4m3 with 128 x 128 block scales, a
-TP=1 engine in e5m2 with per-row reciprocal scales, and a plain bfloat16
-engine) and this process as the trainer.
+TP=1 engine in e5m2 with per-row reciprocal scales, a plain bfloat16
+engine, and one whose FP8 targets stack matrices as a fused MoE layer
+holds experts) and this process as the trainer.
 
     WEIGHTSYNCD=bazel-bin/daemon/weightsyncd python3 tests/fp8_host_test.py
 
@@ -58,7 +59,40 @@ def engine_specs():
     specs.append(("row", params, segments, quant))
     params, segments = layouts.llama_engine_layout(CONFIG, 0, 1)
     specs.append(("bf16", params, segments, {}))
+    specs.append(("stacked",) + stacked_layout())
     return specs
+
+
+def stacked_layout():
+    """(params, segments, quantization) of FP8 targets stacked as vLLM's
+    fused MoE layers hold experts, each layer's MLP standing for an expert:
+    w13 [L, 2I, H] (gate rows then up rows of each) with e4m3 128 x 128
+    scales per matrix [L, 2I / 128, H / 128]; w2 [L, H, I] with flat
+    scales [L * H / 128, I / 128]; w2_rows [L, H, I] in e5m2 per row
+    [L, H]."""
+    H, I, L = CONFIG["hidden_size"], CONFIG["intermediate_size"], CONFIG["num_hidden_layers"]
+    shapes = dict(layouts.checkpoint_shapes(CONFIG))
+    mlp = "model.layers.{}.mlp.{}.weight"
+    params = [("w13", "FLOAT8_E4M3FN", (L, 2 * I, H)),
+              ("w13_scale", "FLOAT32", (L, 2 * I // 128, H // 128)),
+              ("w2", "FLOAT8_E4M3FN", (L, H, I)),
+              ("w2_scale", "FLOAT32", (L * H // 128, I // 128)),
+              ("w2_rows", "FLOAT8_E5M2", (L, H, I)),
+              ("w2_rows_scale", "FLOAT32", (L, H))]
+    segments = {"w13": [], "w2": [], "w2_rows": []}
+    for e in range(L):
+        for k, proj in enumerate(("gate_proj", "up_proj")):
+            src = mlp.format(e, proj)
+            segments["w13"].append(layouts._block(src, shapes[src], (0, I), (0, H),
+                                                  (e * 2 + k) * I * H, H))
+        src = mlp.format(e, "down_proj")
+        for name in ("w2", "w2_rows"):
+            segments[name].append(layouts._block(src, shapes[src], (0, H), (0, I),
+                                                 e * H * I, I))
+    quant = {"w13": fp8.quantization_fields("FLOAT8_E4M3FN", "w13_scale"),
+             "w2": fp8.quantization_fields("FLOAT8_E4M3FN", "w2_scale"),
+             "w2_rows": fp8.quantization_fields("FLOAT8_E5M2", "w2_rows_scale", None)}
+    return params, segments, quant
 
 
 ENGINES = r"""
@@ -198,8 +232,10 @@ class Fp8HostTest(unittest.TestCase):
                 got = mem[off:off + n]
                 x = parameter_values(name, shape, segments, sent)
                 if name in quant:
+                    # A stacked weight [..., n, k]: the matrix of its rows.
+                    x = x.reshape(-1, shape[-1])
                     q = quant[name]
-                    block = (1, shape[1]) if q["scheme"] == "QUANT_SCHEME_PER_ROW" else (
+                    block = (1, shape[-1]) if q["scheme"] == "QUANT_SCHEME_PER_ROW" else (
                         q["block_rows"], q["block_cols"])
                     enc, st = fp8.quantize(x, *block, q["format"],
                                            q["scale_form"] == "SCALE_FORM_RECIPROCAL")
@@ -344,7 +380,11 @@ class Fp8HostTest(unittest.TestCase):
             ("block of 96", w, quant_of(block_rows=96), "INVALID_ARGUMENT",
              "needs float32 [3, 2]"),
             ("1-D", [("w", "FLOAT8_E4M3FN", (256,)), w[1], w[2]], good, "INVALID_ARGUMENT",
-             "non-empty 2-D weight"),
+             "non-empty weight of 2 or more dimensions"),
+            ("stacked, blocks across matrices", [("w", "FLOAT8_E4M3FN", (2, 64, 256)),
+                                                 ("w_scale", "FLOAT32", (1, 2)), w[2]],
+             good, "INVALID_ARGUMENT",
+             "needs the rows of each matrix (64) in whole blocks of 128 rows"),
             ("scale of itself", w, quant_of(scale_parameter="w"), "INVALID_ARGUMENT",
              "is the parameter itself"),
             ("quantised scale", w, {"w": good["w"], "w_scale": dict(good["w"],

@@ -344,7 +344,11 @@ def quant_receipt(tensors, layout):
         qz = p.get("quantization")
         if not qz:
             continue
-        rows, cols = p["shape"]
+        # A stacked weight [..., n, k] (experts): the matrix of its rows.
+        cols = p["shape"][-1]
+        rows = 1
+        for d in p["shape"][:-1]:
+            rows *= d
         per_row = qz.get("scheme") == "QUANT_SCHEME_PER_ROW"
         br, bc = (1, cols) if per_row else (qz.get("blockRows") or 128, qz.get("blockCols") or 128)
         values = [None] * (rows * cols)
@@ -443,6 +447,21 @@ def receipt_cases():
         dict(rv.param("kk", "FLOAT8_E4M3FN", (2, 6), [rv.segment("k", 0, 2, 0, 6, 0, 6)]),
              quantization=quant("FLOAT8_E4M3FN", "kk_scale")),
         rv.param("kk_scale", "FLOAT32", (1, 1)),
+    ])
+    # Experts stacked as a fused MoE layer holds them: [2, 4, 6] in 2 x 4
+    # blocks (each expert's 4 rows whole blocks), scales per matrix
+    # [2, 2, 2]; the same experts per row into [2, 4, 6] with scales [2, 4].
+    e0 = tensor("e0", "BFLOAT16", (4, 6), 1)
+    e1 = tensor("e1", "FLOAT32", (4, 6), -3)
+    experts = [rv.segment("e0", 0, 4, 0, 6, 0, 6), rv.segment("e1", 0, 4, 0, 6, 24, 6)]
+    add("stacked experts, scales per matrix and per row", [e0, e1], [
+        dict(rv.param("w13", "FLOAT8_E4M3FN", (2, 4, 6), experts),
+             quantization=quant("FLOAT8_E4M3FN", "w13_scale", br=2, bc=4)),
+        rv.param("w13_scale", "FLOAT32", (2, 2, 2)),
+        dict(rv.param("w13_rows", "FLOAT8_E5M2", (2, 4, 6), experts),
+             quantization=quant("FLOAT8_E5M2", "w13_rows_scale",
+                                scheme="QUANT_SCHEME_PER_ROW")),
+        rv.param("w13_rows_scale", "FLOAT32", (2, 4)),
     ])
     return out
 

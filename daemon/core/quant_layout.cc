@@ -57,15 +57,28 @@ absl::Status CheckDeclaration(const std::string& engine,
   return absl::OkStatus();
 }
 
-// The shape the scale parameter must have.
+// The shape the scale parameter of a weight of shape `w` must have: the
+// flat [rows] / [rows, 1] (per row) or [grid rows, grid cols] (blocks), or
+// for a stacked weight [..., n, k] the same per matrix: [..., n] /
+// [..., n, 1], or [..., ceil(n / block rows), grid cols].
 bool ScaleShapeFits(const QuantLayout& q, bool per_row,
+                    const std::vector<int64_t>& w,
                     const std::vector<int64_t>& shape) {
+  const std::vector<int64_t> lead(w.begin(), w.end() - 2);
+  const int64_t n = w[w.size() - 2];
+  auto is = [&shape](std::vector<int64_t> want) { return shape == want; };
+  auto stacked = [&lead](std::initializer_list<int64_t> tail) {
+    std::vector<int64_t> v = lead;
+    v.insert(v.end(), tail);
+    return v;
+  };
   if (per_row) {
-    return (shape.size() == 1 && shape[0] == q.rows) ||
-           (shape.size() == 2 && shape[0] == q.rows && shape[1] == 1);
+    return is({q.rows}) || is({q.rows, 1}) || is(stacked({n})) ||
+           is(stacked({n, 1}));
   }
   const int64_t grid_rows = (q.rows + q.block_rows - 1) / q.block_rows;
-  return shape.size() == 2 && shape[0] == grid_rows && shape[1] == q.grid_cols;
+  return is({grid_rows, q.grid_cols}) ||
+         is(stacked({(n + q.block_rows - 1) / q.block_rows, q.grid_cols}));
 }
 
 // Every segment of `p` writes a rectangle whose edges lie on block
@@ -153,24 +166,36 @@ absl::Status CheckOne(const v1::RegisterEngineRequest& request, int i,
                                 " differs from its quantization.format ",
                                 DTypeName(decl.format())));
   }
-  if (p.shape.size() != 2 || p.numel == 0) {
+  if (p.shape.size() < 2 || p.numel == 0) {
     return Invalid(engine, p.name,
-                   absl::StrCat("an FP8 target must be a non-empty 2-D "
-                                "weight; its shape is ",
+                   absl::StrCat("an FP8 target must be a non-empty weight "
+                                "of 2 or more dimensions; its shape is ",
                                 ShapeString(p.shape)));
   }
   const bool per_row = decl.scheme() == v1::QUANT_SCHEME_PER_ROW;
   QuantLayout q;
   q.format = decl.format();
   q.scale_parameter = scale_index;
-  q.rows = p.shape[0];
-  q.cols = p.shape[1];
+  // A stacked weight [..., n, k] (experts) is quantised as the matrix of
+  // its rows, [prod(...) * n, k]: the same blocks as each [n, k] matrix's
+  // where n is whole blocks (checked below).
+  q.cols = p.shape.back();
+  q.rows = p.numel / q.cols;
   q.block_rows = per_row ? 1 : (decl.block_rows() ? decl.block_rows() : 128);
   q.block_cols =
       per_row ? q.cols : (decl.block_cols() ? decl.block_cols() : 128);
   q.grid_cols = (q.cols + q.block_cols - 1) / q.block_cols;
   q.reciprocal = decl.scale_form() == v1::SCALE_FORM_RECIPROCAL;
-  if (scale.dtype != v1::FLOAT32 || !ScaleShapeFits(q, per_row, scale.shape)) {
+  const int64_t n = p.shape[p.shape.size() - 2];
+  if (p.shape.size() > 2 && n % q.block_rows != 0) {
+    return Invalid(engine, p.name,
+                   absl::StrCat("a stacked FP8 target ", ShapeString(p.shape),
+                                " needs the rows of each matrix (", n,
+                                ") in whole blocks of ", q.block_rows,
+                                " rows: a block may not span two of them"));
+  }
+  if (scale.dtype != v1::FLOAT32 ||
+      !ScaleShapeFits(q, per_row, p.shape, scale.shape)) {
     const int64_t grid_rows = (q.rows + q.block_rows - 1) / q.block_rows;
     return Invalid(
         engine, p.name,
@@ -183,7 +208,8 @@ absl::Status CheckOne(const v1::RegisterEngineRequest& request, int i,
                 : absl::StrCat(q.block_rows, " x ", q.block_cols, " blocks"),
             " needs float32 ",
             per_row ? absl::StrCat("[", q.rows, "] or [", q.rows, ", 1]")
-                    : absl::StrCat("[", grid_rows, ", ", q.grid_cols, "]")));
+                    : absl::StrCat("[", grid_rows, ", ", q.grid_cols, "]"),
+            p.shape.size() > 2 ? " (or the same per stacked matrix)" : ""));
   }
   // A row of blocks as float32; rows <= 2^62 and cols <= 2^62 / rows.
   const int64_t band_rows = std::min(q.rows, q.block_rows);

@@ -106,6 +106,61 @@ TEST(QuantLayoutTest, AcceptsPerRowScalesAndReciprocalForms) {
   }
 }
 
+// Stacked expert weights (vLLM's w13_weight [E, 2I, H] with
+// w13_weight_scale_inv [E, 2I / 128, H / 128]): quantised as the matrix of
+// their rows, with the scale per matrix or flat, per block or per row.
+TEST(QuantLayoutTest, AcceptsStackedExpertWeights) {
+  struct Case {
+    std::vector<int64_t> scale;
+    bool per_row;
+  };
+  for (const Case& c :
+       {Case{{4, 2, 3}, false}, Case{{8, 3}, false}, Case{{4, 256}, true},
+        Case{{4, 256, 1}, true}, Case{{1024}, true}}) {
+    v1::RegisterEngineRequest r = Fp8Engine();
+    r.mutable_allocations(0)->set_size(4 << 20);
+    v1::Parameter* w = r.mutable_parameters(0);
+    w->clear_shape();
+    for (int64_t d : {4, 256, 260}) w->add_shape(d);
+    if (c.per_row) {
+      w->mutable_quantization()->set_scheme(v1::QUANT_SCHEME_PER_ROW);
+    }
+    v1::Parameter* s = r.mutable_parameters(1);
+    s->set_offset(2 << 20);
+    s->clear_shape();
+    for (int64_t d : c.scale) s->add_shape(d);
+    r.mutable_parameters(2)->set_offset(3 << 20);
+    testing::HeapMapper mapper;
+    auto layout = BuildEngineLayout(r, mapper);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    const QuantLayout& q = *(*layout)->parameters[0].quant;
+    EXPECT_EQ(q.rows, 1024);
+    EXPECT_EQ(q.cols, 260);
+    EXPECT_EQ(q.block_rows, c.per_row ? 1 : 128);
+    EXPECT_EQ(q.grid_cols, c.per_row ? 1 : 3);
+  }
+}
+
+TEST(QuantLayoutTest, RefusesStackedBlocksAcrossMatrices) {
+  v1::RegisterEngineRequest r = Fp8Engine();
+  v1::Parameter* w = r.mutable_parameters(0);
+  w->clear_shape();
+  for (int64_t d : {3, 100, 260}) w->add_shape(d);  // 100 rows: part blocks
+  r.mutable_parameters(1)->set_shape(0, 3);
+  const absl::Status s = Refusal(r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("'w'"));
+  EXPECT_THAT(s.message(),
+              HasSubstr("a stacked FP8 target [3, 100, 260] needs the rows "
+                        "of each matrix (100) in whole blocks of 128 rows"));
+  // A scale of neither the flat nor the stacked shape.
+  w->set_shape(1, 128);
+  r.mutable_parameters(1)->set_shape(0, 2);
+  const absl::Status t = Refusal(r);
+  EXPECT_THAT(t.message(), HasSubstr("needs float32 [3, 3] (or the same per "
+                                     "stacked matrix)"));
+}
+
 // Rank 1 of 2 of a fused qkv in 128 x 128 blocks: q 256 rows a rank, k and
 // v 128; and a row-parallel (column) shard of 256 columns.
 TEST(QuantLayoutTest, AcceptsTensorParallelShardsOnBlockBoundaries) {
@@ -215,7 +270,8 @@ TEST(QuantLayoutTest, RefusesEveryBadDeclarationBeforeOpeningMemory) {
        "'w_scale_inv' holds an FP8 target's scales"},
       {"a 1-D weight",
        [](auto& r) { r.mutable_parameters(0)->mutable_shape()->RemoveLast(); },
-       absl::StatusCode::kInvalidArgument, "non-empty 2-D weight"},
+       absl::StatusCode::kInvalidArgument,
+       "non-empty weight of 2 or more dimensions"},
       {"negative block",
        [](auto& r) {
          r.mutable_parameters(0)->mutable_quantization()->set_block_rows(-1);

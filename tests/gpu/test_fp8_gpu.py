@@ -52,6 +52,10 @@ SYN = [
     ("d.weight", (130, 200), E5, (128, 128), DEQ),
 ]
 FUSED = ("qkv.weight", [("q.weight", 128), ("k.weight", 128), ("v.weight", 128)], 256)
+# Experts stacked as a fused MoE layer holds them: [2, 256, 256], each
+# expert's gate rows then up rows, scales per matrix [2, 2, 2].
+STACKED = ("experts.w13", [("x0.gate", 128), ("x0.up", 128), ("x1.gate", 128),
+                           ("x1.up", 128)], 256, 2)
 PLAIN = ("n.weight", (1000,))
 DTYPES = ["float32", "bfloat16", "float16"]
 
@@ -94,6 +98,17 @@ def syn_layout():
                      "col_count": cols, "dest_offset": at * cols, "dest_row_stride": cols})
         at += r
     segments[fused] = segs
+    name, parts, cols, experts = STACKED
+    n = sum(r for _, r in parts) // experts
+    params.append((name, (experts, n, cols), E4))
+    params.append((scale_name(name), (experts, n // 128, -(-cols // 128)), "FLOAT32"))
+    quant[name] = quant_fields(name, E4, (128, 128), DEQ)
+    segs, at = [], 0
+    for src, r in parts:
+        segs.append({"source": src, "row_begin": 0, "row_count": r, "col_begin": 0,
+                     "col_count": cols, "dest_offset": at * cols, "dest_row_stride": cols})
+        at += r
+    segments[name] = segs
     params.append((PLAIN[0], PLAIN[1], "BFLOAT16"))
     return params, segments, quant
 
@@ -102,6 +117,7 @@ def syn_sources():
     """[(tensor name, shape)] the trainer sends."""
     out = [(name, shape) for name, shape, _, _, _ in SYN]
     out += [(src, (r, FUSED[2])) for src, r in FUSED[1]]
+    out += [(src, (r, STACKED[2])) for src, r in STACKED[1]]
     out.append(PLAIN)
     return out
 
@@ -157,11 +173,13 @@ def reference(tensors):
         enc, st = fp8.quantize(f32(tensors[name]), br, bc, fmt, form == REC)
         ref[name] = sha(np.ascontiguousarray(enc, np.uint8).tobytes())
         ref[scale_name(name)] = sha(np.ascontiguousarray(st, "<f4").tobytes())
-    fused, parts, _ = FUSED
-    x = np.concatenate([f32(tensors[src]) for src, _ in parts], axis=0)
-    enc, st = fp8.quantize(x, 128, 128, E4, False)
-    ref[fused] = sha(np.ascontiguousarray(enc, np.uint8).tobytes())
-    ref[scale_name(fused)] = sha(np.ascontiguousarray(st, "<f4").tobytes())
+    # The fused and the stacked weight: the matrix of their rows (the
+    # stacked one's scales [2, 2, 2] are the same bytes as [4, 2]).
+    for fused, parts in ((FUSED[0], FUSED[1]), (STACKED[0], STACKED[1])):
+        x = np.concatenate([f32(tensors[src]) for src, _ in parts], axis=0)
+        enc, st = fp8.quantize(x, 128, 128, E4, False)
+        ref[fused] = sha(np.ascontiguousarray(enc, np.uint8).tobytes())
+        ref[scale_name(fused)] = sha(np.ascontiguousarray(st, "<f4").tobytes())
     n = tensors[PLAIN[0]].to(torch.bfloat16).view(torch.int16).cpu().numpy()
     ref[PLAIN[0]] = sha(n.tobytes())
     return ref

@@ -148,11 +148,14 @@ def quantization_fields(fmt, scale_parameter, block=(128, 128), reciprocal=False
 
 def block_shape(parameter):
     """(block_rows, block_cols, rows, cols) of a quantised Parameter
-    message: the defaults (0 = 128) applied, per row as 1 x cols."""
-    rows = int(parameter.shape[0])
-    cols = 1
-    for d in parameter.shape[1:]:
-        cols *= int(d)
+    message: the defaults (0 = 128) applied, per row as 1 x cols. A stacked
+    weight [..., n, k] (experts) is the matrix of its rows: rows =
+    prod(...) * n, cols = k (the daemon refuses one whose n cuts a block)."""
+    shape = [int(d) for d in parameter.shape]
+    cols = shape[-1] if shape else 1
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
     qz = parameter.quantization
     if _enum("QuantScheme", qz.scheme) == "QUANT_SCHEME_PER_ROW":
         return 1, cols, rows, cols
