@@ -87,28 +87,21 @@ def syn_layout():
         params.append((name, shape, fmt))
         params.append((scale_name(name), scale_shape(shape, block), "FLOAT32"))
         quant[name] = quant_fields(name, fmt, block, form)
-    fused, parts, cols = FUSED
-    rows = sum(r for _, r in parts)
-    params.append((fused, (rows, cols), E4))
-    params.append((scale_name(fused), scale_shape((rows, cols), (128, 128)), "FLOAT32"))
-    quant[fused] = quant_fields(fused, E4, (128, 128), DEQ)
-    segs, at = [], 0
-    for src, r in parts:
-        segs.append({"source": src, "row_begin": 0, "row_count": r, "col_begin": 0,
-                     "col_count": cols, "dest_offset": at * cols, "dest_row_stride": cols})
-        at += r
-    segments[fused] = segs
-    name, parts, cols, experts = STACKED
-    n = sum(r for _, r in parts) // experts
-    params.append((name, (experts, n, cols), E4))
-    params.append((scale_name(name), (experts, n // 128, -(-cols // 128)), "FLOAT32"))
-    quant[name] = quant_fields(name, E4, (128, 128), DEQ)
-    segs, at = [], 0
-    for src, r in parts:
-        segs.append({"source": src, "row_begin": 0, "row_count": r, "col_begin": 0,
-                     "col_count": cols, "dest_offset": at * cols, "dest_row_stride": cols})
-        at += r
-    segments[name] = segs
+    # The fused weight [rows, cols] and the stacked one [experts, n, cols]:
+    # their sources' rows one after another, scales per matrix.
+    for name, parts, cols, experts in (FUSED + (1,), STACKED):
+        n = sum(r for _, r in parts) // experts
+        shape = (n, cols) if experts == 1 else (experts, n, cols)
+        params.append((name, shape, E4))
+        params.append((scale_name(name), shape[:-2] + scale_shape((n, cols), (128, 128)),
+                       "FLOAT32"))
+        quant[name] = quant_fields(name, E4, (128, 128), DEQ)
+        segs, at = [], 0
+        for src, r in parts:
+            segs.append({"source": src, "row_begin": 0, "row_count": r, "col_begin": 0,
+                         "col_count": cols, "dest_offset": at * cols, "dest_row_stride": cols})
+            at += r
+        segments[name] = segs
     params.append((PLAIN[0], PLAIN[1], "BFLOAT16"))
     return params, segments, quant
 
