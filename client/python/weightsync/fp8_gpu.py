@@ -49,8 +49,7 @@ daemon's VecTop). One launch per (source dtype, format, aligned, whole).
 The rest take the general kernel: one launch per source dtype, one program
 per block, two passes over the block's pieces (amax, then encodings: the
 second read comes from cache), to_fp8's rounding in integer lanes.
-WEIGHTSYNC_FP8_TILE=0 sends
-every block to the general kernel.
+WEIGHTSYNC_FP8_TILE=0 sends every block to the general kernel.
 """
 
 import collections
