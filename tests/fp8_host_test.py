@@ -315,9 +315,9 @@ class Fp8HostTest(unittest.TestCase):
         the object and that its bytes kept their fill."""
         shm, offsets, enums, _ = lay_out_shared(params, f"ws-fp8-bad-{os.getpid()}")
         try:
-            np.ndarray((shm.size,), np.uint8, shm.buf)[:] = 0xA5
+            shm.array((shm.size,), np.uint8)[:] = 0xA5
             request = v1.RegisterEngineRequest(engine_id=eid)
-            request.allocations.add(kind=v1.MEMORY_HOST_SHM, handle=("/" + shm.name).encode(),
+            request.allocations.add(kind=v1.MEMORY_HOST_SHM, handle=shm.handle.encode(),
                                     size=shm.size, device_uuid="host")
             for (name, dtype, shape), off in zip(params, offsets):
                 p = request.parameters.add(name=name, dtype=enums[dtype], shape=shape,
@@ -336,11 +336,10 @@ class Fp8HostTest(unittest.TestCase):
                 engine.close()
             with open(f"/proc/{self.daemon.pid}/maps") as f:
                 self.assertNotIn(shm.name, f.read(), f"{eid}: the daemon mapped the memory")
-            self.assertTrue((np.ndarray((shm.size,), np.uint8, shm.buf) == 0xA5).all())
+            self.assertTrue((shm.array((shm.size,), np.uint8) == 0xA5).all())
             self.assertNotIn(eid, [s.engine_id for s in self.trainer.status().engines])
             return ctx.exception
         finally:
-            shm.close()
             shm.unlink()
 
     def test_bad_registrations_are_refused_before_memory_is_mapped(self):

@@ -66,11 +66,8 @@ slow = len(sys.argv) > 3 and sys.argv[3] == "slow"
 slowpause = len(sys.argv) > 3 and sys.argv[3] == "slowpause"
 e = weightsync.Engine(eid, target, timeout=10)
 e.register_host([(n, "FLOAT32", s) for n, s in {params!r}])
-# Python's resource tracker (a child process) would unlink the shared memory
-# of a killed engine; an OOM kill of the whole container, or a C++ engine,
-# leaves nothing to do it but the daemon (engine_killed checks it does).
-from multiprocessing import resource_tracker
-resource_tracker.unregister(e._shm._name, "shared_memory")
+# The client leaves an engine's shared memory to the daemon (weightsync._shm):
+# nothing but the daemon removes a killed engine's (engine_killed checks it).
 def unregister(*_):
     e.close()
     print("unregistered", flush=True)

@@ -76,19 +76,19 @@ class HostBackendTest(daemon_fixture.HostDaemonCase):
         # map this engine's memory.)
         import secrets
         from multiprocessing import shared_memory
-        from weightsync import engine as engine_mod
+        from weightsync import _shm as shm_mod
         first, second = secrets.token_hex(4), secrets.token_hex(4)  # this run's own
         taken = f"weightsync-e7-{os.getpid()}-{first}"
         other = shared_memory.SharedMemory(name=taken, create=True, size=64)
         try:
             other.buf[:4] = b"live"
             drawn = iter([first, second])
-            real = engine_mod.secrets.token_hex
-            engine_mod.secrets.token_hex = lambda n: next(drawn)
+            real = shm_mod.secrets.token_hex
+            shm_mod.secrets.token_hex = lambda n: next(drawn)
             try:
                 _, w = self.engine("e7", [("a", "FLOAT32", (7,))])
             finally:
-                engine_mod.secrets.token_hex = real
+                shm_mod.secrets.token_hex = real
             self.assertEqual(self.engines[-1]._shm.name, f"weightsync-e7-{os.getpid()}-{second}")
             self.trainer.init_host()
             a = np.arange(7, dtype=np.float32)

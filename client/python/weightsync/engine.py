@@ -22,44 +22,28 @@ import operator
 import os
 import re
 import queue
-import secrets
 import threading
 import time
-from multiprocessing import shared_memory
-
 import numpy as np
 
+from weightsync import _shm
 from weightsync._errors import WeightSyncError
 from weightsync._proto import Stub, channel, default_target, v1
 from weightsync._tensors import STORAGE
 from weightsync import planner
 
 
-def _create_shm(prefix, size):
-    """Creates a new shared-memory object named prefix-<random>. The pid in
-    the prefix is not enough: processes in different pid namespaces (two
-    containers, two sandboxed tests) share /dev/shm and can have the same
-    pid. An existing name is never taken over (it may be a live engine's,
-    which its daemon may be about to open): a name that exists is skipped
-    (O_EXCL) and another drawn."""
-    for _ in range(8):
-        try:
-            return shared_memory.SharedMemory(name=f"{prefix}-{secrets.token_hex(4)}",
-                                              create=True, size=size)
-        except FileExistsError:
-            continue
-    raise WeightSyncError("ALREADY_EXISTS", f"no free shared-memory name {prefix}-<random> "
-                          "after 8 tries: is /dev/shm full of stale weightsync objects?")
-
-
-def lay_out_shared(params, prefix):
+def lay_out_shared(params, prefix, track=False):
     """Lays out `params` [(name, dtype enum name, shape)] 256-byte aligned
-    in a new shared-memory object named prefix-<random>. Returns (shm,
-    offsets, {dtype name: v1 enum}, {name: numpy array over the shm}).
+    in a new shared-memory object named prefix-<random>. Returns (region,
+    offsets, {dtype name: v1 enum}, {name: numpy array over the region}),
+    the region a weightsync._shm.SharedRegion: every array keeps its
+    mapping alive, whatever happens to the region or its owner.
     Offsets by numpy over columns (each parameter starts at the previous
     one's start plus its size rounded up to the alignment), the dtype work
     once per distinct dtype; what is left per parameter is its numpy view
-    (bench/manifest_scale.py). ValueError naming an unsupported dtype."""
+    (bench/manifest_scale.py). ValueError naming an unsupported dtype.
+    `track`: as weightsync._shm.create's."""
     names, dtypes, shapes = zip(*params) if params else ((), (), ())
     n = len(names)
     esizes = {}
@@ -75,13 +59,11 @@ def lay_out_shared(params, prefix):
     ends = np.cumsum((nbytes + align) & ~align)
     offsets = np.concatenate(([0], ends[:-1])) if n else ends
     total = int(offsets[-1] + nbytes[-1]) if n else 0
-    shm = _create_shm(prefix, max(total, 1))
+    shm = _shm.create(prefix, total, track)
     enums = {d: getattr(v1, d) for d in esizes}
     storage = {d: np.dtype(STORAGE[d]) for d in esizes}
     offsets = offsets.tolist()
-    views = map(np.ndarray, shapes, map(storage.__getitem__, dtypes),
-                itertools.repeat(shm.buf), offsets)
-    arrays = dict(zip(names, views))
+    arrays = dict(zip(names, shm.arrays(shapes, map(storage.__getitem__, dtypes), offsets)))
     if not counts.all():
         # numpy views no bytes of an empty shape over a buffer: own arrays.
         for i in np.flatnonzero(counts == 0).tolist():
@@ -190,7 +172,7 @@ class Engine:
             params, f"weightsync-{safe_id}-{os.getpid()}")
         request = v1.RegisterEngineRequest(engine_id=self.engine_id, version=version,
                                            trainer_uids=self._trainer_uids)
-        request.allocations.add(kind=v1.MEMORY_HOST_SHM, handle=("/" + self._shm.name).encode(),
+        request.allocations.add(kind=v1.MEMORY_HOST_SHM, handle=self._shm.handle.encode(),
                                 size=self._shm.size, device_uuid="host")
         names, dtypes, shapes = zip(*params) if params else ((), (), ())
         _fill_parameters(request, names, dtypes, shapes, np.zeros(len(params), np.int32),
@@ -200,7 +182,6 @@ class Engine:
         except BaseException:
             # Refused (or unreachable): leave no shared memory behind.
             arrays.clear()
-            self._shm.close()
             self._shm.unlink()
             self._shm = None
             raise
@@ -378,12 +359,7 @@ class Engine:
             self._thread.join(timeout=5)
         self._channel.close()
         if self._shm is not None:
-            try:
-                self._shm.unlink()
-            except FileNotFoundError:
-                pass
-            try:
-                self._shm.close()
-            except BufferError:
-                pass  # the engine still holds views; unmapped when they go
+            # The name goes; the memory stays mapped while any array the
+            # engine was given still views it (weightsync._shm).
+            self._shm.unlink()
             self._shm = None

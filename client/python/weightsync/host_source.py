@@ -9,8 +9,9 @@ with finish): the daemon gathers the bytes from the trainer's memory and
 writes the engines, with nothing packed, streamed or described in Python
 (docs/protocol.md, "Registered sources"; docs/python.md).
 
-The arrays stay valid until `close()` (or the Trainer's): write into them
-(`a[...] = ...`, `a += ...`), never rebind them. Between update() calls
+Write into the arrays (`a[...] = ...`, `a += ...`), never rebind them;
+after `close()` (or the Trainer's) they are no longer sent, but stay
+readable memory for as long as Python holds them. Between update() calls
 only; the daemon reads them while update() runs.
 """
 
@@ -45,7 +46,7 @@ class HostSource(collections.abc.Mapping):
     @property
     def handle(self):
         """The shared-memory object's name, as the daemon opens it."""
-        return "/" + self._shm.name
+        return self._shm.handle
 
     @property
     def size(self):
@@ -56,7 +57,7 @@ class HostSource(collections.abc.Mapping):
         """The whole shared memory as a flat uint8 numpy array (the tensors
         256-byte aligned in send order, padding between them): for bulk
         writes such as loading a checkpoint at once."""
-        return np.ndarray((self._shm.size,), np.uint8, self._shm.buf)
+        return self._shm.array((self._shm.size,), np.uint8)
 
     def same_pairs(self, pairs):
         """True if `pairs` [(name, tensor)] are exactly this source's arrays
@@ -85,14 +86,7 @@ class HostSource(collections.abc.Mapping):
         self.manifest = None
         self._sent = None
         shm, self._shm = self._shm, None
-        try:
-            shm.close()
-        except BufferError:
-            pass   # a caller still holds an array: the mapping stays theirs
-        try:
-            shm.unlink()
-        except FileNotFoundError:
-            pass
+        shm.unlink()   # arrays a caller still holds keep the mapping (_shm)
 
     def __getitem__(self, name):
         return self._arrays[name]

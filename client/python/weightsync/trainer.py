@@ -298,9 +298,9 @@ class Trainer:
             raise ValueError("host_tensors is for the host backend: call init_host() first")
         from weightsync.engine import lay_out_shared
         params = params if isinstance(params, (list, tuple)) else list(params)
-        shm, offsets, _, arrays = lay_out_shared(params, f"weightsync-trainer-{os.getpid()}")
+        shm, offsets, _, arrays = lay_out_shared(params, f"weightsync-trainer-{os.getpid()}",
+                                                 track=True)
         if len(arrays) != len(params):
-            shm.close()
             shm.unlink()
             raise ValueError("host_tensors: a tensor name appears twice")
         source = HostSource(shm, offsets, arrays)
