@@ -46,6 +46,7 @@ mkdir -p "$work/tree/client/python/tests" "$work/tree/tests/vectors"
 cp -L client/python/tests/*.py "$work/tree/client/python/tests/"
 cp -rL client/python/tests/fake_vllm "$work/tree/client/python/tests/"
 cp -L tests/vectors/chunk_plan.json tests/vectors/receipts.json tests/vectors/fp8.json \
+  tests/vectors/transfer_plan.json \
   "$work/tree/tests/vectors/"
 tests=$(cd "$work/tree" && ls client/python/tests/test_*.py)
 

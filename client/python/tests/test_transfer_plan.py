@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""weightsync.transfer_plan against tests/vectors/transfer_plan.json (the
+C++ plan, common/transfer_plan_test.cc, passes the same file), plus the
+plan's properties on random layouts and the declaration helpers."""
+
+import json
+import os
+import random
+import sys
+import unittest
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if not os.environ.get("WEIGHTSYNC_TEST_INSTALLED"):
+    sys.path.insert(0, os.path.dirname(_HERE))
+
+from weightsync import transfer_plan as tp  # noqa: E402
+
+VECTORS_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(_HERE))),
+                            "tests", "vectors", "transfer_plan.json")
+
+
+def _from_json(spec):
+    def blocks(items):
+        return [tp.block(b["tensor"], b.get("rowBegin", 0), b.get("rowCount", 0),
+                         b.get("colBegin", 0), b.get("colCount", 0)) for b in items]
+    tensors = []
+    for t in spec["tensors"]:
+        d = {"name": t["name"], "dtype": t["dtype"], "shape": t.get("shape", [])}
+        if t.get("sparseNnz"):
+            d["sparse_nnz"] = t["sparseNnz"]
+        tensors.append(d)
+    return {"tensors": tensors,
+            "senders": [{"holds": blocks(s.get("holds", []))} for s in spec.get("senders", [])],
+            "receivers": [{"name": r.get("name", ""), "needs": blocks(r.get("needs", []))}
+                          for r in spec.get("receivers", [])]}
+
+
+class VectorsTest(unittest.TestCase):
+    def setUp(self):
+        with open(VECTORS_PATH, encoding="utf-8") as f:
+            self.vectors = json.load(f)
+
+    def test_file_is_what_the_reference_generates(self):
+        self.assertEqual(self.vectors, json.loads(tp.render_vectors()))
+
+    def test_cases_read_back_from_json(self):
+        self.assertGreaterEqual(len(self.vectors["cases"]), 8)
+        for case in self.vectors["cases"]:
+            plan = tp.build_plan(_from_json(case["spec"]))
+            self.assertEqual(plan.id, case["planId"], case["name"])
+            got = [dict(zip(("tensor", "rowBegin", "rowCount", "colBegin", "colCount",
+                             "sender", "receiver", "bytes"), p)) for p in plan.pieces]
+            self.assertEqual(got, case["pieces"], case["name"])
+            self.assertEqual(plan.sender_bytes, case["senderBytes"])
+
+    def test_errors(self):
+        for case in self.vectors["errors"]:
+            with self.assertRaises(tp.TransferPlanError, msg=case["name"]) as cm:
+                tp.build_plan(_from_json(case["spec"]))
+            self.assertIn(case["errorContains"], str(cm.exception), case["name"])
+
+
+def _random_spec(rng):
+    replicas, shards, receivers = rng.randint(1, 3), rng.randint(1, 4), rng.randint(1, 4)
+    tensors, senders = [], [{"holds": []} for _ in range(replicas * shards)]
+    needs = [{"name": f"r{r}", "needs": []} for r in range(receivers)]
+    for t in range(rng.randint(1, 10)):
+        shape = [rng.randint(1, 60), rng.randint(1, 4), rng.randint(1, 5)]
+        name = f"t{t}"
+        tensors.append({"name": name, "dtype": rng.choice(["BFLOAT16", "FLOAT32"]),
+                        "shape": shape})
+        dim = rng.choice([0, 0, 1])
+        for rep in range(replicas):
+            for i in range(shards):
+                b = tp.shard(name, shape, dim, i, shards)
+                if b:
+                    senders[rep * shards + i]["holds"].append(b)
+        for r in range(receivers):
+            k = rng.randint(1, 2)
+            b = tp.shard(name, shape, rng.choice([0, 1]), r % k, k)
+            if b:
+                needs[r]["needs"].append(b)
+    return {"tensors": tensors, "senders": senders, "receivers": needs}
+
+
+class PropertiesTest(unittest.TestCase):
+    def test_every_needed_element_once_from_a_holder(self):
+        rng = random.Random(32)
+        for _ in range(40):
+            spec = _random_spec(rng)
+            plan = tp.build_plan(spec)
+            names = [t["name"] for t in spec["tensors"]]
+            got = {}
+            for p in plan.pieces:
+                held = [b for b in spec["senders"][p.sender]["holds"]
+                        if b["tensor"] == names[p.tensor]]
+                for r in range(p.row_begin, p.row_begin + p.row_count):
+                    for c in range(p.col_begin, p.col_begin + p.col_count):
+                        key = (p.receiver, p.tensor, r, c)
+                        got[key] = got.get(key, 0) + 1
+                        self.assertTrue(any(b["row_begin"] <= r < b["row_begin"] + b["row_count"]
+                                            and b["col_begin"] <= c < b["col_begin"] + b["col_count"]
+                                            for b in held))
+            want = set()
+            for ri, rcv in enumerate(spec["receivers"]):
+                for b in rcv["needs"]:
+                    for r in range(b["row_begin"], b["row_begin"] + b["row_count"]):
+                        for c in range(b["col_begin"], b["col_begin"] + b["col_count"]):
+                            want.add((ri, names.index(b["tensor"]), r, c))
+            self.assertEqual(set(got), want)
+            self.assertEqual(set(got.values()), {1} if got else set())
+            self.assertEqual(tp.build_plan(spec).pieces, plan.pieces)
+
+    def test_replicas_balance_within_ten_percent(self):
+        for senders in (2, 3, 4, 8):
+            tensors = [{"name": f"l{t}", "dtype": "BFLOAT16", "shape": [64 + 37 * t, 16 + t % 5]}
+                       for t in range(40)]
+            spec = {"tensors": tensors,
+                    "senders": [{"holds": [tp.whole(t["name"], t["shape"]) for t in tensors]}
+                                for _ in range(senders)],
+                    "receivers": [{"name": "r", "needs": [tp.whole(t["name"], t["shape"])
+                                                          for t in tensors]}]}
+            plan = tp.build_plan(spec)
+            self.assertLessEqual(max(plan.sender_bytes), min(plan.sender_bytes) * 1.1)
+
+    def test_shard_matches_torch_chunk(self):
+        # torch.chunk / Shard(0) of 10 rows 4 ways: 3, 3, 3, 1.
+        sizes = [tp.shard("w", [10, 2], 0, i, 4)["row_count"] for i in range(4)]
+        self.assertEqual(sizes, [3, 3, 3, 1])
+        self.assertIsNone(tp.shard("w", [2, 2], 0, 3, 4))
+        b = tp.shard("w", [4, 6, 8], 1, 1, 3)  # dim 1 of [4, 6, 8]: columns 16..31
+        self.assertEqual((b["col_begin"], b["col_count"], b["row_count"]), (16, 16, 4))
+        with self.assertRaises(tp.TransferPlanError):
+            tp.shard("w", [4, 6, 8], 2, 0, 2)
+
+    def test_link_manifest_is_a_chunk_plan_manifest(self):
+        from weightsync import planner
+        spec = _random_spec(random.Random(7))
+        plan = tp.build_plan(spec)
+        total = 0
+        for s in range(plan.num_senders):
+            for r in range(plan.num_receivers):
+                manifest = tp.link_manifest(plan, s, r)
+                if manifest:
+                    total += sum(planner.plan_chunks(manifest, 4096)["payload_bytes"])
+        self.assertEqual(total, sum(plan.sender_bytes))
+
+
+if __name__ == "__main__":
+    unittest.main()
