@@ -225,7 +225,9 @@ TEST(CopyPlanTest, AdjoiningTensorsCoalesceIntoOneCopy) {
     EXPECT_LE(ops,
               static_cast<int64_t>((*plan)->chunks.chunks.size()) + unaligned)
         << "chunk " << chunk;
-    if (chunk == 1 << 24) EXPECT_LT(ops, manifest.size() / 2);
+    if (chunk == 1 << 24) {
+      EXPECT_LT(ops, manifest.size() / 2);
+    }
   }
 }
 
