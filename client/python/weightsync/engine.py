@@ -344,6 +344,8 @@ class Engine:
                 hook(notice.dirty.reason)
 
     def wait_for_version(self, version, timeout=10.0):
+        """Blocks until the committed version is at least `version`: True,
+        or False after `timeout` seconds (docs/python.md)."""
         with self._lock:
             return self._lock.wait_for(lambda: self.version >= version, timeout)
 
