@@ -185,7 +185,14 @@ def measured():
         "python": ipc_rows[(400, "off")]["steady_update_s"],
         "python_receipts": ipc_rows[(400, "on")]["steady_update_s"],
     }
+    # results/sparse.json (Qwen3-8B, 1% density, 2 x H200, NCCL): the
+    # trainer's diff + pack per dense bf16 byte it reads, and the daemon's
+    # whole sparse update on the GPU (receive + apply) per changed element.
+    sp = load("sparse.json")
+    sparse = {"diff_s_per_byte_h200": sp["trainer_diff_pack_s_median"] / sp["dense_bytes"],
+              "apply_s_per_nnz_h200": sp["sparse_device_s_median"] / sp["steps"][0]["nnz"]}
     return {"gpus": {"H200": h200, "H100": h100, "H800": h800}, "rates": rates,
+            "sparse": sparse,
             "control": control, "ipc_control": ipc_control, "nccl_wire_GBps": wire_Bps / GB}
 
 
@@ -247,6 +254,12 @@ class Deployment:
     receipts: bool = False
     mode: str = "streaming"           # or "staged" (staging holds the whole update)
     client: str = "python"            # "python" or "cpp" (ipc control, expectation)
+    # Issue 32's M->N schedule ("p2p"): every sender sends each inference
+    # GPU its own share by ncclSend/ncclRecv on a plan made once; every
+    # engine GPU is a receiving rank (ranks_per_daemon and per_node_groups
+    # are implied). "broadcast" is today's.
+    schedule: str = "broadcast"
+    sparse_density: float = 0.0       # p2p: share of elements sent as index+value (0: dense)
 
     def __post_init__(self):
         if self.staging_buffers < 2:
@@ -296,6 +309,8 @@ def predict(d, m=None):
     m = m or measured()
     if d.backend == "ipc":
         return _predict_ipc(d, m)
+    if d.schedule == "p2p":
+        return _predict_p2p(d, m)
     return _predict_nccl(d, m)
 
 
@@ -403,6 +418,96 @@ def _predict_nccl(d, m):
                "node scatter": held * (1 - local) / R}
     return Prediction(sum(parts.values()), stages[b].name, parts, busy,
                       through[stages[b].name])
+
+
+def _predict_p2p(d, m):
+    """Issue 32's M->N schedule: S senders, each holding 1/S of the bytes
+    every engine replica needs, send each inference GPU its own share
+    (ncclSend/ncclRecv in groups, one round per chunk, on a plan made once
+    and kept by id: a Start names the plan, no per-tensor work). Every
+    inference GPU is a receiving rank on its own link (NIC, or NVLink
+    when same_node). Stages, pipelined chunk by chunk: the sender's source
+    (host: H2D), its GPU pass (fp8: quantise; sparse: diff against the
+    previous version), the sender's link, the receiver's link, and the
+    receiver's GPU pass (dense: a scatter where the piece is strided or
+    converted, overlapped; sparse: the apply). The busiest stage's time
+    plus one chunk through the others, plus the control."""
+    gpu, r, c = m["gpus"][d.gpu], m["rates"], m["control"]
+    link = (gpu.nvlink_GBps * r.nccl_nvlink_eff if d.same_node else r.nic_GBps) * GB
+    kind = "NVLink" if d.same_node else "NIC"
+    hbm = gpu.hbm_copy_GBps * GB
+    h200 = m["gpus"]["H200"].hbm_copy_GBps * GB
+    g = d.replica_gpus
+    engine_gpus = d.nodes * d.engine_gpus
+    dense_gpu = d.weights.bytes(d.wire_bytes_per_param) / g   # one GPU's dense share
+    params_gpu = d.weights.bytes(1.0) / g                      # its elements
+    if d.sparse_density > 0.0:
+        nnz_gpu = d.sparse_density * params_gpu
+        wire_gpu = min(dense_gpu, nnz_gpu * (4 + d.wire_bytes_per_param))  # int32 + value
+    else:
+        nnz_gpu, wire_gpu = 0.0, dense_gpu
+    S = d.senders
+    share = wire_gpu * engine_gpus / S            # bytes each sender sends
+    # What a sender reads of its own bf16 shard (1/S of the model), once
+    # whatever the number of replicas its bytes go to.
+    bf16_share = d.weights.bytes(2.0) / S
+    shard_wire = share * g / engine_gpus          # its shard, once, on the wire's dtype
+    n_share = max(1, math.ceil(share / d.chunk_bytes))
+    n_gpu = max(1, math.ceil(wire_gpu / d.chunk_bytes))
+    first_r = wire_gpu / n_gpu
+    # Fill and drain: one chunk's worth of elements through every other
+    # stage (counted in elements, so that more bytes per element never
+    # shortens it).
+    n_fill = max(1, math.ceil(d.weights.bytes(2.0) * engine_gpus / g / S / d.chunk_bytes))
+    per_call = r.nccl_call_s                      # one group round (ASSUMED: a broadcast call's)
+
+    stages = []
+
+    def stage(name, busy, _n):
+        stages.append(Stage(name, busy, busy / n_fill, busy / n_fill))
+
+    if d.sender_source == "host":
+        stage("sender PCIe (H2D)", bf16_share / (r.pcie_GBps * GB), n_share)
+    if nnz_gpu:
+        stage("sender diff (GPU)", bf16_share * m["sparse"]["diff_s_per_byte_h200"] * h200 / hbm,
+              n_share)
+    elif d.wire_bytes_per_param < 2.0:
+        # Quantise: read bf16, write the wire's bytes (a copy counts bytes once).
+        stage("sender quantise (GPU)", (bf16_share + shard_wire) / (2 * hbm), n_share)
+    stage(f"sender {kind}", share / link + n_share * per_call, n_share)
+    recv_busy = wire_gpu / link + n_gpu * per_call
+    if nnz_gpu:
+        apply = nnz_gpu * m["sparse"]["apply_s_per_nnz_h200"] * h200 / hbm
+        stage(f"receiver {kind}", recv_busy, n_gpu)
+        stage("receiver apply (GPU)", apply, n_gpu)
+    else:
+        scatter = wire_gpu / hbm       # ASSUMED: every piece staged and copied (conservative)
+        stage(f"receiver {kind}", recv_busy + c.scatter_interference * scatter, n_gpu)
+        stage("receiver scatter (GPU)", scatter, n_gpu)
+    b = max(range(len(stages)), key=lambda i: stages[i].busy_s)
+    fill = sum(s.first_s for s in stages[:b]) + sum(s.last_s for s in stages[b + 1:])
+    fill += 0.0 if d.same_node else r.hop_s
+    daemons = 1 if d.same_node else d.nodes
+    parts = {
+        "client": c.client_s + c.per_tensor_s * d.weights.tensors / S,
+        "start": c.start_s,
+        "bytes": stages[b].busy_s,
+        "fill": fill,
+        "drain": c.drain_s,
+        "commit": c.commit_s,
+    }
+    if nnz_gpu:
+        # Each update's piece sizes differ: one header round before the bytes.
+        parts["sparse header round"] = per_call + (0.0 if d.same_node else r.hop_s)
+    if daemons > 1:
+        parts["multi-daemon rounds"] = 2 * c.round_trip_s   # prepare, commit; plan by id
+    if d.receipts:
+        parts["receipts (daemon)"] = first_r / (r.receipt_pass_GBps * GB)
+        parts["receipts (trainer)"] = share / (r.expect_GBps * GB) + r.expect_fixed_s
+    busy = {s.name: s.busy_s for s in stages}
+    busy["node scatter"] = busy.get("receiver scatter (GPU)", busy.get("receiver apply (GPU)"))
+    through = {s.name: (share if s.name.startswith("sender") else wire_gpu) for s in stages}
+    return Prediction(sum(parts.values()), stages[b].name, parts, busy, through[stages[b].name])
 
 
 # --------------------------------------------------------------------------
@@ -602,11 +707,34 @@ def qwen_rows():
     ]
 
 
+def mton_rows():
+    """Issue 32's M->N schedule at the anchors' scale: [(anchor, label, d)]."""
+    k2 = fp8(kimi_k2())
+    kimi = Deployment(k2, wire_bytes_per_param=1.0, schedule="p2p", senders=TRAINING_GPUS,
+                      **KIMI_INFERENCE)
+    wide = dict(KIMI_INFERENCE, pp=4)
+    q = qwen3_235b()
+    qwen = Deployment(q, same_node=True, sender_source="host", schedule="p2p", senders=8,
+                      **QWEN_NODE)
+    return [
+        ("Kimi-K2", f"M->N (issue 32): {TRAINING_GPUS} senders quantise to fp8 and send each "
+                    "inference GPU its share; plan by id", kimi),
+        ("Kimi-K2", "M->N, sparse patches at 0.3% density (int32 index + fp8 value)",
+         replace(kimi, sparse_density=0.003)),
+        ("Kimi-K2", "M->N, what lifts the dense row: instances of 32 GPUs (PP4: half the "
+                    "bytes per inference GPU)", replace(kimi, **{k: v for k, v in wide.items()
+                                                                  if k == "pp"})),
+        ("Qwen3-235B", "M->N (issue 32): 8 senders, one per GPU, each H2D of the share it "
+                       "sends; every GPU a receiving rank", qwen),
+    ]
+
+
 def anchors(m=None):
     """[(anchor, label, Prediction)] for every anchor row."""
     m = m or measured()
     return ([("Kimi-K2", label, d, predict(d, m)) for label, d in kimi_rows()]
-            + [("Qwen3-235B", label, d, predict(d, m)) for label, d in qwen_rows()])
+            + [("Qwen3-235B", label, d, predict(d, m)) for label, d in qwen_rows()]
+            + [(a, label, d, predict(d, m)) for a, label, d in mton_rows()])
 
 
 def checkpoint_engine_floor(m=None):
