@@ -599,6 +599,38 @@ def validation(m=None):
             for n in (4000, 40000):
                 rows.append((f"{n} tensors, {label}, receipts {receipts}", "manifest_scale.json",
                              pts[n], pts[400] + slope * (n - 400), "check"))
+    return rows + mton_raw_rows(m)
+
+
+def mton_raw_rows(m=None):
+    """Issue 32's raw NCCL runs on 4 GPUs (results/mton.json, NVLink):
+    each pattern predicted as its busiest rank's bytes (in or out) over the
+    NCCL rate fitted on 2 x H200, plus one call per message of that rank:
+    the M->N schedule's wire stage on its own."""
+    m = m or measured()
+    path = os.path.join(RESULTS, "mton.json")
+    if not os.path.exists(path):
+        return []
+    rows = []
+    for run in ("nvlink", "nvlink256"):
+        doc = load("mton.json")["raw"].get(run)
+        if not doc:
+            continue
+        msg = doc["msg_mib"] * MiB
+        for name, r in doc["results"].items():
+            per = {}
+            for link, b in r["flows"].items():
+                s, d = (int(x) for x in link.split("->"))
+                if r["kind"] == "bcast":
+                    per[("out", s)] = b   # one copy leaves the root, whatever the fan-out
+                else:
+                    per[("out", s)] = per.get(("out", s), 0) + b
+                per[("in", d)] = per.get(("in", d), 0) + b
+            busiest = max(per.values())
+            pred = busiest / (m["nccl_wire_GBps"] * GB) + math.ceil(busiest / msg) * \
+                m["rates"].nccl_call_s
+            rows.append((f"raw M->N {name}, Qwen3-8B, {doc['msg_mib']} MiB, 4 x H200",
+                         "mton.json", r["s_median"], pred, "check"))
     return rows
 
 

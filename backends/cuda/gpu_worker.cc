@@ -271,6 +271,8 @@ grpc::Status GpuWorker::InitGroup(grpc::ServerContext* ctx,
                                ? absl::Milliseconds(request->timeout_ms())
                                : kDefaultEnqueueTimeout;
         device_ = request->device();
+        world_size_ = request->world_size();
+        rank_ = request->rank();
         WS_CUDA(cudaSetDevice(device_));
         absl::Status streams = EnsureStreams();
         if (!streams.ok()) return streams;
@@ -320,6 +322,7 @@ absl::Status GpuWorker::EnsureStreams() {
   WS_CUDA(cudaEventCreate(&first_op_));
   WS_CUDA(cudaEventCreate(&last_op_));
   WS_CUDA(cudaEventCreateWithFlags(&received_, cudaEventDisableTiming));
+  WS_CUDA(cudaEventCreateWithFlags(&round_done_, cudaEventDisableTiming));
   return absl::OkStatus();
 }
 

@@ -33,6 +33,7 @@
 #include "backends/cuda/fp8_direct_vec.h"
 #include "backends/cuda/fused_receipts.h"
 #include "backends/cuda/kernel_math.h"
+#include "backends/cuda/p2p_rounds.h"
 #include "backends/cuda/scatter.h"
 #include "backends/cuda/vmm.h"
 #include "weightsync/worker/v1/gpu_worker.grpc.pb.h"
@@ -138,6 +139,13 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   // Enqueues the NCCL receive of `bytes` into `buf` on recv_stream_,
   // waiting (bounded, abortable) while the non-blocking enqueue completes.
   absl::Status ReceiveChunk(uint8_t* buf, int64_t bytes);
+  // Waits (bounded by the enqueue timeout, abortable) while a non-blocking
+  // NCCL enqueue that returned `r` completes; `what` names it in errors.
+  absl::Status AwaitEnqueue(ncclResult_t r, const char* what);
+  // M->N (chunk_peers set): the rounds of p2p_, each one NCCL group of
+  // ncclRecv into staging (or straight into engine memory), each chunk
+  // scattered as in EnqueueUpdate (gpu_worker_update.cc).
+  absl::Status EnqueueP2pUpdate(const worker::v1::BeginUpdateRequest& request);
   // The IPC backend: the trainer's packed update, opened per update.
   absl::Status OpenIpcSource(const worker::v1::BeginUpdateRequest& request);
   void CloseIpcSource();
@@ -304,6 +312,12 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   // Owned by the owner thread.
   ncclComm_t comm_ = nullptr;
   bool comm_ready_ = false;
+  int world_size_ = 0;  // of comm_ (InitGroup)
+  int rank_ = -1;
+  // The M->N schedule of the update being enqueued (BeginOnOwner; owner
+  // thread only) and the event each round's receive records.
+  P2pSchedule p2p_;
+  cudaEvent_t round_done_ = nullptr;
   // How long one broadcast's enqueue may wait for the trainer's side (the
   // group's InitGroupRequest.timeout_ms; kDefaultEnqueueTimeout for 0).
   absl::Duration enqueue_timeout_ = kDefaultEnqueueTimeout;

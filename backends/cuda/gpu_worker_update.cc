@@ -151,6 +151,7 @@ absl::Status GpuWorker::EnsureStaging(int64_t chunk_bytes, int buffers,
 
 absl::Status GpuWorker::EnqueueUpdate(
     const worker::v1::BeginUpdateRequest& request) {
+  if (request.chunk_peers_size() > 0) return EnqueueP2pUpdate(request);
   // Other owner tasks (OpenAllocation) may have switched the device.
   WS_CUDA(cudaSetDevice(device_));
   absl::Status batch = PrepareBatch(request.ops_size());
@@ -189,8 +190,12 @@ absl::Status GpuWorker::EnqueueUpdate(
 }
 
 absl::Status GpuWorker::ReceiveChunk(uint8_t* buf, int64_t bytes) {
-  const ncclResult_t r =
-      ncclBroadcast(buf, buf, bytes, ncclUint8, 0, comm_, recv_stream_);
+  return AwaitEnqueue(
+      ncclBroadcast(buf, buf, bytes, ncclUint8, 0, comm_, recv_stream_),
+      "broadcast");
+}
+
+absl::Status GpuWorker::AwaitEnqueue(ncclResult_t r, const char* what) {
   WS_NCCL(r);
   if (r == ncclInProgress) {
     // Non-blocking communicator: the enqueue completes asynchronously (the
@@ -203,14 +208,85 @@ absl::Status GpuWorker::ReceiveChunk(uint8_t* buf, int64_t bytes) {
       if (abort_requested_) return absl::AbortedError("update aborted");
       if (absl::Now() > deadline) {
         return absl::DeadlineExceededError(absl::StrCat(
-            "broadcast enqueue timed out after ",
+            what, " enqueue timed out after ",
             absl::FormatDuration(enqueue_timeout_),
-            " (InitWeightTransfer timeout_ms): is the trainer broadcasting?"));
+            " (InitWeightTransfer timeout_ms): is the trainer sending?"));
       }
       absl::SleepFor(absl::Microseconds(10));
     }
     WS_NCCL(state);
   }
+  return absl::OkStatus();
+}
+
+absl::Status GpuWorker::EnqueueP2pUpdate(
+    const worker::v1::BeginUpdateRequest& request) {
+  WS_CUDA(cudaSetDevice(device_));
+  absl::Status batch = PrepareBatch(request.ops_size());
+  if (!batch.ok()) return batch;
+  const int n = staging_.size();
+  absl::flat_hash_map<int64_t, Allocation> allocs;
+  {
+    absl::MutexLock lock(&mu_);
+    allocs = allocations_;
+  }
+  for (int i = 0; i < n; ++i) {
+    WS_CUDA(cudaEventRecord(scatter_done_[i], scatter_stream_));
+  }
+  int op = 0;
+  int64_t next_buf = 0;
+  std::vector<int> buf_of;
+  std::vector<uint8_t*> dst_of;
+  WS_CUDA(cudaEventRecord(first_op_, recv_stream_));
+  for (const P2pRound& round : p2p_.rounds) {
+    buf_of.assign(round.end - round.first, -1);
+    dst_of.assign(round.end - round.first, nullptr);
+    for (int64_t k = round.first; k < round.end; ++k) {
+      if (p2p_.direct[k]) {
+        const worker::v1::GpuOp& o = request.ops(p2p_.direct_op[k]);
+        absl::StatusOr<uint8_t*> base = BaseOf(allocs, o.allocation_id());
+        if (!base.ok()) return base.status();
+        dst_of[k - round.first] = *base + o.dst_offset();
+        continue;
+      }
+      const int b = next_buf++ % n;
+      buf_of[k - round.first] = b;
+      dst_of[k - round.first] = staging_[b];
+      // Into buffer b only once its previous chunk has left it.
+      WS_CUDA(cudaStreamWaitEvent(recv_stream_, scatter_done_[b], 0));
+    }
+    WS_NCCL(ncclGroupStart());
+    for (int64_t k = round.first; k < round.end; ++k) {
+      const ncclResult_t r =
+          ncclRecv(dst_of[k - round.first], request.chunk_sizes(k), ncclUint8,
+                   request.chunk_peers(k), comm_, recv_stream_);
+      if (r != ncclSuccess && r != ncclInProgress) {
+        ncclGroupEnd();
+        WS_NCCL(r);
+      }
+    }
+    absl::Status received = AwaitEnqueue(ncclGroupEnd(), "receive");
+    if (!received.ok()) return received;
+    WS_CUDA(cudaEventRecord(round_done_, recv_stream_));
+    WS_CUDA(cudaStreamWaitEvent(scatter_stream_, round_done_, 0));
+    for (int64_t k = round.first; k < round.end; ++k) {
+      const int b = buf_of[k - round.first];
+      if (b < 0) {
+        // Received in place: its one op is done.
+        while (op < request.ops_size() && request.ops(op).chunk() == k) ++op;
+        continue;
+      }
+      absl::Status s =
+          EnqueueChunk(request, k, staging_[b], allocs, false, &op);
+      if (!s.ok()) return s;
+      WS_CUDA(cudaEventRecord(scatter_done_[b], scatter_stream_));
+    }
+  }
+  absl::Status out = CopyReportsOut();
+  if (out.ok()) out = CopyReceiptsOut();
+  if (!out.ok()) return out;
+  WS_CUDA(cudaEventRecord(last_op_, scatter_stream_));
+  WS_CUDA(cudaEventRecord(all_done_, scatter_stream_));
   return absl::OkStatus();
 }
 
@@ -283,6 +359,28 @@ absl::Status GpuWorker::BeginOnOwner(
        request.ops_id() == 0 || request.ops_id() != held_ops_id_)) {
     return absl::NotFoundError(absl::StrCat("the worker holds no ops ",
                                             request.ops_id(), ": send them"));
+  }
+  if (request.chunk_peers_size() > 0) {
+    // M->N: refused here, before anything is enqueued, if the rounds or
+    // peers are wrong (p2p_rounds.h).
+    absl::flat_hash_map<int64_t, Allocation> allocs;
+    {
+      absl::MutexLock lock(&mu_);
+      allocs = allocations_;
+    }
+    if (comm_ == nullptr) {
+      return absl::FailedPreconditionError("no NCCL group: InitGroup first");
+    }
+    absl::StatusOr<P2pSchedule> sched =
+        PlanP2pRounds(request, world_size_, rank_, [&](int64_t id) {
+          auto it = allocs.find(id);
+          return it != allocs.end() && it->second.device == device_;
+        });
+    if (!sched.ok()) return sched.status();
+    p2p_ = *std::move(sched);
+    VLOG(1) << "M->N update: " << p2p_.rounds.size() << " rounds, "
+            << p2p_.staged_chunks << " chunks staged, " << p2p_.direct_bytes
+            << " bytes received in place";
   }
   if (!request.reuse_ops() && request.ops_id() != 0) {
     held_ops_ = request;

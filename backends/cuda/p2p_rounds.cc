@@ -1,0 +1,114 @@
+#include "backends/cuda/p2p_rounds.h"
+
+#include <algorithm>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "common/dtype.h"
+
+namespace weightsync {
+
+absl::StatusOr<P2pSchedule> PlanP2pRounds(
+    const worker::v1::BeginUpdateRequest& request, int world, int rank,
+    const std::function<bool(int64_t)>& on_my_gpu) {
+  const int64_t n = request.chunk_sizes_size();
+  if (request.chunk_peers_size() != n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk_peers has ", request.chunk_peers_size(),
+                     " entries for ", n, " chunks"));
+  }
+  if (request.chunk_rounds_size() != 0 && request.chunk_rounds_size() != n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk_rounds has ", request.chunk_rounds_size(),
+                     " entries for ", n, " chunks (0 or one per chunk)"));
+  }
+  if (request.staged() || !request.ipc_source_handle().empty() ||
+      request.ipc_registered_source()) {
+    return absl::InvalidArgumentError(
+        "M->N receives (chunk_peers) stream: not staged, not IPC");
+  }
+  if (request.staging_buffers() < 2) {
+    return absl::InvalidArgumentError("at least 2 staging buffers");
+  }
+  P2pSchedule out;
+  out.direct.assign(n, false);
+  out.direct_op.assign(n, -1);
+  // Chunks that carry work besides their ops: never direct.
+  absl::flat_hash_set<int64_t> busy;
+  for (const auto& p : request.sparse_pieces()) busy.insert(p.chunk());
+  for (const auto& q : request.quant_steps()) busy.insert(q.chunk());
+  for (int64_t k : request.receipt_after_chunk()) busy.insert(k);
+  std::vector<int> ops_of(n, 0), first_op(n, -1);
+  for (int i = 0; i < request.ops_size(); ++i) {
+    const int64_t k = request.ops(i).chunk();
+    if (k < 0 || k >= n) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("op ", i, " names chunk ", k, " of ", n));
+    }
+    if (++ops_of[k] == 1) first_op[k] = i;
+  }
+  for (int64_t k = 0; k < n; ++k) {
+    const int peer = request.chunk_peers(k);
+    if (peer < 0 || peer >= world || peer == rank) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("chunk ", k, " comes from rank ", peer,
+                       ": not a peer of rank ", rank, " of ", world));
+    }
+    if (request.chunk_sizes(k) <= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("chunk ", k, " has ", request.chunk_sizes(k), " bytes"));
+    }
+    if (ops_of[k] != 1 || busy.contains(k)) continue;
+    const worker::v1::GpuOp& o = request.ops(first_op[k]);
+    const int64_t es = v1::DType_IsValid(o.src_dtype())
+                           ? ElementSize(static_cast<v1::DType>(o.src_dtype()))
+                           : 0;
+    const int64_t width = o.cols() * es;
+    const bool one_row = o.rows() == 1;
+    if (es == 0 || o.src_dtype() != o.dst_dtype() || o.src_offset() != 0 ||
+        o.src_allocation_id() != 0 ||
+        width * o.rows() != request.chunk_sizes(k) ||
+        (!one_row && (o.src_stride() != width || o.dst_stride() != width)) ||
+        !on_my_gpu(o.allocation_id())) {
+      continue;
+    }
+    out.direct[k] = true;
+    out.direct_op[k] = first_op[k];
+    out.direct_bytes += request.chunk_sizes(k);
+  }
+  const int64_t cap = request.staging_buffers() / 2;
+  for (int64_t k = 0; k < n;) {
+    P2pRound r{k, k + 1};
+    const int32_t id =
+        request.chunk_rounds_size() ? request.chunk_rounds(k) : 0;
+    if (request.chunk_rounds_size()) {
+      while (r.end < n && request.chunk_rounds(r.end) == id) ++r.end;
+      if (r.end < n && request.chunk_rounds(r.end) < id) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("chunk_rounds decrease at chunk ", r.end));
+      }
+    }
+    absl::flat_hash_set<int> peers;
+    int64_t staged = 0;
+    for (int64_t j = r.first; j < r.end; ++j) {
+      if (!peers.insert(request.chunk_peers(j)).second) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("round ", id, " has two chunks from rank ",
+                         request.chunk_peers(j), " (chunk ", j, ")"));
+      }
+      if (!out.direct[j]) ++staged;
+    }
+    if (staged > cap) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "round ", id, " stages ", staged, " chunks; ",
+          request.staging_buffers(), " staging buffers take ", cap,
+          " a round (the next round's receive overlaps this one's scatter)"));
+    }
+    out.staged_chunks += staged;
+    out.rounds.push_back(r);
+    k = r.end;
+  }
+  return out;
+}
+
+}  // namespace weightsync

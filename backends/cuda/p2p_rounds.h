@@ -1,0 +1,51 @@
+// M->N receives (issue 32): how a GPU worker groups an update's chunks into
+// NCCL rounds and which chunks it receives straight into engine memory.
+// No CUDA here: the rules are checked on the CPU (p2p_rounds_test).
+//
+// BeginUpdateRequest.chunk_peers names the NCCL rank each chunk comes from
+// (ncclRecv); chunk_rounds groups consecutive chunks into rounds, each
+// received in one ncclGroupStart/End. Every rank of the communicator takes
+// its transfers in the order of the plan's rounds, so the earliest round
+// not finished has every one of its ranks at it: no two ranks wait on each
+// other (a round is one NCCL group on every rank that takes part in it).
+#ifndef WEIGHTSYNC_BACKENDS_CUDA_P2P_ROUNDS_H_
+#define WEIGHTSYNC_BACKENDS_CUDA_P2P_ROUNDS_H_
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "weightsync/worker/v1/gpu_worker.pb.h"
+
+namespace weightsync {
+
+struct P2pRound {
+  int64_t first = 0;  // chunks [first, end)
+  int64_t end = 0;
+};
+
+struct P2pSchedule {
+  std::vector<P2pRound> rounds;
+  // direct[k]: chunk k is received into engine memory at its op's
+  // destination (direct_op[k] is that op's index in request.ops).
+  std::vector<bool> direct;
+  std::vector<int> direct_op;
+  int64_t staged_chunks = 0;
+  int64_t direct_bytes = 0;
+};
+
+// The rounds and direct chunks of an M->N request, or INVALID_ARGUMENT
+// naming the field: chunk_peers and chunk_rounds (if set) one per chunk,
+// peers in [0, world) and not `rank`, rounds non-decreasing, no round with
+// two chunks from one peer (their order would be NCCL's, not the plan's),
+// and at most staging_buffers / 2 staged chunks in a round. Not staged
+// (M->N streams), not IPC. `on_my_gpu(allocation_id)` says whether that
+// open allocation lives on the worker's GPU (direct receives only there).
+absl::StatusOr<P2pSchedule> PlanP2pRounds(
+    const worker::v1::BeginUpdateRequest& request, int world, int rank,
+    const std::function<bool(int64_t)>& on_my_gpu);
+
+}  // namespace weightsync
+
+#endif  // WEIGHTSYNC_BACKENDS_CUDA_P2P_ROUNDS_H_

@@ -1,0 +1,140 @@
+// PlanP2pRounds (backends/cuda/p2p_rounds.h): the M->N receive rounds and
+// direct receives of a GPU worker, checked without a GPU.
+#include "backends/cuda/p2p_rounds.h"
+
+#include "gtest/gtest.h"
+#include "weightsync/v1/types.pb.h"
+
+namespace weightsync {
+namespace {
+
+using worker::v1::BeginUpdateRequest;
+using worker::v1::GpuOp;
+
+// rank 2 of 4; allocation 7 is on the worker's GPU, 8 is not.
+bool OnMyGpu(int64_t id) { return id == 7; }
+
+void AddChunk(BeginUpdateRequest* r, int64_t bytes, int peer, int round) {
+  r->add_chunk_sizes(bytes);
+  r->add_chunk_peers(peer);
+  r->add_chunk_rounds(round);
+}
+
+GpuOp* AddOp(BeginUpdateRequest* r, int64_t chunk, int64_t alloc, int64_t rows,
+             int64_t cols, int64_t src_stride, int64_t dst_stride) {
+  GpuOp* o = r->add_ops();
+  o->set_chunk(chunk);
+  o->set_allocation_id(alloc);
+  o->set_rows(rows);
+  o->set_cols(cols);
+  o->set_src_stride(src_stride);
+  o->set_dst_stride(dst_stride);
+  o->set_src_dtype(v1::BFLOAT16);
+  o->set_dst_dtype(v1::BFLOAT16);
+  return o;
+}
+
+BeginUpdateRequest TwoSenders() {
+  // Round 0: a chunk from each trainer rank; round 1: the same.
+  BeginUpdateRequest r;
+  r.set_staging_buffers(4);
+  AddChunk(&r, 4096, 0, 0);
+  AddChunk(&r, 4096, 1, 0);
+  AddChunk(&r, 4096, 0, 1);
+  AddChunk(&r, 2048, 1, 1);
+  AddOp(&r, 0, 7, 16, 128, 256, 256);  // contiguous whole chunk: direct
+  AddOp(&r, 1, 7, 16, 64, 128, 256);   // strided destination: staged
+  AddOp(&r, 1, 7, 16, 64, 128, 256);
+  AddOp(&r, 2, 8, 16, 128, 256, 256);  // another GPU's memory: staged
+  AddOp(&r, 3, 7, 1, 1024, 2048, 0);   // one row: direct
+  return r;
+}
+
+TEST(P2pRoundsTest, RoundsAndDirectChunks) {
+  auto s = PlanP2pRounds(TwoSenders(), 4, 2, OnMyGpu);
+  ASSERT_TRUE(s.ok()) << s.status();
+  ASSERT_EQ(s->rounds.size(), 2u);
+  EXPECT_EQ(s->rounds[0].first, 0);
+  EXPECT_EQ(s->rounds[0].end, 2);
+  EXPECT_EQ(s->rounds[1].first, 2);
+  EXPECT_EQ(s->rounds[1].end, 4);
+  EXPECT_EQ(s->direct, (std::vector<bool>{true, false, false, true}));
+  EXPECT_EQ(s->direct_op[0], 0);
+  EXPECT_EQ(s->direct_op[3], 4);
+  EXPECT_EQ(s->direct_bytes, 4096 + 2048);
+  EXPECT_EQ(s->staged_chunks, 2);
+}
+
+TEST(P2pRoundsTest, NoRoundsMeansOneChunkARound) {
+  BeginUpdateRequest r = TwoSenders();
+  r.clear_chunk_rounds();
+  auto s = PlanP2pRounds(r, 4, 2, OnMyGpu);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->rounds.size(), 4u);
+}
+
+TEST(P2pRoundsTest, OtherWorkIsNeverDirect) {
+  BeginUpdateRequest r = TwoSenders();
+  r.add_receipt_after_chunk(0);
+  auto s = PlanP2pRounds(r, 4, 2, OnMyGpu);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_FALSE(s->direct[0]);
+  r = TwoSenders();
+  r.add_sparse_pieces()->set_chunk(3);
+  r.add_quant_steps()->set_chunk(0);
+  s = PlanP2pRounds(r, 4, 2, OnMyGpu);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_FALSE(s->direct[0]);
+  EXPECT_FALSE(s->direct[3]);
+  r = TwoSenders();  // a conversion is staged
+  r.mutable_ops(0)->set_dst_dtype(v1::FLOAT32);
+  s = PlanP2pRounds(r, 4, 2, OnMyGpu);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_FALSE(s->direct[0]);
+  r = TwoSenders();  // part of the chunk only
+  r.mutable_ops(0)->set_rows(8);
+  s = PlanP2pRounds(r, 4, 2, OnMyGpu);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_FALSE(s->direct[0]);
+}
+
+void ExpectRefused(const BeginUpdateRequest& r, const std::string& what) {
+  auto s = PlanP2pRounds(r, 4, 2, OnMyGpu);
+  ASSERT_FALSE(s.ok()) << what;
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.status().message().find(what), std::string::npos)
+      << s.status().message();
+}
+
+TEST(P2pRoundsTest, BadRequestsRefusedNamingTheField) {
+  BeginUpdateRequest r = TwoSenders();
+  r.add_chunk_peers(0);
+  ExpectRefused(r, "chunk_peers has 5 entries for 4 chunks");
+  r = TwoSenders();
+  r.set_chunk_peers(1, 2);
+  ExpectRefused(r, "chunk 1 comes from rank 2: not a peer of rank 2");
+  r = TwoSenders();
+  r.set_chunk_peers(1, 4);
+  ExpectRefused(r, "comes from rank 4");
+  r = TwoSenders();
+  r.set_chunk_rounds(2, 0);
+  r.set_chunk_rounds(3, 0);
+  r.set_chunk_rounds(1, 1);
+  ExpectRefused(r, "chunk_rounds decrease at chunk 2");
+  r = TwoSenders();
+  r.set_chunk_peers(1, 0);
+  ExpectRefused(r, "round 0 has two chunks from rank 0 (chunk 1)");
+  r = TwoSenders();
+  r.set_staging_buffers(2);  // one staged chunk a round: round 0 has two
+  r.mutable_ops(0)->set_rows(8);
+  ExpectRefused(r, "round 0 stages 2 chunks; 2 staging buffers take 1 a round");
+  r = TwoSenders();
+  r.set_staged(true);
+  ExpectRefused(r, "not staged, not IPC");
+  r = TwoSenders();
+  r.set_chunk_sizes(2, 0);
+  ExpectRefused(r, "chunk 2 has 0 bytes");
+}
+
+}  // namespace
+}  // namespace weightsync
