@@ -17,6 +17,8 @@ PKGS=(
   llvm python3-coverage      # tools/coverage.sh: llvm-cov/llvm-profdata, coverage.py
   python3-setuptools python3-wheel python3-venv python3-pip  # pip_install_test: offline install
   dpkg-dev binutils lintian  # tools/build_deb.sh (dpkg-shlibdeps, strip), deb_test
+  mmdebstrap umoci curl      # tools/build_image.sh: the image without a registry
+  podman runc                # tests/image_test.sh runs it (else unshare + chroot)
 )
 missing=()
 for p in "${PKGS[@]}"; do
