@@ -132,7 +132,7 @@ def trainer_main(conn, target):
             dt = time.perf_counter() - t
             if i:
                 times.append(dt)
-                for k, v in (trainer._gpu.last_timings or {}).items():
+                for k, v in (trainer.last_timings or {}).items():
                     parts.setdefault(k, []).append(v)
             else:
                 out[key + "_first"] = dt

@@ -134,11 +134,11 @@ def check_receipts(rng):
                           f"triton {got[:3]} rest {[p.name for p in got[3]]} numpy {want}; "
                           + (per_param(q, host, gpu) if not ok else ""))
                     full_host = receipts.expected_receipt(layout, host)
-                    receipts._fp8_triton_failed.clear()
+                    receipts.fp8_triton_failed().clear()
                     full_gpu = receipts.expected_receipt_arrays(layout, gpu)
                     check(name + " expected_receipt_arrays(CUDA, Triton) == expected_receipt(host)",
-                          full_gpu == full_host and not receipts._fp8_triton_failed,
-                          f"gpu {full_gpu} host {full_host} {receipts._fp8_triton_failed}")
+                          full_gpu == full_host and not receipts.fp8_triton_failed(),
+                          f"gpu {full_gpu} host {full_host} {receipts.fp8_triton_failed()}")
                     if rec and src_w == "BFLOAT16":
                         os.environ["WEIGHTSYNC_FP8_TRITON"] = "0"
                         try:
@@ -206,10 +206,10 @@ def check_rest(rng):
         got = triton_sum(layout, gpu)
         check("rest: both parameters left to the torch path",
               [p.name for p in got[3]] == ["x", "z"], str([p.name for p in got[3]]))
-        receipts._fp8_triton_failed.clear()
+        receipts.fp8_triton_failed().clear()
         want = receipts.expected_receipt(layout, host)
         full = receipts.expected_receipt_arrays(layout, gpu)
-        check(name, full == want and not receipts._fp8_triton_failed, f"gpu {full} host {want}")
+        check(name, full == want and not receipts.fp8_triton_failed(), f"gpu {full} host {want}")
     guarded(name, run)
 
 
@@ -228,12 +228,12 @@ def check_vectors():
                 sent[t["name"]] = (t["dtype"], tuple(t["shape"]),
                                    raw.to(DEV).view(base.TORCH.get(t["dtype"], torch.uint8)))
             want = (int(case["checksum"], 16), case["parameters"], case["bytes"])
-            receipts._fp8_triton_failed.clear()
+            receipts.fp8_triton_failed().clear()
             if (receipts.expected_receipt_arrays(layout, sent) != want
-                    or receipts._fp8_triton_failed):
+                    or receipts.fp8_triton_failed()):
                 bad.append(case["name"])
         check(f"{name} ({len(vectors['receipts'])})", not bad,
-              f"{bad} {receipts._fp8_triton_failed}")
+              f"{bad} {receipts.fp8_triton_failed()}")
     guarded(name, run)
 
 

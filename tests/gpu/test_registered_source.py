@@ -84,8 +84,8 @@ def trainer_main(conn, target):
     trainer.init_ipc(device=GPU)
 
     def report(tag, r, extra=None):
-        out = {"tag": tag, "committed": r.version, "source": trainer._source and
-               trainer._source[1], "timings": trainer.last_timings,
+        out = {"tag": tag, "committed": r.version, "source": trainer._gpu.source and
+               trainer._gpu.source.source_id, "timings": trainer.last_timings,
                "receipts": sum(1 for e in r.engines if e.HasField("receipt")),
                "digests": C.digests(model.named_parameters()),
                "greedy": C.greedy(model, PROMPT, TOKENS)}
@@ -148,8 +148,8 @@ def trainer_main(conn, target):
     flipped.view(torch.int16)[0] ^= 1 << 9
     bad[name] = (bad[name][0], bad[name][1], flipped)
     try:
-        trainer._check_receipts([r], lambda layout: receipts.expected_receipt_arrays(layout,
-                                                                                     bad))
+        trainer._link.check_receipts([r], lambda layout: receipts.expected_receipt_arrays(
+            layout, bad))
         flipped_error = None
     except weightsync.WeightSyncError as e:
         flipped_error = [e.code, e.message]

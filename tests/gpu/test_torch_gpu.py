@@ -202,7 +202,7 @@ def trainer_main(conn, target):
             flipped.view(torch.int16)[0] ^= 1 << 9
             bad[name] = (bad[name][0], bad[name][1], flipped)
             try:
-                trainer._check_receipts(
+                trainer._link.check_receipts(
                     [r], lambda layout: receipts.expected_receipt_arrays(layout, bad))
                 corrupt = None
             except weightsync.WeightSyncError as e:

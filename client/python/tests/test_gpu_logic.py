@@ -13,6 +13,7 @@ with the host implementations (sparse.SparsePatch, receipts.expected_receipt).
 import os
 import sys
 import tempfile
+import types
 import unittest
 
 import numpy as np
@@ -464,7 +465,7 @@ class FakeStub:
 
 
 class StartNcclTest(unittest.TestCase):
-    """Trainer._start_nccl (the NCCL path's Start on one daemon, which one
+    """NcclSender.start (the NCCL path's Start on one daemon, which one
     GPU can't run): the plan every daemon agreed to, or INTERNAL with the
     update aborted and the communicator torn down when a daemon plans
     otherwise."""
@@ -491,31 +492,34 @@ class StartNcclTest(unittest.TestCase):
         def abort_comm(self):
             self.aborted += 1
 
-    def trainer(self, stub):
-        from weightsync.trainer import Trainer
-        t = Trainer.__new__(Trainer)
-        t._stubs, t._stub, t._gpu = [stub], stub, self.Gpu()
-        return t
+    def sender(self, stub):
+        from weightsync import _multi
+        from weightsync.senders.base import Link
+        from weightsync.senders.nccl import NcclSender
+        return NcclSender(Link([stub], _multi.Group([stub], ["t"]), 30.0, 600.0), self.Gpu())
 
     def test_agreed_plan_and_mismatch(self):
+        from weightsync.senders.base import Job
         manifest = [{"name": "a", "dtype": "FLOAT32", "shape": [300]},
                     {"name": "b", "dtype": "FLOAT32", "shape": [7]}]
         plan = planner.plan_chunks(manifest, 1024)
         request = v1.StartWeightUpdateRequest(update_id="u", chunk_bytes=1024)
+        update = types.SimpleNamespace(update_id="u")
         stub = self.Stub(plan["total_bytes"], len(plan["chunks"]))
-        t = self.trainer(stub)
-        started, got, t_start, t_started = t._start_nccl(request, ["a", "b"], manifest, "u")
-        self.assertEqual(got["total_bytes"], plan["total_bytes"])
+        s = self.sender(stub)
+        job = Job(request, manifest=manifest, names=["a", "b"])
+        started = s.start(update, job)
+        self.assertEqual(job.plan["total_bytes"], plan["total_bytes"])
         self.assertEqual(len(started), 1)
-        self.assertLessEqual(t_start, t_started)
-        self.assertEqual(t._gpu.aborted, 0)
+        self.assertLessEqual(job.t_start, job.t_started)
+        self.assertEqual(s.gpu.aborted, 0)
         bad = self.Stub(plan["total_bytes"] + 256, len(plan["chunks"]))
-        t = self.trainer(bad)
+        s = self.sender(bad)
         with self.assertRaises(WeightSyncError) as cm:
-            t._start_nccl(request, ["a", "b"], manifest, "u")
+            s.start(update, Job(request, manifest=manifest, names=["a", "b"]))
         self.assertEqual(cm.exception.code, "INTERNAL")
         self.assertIn("AbortWeightUpdate", bad.calls)
-        self.assertEqual(t._gpu.aborted, 1)
+        self.assertEqual(s.gpu.aborted, 1)
 
 
 class SmallRegionTableTest(unittest.TestCase):
@@ -556,17 +560,17 @@ class SmallRegionTableTest(unittest.TestCase):
 
 
 class ReceiptCheckTest(unittest.TestCase):
-    """Trainer._check_receipts, as the GPU path calls it (one result per
+    """Link.check_receipts, as the GPU path calls it (one result per
     daemon, the expectation from expected_receipt_arrays)."""
 
     def test_match_mismatch_and_replicas(self):
-        import weightsync
+        from weightsync import _multi
+        from weightsync.senders.base import Link
         rng = np.random.default_rng(14)
         layout, sent = _receipt_case(rng)
         checksum, _, nbytes = receipts.expected_receipt_arrays(layout, sent)
         stubs = [FakeStub({"a": layout, "b": layout}), FakeStub({"c": layout})]
-        trainer = weightsync.Trainer.__new__(weightsync.Trainer)
-        trainer._stubs = stubs
+        link = Link(stubs, _multi.Group(stubs, ["a", "b"]), 30.0, 600.0)
         results = []
         for engines in (("a", "b"), ("c",)):
             f = v1.FinishWeightUpdateResponse()
@@ -580,15 +584,15 @@ class ReceiptCheckTest(unittest.TestCase):
             computed.append(1)
             return receipts.expected_receipt_arrays(lay, sent)
 
-        trainer._check_receipts(results, expected)
+        link.check_receipts(results, expected)
         self.assertEqual(len(computed), 1)   # one layout: computed once
         results[1].engines[0].receipt.checksum ^= 1 << 40
         with self.assertRaises(WeightSyncError) as cm:
-            trainer._check_receipts(results, expected)
+            link.check_receipts(results, expected)
         self.assertEqual(cm.exception.code, "DATA_LOSS")
         self.assertIn("engine 'c'", cm.exception.message)
         # A result without receipts (VERIFY_OFF) is not checked.
-        trainer._check_receipts([v1.FinishWeightUpdateResponse()], expected)
+        link.check_receipts([v1.FinishWeightUpdateResponse()], expected)
 
 
 class SparseArraysTest(unittest.TestCase):
@@ -767,7 +771,7 @@ class ChunkScheduleTest(unittest.TestCase):
 
 
 class MovedSignatureTest(unittest.TestCase):
-    """trainer._moved_signature: what decides whether a registered source
+    """senders.ipc.moved_signature: what decides whether a registered source
     is reused. Anything a source depends on (a name, data pointer, dtype,
     shape, stride) changes it; values don't; a non-tensor gives None."""
 
@@ -783,7 +787,7 @@ class MovedSignatureTest(unittest.TestCase):
             return self._stride
 
     def test_changes(self):
-        from weightsync.trainer import _moved_signature
+        from weightsync.senders.ipc import moved_signature as _moved_signature
         T = self.FakeTensor
         ts = [T(1000 + 64 * i) for i in range(5)]
         pairs = [(f"w{i}", t) for i, t in enumerate(ts)]
@@ -803,7 +807,7 @@ class MovedSignatureTest(unittest.TestCase):
 
 
 class SourcePairsTest(unittest.TestCase):
-    """trainer._SourcePairs: the check that lets an update of a registered
+    """senders.ipc.SourcePairs: the check that lets an update of a registered
     source's very pairs skip all per-tensor work but one pointer read."""
 
     class T:
@@ -828,7 +832,7 @@ class SourcePairsTest(unittest.TestCase):
         __hash__ = object.__hash__
 
     def make(self):
-        from weightsync.trainer import _SourcePairs
+        from weightsync.senders.ipc import SourcePairs as _SourcePairs
         T = self.T
         ts = [T(1000 + 64 * i) for i in range(4)] + [T(2000, n=1, value=3.0)]
         pairs = [(f"w{i}", t) for i, t in enumerate(ts)]

@@ -93,6 +93,12 @@ class Stub:
         except grpc.RpcError as e:
             raise WeightSyncError(e.code().name, e.details()) from None
 
+    def future(self, name, requests, timeout=None):
+        """A client-streaming call started without waiting for it: a
+        grpc.Future (its result() raises grpc.RpcError)."""
+        method, _ = self._method(name)
+        return method.future(requests, timeout=timeout)
+
     def stream(self, name, requests, timeout=None):
         """A bidirectional stream; returns the response iterator."""
         method, _ = self._method(name)

@@ -159,7 +159,9 @@ def ring_send(plan, slots, ring, pack, feed=None, payloads=None, on_made=None):
     ring.close()
 
 
-def _device(device):
+def cuda_device(device):
+    """`device` (None: the current one, an index, a name) as a torch CUDA
+    device with its index."""
     import torch
     if device is None:
         return torch.device("cuda", torch.cuda.current_device())
@@ -177,7 +179,7 @@ class GpuSender:
     def __init__(self, backend, device, comm=None, pack_buffers=2):
         import torch
         self.backend = backend
-        self.device = _device(device)
+        self.device = cuda_device(device)
         self.comm = comm
         self.pack_buffers = max(1, pack_buffers)
         with torch.cuda.device(self.device):
@@ -405,6 +407,10 @@ class GpuSender:
                                       "communicator aborted (init_nccl() again)")
             time.sleep(sleep)
             sleep = min(sleep * 2, 0.002)
+
+    def ring_bytes(self):
+        """Bytes of the NCCL path's ring of pack buffers."""
+        return len(self._ring) * self._ring_chunk
 
     def abort_comm(self):
         if self.comm is not None:

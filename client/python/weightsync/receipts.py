@@ -589,7 +589,7 @@ def expected_receipt_arrays(layout, sent, ops=None, block=1 << 22):
         checksum, params, nbytes = expected_receipt_arrays(plain, sent, ops, block)
         q_sum, q_params, q_bytes = quantized_where_sent(quant, sent)
         return (checksum + q_sum) & _xp.MASK64, params + q_params, nbytes + q_bytes
-    if ops is None and _all_cuda(sent):
+    if ops is None and all_cuda(sent):
         from weightsync import receipts_gpu
         if receipts_gpu.available():
             return receipts_gpu.expected_receipts_gpu({0: layout}, sent)[0]
@@ -629,6 +629,18 @@ def quantized_where_sent(quantized, sent):
 
 
 _fp8_triton_failed = []
+
+
+def fp8_triton_failed():
+    """The failures of the fused FP8 receipt kernel so far (repr of each);
+    once it failed, the torch path takes its work. The list itself: a
+    check may clear it."""
+    return _fp8_triton_failed
+
+
+def note_fp8_triton_failure(error):
+    """Records that the fused FP8 receipt kernel failed with `error`."""
+    _fp8_triton_failed.append(repr(error))
 
 
 def _quantized_by_triton(quantized, sent, add):
@@ -682,7 +694,8 @@ def _on_host(quantized, sent):
     return out
 
 
-def _all_cuda(sent):
+def all_cuda(sent):
+    """True if every entry of `sent` is a CUDA tensor."""
     return bool(sent) and all(_xp.is_torch(e) and e.is_cuda for _, _, e in sent.values())
 
 

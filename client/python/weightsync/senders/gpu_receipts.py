@@ -1,0 +1,126 @@
+"""Receipts of a GPU update (nccl, ipc): the expectation computed on the GPU
+from the tensors as sent, on the current stream of their device (after the
+work that produced them, before update() returns and they may change).
+
+With a plan key (a registered source's registration number, which changes
+whenever a tensor moves) and the engine's layout id, the Triton kernel's
+tables are kept, so an update of a source already checked against that
+layout builds nothing per tensor. An FP8 engine's plain parameters go
+through the same kernel; its quantised ones through weightsync.fp8_gpu.
+"""
+
+import time
+
+
+def partial_receipts(layouts, sent):
+    """{layout key: checksum} of the tensors `sent` (torch, on the GPU) for
+    each layout: one Triton launch per dtype pair over all of them, else
+    torch int64 ops per layout (weightsync.receipts). Used by lazy updates,
+    whose receipts are summed as tensors are made."""
+    from weightsync import receipts, receipts_gpu
+    # FP8 layouts: their quantised part by weightsync.fp8 (the kernel has none).
+    fp8 = {k: layout for k, layout in layouts.items() if receipts.has_fp8(layout)}
+    out = {k: receipts.expected_receipt_arrays(layout, sent)[0] for k, layout in fp8.items()}
+    rest = {k: layout for k, layout in layouts.items() if k not in fp8}
+    if rest and receipts.all_cuda(sent) and receipts_gpu.available():
+        gpu = receipts_gpu.expected_receipts_gpu(rest, sent, keep=False)
+        out.update({k: v[0] for k, v in gpu.items()})
+        return out
+    out.update({k: receipts.expected_receipt_arrays(layout, sent)[0]
+                for k, layout in rest.items()})
+    return out
+
+
+class GpuReceipts:
+    """What a GPU sender keeps between updates to check receipts quickly:
+    per layout id, whether it has FP8 targets and its (plain, quantised)
+    split; per (plan key, layout id), weightsync.fp8_gpu's prepared
+    kernel tables."""
+
+    def __init__(self):
+        self._fp8 = {}       # layout_id -> whether it has FP8 targets
+        self._split = {}     # layout_id -> (plain, quantised) parameters
+        self._prepared = {}  # (plan_key, layout_id) -> prepared_receipt_gpu handle
+
+    def check(self, link, results, manifest, flats, plan_key=None, timings=None):
+        """Checks `results` (link.check_receipts) against the expectation
+        of the tensors `flats` sent as `manifest`; adds the seconds it took
+        to `timings` as receipts_s."""
+        t = time.perf_counter()
+        try:
+            self._check(link, results, manifest, flats, plan_key)
+        finally:
+            if timings is not None:
+                timings["receipts_s"] = time.perf_counter() - t
+
+    def _check(self, link, results, manifest, flats, plan_key):
+        from weightsync._gpu import elements
+        from weightsync.receipts import expected_receipt_arrays
+        built = []
+
+        def sent():
+            if not built:
+                built.append({m["name"]: (m["dtype"], m["shape"], elements(f, m["dtype"]))
+                              for m, f in zip(manifest, flats) if not m.get("sparse_nnz")})
+            return built[0]
+
+        fast = None
+        if plan_key is not None and flats and getattr(flats[0], "is_cuda", False):
+            from weightsync import receipts_gpu
+            if receipts_gpu.available():
+                fast = receipts_gpu
+        if fast is None:
+            link.check_receipts(results, lambda layout: expected_receipt_arrays(layout, sent()))
+            return
+        link.check_receipts(results, lambda layout, layout_id: (
+            self._fp8_expected(fast, layout, layout_id, plan_key, sent)
+            if self._has_fp8(layout, layout_id) else
+            fast.expected_receipts_gpu({0: layout}, sent, plan_key=(
+                plan_key, layout_id) if layout_id else None)[0]), keyed=True)
+
+    def _has_fp8(self, layout, layout_id):
+        # Once per layout id (a pass over 100k parameters cost ~50 ms).
+        from weightsync.receipts import has_fp8
+        if not layout_id:
+            return has_fp8(layout)
+        if layout_id not in self._fp8:
+            self._fp8[layout_id] = has_fp8(layout)
+        return self._fp8[layout_id]
+
+    def _fp8_expected(self, fast, layout, layout_id, plan_key, sent):
+        """The plain parameters by the receipts kernel with the plan cached
+        as for a layout without FP8 targets (keyed: nothing per tensor), the
+        quantised ones by weightsync.fp8_gpu; the split once per layout id."""
+        from weightsync import fp8
+        from weightsync.receipts import quantized_where_sent
+        split = self._split.get(layout_id) if layout_id else None
+        if split is None:
+            split = fp8.split_layout(layout)[:2]
+            if layout_id:
+                self._split[layout_id] = split
+        plain, quant = split
+        # The FP8 kernels' tables keyed like the plain plan (nothing per
+        # tensor on a repeated update), started before the plain part.
+        wait = self._fp8_started(quant, (plan_key, layout_id), sent) if layout_id else None
+        c, n, b = fast.expected_receipts_gpu({0: plain}, sent, plan_key=(
+            plan_key, layout_id, "plain") if layout_id else None)[0]
+        if wait is not None:
+            q_sum, q_params, q_bytes = wait()
+        else:
+            q_sum, q_params, q_bytes = quantized_where_sent(quant, sent())
+        return (c + q_sum) & 0xFFFFFFFFFFFFFFFF, n + q_params, b + q_bytes
+
+    def _fp8_started(self, quant, key, sent):
+        from weightsync import fp8_gpu, receipts
+        if receipts.fp8_triton_failed():
+            return None
+        try:
+            if key not in self._prepared:
+                if len(self._prepared) > 16:
+                    self._prepared.clear()
+                self._prepared[key] = fp8_gpu.prepared_receipt_gpu(quant, sent())
+            handle = self._prepared[key]
+            return None if handle is None else fp8_gpu.start_prepared(handle)
+        except Exception as e:  # noqa: BLE001 - the general path is exact too
+            receipts.note_fp8_triton_failure(e)
+            return None
