@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The trainer's FP8 receipt expectation (weightsync.fp8_gpu) over
+"""The trainer's FP8 receipt expectation (weightsync.receipts.fp8_gpu) over
 Qwen3-8B's 252 linear weights (bf16, 13.9 GB) into e4m3 128x128 blocks,
 one call as Trainer.update makes it, for variants of the tile kernel
 (rows per step, warps, whole tiles without masks, finite blocks' fast
@@ -20,7 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "gpu"))
 
 import check_fp8_receipts_gpu as base  # noqa: E402
-from weightsync import fp8, fp8_gpu  # noqa: E402
+from weightsync.receipts import fp8, fp8_gpu  # noqa: E402
 
 
 def main():

@@ -36,10 +36,11 @@ sys.path.insert(0, CLIENT)
 import numpy as np  # noqa: E402
 
 import weightsync  # noqa: E402
-from weightsync import fp8, layouts, sparse  # noqa: E402
+from weightsync import layouts, sparse  # noqa: E402
+from weightsync.receipts import fp8  # noqa: E402
 from weightsync._proto import v1  # noqa: E402
 from weightsync.engine import _set_quantization, lay_out_shared  # noqa: E402
-from weightsync.receipts import _to_float32, convert_bits  # noqa: E402
+from weightsync.receipts import convert_bits, to_float32  # noqa: E402
 
 # Heads of 64: at TP 2, q has 256 rows a rank and k/v 128 (whole blocks).
 CONFIG = dict(model_type="qwen3", vocab_size=300, hidden_size=256, num_attention_heads=8,
@@ -83,11 +84,11 @@ def stacked_layout():
     for e in range(L):
         for k, proj in enumerate(("gate_proj", "up_proj")):
             src = mlp.format(e, proj)
-            segments["w13"].append(layouts._block(src, shapes[src], (0, I), (0, H),
+            segments["w13"].append(layouts.segment(src, shapes[src], (0, I), (0, H),
                                                   (e * 2 + k) * I * H, H))
         src = mlp.format(e, "down_proj")
         for name in ("w2", "w2_rows"):
-            segments[name].append(layouts._block(src, shapes[src], (0, H), (0, I),
+            segments[name].append(layouts.segment(src, shapes[src], (0, H), (0, I),
                                                  e * H * I, I))
     quant = {"w13": fp8.quantization_fields("FLOAT8_E4M3FN", "w13_scale"),
              "w2": fp8.quantization_fields("FLOAT8_E4M3FN", "w2_scale"),

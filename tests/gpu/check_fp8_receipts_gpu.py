@@ -27,7 +27,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
 
 from google.protobuf import json_format  # noqa: E402
 
-from weightsync import _xp, fp8, receipts  # noqa: E402
+from weightsync import _xp, receipts  # noqa: E402
+from weightsync.receipts import fp8  # noqa: E402
 from weightsync._proto import v1  # noqa: E402
 
 DEV = torch.device("cuda", 0)
@@ -80,7 +81,7 @@ def on_gpu(u, dtype):
 
 
 def host_f32(u, dtype):
-    return receipts._to_float32(np.ascontiguousarray(u).reshape(-1).view(np.uint8), dtype)
+    return receipts.to_float32(np.ascontiguousarray(u).reshape(-1).view(np.uint8), dtype)
 
 
 def check_quantize(rng):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The fused Triton kernel for FP8 targets' receipts (weightsync.fp8_gpu)
+"""The fused Triton kernel for FP8 targets' receipts (weightsync.receipts.fp8_gpu)
 against the numpy reference (weightsync.fp8.quantized_receipt on host
 copies) and the torch path: e4m3fn and e5m2, 128x128 blocks with partial
 edges, odd blocks (64x32) and per row, DEQUANT and RECIPROCAL,
@@ -34,7 +34,8 @@ sys.path.insert(0, HERE)
 from google.protobuf import json_format  # noqa: E402
 
 import check_fp8_receipts_gpu as base  # noqa: E402
-from weightsync import _xp, fp8, fp8_gpu, receipts  # noqa: E402
+from weightsync import _xp, receipts  # noqa: E402
+from weightsync.receipts import fp8, fp8_gpu  # noqa: E402
 from weightsync._proto import v1  # noqa: E402
 
 DEV = base.DEV

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The Triton receipt kernel (weightsync.receipts_gpu) against the numpy
+"""The Triton receipt kernel (weightsync.receipts.gpu) against the numpy
 reference (weightsync.receipts.expected_receipt) on one GPU: random
 tensors of every dtype pair (special float32 values among them: NaNs,
 infinities, denormals, rounding ties for bfloat16 and float16), segment
@@ -24,7 +24,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                 "..", "..", "client", "python"))
 
-from weightsync import receipts, receipts_gpu  # noqa: E402
+from weightsync import receipts  # noqa: E402
+from weightsync.receipts import gpu as receipts_gpu  # noqa: E402
 from weightsync._proto import v1  # noqa: E402
 
 TORCH = {"FLOAT32": torch.float32, "BFLOAT16": torch.int16, "FLOAT16": torch.float16,
@@ -205,7 +206,7 @@ def qwen_speed(sent, layout):
     call = lambda: receipts_gpu.expected_receipts_gpu(layouts, sent)  # noqa: E731
     wall = timed(call, 10)
     gpu = kernel_seconds(call) or float("nan")
-    want = receipts._receipt_by_ops(layout, sent, None, 1 << 24)
+    want = receipts.arrays.receipt_by_ops(layout, sent, None, 1 << 24)
     bad = None if got == want else f"Qwen3-8B: {got} != {want} (torch fallback)"
     return bad, want, nbytes / wall / 1e9, wall, gpu, first
 

@@ -76,7 +76,7 @@ def scale_shape(shape, block):
 
 
 def quant_fields(name, fmt, block, form):
-    from weightsync import fp8
+    from weightsync.receipts import fp8
     return fp8.quantization_fields(fmt, scale_name(name), block, form == REC)
 
 
@@ -158,7 +158,7 @@ def reference(tensors):
     install from `tensors`, by weightsync.fp8 (numpy)."""
     import numpy as np
     import torch
-    from weightsync import fp8
+    from weightsync.receipts import fp8
 
     ref = {}
     for name, shape, fmt, block, form in SYN:
@@ -183,7 +183,7 @@ def reference_detail(tensors):
     source dtype)} for the synthetic weights (not the fused one): what a
     mismatch report compares element by element."""
     import numpy as np
-    from weightsync import fp8
+    from weightsync.receipts import fp8
     out = {}
     for name, shape, fmt, block, form in SYN:
         br, bc = block or (1, shape[1])
@@ -426,7 +426,7 @@ def model_trainer(conn, target):
     import numpy as np
     import torch
     import weightsync
-    from weightsync import fp8
+    from weightsync.receipts import fp8
     C.deterministic()
     dev = torch.device("cuda", GPU)
     torch.cuda.set_device(dev)

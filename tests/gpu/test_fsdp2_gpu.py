@@ -156,7 +156,7 @@ def trainer_main(conn, mode, rank, world, port, target, versions):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     named = list(model.named_parameters())
-    from weightsync import receipts_gpu
+    from weightsync.receipts import gpu as receipts_gpu
     report = {"rank": rank, "mode": mode, "triton": receipts_gpu.available(),
               "dtensors": sum(1 for _, p in named if callable(getattr(p, "full_tensor", None))),
               "params": len(named),

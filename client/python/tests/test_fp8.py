@@ -18,7 +18,8 @@ if not os.environ.get("WEIGHTSYNC_TEST_INSTALLED"):
 
 from google.protobuf import json_format  # noqa: E402
 
-from weightsync import fp8, layouts, receipts  # noqa: E402
+from weightsync import layouts, receipts  # noqa: E402
+from weightsync.receipts import fp8  # noqa: E402
 from weightsync._proto import v1  # noqa: E402
 
 _VECTORS = "tests/vectors/fp8.json"
@@ -35,7 +36,7 @@ def _load():
 
 
 def _widen(hex_bytes, dtype):
-    return receipts._to_float32(np.frombuffer(bytes.fromhex(hex_bytes), np.uint8).copy(), dtype)
+    return receipts.to_float32(np.frombuffer(bytes.fromhex(hex_bytes), np.uint8).copy(), dtype)
 
 
 class Fp8VectorsTest(unittest.TestCase):

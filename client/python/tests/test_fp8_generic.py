@@ -19,7 +19,8 @@ import numpy as np
 if not os.environ.get("WEIGHTSYNC_TEST_INSTALLED"):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from weightsync import _xp, fp8, receipts  # noqa: E402
+from weightsync import _xp, receipts  # noqa: E402
+from weightsync.receipts import fp8  # noqa: E402
 from weightsync._proto import v1  # noqa: E402
 from weightsync._tensors import STORAGE  # noqa: E402
 
@@ -36,7 +37,7 @@ def _old_round_shift(m, shift):
 
 
 def _old_to_fp8(q, fmt):
-    mb, bias, max_bits, nan_bits, fmax_bits = fp8._SPEC[fmt]
+    mb, bias, max_bits, nan_bits, fmax_bits = fp8.SPEC[fmt]
     bits = np.ascontiguousarray(q, np.float32).view(np.uint32).astype(np.int64)
     sign = (bits >> 24) & 0x80
     a = bits & 0x7FFFFFFF
@@ -260,7 +261,7 @@ def _old_receipt(quantized, sent):
             if src not in sent:
                 continue
             dtype, shape, raw = sent[src]
-            f = receipts._to_float32(np.ascontiguousarray(raw).view(np.uint8), dtype)
+            f = receipts.to_float32(np.ascontiguousarray(raw).view(np.uint8), dtype)
             if s is None:
                 values[:] = f[:rows * cols]
                 mask[:] = True
@@ -325,7 +326,7 @@ class GenericNumpyTest(unittest.TestCase):
         for shape, block in (((37, 70), (16, 32)), ((128, 128), (128, 128)),
                              ((130, 260), (128, 128)), ((9, 33), (1, 33)), ((1, 1), (4, 4))):
             for src in ("FLOAT32", "BFLOAT16", "FLOAT16"):
-                x = receipts._to_float32(_values(rng, src, shape[0] * shape[1]).view(np.uint8),
+                x = receipts.to_float32(_values(rng, src, shape[0] * shape[1]).view(np.uint8),
                                          src).reshape(shape)
                 if shape[0] > 16:
                     x[:16, :16] = 0   # a block of zeros: d = 1
@@ -342,7 +343,7 @@ class GenericNumpyTest(unittest.TestCase):
         ops = _xp.NumpyOps()
         for dtype in ("FLOAT32", "BFLOAT16", "FLOAT16"):
             raw = _values(rng, dtype, 5000)
-            want = receipts._to_float32(raw.view(np.uint8), dtype).view(np.uint32)
+            want = receipts.to_float32(raw.view(np.uint8), dtype).view(np.uint32)
             got = fp8._widen(ops, fp8._elements(ops, raw.view(np.uint8), dtype), dtype)
             np.testing.assert_array_equal(got.view(np.uint32), want)
 
@@ -369,7 +370,7 @@ class GenericNumpyTest(unittest.TestCase):
             image, mask = fp8._image(p, sent, 40, 50, chunk=chunk)
             self.assertEqual(int(mask.sum()), 30 * 20)
             self.assertTrue(mask[3, 5:25].all() and not mask[3, :5].any() and mask[32, 24])
-            src = receipts._to_float32(sent["d"][2].view(np.uint8), "FLOAT32").reshape(40, 21)
+            src = receipts.to_float32(sent["d"][2].view(np.uint8), "FLOAT32").reshape(40, 21)
             np.testing.assert_array_equal(image[3:33, 5:25].view(np.uint32),
                                           src[2:32, 1:21].view(np.uint32))
 
@@ -391,7 +392,7 @@ class TorchShimTest(unittest.TestCase):
                 self.assertEqual(fp8.quantized_receipt(quant, as_t, ops, chunk=chunk), want)
             # expected_receipt_arrays sends them to the torch path.
             self.assertEqual(receipts.quantized_where_sent(quant, as_t), want)
-            x = receipts._to_float32(_values(rng, "FLOAT16", 130 * 70).view(np.uint8),
+            x = receipts.to_float32(_values(rng, "FLOAT16", 130 * 70).view(np.uint8),
                                      "FLOAT16").reshape(130, 70)
             for fmt in FORMATS:
                 enc, sc = fp8.quantize(_t(x), 64, 32, fmt, True, ops)

@@ -1,4 +1,4 @@
-"""weightsync.fp8_gpu's tables (the fused FP8 receipt kernel's block and
+"""weightsync.receipts.fp8_gpu's tables (the fused FP8 receipt kernel's block and
 piece tables, built by numpy on the host) without a GPU: fp8_gpu.emulate
 runs in numpy what the kernel does with them, reading sources by address
 from fake memory, and must give fp8.quantized_receipt's sums and counts
@@ -15,7 +15,8 @@ import numpy as np
 if not os.environ.get("WEIGHTSYNC_TEST_INSTALLED"):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from weightsync import fp8, fp8_gpu, receipts  # noqa: E402
+from weightsync import receipts  # noqa: E402
+from weightsync.receipts import fp8, fp8_gpu  # noqa: E402
 from weightsync._proto import v1  # noqa: E402
 
 FORMATS = ("FLOAT8_E4M3FN", "FLOAT8_E5M2")
@@ -170,7 +171,7 @@ class PlanTest(unittest.TestCase):
         blocks = np.zeros((2, fp8_gpu.BCOLS), np.int64)
         blocks[:, 0] = [0, 1]
         blocks[:, 1] = 1
-        blocks[:, 5:10] = fp8._SPEC["FLOAT8_E4M3FN"]
+        blocks[:, 5:10] = fp8.SPEC["FLOAT8_E4M3FN"]
         pieces = np.zeros((2, fp8_gpu.PCOLS), np.int64)
         pieces[:, 0] = 1 << 20
         pieces[:, 1:4] = (1 << 20, 128, 128)

@@ -23,7 +23,8 @@ import numpy as np
 if not os.environ.get("WEIGHTSYNC_TEST_INSTALLED"):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from weightsync import nccl, planner, receipts, receipts_gpu, sparse  # noqa: E402
+from weightsync import nccl, planner, receipts, sparse  # noqa: E402
+from weightsync.receipts import gpu as receipts_gpu  # noqa: E402
 from weightsync import _gpu, _xp  # noqa: E402
 from weightsync._errors import WeightSyncError  # noqa: E402
 from weightsync._proto import v1  # noqa: E402

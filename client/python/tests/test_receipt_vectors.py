@@ -66,15 +66,15 @@ class ReceiptVectorsTest(unittest.TestCase):
                 # The walk kept by layout key: built, then reused.
                 key = ("vector", case["name"])
                 self.assertEqual(receipts.expected_receipt(layout, sent, layout_key=key), want)
-                self.assertIn(key, receipts._walks)
+                self.assertIn(key, receipts.host._walks)
                 self.assertEqual(receipts.expected_receipt(layout, sent, layout_key=key), want)
                 # Every run through the blocked (large) path.
-                saved = receipts._SMALL
-                receipts._SMALL = 0
+                saved = receipts.host._SMALL
+                receipts.host._SMALL = 0
                 try:
                     self.assertEqual(receipts.expected_receipt(layout, sent, block=5), want)
                 finally:
-                    receipts._SMALL = saved
+                    receipts.host._SMALL = saved
                 arrays = {n: (dt, shape, a.view(STORAGE[dt]))
                           for n, (dt, shape, a) in sent.items()}
                 self.assertEqual(receipts.expected_receipt_arrays(layout, arrays), want)
@@ -104,7 +104,7 @@ class ReceiptVectorsTest(unittest.TestCase):
         self.assertEqual(got[1:], (n, n * 32))
         self.assertLess(kept, elapsed)
         some = layout[:300]
-        want = receipts._receipt_by_ops(
+        want = receipts.arrays.receipt_by_ops(
             some, {k: (d, s, a.view(np.uint16)) for k, (d, s, a) in sent.items()}, None, 1 << 22)
         self.assertEqual(receipts.expected_receipt(some, sent), want)
         # Its speed is bench/manifest_scale.py's to measure, not a test's
@@ -118,7 +118,7 @@ class KeptWalkTest(unittest.TestCase):
     those of the walk made afresh."""
 
     def setUp(self):
-        receipts._walks.clear()
+        receipts.host._walks.clear()
         # A fused parameter (segments, gathered rows), plain ones, a
         # converted one and one whose run is large.
         self.layout = [
@@ -149,34 +149,34 @@ class KeptWalkTest(unittest.TestCase):
 
     def test_reused_while_nothing_but_values_changes(self):
         first = self.check(self.sent(), "L")
-        walk = receipts._walks["L"]
+        walk = receipts.host._walks["L"]
         for a in self.arrays.values():
             a += 1
         second = self.check(self.sent(), "L")
-        self.assertIs(receipts._walks["L"], walk)
+        self.assertIs(receipts.host._walks["L"], walk)
         self.assertNotEqual(first[0], second[0])
         self.assertEqual(first[1:], second[1:])
         # A flipped element changes the answer (the kept keys still apply).
         self.arrays["a"][3] = -self.arrays["a"][3]
         self.assertNotEqual(self.check(self.sent(), "L")[0], second[0])
-        self.assertIs(receipts._walks["L"], walk)
+        self.assertIs(receipts.host._walks["L"], walk)
         # Shapes as tuples are the same shapes.
         sent = {n: (d, tuple(s), p) for n, (d, s, p) in self.sent().items()}
         self.check(sent, "L")
-        self.assertIs(receipts._walks["L"], walk)
+        self.assertIs(receipts.host._walks["L"], walk)
 
     def test_rebuilt_when_the_manifest_changes(self):
         self.check(self.sent(), "L")
-        walk = receipts._walks["L"]
+        walk = receipts.host._walks["L"]
         self.check(self.sent(["big", "b", "a", "k", "q"]), "L")   # another order
-        self.assertIsNot(receipts._walks["L"], walk)
-        walk = receipts._walks["L"]
+        self.assertIsNot(receipts.host._walks["L"], walk)
+        walk = receipts.host._walks["L"]
         self.check(self.sent(["q", "k", "a"]), "L")                # fewer tensors
-        self.assertIsNot(receipts._walks["L"], walk)
-        walk = receipts._walks["L"]
+        self.assertIsNot(receipts.host._walks["L"], walk)
+        walk = receipts.host._walks["L"]
         self.arrays["k"] = self.arrays["k"].reshape(4, 4)          # same bytes, new shape
         self.check(self.sent(["q", "k", "a"]), "L")
-        self.assertIsNot(receipts._walks["L"], walk)
+        self.assertIsNot(receipts.host._walks["L"], walk)
         # Another dtype for the same name and bytes: bfloat16 pairs.
         sent = self.sent(["q", "k", "a"])
         sent["a"] = ("BFLOAT16", [32], sent["a"][2])
@@ -196,32 +196,32 @@ class KeptWalkTest(unittest.TestCase):
         self.assertEqual(receipts.expected_receipt(self.layout, m.sent()), want)
         self.arrays["a"][0] += 1
         m2 = build_manifest(named, previous=m)
-        walk = receipts._walks["M"]
+        walk = receipts.host._walks["M"]
         got = receipts.expected_receipt(self.layout, m2.sent(), layout_key="M")
-        self.assertIs(receipts._walks["M"], walk)
+        self.assertIs(receipts.host._walks["M"], walk)
         self.assertEqual(got, receipts.expected_receipt(self.layout, self.sent()))
         self.assertNotEqual(got, want)
         self.arrays["k"] = self.arrays["k"].reshape(4, 4)
         m3 = build_manifest([(n, self.arrays[n]) for n in self.arrays], previous=m2)
         got = receipts.expected_receipt(self.layout, m3.sent(), layout_key="M")
-        self.assertIsNot(receipts._walks["M"], walk)
+        self.assertIsNot(receipts.host._walks["M"], walk)
         self.assertEqual(got, receipts.expected_receipt(self.layout, self.sent()))
 
     def test_only_the_last_layouts_are_kept(self):
-        for i in range(receipts._WALKS_KEPT + 3):
+        for i in range(receipts.host._WALKS_KEPT + 3):
             self.check(self.sent(), f"L{i}")
-        self.assertEqual(len(receipts._walks), receipts._WALKS_KEPT)
-        self.assertNotIn("L0", receipts._walks)
+        self.assertEqual(len(receipts.host._walks), receipts.host._WALKS_KEPT)
+        self.assertNotIn("L0", receipts.host._walks)
 
     def test_small_runs_over_the_budget_are_summed_each_time(self):
-        saved = receipts._CACHED_ELEMENTS
-        receipts._CACHED_ELEMENTS = 8
+        saved = receipts.host._CACHED_ELEMENTS
+        receipts.host._CACHED_ELEMENTS = 8
         try:
             self.check(self.sent(), "L")
-            self.assertFalse(receipts._walks["L"].fast)
+            self.assertFalse(receipts.host._walks["L"].fast)
             self.check(self.sent(), "L")
         finally:
-            receipts._CACHED_ELEMENTS = saved
+            receipts.host._CACHED_ELEMENTS = saved
 
 
 if __name__ == "__main__":

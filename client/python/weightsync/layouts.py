@@ -23,29 +23,32 @@ __all__ = ["llama_engine_layout", "llama_fp8_engine_layout", "checkpoint_shapes"
            "moe_layers", "FP8_LINEAR"]
 
 
-def _cfg(config, name, default=None):
+def config_value(config, name, default=None):
+    """`name` of a Hugging Face config (an object or a dict), else `default`."""
     if isinstance(config, dict):
         return config.get(name, default)
     return getattr(config, name, default)
 
 
-def _dims(config):
-    hidden = _cfg(config, "hidden_size")
-    heads = _cfg(config, "num_attention_heads")
+def model_dims(config):
+    """The sizes of a Hugging Face config the layouts use (vocab, hidden,
+    inter, layers, heads, ...)."""
+    hidden = config_value(config, "hidden_size")
+    heads = config_value(config, "num_attention_heads")
     return {
-        "vocab": _cfg(config, "vocab_size"),
+        "vocab": config_value(config, "vocab_size"),
         "hidden": hidden,
-        "inter": _cfg(config, "intermediate_size"),
-        "layers": _cfg(config, "num_hidden_layers"),
+        "inter": config_value(config, "intermediate_size"),
+        "layers": config_value(config, "num_hidden_layers"),
         "heads": heads,
-        "kv_heads": _cfg(config, "num_key_value_heads", heads),
-        "head_dim": _cfg(config, "head_dim", None) or hidden // heads,
-        "tied": bool(_cfg(config, "tie_word_embeddings", False)),
-        "qk_norm": bool(_cfg(config, "qk_norm",
-                             _cfg(config, "model_type") in ("qwen3", "qwen3_moe"))),
+        "kv_heads": config_value(config, "num_key_value_heads", heads),
+        "head_dim": config_value(config, "head_dim", None) or hidden // heads,
+        "tied": bool(config_value(config, "tie_word_embeddings", False)),
+        "qk_norm": bool(config_value(config, "qk_norm",
+                             config_value(config, "model_type") in ("qwen3", "qwen3_moe"))),
         # Mixture of experts (Qwen3-MoE's config names; 0 experts: dense).
-        "experts": _cfg(config, "num_experts", 0) or 0,
-        "moe_inter": _cfg(config, "moe_intermediate_size"),
+        "experts": config_value(config, "num_experts", 0) or 0,
+        "moe_inter": config_value(config, "moe_intermediate_size"),
     }
 
 
@@ -54,17 +57,17 @@ def moe_layers(config):
     Qwen3-MoE's rule (Hugging Face's and vLLM's Qwen3MoeDecoderLayer): not
     in `mlp_only_layers`, and (index + 1) a multiple of
     `decoder_sparse_step`. Empty for a dense config."""
-    d = _dims(config)
+    d = model_dims(config)
     if not d["experts"]:
         return set()
-    step = _cfg(config, "decoder_sparse_step", 1) or 1
-    only = set(_cfg(config, "mlp_only_layers", None) or ())
+    step = config_value(config, "decoder_sparse_step", 1) or 1
+    only = set(config_value(config, "mlp_only_layers", None) or ())
     return {l for l in range(d["layers"]) if l not in only and (l + 1) % step == 0}
 
 
 def checkpoint_shapes(config):
     """[(name, shape)] of the Hugging Face checkpoint, in model order."""
-    d = _dims(config)
+    d = model_dims(config)
     H, q, kv = d["hidden"], d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
     moe = moe_layers(config)
     out = [("model.embed_tokens.weight", (d["vocab"], H))]
@@ -96,7 +99,7 @@ def checkpoint_shapes(config):
     return out
 
 
-def _block(source, shape, rows, cols, dest_offset=0, stride=0):
+def segment(source, shape, rows, cols, dest_offset=0, stride=0):
     """A Segment dict: rows/cols are (begin, count) of the source matrix."""
     return {"source": source, "source_shape": list(shape),
             "row_begin": rows[0], "row_count": rows[1],
@@ -114,7 +117,7 @@ def llama_engine_layout(config, tp_rank=0, tp_size=1, dtype="BFLOAT16", vocab_pa
     row-parallel: o_proj, down_proj (column shards); vocab-parallel:
     embed_tokens, lm_head, each shard padded to a multiple of `vocab_pad`
     rows (padding rows are never written)."""
-    d = _dims(config)
+    d = model_dims(config)
     if d["experts"]:
         raise ValueError("a mixture-of-experts config: use "
                          "weightsync.integrations.vllm.vllm_engine_layout")
@@ -136,7 +139,7 @@ def llama_engine_layout(config, tp_rank=0, tp_size=1, dtype="BFLOAT16", vocab_pa
 
     def vocab(name):
         params.append((name, dtype, (vs, H)))
-        segments[name] = [_block(name, (d["vocab"], H), (v0, vrows), (0, H))]
+        segments[name] = [segment(name, (d["vocab"], H), (v0, vrows), (0, H))]
 
     vocab("model.embed_tokens.weight")
     for l in range(d["layers"]):
@@ -145,13 +148,13 @@ def llama_engine_layout(config, tp_rank=0, tp_size=1, dtype="BFLOAT16", vocab_pa
         name = p + "self_attn.qkv_proj.weight"
         params.append((name, dtype, (qs + 2 * kvs, H)))
         segments[name] = [
-            _block(p + "self_attn.q_proj.weight", (q, H), (tp_rank * qs, qs), (0, H)),
-            _block(p + "self_attn.k_proj.weight", (kv, H), (tp_rank * kvs, kvs), (0, H), qs * H),
-            _block(p + "self_attn.v_proj.weight", (kv, H), (tp_rank * kvs, kvs), (0, H),
+            segment(p + "self_attn.q_proj.weight", (q, H), (tp_rank * qs, qs), (0, H)),
+            segment(p + "self_attn.k_proj.weight", (kv, H), (tp_rank * kvs, kvs), (0, H), qs * H),
+            segment(p + "self_attn.v_proj.weight", (kv, H), (tp_rank * kvs, kvs), (0, H),
                    (qs + kvs) * H)]
         name = p + "self_attn.o_proj.weight"
         params.append((name, dtype, (H, qs)))
-        segments[name] = [_block(name, (H, q), (0, H), (tp_rank * qs, qs), 0, qs)]
+        segments[name] = [segment(name, (H, q), (0, H), (tp_rank * qs, qs), 0, qs)]
         if d["qk_norm"]:
             params.append((p + "self_attn.q_norm.weight", dtype, (d["head_dim"],)))
             params.append((p + "self_attn.k_norm.weight", dtype, (d["head_dim"],)))
@@ -159,11 +162,11 @@ def llama_engine_layout(config, tp_rank=0, tp_size=1, dtype="BFLOAT16", vocab_pa
         name = p + "mlp.gate_up_proj.weight"
         params.append((name, dtype, (2 * is_, H)))
         segments[name] = [
-            _block(p + "mlp.gate_proj.weight", (I, H), (tp_rank * is_, is_), (0, H)),
-            _block(p + "mlp.up_proj.weight", (I, H), (tp_rank * is_, is_), (0, H), is_ * H)]
+            segment(p + "mlp.gate_proj.weight", (I, H), (tp_rank * is_, is_), (0, H)),
+            segment(p + "mlp.up_proj.weight", (I, H), (tp_rank * is_, is_), (0, H), is_ * H)]
         name = p + "mlp.down_proj.weight"
         params.append((name, dtype, (H, is_)))
-        segments[name] = [_block(name, (H, I), (0, H), (tp_rank * is_, is_), 0, is_)]
+        segments[name] = [segment(name, (H, I), (0, H), (tp_rank * is_, is_), 0, is_)]
     params.append(("model.norm.weight", dtype, (H,)))
     if not d["tied"]:
         vocab("lm_head.weight")
@@ -222,7 +225,7 @@ def llama_fp8_engine_layout(config, tp_rank=0, tp_size=1, dtype="BFLOAT16",
     quantization maps a weight's name to weightsync.v1.Quantization fields
     (Engine.register_host(..., quantization=)). ValueError if a
     tensor-parallel shard would cut a block (e.g. 64 KV rows a rank)."""
-    from weightsync.fp8 import quantization_fields
+    from weightsync.receipts.fp8 import quantization_fields
     params, segments = llama_engine_layout(config, tp_rank, tp_size, dtype, vocab_pad)
     out, quant = [], {}
     for name, dt, shape in params:

@@ -272,14 +272,14 @@ def receipt_counts(layout, shapes):
     depend on names and shapes only (docs/protocol.md, "Receipts")."""
     from weightsync import receipts
     if not receipts.has_fp8(layout):
-        params, nbytes, _ = receipts._runs(layout, shapes)
+        params, nbytes, _ = receipts.layout_runs(layout, shapes)
         return params, nbytes
     # FP8 targets: their counts (FP8 elements and the scales of the blocks
     # written) from weightsync.fp8's walk of the tensors' shapes (nothing
     # quantised: the masks of what they write only).
-    from weightsync import fp8
+    from weightsync.receipts import fp8
     plain, quant, _ = fp8.split_layout(layout)
-    params, nbytes, _ = receipts._runs(plain, shapes)
+    params, nbytes, _ = receipts.layout_runs(plain, shapes)
     feeds = {s.source for p in quant for s in p.segments} | {p.name for p in quant}
     named = {n: (d, s, None) for n, (d, s, _) in shapes.items() if n in feeds}
     _, q_params, q_bytes = fp8.quantized_receipt(quant, named, values=False)

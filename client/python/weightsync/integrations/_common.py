@@ -7,7 +7,7 @@ imports."""
 
 import threading
 
-from weightsync.layouts import _block, _cfg, _dims, moe_layers
+from weightsync.layouts import segment, config_value, model_dims, moe_layers
 
 VOCAB_PADDING = 64          # DEFAULT_VOCAB_PADDING_SIZE in vLLM and SGLang
 MODEL_TYPES = ("llama", "qwen3", "qwen3_moe")
@@ -40,11 +40,11 @@ def tp_layout(config, tp_rank, tp_size, experts=None, moe_tp_rank=None, moe_tp_s
     part is which experts a rank holds and how they are sharded:
     `experts` (global ids in local order; default all) and
     moe_tp_rank / moe_tp_size (default the attention TP)."""
-    d = _dims(config)
-    model_type = _cfg(config, "model_type")
+    d = model_dims(config)
+    model_type = config_value(config, "model_type")
     if model_type not in MODEL_TYPES:
         raise ValueError(f"model_type {model_type!r}: layouts cover {', '.join(MODEL_TYPES)}")
-    if _cfg(config, "attention_bias", False) or _cfg(config, "mlp_bias", False):
+    if config_value(config, "attention_bias", False) or config_value(config, "mlp_bias", False):
         raise ValueError("attention/MLP biases are not covered by this layout")
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} outside [0, {tp_size})")
@@ -82,28 +82,28 @@ def tp_layout(config, tp_rank, tp_size, experts=None, moe_tp_rank=None, moe_tp_s
 
     def vocab(name):
         rows, begin, count = vocab_shard(d["vocab"], tp_rank, tp_size, vocab_pad)
-        add(name, (rows, H), [_block(name, (d["vocab"], H), (begin, count), (0, H))])
+        add(name, (rows, H), [segment(name, (d["vocab"], H), (begin, count), (0, H))])
 
     def mlp(p, inter):   # MergedColumnParallelLinear + RowParallelLinear
         if inter % tp_size:
             raise ValueError(f"intermediate size ({inter}) does not divide by tp_size {tp_size}")
         s = inter // tp_size
         add(p + "mlp.gate_up_proj.weight", (2 * s, H), [
-            _block(p + "mlp.gate_proj.weight", (inter, H), (tp_rank * s, s), (0, H)),
-            _block(p + "mlp.up_proj.weight", (inter, H), (tp_rank * s, s), (0, H), s * H)])
+            segment(p + "mlp.gate_proj.weight", (inter, H), (tp_rank * s, s), (0, H)),
+            segment(p + "mlp.up_proj.weight", (inter, H), (tp_rank * s, s), (0, H), s * H)])
         add(p + "mlp.down_proj.weight", (H, s),
-            [_block(p + "mlp.down_proj.weight", (H, inter), (0, H), (tp_rank * s, s), 0, s)])
+            [segment(p + "mlp.down_proj.weight", (H, inter), (0, H), (tp_rank * s, s), 0, s)])
 
     vocab("model.embed_tokens.weight")
     for l in range(L):
         p = f"model.layers.{l}."
         a = p + "self_attn."
         add(a + "qkv_proj.weight", (qs + 2 * kvs, H), [
-            _block(a + "q_proj.weight", (q, H), (tp_rank * qs, qs), (0, H)),
-            _block(a + "k_proj.weight", (kv, H), (kv_rank * kvs, kvs), (0, H), qs * H),
-            _block(a + "v_proj.weight", (kv, H), (kv_rank * kvs, kvs), (0, H), (qs + kvs) * H)])
+            segment(a + "q_proj.weight", (q, H), (tp_rank * qs, qs), (0, H)),
+            segment(a + "k_proj.weight", (kv, H), (kv_rank * kvs, kvs), (0, H), qs * H),
+            segment(a + "v_proj.weight", (kv, H), (kv_rank * kvs, kvs), (0, H), (qs + kvs) * H)])
         add(a + "o_proj.weight", (H, qs),
-            [_block(a + "o_proj.weight", (H, q), (0, H), (tp_rank * qs, qs), 0, qs)])
+            [segment(a + "o_proj.weight", (H, q), (0, H), (tp_rank * qs, qs), 0, qs)])
         if d["qk_norm"]:
             add(a + "q_norm.weight", (hd,))
             add(a + "k_norm.weight", (hd,))
@@ -112,11 +112,11 @@ def tp_layout(config, tp_rank, tp_size, experts=None, moe_tp_rank=None, moe_tp_s
             w13, w2 = [], []
             for j, e in enumerate(experts):
                 src = f"{x}{e}."
-                w13 += [_block(src + "gate_proj.weight", (MI, H), (mtp_rank * mis, mis), (0, H),
+                w13 += [segment(src + "gate_proj.weight", (MI, H), (mtp_rank * mis, mis), (0, H),
                                j * 2 * mis * H),
-                        _block(src + "up_proj.weight", (MI, H), (mtp_rank * mis, mis), (0, H),
+                        segment(src + "up_proj.weight", (MI, H), (mtp_rank * mis, mis), (0, H),
                                (j * 2 + 1) * mis * H)]
-                w2.append(_block(src + "down_proj.weight", (H, MI), (0, H),
+                w2.append(segment(src + "down_proj.weight", (H, MI), (0, H),
                                  (mtp_rank * mis, mis), j * H * mis, mis))
             # Qwen3MoeSparseMoeBlock registers the router (ReplicatedLinear)
             # after the experts.
@@ -159,7 +159,7 @@ def check_layout(params, named_tensors, partial=False, engine="engine"):
     return kept
 
 
-class _StepGate:
+class StepGate:
     """Closes between forward passes: on_pause returns once no step runs
     (then `drain` synchronizes the device, so no queued kernel still reads
     the weights); steps wait while closed. As docs/integration.md 1.4.
@@ -204,7 +204,7 @@ class _StepGate:
 
 
 def unwrap(obj, attr):
-    """Removes a _StepGate.wrap from obj.attr, if there is one."""
+    """Removes a StepGate.wrap from obj.attr, if there is one."""
     fn = getattr(obj, attr, None)
     if fn is not None and hasattr(fn, "__wrapped__"):
         setattr(obj, attr, fn.__wrapped__)

@@ -28,10 +28,10 @@ import json
 import os
 import sys
 
-from weightsync.integrations._common import (VOCAB_PADDING, _StepGate, check_layout,
+from weightsync.integrations._common import (VOCAB_PADDING, StepGate, check_layout,
                                              open_trainer, send_in_pause, tp_layout, unwrap,
                                              vocab_shard)
-from weightsync.layouts import _cfg, _dims, moe_layers
+from weightsync.layouts import config_value, model_dims, moe_layers
 
 __all__ = ["SGLANG_SOURCE", "LOADER", "sglang_engine_layout", "sglang_local_experts",
            "load_weights", "start_request", "stop_request", "version_request",
@@ -88,7 +88,7 @@ def sglang_engine_layout(config, tp_rank=0, tp_size=1, ep_size=1, dtype="BFLOAT1
         moe_tp_rank = tp_rank % moe_tp_size
     experts = None
     if moe_layers(config):
-        experts = sglang_local_experts(_dims(config)["experts"], moe_ep_rank, ep_size)
+        experts = sglang_local_experts(model_dims(config)["experts"], moe_ep_rank, ep_size)
     return tp_layout(config, tp_rank, tp_size, experts, moe_tp_rank, moe_tp_size, dtype,
                      VOCAB_PADDING)
 
@@ -173,7 +173,7 @@ class _Registration:
         try:
             self.register(engine, [(n, held[n]) for n, _, _ in params], params, segments,
                           version)
-            self.gate = _StepGate(drain=self.drain,
+            self.gate = StepGate(drain=self.drain,
                                   hint="TP > 1: pause_generation(mode='in_place') first")
             if self.runner is not None:
                 self.runner.forward = self.gate.wrap(self.runner.forward)

@@ -23,10 +23,10 @@ module's GPU paths import torch or vLLM, and only when called.
 
 import os
 
-from weightsync.integrations._common import (VOCAB_PADDING, MODEL_TYPES, _StepGate,  # noqa: F401
+from weightsync.integrations._common import (VOCAB_PADDING, MODEL_TYPES, StepGate,  # noqa: F401
                                              check_layout as _check_layout, open_trainer,
                                              send_in_pause, tp_layout, unwrap, vocab_shard)
-from weightsync.layouts import _cfg, _dims, moe_layers
+from weightsync.layouts import config_value, model_dims, moe_layers
 
 __all__ = ["VLLM_SOURCE", "vllm_engine_layout", "vocab_shard", "local_experts",
            "check_layout", "WeightsyncWorkerExtension", "WeightsyncTrainer"]
@@ -84,7 +84,7 @@ def vllm_engine_layout(config, tp_rank=0, tp_size=1, ep_rank=0, ep_size=1, dtype
     """
     experts, mtp_rank, mtp = None, None, None
     if ep_size > 1 and moe_layers(config):
-        experts, mtp_rank, mtp = local_experts(_dims(config)["experts"], ep_rank, ep_size,
+        experts, mtp_rank, mtp = local_experts(model_dims(config)["experts"], ep_rank, ep_size,
                                                expert_placement), 0, 1
         if not experts:
             raise ValueError(f"ep rank {ep_rank} of {ep_size} holds no experts")
@@ -96,7 +96,7 @@ def check_layout(params, named_tensors, partial=False):
     return _check_layout(params, named_tensors, partial, engine="vLLM")
 
 
-class _WorkerSeams:
+class WorkerSeams:
     """What the worker extension and the weight-transfer backend
     (vllm_transfer.WeightsyncWeightTransferEngine) share: reading a vLLM
     worker's ranks and dtype and registering its parameters in place. Uses
@@ -151,7 +151,7 @@ class _WorkerSeams:
         ep = getattr(pc, "enable_expert_parallel", False)
         placement = getattr(pc, "expert_placement_strategy", "linear") or "linear"
         config = self.model_config.hf_config
-        if placement == "round_robin" and (_cfg(config, "n_group", None) or 1) <= 1:
+        if placement == "round_robin" and (config_value(config, "n_group", None) or 1) <= 1:
             placement = "linear"   # vLLM's fallback without expert groups
         pp = ps.get_pp_group()
         return {"tp_rank": ps.get_tensor_model_parallel_rank(),
@@ -163,7 +163,7 @@ class _WorkerSeams:
                 "expert_placement": placement}
 
 
-class WeightsyncWorkerExtension(_WorkerSeams):
+class WeightsyncWorkerExtension(WorkerSeams):
     """Mixed into vLLM's GPU worker by `--worker-extension-cls
     weightsync.integrations.vllm.WeightsyncWorkerExtension` (vLLM appends
     it to the worker class's bases in WorkerWrapperBase.init_worker and
@@ -200,7 +200,7 @@ class WeightsyncWorkerExtension(_WorkerSeams):
         engine = self._weightsync_open(self.model_runner.model, engine_id, target, version,
                                        trainer_uids)
         try:
-            gate = _StepGate(drain=self._weightsync_drain,
+            gate = StepGate(drain=self._weightsync_drain,
                              hint="TP > 1: pause vLLM's scheduler first")
             runner = self.model_runner
             runner.execute_model = gate.wrap(runner.execute_model)

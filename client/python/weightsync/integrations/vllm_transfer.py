@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Optional
 
 from weightsync.integrations._common import open_trainer, send_in_pause
-from weightsync.integrations.vllm import _WorkerSeams
+from weightsync.integrations.vllm import WorkerSeams
 
 __all__ = ["BACKEND", "VLLM_TRANSFER_SOURCE", "register", "WeightsyncInitInfo",
            "WeightsyncUpdateInfo", "WeightsyncTrainerSendWeightsArgs",
@@ -196,7 +196,7 @@ def _legacy_trainer_info(init_info):
     return info.get("target"), transport or "ipc", info.get("timeout", 30.0)
 
 
-class WeightsyncWeightTransferEngine(_WorkerSeams):
+class WeightsyncWeightTransferEngine(WorkerSeams):
     """vLLM's WeightTransferEngine for the "weightsync" backend (register()
     makes the subclass of vLLM's base that the factory creates). One per
     worker: init_transfer_engine registers the worker's parameters in place

@@ -6,7 +6,7 @@ With a plan key (a registered source's registration number, which changes
 whenever a tensor moves) and the engine's layout id, the Triton kernel's
 tables are kept, so an update of a source already checked against that
 layout builds nothing per tensor. An FP8 engine's plain parameters go
-through the same kernel; its quantised ones through weightsync.fp8_gpu.
+through the same kernel; its quantised ones through weightsync.receipts.fp8_gpu.
 """
 
 import time
@@ -17,7 +17,8 @@ def partial_receipts(layouts, sent):
     each layout: one Triton launch per dtype pair over all of them, else
     torch int64 ops per layout (weightsync.receipts). Used by lazy updates,
     whose receipts are summed as tensors are made."""
-    from weightsync import receipts, receipts_gpu
+    from weightsync import receipts
+    from weightsync.receipts import gpu as receipts_gpu
     # FP8 layouts: their quantised part by weightsync.fp8 (the kernel has none).
     fp8 = {k: layout for k, layout in layouts.items() if receipts.has_fp8(layout)}
     out = {k: receipts.expected_receipt_arrays(layout, sent)[0] for k, layout in fp8.items()}
@@ -34,7 +35,7 @@ def partial_receipts(layouts, sent):
 class GpuReceipts:
     """What a GPU sender keeps between updates to check receipts quickly:
     per layout id, whether it has FP8 targets and its (plain, quantised)
-    split; per (plan key, layout id), weightsync.fp8_gpu's prepared
+    split; per (plan key, layout id), weightsync.receipts.fp8_gpu's prepared
     kernel tables."""
 
     def __init__(self):
@@ -66,7 +67,7 @@ class GpuReceipts:
 
         fast = None
         if plan_key is not None and flats and getattr(flats[0], "is_cuda", False):
-            from weightsync import receipts_gpu
+            from weightsync.receipts import gpu as receipts_gpu
             if receipts_gpu.available():
                 fast = receipts_gpu
         if fast is None:
@@ -90,8 +91,8 @@ class GpuReceipts:
     def _fp8_expected(self, fast, layout, layout_id, plan_key, sent):
         """The plain parameters by the receipts kernel with the plan cached
         as for a layout without FP8 targets (keyed: nothing per tensor), the
-        quantised ones by weightsync.fp8_gpu; the split once per layout id."""
-        from weightsync import fp8
+        quantised ones by weightsync.receipts.fp8_gpu; the split once per layout id."""
+        from weightsync.receipts import fp8
         from weightsync.receipts import quantized_where_sent
         split = self._split.get(layout_id) if layout_id else None
         if split is None:
@@ -111,7 +112,8 @@ class GpuReceipts:
         return (c + q_sum) & 0xFFFFFFFFFFFFFFFF, n + q_params, b + q_bytes
 
     def _fp8_started(self, quant, key, sent):
-        from weightsync import fp8_gpu, receipts
+        from weightsync import receipts
+        from weightsync.receipts import fp8_gpu
         if receipts.fp8_triton_failed():
             return None
         try:
