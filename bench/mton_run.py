@@ -79,13 +79,13 @@ def run_one(args, name, case, layout, mode, work, extra=()):
         for i, p in enumerate(procs):
             if rcs[i] is None:
                 rcs[i] = p.poll()
-        if extra and sum(rc is not None for rc in rcs) == 3:
-            # A fault run: the three others have ended; the failed sender
-            # is killed (or was) and frozen ones are stopped for good.
-            for i, p in enumerate(procs):
-                if rcs[i] is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    rcs[i] = p.wait()
+        if extra and all(rc is not None for i, rc in enumerate(rcs) if i != args.fault_rank):
+            # A fault run: every other rank has ended; the failed sender is
+            # killed (or was), a frozen one is stopped for good.
+            p = procs[args.fault_rank]
+            if rcs[args.fault_rank] is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                rcs[args.fault_rank] = p.wait()
             break
         if extra and time.time() - t_start > args.timeout_s:
             for i, p in enumerate(procs):
@@ -177,6 +177,7 @@ def main():
     ap.add_argument("--faults", action="store_true",
                     help="the two-sender faults (rows -> tp2) instead of the table")
     ap.add_argument("--wait_s", type=float, default=3.0)
+    ap.add_argument("--fault_rank", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     work = os.path.join(args.out, "work")

@@ -343,7 +343,8 @@ void RunSender(const Plan& plan) {
   // A chunk that is one piece spanning whole rows of a shard tensor is
   // sent from the shard in place.
   auto in_place = [&](const Chunk& c) -> const uint8_t* {
-    if (c.packs.size() != 1) return nullptr;
+    // Rank 1 of a broadcast plan holds nothing: it is the broadcast's sink.
+    if (c.packs.size() != 1 || !plan.holds.count(me)) return nullptr;
     const Rect& r = c.packs[0];
     const Tensor& t = plan.tensors[r.tensor];
     if (r.c0 != 0 || r.nc != t.cols) return nullptr;
@@ -431,6 +432,10 @@ void RunSender(const Plan& plan) {
       _exit(0);
     }
   }
+  // Every rank stays until every rank is done: a sender that exits while
+  // its last bytes are in NCCL's network proxy fails its receivers
+  // ("remote process exited").
+  Barrier(FLAGS_reps + 1);
   WriteOut(plan, reps,
            absl::StrCat("\"sent_bytes\": ", sent_bytes,
                         ", \"sent_in_place_bytes\": ", in_place_bytes, ", "));
@@ -576,6 +581,7 @@ void RunReceiver(const Plan& plan) {
     CK(cudaStreamSynchronize(check));
     reps.push_back(rep);
   }
+  Barrier(FLAGS_reps + 1);
   WriteOut(plan, reps,
            absl::StrCat("\"received_bytes\": ", moved,
                         ", \"chunks\": ", req.chunk_sizes_size(), ", "));
