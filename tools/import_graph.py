@@ -105,6 +105,26 @@ def scan(me, path, mods):
     return arrows, bad
 
 
+CLASS_LINES, FUNCTION_LINES = 400, 80
+
+
+def budgets(path):
+    """[(line, message)] of the classes and functions of `path` over budget."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    out = []
+    for node in ast.walk(tree):
+        limit = (CLASS_LINES if isinstance(node, ast.ClassDef) else
+                 FUNCTION_LINES if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 else None)
+        if limit is not None:
+            n = node.end_lineno - node.lineno + 1
+            if n > limit:
+                kind = "class" if limit == CLASS_LINES else "function"
+                out.append((node.lineno, f"{kind} {node.name} is {n} lines (budget {limit})"))
+    return out
+
+
 def _private(name):
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
@@ -153,7 +173,7 @@ def check(root, show=False):
         graph[me] = {t for t, _ in arrows}
         for t, line in arrows:
             where.setdefault((me, t), f"{path}:{line}")
-        findings += [f"{path}:{line}: {msg}" for line, msg in sorted(bad)]
+        findings += [f"{path}:{line}: {msg}" for line, msg in sorted(bad + budgets(path))]
         if show:
             print(f"{me} -> {', '.join(sorted(graph[me])) or '-'}")
     for comp in cycles(graph):
@@ -178,7 +198,7 @@ def main():
         print(f"import_graph: {len(findings)} finding(s) in {args.package}", file=sys.stderr)
         return 1
     print(f"import_graph: {len(modules_of(args.package))} modules, no cycle, "
-          "no private name imported")
+          "no private name imported, every class and function within budget")
     return 0
 
 

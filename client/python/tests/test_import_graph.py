@@ -1,7 +1,7 @@
-"""tools/import_graph.py (issue 31): the package's import graph has no cycle
-and no module imports another's private names; and the check fails, naming
-the modules and lines, on a package with a cycle (deferred import too) or
-a private import."""
+"""tools/import_graph.py (issue 31): the package's import graph has no cycle,
+no module imports another's private names, no class or function is over
+budget; and the check fails, naming the modules and lines, on a package
+with a cycle (deferred import too), a private import or a long function."""
 
 import os
 import sys
@@ -60,6 +60,14 @@ class ImportGraphTest(unittest.TestCase):
         self.assertIn("a.py:5: uses private name _hidden of pkg._impl", findings[0])
         self.assertIn("b.py:1: imports private name _hidden of pkg._impl", findings[1])
         self.assertIn("sub/__init__.py:2: uses private name _private of pkg.a", findings[2])
+
+    def test_budgets(self):
+        lines = [f"    x{i} = {i}\n" for i in range(80)]
+        pkg = _package({"__init__.py": "", "a.py": "def short():\n" + "".join(lines[:79])
+                        + "\n\ndef long():\n" + "".join(lines)})
+        findings = import_graph.check(pkg)
+        self.assertEqual(len(findings), 1, findings)
+        self.assertIn("a.py:83: function long is 81 lines (budget 80)", findings[0])
 
 
 if __name__ == "__main__":

@@ -254,6 +254,87 @@ _flat = operator.methodcaller("reshape", -1)
 _as_u8 = operator.methodcaller("view", _U8)
 
 
+def _describe_numpy(m, names, tensors, previous):
+    """build_manifest of numpy arrays only: per distinct dtype object, not
+    per tensor; everything reused from `previous` when every array is the
+    same object, name, dtype and shape as then. Returns (dtypes, shapes),
+    None when reused (m is then complete)."""
+    dtype_objs = tuple(map(_get_dtype, tensors))
+    shapes = tuple(map(_get_shape, tensors))
+    if (previous is not None and previous._numpy_only
+            and len(previous.tensors) == len(tensors)
+            and all(map(operator.is_, tensors, previous.tensors))
+            and all(map(operator.is_, dtype_objs, previous._dtype_objs))
+            and shapes == previous.shapes and names == previous.names):
+        m.dtypes, m.shapes, m.nbytes = previous.dtypes, previous.shapes, previous.nbytes
+        m.payloads, m.total_bytes = previous.payloads, previous.total_bytes
+        m.key, m.fingerprint, m._dtype_objs = previous.key, previous.fingerprint, dtype_objs
+        m._specs, m._index, m._parts = previous._specs, previous._index, previous._parts
+        return None
+    _check_names(names)
+    # Per distinct dtype object, not per tensor.
+    wire_by_id = {}
+    for dt in set(dtype_objs):
+        entry = _DTYPES.get(id(dt))
+        if entry is None or entry[0] is not dt:
+            entry = _cache(dt)
+        wire_by_id[id(dt)] = entry
+    if any(e[1] is None for e in wire_by_id.values()):
+        for name, dt in zip(names, dtype_objs):
+            _dtype_entry(name, dt)   # raises naming the first bad tensor
+    dtypes = tuple(map(lambda e: e[1], map(wire_by_id.__getitem__, map(id, dtype_objs))))
+    if not all(map(_get_contiguous, tensors)):
+        for name, t in zip(names, tensors):
+            if not t.flags.c_contiguous:
+                raise ValueError(f"tensor '{name}': not C-contiguous (strides {t.strides} "
+                                 f"of shape {t.shape}); pass np.ascontiguousarray()")
+    m.payloads = tuple(map(_as_u8, map(_flat, tensors)))
+    m.nbytes = tuple(map(_get_nbytes, tensors))
+    m._dtype_objs = dtype_objs
+    return dtypes, shapes
+
+
+def _describe_any(m, names, tensors, host_bytes):
+    """build_manifest of numpy arrays and torch tensors mixed, tensor by
+    tensor. Returns (dtypes, shapes)."""
+    _check_names(names)
+    dtypes, shapes, payloads, nbytes, dtype_objs = [], [], [], [], []
+    for name, t in zip(names, tensors):
+        if isinstance(t, np.ndarray):
+            dt = t.dtype
+            wire = _dtype_entry(name, dt)
+            if not t.flags.c_contiguous:
+                raise ValueError(f"tensor '{name}': not C-contiguous (strides {t.strides} "
+                                 f"of shape {t.shape}); pass np.ascontiguousarray()")
+            shape = t.shape
+            payload = t.reshape(-1).view(_U8)
+            size = t.nbytes
+        else:
+            dt = getattr(t, "dtype", None)
+            if dt is None:
+                raise ValueError(f"tensor '{name}': {type(t).__name__} is not a numpy "
+                                 "array or torch tensor")
+            wire = _dtype_entry(name, dt)
+            shape = tuple(t.shape)
+            if host_bytes:
+                payload = _torch_host_bytes(name, t, copy=False)
+            else:
+                if not t.is_contiguous():
+                    raise ValueError(
+                        f"tensor '{name}': not contiguous (strides {tuple(t.stride())} "
+                        f"of shape {shape}); pass .contiguous()")
+                payload = t
+            size = t.numel() * _ELEMENT_SIZE[wire]
+        dtypes.append(wire)
+        shapes.append(shape)
+        payloads.append(payload)
+        nbytes.append(size)
+        dtype_objs.append(dt)
+    dtypes, shapes = tuple(dtypes), tuple(shapes)
+    m.payloads, m.nbytes, m._dtype_objs = tuple(payloads), tuple(nbytes), tuple(dtype_objs)
+    return dtypes, shapes
+
+
 def build_manifest(named_tensors, previous=None, host_bytes=True):
     """Describes every (name, tensor) of an update in one pass.
 
@@ -300,74 +381,12 @@ def build_manifest(named_tensors, previous=None, host_bytes=True):
     numpy_only = set(map(type, tensors)) <= _NDARRAY_ONLY
     m._numpy_only = numpy_only
     if numpy_only:
-        dtype_objs = tuple(map(_get_dtype, tensors))
-        shapes = tuple(map(_get_shape, tensors))
-        if (previous is not None and previous._numpy_only
-                and len(previous.tensors) == len(tensors)
-                and all(map(operator.is_, tensors, previous.tensors))
-                and all(map(operator.is_, dtype_objs, previous._dtype_objs))
-                and shapes == previous.shapes and names == previous.names):
-            m.dtypes, m.shapes, m.nbytes = previous.dtypes, previous.shapes, previous.nbytes
-            m.payloads, m.total_bytes = previous.payloads, previous.total_bytes
-            m.key, m.fingerprint, m._dtype_objs = previous.key, previous.fingerprint, dtype_objs
-            m._specs, m._index, m._parts = previous._specs, previous._index, previous._parts
+        described = _describe_numpy(m, names, tensors, previous)
+        if described is None:
             return m
-        _check_names(names)
-        # Per distinct dtype object, not per tensor.
-        wire_by_id = {}
-        for dt in set(dtype_objs):
-            entry = _DTYPES.get(id(dt))
-            if entry is None or entry[0] is not dt:
-                entry = _cache(dt)
-            wire_by_id[id(dt)] = entry
-        if any(e[1] is None for e in wire_by_id.values()):
-            for name, dt in zip(names, dtype_objs):
-                _dtype_entry(name, dt)   # raises naming the first bad tensor
-        dtypes = tuple(map(lambda e: e[1], map(wire_by_id.__getitem__, map(id, dtype_objs))))
-        if not all(map(_get_contiguous, tensors)):
-            for name, t in zip(names, tensors):
-                if not t.flags.c_contiguous:
-                    raise ValueError(f"tensor '{name}': not C-contiguous (strides {t.strides} "
-                                     f"of shape {t.shape}); pass np.ascontiguousarray()")
-        m.payloads = tuple(map(_as_u8, map(_flat, tensors)))
-        m.nbytes = tuple(map(_get_nbytes, tensors))
-        m._dtype_objs = dtype_objs
     else:
-        _check_names(names)
-        dtypes, shapes, payloads, nbytes, dtype_objs = [], [], [], [], []
-        for name, t in zip(names, tensors):
-            if isinstance(t, np.ndarray):
-                dt = t.dtype
-                wire = _dtype_entry(name, dt)
-                if not t.flags.c_contiguous:
-                    raise ValueError(f"tensor '{name}': not C-contiguous (strides {t.strides} "
-                                     f"of shape {t.shape}); pass np.ascontiguousarray()")
-                shape = t.shape
-                payload = t.reshape(-1).view(_U8)
-                size = t.nbytes
-            else:
-                dt = getattr(t, "dtype", None)
-                if dt is None:
-                    raise ValueError(f"tensor '{name}': {type(t).__name__} is not a numpy "
-                                     "array or torch tensor")
-                wire = _dtype_entry(name, dt)
-                shape = tuple(t.shape)
-                if host_bytes:
-                    payload = _torch_host_bytes(name, t, copy=False)
-                else:
-                    if not t.is_contiguous():
-                        raise ValueError(
-                            f"tensor '{name}': not contiguous (strides {tuple(t.stride())} "
-                            f"of shape {shape}); pass .contiguous()")
-                    payload = t
-                size = t.numel() * _ELEMENT_SIZE[wire]
-            dtypes.append(wire)
-            shapes.append(shape)
-            payloads.append(payload)
-            nbytes.append(size)
-            dtype_objs.append(dt)
-        dtypes, shapes = tuple(dtypes), tuple(shapes)
-        m.payloads, m.nbytes, m._dtype_objs = tuple(payloads), tuple(nbytes), tuple(dtype_objs)
+        described = _describe_any(m, names, tensors, host_bytes)
+    dtypes, shapes = described
     m.dtypes, m.shapes = dtypes, shapes
     m.total_bytes = sum(m.nbytes)
     m.key = (names, dtypes, shapes)

@@ -31,6 +31,51 @@ def vocab_shard(vocab, tp_rank, tp_size, pad=VOCAB_PADDING):
     return rows, begin, count
 
 
+def _attention_shards(d, tp_rank, tp_size):
+    """(q rows, kv rows, kv rank, q, kv) of one TP rank's QKVParallelLinear:
+    query heads split; KV heads split, or replicated when fewer than ranks."""
+    hd, heads, kv_heads = d["head_dim"], d["heads"], d["kv_heads"]
+    if heads % tp_size:
+        raise ValueError(f"attention heads ({heads}) do not divide by tp_size {tp_size}")
+    qs = heads // tp_size * hd
+    if kv_heads >= tp_size:   # QKVParallelLinear: KV heads split, or replicated
+        if kv_heads % tp_size:
+            raise ValueError(f"kv heads ({kv_heads}) do not divide by tp_size {tp_size}")
+        kvs, kv_rank = kv_heads // tp_size * hd, tp_rank
+    else:
+        if tp_size % kv_heads:
+            raise ValueError(f"tp_size {tp_size} is not a multiple of kv heads ({kv_heads})")
+        kvs, kv_rank = hd, tp_rank // (tp_size // kv_heads)
+    return qs, kvs, kv_rank, heads * hd, kv_heads * hd
+
+
+def _expert_shards(d, experts, mtp_rank, mtp):
+    """(experts held, MoE TP rank, rows of an expert's shard): `experts`
+    global ids in local order (None: all), sharded over `mtp` ranks."""
+    E, MI = d["experts"], d["moe_inter"]
+    experts = list(range(E)) if experts is None else list(experts)
+    if MI % mtp:
+        raise ValueError(f"moe_intermediate_size ({MI}) does not divide by {mtp}")
+    if not experts:
+        raise ValueError(f"this rank holds no experts ({E})")
+    return experts, mtp_rank, MI // mtp
+
+
+def _expert_segments(x, experts, MI, H, mtp_rank, mis):
+    """Segments of FusedMoE's w13_weight and w2_weight: each local expert's
+    gate and up rows (shard `mtp_rank` of `mis` rows), its down columns."""
+    w13, w2 = [], []
+    for j, e in enumerate(experts):
+        src = f"{x}{e}."
+        w13 += [segment(src + "gate_proj.weight", (MI, H), (mtp_rank * mis, mis), (0, H),
+                        j * 2 * mis * H),
+                segment(src + "up_proj.weight", (MI, H), (mtp_rank * mis, mis), (0, H),
+                        (j * 2 + 1) * mis * H)]
+        w2.append(segment(src + "down_proj.weight", (H, MI), (0, H),
+                          (mtp_rank * mis, mis), j * H * mis, mis))
+    return w13, w2
+
+
 def tp_layout(config, tp_rank, tp_size, experts=None, moe_tp_rank=None, moe_tp_size=None,
               dtype="BFLOAT16", vocab_pad=VOCAB_PADDING):
     """(params, segments) of one tensor-parallel rank, fused and sharded the
@@ -49,30 +94,13 @@ def tp_layout(config, tp_rank, tp_size, experts=None, moe_tp_rank=None, moe_tp_s
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} outside [0, {tp_size})")
     H, hd, L = d["hidden"], d["head_dim"], d["layers"]
-    heads, kv_heads = d["heads"], d["kv_heads"]
-    if heads % tp_size:
-        raise ValueError(f"attention heads ({heads}) do not divide by tp_size {tp_size}")
-    qs = heads // tp_size * hd
-    if kv_heads >= tp_size:   # QKVParallelLinear: KV heads split, or replicated
-        if kv_heads % tp_size:
-            raise ValueError(f"kv heads ({kv_heads}) do not divide by tp_size {tp_size}")
-        kvs, kv_rank = kv_heads // tp_size * hd, tp_rank
-    else:
-        if tp_size % kv_heads:
-            raise ValueError(f"tp_size {tp_size} is not a multiple of kv heads ({kv_heads})")
-        kvs, kv_rank = hd, tp_rank // (tp_size // kv_heads)
-    q, kv = heads * hd, kv_heads * hd
+    qs, kvs, kv_rank, q, kv = _attention_shards(d, tp_rank, tp_size)
     moe = moe_layers(config)
     if moe:
         E, MI = d["experts"], d["moe_inter"]
-        experts = list(range(E)) if experts is None else list(experts)
-        mtp_rank = tp_rank if moe_tp_rank is None else moe_tp_rank
-        mtp = tp_size if moe_tp_size is None else moe_tp_size
-        if MI % mtp:
-            raise ValueError(f"moe_intermediate_size ({MI}) does not divide by {mtp}")
-        mis = MI // mtp
-        if not experts:
-            raise ValueError(f"this rank holds no experts ({E})")
+        experts, mtp_rank, mis = _expert_shards(
+            d, experts, tp_rank if moe_tp_rank is None else moe_tp_rank,
+            tp_size if moe_tp_size is None else moe_tp_size)
     params, segments = [], {}
 
     def add(name, shape, segs=None):
@@ -109,15 +137,7 @@ def tp_layout(config, tp_rank, tp_size, experts=None, moe_tp_rank=None, moe_tp_s
             add(a + "k_norm.weight", (hd,))
         if l in moe:
             x = p + "mlp.experts."
-            w13, w2 = [], []
-            for j, e in enumerate(experts):
-                src = f"{x}{e}."
-                w13 += [segment(src + "gate_proj.weight", (MI, H), (mtp_rank * mis, mis), (0, H),
-                               j * 2 * mis * H),
-                        segment(src + "up_proj.weight", (MI, H), (mtp_rank * mis, mis), (0, H),
-                               (j * 2 + 1) * mis * H)]
-                w2.append(segment(src + "down_proj.weight", (H, MI), (0, H),
-                                 (mtp_rank * mis, mis), j * H * mis, mis))
+            w13, w2 = _expert_segments(x, experts, MI, H, mtp_rank, mis)
             # Qwen3MoeSparseMoeBlock registers the router (ReplicatedLinear)
             # after the experts.
             add(x + "w13_weight", (len(experts), 2 * mis, H), w13)

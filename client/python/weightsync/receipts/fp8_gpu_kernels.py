@@ -24,6 +24,7 @@ def _f32_bits(raw, SRC: tl.constexpr):
         u = tl.where(nan16, ((h & 0x8000) << 16) | 0x7F800000 | ((h & 0x3FF) << 13), wide)
     return u
 
+
 @triton.jit
 def _round_shift(m, shift):
     # m >> shift rounded to nearest, ties to even (int32, shift 1..25).
@@ -33,6 +34,7 @@ def _round_shift(m, shift):
     half = one << (shift - 1)
     up = (rem > half) | ((rem == half) & ((k & 1) == 1))
     return k + up.to(tl.int32)
+
 
 @triton.jit
 def _to_fp8(bits, mb, bias, max_bits, nan_bits, fmax_bits):
@@ -53,6 +55,7 @@ def _to_fp8(bits, mb, bias, max_bits, nan_bits, fmax_bits):
     out = tl.where(a > 0x7F800000, nan_bits, out)
     return (out | sign) & 0xFF
 
+
 @triton.jit
 def _term(b, key):
     x = (b ^ key).to(tl.uint32)
@@ -60,10 +63,12 @@ def _term(b, key):
     x *= 0x85EBCA6B
     return (x ^ (x >> 16)).to(tl.uint32)
 
+
 @triton.jit
 def _key(index, salt):
     return (salt + (index & 0xFFFFFFFF).to(tl.uint32) * 0x9E3779B1
             + (index >> 32).to(tl.uint32) * 0x85EBCA77)
+
 
 @triton.jit
 def _fp8_receipt_kernel(blocks, pieces, out, SRC: tl.constexpr, RAW: tl.constexpr,
@@ -137,6 +142,7 @@ def _fp8_receipt_kernel(blocks, pieces, out, SRC: tl.constexpr, RAW: tl.constexp
     acc += tl.where(lane == 0, st.to(tl.int64), 0)
     tl.atomic_add(out, tl.sum(acc, axis=0))
 
+
 @triton.jit
 def _tile_quotient(x, d, FAST_DIV: tl.constexpr):
     # x / d rounded to nearest even: fp8_math.h's Fp8Divider (checked
@@ -161,6 +167,7 @@ def _tile_quotient(x, d, FAST_DIV: tl.constexpr):
     else:
         q = tl.math.div_rn(x, d)
     return q
+
 
 @triton.jit
 def _tile_terms(u, a, d, rows, cc, dest_lo, dstride_lo, salt_hi,
@@ -188,6 +195,7 @@ def _tile_terms(u, a, d, rows, cc, dest_lo, dstride_lo, salt_hi,
     key = rowkey + cc.to(tl.uint32) * 0x9E3779B1
     return _term(enc.to(tl.uint32), key)
 
+
 @triton.jit
 def _tile_load(src, sstride, r0, pr, pc, cc, SRC: tl.constexpr, RB: tl.constexpr,
                FULL: tl.constexpr):
@@ -202,6 +210,7 @@ def _tile_load(src, sstride, r0, pr, pc, cc, SRC: tl.constexpr, RB: tl.constexpr
         raw = tl.load(src + rr.to(tl.int64) * sstride + cc, mask=mask, other=0)
     return _f32_bits(raw, SRC).to(tl.int32, bitcast=True), rr, mask
 
+
 @triton.jit
 def _tile_amax(src, sstride, pr, pc, cc, SRC: tl.constexpr, RB: tl.constexpr,
                C: tl.constexpr, FULL: tl.constexpr):
@@ -215,6 +224,7 @@ def _tile_amax(src, sstride, pr, pc, cc, SRC: tl.constexpr, RB: tl.constexpr,
         am = tl.maximum(am, tl.where(a < 0x7F800000, a, 0))
         top = tl.maximum(top, a)
     return tl.max(tl.max(am, axis=1), axis=0), tl.max(tl.max(top, axis=1), axis=0)
+
 
 @triton.jit
 def _tile_top16(addr, sstride, pr, SRC: tl.constexpr, RB: tl.constexpr,
@@ -242,6 +252,7 @@ def _tile_top16(addr, sstride, pr, SRC: tl.constexpr, RB: tl.constexpr,
     lane = tl.maximum(top & 0xFFFF, top >> 16)
     return tl.max(tl.max(lane, axis=1), axis=0).to(tl.int32)
 
+
 @triton.jit
 def _tile_pass(src, sstride, pr, pc, cc, d, dest_lo, dstride_lo, salt_hi,
                SRC: tl.constexpr, RB: tl.constexpr, C: tl.constexpr, FULL: tl.constexpr,
@@ -259,6 +270,7 @@ def _tile_pass(src, sstride, pr, pc, cc, d, dest_lo, dstride_lo, salt_hi,
         else:
             acc += tl.where(mask, t.to(tl.int64), 0)
     return acc
+
 
 @triton.jit
 def _fp8_tile_kernel(tab, out, SRC: tl.constexpr, RAW: tl.constexpr, E5M2: tl.constexpr,

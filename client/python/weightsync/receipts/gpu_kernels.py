@@ -23,6 +23,7 @@ def _f32_bits(raw, SRC: tl.constexpr):
         u = tl.where(nan16, ((h & 0x8000) << 16) | 0x7F800000 | ((h & 0x3FF) << 13), wide)
     return u
 
+
 @triton.jit
 def _bits32(raw, SRC: tl.constexpr, DST: tl.constexpr, ES: tl.constexpr):
     # Bits32 of the element as stored in the engine's dtype.
@@ -50,6 +51,7 @@ def _bits32(raw, SRC: tl.constexpr, DST: tl.constexpr, ES: tl.constexpr):
             b = tl.where(nan, ((u >> 16) & 0x8000) | 0x7E00, h)
     return b
 
+
 @triton.jit
 def _mix(b, key):
     # mix32(b ^ key) up to its last step (y ^ (y >> 16)): y, the
@@ -59,15 +61,18 @@ def _mix(b, key):
     x *= 0x85EBCA6B
     return x
 
+
 @triton.jit
 def _term(b, key):
     y = _mix(b, key)
     return (y ^ (y >> 16)).to(tl.uint32)
 
+
 @triton.jit
 def _key(index, salt):
     return (salt + (index & 0xFFFFFFFF).to(tl.uint32) * 0x9E3779B1
             + (index >> 32).to(tl.uint32) * 0x85EBCA77)
+
 
 @triton.jit
 def _fast_step(ptr, kb, kl, SRC: tl.constexpr, DST: tl.constexpr, ES: tl.constexpr,
@@ -100,6 +105,29 @@ def _fast_step(ptr, kb, kl, SRC: tl.constexpr, DST: tl.constexpr, ES: tl.constex
             hi = lo
     return lo, hi
 
+
+@triton.jit
+def _narrow_rows(src, src_stride, rows, cols, salt, dest, dest_stride, rpt, local, lane,
+                 SRC: tl.constexpr, DST: tl.constexpr, ES: tl.constexpr, BLOCK: tl.constexpr,
+                 ITERS: tl.constexpr):
+    # A tile of a region of narrow rows: BLOCK // cols whole rows per step.
+    acc = tl.zeros([BLOCK], dtype=tl.int64)
+    cols32 = cols.to(tl.int32)
+    r_in = lane // cols32
+    c = (lane - r_in * cols32).to(tl.int64)
+    r_in = r_in.to(tl.int64)
+    row0 = local * rpt * ITERS
+    steps = tl.minimum((rows - row0 + rpt - 1) // rpt, ITERS)
+    for it in range(0, steps):
+        r = row0 + it * rpt + r_in
+        mask = (r_in < rpt) & (r < rows)
+        raw = tl.load(src + r * src_stride + c, mask=mask, other=0,
+                      eviction_policy="evict_first")
+        x = _term(_bits32(raw, SRC, DST, ES), _key(dest + r * dest_stride + c, salt))
+        acc += tl.where(mask, x.to(tl.int64), 0)
+    return tl.sum(acc, axis=0)
+
+
 @triton.jit
 def _receipt_kernel(table, tile_region, out, SRC: tl.constexpr, DST: tl.constexpr,
                     ES: tl.constexpr, RAW: tl.constexpr, BLOCK: tl.constexpr,
@@ -123,22 +151,8 @@ def _receipt_kernel(table, tile_region, out, SRC: tl.constexpr, DST: tl.constexp
     src = src_addr.to(tl.pointer_type(RAW))
     lane = tl.arange(0, BLOCK)
     if rpt > 1:
-        # Narrow rows: BLOCK // cols whole rows per step.
-        acc = tl.zeros([BLOCK], dtype=tl.int64)
-        cols32 = cols.to(tl.int32)
-        r_in = lane // cols32
-        c = (lane - r_in * cols32).to(tl.int64)
-        r_in = r_in.to(tl.int64)
-        row0 = local * rpt * ITERS
-        steps = tl.minimum((rows - row0 + rpt - 1) // rpt, ITERS)
-        for it in range(0, steps):
-            r = row0 + it * rpt + r_in
-            mask = (r_in < rpt) & (r < rows)
-            raw = tl.load(src + r * src_stride + c, mask=mask, other=0,
-                          eviction_policy="evict_first")
-            x = _term(_bits32(raw, SRC, DST, ES), _key(dest + r * dest_stride + c, salt))
-            acc += tl.where(mask, x.to(tl.int64), 0)
-        total = tl.sum(acc, axis=0)
+        total = _narrow_rows(src, src_stride, rows, cols, salt, dest, dest_stride, rpt, local,
+                             lane, SRC, DST, ES, BLOCK, ITERS)
     else:
         r = local // cpr
         c0 = (local - r * cpr) * (BLOCK * ITERS)
@@ -195,6 +209,7 @@ def _receipt_kernel(table, tile_region, out, SRC: tl.constexpr, DST: tl.constexp
         if FAST:
             total += fast_total
     tl.atomic_add(out + group, total)
+
 
 @triton.jit
 def _small_kernel(table, out, SRC: tl.constexpr, DST: tl.constexpr, ES: tl.constexpr,
