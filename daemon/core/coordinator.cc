@@ -272,6 +272,7 @@ absl::StatusOr<v1::InitWeightTransferResponse> Coordinator::InitWeightTransfer(
   // A new group: the old one's sources (and their memory) go.
   sources_.Clear();
   absl::MutexLock lock(&mu_);
+  transfer_plans_.clear();  // so do its transfer plans
   backend_ = request.backend();
   data_plane_ = std::move(plane);
   v1::InitWeightTransferResponse response;
@@ -476,6 +477,9 @@ void Coordinator::Shutdown() {
   engines_.clear();  // closes every mapping (last lease)
   last_plan_.reset();
   last_plan_layouts_.clear();
+  last_linked_ = LinkedCopyPlan();
+  last_linked_layouts_.clear();
+  transfer_plans_.clear();
   data_plane_.reset();
 }
 

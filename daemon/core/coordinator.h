@@ -39,6 +39,7 @@
 #include "daemon/core/copy_plan.h"
 #include "daemon/core/data_plane.h"
 #include "daemon/core/engine_layout.h"
+#include "daemon/core/link_plan.h"
 #include "daemon/core/memory.h"
 #include "daemon/core/notice_hub.h"
 #include "daemon/core/source_registry.h"
@@ -100,6 +101,13 @@ struct CoordinatorOptions {
   bool allow_nccl_version_mismatch = false;
 };
 
+// One stream of chunks: the update's only one, or link (sender, receiver)
+// of a transfer-plan update.
+struct StreamLink {
+  int32_t sender = 0;
+  int32_t receiver = 0;
+};
+
 class Coordinator {
  public:
   Coordinator(CoordinatorOptions options, std::shared_ptr<MemoryMapper> mapper,
@@ -112,6 +120,12 @@ class Coordinator {
   absl::StatusOr<v1::RegisterSourceResponse> RegisterSource(
       const v1::RegisterSourceRequest& request);
   absl::Status UnregisterSource(const v1::UnregisterSourceRequest& request);
+
+  // Transfer plans of many senders (docs/transfer_plan.md;
+  // transfer_plans.cc): validated and kept by id until the group is
+  // re-Initialised; FAILED_PRECONDITION without a transfer group.
+  absl::StatusOr<v1::RegisterTransferPlanResponse> RegisterTransferPlan(
+      const v1::RegisterTransferPlanRequest& request);
 
   // Engine side.
   absl::StatusOr<v1::RegisterEngineResponse> RegisterEngine(
@@ -139,8 +153,10 @@ class Coordinator {
   absl::StatusOr<v1::StartWeightUpdateResponse> StartWeightUpdate(
       const v1::StartWeightUpdateRequest& request);
   // One chunk of a host-backend update, in order.
+  // In a transfer-plan update, `index` counts the chunks of `link`.
   absl::Status PushChunk(const std::string& update_id, int64_t index,
-                         std::string data, absl::Time deadline);
+                         std::string data, absl::Time deadline,
+                         StreamLink link = {});
   // IPC ring mode, after chunk `index` was submitted: waits until the
   // trainer may reuse the slot it needs next; returns how many chunks are
   // done (0: no wait needed yet).
@@ -150,8 +166,12 @@ class Coordinator {
   // went away. A stream that ends with chunks still missing fails the
   // update: ABORTED naming them (the trainer half-closed early, or a
   // message did not parse, which ends a gRPC stream like a half-close).
-  absl::Status PushStreamEnded(const std::string& update_id, bool cancelled);
-  absl::Status BeginPushStream(const std::string& update_id);
+  // In a transfer-plan update each link has its own stream; one that ends
+  // early (its sender gone) fails the update.
+  absl::Status PushStreamEnded(const std::string& update_id, bool cancelled,
+                               StreamLink link = {});
+  absl::Status BeginPushStream(const std::string& update_id,
+                               StreamLink link = {});
   // Prepare and commit in one call (update_commit.cc).
   absl::StatusOr<v1::FinishWeightUpdateResponse> FinishWeightUpdate(
       const v1::FinishWeightUpdateRequest& request);
@@ -257,6 +277,25 @@ class Coordinator {
     // The bytes reach the engines without PushChunks: they arrive by
     // themselves (NCCL, IPC) or are copied from a source's memory.
     bool bytes_by_plane = false;
+    // A transfer-plan update: per link (sender, receiver), its chunks in
+    // the plan, how many arrived and whether its stream is open.
+    // next_chunk then counts the chunks of every link.
+    struct LinkState {
+      LinkChunks chunks;
+      int64_t next = 0;
+      bool open = false;
+    };
+    std::vector<LinkState> links;
+    // The index into links of (sender, receiver), or -1.
+    int FindLink(StreamLink l) const {
+      for (size_t i = 0; i < links.size(); ++i) {
+        if (links[i].chunks.sender == l.sender &&
+            links[i].chunks.receiver == l.receiver) {
+          return i;
+        }
+      }
+      return -1;
+    }
   };
 
   // StartWeightUpdate's working state, filled step by step by its helpers
@@ -273,6 +312,11 @@ class Coordinator {
     std::shared_ptr<const Source> source;
     // What the plan does with tensors no engine uses (skip_unused).
     UnusedTensors unused = UnusedTensors::kRefuse;
+    // StartWeightUpdateRequest.transfer_plan_id: the plan and this
+    // daemon's receivers in it; its links once planned.
+    std::shared_ptr<const TransferPlan> transfer;
+    std::vector<int32_t> receivers;
+    std::vector<LinkChunks> links;
     bool staged = false;          // after a fallback to streaming: false
     bool device_staging = false;  // the data plane stages its own bytes
     absl::Time t_entry, t_planned, t_paused, t_begun;
@@ -392,6 +436,13 @@ class Coordinator {
       const std::vector<std::shared_ptr<const EngineLayout>>& layouts,
       const Source* source, UnusedTensors unused)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(control_mu_);
+  // The linked copy plan of a transfer-plan update (PlanFor's cache, for
+  // plans of many senders). Requires control_mu_.
+  absl::StatusOr<LinkedCopyPlan> LinkedPlanFor(
+      const TransferPlan& plan, const std::vector<int32_t>& receivers,
+      int64_t chunk_bytes,
+      const std::vector<std::shared_ptr<const EngineLayout>>& layouts)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(control_mu_);
   // Start's answer for the plan in `s` (plan_only, or an update begun).
   static v1::StartWeightUpdateResponse StartResponse(
       const v1::StartWeightUpdateRequest& request, const StartState& s);
@@ -438,6 +489,19 @@ class Coordinator {
   std::string last_plan_key_ ABSL_GUARDED_BY(mu_);
   std::vector<std::shared_ptr<const EngineLayout>> last_plan_layouts_
       ABSL_GUARDED_BY(mu_);
+  // Registered transfer plans (RegisterTransferPlan), most recent first,
+  // at most kMaxTransferPlans; dropped at InitWeightTransfer.
+  struct TransferPlanEntry {
+    std::shared_ptr<const TransferPlan> plan;
+    std::vector<int32_t> receivers;
+  };
+  static constexpr int kMaxTransferPlans = 8;
+  std::vector<TransferPlanEntry> transfer_plans_ ABSL_GUARDED_BY(mu_);
+  // LinkedPlanFor's cache of one plan.
+  std::string last_linked_key_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::shared_ptr<const EngineLayout>> last_linked_layouts_
+      ABSL_GUARDED_BY(mu_);
+  LinkedCopyPlan last_linked_ ABSL_GUARDED_BY(mu_);
   EngineMap engines_ ABSL_GUARDED_BY(mu_);
   v1::Backend backend_ ABSL_GUARDED_BY(mu_) = v1::BACKEND_UNSPECIFIED;
   UpdateListener listener_;

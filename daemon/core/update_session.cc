@@ -17,13 +17,32 @@
 
 namespace weightsync {
 
-absl::Status Coordinator::BeginPushStream(const std::string& update_id) {
+absl::Status Coordinator::BeginPushStream(const std::string& update_id,
+                                          StreamLink link) {
   absl::MutexLock lock(&mu_);
   if (update_ == nullptr || update_->id != update_id) {
     return absl::FailedPreconditionError(
         absl::StrCat("no update '", update_id,
                      "' in progress; call StartWeightUpdate "
                      "before PushChunks"));
+  }
+  if (!update_->links.empty()) {
+    const int l = update_->FindLink(link);
+    if (l < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "update '", update_id,
+          "': the transfer plan has no link from "
+          "sender ",
+          link.sender, " to receiver ", link.receiver, " on this daemon"));
+    }
+    if (update_->links[l].open) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "update '", update_id, "' already has the stream of sender ",
+          link.sender, " to receiver ", link.receiver, " open"));
+    }
+    update_->links[l].open = true;
+    update_->last_activity = absl::Now();
+    return absl::OkStatus();
   }
   if (update_->stream_open) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -35,7 +54,8 @@ absl::Status Coordinator::BeginPushStream(const std::string& update_id) {
 }
 
 absl::Status Coordinator::PushChunk(const std::string& update_id, int64_t index,
-                                    std::string data, absl::Time deadline) {
+                                    std::string data, absl::Time deadline,
+                                    StreamLink link) {
   std::shared_ptr<DataPlane> plane;
   {
     absl::MutexLock lock(&mu_);
@@ -59,13 +79,42 @@ absl::Status Coordinator::PushChunk(const std::string& update_id, int64_t index,
     }
     const auto& chunks = update_->plan->chunks.chunks;
     absl::Status bad;
-    if (index < 0 || index >= static_cast<int64_t>(chunks.size())) {
+    // A transfer-plan update: `index` counts the link's chunks; they are
+    // plan chunks [first_chunk, first_chunk + num_chunks).
+    int64_t* next = &update_->next_chunk;
+    int64_t first = 0;
+    if (!update_->links.empty()) {
+      const int l = update_->FindLink(link);
+      if (l < 0) {
+        bad = absl::InvalidArgumentError(
+            absl::StrCat("update '", update_id, "': no link from sender ",
+                         link.sender, " to receiver ", link.receiver));
+      } else {
+        Update::LinkState& ls = update_->links[l];
+        if (index < 0 || index >= ls.chunks.num_chunks) {
+          bad = absl::InvalidArgumentError(absl::StrCat(
+              "update '", update_id, "': chunk ", index, " of sender ",
+              link.sender, " arrived, but its link has ", ls.chunks.num_chunks,
+              " chunks"));
+        } else if (index != ls.next) {
+          bad = absl::InvalidArgumentError(absl::StrCat(
+              "update '", update_id, "': chunk ", index, " of sender ",
+              link.sender, " arrived, expected ", ls.next));
+        }
+        next = &ls.next;
+        first = ls.chunks.first_chunk;
+      }
+      if (bad.ok()) index += first;
+    }
+    if (!bad.ok()) {
+      // The link's own checks refused the chunk.
+    } else if (index < 0 || index >= static_cast<int64_t>(chunks.size())) {
       bad = absl::InvalidArgumentError(absl::StrCat("update '", update_id,
                                                     "': chunk ", index,
                                                     " arrived, but the plan "
                                                     "has ",
                                                     chunks.size(), " chunks"));
-    } else if (index != update_->next_chunk) {
+    } else if (update_->links.empty() && index != update_->next_chunk) {
       bad = absl::InvalidArgumentError(absl::StrCat(
           "update '", update_id, "': chunk ", index, " arrived, expected ",
           update_->next_chunk, " of ", chunks.size()));
@@ -81,6 +130,7 @@ absl::Status Coordinator::PushChunk(const std::string& update_id, int64_t index,
       FailUpdateLocked(bad);
       return bad;
     }
+    if (next != &update_->next_chunk) ++*next;
     ++update_->next_chunk;
     update_->received_bytes += chunks[index].size;
     update_->last_activity = absl::Now();
@@ -132,9 +182,25 @@ absl::StatusOr<int64_t> Coordinator::IpcChunkAck(const std::string& update_id,
 }
 
 absl::Status Coordinator::PushStreamEnded(const std::string& update_id,
-                                          bool cancelled) {
+                                          bool cancelled, StreamLink link) {
   absl::MutexLock lock(&mu_);
   if (update_ == nullptr || update_->id != update_id) return absl::OkStatus();
+  if (!update_->links.empty()) {
+    const int l = update_->FindLink(link);
+    if (l < 0 || update_->phase == Phase::kFailed) return absl::OkStatus();
+    Update::LinkState& ls = update_->links[l];
+    ls.open = false;
+    if (ls.next >= ls.chunks.num_chunks) return absl::OkStatus();
+    // One sender gone fails the whole update: its bytes will never come.
+    const absl::Status lost = absl::AbortedError(absl::StrCat(
+        "sender ", link.sender,
+        cancelled ? " disconnected" : " ended its stream", " mid-update after ",
+        ls.next, " of ", ls.chunks.num_chunks,
+        " chunks of its link to receiver ", link.receiver, " (update '",
+        update_id, "' failed; start it again)"));
+    FailUpdateLocked(lost);
+    return cancelled ? absl::OkStatus() : lost;
+  }
   update_->stream_open = false;
   const int64_t total = update_->plan->chunks.chunks.size();
   const int64_t next = update_->next_chunk;

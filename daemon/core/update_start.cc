@@ -111,6 +111,28 @@ absl::Status Coordinator::ValidateStart(
 absl::Status Coordinator::ResolveSource(
     const v1::StartWeightUpdateRequest& request, StartState& s) {
   s.manifest = &request.tensors();
+  if (!request.transfer_plan_id().empty()) {
+    if (request.tensors_size() != 0 || !request.source_id().empty() ||
+        request.has_ipc_source() || request.finish()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "update '", request.update_id(), "' names transfer plan '",
+          Echo(request.transfer_plan_id()),
+          "': its tensors are the plan's; leave tensors, source_id, "
+          "ipc_source and finish unset"));
+    }
+    absl::MutexLock lock(&mu_);
+    for (const TransferPlanEntry& e : transfer_plans_) {
+      if (e.plan->id != request.transfer_plan_id()) continue;
+      s.transfer = e.plan;
+      s.receivers = e.receivers;
+      s.manifest = &e.plan->manifest;
+      return absl::OkStatus();
+    }
+    return absl::NotFoundError(absl::StrCat(
+        "no transfer plan '", Echo(request.transfer_plan_id()),
+        "' (the group was re-Initialised or the plan dropped): register it "
+        "again with RegisterTransferPlan"));
+  }
   if (request.finish() && request.plan_only()) {
     return absl::InvalidArgumentError(
         "plan_only opens no update, so it can't finish one: leave finish "
@@ -225,8 +247,21 @@ absl::Status Coordinator::PlanStart(const v1::StartWeightUpdateRequest& request,
     s.unused = sent_as_chunks ? UnusedTensors::kOmit : UnusedTensors::kSkip;
   }
   // Plan every byte before moving any (invariant 2).
-  WS_ASSIGN_OR_RETURN(s.plan, PlanFor(*s.manifest, s.chunk_bytes, s.layouts,
-                                      s.source.get(), s.unused));
+  if (s.transfer != nullptr) {
+    if (plane.ReceivesOwnBytes()) {
+      return absl::UnimplementedError(absl::StrCat(
+          "updates of a transfer plan on the ", plane.name(),
+          " backend: the host backend takes them (PushChunks per link)"));
+    }
+    WS_ASSIGN_OR_RETURN(
+        LinkedCopyPlan linked,
+        LinkedPlanFor(*s.transfer, s.receivers, s.chunk_bytes, s.layouts));
+    s.plan = linked.copy;
+    s.links = std::move(linked.links);
+  } else {
+    WS_ASSIGN_OR_RETURN(s.plan, PlanFor(*s.manifest, s.chunk_bytes, s.layouts,
+                                        s.source.get(), s.unused));
+  }
   s.staged = request.mode() == v1::UPDATE_MODE_STAGED;
   // Where bytes arrive by themselves (NCCL, IPC), the data plane stages them
   // in its own (GPU) memory, one chunk-sized buffer per chunk.
@@ -314,6 +349,7 @@ void Coordinator::InstallUpdateLocked(
   // every backend (docs/protocol.md, "Receipts").
   update->verify = request.verify() != v1::VERIFY_OFF;
   update->source = s.source;
+  for (const LinkChunks& l : s.links) update->links.push_back({l, 0, false});
   update->bytes_by_plane = s.plane->ReceivesOwnBytes() ||
                            (s.source != nullptr && s.source->has_memory());
   if (s.staged && !s.device_staging) {

@@ -160,6 +160,13 @@ grpc::Status TrainerServiceImpl::UnregisterSource(
 
 namespace {
 
+// The link a chunk stream's first message names (a transfer-plan update's
+// sender and receiver; the only stream otherwise).
+StreamLink LinkOf(const v1::PushChunksRequest& r) {
+  return {r.sender(), r.receiver()};
+}
+StreamLink LinkOf(const v1::IpcChunksRequest&) { return {}; }
+
 // The loop both chunk streams share: the first message names the update,
 // every later one names it or nothing; `each(request, deadline)` handles a
 // message and returns false (with *status set) to end the stream early.
@@ -181,7 +188,8 @@ grpc::Status ServeChunkStream(grpc::ServerContext* ctx, Stream* stream,
   absl::Status status =
       CheckIdLength("update_id", update_id, kMaxUpdateIdBytes);
   if (!status.ok()) return ToGrpcStatus(status);
-  status = core->BeginPushStream(update_id);
+  const StreamLink link = LinkOf(request);
+  status = core->BeginPushStream(update_id, link);
   if (!status.ok()) return ToGrpcStatus(status);
   const absl::Time deadline = ContextDeadline(ctx, absl::Minutes(10));
   do {
@@ -190,10 +198,10 @@ grpc::Status ServeChunkStream(grpc::ServerContext* ctx, Stream* stream,
           absl::StrCat("every ", rpc, " message must name the same update"));
       break;
     }
-  } while (each(update_id, request, deadline, &status) &&
+  } while (each(update_id, link, request, deadline, &status) &&
            stream->Read(&request));
   const absl::Status ended =
-      core->PushStreamEnded(update_id, ctx->IsCancelled());
+      core->PushStreamEnded(update_id, ctx->IsCancelled(), link);
   if (status.ok() && !ended.ok()) {
     status =
         absl::Status(ended.code(), absl::StrCat(rpc, ": ", ended.message()));
@@ -203,6 +211,15 @@ grpc::Status ServeChunkStream(grpc::ServerContext* ctx, Stream* stream,
 
 }  // namespace
 
+grpc::Status TrainerServiceImpl::RegisterTransferPlan(
+    grpc::ServerContext* ctx, const v1::RegisterTransferPlanRequest* request,
+    v1::RegisterTransferPlanResponse* response) {
+  grpc::Status owner = CheckOwner(ctx, false);
+  if (!owner.ok()) return owner;
+  return Answer(response,
+                [&] { return core_->RegisterTransferPlan(*request); });
+}
+
 grpc::Status TrainerServiceImpl::PushChunks(
     grpc::ServerContext* ctx, grpc::ServerReader<v1::PushChunksRequest>* reader,
     v1::PushChunksResponse* response) {
@@ -210,13 +227,14 @@ grpc::Status TrainerServiceImpl::PushChunks(
   if (!owner.ok()) return owner;
   return ServeChunkStream<v1::PushChunksRequest>(
       ctx, reader, core_, "PushChunks",
-      [&](const std::string& update_id, v1::PushChunksRequest& request,
-          absl::Time deadline, absl::Status* status) {
+      [&](const std::string& update_id, StreamLink link,
+          v1::PushChunksRequest& request, absl::Time deadline,
+          absl::Status* status) {
         const int64_t bytes = request.data().size();
         // The message's byte string becomes the staging buffer: no copy.
-        *status =
-            core_->PushChunk(update_id, request.chunk_index(),
-                             std::move(*request.mutable_data()), deadline);
+        *status = core_->PushChunk(update_id, request.chunk_index(),
+                                   std::move(*request.mutable_data()), deadline,
+                                   link);
         if (!status->ok()) return false;
         response->set_chunks_received(response->chunks_received() + 1);
         response->set_bytes_received(response->bytes_received() + bytes);
@@ -232,8 +250,9 @@ grpc::Status TrainerServiceImpl::IpcChunks(
   if (!owner.ok()) return owner;
   return ServeChunkStream<v1::IpcChunksRequest>(
       ctx, stream, core_, "IpcChunks",
-      [&](const std::string& update_id, v1::IpcChunksRequest& request,
-          absl::Time deadline, absl::Status* status) {
+      [&](const std::string& update_id, StreamLink,
+          v1::IpcChunksRequest& request, absl::Time deadline,
+          absl::Status* status) {
         *status =
             core_->PushChunk(update_id, request.chunk_index(), "", deadline);
         if (!status->ok()) return false;

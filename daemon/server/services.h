@@ -60,6 +60,9 @@ class TrainerServiceImpl final : public v1::TrainerService::Service {
   grpc::Status UnregisterSource(
       grpc::ServerContext* ctx, const v1::UnregisterSourceRequest* request,
       v1::UnregisterSourceResponse* response) override;
+  grpc::Status RegisterTransferPlan(
+      grpc::ServerContext* ctx, const v1::RegisterTransferPlanRequest* request,
+      v1::RegisterTransferPlanResponse* response) override;
   grpc::Status PushChunks(grpc::ServerContext* ctx,
                           grpc::ServerReader<v1::PushChunksRequest>* reader,
                           v1::PushChunksResponse* response) override;

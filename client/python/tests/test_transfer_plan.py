@@ -133,6 +133,19 @@ class PropertiesTest(unittest.TestCase):
         with self.assertRaises(tp.TransferPlanError):
             tp.shard("w", [4, 6, 8], 2, 0, 2)
 
+    def test_fsdp_shard_blocks(self):
+        from weightsync.fsdp import shard_block
+        # Shard(0) of [10, 4, 2] on rank 1 of 4: rows 3..5 of the [10, 8] view.
+        self.assertEqual(shard_block("w", [10, 4, 2], [3, 4, 2], [3, 0, 0]),
+                         tp.block("w", 3, 3, 0, 8))
+        # Shard(1): columns 2..3 of dim 1 = view columns 4..7.
+        self.assertEqual(shard_block("w", [10, 4, 2], [10, 2, 2], [0, 2, 0]),
+                         tp.block("w", 0, 10, 4, 4))
+        self.assertEqual(shard_block("w", [10, 4], [10, 4], [0, 0]), tp.whole("w", [10, 4]))
+        self.assertIsNone(shard_block("w", [2, 4], [0, 4], [2, 0]))
+        with self.assertRaises(ValueError):
+            shard_block("w", [10, 4, 2], [10, 4, 1], [0, 0, 1])
+
     def test_link_manifest_is_a_chunk_plan_manifest(self):
         from weightsync import planner
         spec = _random_spec(random.Random(7))

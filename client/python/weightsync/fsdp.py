@@ -179,6 +179,21 @@ class _TorchGroup:
         else:
             self._device = torch.device("cpu")
 
+    @property
+    def world_size(self):
+        return self.size
+
+    def all_gather(self, obj):
+        out = [None] * self.size
+        self._dist.all_gather_object(out, obj, group=self._group)
+        return out
+
+    def broadcast(self, obj, src=0):
+        box = [obj]
+        src_global = src if self._group is None else self._dist.get_global_rank(self._group, src)
+        self._dist.broadcast_object_list(box, src=src_global, group=self._group)
+        return box[0]
+
     def outcome(self, code=0):
         """Every rank: rank src's `code`, broadcast."""
         t = self._torch.tensor([int(code)], dtype=self._torch.int64, device=self._device)
@@ -246,10 +261,69 @@ class _Lockstep:
         return self.broken
 
 
+def shard_block(name, global_shape, local_shape, offset):
+    """The TensorBlock of a DTensor's local shard (its global offset and
+    local shape, as torch's compute_local_shape_and_global_offset gives
+    them) in the tensor's 2-D view, or None for an empty shard: rows for a
+    shard along dim 0, columns for one along dim 1; ValueError naming the
+    tensor for a shard that is not a rectangle of the view (Shard(2) and
+    beyond, or sharded along two dims of which one is not dim 0)."""
+    from weightsync import transfer_plan
+    global_shape, local_shape = list(global_shape), list(local_shape)
+    if any(n == 0 for n in local_shape):
+        return None
+    if not global_shape:
+        return transfer_plan.whole(name, global_shape)
+    cut = [d for d in range(len(global_shape)) if local_shape[d] != global_shape[d]]
+    rows, cols = transfer_plan.view_2d(global_shape)
+    if not cut or cut == [0]:
+        return transfer_plan.block(name, offset[0], local_shape[0], 0, cols)
+    if cut == [1]:
+        inner = cols // global_shape[1]
+        return transfer_plan.block(name, 0, rows, offset[1] * inner, local_shape[1] * inner)
+    raise ValueError(f"tensor '{name}': the local shard {local_shape} at {list(offset)} of "
+                     f"{global_shape} is not a block of its 2-D view (only Shard(0) and "
+                     "Shard(1) are); send this model with own_shards=False (gathered)")
+
+
+def _own_shards(model, names):
+    """(manifest, [(block, CPU tensor)]) of this rank's shards of `model`."""
+    import torch
+    named = list(model.named_parameters())
+    mapping = _mapping(model, [n for n, _ in named], names)
+    from weightsync._tensors import describe
+    manifest, local = [], []
+    for i, target in mapping:
+        p = named[i][1]
+        dtype = describe(target, torch.empty(0, dtype=p.dtype))[0]
+        manifest.append({"name": target, "dtype": dtype, "shape": list(p.shape)})
+        if callable(getattr(p, "to_local", None)):
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+            shape, offset = compute_local_shape_and_global_offset(
+                tuple(p.shape), p.device_mesh, p.placements)
+            data = p.to_local()
+        else:
+            shape, offset, data = tuple(p.shape), (0,) * p.dim(), p
+        b = shard_block(target, p.shape, shape, offset)
+        if b is not None:
+            with _no_grad():
+                local.append((b, data.detach().contiguous().cpu()))
+    return manifest, local
+
+
 def send_fsdp2(trainer, model, version, names=None, rank=None, group=None, chunk_bytes=0,
-               verify=True, **update_kwargs):
-    """Sends `model`'s parameters as weight version `version`, gathered
-    one by one (see the module docstring). Call on every rank of `group`
+               verify=True, own_shards=None, **update_kwargs):
+    """Sends `model`'s parameters as weight version `version`.
+
+    Every rank sends its own shard (own_shards, the default when every
+    rank passes a Trainer; issue 32): no full_tensor() gather, each rank's
+    local shards (Shard(0) rows, Shard(1) columns, Replicate split between
+    the replicas) go straight to the daemons on one transfer plan
+    (Trainer.update_sharded; host backend). own_shards=False, or a rank
+    passing trainer=None, selects the gathered path: parameters gathered
+    one by one and sent by one rank (see the module docstring).
+
+    Gathered path: call on every rank of `group`
     (a torch.distributed group containing every rank that holds a shard;
     None: the default group) with the same arguments; `trainer` matters
     only on the sending rank `rank` (a rank of `group`, default 0), where
@@ -258,8 +332,16 @@ def send_fsdp2(trainer, model, version, names=None, rank=None, group=None, chunk
     keywords go to Trainer.update. Returns the update's result on the
     sender, None elsewhere; raises WeightSyncError (the sender's code) on
     every rank if the update failed."""
-    items = lazy_parameters(model, names)
     comm = _group_factory(group, 0 if rank is None else int(rank))
+    if own_shards is not False and hasattr(comm, "all_gather"):
+        every = all(comm.all_gather(trainer is not None))
+        if own_shards and not every:
+            raise ValueError("send_fsdp2(own_shards=True): every rank needs a Trainer")
+        if every:
+            manifest, local = _own_shards(model, names)
+            return trainer.update_sharded(manifest, local, version, collective=comm,
+                                          chunk_bytes=chunk_bytes)
+    items = lazy_parameters(model, names)
     sequence = materialize_sequence([{"name": n, "dtype": t.dtype, "shape": list(t.shape)}
                                      for n, t in items])
     if comm.rank != comm.src:

@@ -55,6 +55,8 @@ class Trainer:
         self._host_sources = HostSourceSender(self._link)
         self._multi_host = MultiHostSender(self._link, self._host_sources)
         self._gpu = None   # the NcclSender or IpcSender of the last init_nccl / init_ipc
+        # update_sharded: (collective id, engine ids) -> senders.many.ManySenders
+        self._many_senders = {}
 
     # What the last update left (weightsync.senders.base.Link).
     last_results = property(lambda self: self._link.last_results,
@@ -250,6 +252,28 @@ class Trainer:
         if not u.lazy and self._host_sources.takes(u):
             return self._host_sources
         return self._host_stream
+
+    def update_sharded(self, manifest, local, version, collective=None, chunk_bytes=0,
+                       update_id=None, engine_ids=None):
+        """Every rank of a sharded or replicated trainer sends its own share
+        (issue 32; docs/transfer_plan.md): call on every rank, each with a
+        Trainer of every daemon (host backend: init_host() on rank 0 only),
+        the same `manifest` (global [{"name", "dtype", "shape"}]) and
+        version, and `local` [(block, array)] of what this rank holds
+        (weightsync.senders.many.shard_of / weightsync.transfer_plan.whole).
+        `collective`: how the ranks agree (default: torch.distributed's
+        default group). The plan is made once and reused while neither the
+        holdings nor the engines change. Returns every daemon's commit on
+        every rank, or raises the same WeightSyncError on every rank."""
+        from weightsync.senders import many as many_senders
+        key = (id(collective), tuple(engine_ids) if engine_ids is not None else None)
+        senders = self._many_senders.get(key)
+        if senders is None:
+            coll = collective if collective is not None else many_senders.TorchCollective()
+            senders = many_senders.ManySenders(self._link, coll, engine_ids)
+            self._many_senders[key] = senders
+        return senders.update(manifest, local, version, chunk_bytes=chunk_bytes,
+                              update_id=update_id)
 
     def finish(self, update_id):
         """FinishWeightUpdate of an update this process started."""

@@ -1,0 +1,305 @@
+"""Every trainer rank sends its own share (issue 32): the M -> N sender of
+the host backend, on a transfer plan made once (weightsync.transfer_plan,
+docs/transfer_plan.md).
+
+Each rank of a training job calls `ManySenders.update` with the same
+version; each sends only what the plan gives it, straight to the daemons
+that need it, all ranks at once. Rank 0 (the leader) also drives the
+daemons: registers the plan, starts the update, and after every rank sent
+its links, prepares and commits on every daemon (docs/protocol.md, "Several
+daemons"), or aborts everywhere when any rank failed.
+
+    from weightsync.senders.many import shard_of
+    # trainer: a Trainer of every daemon; rank 0 called init_host()
+    # what this rank holds: (block, array whose row-major bytes are the block)
+    local = [shard_of(name, global_shape, dim=0, index=rank, count=world, array=shard)
+             for name, global_shape, shard in my_shards]
+    trainer.update_sharded(manifest, local, version)   # on every rank
+
+The ranks agree through a `collective` (rank, world_size, all_gather(obj),
+broadcast(obj)): TorchCollective wraps torch.distributed; any object with
+the same four members works (tests use files). Objects exchanged are plain
+lists, dicts and strings.
+
+This is the M -> N sender of weightsync.senders. Its update is not the
+shared one-rank sequence of base.Sender (describe, start, send, finish,
+commit): the ranks meet between the steps, so ManySenders runs the same
+steps itself, on the Trainer's Link (Trainer.update_sharded forwards here).
+"""
+
+import uuid
+
+from weightsync import _multi, planner, transfer_plan
+from weightsync._errors import WeightSyncError
+from weightsync._proto import v1
+from weightsync._tensors import describe
+
+__all__ = ["ManySenders", "TorchCollective", "shard_of", "needs_of_status"]
+
+
+class TorchCollective:
+    """torch.distributed as a collective (the default process group, or
+    `group`)."""
+
+    def __init__(self, group=None):
+        import torch.distributed as dist
+        self._dist, self._group = dist, group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
+    def all_gather(self, obj):
+        out = [None] * self.world_size
+        self._dist.all_gather_object(out, obj, group=self._group)
+        return out
+
+    def broadcast(self, obj, src=0):
+        box = [obj]
+        self._dist.broadcast_object_list(box, src=src, group=self._group)
+        return box[0]
+
+
+def shard_of(name, shape, dim, index, count, array):
+    """(block, array) of shard `index` of `count` along `dim` (DTensor's
+    Shard(dim), torch.chunk cut), or None for an empty shard."""
+    b = transfer_plan.shard(name, shape, dim, index, count)
+    return None if b is None else (b, array)
+
+
+def needs_of_status(status, engine_ids=None):
+    """The blocks the engines of one daemon use (a GetStatusResponse with
+    layouts): every segment's source rectangle; a parameter registered
+    without segments is its whole tensor. FP8 scale parameters feed
+    nothing."""
+    out = []
+    for e in status.engines:
+        if engine_ids is not None and e.engine_id not in engine_ids:
+            continue
+        quant_scales = {p.quantization.scale_parameter for p in e.layout
+                        if p.HasField("quantization")}
+        for p in e.layout:
+            if p.name in quant_scales:
+                continue
+            if not p.segments:
+                out.append(transfer_plan.whole(p.name, list(p.shape)))
+                continue
+            for s in p.segments:
+                out.append(transfer_plan.block(s.source, s.row_begin, s.row_count,
+                                               s.col_begin, s.col_count))
+    return out
+
+
+def _piece_bytes(piece, held):
+    """The row-major bytes of `piece` out of the held block containing it."""
+    for b, rows in held:
+        if (b["row_begin"] <= piece.row_begin and
+                piece.row_begin + piece.row_count <= b["row_begin"] + b["row_count"] and
+                b["col_begin"] <= piece.col_begin and
+                piece.col_begin + piece.col_count <= b["col_begin"] + b["col_count"]):
+            es = rows.shape[1] // b["col_count"] if b["col_count"] else 0
+            r0 = piece.row_begin - b["row_begin"]
+            c0 = (piece.col_begin - b["col_begin"]) * es
+            return rows[r0:r0 + piece.row_count, c0:c0 + piece.col_count * es].tobytes()
+    raise WeightSyncError("INTERNAL", f"the plan gives this rank {piece} it does not hold")
+
+
+class ManySenders:
+    """One rank's side of updates of many senders. Not thread-safe; one
+    object per rank, every rank calling `update` in step."""
+
+    def __init__(self, link, collective, engine_ids=None):
+        self._link = link
+        self._coll = collective
+        self._engine_ids = engine_ids
+        self._plan = None
+        self._plan_key = None
+        self.last_plan = None
+        # Tests only: called with (daemon index, chunk index) before each
+        # chunk this rank sends.
+        self._on_chunk = None
+
+    @property
+    def rank(self):
+        return self._coll.rank
+
+    def _receivers(self):
+        """Leader: one receiver per daemon, what its engines use, and the
+        key of the engines' layouts (a re-registration changes it)."""
+        out, key = [], []
+        for i, stub in enumerate(self._link.stubs):
+            st = stub.call("GetStatus", include_layouts=True)
+            ids = None if self._engine_ids is None else set(self._engine_ids)
+            out.append({"name": self._link.group.name(i),
+                        "needs": needs_of_status(st, ids)})
+            key.append(sorted(e.layout_id for e in st.engines
+                              if ids is None or e.engine_id in ids))
+        return out, key
+
+    def plan(self, manifest, local):
+        """The transfer plan of (every rank's `local` blocks, the daemons'
+        engines), made on every rank from the same spec and registered
+        with every daemon by the leader; reused while neither side
+        changes. A refusal (TransferPlanError naming tensor and ranks)
+        raises on every rank before anything pauses."""
+        holds = [b for b, _ in local]
+        spec_parts = self._coll.all_gather(holds)
+        leader = self.rank == 0
+        answer = None
+        if leader:
+            try:
+                receivers, layout_key = self._receivers()
+                answer = {"receivers": receivers, "layout_key": layout_key}
+            except WeightSyncError as e:
+                answer = {"error": [e.code, e.message]}
+        answer = self._coll.broadcast(answer)
+        if "error" in answer:
+            raise WeightSyncError(*answer["error"])
+        spec = {"tensors": list(manifest), "senders": [{"holds": h} for h in spec_parts],
+                "receivers": answer["receivers"]}
+        key = (transfer_plan.plan_id(spec), repr(answer["layout_key"]))
+        if key == self._plan_key:
+            return self._plan
+        plan = transfer_plan.build_plan(spec)
+        registered = None
+        if leader:
+            registered = self._register(spec, plan)
+        registered = self._coll.broadcast(registered)
+        if registered is not None:
+            raise WeightSyncError(*registered)
+        self._plan, self._plan_key, self.last_plan = plan, key, plan
+        return plan
+
+    def _register(self, spec, plan):
+        """Leader: RegisterTransferPlan on every daemon; None or [code,
+        message] of the first failure."""
+        request_spec = _spec_message(spec)
+
+        def register(i, stub):
+            r = stub.call("RegisterTransferPlan", spec=request_spec, receivers=[i])
+            if r.plan_id != plan.id:
+                raise WeightSyncError("INTERNAL", f"daemon {i} made plan {r.plan_id}, this "
+                                      f"client {plan.id}: the plan functions disagree")
+            return r
+        for i, r in enumerate(self._link.group.each(register)):
+            if isinstance(r, WeightSyncError):
+                return [r.code, f"{self._link.group.name(i)}: {r.message}"]
+        return None
+
+    def update(self, manifest, local, version, chunk_bytes=0, update_id=None, mode="streaming"):
+        """Sends this rank's share of version `version` and returns every
+        daemon's commit (FinishWeightUpdateResponse list, the same on
+        every rank). `manifest`: the global tensors [{"name", "dtype",
+        "shape"}] (the same on every rank); `local`: [(block, array)]
+        this rank holds (None entries ignored). Any rank's failure aborts
+        the update on every daemon and raises on every rank."""
+        local = [x for x in local if x is not None]
+        plan = self.plan(manifest, local)
+        group = self._link.group
+        leader = self.rank == 0
+        started = None
+        if leader:
+            update_id = update_id or f"mton-{version}-{uuid.uuid4().hex[:8]}"
+            started = self._start(plan, update_id, version, chunk_bytes, mode)
+        started = self._coll.broadcast(started)
+        if "error" in started:
+            raise WeightSyncError(*started["error"])
+        sent = None
+        try:
+            self._push(plan, local, started)
+        except WeightSyncError as e:
+            sent = [e.code, f"rank {self.rank}: {e.message}"]
+        try:
+            outcomes = self._coll.all_gather(sent)
+        except Exception as e:  # a rank gone: the collective timed out
+            if leader:
+                _multi.abort(group, started["update_id"], f"a sender did not report: {e}")
+            raise WeightSyncError("ABORTED", f"update '{started['update_id']}': a sender did "
+                                  f"not report ({e}); aborted on every daemon") from None
+        result = None
+        if leader:
+            result = self._finish(group, started["update_id"], outcomes)
+        result = self._coll.broadcast(result)
+        if "error" in result:
+            raise WeightSyncError(*result["error"])
+        return [v1.FinishWeightUpdateResponse.FromString(bytes.fromhex(h))
+                for h in result["committed"]]
+
+    def _start(self, plan, update_id, version, chunk_bytes, mode):
+        group = self._link.group
+        request = v1.StartWeightUpdateRequest(
+            update_id=update_id, target_version=version, chunk_bytes=chunk_bytes,
+            transfer_plan_id=plan.id,
+            mode=v1.UPDATE_MODE_STAGED if mode == "staged" else v1.UPDATE_MODE_STREAMING)
+        if self._engine_ids is not None:
+            request.engine_ids.extend(self._engine_ids)
+        results = group.each(lambda i, stub: stub.call("StartWeightUpdate", request))
+        for i, r in enumerate(results):
+            if isinstance(r, WeightSyncError):
+                ok = [j for j, s in enumerate(results) if not isinstance(s, WeightSyncError)]
+                _multi.abort(group, update_id, f"daemon {i} refused the start", ok)
+                return {"error": [r.code, f"{group.name(i)}: {r.message}"]}
+        return {"update_id": update_id, "chunk_bytes": [r.chunk_bytes for r in results]}
+
+    def _push(self, plan, local, started):
+        """This rank's links, one PushChunks stream per daemon, in parallel."""
+        held = {}
+        for b, array in local:
+            _, _, raw = describe(b["tensor"], array)
+            rows = raw.reshape(b["row_count"], -1) if b["row_count"] else raw.reshape(0, 0)
+            held.setdefault(b["tensor"], []).append((b, rows))
+        names = [t["name"] if isinstance(t, dict) else t.name for t in plan.tensors]
+        me, update_id = self.rank, started["update_id"]
+
+        def push(i, stub):
+            pieces = plan.link_pieces(me, i)
+            if not pieces:
+                return 0
+            chunks = planner.plan_chunks(transfer_plan.link_manifest(plan, me, i),
+                                         started["chunk_bytes"][i])
+            payloads = [_piece_bytes(p, held.get(names[p.tensor], ())) for p in pieces]
+
+            def requests():
+                for c in chunks["chunks"]:
+                    if self._on_chunk is not None:
+                        self._on_chunk(i, c["index"])
+                    yield v1.PushChunksRequest(update_id=update_id, chunk_index=c["index"],
+                                               data=planner.pack_chunk(c, payloads),
+                                               sender=me, receiver=i)
+            stub.call("PushChunks", requests(), timeout=self._link.stream_timeout)
+            return chunks["total_bytes"]
+        for i, r in enumerate(self._link.group.each(push)):
+            if isinstance(r, WeightSyncError):
+                raise WeightSyncError(r.code, f"{self._link.group.name(i)}: {r.message}")
+
+    def _finish(self, group, update_id, outcomes):
+        """Leader: abort everywhere if a rank failed, else prepare and
+        commit on every daemon."""
+        for rank, failed in enumerate(outcomes):
+            if failed is not None:
+                _multi.abort(group, update_id, f"sender {rank} failed: {failed[1]}")
+                return {"error": [failed[0], f"sender {rank} failed; the update was aborted "
+                                  f"on every daemon: {failed[1]}"]}
+        try:
+            _multi.prepare(group, update_id, self._link.daemon_wait_ms())
+            committed = _multi.commit(group, update_id)
+        except WeightSyncError as e:
+            return {"error": [e.code, e.message]}
+        self._link.last_results = committed
+        return {"committed": [c.SerializeToString().hex() for c in committed]}
+
+
+def _spec_message(spec):
+    msg = v1.TransferPlanSpec()
+    for t in spec["tensors"]:
+        dtype = t["dtype"] if isinstance(t, dict) else t.dtype
+        shape = t["shape"] if isinstance(t, dict) else list(t.shape)
+        name = t["name"] if isinstance(t, dict) else t.name
+        msg.tensors.add(name=name, dtype=dtype, shape=shape)
+    for s in spec["senders"]:
+        m = msg.senders.add()
+        for b in s["holds"]:
+            m.holds.add(**b)
+    for r in spec["receivers"]:
+        m = msg.receivers.add(name=r["name"])
+        for b in r["needs"]:
+            m.needs.add(**b)
+    return msg

@@ -1,0 +1,58 @@
+// The copy plan of a transfer-plan update (issue 32, docs/transfer_plan.md)
+// on one daemon: the links (sender, receiver) that reach this daemon's
+// receivers, each a stream of pieces (sub-rectangles of checkpoint tensors)
+// cut into chunks by the chunk planner, resolved into one CopyPlan that any
+// data plane runs as it runs an ordinary update. Link k's chunks are plan
+// chunks [first_chunk, first_chunk + num_chunks); each piece's copies are
+// the intersections of its rectangle with the engines' segments (dtype
+// conversion as usual). Immutable once built; any thread may read it.
+#ifndef WEIGHTSYNC_DAEMON_CORE_LINK_PLAN_H_
+#define WEIGHTSYNC_DAEMON_CORE_LINK_PLAN_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/transfer_plan.h"
+#include "daemon/core/copy_plan.h"
+#include "daemon/core/engine_layout.h"
+
+namespace weightsync {
+
+struct LinkChunks {
+  int32_t sender = 0;
+  int32_t receiver = 0;
+  int64_t first_chunk = 0;  // index into the copy plan's chunks
+  int64_t num_chunks = 0;
+  int64_t bytes = 0;  // the link stream's total_bytes
+};
+
+struct LinkedCopyPlan {
+  // What the data plane runs: engines, receipts' uses and covers_engine of
+  // the whole manifest; chunks and copies of the links, one after another.
+  std::shared_ptr<const CopyPlan> copy;
+  std::vector<LinkChunks> links;  // ordered by (receiver, sender)
+};
+
+// Segment `s` of parameter `p` as a block of its source's 2-D view (an
+// implicit segment, kept as one flat row, is the whole matrix): what a
+// receiver that holds the engine needs (TensorBlock).
+SegmentLayout SegmentBlock(const ParameterLayout& p, const SegmentLayout& s);
+
+// Resolves `plan`'s links into `receivers` (indices of the plan's
+// receivers that this daemon is) against `engines`. INVALID_ARGUMENT as
+// BuildCopyPlan for a manifest the engines can't take; FAILED_PRECONDITION
+// when the receivers' needs do not cover every element the engines use
+// (the engine layouts changed: re-plan), when `receivers` is not exactly
+// one receiver (a daemon of several GPU ranks assigns engines to ranks:
+// the GPU data plane's job), or for an FP8 target (a piece may cut its
+// blocks: send it through an ordinary update).
+absl::StatusOr<LinkedCopyPlan> BuildLinkedCopyPlan(
+    const TransferPlan& plan, const std::vector<int32_t>& receivers,
+    int64_t chunk_bytes,
+    const std::vector<std::shared_ptr<const EngineLayout>>& engines);
+
+}  // namespace weightsync
+
+#endif  // WEIGHTSYNC_DAEMON_CORE_LINK_PLAN_H_
