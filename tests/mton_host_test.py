@@ -131,7 +131,6 @@ def _manifest():
 def holdings(case, rank, version):
     """(manifest, [(block, array)]) of trainer rank `rank` in `case`."""
     from weightsync import transfer_plan
-from weightsync.senders import many as many_senders
     ckpt = weights(DENSE, version)
     manifest = _manifest()
     local = []
