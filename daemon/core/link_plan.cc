@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
@@ -114,6 +115,21 @@ void Append(const CopyPlan& l, CopyPlan& out) {
 }
 
 }  // namespace
+
+std::vector<RoundChunk> ChunksByRound(const LinkedCopyPlan& linked) {
+  std::vector<RoundChunk> out;
+  for (const LinkChunks& l : linked.links) {
+    for (int64_t k = 0; k < l.num_chunks; ++k) {
+      out.push_back({l.first_chunk + k, l.sender, l.receiver, k});
+    }
+  }
+  std::sort(out.begin(), out.end(),
+            [](const RoundChunk& a, const RoundChunk& b) {
+              return std::tie(a.round, a.sender, a.receiver) <
+                     std::tie(b.round, b.sender, b.receiver);
+            });
+  return out;
+}
 
 absl::StatusOr<LinkedCopyPlan> BuildLinkedCopyPlan(
     const TransferPlan& plan, const std::vector<int32_t>& receivers,

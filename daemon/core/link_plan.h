@@ -53,6 +53,17 @@ absl::StatusOr<LinkedCopyPlan> BuildLinkedCopyPlan(
     int64_t chunk_bytes,
     const std::vector<std::shared_ptr<const EngineLayout>>& engines);
 
+// A linked plan's chunks in the order a GPU receiver takes them when every
+// sender sends in rounds (round k = chunk k of every link; issue 32's NCCL
+// schedule, docs/protocol.md): ordered by (round, sender, receiver).
+struct RoundChunk {
+  int64_t chunk = 0;  // index into the copy plan's chunks
+  int32_t sender = 0;
+  int32_t receiver = 0;
+  int64_t round = 0;
+};
+std::vector<RoundChunk> ChunksByRound(const LinkedCopyPlan& linked);
+
 }  // namespace weightsync
 
 #endif  // WEIGHTSYNC_DAEMON_CORE_LINK_PLAN_H_

@@ -173,6 +173,19 @@ TEST(LinkPlanTest, ReplicasScatterBitExact) {
   RunAndCompare(3, true, 65536);
 }
 
+TEST(LinkPlanTest, ChunksByRoundTakeChunkKOfEveryLinkInRoundK) {
+  LinkedCopyPlan linked;
+  linked.links = {{0, 0, 0, 3, 0}, {1, 0, 3, 1, 0}, {2, 0, 4, 2, 0}};
+  const std::vector<RoundChunk> r = ChunksByRound(linked);
+  std::vector<int64_t> chunks, rounds;
+  for (const RoundChunk& c : r) {
+    chunks.push_back(c.chunk);
+    rounds.push_back(c.round);
+  }
+  EXPECT_EQ(chunks, (std::vector<int64_t>{0, 3, 4, 1, 5, 2}));
+  EXPECT_EQ(rounds, (std::vector<int64_t>{0, 0, 0, 1, 1, 2}));
+}
+
 TEST(LinkPlanTest, ReceiverThatNeedsLessThanItsEnginesIsRefused) {
   testing::HeapMapper mapper;
   std::vector<Engine> engines = {MakeEngine("plain", synthetic::Layout::kPlain,
