@@ -21,6 +21,16 @@ weightsync.layouts (where each rectangle lands in the engine's memory):
                                                the receiver copies it from
                                                chunk K into its engine
 
+A `pack` or `op` of one row whose columns run past the tensor's width is
+a flat run of NC elements from (R0, C0) on, wrapping rows (the tensor's
+rows are whole in the shard, and the engine rectangle is contiguous).
+
+Planners (p2p): "bench" (below) or "transfer_plan": the project's plan
+(weightsync.transfer_plan, docs/transfer_plan.md: replicas water-filled by
+rows) with each link's stream cut by the chunk planner (pieces cut at any
+element, so a chunk may hold parts of rows: one pack/op per part, runs
+merged where both sides are contiguous).
+
 Modes: p2p (the plan's M->N: each flow (sender, receiver) packs its pieces
 into chunks; a piece contiguous in the engine and at least --direct_mib and a chunk
 gets whole chunks of its own, which the worker receives in place, the
@@ -34,6 +44,7 @@ engine needs). Case "one": rank 0 holds everything (one sender, p2p).
 """
 
 import argparse
+import importlib.util
 import os
 import sys
 
@@ -99,7 +110,130 @@ def p2p_pieces(cfg, case, layout):
     return out
 
 
-def plan(cfg, case, layout, mode, chunk_bytes, direct_bytes):
+def _tp_module(name):
+    path = os.path.join(mp.HERE, "..", "client", "python", "weightsync", name + ".py")
+    spec = importlib.util.spec_from_file_location("ws_" + name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def transfer_plan_chunks(cfg, case, layout, chunk_bytes, ids, cols):
+    """{(sender, receiver): [[bytes, packs, ops]]} from the project's plan:
+    weightsync.transfer_plan over the same holdings and needs, each link's
+    stream cut by weightsync.planner (standard library only, loaded from
+    the tree without the package)."""
+    planner = _tp_module("planner")
+    sys.modules["planner"] = planner
+    tp = _tp_module("transfer_plan")
+    lay = mp._layouts()
+    shapes = lay.checkpoint_shapes(cfg)
+    held = holdings(cfg, case)
+    rects, _ = engine_rects(cfg, layout)
+    spec = {"tensors": [{"name": n, "dtype": "BFLOAT16", "shape": list(sh)} for n, sh in shapes],
+            "senders": [{"holds": [tp.block(n, h[s][0], h[s][1], 0, cols[n])
+                                   for n, h in held.items() if s in h]} for s in mp.SENDERS],
+            "receivers": [{"name": f"gpu{g}", "needs": [tp.block(t, r0, nr, c0, nc)
+                                                       for t, r0, nr, c0, nc, _d, _s in rects[g]]}
+                          for g in mp.RECEIVERS]}
+    plan = tp.build_plan(spec)
+    need_of = {}
+    for g in mp.RECEIVERS:
+        for t, r0, nr, c0, nc, dst, ds in rects[g]:
+            need_of.setdefault((g, t), []).append((r0, nr, c0, nc, dst, ds))
+    names = [n for n, _sh in shapes]
+    out = {}
+    for si, s in enumerate(mp.SENDERS):
+        for ri, g in enumerate(mp.RECEIVERS):
+            pieces = plan.link_pieces(si, ri)
+            if not pieces:
+                continue
+            chunks = planner.plan_chunks(tp.link_manifest(plan, si, ri), chunk_bytes)
+            fl = []
+            for c in chunks["chunks"]:
+                packs, ops = [], []
+                for part in c["pieces"]:
+                    p = pieces[part["tensor"]]
+                    t = names[p.tensor]
+                    e0 = part["tensor_offset"] // 2
+                    e1 = e0 + part["length"] // 2
+                    off = part["chunk_offset"]
+                    # The piece's rows are p.col_count wide: split [e0, e1)
+                    # into a partial row, whole rows, a partial row.
+                    w = p.col_count
+                    segs = []
+                    e = e0
+                    while e < e1:
+                        i, j = divmod(e, w)
+                        if j or e1 - e < w:
+                            n = min(w - j, e1 - e)
+                            segs.append((i, 1, j, n))
+                            e += n
+                        else:
+                            k = (e1 - e) // w
+                            segs.append((i, k, 0, w))
+                            e += k * w
+                    for i, k, j, n in segs:
+                        r, c0 = p.row_begin + i, p.col_begin + j
+                        packs.append((ids[t], r, k, c0, n, off))
+                        for nr0, nnr, nc0, nnc, dst, ds in need_of[(g, t)]:
+                            if not (nr0 <= r and r + k <= nr0 + nnr and nc0 <= c0
+                                    and c0 + n <= nc0 + nnc):
+                                continue
+                            ops.append((g, ids[t], r, k, c0, n, off, w * 2,
+                                        dst + (r - nr0) * ds + (c0 - nc0) * 2, ds))
+                            break
+                        else:
+                            raise AssertionError(f"{t} rows {r}+{k} cols {c0}+{n}: no need of "
+                                                 f"GPU {g} holds it")
+                        off += k * n * 2
+                fl.append([c["size"], _merge_runs(packs, cols, names, True),
+                           _merge_runs(ops, cols, names, False)])
+            out[(s, g)] = fl
+    return out
+
+
+def _merge_runs(items, cols, names, pack):
+    """Adjacent parts of one chunk that continue each other on both sides
+    become one flat run (one row, columns past the width) where that run is
+    contiguous: the shard's rows are whole (a pack: the part spans the
+    tensor's width, or is a row's tail or head); the engine's rectangle is
+    contiguous (an op: dst_stride is its row)."""
+    out = []
+    for it in items:
+        if out:
+            a = out[-1]
+            if pack:
+                t, r, k, c0, n, off = it
+                at, ar, ak, ac0, an, aoff = a
+                full = cols[names[t]]
+                a_end = ar * full + ac0 + (ak * an if ak > 1 else an)
+                flat_a = ak == 1 or (ac0 == 0 and an == full)
+                flat_b = k == 1 or (c0 == 0 and n == full)
+                if (t == at and flat_a and flat_b and r * full + c0 == a_end
+                        and off == aoff + ak * an * 2):
+                    out[-1] = (at, ar, 1, ac0, (ak * an) + k * n, aoff)
+                    continue
+            else:
+                g, t, r, k, c0, n, off, ss, dst, ds = it
+                ag, at, ar, ak, ac0, an, aoff, ass, adst, ads = a
+                full = cols[names[t]]
+                row = n * 2
+                # Each part contiguous in the engine; adjacency is checked next.
+                contiguous = (ds == row or k == 1) and (ads == an * 2 or ak == 1)
+                a_bytes = ak * an * 2
+                if (g == ag and t == at and contiguous and dst == adst + a_bytes
+                        and off == aoff + a_bytes and r * full + c0 == ar * full + ac0 + ak * an
+                        and (k == 1 or c0 == 0) and (ak == 1 or ac0 == 0)):
+                    out[-1] = (ag, at, ar, 1, ac0, ak * an + k * n, aoff, a_bytes + k * n * 2,
+                               adst, a_bytes + k * n * 2)
+                    continue
+        out.append(it)
+    return out
+
+
+def plan(cfg, case, layout, mode, chunk_bytes, direct_bytes, planner="bench"):
     lay = mp._layouts()
     shapes = lay.checkpoint_shapes(cfg)
     ids = {n: i for i, (n, _s) in enumerate(shapes)}
@@ -151,6 +285,14 @@ def plan(cfg, case, layout, mode, chunk_bytes, direct_bytes):
                     chunks[k][5].append((g, ids[n], a, b - a, c0, nc,
                                          off + (a - lo) * cols[n] * 2 + c0 * 2, cols[n] * 2,
                                          dst + (a - r0) * ds, ds))
+    elif planner == "transfer_plan":
+        per_flow = transfer_plan_chunks(cfg, case, layout, chunk_bytes, ids, cols)
+        rounds = max(len(f) for f in per_flow.values())
+        for i in range(rounds):
+            for (s, g), fl in sorted(per_flow.items()):
+                if i < len(fl):
+                    b, packs, ops = fl[i]
+                    chunks.append([i, s, g, b, packs, ops])
     else:
         flows = {}
         for p in p2p_pieces(cfg, case, layout):
@@ -215,10 +357,11 @@ def main():
     ap.add_argument("--mode", default="p2p", choices=("p2p", "bcast"))
     ap.add_argument("--chunk_mib", type=int, default=256)
     ap.add_argument("--direct_mib", type=int, default=0)
+    ap.add_argument("--planner", default="bench", choices=("bench", "transfer_plan"))
     ap.add_argument("--out", default="-")
     args = ap.parse_args()
     lines = plan(mp.MODELS[args.model], args.case, args.layout, args.mode,
-                 args.chunk_mib * MiB, args.direct_mib * MiB)
+                 args.chunk_mib * MiB, args.direct_mib * MiB, args.planner)
     text = "\n".join(lines) + "\n"
     if args.out == "-":
         sys.stdout.write(text)

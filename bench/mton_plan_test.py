@@ -12,9 +12,14 @@ import unittest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mton_plan  # noqa: E402
 
-TINY = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
+TINY = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
         "head_dim": 32, "model_type": "qwen3", "tie_word_embeddings": False}
+
+
+# Rows of 192 and 320 bytes: the transfer plan's 256-byte-aligned chunk
+# cuts fall inside rows.
+ODD = dict(TINY, hidden_size=96, head_dim=48, intermediate_size=160, vocab_size=100)
 
 
 def value(t, r, c):
@@ -42,21 +47,32 @@ def execute(lines):
             chunks[int(f[1])]["packs"].append(tuple(int(x) for x in f[2:]))
         elif f[0] == "op":
             chunks[int(f[1])]["ops"].append(tuple(int(x) for x in f[2:]))
+    def coords(t, r0, i, c0, j, nr, nc):
+        """(row, col) of element (i, j) of a rectangle, or of element j of
+        a flat run (one row whose columns pass the tensor's width)."""
+        cols = tensors[t][1]
+        if nr == 1 and c0 + nc > cols:
+            e = r0 * cols + c0 + j
+            return e // cols, e % cols
+        return r0 + i, c0 + j
+
     for c in chunks:
         buf = {}   # byte offset in the chunk -> value (element granularity)
         for t, r0, nr, c0, nc, off in c["packs"]:
             h0, hn = holds[c["sender"]][t]
-            assert h0 <= r0 and r0 + nr <= h0 + hn, ("pack outside the shard", t)
+            last = coords(t, r0, nr - 1, c0, nc - 1, nr, nc)[0]
+            assert h0 <= r0 and last < h0 + hn, ("pack outside the shard", t)
             for i in range(nr):
                 for j in range(nc):
-                    buf[off + (i * nc + j) * 2] = value(t, r0 + i, c0 + j)
+                    buf[off + (i * nc + j) * 2] = value(t, *coords(t, r0, i, c0, j, nr, nc))
         assert max(buf) + 2 <= c["bytes"], "pack past the chunk"
         for g, t, r0, nr, c0, nc, off, sstride, dst, dstride in c["ops"]:
             assert c["receiver"] in (g, -1)
             for i in range(nr):
                 for j in range(nc):
                     v = buf[off + i * sstride + j * 2]
-                    assert v == value(t, r0 + i, c0 + j), ("op reads the wrong element", t)
+                    assert v == value(t, *coords(t, r0, i, c0, j, nr, nc)), \
+                        ("op reads the wrong element", t)
                     at = dst + i * dstride + j * 2
                     assert at not in engines[g], ("written twice", g, t, r0 + i, c0 + j)
                     engines[g][at] = v
@@ -74,15 +90,16 @@ def execute(lines):
 
 class PlanTest(unittest.TestCase):
     def test_every_engine_element_once_and_right(self):
-        for mode in ("p2p", "bcast"):
+        for mode, planner in (("p2p", "bench"), ("p2p", "transfer_plan"), ("bcast", "bench")):
             for case in ("rows", "layers", "replicas", "one"):
                 if mode == "bcast" and case != "one":
                     continue
                 for layout in ("tp2", "replicas"):
-                    with self.subTest(mode=mode, case=case, layout=layout):
-                        # Small chunks: pieces split across chunks, direct
-                        # chunks (rows of 128 bytes) and packed ones.
-                        lines = mton_plan.plan(TINY, case, layout, mode, 4096, 0)
+                    with self.subTest(mode=mode, planner=planner, case=case, layout=layout):
+                        # Small chunks: pieces split across chunks (mid-row
+                        # for the transfer plan's), direct chunks (rows of
+                        # 128 bytes) and packed ones.
+                        lines = mton_plan.plan(TINY, case, layout, mode, 4096, 0, planner)
                         engines, needs = execute(lines)
                         for g, ns in needs.items():
                             want = {}
@@ -91,6 +108,27 @@ class PlanTest(unittest.TestCase):
                                     for j in range(nc):
                                         want[dst + i * ds + j * 2] = value(t, r0 + i, c0 + j)
                             self.assertEqual(engines[g], want)
+
+    def test_transfer_plan_cuts_rows_and_merges_runs(self):
+        for case in ("rows", "layers", "replicas"):
+            for layout in ("tp2", "replicas"):
+                with self.subTest(case=case, layout=layout):
+                    lines = mton_plan.plan(ODD, case, layout, "p2p", 4096, 0, "transfer_plan")
+                    engines, needs = execute(lines)
+                    for g, ns in needs.items():
+                        want = {}
+                        for t, r0, nr, c0, nc, dst, ds in ns:
+                            for i in range(nr):
+                                for j in range(nc):
+                                    want[dst + i * ds + j * 2] = value(t, r0 + i, c0 + j)
+                        self.assertEqual(engines[g], want)
+        lines = mton_plan.plan(ODD, "rows", "replicas", "p2p", 4096, 0, "transfer_plan")
+        cols = {int(f[1]): int(f[4]) for f in (x.split() for x in lines) if f[0] == "tensor"}
+        ops = [[int(x) for x in f[1:]] for f in (x.split() for x in lines) if f[0] == "op"]
+        # op: chunk gpu tensor r0 nr c0 nc ...: runs that start mid-row, and
+        # runs merged past a row's end (a whole chunk as one op: in place).
+        self.assertTrue(any(o[4] == 1 and o[5] > 0 for o in ops))
+        self.assertTrue(any(o[4] == 1 and o[5] + o[6] > cols[o[2]] for o in ops))
 
     def test_direct_chunks_are_one_contiguous_op(self):
         lines = mton_plan.plan(TINY, "rows", "replicas", "p2p", 4096, 0)

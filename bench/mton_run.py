@@ -55,7 +55,8 @@ FAULTS = ("kill_start", "kill_mid", "kill_end", "freeze_start", "freeze_mid", "f
 def run_one(args, name, case, layout, mode, work, extra=()):
     cfg = mp.MODELS[args.model]
     plan_path = os.path.join(work, f"{name}.plan")
-    lines = mton_plan.plan(cfg, case, layout, mode, args.chunk_mib * MiB, 0)
+    lines = mton_plan.plan(cfg, case, layout, mode, args.chunk_mib * MiB, 0,
+                           args.planner if mode == "p2p" else "bench")
     with open(plan_path, "w") as f:
         f.write("\n".join(lines) + "\n")
     sync = tempfile.mkdtemp(prefix="sync-", dir=work)
@@ -174,6 +175,9 @@ def main():
     ap.add_argument("--timeout_s", type=int, default=120)
     ap.add_argument("--raw", help="mton_raw.json of the same run (the baseline)")
     ap.add_argument("--label", default="")
+    ap.add_argument("--planner", default="transfer_plan", choices=("bench", "transfer_plan"),
+                    help="who cuts the links into chunks (bench/mton_plan.py); the "
+                         "2026-11-28 run (b88a5b1) used bench")
     ap.add_argument("--faults", action="store_true",
                     help="the two-sender faults (rows -> tp2) instead of the table")
     ap.add_argument("--wait_s", type=float, default=3.0)
@@ -197,6 +201,7 @@ def main():
     if args.raw and os.path.exists(args.raw):
         raw = json.load(open(args.raw))["results"]
     doc = {"model": args.model, "chunk_mib": args.chunk_mib, "reps": args.reps,
+           "planner": args.planner,
            "staging_buffers": args.staging_buffers, "label": args.label,
            "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
            "results": results}
