@@ -8,7 +8,8 @@
 //     checkpoint (the plan's `hold` lines), every element a function of
 //     (tensor, row, column, version) (bench/mton_kernels.h), and sends the
 //     plan's chunks in the plan's rounds: per round one NCCL group of
-//     ncclSend, each chunk packed on a second stream (cudaMemcpy2DAsync)
+//     ncclSend, each chunk packed on a second stream (cudaMemcpy2DAsync, or
+//     one copy for a run across whole rows)
 //     while the round before it is on the wire, or sent straight from the
 //     shard where the chunk is one contiguous piece of it. Broadcast plans
 //     (receiver -1): rank 0 broadcasts each chunk, rank 1 takes part as a
@@ -347,9 +348,10 @@ void RunSender(const Plan& plan) {
     if (c.packs.size() != 1 || !plan.holds.count(me)) return nullptr;
     const Rect& r = c.packs[0];
     const Tensor& t = plan.tensors[r.tensor];
-    if (r.c0 != 0 || r.nc != t.cols) return nullptr;
+    const bool flat = r.nr == 1 && r.c0 + r.nc > t.cols;  // a run across rows
+    if (!flat && (r.c0 != 0 || r.nc != t.cols)) return nullptr;
     const Hold& h = plan.holds.at(me).at(r.tensor);
-    return shard + h.offset + (r.r0 - h.row0) * t.cols * 2;
+    return shard + h.offset + ((r.r0 - h.row0) * t.cols + r.c0) * 2;
   };
   int64_t in_place_bytes = 0, sent_bytes = 0;
   for (const auto& r : rounds) {
@@ -387,10 +389,16 @@ void RunSender(const Plan& plan) {
         for (const Rect& r : c.packs) {
           const Tensor& t = plan.tensors[r.tensor];
           const Hold& h = plan.holds.at(me).at(r.tensor);
-          CK(cudaMemcpy2DAsync(
-              slots[s][j] + r.off, r.nc * 2,
-              shard + h.offset + (r.r0 - h.row0) * t.cols * 2 + r.c0 * 2,
-              t.cols * 2, r.nc * 2, r.nr, cudaMemcpyDeviceToDevice, pack));
+          const uint8_t* from =
+              shard + h.offset + ((r.r0 - h.row0) * t.cols + r.c0) * 2;
+          if (r.nr == 1 && r.c0 + r.nc > t.cols) {
+            // A flat run (bench/mton_plan.py): the shard's rows are whole.
+            CK(cudaMemcpyAsync(slots[s][j] + r.off, from, r.nc * 2,
+                               cudaMemcpyDeviceToDevice, pack));
+            continue;
+          }
+          CK(cudaMemcpy2DAsync(slots[s][j] + r.off, r.nc * 2, from, t.cols * 2,
+                               r.nc * 2, r.nr, cudaMemcpyDeviceToDevice, pack));
         }
         src[j] = slots[s][j];
       }
