@@ -11,8 +11,9 @@ between them; (c) two data-parallel replicas of everything. Each case runs
 three versions in one job; every engine's memory is then compared bit for
 bit with a numpy placement of the last version, every version's receipts
 with the checkpoint's, each rank must have made the same plan (same
-id, which the daemons' plans match too), both ranks send, and the
-receipts the daemons return match the ones computed from the checkpoint.
+id, which the daemons' plans match too), both ranks send, the leader
+checked every engine's receipt against the sum of the ranks' partial
+receipts, and the receipts match the ones computed from the checkpoint.
 Then faults on (a): rank 1 killed mid-stream (SIGKILL after two chunks to
 daemon 0): the update fails on both daemons, no engine serves a version
 its memory does not hold, and the next update (the job restarted)
@@ -75,6 +76,7 @@ for version in versions:
         committed = senders.update(manifest, local, version, chunk_bytes={chunk},
                                    update_id="u%d-%s" % (version, case))
         out = {{"version": version, "ok": True, "plan": senders.last_plan.id,
+               "checked": sorted(senders.last_checked),
                "sent": senders.last_plan.sender_bytes[rank],
                "receipts": {{e.engine_id: [str(e.receipt.checksum), e.receipt.parameters]
                              for c in committed for e in c.engines}}}}
@@ -288,6 +290,8 @@ def main():
                 assert all(g["ok"] for g in got), f"case {case} v{version}: {got}"
                 assert got[0]["plan"] == got[1]["plan"], f"case {case}: plans differ {got}"
                 assert all(g["sent"] > 0 for g in got), f"case {case}: a rank sent nothing"
+                assert got[0]["checked"] == sorted(w.layout), \
+                    f"case {case}: the leader checked the receipts of {got[0]['checked']}"
                 w.expect_receipts(got[0]["receipts"], version, f"case {case} v{version}")
             w.expect_version(versions[-1], f"case {case} v{versions[-1]}")
             print(f"case {case}: 3 versions bit-exact, receipts match, plan "

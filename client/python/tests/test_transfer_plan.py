@@ -146,6 +146,48 @@ class PropertiesTest(unittest.TestCase):
         with self.assertRaises(ValueError):
             shard_block("w", [10, 4, 2], [10, 4, 1], [0, 0, 1])
 
+    def test_partial_receipts_add_up_to_the_whole(self):
+        import numpy as np
+        from weightsync._proto import v1
+        from weightsync.receipts import expected_receipt
+        from weightsync.senders.many_receipts import add_partials, partial_receipts
+        rng = np.random.default_rng(5)
+        w = rng.standard_normal((9, 6)).astype(np.float32)
+        b = rng.standard_normal(7).astype(np.float32)
+        # An engine: w's columns 1..4 into a [9, 3] parameter, b whole.
+        layout = [v1.Parameter(name="p", dtype=v1.FLOAT16, shape=[9, 3],
+                               segments=[v1.Segment(source="w", row_begin=0, row_count=9,
+                                                    col_begin=1, col_count=3)]),
+                  v1.Parameter(name="b", dtype=v1.FLOAT32, shape=[7])]
+        tensors = [{"name": "w", "dtype": "FLOAT32", "shape": [9, 6]},
+                   {"name": "b", "dtype": "FLOAT32", "shape": [7]}]
+        spec = {"tensors": tensors,
+                "senders": [{"holds": [tp.shard("w", [9, 6], 0, r, 2), tp.whole("b", [7])]}
+                            for r in range(2)],
+                "receivers": [{"name": "d", "needs": [tp.block("w", 0, 9, 1, 3),
+                                                      tp.whole("b", [7])]}]}
+        plan = tp.build_plan(spec)
+        data = {"w": w.reshape(9, 6), "b": b.reshape(7, 1)}
+
+        def payloads(r, flip=False):
+            out = []
+            for p in plan.link_pieces(r, 0):
+                a = data[tensors[p.tensor]["name"]]
+                raw = bytearray(a[p.row_begin:p.row_begin + p.row_count,
+                                  p.col_begin:p.col_begin + p.col_count].tobytes())
+                if flip:
+                    raw[0] ^= 1
+                out.append(bytes(raw))
+            return out
+        engines = {"e": layout}
+        whole = expected_receipt(layout, {n: ("FLOAT32", a.shape, a.reshape(-1).view(np.uint8))
+                                          for n, a in (("w", w), ("b", b))})
+        total = add_partials(partial_receipts(plan, r, 0, engines, payloads(r)) for r in range(2))
+        self.assertEqual(total["e"], (whole[0], whole[2]))
+        bad = add_partials([partial_receipts(plan, 0, 0, engines, payloads(0)),
+                            partial_receipts(plan, 1, 0, engines, payloads(1, flip=True))])
+        self.assertNotEqual(bad["e"][0], whole[0])
+
     def test_link_manifest_is_a_chunk_plan_manifest(self):
         from weightsync import planner
         spec = _random_spec(random.Random(7))

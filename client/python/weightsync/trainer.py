@@ -254,7 +254,7 @@ class Trainer:
         return self._host_stream
 
     def update_sharded(self, manifest, local, version, collective=None, chunk_bytes=0,
-                       update_id=None, engine_ids=None):
+                       update_id=None, engine_ids=None, verify=True):
         """Every rank of a sharded or replicated trainer sends its own share
         (issue 32; docs/transfer_plan.md): call on every rank, each with a
         Trainer of every daemon (host backend: init_host() on rank 0 only),
@@ -263,8 +263,11 @@ class Trainer:
         (weightsync.senders.many.shard_of / weightsync.transfer_plan.whole).
         `collective`: how the ranks agree (default: torch.distributed's
         default group). The plan is made once and reused while neither the
-        holdings nor the engines change. Returns every daemon's commit on
-        every rank, or raises the same WeightSyncError on every rank."""
+        holdings nor the engines change. `verify`: each rank sums the
+        receipt terms of what it sent and rank 0 checks the daemons'
+        receipts against the sum (DATA_LOSS, aborted everywhere, on a
+        mismatch). Returns every daemon's commit on every rank, or raises
+        the same WeightSyncError on every rank."""
         from weightsync.senders import many as many_senders
         key = (id(collective), tuple(engine_ids) if engine_ids is not None else None)
         senders = self._many_senders.get(key)
@@ -273,7 +276,7 @@ class Trainer:
             senders = many_senders.ManySenders(self._link, coll, engine_ids)
             self._many_senders[key] = senders
         return senders.update(manifest, local, version, chunk_bytes=chunk_bytes,
-                              update_id=update_id)
+                              update_id=update_id, verify=verify)
 
     def finish(self, update_id):
         """FinishWeightUpdate of an update this process started."""

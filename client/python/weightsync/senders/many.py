@@ -33,6 +33,7 @@ from weightsync import _multi, planner, transfer_plan
 from weightsync._errors import WeightSyncError
 from weightsync._proto import v1
 from weightsync._tensors import describe
+from weightsync.senders.many_receipts import add_partials, partial_receipts
 
 __all__ = ["ManySenders", "TorchCollective", "shard_of", "needs_of_status"]
 
@@ -116,6 +117,7 @@ class ManySenders:
         # Tests only: called with (daemon index, chunk index) before each
         # chunk this rank sends.
         self._on_chunk = None
+        self.last_checked = []   # leader: engines whose receipts it checked
 
     @property
     def rank(self):
@@ -166,7 +168,19 @@ class ManySenders:
         if registered is not None:
             raise WeightSyncError(*registered)
         self._plan, self._plan_key, self.last_plan = plan, key, plan
+        self._engines = self._engine_layouts()
         return plan
+
+    def _engine_layouts(self):
+        """[{engine id: layout}] of every daemon (what this rank's partial
+        receipts walk), read once per plan."""
+        ids = None if self._engine_ids is None else set(self._engine_ids)
+        out = []
+        for stub in self._link.stubs:
+            st = stub.call("GetStatus", include_layouts=True)
+            out.append({e.engine_id: list(e.layout) for e in st.engines
+                        if ids is None or e.engine_id in ids})
+        return out
 
     def _register(self, spec, plan):
         """Leader: RegisterTransferPlan on every daemon; None or [code,
@@ -184,7 +198,8 @@ class ManySenders:
                 return [r.code, f"{self._link.group.name(i)}: {r.message}"]
         return None
 
-    def update(self, manifest, local, version, chunk_bytes=0, update_id=None, mode="streaming"):
+    def update(self, manifest, local, version, chunk_bytes=0, update_id=None, mode="streaming",
+               verify=True):
         """Sends this rank's share of version `version` and returns every
         daemon's commit (FinishWeightUpdateResponse list, the same on
         every rank). `manifest`: the global tensors [{"name", "dtype",
@@ -202,11 +217,10 @@ class ManySenders:
         started = self._coll.broadcast(started)
         if "error" in started:
             raise WeightSyncError(*started["error"])
-        sent = None
         try:
-            self._push(plan, local, started)
+            sent = {"partials": self._push(plan, local, started, verify)}
         except WeightSyncError as e:
-            sent = [e.code, f"rank {self.rank}: {e.message}"]
+            sent = {"error": [e.code, f"rank {self.rank}: {e.message}"]}
         try:
             outcomes = self._coll.all_gather(sent)
         except Exception as e:  # a rank gone: the collective timed out
@@ -222,6 +236,18 @@ class ManySenders:
             raise WeightSyncError(*result["error"])
         return [v1.FinishWeightUpdateResponse.FromString(bytes.fromhex(h))
                 for h in result["committed"]]
+
+    def _check_receipts(self, group, update_id, prepared, outcomes):
+        """Leader: each daemon's receipts against the ranks' summed parts;
+        a mismatch aborts everywhere (DATA_LOSS)."""
+        self.last_checked = []
+        for i, p in enumerate(prepared):
+            self.last_checked += [e.engine_id for e in p.engines if any(
+                e.engine_id in (o["partials"].get(str(i)) or {}) for o in outcomes)]
+            bad = _receipt_mismatch(p, outcomes, i)
+            if bad is not None:
+                _multi.fail_everywhere(group, update_id, i, WeightSyncError("DATA_LOSS", bad),
+                                       "receipts do not match")
 
     def _start(self, plan, update_id, version, chunk_bytes, mode):
         group = self._link.group
@@ -239,8 +265,9 @@ class ManySenders:
                 return {"error": [r.code, f"{group.name(i)}: {r.message}"]}
         return {"update_id": update_id, "chunk_bytes": [r.chunk_bytes for r in results]}
 
-    def _push(self, plan, local, started):
-        """This rank's links, one PushChunks stream per daemon, in parallel."""
+    def _push(self, plan, local, started, verify):
+        """This rank's links, one PushChunks stream per daemon, in parallel;
+        returns {daemon index (str): its partial receipts} (verify)."""
         held = {}
         for b, array in local:
             _, _, raw = describe(b["tensor"], array)
@@ -265,26 +292,45 @@ class ManySenders:
                                                data=planner.pack_chunk(c, payloads),
                                                sender=me, receiver=i)
             stub.call("PushChunks", requests(), timeout=self._link.stream_timeout)
-            return chunks["total_bytes"]
+            return partial_receipts(plan, me, i, self._engines[i], payloads) if verify else {}
+        partials = {}
         for i, r in enumerate(self._link.group.each(push)):
             if isinstance(r, WeightSyncError):
                 raise WeightSyncError(r.code, f"{self._link.group.name(i)}: {r.message}")
+            partials[str(i)] = r
+        return partials
 
     def _finish(self, group, update_id, outcomes):
         """Leader: abort everywhere if a rank failed, else prepare and
         commit on every daemon."""
-        for rank, failed in enumerate(outcomes):
+        for rank, outcome in enumerate(outcomes):
+            failed = outcome.get("error")
             if failed is not None:
                 _multi.abort(group, update_id, f"sender {rank} failed: {failed[1]}")
                 return {"error": [failed[0], f"sender {rank} failed; the update was aborted "
                                   f"on every daemon: {failed[1]}"]}
         try:
-            _multi.prepare(group, update_id, self._link.daemon_wait_ms())
+            prepared = _multi.prepare(group, update_id, self._link.daemon_wait_ms())
+            self._check_receipts(group, update_id, prepared, outcomes)
             committed = _multi.commit(group, update_id)
         except WeightSyncError as e:
             return {"error": [e.code, e.message]}
         self._link.last_results = committed
         return {"committed": [c.SerializeToString().hex() for c in committed]}
+
+
+def _receipt_mismatch(prepared, outcomes, i):
+    """The first engine of daemon `i` whose receipt differs from the sum of
+    the ranks' parts, as a message; None when all match."""
+    want = add_partials(o["partials"].get(str(i)) for o in outcomes)
+    for e in prepared.engines:
+        if e.engine_id not in want or not e.HasField("receipt"):
+            continue
+        checksum, nbytes = want[e.engine_id]
+        if (e.receipt.checksum, e.receipt.bytes) != (checksum, nbytes):
+            return (f"engine '{e.engine_id}' read back checksum {e.receipt.checksum:#x} over "
+                    f"{e.receipt.bytes} bytes; the senders sent {checksum:#x} over {nbytes}")
+    return None
 
 
 def _spec_message(spec):
