@@ -21,7 +21,7 @@ namespace {
 // blocks partial), its scale parameter [3, 3] float32, a per-row FP8 "o"
 // [8, 40] with scale [8, 1], and a bf16 "norm" [64] written by a copy.
 // Offsets odd where FP8 allows. Receipt regions as the daemon makes them
-// (worker_client.cc, ReceiptRegionsOf): one per segment, one per
+// (worker_receipts.cc, ReceiptRegionsOf): one per segment, one per
 // segment's scales.
 struct Engine {
   std::vector<uint8_t> memory = std::vector<uint8_t>(1 << 16);

@@ -500,7 +500,7 @@ TEST(QuantStepsTest, DirectStepsInstallWhatTheHostDataPlaneInstalls) {
 }
 
 // The receipt regions of `engine` for an update of `sources`, as the
-// daemon makes them (worker_client.cc, ReceiptRegionsOf: one per segment
+// daemon makes them (worker_receipts.cc, ReceiptRegionsOf: one per segment
 // fed by a source, one per such segment's scales), resolved to host
 // addresses; the names of their parameters in *names.
 std::vector<cuda::ReceiptRegion> RegionsOf(

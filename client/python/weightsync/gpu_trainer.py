@@ -3,7 +3,7 @@ ranks receive) and CUDA IPC (trainer on the engine's GPU, the daemon copies
 from the trainer's packed buffer). Used by weightsync.Trainer after
 init_nccl() / init_ipc(); needs torch with CUDA.
 
-NCCL, per update (mirrors tools/gpu_trainer_main.cc): StartWeightUpdate on
+NCCL, per update (mirrors tools/gpu_trainer.cc): StartWeightUpdate on
 every daemon, then for every chunk k of the shared chunk plan one
 ncclBroadcast (root 0, ncclUint8) of the packed bytes [offset, offset+size)
 of the update, then FinishWeightUpdate. Chunks are packed on a side stream
