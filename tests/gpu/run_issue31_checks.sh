@@ -41,17 +41,18 @@ run() {  # name seconds tree command...
 }
 
 { echo "date: $(date -Is)  commit: ${COMMIT:-?}"; nvidia-smi -L; } | tee "$LOG/env.txt"
-# The Triton receipt kernels (now module-level) against numpy, every dtype pair.
-run check_receipts_gpu 90 "$NEW" "$PY" tests/gpu/check_receipts_gpu.py
-# NCCL (one daemon) and IPC senders end to end, receipts on: bit-exact engines.
-TAIL=4 run test_torch_gpu 120 "$NEW" "$PY" tests/gpu/test_torch_gpu.py "$WEIGHTSYNCD" "$WEIGHTSYNC_GPU_WORKER"
+# NCCL (one daemon) and IPC senders end to end, receipts on (the Triton
+# receipt kernels, now module-level, on the GPU): bit-exact engines.
+TAIL=4 run test_torch_gpu 100 "$NEW" "$PY" tests/gpu/test_torch_gpu.py "$WEIGHTSYNCD" "$WEIGHTSYNC_GPU_WORKER"
 # The IPC registered source's update (Qwen3-8B shapes, one GPU), after then before.
-run python_ipc_bench_after 80 "$NEW" "$PY" bench/python_ipc_bench.py "$WEIGHTSYNCD" "$WEIGHTSYNC_GPU_WORKER" "$LOG/python_ipc_after.json"
-run python_ipc_bench_before 80 "$OLD" "$PY" bench/python_ipc_bench.py "$WEIGHTSYNCD" "$WEIGHTSYNC_GPU_WORKER" "$LOG/python_ipc_before.json"
+run python_ipc_bench_after 60 "$NEW" "$PY" bench/python_ipc_bench.py "$WEIGHTSYNCD" "$WEIGHTSYNC_GPU_WORKER" "$LOG/python_ipc_after.json"
+run python_ipc_bench_before 60 "$OLD" "$PY" bench/python_ipc_bench.py "$WEIGHTSYNCD" "$WEIGHTSYNC_GPU_WORKER" "$LOG/python_ipc_before.json"
+# The Triton receipt kernels against numpy, every dtype pair.
+run check_receipts_gpu 60 "$NEW" "$PY" tests/gpu/check_receipts_gpu.py
 # The NCCL update (GPU 0 -> engine on GPU 1), after then before.
 export BENCH_CHUNKS_MIB="${BENCH_CHUNKS_MIB:-1024}"
-run python_bench_after 90 "$NEW" "$PY" bench/python_bench.py "$WEIGHTSYNCD" "$WEIGHTSYNC_GPU_WORKER" "$LOG/python_nccl_after.json"
-run python_bench_before 90 "$OLD" "$PY" bench/python_bench.py "$WEIGHTSYNCD" "$WEIGHTSYNC_GPU_WORKER" "$LOG/python_nccl_before.json"
+run python_bench_after 60 "$NEW" "$PY" bench/python_bench.py "$WEIGHTSYNCD" "$WEIGHTSYNC_GPU_WORKER" "$LOG/python_nccl_after.json"
+run python_bench_before 60 "$OLD" "$PY" bench/python_bench.py "$WEIGHTSYNCD" "$WEIGHTSYNC_GPU_WORKER" "$LOG/python_nccl_before.json"
 # FP8 targets: the daemon's quantisation and the trainer's FP8 Triton receipts.
 run fp8_exact 120 "$NEW" "$PY" tests/gpu/test_fp8_gpu.py exact "$WEIGHTSYNCD" "$WEIGHTSYNC_GPU_WORKER"
 run test_registered_source 120 "$NEW" "$PY" tests/gpu/test_registered_source.py "$WEIGHTSYNCD" "$WEIGHTSYNC_GPU_WORKER"
