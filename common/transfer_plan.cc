@@ -89,10 +89,31 @@ absl::Status Collect(const v1::TransferPlanSpec& spec,
                                                    " blocks exceed the limit ",
                                                    limits.max_blocks));
   }
+  if (spec.tensors_size() > limits.max_tensors) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("transfer plan: ", spec.tensors_size(),
+                     " tensors exceed the limit ", limits.max_tensors));
+  }
+  for (int r = 0; r < spec.receivers_size(); ++r) {
+    if (static_cast<int64_t>(spec.receivers(r).name().size()) >
+        limits.max_name_length) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "receiver ", r, ": a name of ", spec.receivers(r).name().size(),
+          " bytes; the limit is ", limits.max_name_length));
+    }
+  }
   absl::flat_hash_map<std::string, int> index;
   tensors->resize(spec.tensors_size());
   for (int i = 0; i < spec.tensors_size(); ++i) {
     const v1::TensorSpec& t = spec.tensors(i);
+    if (static_cast<int64_t>(t.name().size()) > limits.max_name_length ||
+        t.shape_size() > limits.max_rank) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor ", i, " ('", t.name().substr(0, 64),
+                       "'): a name of ", t.name().size(), " bytes and ",
+                       t.shape_size(), " dimensions; the limits are ",
+                       limits.max_name_length, " and ", limits.max_rank));
+    }
     if (t.name().empty()) {
       return absl::InvalidArgumentError(
           absl::StrCat("tensor ", i, ": empty name"));

@@ -35,6 +35,9 @@ struct TransferPlanLimits {
   int max_senders = 1 << 16;
   int max_receivers = 1 << 16;
   int64_t max_blocks = int64_t{1} << 24;  // held + needed, all tensors
+  int64_t max_tensors = int64_t{1} << 20;
+  int64_t max_name_length = 1024;  // tensor and receiver names
+  int max_rank = 16;               // dimensions of a tensor
   // Cells of one tensor's grid (its blocks' row cuts x column cuts).
   int64_t max_cells_per_tensor = int64_t{1} << 22;
 };

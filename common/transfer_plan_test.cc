@@ -250,6 +250,32 @@ TEST(TransferPlanTest, LinkManifestPacksAsTheChunkPlanner) {
   EXPECT_EQ(bytes, sent);
 }
 
+TEST(TransferPlanTest, UntrustedSizesAreBounded) {
+  const vectors::TransferPlanVectors v = LoadVectors();
+  TransferPlanLimits limits;
+  limits.max_tensors = 2;
+  limits.max_name_length = 8;
+  limits.max_rank = 1;
+  limits.max_blocks = 3;
+  auto refused = [&](const v1::TransferPlanSpec& spec,
+                     const std::string& want) {
+    absl::StatusOr<TransferPlan> plan = BuildTransferPlan(spec, limits);
+    ASSERT_FALSE(plan.ok());
+    EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(plan.status().message().find(want), std::string::npos)
+        << plan.status();
+  };
+  refused(v.cases(0).spec(), "blocks exceed the limit 3");
+  limits.max_blocks = 1 << 20;
+  refused(v.cases(0).spec(), "tensors exceed the limit 2");
+  limits.max_tensors = 100;
+  refused(v.cases(0).spec(), "the limits are 8 and 1");
+  v1::TransferPlanSpec spec = v.errors(2).spec();  // names fit, 2-D
+  limits.max_rank = 2;
+  spec.mutable_receivers(0)->set_name("a-very-long-name");
+  refused(spec, "receiver 0: a name of 16 bytes");
+}
+
 TEST(TransferPlanTest, IdChangesWithEitherSide) {
   const vectors::TransferPlanVectors v = LoadVectors();
   v1::TransferPlanSpec spec = v.cases(0).spec();

@@ -47,8 +47,12 @@ Coordinator::RegisterTransferPlan(
                        request.spec().receivers_size()));
     }
   }
+  // Bounded like a Start's manifest (the spec is a manifest and more).
   TransferPlanLimits limits;
   limits.max_blocks = options_.max_manifest_tensors * 64;
+  limits.max_tensors = options_.max_manifest_tensors;
+  limits.max_name_length = options_.limits.max_name_length;
+  limits.max_rank = CoordinatorOptions::kMaxTensorRank;
   WS_ASSIGN_OR_RETURN(TransferPlan built,
                       BuildTransferPlan(request.spec(), limits));
   auto plan = std::make_shared<const TransferPlan>(std::move(built));
