@@ -1,6 +1,7 @@
 #include "backends/cuda/p2p_rounds.h"
 
 #include <algorithm>
+#include <tuple>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
@@ -109,6 +110,84 @@ absl::StatusOr<P2pSchedule> PlanP2pRounds(
     k = r.end;
   }
   return out;
+}
+
+int64_t MaxChunksPerRound(const std::vector<int64_t>& round) {
+  std::vector<int64_t> sorted = round;
+  std::sort(sorted.begin(), sorted.end());
+  int64_t best = 0;
+  for (size_t i = 0; i < sorted.size();) {
+    size_t j = i;
+    while (j < sorted.size() && sorted[j] == sorted[i]) ++j;
+    best = std::max<int64_t>(best, j - i);
+    i = j;
+  }
+  return best;
+}
+
+absl::Status OrderChunksByRound(const std::vector<int32_t>& sender,
+                                const std::vector<int64_t>& round,
+                                worker::v1::BeginUpdateRequest* req) {
+  const int64_t n = req->chunk_sizes_size();
+  if (static_cast<int64_t>(sender.size()) != n ||
+      static_cast<int64_t>(round.size()) != n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk sources for ", sender.size(), " / ", round.size(),
+                     " chunks; the update has ", n));
+  }
+  if (req->staged() || req->sparse_size() > 0 || req->quant_steps_size() > 0 ||
+      req->reuse_ops()) {
+    return absl::UnimplementedError(
+        "M->N updates stream dense copies: not staged, no sparse patches, no "
+        "FP8 targets, no held ops");
+  }
+  std::vector<int64_t> order(n);
+  for (int64_t k = 0; k < n; ++k) {
+    if (sender[k] < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("chunk ", k, " has no sender"));
+    }
+    order[k] = k;
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return std::tie(round[a], sender[a]) < std::tie(round[b], sender[b]);
+  });
+  std::vector<int64_t> place(n);
+  for (int64_t i = 0; i < n; ++i) place[order[i]] = i;
+  worker::v1::BeginUpdateRequest out = *req;
+  out.clear_chunk_sizes();
+  out.clear_chunk_peers();
+  out.clear_chunk_rounds();
+  out.clear_ops();
+  for (int64_t i = 0; i < n; ++i) {
+    out.add_chunk_sizes(req->chunk_sizes(order[i]));
+    out.add_chunk_peers(sender[order[i]]);
+    out.add_chunk_rounds(static_cast<int32_t>(round[order[i]]));
+  }
+  // Ops by their new chunk, in their old order within it.
+  std::vector<std::vector<int>> by_chunk(n);
+  for (int i = 0; i < req->ops_size(); ++i) {
+    const int64_t k = req->ops(i).chunk();
+    if (k < 0 || k >= n) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("op ", i, " names chunk ", k, " of ", n));
+    }
+    by_chunk[place[k]].push_back(i);
+  }
+  for (int64_t c = 0; c < n; ++c) {
+    for (int i : by_chunk[c]) {
+      worker::v1::GpuOp* o = out.add_ops();
+      *o = req->ops(i);
+      o->set_chunk(c);
+    }
+  }
+  for (int i = 0; i < out.receipt_after_chunk_size(); ++i) {
+    out.set_receipt_after_chunk(i, n - 1);
+  }
+  out.set_staging_buffers(
+      std::max<int64_t>(req->staging_buffers(), 2 * MaxChunksPerRound(round)));
+  *req = std::move(out);
+  return absl::OkStatus();
 }
 
 }  // namespace weightsync

@@ -46,6 +46,22 @@ absl::StatusOr<P2pSchedule> PlanP2pRounds(
     const worker::v1::BeginUpdateRequest& request, int world, int rank,
     const std::function<bool(int64_t)>& on_my_gpu);
 
+// The daemon's side: `req` holds an update's chunks and ops in the copy
+// plan's order (links one after another); puts them in round order, chunk
+// k at its place by (round[k], sender[k], k), ops renumbered and in the
+// new chunk order (stable), and sets chunk_peers (= sender[k], the NCCL
+// rank) and chunk_rounds. Receipts are summed after the last chunk. The
+// worker's staging buffers: at least twice the most chunks of one round.
+// INVALID_ARGUMENT for tables of the wrong size or a negative sender;
+// UNIMPLEMENTED for what M->N does not carry yet (staged, sparse patches,
+// FP8 quant steps, held ops).
+absl::Status OrderChunksByRound(const std::vector<int32_t>& sender,
+                                const std::vector<int64_t>& round,
+                                worker::v1::BeginUpdateRequest* req);
+
+// The most chunks any round of `round` (one entry per chunk) holds.
+int64_t MaxChunksPerRound(const std::vector<int64_t>& round);
+
 }  // namespace weightsync
 
 #endif  // WEIGHTSYNC_BACKENDS_CUDA_P2P_ROUNDS_H_

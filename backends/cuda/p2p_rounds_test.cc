@@ -136,5 +136,60 @@ TEST(P2pRoundsTest, BadRequestsRefusedNamingTheField) {
   ExpectRefused(r, "chunk 2 has 0 bytes");
 }
 
+TEST(P2pRoundsTest, DaemonOrdersLinkChunksByRound) {
+  // The copy plan's order: link (0 -> me) chunks 0, 1, 2, then link
+  // (1 -> me) chunks 3, 4; round r = chunk r of every link.
+  BeginUpdateRequest r;
+  r.set_staging_buffers(2);
+  for (int64_t b : {100, 200, 300, 400, 500}) r.add_chunk_sizes(b);
+  AddOp(&r, 0, 7, 1, 50, 100, 100)->set_dst_offset(0);
+  AddOp(&r, 1, 7, 1, 100, 200, 200)->set_dst_offset(1);
+  AddOp(&r, 1, 7, 1, 100, 200, 200)->set_dst_offset(2);
+  AddOp(&r, 2, 7, 1, 150, 300, 300)->set_dst_offset(3);
+  AddOp(&r, 3, 7, 1, 200, 400, 400)->set_dst_offset(4);
+  AddOp(&r, 4, 7, 1, 250, 500, 500)->set_dst_offset(5);
+  r.add_receipt_after_chunk(2);
+  const std::vector<int32_t> sender = {0, 0, 0, 1, 1};
+  const std::vector<int64_t> round = {0, 1, 2, 0, 1};
+  ASSERT_TRUE(OrderChunksByRound(sender, round, &r).ok());
+  // New order: (r0, s0) 100, (r0, s1) 400, (r1, s0) 200, (r1, s1) 500, (r2)
+  // 300.
+  EXPECT_EQ(
+      std::vector<int64_t>(r.chunk_sizes().begin(), r.chunk_sizes().end()),
+      (std::vector<int64_t>{100, 400, 200, 500, 300}));
+  EXPECT_EQ(
+      std::vector<int32_t>(r.chunk_peers().begin(), r.chunk_peers().end()),
+      (std::vector<int32_t>{0, 1, 0, 1, 0}));
+  EXPECT_EQ(
+      std::vector<int32_t>(r.chunk_rounds().begin(), r.chunk_rounds().end()),
+      (std::vector<int32_t>{0, 0, 1, 1, 2}));
+  std::vector<std::pair<int64_t, int64_t>> ops;  // (chunk, dst_offset)
+  for (const GpuOp& o : r.ops()) ops.push_back({o.chunk(), o.dst_offset()});
+  EXPECT_EQ(ops, (std::vector<std::pair<int64_t, int64_t>>{
+                     {0, 0}, {1, 4}, {2, 1}, {2, 2}, {3, 5}, {4, 3}}));
+  EXPECT_EQ(r.receipt_after_chunk(0), 4);
+  EXPECT_EQ(r.staging_buffers(), 4);  // two senders a round: 2 x 2
+  // The worker takes what the daemon built (rank 2 of 4).
+  auto s = PlanP2pRounds(r, 4, 2, OnMyGpu);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->rounds.size(), 3u);
+}
+
+TEST(P2pRoundsTest, DaemonOrderRefusesWhatMtoNDoesNotCarry) {
+  BeginUpdateRequest r;
+  r.add_chunk_sizes(100);
+  EXPECT_EQ(OrderChunksByRound({0, 1}, {0, 0}, &r).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(OrderChunksByRound({-1}, {0}, &r).code(),
+            absl::StatusCode::kInvalidArgument);
+  r.set_staged(true);
+  EXPECT_EQ(OrderChunksByRound({0}, {0}, &r).code(),
+            absl::StatusCode::kUnimplemented);
+  r.set_staged(false);
+  r.add_quant_steps()->set_chunk(0);
+  EXPECT_EQ(OrderChunksByRound({0}, {0}, &r).code(),
+            absl::StatusCode::kUnimplemented);
+}
+
 }  // namespace
 }  // namespace weightsync

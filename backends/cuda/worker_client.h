@@ -179,6 +179,10 @@ class GpuDataPlane : public DataPlane {
   void Warm() override { sup_->WarmAsync(); }
   absl::Status Begin(std::shared_ptr<const CopyPlan> plan,
                      const v1::StartWeightUpdateRequest& request) override;
+  // nccl only: the next Begin of `plan` receives chunk k from rank
+  // sources.sender[k] in its round (p2p_rounds.h: OrderChunksByRound).
+  absl::Status SetChunkSources(std::shared_ptr<const CopyPlan> plan,
+                               ChunkSources sources) override;
   // ipc only: copies from the trainer's registered tensors.
   absl::Status BeginFromSource(std::shared_ptr<const CopyPlan> plan,
                                const v1::StartWeightUpdateRequest& request,
@@ -253,6 +257,9 @@ class GpuDataPlane : public DataPlane {
   const std::shared_ptr<GpuWorkerSupervisor> sup_;
   const v1::Backend backend_;
   std::atomic<int64_t> staging_bytes_{0};
+  // SetChunkSources' table, for the Begin of that plan only.
+  std::shared_ptr<const CopyPlan> sources_plan_ ABSL_GUARDED_BY(mu_);
+  ChunkSources sources_ ABSL_GUARDED_BY(mu_);
   // The ops the worker last received for a registered source's plan
   // (worker::v1::BeginUpdateRequest.ops_id): the plan (weak: an engine
   // that goes away must not be kept mapped) and the source regions' worker

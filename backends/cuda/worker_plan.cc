@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "backends/cuda/p2p_rounds.h"
 #include "backends/cuda/quant_steps.h"
 #include "backends/cuda/worker_client.h"
 #include "common/status_macros.h"
@@ -73,16 +74,44 @@ absl::StatusOr<int64_t> QuantWindow(const CopyPlan& plan, int64_t staging,
 
 }  // namespace
 
+absl::Status GpuDataPlane::SetChunkSources(std::shared_ptr<const CopyPlan> plan,
+                                           ChunkSources sources) {
+  if (backend_ != v1::BACKEND_NCCL) return DataPlane::SetChunkSources(plan, {});
+  absl::MutexLock lock(&mu_);
+  sources_plan_ = std::move(plan);
+  sources_ = std::move(sources);
+  return absl::OkStatus();
+}
+
 absl::Status GpuDataPlane::BeginImpl(
     std::shared_ptr<const CopyPlan> plan,
     const v1::StartWeightUpdateRequest& request, bool staged,
     const Source* source) {
   const absl::Time t_entry = absl::Now();
   const auto& o = sup_->options();
+  // M->N (a transfer plan's update): chunks from their senders, in rounds;
+  // staging for two rounds of them. Taken for this plan's Begin only.
+  ChunkSources sources;
+  bool mton = false;
+  {
+    absl::MutexLock lock(&mu_);
+    mton = sources_plan_ != nullptr && sources_plan_ == plan;
+    if (mton) sources = std::move(sources_);
+    sources_plan_ = nullptr;
+    sources_ = ChunkSources();
+  }
+  if (mton && staged) {
+    return absl::UnimplementedError(
+        "staged updates of a transfer plan on the nccl backend: M->N "
+        "updates stream (mode STREAMING)");
+  }
+  const int64_t buffers =
+      mton ? std::max<int64_t>(o.staging_buffers,
+                               2 * MaxChunksPerRound(sources.round))
+           : o.staging_buffers;
   // Staged: one buffer per chunk, the whole update.
   const int64_t staging =
-      (staged ? static_cast<int64_t>(plan->chunks.chunks.size())
-              : o.staging_buffers) *
+      (staged ? static_cast<int64_t>(plan->chunks.chunks.size()) : buffers) *
       plan->chunks.chunk_bytes;
   worker::v1::BeginUpdateRequest req;
   req.set_staged(staged);
@@ -91,9 +120,10 @@ absl::Status GpuDataPlane::BeginImpl(
   } else if (staging > o.staging_budget) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "GPU staging of ",
-        staged ? plan->chunks.chunks.size() : o.staging_buffers, " x ",
-        plan->chunks.chunk_bytes, " bytes exceeds the budget of ",
-        o.staging_budget, "; use a smaller chunk_bytes"));
+        staged ? static_cast<int64_t>(plan->chunks.chunks.size()) : buffers,
+        " x ", plan->chunks.chunk_bytes, " bytes exceeds the budget of ",
+        o.staging_budget, "; use a smaller chunk_bytes",
+        mton ? " (M->N: two rounds of chunks, one from each sender)" : ""));
   }
   // GPU staging the worker holds for this update (ipc streaming copies
   // straight from the trainer's buffer).
@@ -110,7 +140,7 @@ absl::Status GpuDataPlane::BeginImpl(
   staging_bytes_ =
       held_staging + QuantScratchBytes(*plan, quant_window, whole, source);
   req.set_chunk_bytes(plan->chunks.chunk_bytes);
-  req.set_staging_buffers(o.staging_buffers);
+  req.set_staging_buffers(buffers);
   for (const Chunk& c : plan->chunks.chunks) req.add_chunk_sizes(c.size);
   {
     absl::MutexLock lock(&mu_);
@@ -120,6 +150,9 @@ absl::Status GpuDataPlane::BeginImpl(
   }
   WS_RETURN_IF_ERROR(SetOps(plan, request, source, staged, /*reuse=*/true,
                             quant_window, &req));
+  if (mton) {
+    WS_RETURN_IF_ERROR(OrderChunksByRound(sources.sender, sources.round, &req));
+  }
   // Sparse patches: assembled, checked and applied by the worker on its GPU.
   int64_t sparse_bytes = 0;
   for (const SparsePatch& patch : plan->sparse) {
@@ -186,6 +219,10 @@ absl::Status GpuDataPlane::BeginImpl(
     // A worker that doesn't hold the ops (it was restarted): send them.
     WS_RETURN_IF_ERROR(SetOps(plan, request, source, staged, /*reuse=*/false,
                               quant_window, &req));
+    if (mton) {
+      WS_RETURN_IF_ERROR(
+          OrderChunksByRound(sources.sender, sources.round, &req));
+    }
     s = sup_->BeginUpdate(req, absl::Now() + sup_->options().call_timeout);
   }
   if (!s.ok()) ops_plan_.reset();  // send them again next time

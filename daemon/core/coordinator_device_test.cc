@@ -84,6 +84,19 @@ class FakeDevicePlane : public DataPlane {
     return absl::OkStatus();
   }
 
+  // M->N: NCCL takes a transfer plan's chunks from their senders; other
+  // planes (the base class) refuse.
+  absl::Status SetChunkSources(std::shared_ptr<const CopyPlan> plan,
+                               ChunkSources sources) override {
+    if (plane_name != "nccl") {
+      return DataPlane::SetChunkSources(std::move(plan), std::move(sources));
+    }
+    log_->Add(absl::StrCat("SetChunkSources ", sources.sender.size()));
+    chunk_sources = std::move(sources);
+    return absl::OkStatus();
+  }
+
+  ChunkSources chunk_sources;
   int64_t budget = int64_t{1} << 30;
   std::string plane_name = "nccl";
   absl::Status wait_status;
@@ -231,6 +244,68 @@ TEST_F(CoordinatorDeviceTest, StagedThatFailsBeforeItsCommitLeavesEngines) {
   // Never paused, never written.
   EXPECT_THAT(log_.Get(), ElementsAre("BeginStaged", "WaitStaged", "Abort"));
   EXPECT_EQ(Engine().version(), 0);
+  EXPECT_EQ(Engine().state(), v1::ENGINE_READY);
+}
+
+// Two trainer ranks each hold half of "w" (rows of its [16, 1] view) and
+// this daemon (receiver 0) needs all of it: 256-byte chunks, one per link.
+absl::StatusOr<std::string> RegisterTwoSenders(Coordinator* c) {
+  v1::RegisterTransferPlanRequest r;
+  v1::TransferPlanSpec* spec = r.mutable_spec();
+  v1::TensorSpec* t = spec->add_tensors();
+  t->set_name("w");
+  t->set_dtype(v1::FLOAT32);
+  t->add_shape(16);
+  for (int s = 0; s < 2; ++s) {
+    v1::TensorBlock* b = spec->add_senders()->add_holds();
+    b->set_tensor("w");
+    b->set_row_begin(8 * s);
+    b->set_row_count(8);
+    b->set_col_count(1);
+  }
+  v1::ReceiverLayout* d = spec->add_receivers();
+  d->set_name("daemon 0");
+  v1::TensorBlock* n = d->add_needs();
+  n->set_tensor("w");
+  n->set_row_count(16);
+  n->set_col_count(1);
+  r.add_receivers(0);
+  absl::StatusOr<v1::RegisterTransferPlanResponse> resp =
+      c->RegisterTransferPlan(r);
+  if (!resp.ok()) return resp.status();
+  return resp->plan_id();
+}
+
+TEST_F(CoordinatorDeviceTest, TransferPlanOnNcclTakesEachChunkFromItsSender) {
+  absl::StatusOr<std::string> id = RegisterTwoSenders(coordinator_.get());
+  ASSERT_TRUE(id.ok()) << id.status();
+  v1::StartWeightUpdateRequest req;
+  req.set_update_id("u1");
+  req.set_target_version(1);
+  req.set_transfer_plan_id(*id);
+  req.set_chunk_bytes(256);
+  auto started = coordinator_->StartWeightUpdate(req);
+  ASSERT_TRUE(started.ok()) << started.status();
+  // Planned before anything paused: link (sender 0) then (sender 1), each
+  // one chunk, both in round 0 (issue 32's rounds: chunk r of every link).
+  EXPECT_THAT(log_.Get(), ElementsAre("SetChunkSources 2", "pause", "Begin"));
+  EXPECT_THAT(plane_->chunk_sources.sender, ElementsAre(0, 1));
+  EXPECT_THAT(plane_->chunk_sources.round, ElementsAre(0, 0));
+  ASSERT_TRUE(Finish("u1").ok());
+}
+
+TEST_F(CoordinatorDeviceTest, TransferPlanOnIpcRefusedBeforeAnythingPauses) {
+  plane_->plane_name = "ipc";
+  absl::StatusOr<std::string> id = RegisterTwoSenders(coordinator_.get());
+  ASSERT_TRUE(id.ok()) << id.status();
+  v1::StartWeightUpdateRequest req;
+  req.set_update_id("u1");
+  req.set_target_version(1);
+  req.set_transfer_plan_id(*id);
+  auto started = coordinator_->StartWeightUpdate(req);
+  EXPECT_EQ(started.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(started.status().message(), HasSubstr("the nccl backend"));
+  EXPECT_THAT(log_.Get(), IsEmpty());
   EXPECT_EQ(Engine().state(), v1::ENGINE_READY);
 }
 

@@ -12,6 +12,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "daemon/core/copy_plan.h"
 #include "daemon/core/source_registry.h"
@@ -36,6 +37,24 @@ class DataPlane {
   // budget.
   virtual absl::Status Begin(std::shared_ptr<const CopyPlan> plan,
                              const v1::StartWeightUpdateRequest& request) = 0;
+
+  // M->N (issue 32): where the chunks of `plan` (a transfer plan's linked
+  // copy plan) come from when every trainer rank sends: chunk k from NCCL
+  // rank sender[k] in round round[k] (round r = chunk r of every link).
+  // Called before Begin of that same plan; a data plane that receives its
+  // own bytes but can't take them from several senders answers
+  // UNIMPLEMENTED.
+  struct ChunkSources {
+    std::vector<int32_t> sender;
+    std::vector<int64_t> round;
+  };
+  virtual absl::Status SetChunkSources(std::shared_ptr<const CopyPlan> plan,
+                                       ChunkSources sources) {
+    return absl::UnimplementedError(absl::StrCat(
+        "updates of a transfer plan on the ", name(),
+        " backend: the host backend (PushChunks per link) and the nccl "
+        "backend (ncclSend per link, in rounds) take them"));
+  }
 
   // Begin for an update from a registered source with memory
   // (source_registry.h): the bytes are copied from the source's tensors,

@@ -248,14 +248,22 @@ absl::Status Coordinator::PlanStart(const v1::StartWeightUpdateRequest& request,
   }
   // Plan every byte before moving any (invariant 2).
   if (s.transfer != nullptr) {
-    if (plane.ReceivesOwnBytes()) {
-      return absl::UnimplementedError(absl::StrCat(
-          "updates of a transfer plan on the ", plane.name(),
-          " backend: the host backend takes them (PushChunks per link)"));
-    }
     WS_ASSIGN_OR_RETURN(
         LinkedCopyPlan linked,
         LinkedPlanFor(*s.transfer, s.receivers, s.chunk_bytes, s.layouts));
+    if (plane.ReceivesOwnBytes()) {
+      // NCCL: each chunk comes from its link's sender (NCCL rank = the
+      // plan's sender index), round r = chunk r of every link.
+      DataPlane::ChunkSources sources;
+      sources.sender.assign(linked.copy->chunks.chunks.size(), -1);
+      sources.round.assign(linked.copy->chunks.chunks.size(), 0);
+      for (const RoundChunk& c : ChunksByRound(linked)) {
+        sources.sender[c.chunk] = c.sender;
+        sources.round[c.chunk] = c.round;
+      }
+      WS_RETURN_IF_ERROR(
+          plane.SetChunkSources(linked.copy, std::move(sources)));
+    }
     s.plan = linked.copy;
     s.links = std::move(linked.links);
   } else {
