@@ -274,6 +274,7 @@ absl::StatusOr<v1::InitWeightTransferResponse> Coordinator::InitWeightTransfer(
   absl::MutexLock lock(&mu_);
   transfer_plans_.clear();  // so do its transfer plans
   backend_ = request.backend();
+  rank_offset_ = request.rank_offset();
   data_plane_ = std::move(plane);
   v1::InitWeightTransferResponse response;
   response.set_group_id(

@@ -504,6 +504,9 @@ class Coordinator {
   LinkedCopyPlan last_linked_ ABSL_GUARDED_BY(mu_);
   EngineMap engines_ ABSL_GUARDED_BY(mu_);
   v1::Backend backend_ ABSL_GUARDED_BY(mu_) = v1::BACKEND_UNSPECIFIED;
+  // This daemon's first NCCL rank in the group (InitWeightTransfer): a
+  // transfer plan's senders are ranks [0, M), so it must be >= M.
+  int32_t rank_offset_ ABSL_GUARDED_BY(mu_) = 0;
   UpdateListener listener_;
   std::shared_ptr<DataPlane> data_plane_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<Update> update_ ABSL_GUARDED_BY(mu_);

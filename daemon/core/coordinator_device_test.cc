@@ -276,7 +276,17 @@ absl::StatusOr<std::string> RegisterTwoSenders(Coordinator* c) {
   return resp->plan_id();
 }
 
+// A group of the two trainer ranks (0, 1) and this daemon (rank_offset).
+void InitGroup(Coordinator* c, int rank_offset) {
+  v1::InitWeightTransferRequest init;
+  init.set_backend(v1::BACKEND_NCCL);
+  init.set_world_size(3);
+  init.set_rank_offset(rank_offset);
+  ASSERT_TRUE(c->InitWeightTransfer(init).ok());
+}
+
 TEST_F(CoordinatorDeviceTest, TransferPlanOnNcclTakesEachChunkFromItsSender) {
+  InitGroup(coordinator_.get(), 2);
   absl::StatusOr<std::string> id = RegisterTwoSenders(coordinator_.get());
   ASSERT_TRUE(id.ok()) << id.status();
   v1::StartWeightUpdateRequest req;
@@ -292,6 +302,24 @@ TEST_F(CoordinatorDeviceTest, TransferPlanOnNcclTakesEachChunkFromItsSender) {
   EXPECT_THAT(plane_->chunk_sources.sender, ElementsAre(0, 1));
   EXPECT_THAT(plane_->chunk_sources.round, ElementsAre(0, 0));
   ASSERT_TRUE(Finish("u1").ok());
+}
+
+TEST_F(CoordinatorDeviceTest, TransferPlanRefusedWhereTheDaemonIsASendersRank) {
+  InitGroup(coordinator_.get(), 1);
+  absl::StatusOr<std::string> id = RegisterTwoSenders(coordinator_.get());
+  ASSERT_TRUE(id.ok()) << id.status();
+  v1::StartWeightUpdateRequest req;
+  req.set_update_id("u1");
+  req.set_target_version(1);
+  req.set_transfer_plan_id(*id);
+  auto started = coordinator_->StartWeightUpdate(req);
+  EXPECT_EQ(started.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(started.status().message(),
+              HasSubstr("rank_offset is 1: InitWeightTransfer with "
+                        "rank_offset >= 2"));
+  // Planned (the sources handed over, bound to that plan), nothing paused.
+  EXPECT_THAT(log_.Get(), ElementsAre("SetChunkSources 2"));
+  EXPECT_EQ(Engine().state(), v1::ENGINE_READY);
 }
 
 TEST_F(CoordinatorDeviceTest, TransferPlanOnIpcRefusedBeforeAnythingPauses) {

@@ -263,6 +263,20 @@ absl::Status Coordinator::PlanStart(const v1::StartWeightUpdateRequest& request,
       }
       WS_RETURN_IF_ERROR(
           plane.SetChunkSources(linked.copy, std::move(sources)));
+      // This daemon's rank must not be one of the senders'.
+      int32_t rank_offset;
+      {
+        absl::MutexLock lock(&mu_);
+        rank_offset = rank_offset_;
+      }
+      if (rank_offset < s.transfer->num_senders) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "transfer plan '", s.transfer->id, "' has ",
+            s.transfer->num_senders, " senders, NCCL ranks 0..",
+            s.transfer->num_senders - 1, "; this daemon's rank_offset is ",
+            rank_offset, ": InitWeightTransfer with rank_offset >= ",
+            s.transfer->num_senders));
+      }
     }
     s.plan = linked.copy;
     s.links = std::move(linked.links);
