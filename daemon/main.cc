@@ -2,12 +2,14 @@
 // every flag; `--flagfile=FILE` reads flags from a config file.
 #include <pthread.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdlib>
 #include <iostream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -128,9 +130,47 @@ DEFINE_int64(socket_group, -1,
              "creates (-1: the daemon's own)");
 DEFINE_bool(allow_open_socket_dir, false,
             "let the socket live in a directory any user can enter");
+// Bounds on what peers may hold (docs/security.md, "Limits").
+DEFINE_int32(max_streams_per_connection, 100,
+             "HTTP/2 streams one connection may have open at once");
+DEFINE_int32(max_threads, 256,
+             "threads gRPC may run calls on; a call that finds none gets "
+             "RESOURCE_EXHAUSTED");
+DEFINE_int32(max_metadata_bytes, 16 << 10,
+             "largest header block (metadata) of a call, both listeners");
+DEFINE_int32(max_calls_per_peer, 64,
+             "calls one uid (Unix socket) or the TCP token may have open at "
+             "once, Control streams apart");
+DEFINE_int32(max_control_streams_per_peer, 64,
+             "engine Control streams one uid or the TCP token may have open");
+DEFINE_int32(max_engine_reads, 2,
+             "CheckEngine reads of whole engines running at once");
 
 namespace weightsync {
 namespace {
+
+// The descriptor limit: the soft limit raised to the hard one, so that the
+// daemon runs out of descriptors as late as the system lets it; logged.
+void RaiseDescriptorLimit() {
+  rlimit r{};
+  if (getrlimit(RLIMIT_NOFILE, &r) != 0) return;
+  const rlim_t before = r.rlim_cur;
+  if (r.rlim_cur < r.rlim_max) {
+    r.rlim_cur = r.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &r) != 0) {
+      PLOG(WARNING) << "can't raise the descriptor limit (RLIMIT_NOFILE) "
+                    << before << " to its hard limit " << r.rlim_max;
+      r.rlim_cur = before;
+    }
+  }
+  auto text = [](rlim_t v) {
+    return v == RLIM_INFINITY ? std::string("unlimited") : std::to_string(v);
+  };
+  LOG(INFO) << "descriptor limit (RLIMIT_NOFILE): " << text(r.rlim_cur)
+            << (r.rlim_cur != before
+                    ? " (raised from " + text(before) + ", the hard limit)"
+                    : " (the hard limit)");
+}
 
 std::string DefaultSocket() {
   const std::string path = DefaultSocketPath();
@@ -188,6 +228,19 @@ bool ValidFlags() {
                   "--shutdown_grace_ms";
     return false;
   }
+  for (const auto& [name, value, least] :
+       {std::tuple<const char*, int, int>{"max_streams_per_connection",
+                                          FLAGS_max_streams_per_connection, 1},
+        {"max_threads", FLAGS_max_threads, 8},
+        {"max_metadata_bytes", FLAGS_max_metadata_bytes, 1024},
+        {"max_calls_per_peer", FLAGS_max_calls_per_peer, 1},
+        {"max_control_streams_per_peer", FLAGS_max_control_streams_per_peer, 1},
+        {"max_engine_reads", FLAGS_max_engine_reads, 1}}) {
+    if (value < least) {
+      LOG(ERROR) << "--" << name << " must be at least " << least;
+      return false;
+    }
+  }
   if (FLAGS_staging_buffers < 2) {
     LOG(ERROR) << "--staging_buffers must be at least 2 (pipelining)";
     return false;
@@ -197,6 +250,7 @@ bool ValidFlags() {
 
 int Main() {
   if (!ValidFlags()) return 2;
+  RaiseDescriptorLimit();
   // Block the stop signals in every thread gRPC will start; this thread
   // waits for them with sigwait.
   sigset_t stop;
@@ -303,6 +357,13 @@ int Main() {
   server_options.max_idle_ms = FLAGS_max_connection_idle_ms;
   server_options.max_message_bytes =
       static_cast<int>(FLAGS_max_chunk_bytes + (1 << 20));
+  server_options.max_streams_per_connection = FLAGS_max_streams_per_connection;
+  server_options.max_threads = FLAGS_max_threads;
+  server_options.max_metadata_bytes = FLAGS_max_metadata_bytes;
+  server_options.call_limits.max_calls_per_peer = FLAGS_max_calls_per_peer;
+  server_options.call_limits.max_control_streams_per_peer =
+      FLAGS_max_control_streams_per_peer;
+  server_options.call_limits.max_engine_reads = FLAGS_max_engine_reads;
   PeerPolicy& policy = server_options.peer_policy;
   policy.uids = {getuid(), 0};
   policy.gids = {getgid()};

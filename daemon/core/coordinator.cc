@@ -435,7 +435,13 @@ absl::StatusOr<v1::CheckEngineResponse> Coordinator::CheckEngine(
     sources.emplace(source);
   }
   const absl::Time t0 = absl::Now();
-  absl::StatusOr<v1::Receipt> receipt = ComputeReceipt(*layout, sources);
+  absl::StatusOr<v1::Receipt> receipt;
+  const auto read = [&] { receipt = ComputeReceipt(*layout, sources); };
+  if (engine_read_runner_) {
+    engine_read_runner_(read);
+  } else {
+    read();
+  }
   if (receipt.status().code() == absl::StatusCode::kUnimplemented) {
     // GPU memory: the GPU worker reads it.
     receipt = mapper_->DeviceReceipt(*layout, sources,

@@ -205,6 +205,16 @@ class Coordinator {
     listener_ = std::move(listener);
   }
 
+  // Runs the part of CheckEngine that reads the engine's whole memory (no
+  // lock held): `run(read)` must call `read` once and return after it. The
+  // gRPC front runs it at the lowest CPU priority, so that checks can't slow
+  // updates (daemon/server/idle_priority.h). Unset: on the caller's thread.
+  // Set before serving.
+  using ReadRunner = std::function<void(const std::function<void()>& read)>;
+  void set_engine_read_runner(ReadRunner run) {
+    engine_read_runner_ = std::move(run);
+  }
+
   // Aborts an update in flight and releases every mapping (SIGTERM).
   void Shutdown();
 
@@ -508,6 +518,7 @@ class Coordinator {
   // transfer plan's senders are ranks [0, M), so it must be >= M.
   int32_t rank_offset_ ABSL_GUARDED_BY(mu_) = 0;
   UpdateListener listener_;
+  ReadRunner engine_read_runner_;
   std::shared_ptr<DataPlane> data_plane_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<Update> update_ ABSL_GUARDED_BY(mu_);
   v1::UpdateStatus last_update_ ABSL_GUARDED_BY(mu_);

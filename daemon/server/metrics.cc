@@ -6,6 +6,9 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "daemon/server/accept_gate.h"
+#include "daemon/server/call_limits.h"
+#include "daemon/server/token_checker.h"
 #include "prometheus/collectable.h"
 #include "prometheus/counter.h"
 #include "prometheus/exposer.h"
@@ -140,6 +143,39 @@ class StatusCollector : public prometheus::Collectable {
   Coordinator* const core_;
 };
 
+// What the daemon refused to keep it bounded (docs/security.md, "Limits").
+class LimitsCollector : public prometheus::Collectable {
+ public:
+  std::vector<MetricFamily> Collect() const override {
+    auto auth = Family("weightsync_auth_failures_total",
+                       "TCP calls refused for a missing or wrong bearer token",
+                       MetricType::Counter);
+    auth.metric.push_back(Sample(AuthFailures(), {}, MetricType::Counter));
+    auto accept = Family(
+        "weightsync_accept_exhausted_total",
+        "Accepts that failed for lack of descriptors or memory (the listener "
+        "backs off and health says NOT_SERVING meanwhile)",
+        MetricType::Counter);
+    accept.metric.push_back(
+        Sample(AcceptExhaustedTotal(), {}, MetricType::Counter));
+    auto refused = Family("weightsync_calls_refused_total",
+                          "Calls refused with RESOURCE_EXHAUSTED by a cap, by "
+                          "the flag that sets it",
+                          MetricType::Counter);
+    const CallLimits* limits = ActiveCallLimits();
+    const std::pair<CallLimits::Kind, const char*> caps[] = {
+        {CallLimits::Kind::kCall, "max_calls_per_peer"},
+        {CallLimits::Kind::kControl, "max_control_streams_per_peer"},
+        {CallLimits::Kind::kEngineRead, "max_engine_reads"}};
+    for (const auto& [kind, flag] : caps) {
+      refused.metric.push_back(
+          Sample(limits != nullptr ? limits->refused(kind) : 0,
+                 {{"limit", flag}}, MetricType::Counter));
+    }
+    return {auth, accept, refused};
+  }
+};
+
 }  // namespace
 
 struct Metrics::Impl {
@@ -147,6 +183,7 @@ struct Metrics::Impl {
   std::shared_ptr<prometheus::Registry> registry =
       std::make_shared<prometheus::Registry>();
   std::shared_ptr<StatusCollector> status;
+  std::shared_ptr<LimitsCollector> limits = std::make_shared<LimitsCollector>();
   prometheus::Family<prometheus::Counter>* updates = nullptr;
   prometheus::Family<prometheus::Counter>* failures = nullptr;
   prometheus::Family<prometheus::Counter>* bytes = nullptr;
@@ -163,8 +200,12 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(
     const std::string& address, Coordinator* core) {
   auto impl = std::make_unique<Impl>();
   try {
-    // One civetweb thread: scrapes are rare and cheap.
-    impl->exposer = std::make_unique<prometheus::Exposer>(address, 1);
+    // Scrapes are rare and cheap, but a client that sends half a request
+    // and waits holds a civetweb worker until the request timeout: four
+    // workers and a 1 s timeout keep /metrics answering.
+    impl->exposer = std::make_unique<prometheus::Exposer>(
+        std::vector<std::string>{"listening_ports", address, "num_threads", "4",
+                                 "request_timeout_ms", "1000"});
   } catch (const std::exception& e) {
     return absl::UnavailableError(
         absl::StrCat("can't serve metrics on ", address,
@@ -208,6 +249,7 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(
   impl->status = std::make_shared<StatusCollector>(core);
   impl->exposer->RegisterCollectable(impl->registry);
   impl->exposer->RegisterCollectable(impl->status);
+  impl->exposer->RegisterCollectable(impl->limits);
   std::unique_ptr<Metrics> metrics(new Metrics(std::move(impl)));
   Metrics* m = metrics.get();
   core->set_update_listener([m](const UpdateOutcome& o) { m->Observe(o); });

@@ -10,59 +10,30 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "daemon/server/cert_expiry.h"
+#include "daemon/server/idle_priority.h"
 #include "daemon/server/parse_errors.h"
 #include "glog/logging.h"
 #include "grpc/grpc.h"
 #include "grpcpp/health_check_service_interface.h"
-#include "grpcpp/security/auth_metadata_processor.h"
+#include "grpcpp/resource_quota.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
 
 namespace weightsync {
-namespace {
-
-// Every call on the TCP port must carry "authorization: Bearer <token>";
-// compared in constant time, never logged.
-class TokenChecker : public grpc::AuthMetadataProcessor {
- public:
-  explicit TokenChecker(std::string token)
-      : expected_("Bearer " + std::move(token)) {}
-  bool IsBlocking() const override { return false; }
-  grpc::Status Process(const InputMetadata& metadata, grpc::AuthContext*,
-                       OutputMetadata* consumed,
-                       OutputMetadata* /*response*/) override {
-    auto it = metadata.find("authorization");
-    if (it != metadata.end() && Equal(it->second)) {
-      consumed->insert(
-          {"authorization", std::string(it->second.data(), it->second.size())});
-      return grpc::Status::OK;
-    }
-    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
-                        it == metadata.end()
-                            ? "no bearer token (authorization metadata)"
-                            : "wrong bearer token");
-  }
-
- private:
-  bool Equal(grpc::string_ref got) const {
-    unsigned diff = got.size() ^ expected_.size();
-    for (size_t i = 0; i < expected_.size(); ++i) {
-      diff |= static_cast<unsigned char>(expected_[i]) ^
-              static_cast<unsigned char>(i < got.size() ? got.data()[i] : 0);
-    }
-    return diff == 0;
-  }
-  const std::string expected_;
-};
-
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
     const ServerOptions& options, Coordinator* core) {
   if (options.unix_socket.empty() && options.tcp_address.empty()) {
     return absl::InvalidArgumentError("no Unix socket and no TCP address");
   }
-  std::unique_ptr<Server> server(new Server(core));
+  std::unique_ptr<Server> server(new Server(core, options.call_limits));
+  // Whole-engine reads (CheckEngine) at the lowest CPU priority, so that
+  // checks can't slow updates.
+  core->set_engine_read_runner(
+      [](const std::function<void()>& read) { RunAtIdlePriority(read); });
+  server->trainer_.set_limits(&server->limits_);
+  server->engine_.set_limits(&server->limits_);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   // Sync-server pollers wake at this period; it bounds how long Shutdown
@@ -93,6 +64,14 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
     builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS,
                                options.max_idle_ms);
   }
+  // Bounds on streams, threads and header blocks (docs/security.md).
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
+                             options.max_streams_per_connection);
+  builder.AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE,
+                             options.max_metadata_bytes);
+  grpc::ResourceQuota quota("weightsyncd");
+  quota.SetMaxThreads(options.max_threads);
+  builder.SetResourceQuota(quota);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   if (!options.unix_socket.empty()) {
@@ -124,10 +103,27 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
     ssl.pem_root_certs = options.tls_client_ca_pem;
     ssl.pem_key_cert_pairs.push_back(
         {options.tls_key_pem, options.tls_cert_pem});
+    absl::StatusOr<absl::Time> not_after =
+        CertificateNotAfter(options.tls_cert_pem);
+    if (!not_after.ok()) return not_after.status();
+    server->cert_not_after_ = *not_after;
+    const std::string warning = CertificateWarning(*not_after, absl::Now());
+    if (!warning.empty()) LOG(WARNING) << warning;
     auto creds = grpc::SslServerCredentials(ssl);
-    creds->SetAuthMetadataProcessor(
-        std::make_shared<TokenChecker>(options.token));
-    builder.AddListeningPort(options.tcp_address, creds, &server->tcp_port_);
+    // Accepted by the daemon, which recovers from running out of
+    // descriptors (tcp_listener.h); TLS and the token check stay gRPC's.
+    auto tcp = TcpListener::Bind(options.tcp_address);
+    if (!tcp.ok()) return tcp.status();
+    server->tcp_ = *std::move(tcp);
+    server->tcp_port_ = server->tcp_->port();
+    TcpListener* t = server->tcp_.get();
+    server->token_checker_ = std::make_shared<TokenChecker>(
+        options.token, [t] { return t->RecentPeers(); });
+    creds->SetAuthMetadataProcessor(server->token_checker_);
+    server
+        ->tcp_acceptor_ = builder.experimental().AddExternalConnectionAcceptor(
+        grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD,
+        creds);
   }
   // A request that does not parse: INVALID_ARGUMENT naming the method.
   std::vector<
@@ -144,9 +140,44 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
         absl::StrCat("could not listen on ", options.tcp_address));
   }
   server->server_->GetHealthCheckService()->SetServingStatus(true);
+  SetActiveCallLimits(&server->limits_);
   if (server->listener_ != nullptr)
     server->listener_->Serve(server->server_.get());
+  if (server->tcp_ != nullptr) server->tcp_->Serve(server->tcp_acceptor_.get());
+  server->UpdateHealth();
+  Server* s = server.get();
+  server->health_ = std::thread([s] { s->WatchHealth(); });
   return server;
+}
+
+void Server::WatchHealth() {
+  while (!stop_health_) {
+    absl::SleepFor(absl::Milliseconds(250));
+    UpdateHealth();
+  }
+}
+
+void Server::UpdateHealth() {
+  const absl::Time now = absl::Now();
+  const bool unix_ok = unix_accepting();
+  const bool tcp_ok = tcp_accepting();
+  const bool cert_valid = !cert_not_after_ || *cert_not_after_ > now;
+  const std::string warning =
+      cert_not_after_ ? CertificateWarning(*cert_not_after_, now) : "";
+  const int state = (unix_ok ? 1 : 0) | (tcp_ok ? 2 : 0) |
+                    (cert_valid ? 4 : 0) | (warning.empty() ? 8 : 0);
+  if (state == health_state_) return;
+  if (health_state_ >= 0 && (health_state_ & 8) != 0 && !warning.empty()) {
+    LOG(WARNING) << warning;
+  }
+  health_state_ = state;
+  grpc::HealthCheckServiceInterface* h = server_->GetHealthCheckService();
+  // "": every listener accepts. A certificate near its end or expired does
+  // not stop local engines: it shows in its own service name.
+  h->SetServingStatus("", unix_ok && tcp_ok);
+  h->SetServingStatus("weightsync.unix", unix_ok);
+  h->SetServingStatus("weightsync.tcp", tcp_ok && cert_valid);
+  h->SetServingStatus("weightsync.tls_certificate", warning.empty());
 }
 
 Server::~Server() {
@@ -157,8 +188,12 @@ void Server::Wait() { server_->Wait(); }
 
 void Server::Shutdown(absl::Duration grace) {
   if (server_ == nullptr) return;
+  stop_health_ = true;
+  if (health_.joinable()) health_.join();
+  if (ActiveCallLimits() == &limits_) SetActiveCallLimits(nullptr);
   server_->GetHealthCheckService()->SetServingStatus(false);
   if (listener_ != nullptr) listener_->Stop();
+  if (tcp_ != nullptr) tcp_->Stop();
   server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
   server_->Wait();
   server_.reset();

@@ -8,6 +8,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -37,6 +38,35 @@ grpc::Status Answer(Response* response, Call&& call) {
       return ToGrpcStatus(s);                              \
     }                                                      \
   } while (false)
+
+// The caller's credential for the caps of call_limits.h: its uid on the
+// Unix socket, the token on TCP.
+std::string PeerKey(const PeerLookup& peer_of, const std::string& peer) {
+  if (peer_of) {
+    if (std::optional<PeerCred> p = peer_of(peer); p.has_value()) {
+      return absl::StrCat("uid ", p->uid);
+    }
+  }
+  if (absl::StartsWith(peer, "ipv4:") || absl::StartsWith(peer, "ipv6:")) {
+    return "the TCP token";
+  }
+  return peer;
+}
+
+absl::StatusOr<CallLimits::Ticket> Admit(CallLimits* limits,
+                                         const PeerLookup& peer_of,
+                                         grpc::ServerContext* ctx,
+                                         CallLimits::Kind kind) {
+  if (limits == nullptr) return CallLimits::Ticket();
+  return limits->Enter(kind, PeerKey(peer_of, ctx->peer()));
+}
+
+// Holds a place among the caller's open calls for the handler's run, or
+// ends the call with RESOURCE_EXHAUSTED (call_limits.h).
+#define WS_ADMIT(ctx, kind)                                  \
+  absl::StatusOr<CallLimits::Ticket> ws_admitted =           \
+      Admit(limits_, peer_of_, ctx, CallLimits::Kind::kind); \
+  if (!ws_admitted.ok()) return ToGrpcStatus(ws_admitted.status())
 
 absl::Time ContextDeadline(grpc::ServerContext* ctx, absl::Duration fallback) {
   const auto d = ctx->deadline();
@@ -72,6 +102,7 @@ class StreamChannel : public ControlChannel {
 
 grpc::Status TrainerServiceImpl::CheckOwner(grpc::ServerContext* ctx,
                                             bool forming) {
+  WS_ADMIT(ctx, kCall);
   if (!peer_of_) return grpc::Status::OK;
   const std::optional<PeerCred> peer = peer_of_(ctx->peer());
   if (!peer.has_value() || peer->uid == 0) return grpc::Status::OK;
@@ -94,6 +125,7 @@ void TrainerServiceImpl::TakeOwnership(grpc::ServerContext* ctx) {
 grpc::Status TrainerServiceImpl::InitWeightTransfer(
     grpc::ServerContext* ctx, const v1::InitWeightTransferRequest* request,
     v1::InitWeightTransferResponse* response) {
+  WS_ADMIT(ctx, kCall);
   WS_CHECK_REQUEST(*request);
   grpc::Status owner = CheckOwner(ctx, /*forming=*/true);
   if (!owner.ok()) return owner;
@@ -106,6 +138,7 @@ grpc::Status TrainerServiceImpl::InitWeightTransfer(
 grpc::Status TrainerServiceImpl::StartWeightUpdate(
     grpc::ServerContext* ctx, const v1::StartWeightUpdateRequest* request,
     v1::StartWeightUpdateResponse* response) {
+  WS_ADMIT(ctx, kCall);
   WS_CHECK_REQUEST(*request);
   grpc::Status owner = CheckOwner(ctx, false);
   if (!owner.ok()) return owner;
@@ -133,6 +166,7 @@ grpc::Status TrainerServiceImpl::StartWeightUpdate(
 grpc::Status TrainerServiceImpl::RegisterSource(
     grpc::ServerContext* ctx, const v1::RegisterSourceRequest* request,
     v1::RegisterSourceResponse* response) {
+  WS_ADMIT(ctx, kCall);
   grpc::Status owner = CheckOwner(ctx, false);
   if (!owner.ok()) return owner;
   if (peer_of_) {
@@ -148,6 +182,7 @@ grpc::Status TrainerServiceImpl::RegisterSource(
 grpc::Status TrainerServiceImpl::UnregisterSource(
     grpc::ServerContext* ctx, const v1::UnregisterSourceRequest* request,
     v1::UnregisterSourceResponse* response) {
+  WS_ADMIT(ctx, kCall);
   WS_CHECK_REQUEST(*request);
   grpc::Status owner = CheckOwner(ctx, false);
   if (!owner.ok()) return owner;
@@ -223,6 +258,7 @@ grpc::Status TrainerServiceImpl::RegisterTransferPlan(
 grpc::Status TrainerServiceImpl::PushChunks(
     grpc::ServerContext* ctx, grpc::ServerReader<v1::PushChunksRequest>* reader,
     v1::PushChunksResponse* response) {
+  WS_ADMIT(ctx, kCall);
   grpc::Status owner = CheckOwner(ctx, false);
   if (!owner.ok()) return owner;
   return ServeChunkStream<v1::PushChunksRequest>(
@@ -246,6 +282,7 @@ grpc::Status TrainerServiceImpl::IpcChunks(
     grpc::ServerContext* ctx,
     grpc::ServerReaderWriter<v1::IpcChunksResponse, v1::IpcChunksRequest>*
         stream) {
+  WS_ADMIT(ctx, kCall);
   grpc::Status owner = CheckOwner(ctx, false);
   if (!owner.ok()) return owner;
   return ServeChunkStream<v1::IpcChunksRequest>(
@@ -272,6 +309,7 @@ grpc::Status TrainerServiceImpl::IpcChunks(
 grpc::Status TrainerServiceImpl::FinishWeightUpdate(
     grpc::ServerContext* ctx, const v1::FinishWeightUpdateRequest* request,
     v1::FinishWeightUpdateResponse* response) {
+  WS_ADMIT(ctx, kCall);
   WS_CHECK_REQUEST(*request);
   grpc::Status owner = CheckOwner(ctx, false);
   if (!owner.ok()) return owner;
@@ -281,6 +319,7 @@ grpc::Status TrainerServiceImpl::FinishWeightUpdate(
 grpc::Status TrainerServiceImpl::PrepareWeightUpdate(
     grpc::ServerContext* ctx, const v1::PrepareWeightUpdateRequest* request,
     v1::PrepareWeightUpdateResponse* response) {
+  WS_ADMIT(ctx, kCall);
   WS_CHECK_REQUEST(*request);
   grpc::Status owner = CheckOwner(ctx, false);
   if (!owner.ok()) return owner;
@@ -290,6 +329,7 @@ grpc::Status TrainerServiceImpl::PrepareWeightUpdate(
 grpc::Status TrainerServiceImpl::CommitWeightUpdate(
     grpc::ServerContext* ctx, const v1::CommitWeightUpdateRequest* request,
     v1::FinishWeightUpdateResponse* response) {
+  WS_ADMIT(ctx, kCall);
   WS_CHECK_REQUEST(*request);
   grpc::Status owner = CheckOwner(ctx, false);
   if (!owner.ok()) return owner;
@@ -299,6 +339,7 @@ grpc::Status TrainerServiceImpl::CommitWeightUpdate(
 grpc::Status TrainerServiceImpl::AbortWeightUpdate(
     grpc::ServerContext* ctx, const v1::AbortWeightUpdateRequest* request,
     v1::AbortWeightUpdateResponse* response) {
+  WS_ADMIT(ctx, kCall);
   WS_CHECK_REQUEST(*request);
   grpc::Status owner = CheckOwner(ctx, false);
   if (!owner.ok()) return owner;
@@ -308,6 +349,7 @@ grpc::Status TrainerServiceImpl::AbortWeightUpdate(
 grpc::Status TrainerServiceImpl::Pause(grpc::ServerContext* ctx,
                                        const v1::PauseRequest* request,
                                        v1::PauseResponse* response) {
+  WS_ADMIT(ctx, kCall);
   WS_CHECK_REQUEST(*request);
   grpc::Status owner = CheckOwner(ctx, false);
   if (!owner.ok()) return owner;
@@ -317,6 +359,7 @@ grpc::Status TrainerServiceImpl::Pause(grpc::ServerContext* ctx,
 grpc::Status TrainerServiceImpl::Resume(grpc::ServerContext* ctx,
                                         const v1::ResumeRequest* request,
                                         v1::ResumeResponse* response) {
+  WS_ADMIT(ctx, kCall);
   WS_CHECK_REQUEST(*request);
   grpc::Status owner = CheckOwner(ctx, false);
   if (!owner.ok()) return owner;
@@ -324,16 +367,18 @@ grpc::Status TrainerServiceImpl::Resume(grpc::ServerContext* ctx,
 }
 
 grpc::Status TrainerServiceImpl::GetWorldSize(
-    grpc::ServerContext*, const v1::GetWorldSizeRequest* request,
+    grpc::ServerContext* ctx, const v1::GetWorldSizeRequest* request,
     v1::GetWorldSizeResponse* response) {
+  WS_ADMIT(ctx, kCall);
   WS_CHECK_REQUEST(*request);
   *response = core_->GetWorldSize(*request);
   return grpc::Status::OK;
 }
 
-grpc::Status TrainerServiceImpl::GetStatus(grpc::ServerContext*,
+grpc::Status TrainerServiceImpl::GetStatus(grpc::ServerContext* ctx,
                                            const v1::GetStatusRequest* request,
                                            v1::GetStatusResponse* response) {
+  WS_ADMIT(ctx, kCall);
   *response = core_->GetStatus(request->include_layouts());
   return grpc::Status::OK;
 }
@@ -341,6 +386,7 @@ grpc::Status TrainerServiceImpl::GetStatus(grpc::ServerContext*,
 grpc::Status TrainerServiceImpl::CheckEngine(
     grpc::ServerContext* ctx, const v1::CheckEngineRequest* request,
     v1::CheckEngineResponse* response) {
+  WS_ADMIT(ctx, kCall);
   WS_CHECK_REQUEST(*request);
   if (owners_ != nullptr) {
     const std::optional<PeerCred> peer =
@@ -349,6 +395,11 @@ grpc::Status TrainerServiceImpl::CheckEngine(
                                       EngineOwners::Action::kCheck);
     if (!own.ok()) return ToGrpcStatus(own);
   }
+  // Reads the engine's whole memory: a few at a time, all peers together.
+  absl::StatusOr<CallLimits::Ticket> read =
+      limits_ != nullptr ? limits_->Enter(CallLimits::Kind::kEngineRead, "")
+                         : CallLimits::Ticket();
+  if (!read.ok()) return ToGrpcStatus(read.status());
   return Answer(response, [&] { return core_->CheckEngine(*request); });
 }
 
@@ -439,6 +490,7 @@ std::optional<PeerCred> EngineServiceImpl::PeerOf(grpc::ServerContext* ctx) {
 grpc::Status EngineServiceImpl::RegisterEngine(
     grpc::ServerContext* ctx, const v1::RegisterEngineRequest* request,
     v1::RegisterEngineResponse* response) {
+  WS_ADMIT(ctx, kCall);
   WS_CHECK_REQUEST(*request);
   const std::optional<PeerCred> peer = PeerOf(ctx);
   absl::Status own = owners_->Check(request->engine_id(), peer,
@@ -471,6 +523,7 @@ void EngineServiceImpl::Forget(const std::string& engine) {
 grpc::Status EngineServiceImpl::UnregisterEngine(
     grpc::ServerContext* ctx, const v1::UnregisterEngineRequest* request,
     v1::UnregisterEngineResponse*) {
+  WS_ADMIT(ctx, kCall);
   WS_CHECK_REQUEST(*request);
   absl::Status s = owners_->Check(request->engine_id(), PeerOf(ctx),
                                   EngineOwners::Action::kUnregister);
@@ -482,6 +535,7 @@ grpc::Status EngineServiceImpl::UnregisterEngine(
 grpc::Status EngineServiceImpl::Control(
     grpc::ServerContext* ctx,
     grpc::ServerReaderWriter<v1::DaemonMessage, v1::EngineMessage>* stream) {
+  WS_ADMIT(ctx, kControl);
   v1::EngineMessage message;
   if (!stream->Read(&message) || !message.has_hello()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,

@@ -11,6 +11,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/core/coordinator.h"
+#include "daemon/server/call_limits.h"
 #include "daemon/server/engine_owners.h"
 #include "daemon/server/shm_reaper.h"
 #include "daemon/server/unix_listener.h"
@@ -47,6 +48,8 @@ class TrainerServiceImpl final : public v1::TrainerService::Service {
       : core_(core), owners_(owners) {}
   // Set before the server starts.
   void set_peer_lookup(PeerLookup lookup) { peer_of_ = std::move(lookup); }
+  // Set before the server starts; null (the default): no caps.
+  void set_limits(CallLimits* limits) { limits_ = limits; }
 
   grpc::Status InitWeightTransfer(
       grpc::ServerContext* ctx, const v1::InitWeightTransferRequest* request,
@@ -110,6 +113,7 @@ class TrainerServiceImpl final : public v1::TrainerService::Service {
   Coordinator* const core_;
   const EngineOwners* const owners_;
   PeerLookup peer_of_;
+  CallLimits* limits_ = nullptr;
   absl::Mutex owner_mu_;
   std::optional<uid_t> owner_ ABSL_GUARDED_BY(owner_mu_);
 };
@@ -125,6 +129,8 @@ class EngineServiceImpl final : public v1::EngineService::Service {
       : core_(core), owners_(owners) {}
   // Set before the server starts.
   void set_peer_lookup(PeerLookup lookup) { peer_of_ = std::move(lookup); }
+  // Set before the server starts; null (the default): no caps.
+  void set_limits(CallLimits* limits) { limits_ = limits; }
 
   grpc::Status RegisterEngine(grpc::ServerContext* ctx,
                               const v1::RegisterEngineRequest* request,
@@ -146,6 +152,7 @@ class EngineServiceImpl final : public v1::EngineService::Service {
   Coordinator* const core_;
   EngineOwners* const owners_;
   PeerLookup peer_of_;
+  CallLimits* limits_ = nullptr;
   ShmReaper reaper_;
 };
 

@@ -1,7 +1,6 @@
 #include "daemon/server/unix_listener.h"
 
 #include <fcntl.h>
-#include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -146,9 +145,7 @@ void UnixListener::Stop() {
 
 void UnixListener::AcceptLoop(grpc::Server* server) {
   while (!stopping_) {
-    pollfd p{fd_, POLLIN, 0};
-    if (poll(&p, 1, 100) <= 0) continue;
-    const int c = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    const int c = gate_.Accept(fd_);
     if (c < 0) continue;
     ucred cred{};
     socklen_t len = sizeof(cred);

@@ -27,6 +27,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "daemon/server/accept_gate.h"
 #include "grpcpp/server.h"
 
 namespace weightsync {
@@ -73,15 +74,21 @@ class UnixListener {
   // it came through this listener.
   std::optional<PeerCred> PeerOf(const std::string& grpc_peer) const;
   int64_t refused() const { return refused_.load(); }
+  // False while it can't accept for lack of descriptors (accept_gate.h).
+  bool accepting() const { return gate_.accepting(); }
 
  private:
   UnixListener(std::string path, PeerPolicy policy, int fd)
-      : path_(std::move(path)), policy_(std::move(policy)), fd_(fd) {}
+      : path_(std::move(path)),
+        policy_(std::move(policy)),
+        fd_(fd),
+        gate_("unix:" + path_) {}
   void AcceptLoop(grpc::Server* server);
 
   const std::string path_;
   const PeerPolicy policy_;
   int fd_;
+  AcceptGate gate_;  // used by the accept thread
   std::thread thread_;
   std::atomic<bool> stopping_{false};
   std::atomic<int64_t> refused_{0};

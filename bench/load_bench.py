@@ -1,0 +1,271 @@
+#!/usr/bin/env python3
+"""Update latency under concurrent readers (issue 35), host backend, the real
+daemon over its Unix socket: one engine process (host shared memory), one
+trainer process sending dense updates with receipts on (the default), and a
+reader process of N threads that each loop CheckEngine + GetStatus + health
+as fast as the daemon answers. For N in 0 (the unloaded baseline of the
+same run) and the given counts: the updates' median / p90 seconds, the
+ratio to the baseline, what the readers got (OK / refused), and the daemon's
+threads and RSS before, at peak and after.
+
+    WEIGHTSYNCD=bazel-bin/daemon/weightsyncd python3 bench/load_bench.py \\
+        [--mib 64] [--updates 8] [--readers 8,64,256] [--json bench/results/load.json]
+
+The readers run in one Python process (so at most about one core of client
+CPU whatever N is); the trainer in another. On a 2-core machine the three
+processes and the daemon share both cores: say so with the figures.
+"""
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CLIENT = os.path.join(HERE, "..", "client", "python")
+
+ENGINE = r"""
+import sys, time
+sys.path.insert(0, {client!r})
+import weightsync
+e = weightsync.Engine("e0", sys.argv[1], timeout=30)
+e.register_host([(n, "FLOAT32", s) for n, s in {params!r}])
+e.start()
+print("ready", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+TRAINER = r"""
+import sys, time
+sys.path.insert(0, {client!r})
+import numpy as np, weightsync
+target, first, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+t = weightsync.Trainer(target, timeout=60)
+t.init_host()
+rng = np.random.default_rng(first)
+tensors = [(n, rng.standard_normal(s).astype(np.float32)) for n, s in {params!r}]
+print("ready", flush=True)
+sys.stdin.readline()
+for v in range(first, first + count):
+    t0 = time.perf_counter()
+    t.update(tensors, v)
+    print("update", time.perf_counter() - t0, flush=True)
+print("done", flush=True)
+"""
+
+READERS = r"""
+import sys, threading, time
+sys.path.insert(0, {client!r})
+import grpc
+from weightsync._proto import v1
+target, n = sys.argv[1], int(sys.argv[2])
+stop = threading.Event()
+counts = {{"ok": 0, "refused": 0, "other": 0}}
+others = {{}}
+lock = threading.Lock()
+def reader():
+    ch = grpc.insecure_channel(target)
+    check = ch.unary_unary("/weightsync.v1.TrainerService/CheckEngine",
+                           request_serializer=v1.CheckEngineRequest.SerializeToString,
+                           response_deserializer=v1.CheckEngineResponse.FromString)
+    status = ch.unary_unary("/weightsync.v1.TrainerService/GetStatus",
+                            request_serializer=v1.GetStatusRequest.SerializeToString,
+                            response_deserializer=v1.GetStatusResponse.FromString)
+    health = ch.unary_unary("/grpc.health.v1.Health/Check",
+                            request_serializer=lambda x: x, response_deserializer=lambda r: r)
+    calls = [lambda: check(v1.CheckEngineRequest(engine_id="e0"), timeout=30),
+             lambda: status(v1.GetStatusRequest(), timeout=30),
+             lambda: health(b"", timeout=30)]
+    i = 0
+    while not stop.is_set():
+        try:
+            calls[i % 3]()
+            k = "ok"
+        except grpc.RpcError as e:
+            k = "refused" if e.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                          grpc.StatusCode.FAILED_PRECONDITION) else "other"
+            if k == "other":
+                others[e.code().name] = others.get(e.code().name, 0) + 1
+        i += 1
+        with lock:
+            counts[k] += 1
+threads = [threading.Thread(target=reader, daemon=True) for _ in range(n)]
+for t in threads:
+    t.start()
+print("ready", flush=True)
+sys.stdin.readline()
+stop.set()
+print("counts", counts["ok"], counts["refused"], counts["other"], others, flush=True)
+"""
+
+
+def params_for(mib):
+    """float32 tensors totalling `mib` MiB, a few shapes."""
+    rows = mib * (1 << 20) // 4 // 1024 // 4
+    return [(f"w{i}", (rows, 1024)) for i in range(4)]
+
+
+def proc_stats(pid):
+    with open(f"/proc/{pid}/status") as f:
+        text = f.read()
+    threads = int(re.search(r"^Threads:\s+(\d+)", text, re.M).group(1))
+    rss = int(re.search(r"^VmRSS:\s+(\d+)", text, re.M).group(1)) / 1024
+    return threads, rss
+
+
+class Sampler:
+    """Peak threads and RSS (MiB) of `pid`, sampled every 20 ms."""
+
+    def __init__(self, pid):
+        self.pid, self.peak_threads, self.peak_rss = pid, 0, 0.0
+        self.stop = threading.Event()
+        self.t = threading.Thread(target=self.run, daemon=True)
+        self.t.start()
+
+    def run(self):
+        while not self.stop.is_set():
+            th, rss = proc_stats(self.pid)
+            self.peak_threads, self.peak_rss = max(self.peak_threads, th), max(self.peak_rss, rss)
+            time.sleep(0.02)
+
+    def done(self):
+        self.stop.set()
+        self.t.join()
+
+
+def spawn(script, *args, stdin=False):
+    return subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE,
+                            stdin=subprocess.PIPE if stdin else None, text=True)
+
+
+def wait_line(p, prefix, timeout=60):
+    end = time.time() + timeout
+    while time.time() < end:
+        line = p.stdout.readline()
+        if not line:
+            break
+        if line.startswith(prefix):
+            return line.split()
+    raise RuntimeError(f"no '{prefix}' line")
+
+
+def percentile(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def measure(target, daemon_pid, params, readers, updates, first_version):
+    """Runs `updates` updates with `readers` reader threads hammering."""
+    fmt = dict(client=CLIENT, params=params)
+    trainer = spawn(TRAINER.format(**fmt), target, str(first_version), str(updates), stdin=True)
+    wait_line(trainer, "ready")
+    before = proc_stats(daemon_pid)
+    sampler = Sampler(daemon_pid)
+    rp = None
+    if readers:
+        rp = spawn(READERS.format(**fmt), target, str(readers), stdin=True)
+        wait_line(rp, "ready")
+        time.sleep(0.5)  # the readers get going
+    trainer.stdin.write("go\n")
+    trainer.stdin.flush()
+    times = []
+    for _ in range(updates):
+        times.append(float(wait_line(trainer, "update", timeout=300)[1]))
+    wait_line(trainer, "done")
+    trainer.wait()
+    got = None
+    if rp is not None:
+        rp.stdin.write("stop\n")
+        rp.stdin.flush()
+        words = wait_line(rp, "counts")
+        got = {"ok": int(words[1]), "refused": int(words[2]), "other": int(words[3]),
+               "other_codes": " ".join(words[4:])}
+        rp.wait()
+    sampler.done()
+    time.sleep(1.0)  # idle handler threads wind down
+    after = proc_stats(daemon_pid)
+    # The first update of a fresh trainer pays its connection and warm-up.
+    steady = times[1:] if len(times) > 2 else times
+    return {"readers": readers, "updates": len(times), "seconds": [round(t, 4) for t in times],
+            "median_s": round(percentile(steady, 0.5), 4),
+            "p90_s": round(percentile(steady, 0.9), 4), "reader_calls": got,
+            "threads": {"before": before[0], "peak": sampler.peak_threads, "after": after[0]},
+            "rss_mib": {"before": round(before[1], 1), "peak": round(sampler.peak_rss, 1),
+                        "after": round(after[1], 1)}}
+
+
+def start_daemon(work, extra=()):
+    sock = os.path.join(work, "d.sock")
+    log = open(os.path.join(work, "daemon.log"), "w")
+    d = subprocess.Popen([os.environ["WEIGHTSYNCD"], f"--socket={sock}", *extra], stderr=log)
+    for _ in range(400):
+        if os.path.exists(sock):
+            break
+        time.sleep(0.025)
+    return d, "unix:" + sock
+
+
+def run(mib, updates, reader_counts, daemon_args=()):
+    work = tempfile.mkdtemp(prefix="ws-load-")
+    os.chmod(work, 0o750)
+    params = params_for(mib)
+    daemon, target = start_daemon(work, daemon_args)
+    engine = spawn(ENGINE.format(client=CLIENT, params=params), target)
+    rows = []
+    try:
+        wait_line(engine, "ready")
+        version = 1
+        for n in [0] + list(reader_counts):
+            rows.append(measure(target, daemon.pid, params, n, updates, version))
+            version += updates
+            base = rows[0]["median_s"]
+            r = rows[-1]
+            r["ratio_to_unloaded"] = round(r["median_s"] / base, 2)
+            print(f"readers {n:4d}: median {r['median_s']:.3f} s p90 {r['p90_s']:.3f} s "
+                  f"({r['ratio_to_unloaded']:.2f}x), threads {r['threads']}, "
+                  f"RSS MiB {r['rss_mib']}, reader calls {r['reader_calls']}", flush=True)
+    finally:
+        engine.kill()
+        engine.wait()
+        daemon.terminate()
+        daemon.wait(20)
+        shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mib", type=int, default=64)
+    ap.add_argument("--updates", type=int, default=8)
+    ap.add_argument("--readers", default="8,64,256")
+    ap.add_argument("--json")
+    ap.add_argument("--note", default="")
+    a = ap.parse_args()
+    counts = [int(x) for x in a.readers.split(",") if x]
+    rows = run(a.mib, a.updates, counts)
+    if a.json:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, cwd=HERE).stdout.strip()
+        out = {"what": "host-backend update latency under N concurrent readers "
+                       "(CheckEngine + GetStatus + health, one reader process), "
+                       "Unix socket, receipts on; ratio against the unloaded baseline "
+                       "of the same run",
+               "engine_mib": a.mib, "updates_per_row": a.updates,
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
+               "machine": f"{platform.node()}: {os.cpu_count()} cores, {platform.machine()}",
+               "note": a.note, "rows": rows}
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+            f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
