@@ -16,7 +16,9 @@
 * a thousand wrong tokens: counted in /metrics, logged with the address,
   and slowed once they come fast;
 * 8 CheckEngine readers hammering during updates: the median update at most
-  1.5x the unloaded one (same run).
+  1.5x the unloaded one (same run);
+* a TLS certificate that expires within a week: warned, and health's
+  weightsync.tls_certificate NOT_SERVING.
 
     WEIGHTSYNCD=bazel-bin/daemon/weightsyncd python3 tests/limits_test.py [case ...]
 """
@@ -68,7 +70,7 @@ class Daemon:
     """weightsyncd on a Unix socket in `work`, optionally TCP (TLS + token)
     and /metrics; `nofile`: its RLIMIT_NOFILE (soft and hard)."""
 
-    def __init__(self, work, tcp=False, metrics=False, nofile=None, extra=()):
+    def __init__(self, work, tcp=False, metrics=False, nofile=None, extra=(), cert_days=30):
         self.work, self.sock = work, os.path.join(work, "d.sock")
         self.log_path = os.path.join(work, "daemon.log")
         args = [os.environ["WEIGHTSYNCD"], f"--socket={self.sock}", *extra]
@@ -76,7 +78,7 @@ class Daemon:
             self.cert = os.path.join(work, "cert.pem")
             key = os.path.join(work, "key.pem")
             subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes",
-                            "-days", "30", "-subj", "/CN=localhost", "-addext",
+                            "-days", str(cert_days), "-subj", "/CN=localhost", "-addext",
                             "subjectAltName=IP:127.0.0.1", "-keyout", key, "-out", self.cert],
                            check=True, capture_output=True)
             token = os.path.join(work, "token")
@@ -381,9 +383,38 @@ def case_engine_reads(work):
           loaded["reader_calls"])
 
 
+def case_cert_expiry(work):
+    """A certificate that expires within a week: warned at start, and
+    health's weightsync.tls_certificate says NOT_SERVING (the listener and
+    "" still serve); a 30-day one is SERVING."""
+    d = Daemon(work, tcp=True, cert_days=3)
+    try:
+        ch = d.unix_channel()
+        check("cert: warned at start", "expires at" in d.log() and "in 3.0 days" in d.log()
+              or "in 2.9 days" in d.log(), d.log()[-800:])
+        check("cert: weightsync.tls_certificate NOT_SERVING within 7 days",
+              health(ch, "weightsync.tls_certificate") == 2)
+        check("cert: weightsync.tcp and \"\" still SERVING",
+              health(ch, "weightsync.tcp") == 1 and health(ch) == 1)
+    finally:
+        d.stop()
+    # Another socket path: gRPC shares connections between channels to one
+    # target, and the first daemon's is gone.
+    work2 = os.path.join(work, "second")
+    os.mkdir(work2, 0o750)
+    d = Daemon(work2, tcp=True, cert_days=30)
+    try:
+        check("cert: a 30-day certificate is SERVING, no warning",
+              health(d.unix_channel(), "weightsync.tls_certificate") == 1
+              and "expires at" not in d.log())
+    finally:
+        d.stop()
+
+
 CASES = {"idle_streams": case_idle_streams, "emfile": case_emfile,
          "big_header": case_big_header, "metrics_partial": case_metrics_partial,
-         "wrong_tokens": case_wrong_tokens, "engine_reads": case_engine_reads}
+         "wrong_tokens": case_wrong_tokens, "engine_reads": case_engine_reads,
+         "cert_expiry": case_cert_expiry}
 
 
 def main():

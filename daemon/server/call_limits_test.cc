@@ -1,0 +1,55 @@
+#include "daemon/server/call_limits.h"
+
+#include <utility>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace weightsync {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(CallLimitsTest, EachPeerHasItsOwnCapAndTheRefusalNamesTheFlag) {
+  CallLimits limits({/*max_calls_per_peer=*/2,
+                     /*max_control_streams_per_peer=*/1,
+                     /*max_engine_reads=*/1});
+  std::vector<CallLimits::Ticket> held;
+  for (int i = 0; i < 2; ++i) {
+    auto t = limits.Enter(CallLimits::Kind::kCall, "uid 1000");
+    ASSERT_TRUE(t.ok());
+    held.push_back(*std::move(t));
+  }
+  auto refused = limits.Enter(CallLimits::Kind::kCall, "uid 1000");
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(refused.status().message(), HasSubstr("--max_calls_per_peer=2"));
+  EXPECT_THAT(refused.status().message(), HasSubstr("uid 1000"));
+  // Another peer, and Control streams, count apart.
+  EXPECT_TRUE(limits.Enter(CallLimits::Kind::kCall, "uid 1001").ok());
+  auto control = limits.Enter(CallLimits::Kind::kControl, "uid 1000");
+  ASSERT_TRUE(control.ok());
+  auto second = limits.Enter(CallLimits::Kind::kControl, "uid 1000");
+  EXPECT_THAT(second.status().message(),
+              HasSubstr("--max_control_streams_per_peer=1"));
+  EXPECT_EQ(limits.refused(CallLimits::Kind::kCall), 1);
+  EXPECT_EQ(limits.refused(CallLimits::Kind::kControl), 1);
+  // A place given back (ticket destroyed) can be taken again.
+  held.pop_back();
+  EXPECT_TRUE(limits.Enter(CallLimits::Kind::kCall, "uid 1000").ok());
+}
+
+TEST(CallLimitsTest, EngineReadsAreCappedForAllPeersTogether) {
+  CallLimits limits({8, 8, /*max_engine_reads=*/1});
+  auto first = limits.Enter(CallLimits::Kind::kEngineRead, "uid 1");
+  ASSERT_TRUE(first.ok());
+  auto second = limits.Enter(CallLimits::Kind::kEngineRead, "uid 2");
+  ASSERT_EQ(second.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(second.status().message(), HasSubstr("--max_engine_reads=1"));
+  CallLimits::Ticket moved = *std::move(first);
+  { CallLimits::Ticket gone = std::move(moved); }
+  EXPECT_TRUE(limits.Enter(CallLimits::Kind::kEngineRead, "uid 2").ok());
+}
+
+}  // namespace
+}  // namespace weightsync
