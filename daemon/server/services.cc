@@ -248,6 +248,7 @@ grpc::Status ServeChunkStream(grpc::ServerContext* ctx, Stream* stream,
 grpc::Status TrainerServiceImpl::RegisterTransferPlan(
     grpc::ServerContext* ctx, const v1::RegisterTransferPlanRequest* request,
     v1::RegisterTransferPlanResponse* response) {
+  WS_ADMIT(ctx, kCall);
   grpc::Status owner = CheckOwner(ctx, false);
   if (!owner.ok()) return owner;
   return Answer(response,
