@@ -288,6 +288,32 @@ TEST_F(RefusalsTest, AnUpdateIdOneByteOverTheLimitIsRefused) {
   EXPECT_EQ(StatusOf("e0").version(), 2);
 }
 
+// A timeout of -1 ms, the edge (0 means the default), is refused on each
+// RPC that takes one, before anything starts; 0 goes through.
+TEST_F(RefusalsTest, ATimeoutOfMinusOneMillisecondIsRefused) {
+  EngineAtVersionOne();
+  const auto before = Memory(0);
+  v1::InitWeightTransferRequest init;
+  init.set_backend(v1::BACKEND_HOST);
+  init.set_timeout_ms(-1);
+  auto refused_init = trainer_->InitWeightTransfer(init);
+  EXPECT_EQ(refused_init.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused_init.status().message(),
+              HasSubstr("timeout_ms must be >= 0, not -1"));
+  auto t = Tensors(2);
+  v1::StartWeightUpdateRequest r = StartRequest(2, t);
+  r.set_finish_timeout_ms(-1);
+  auto refused = trainer_->StartWeightUpdate(r);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("finish_timeout_ms must be >= 0, not -1"));
+  ExpectUntouched(before, 1);
+  r.set_finish_timeout_ms(0);
+  auto done = trainer_->Update(r, t);
+  EXPECT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ(StatusOf("e0").version(), 2);
+}
+
 // A sparse patch whose first index is -1 (8-byte indices) would write one
 // element before the parameter: refused, nothing written.
 TEST_F(RefusalsTest, ANegativeSparseIndexIsRefused) {
