@@ -565,6 +565,8 @@ def main():
     mode.add_argument("--patch", nargs=3, action="append",
                       metavar=("FILE", "FROM", "TO"),
                       help="run a hand-made mutant (FROM once in FILE)")
+    ap.add_argument("--only", default="",
+                    help="keep the mutants whose file contains this")
     ap.add_argument("--seed", default="0")
     ap.add_argument("--budget", type=float, default=0,
                     help="stop starting mutants after this many seconds")
@@ -580,7 +582,7 @@ def main():
     args = ap.parse_args()
 
     TARGETS_OVERRIDE.extend(args.targets)
-    mutants = collect(args.files)
+    mutants = [mu for mu in collect(args.files) if args.only in mu.file]
     equivalent = load_equivalent()
     if args.list:
         for mu in mutants:
@@ -703,6 +705,14 @@ def record(path, globs, mutants, equivalent, rows):
     judged = tot["killed"] + tot["survived"]
     data["total"] = {**tot, "kill_rate": round(100.0 * tot["killed"] / judged, 1)
                      if judged else None}
+    # What the sweeps have not reached yet: every safety file's count now.
+    every = {}
+    for mu in collect(SAFETY_GLOBS):
+        every[mu.file] = every.get(mu.file, 0) + 1
+    data["generated_now"] = {
+        "files": len(every), "mutants": sum(every.values()),
+        "swept_files": sorted(f for f in data["files"] if f in every),
+        "per_file": every}
     data["note"] = ("tools/mutants.py --sweep: per file, every generated "
                     "mutant's verdict; kill_rate = killed / (killed + "
                     "survived): equivalent and broken (does not compile) "
