@@ -572,6 +572,10 @@ def main():
                     help="stop starting mutants after this many seconds")
     ap.add_argument("--floor", type=float, default=0,
                     help="fail when the kill rate (percent) is below this")
+    ap.add_argument("--min_judged", type=int, default=10,
+                    help="apply --floor only when at least this many mutants "
+                         "were judged (killed or survived): the rate of a "
+                         "handful is chance, not a measurement")
     ap.add_argument("--results", default="",
                     help="JSON file a --sweep (or --run) merges its outcome "
                          "into, per mutant")
@@ -650,6 +654,11 @@ def main():
         record(args.results, args.files, mutants, equivalent, rows)
     if outcome.get("stale"):
         return 1
+    if judged < args.min_judged:
+        if args.floor:
+            print(f"floor {args.floor:.0f}% not applied: {judged} judged, "
+                  f"fewer than --min_judged {args.min_judged}", flush=True)
+        return 0
     return 1 if rate < args.floor else 0
 
 
