@@ -533,13 +533,13 @@ def main():
     ap.add_argument("docs", nargs="*")
     args = ap.parse_args()
     t0 = time.time()
-    docs = args.docs or ["README.md"] + sorted(
-        os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs/*.md")))
+    docs = [os.path.abspath(d) for d in args.docs] or [os.path.join(ROOT, "README.md")] + \
+        sorted(glob.glob(os.path.join(ROOT, "docs/*.md")))
     problems = Problems()
     checker = Checker(os.path.abspath(args.bin), problems)
     blocks = []
     for d in docs:
-        blocks += checker.doc(os.path.relpath(os.path.abspath(d), ROOT))
+        blocks += checker.doc(os.path.relpath(d, ROOT))
     names_s = time.time() - t0
     if blocks and not args.no_run:
         run_blocks(blocks, os.path.abspath(args.bin), problems)
