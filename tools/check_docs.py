@@ -327,6 +327,8 @@ class Checker:
 
     # Python
     def python(self, where, token):
+        if f'"{token}"' in self.code_text:
+            return  # a name the code uses as a string (health service "weightsync.unix")
         m = re.match(r"^weightsync\.((?:worker\.)?v\d+)(?:\.(.*))?$", token)
         if m:  # a proto package (proto/weightsync/v1/...), maybe with a name in it
             if not os.path.isdir(os.path.join(ROOT, "proto/weightsync",
