@@ -46,9 +46,27 @@ std::unique_ptr<grpc::ClientContext> TrainerClient::Context() const {
 
 absl::StatusOr<v1::InitWeightTransferResponse>
 TrainerClient::InitWeightTransfer(const v1::InitWeightTransferRequest& r) {
-  return Call<v1::InitWeightTransferResponse>(
-      stub_.get(), &v1::TrainerService::Stub::InitWeightTransfer,
-      Context().get(), r);
+  absl::StatusOr<v1::InitWeightTransferResponse> group =
+      Call<v1::InitWeightTransferResponse>(
+          stub_.get(), &v1::TrainerService::Stub::InitWeightTransfer,
+          Context().get(), r);
+  if (!group.ok()) return group;
+  // The new hold first: the old one's group is not the daemon's any more,
+  // so closing it ends nothing (engines this trainer paused stay paused).
+  absl::StatusOr<std::unique_ptr<LivenessHold>> hold =
+      LivenessHold::Open(stub_.get(), group->group_id(), options_.call_timeout);
+  hold_status_ = hold.status();
+  hold_ = hold.ok() ? *std::move(hold) : nullptr;
+  return group;
+}
+
+absl::Status TrainerClient::liveness_status() const {
+  if (hold_ != nullptr && !hold_->open()) {
+    return absl::UnavailableError(
+        "the daemon ended this trainer's Liveness stream (it restarted, or "
+        "its group was replaced)");
+  }
+  return hold_status_;
 }
 
 absl::StatusOr<v1::StartWeightUpdateResponse> TrainerClient::StartWeightUpdate(

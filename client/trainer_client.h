@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "client/channel.h"
+#include "client/liveness_hold.h"
 #include "common/chunk_planner.h"
 #include "weightsync/v1/trainer_service.grpc.pb.h"
 
@@ -57,8 +58,16 @@ class TrainerClient {
   static absl::StatusOr<std::unique_ptr<TrainerClient>> Connect(
       const ClientOptions& options);
 
+  // Forms the group, then holds it (client/liveness_hold.h) for as long as
+  // this client lives or until the next InitWeightTransfer: if the process
+  // dies, the daemon ends its update within a second. A daemon that can't
+  // hold it (older than TrainerService.Liveness) still forms the group;
+  // liveness_status() says why.
   absl::StatusOr<v1::InitWeightTransferResponse> InitWeightTransfer(
       const v1::InitWeightTransferRequest& request);
+  // OK while the daemon holds this client's group; the hold's error
+  // otherwise (FAILED_PRECONDITION before InitWeightTransfer).
+  absl::Status liveness_status() const;
   absl::StatusOr<v1::StartWeightUpdateResponse> StartWeightUpdate(
       const v1::StartWeightUpdateRequest& request);
   // Host backend: packs `tensors` (in manifest order) with the shared chunk
@@ -133,6 +142,11 @@ class TrainerClient {
   const ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::TrainerService::Stub> stub_;
+  // The hold on the group InitWeightTransfer formed last (null: none, and
+  // hold_status_ says why). Declared after stub_: closed before it goes.
+  std::unique_ptr<LivenessHold> hold_;
+  absl::Status hold_status_ =
+      absl::FailedPreconditionError("no transfer group formed by this client");
   // The registered source of the last dense update and its chunk plan.
   std::string source_id_;
   Manifest source_manifest_;

@@ -274,10 +274,12 @@ int RunGpuTrainer(const GpuTrainerOptions& o) {
     return 1;
   }
   if (!ipc) CHECK_NCCL(ncclCommInitRank(&comm, 2, id, 0));
-  std::printf("trainer: %s group %s formed in %.2f s (%s)\n", o.backend.c_str(),
-              group->group_id().c_str(),
+  const absl::Status held = (*client)->liveness_status();
+  std::printf("trainer: %s group %s formed in %.2f s (%s); liveness %s\n",
+              o.backend.c_str(), group->group_id().c_str(),
               absl::ToDoubleSeconds(absl::Now() - t_init),
-              group->build_info().c_str());
+              group->build_info().c_str(),
+              held.ok() ? "held" : held.ToString().c_str());
 
   const std::vector<v1::TensorSpec> specs =
       synthetic::Checkpoint(*model, dtype);

@@ -463,6 +463,11 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   bool enqueue_done_ ABSL_GUARDED_BY(enqueue_mu_) = true;
   absl::Status enqueue_status_ ABSL_GUARDED_BY(enqueue_mu_);
   std::atomic<bool> abort_requested_{false};
+  // WaitUpdate calls polling the update now. AbortUpdate may come while one
+  // polls (the daemon's trainer died during Finish, issue 36): it asks them
+  // to stop (abort_requested_) and waits for them to leave before it
+  // aborts the communicator they query.
+  std::atomic<int> waiters_{0};
 };
 
 template <typename T>

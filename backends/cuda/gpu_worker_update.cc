@@ -538,6 +538,11 @@ grpc::Status GpuWorker::WaitUpdate(grpc::ServerContext* ctx,
                                                     : 60000));
   // Poll without the owner thread (it may be enqueuing): event queries and
   // the communicator's async error are safe from any thread, never block.
+  ++waiters_;
+  struct Leave {
+    std::atomic<int>& n;
+    ~Leave() { --n; }
+  } leave{waiters_};
   if (!update_active_) {
     return ToGrpcStatus(absl::FailedPreconditionError("no update in progress"));
   }
@@ -578,6 +583,7 @@ grpc::Status GpuWorker::WaitUpdate(grpc::ServerContext* ctx,
 
 absl::Status GpuWorker::AwaitEvent(cudaEvent_t goal, absl::Time deadline) {
   while (true) {
+    if (abort_requested_) return absl::AbortedError("update aborted");
     bool enqueued;
     {
       absl::MutexLock lock(&enqueue_mu_);
@@ -610,6 +616,11 @@ grpc::Status GpuWorker::AbortUpdate(grpc::ServerContext* ctx,
     return grpc::Status::OK;  // nothing in flight; the communicator is fine
   }
   abort_requested_ = true;  // stops an enqueue waiting for the trainer
+  // ... and a WaitUpdate polling the communicator this aborts.
+  const absl::Time left = absl::Now() + absl::Seconds(1);
+  while (waiters_.load() > 0 && absl::Now() < left) {
+    absl::SleepFor(absl::Microseconds(50));
+  }
   return ToGrpcStatus(owner_.Run(
       [&]() -> absl::Status {
         update_active_ = false;

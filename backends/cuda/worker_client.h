@@ -193,6 +193,9 @@ class GpuDataPlane : public DataPlane {
   absl::Status WaitChunks(int64_t n, absl::Time deadline) override;
   absl::Status Drain(absl::Time deadline) override;
   void Abort() override;
+  // Aborts the update in the worker: a WaitUpdate in flight (Drain,
+  // WaitStaged) returns ABORTED.
+  void Cancel() override;
   void MarkEngineLost(int engine) override {}
   int64_t chunks_written() const override;
   absl::Duration device_time() const override;

@@ -300,6 +300,10 @@ void GpuDataPlane::Abort() {
   sup_->AbortUpdate(absl::Now() + absl::Seconds(5));
 }
 
+void GpuDataPlane::Cancel() {
+  sup_->AbortUpdate(absl::Now() + absl::Seconds(5));
+}
+
 int64_t GpuDataPlane::chunks_written() const {
   absl::MutexLock lock(&mu_);
   return written_;

@@ -226,6 +226,8 @@ absl::StatusOr<v1::InitWeightTransferResponse> Coordinator::InitWeightTransfer(
   absl::MutexLock control(&control_mu_);
   NoteTrainerCall();
   EndIfFailed("InitWeightTransfer");
+  WS_RETURN_IF_ERROR(TakeOver(request.take_over_update_id(),
+                              "a new trainer's InitWeightTransfer"));
   {
     absl::MutexLock lock(&mu_);
     if (update_ != nullptr) {
@@ -279,6 +281,7 @@ absl::StatusOr<v1::InitWeightTransferResponse> Coordinator::InitWeightTransfer(
   v1::InitWeightTransferResponse response;
   response.set_group_id(
       absl::StrFormat("%016x", absl::Uniform<uint64_t>(absl::BitGen())));
+  group_id_ = response.group_id();
   response.set_local_world_size(data_planes_->LocalWorldSize(backend_));
   response.set_build_info(options_.build_info);
   LOG(INFO) << Event("group.formed") << "transfer group " << response.group_id()

@@ -9,14 +9,15 @@
 // registration, chunk submission and status run beside them and never wait
 // on the state lock mu_ behind an engine or the data plane.
 //
-// The class is defined in eight files: coordinator.cc (the engine registry,
+// The class is defined in nine files: coordinator.cc (the engine registry,
 // the transfer group, status, shutdown), pause.cc (pause/resume), sources.cc
 // (registered sources), update_start.cc (an update's validation, planning,
 // pause and Begin), update_session.cc (its chunks, its failure),
 // update_watchdog.cc (the idle watchdog), update_finish.cc (Finish with the
 // staged commit, Abort, ending a failed update) and update_commit.cc
 // (Finish's two halves, prepare and commit, also called one by one by a
-// trainer of several daemons).
+// trainer of several daemons) and trainer_liveness.cc (the trainer's hold
+// on its group, and what its end ends).
 #ifndef WEIGHTSYNC_DAEMON_CORE_COORDINATOR_H_
 #define WEIGHTSYNC_DAEMON_CORE_COORDINATOR_H_
 
@@ -198,6 +199,20 @@ class Coordinator {
   // writes the engine and answers ABORTED if one began while it read.
   absl::StatusOr<v1::CheckEngineResponse> CheckEngine(
       const v1::CheckEngineRequest& request);
+
+  // Trainer liveness (docs/protocol.md, "Trainer liveness";
+  // trainer_liveness.cc). A trainer holds the group it formed while it
+  // lives (TrainerService.Liveness): HoldGroup opens a hold of `group_id`
+  // and returns its token: FAILED_PRECONDITION unless it is the group formed
+  // now, RESOURCE_EXHAUSTED past kMaxHolds. ReleaseGroup closes it; if the
+  // hold was of the current group its trainer is gone: the update in
+  // progress fails and ends at once (engines DIRTY, or resumed, as for any
+  // failed update) and engines paused by a trainer are resumed. It may wait
+  // on control_mu_ (a Finish in progress is woken first); call it from a
+  // thread that may block, never under a lock.
+  static constexpr size_t kMaxHolds = 64;
+  absl::StatusOr<int64_t> HoldGroup(const std::string& group_id);
+  void ReleaseGroup(int64_t hold, absl::string_view why);
 
   // Called once for every update that ends (metrics); set before serving.
   // Runs under the core's lock: it must be quick and must not call back.
@@ -540,6 +555,20 @@ class Coordinator {
   // Ends the update if it failed and nobody ended it (its trainer gone).
   void EndIfFailed(absl::string_view by)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(control_mu_);
+  // InitWeightTransfer's and Start's take_over_update_id: ends update
+  // `update_id` if it is in progress and no trainer holds the group;
+  // FAILED_PRECONDITION if one does. Requires control_mu_.
+  absl::Status TakeOver(const std::string& update_id, absl::string_view by);
+  // Whether a Liveness stream holds the current group.
+  bool GroupHeldLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Resumes engines paused by a trainer (not by an update, not dirty) when
+  // no update is in progress: their trainer is gone. Requires control_mu_.
+  void ResumeTrainerPauses(absl::string_view why);
+  // The group formed by the last InitWeightTransfer ("" before), and the
+  // open Liveness holds (token -> the group each holds).
+  std::string group_id_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<int64_t, std::string> holds_ ABSL_GUARDED_BY(mu_);
+  int64_t next_hold_ ABSL_GUARDED_BY(mu_) = 1;
   absl::Time last_trainer_call_ ABSL_GUARDED_BY(mu_) = absl::Now();
   absl::Mutex watch_mu_;
   bool watch_stop_ ABSL_GUARDED_BY(watch_mu_) = false;

@@ -87,6 +87,13 @@ class DataPlane {
   // Drops queued chunks and waits for the copy in progress to end.
   virtual void Abort() = 0;
 
+  // From any thread, while the coordinator may be inside Drain, WaitStaged
+  // or WaitChunks: the update's trainer is gone, so bytes it was to send
+  // will never come; make such a wait return an error soon (Abort still
+  // follows). Nothing to do where every byte already arrived when those
+  // are called (host).
+  virtual void Cancel() {}
+
   // Stops writing into engine `engine` (index into the plan's engines).
   virtual void MarkEngineLost(int engine) = 0;
 

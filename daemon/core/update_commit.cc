@@ -37,6 +37,11 @@ absl::StatusOr<absl::Time> Coordinator::Prepare(
   {
     absl::MutexLock lock(&mu_);
     DropFaultedEnginesLocked();
+    // Its trainer left while the bytes drained (trainer_liveness.cc): the
+    // update failed, whatever landed.
+    if (status.ok() && update_->phase == Phase::kFailed) {
+      status = update_->error;
+    }
   }
   const absl::Time t_drained = absl::Now();
   std::vector<absl::StatusOr<v1::Receipt>> receipts;

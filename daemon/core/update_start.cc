@@ -37,6 +37,11 @@ absl::StatusOr<v1::StartWeightUpdateResponse> Coordinator::StartWeightUpdate(
   // A failed update that nobody ended (its trainer gone) can never
   // complete: a new Start supersedes it.
   EndIfFailed("StartWeightUpdate");
+  if (!request.plan_only()) {
+    WS_RETURN_IF_ERROR(TakeOver(
+        request.take_over_update_id(),
+        absl::StrCat("a new trainer's Start of '", request.update_id(), "'")));
+  }
   WS_RETURN_IF_ERROR(SelectForStart(request, s));
   WS_RETURN_IF_ERROR(PlanStart(request, s));
   if (request.plan_only()) return StartResponse(request, s);

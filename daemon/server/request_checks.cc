@@ -44,6 +44,8 @@ absl::Status CheckIdLength(absl::string_view field, absl::string_view id,
 
 absl::Status CheckRequest(const v1::InitWeightTransferRequest& r) {
   WS_RETURN_IF_ERROR(CheckEnum("backend", r.backend(), v1::Backend_IsValid));
+  WS_RETURN_IF_ERROR(CheckIdLength("take_over_update_id",
+                                   r.take_over_update_id(), kMaxUpdateIdBytes));
   return CheckTimeout("timeout_ms", r.timeout_ms());
 }
 
@@ -52,6 +54,8 @@ absl::Status CheckRequest(const v1::StartWeightUpdateRequest& r) {
       CheckIdLength("update_id", r.update_id(), kMaxUpdateIdBytes));
   WS_RETURN_IF_ERROR(
       CheckIdLength("source_id", r.source_id(), kMaxUpdateIdBytes));
+  WS_RETURN_IF_ERROR(CheckIdLength("take_over_update_id",
+                                   r.take_over_update_id(), kMaxUpdateIdBytes));
   WS_RETURN_IF_ERROR(CheckEnum("mode", r.mode(), v1::UpdateMode_IsValid));
   WS_RETURN_IF_ERROR(CheckEnum("verify", r.verify(), v1::VerifyMode_IsValid));
   WS_RETURN_IF_ERROR(CheckTimeout("finish_timeout_ms", r.finish_timeout_ms()));

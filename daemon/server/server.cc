@@ -194,6 +194,9 @@ void Server::Shutdown(absl::Duration grace) {
   server_->GetHealthCheckService()->SetServingStatus(false);
   if (listener_ != nullptr) listener_->Stop();
   if (tcp_ != nullptr) tcp_->Stop();
+  // Trainers' Liveness streams never end by themselves: end them now
+  // rather than after the grace.
+  trainer_.EndLivenessStreams();
   server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
   server_->Wait();
   server_.reset();

@@ -403,6 +403,61 @@ grpc::Status TrainerServiceImpl::CheckEngine(
   return Answer(response, [&] { return core_->CheckEngine(*request); });
 }
 
+void TrainerServiceImpl::EndLivenessStreams() {
+  absl::MutexLock lock(&live_mu_);
+  live_ended_ = true;
+  for (grpc::ServerContext* ctx : live_) ctx->TryCancel();
+}
+
+grpc::Status TrainerServiceImpl::Liveness(
+    grpc::ServerContext* ctx,
+    grpc::ServerReaderWriter<v1::LivenessResponse, v1::LivenessRequest>*
+        stream) {
+  // Holds one of the peer's call places for the trainer's life.
+  WS_ADMIT(ctx, kCall);
+  grpc::Status owner = CheckOwner(ctx, false);
+  if (!owner.ok()) return owner;
+  v1::LivenessRequest request;
+  if (!stream->Read(&request)) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        "Liveness: the stream carried no message that parsed "
+                        "(the first names the group); nothing is held");
+  }
+  absl::Status s = CheckIdLength("group_id", request.group_id(), 64);
+  if (!s.ok()) return ToGrpcStatus(s);
+  {
+    absl::MutexLock lock(&live_mu_);
+    if (live_ended_) {
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                          "daemon is shutting down");
+    }
+    live_.insert(ctx);
+  }
+  struct Forget {
+    TrainerServiceImpl* self;
+    grpc::ServerContext* ctx;
+    ~Forget() {
+      absl::MutexLock lock(&self->live_mu_);
+      self->live_.erase(ctx);
+    }
+  } forget{this, ctx};
+  absl::StatusOr<int64_t> hold = core_->HoldGroup(request.group_id());
+  if (!hold.ok()) return ToGrpcStatus(hold.status());
+  v1::LivenessResponse held;
+  held.set_held(true);
+  stream->Write(held);
+  // Nothing more is expected: the stream's end is the news. A process that
+  // dies has its socket closed by the kernel, which cancels the call here
+  // at once; keepalive (--keepalive_ms) cancels it on a cut network.
+  while (stream->Read(&request)) {
+  }
+  core_->ReleaseGroup(*hold, ctx->IsCancelled()
+                                 ? "its connection closed (the process "
+                                   "exited, or keepalive found it cut off)"
+                                 : "it closed its Liveness stream");
+  return grpc::Status::OK;
+}
+
 namespace {
 
 // A CUDA VMM handle ("pid:fd") must name the caller's pid: the daemon takes

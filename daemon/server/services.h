@@ -8,6 +8,7 @@
 #include <functional>
 #include <optional>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/core/coordinator.h"
@@ -99,6 +100,15 @@ class TrainerServiceImpl final : public v1::TrainerService::Service {
   grpc::Status CheckEngine(grpc::ServerContext* ctx,
                            const v1::CheckEngineRequest* request,
                            v1::CheckEngineResponse* response) override;
+  // Holds the group for the stream's life (Coordinator::HoldGroup); its end
+  // releases it. Occupies one handler thread while open.
+  // EndLivenessStreams (the server stopping) cancels every open one, so
+  // that they don't hold the stop up for its grace, and refuses new ones.
+  void EndLivenessStreams();
+  grpc::Status Liveness(
+      grpc::ServerContext* ctx,
+      grpc::ServerReaderWriter<v1::LivenessResponse, v1::LivenessRequest>*
+          stream) override;
 
  private:
   // The transfer group belongs to the uid whose trainer formed it (over the
@@ -116,6 +126,9 @@ class TrainerServiceImpl final : public v1::TrainerService::Service {
   CallLimits* limits_ = nullptr;
   absl::Mutex owner_mu_;
   std::optional<uid_t> owner_ ABSL_GUARDED_BY(owner_mu_);
+  absl::Mutex live_mu_;
+  absl::flat_hash_set<grpc::ServerContext*> live_ ABSL_GUARDED_BY(live_mu_);
+  bool live_ended_ ABSL_GUARDED_BY(live_mu_) = false;
 };
 
 // Every call that speaks for an engine (Register of a known id, Control,

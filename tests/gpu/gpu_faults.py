@@ -4,6 +4,12 @@ on GPU 0, daemon and engines on GPU 1), or the IPC backend (ring of 2
 slots) on one GPU. One command, on a device machine:
 
     python3 tests/gpu/gpu_faults.py BIN_DIR LOG_DIR [--json OUT] [--only FAULT,...]
+        [--idle_timeout_ms MS|default] [--max_detect_s S]
+
+--idle_timeout_ms: the daemon's --update_idle_timeout_ms (3000 unless
+given; `default`: the flag is not passed, 5 min). --max_detect_s: a row
+whose detection took longer fails (issue 36: a killed trainer is seen
+through its Liveness stream within 1 s, not at the idle timeout).
 
 BIN_DIR holds weightsyncd, weightsync_gpu_worker, weightsync_gpu_engine,
 weightsync_gpu_trainer and weightsyncctl. For each fault x phase: a fresh
@@ -39,6 +45,10 @@ BIN, LOG = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
 OUT = sys.argv[sys.argv.index("--json") + 1] if "--json" in sys.argv else None
 # --only FAULT[,FAULT...]: rerun some faults (every phase).
 ONLY = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else None
+IDLE_MS = sys.argv[sys.argv.index("--idle_timeout_ms") + 1] if "--idle_timeout_ms" in sys.argv \
+    else "3000"
+MAX_DETECT_S = float(sys.argv[sys.argv.index("--max_detect_s") + 1]) \
+    if "--max_detect_s" in sys.argv else None
 GPUS = len(subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
            .stdout.strip().splitlines())
 NCCL = GPUS >= 2
@@ -86,8 +96,9 @@ class Case:
         d = self.spawn("daemon", [os.path.join(BIN, "weightsyncd"), f"--socket={self.sock}",
                                   f"--gpu={DEV}",
                                   f"--gpu_worker={os.path.join(BIN, 'weightsync_gpu_worker')}",
-                                  "--update_idle_timeout_ms=3000", "--notice_timeout_ms=10000",
-                                  "--finish_timeout_ms=15000", f"--max_chunk_bytes={1 << 30}"])
+                                  "--notice_timeout_ms=10000",
+                                  "--finish_timeout_ms=15000", f"--max_chunk_bytes={1 << 30}"] +
+                          ([] if IDLE_MS == "default" else [f"--update_idle_timeout_ms={IDLE_MS}"]))
         for _ in range(300):
             if os.path.exists(self.sock):
                 break
@@ -241,6 +252,11 @@ def run_case(fault, phase):
                             if "version" in l or "dirty" in l][-3:]
         row["ok"] = (not row["hang"] and row["daemon_alive"] and row["states_ok"] and
                      row["next_update"] and not row["mismatch"])
+        if MAX_DETECT_S is not None and not row["hang"] and row["detect_s"] > MAX_DETECT_S:
+            row["ok"] = False
+            row["error"] = f"detection took {row['detect_s']} s > {MAX_DETECT_S} s"
+        row["liveness"] = "".join(l for l in c.log("trainer").splitlines(True)
+                                  if "liveness" in l).strip()[-80:]
         if not row["next_update"]:
             row["error"] = f"next update rc {rc}: {c.log('trainer-next')[-300:]}"
     except Exception as ex:
@@ -256,7 +272,9 @@ def run_case(fault, phase):
 def main():
     os.makedirs(LOG, exist_ok=True)
     print(f"GPU fault suite: {'nccl, trainer GPU 0, daemon GPU 1' if NCCL else 'ipc ring, GPU 0'}"
-          f"; commit {os.environ.get('COMMIT', '?')}; {GPUS} GPU(s)", flush=True)
+          f"; commit {os.environ.get('COMMIT', '?')}; {GPUS} GPU(s); --update_idle_timeout_ms "
+          f"{'not passed (default 300000)' if IDLE_MS == 'default' else IDLE_MS}"
+          f"{f'; detection limit {MAX_DETECT_S} s' if MAX_DETECT_S else ''}", flush=True)
     rows = []
     for fault in FAULTS:
         if ONLY and fault not in ONLY:
@@ -269,6 +287,8 @@ def main():
                   f"{r.get('states')} next {r.get('next_update')} "
                   f"{'after ' + str(r['after_next']) + ' ' if 'after_next' in r else ''}"
                   f"{'PASS' if r['ok'] else 'FAIL ' + r.get('error', '')}", flush=True)
+            if r.get("liveness"):
+                print(f"    trainer: {r['liveness']}", flush=True)
     if OUT:
         with open(OUT, "w") as f:
             json.dump(dict(backend="nccl" if NCCL else "ipc", gpus=GPUS,

@@ -5,6 +5,9 @@
 # the NCCL backend, trainers on GPU 0, daemon and engines on GPU 1 (every
 # trainer forms a new communicator, and a dying one leaves the worker to
 # abort its communicator: the NCCL resources a long run churns through).
+# The daemon runs with its default --update_idle_timeout_ms (5 min): a
+# dying trainer's update must end through its Liveness stream (issue 36),
+# or the next trainer's Init is refused and the check fails.
 # A daemon and two engines (demo model, bf16, VMM memory); ROUNDS trainer
 # processes, each a new IPC source (IPC) or a new communicator (NCCL),
 # sending 10 updates; every 4th trainer instead dies mid-transfer (after 3
@@ -31,7 +34,7 @@ pids=()
 source "$(dirname "$0")/stop_all.sh"
 trap stop_all EXIT
 timeout 900 "$BIN/weightsyncd" --socket="$sock" --gpu=$DEV_D --gpu_worker="$BIN/weightsync_gpu_worker" \
-  --update_idle_timeout_ms=3000 --notice_timeout_ms=30000 --max_chunk_bytes=$((1<<30)) \
+  --notice_timeout_ms=30000 --max_chunk_bytes=$((1<<30)) \
   --metrics_address=127.0.0.1:0 >"$LOG/daemon.log" 2>&1 &
 pids+=($!)
 for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done

@@ -78,7 +78,7 @@ class DaemonTest : public ::testing::Test {
     host.staging_buffers = 2;
     host.staging_budget = 1 << 20;
     core_ = std::make_unique<Coordinator>(core_options_, MakeMemoryMapper(),
-                                          MakeDataPlaneFactory(host));
+                                          DataPlanes(host));
     ServerOptions so;
     so.unix_socket = dir_ + "/d.sock";
     so.tcp_address = "127.0.0.1:0";
@@ -94,6 +94,13 @@ class DaemonTest : public ::testing::Test {
     trainer_ = *TrainerClient::Connect(options_);
     model_ = *synthetic::ModelByName("tiny");
   }
+  // The core's data planes: the host backend's (a test may serve other
+  // backends with fakes).
+  virtual std::shared_ptr<DataPlaneFactory> DataPlanes(
+      const HostDataPlane::Options& host) {
+    return MakeDataPlaneFactory(host);
+  }
+
   void TearDown() override {
     engines_.clear();
     trainer_.reset();

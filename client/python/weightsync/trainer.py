@@ -26,7 +26,7 @@ deadline; errors raise WeightSyncError with the daemon's code and message.
 import contextlib
 import uuid
 
-from weightsync import _multi
+from weightsync import _liveness, _multi
 from weightsync._proto import Stub, channel, default_target, v1
 from weightsync.senders.base import Link, Update
 from weightsync.senders.host_source import HostSourceSender
@@ -57,6 +57,9 @@ class Trainer:
         self._gpu = None   # the NcclSender or IpcSender of the last init_nccl / init_ipc
         # update_sharded: (collective id, engine ids) -> senders.many.ManySenders
         self._many_senders = {}
+        # Each daemon's hold on the group it formed for this trainer
+        # (weightsync._liveness): this process dying ends its update there.
+        self._liveness = _liveness.Holds(timeout)
 
     # What the last update left (weightsync.senders.base.Link).
     last_results = property(lambda self: self._link.last_results,
@@ -77,6 +80,7 @@ class Trainer:
                          lambda self, v: setattr(self._link, "on_phase", v))
 
     def close(self):
+        self._liveness.close()
         if self._gpu is not None:
             self._gpu.close()
         self._host_sources.close()
@@ -103,6 +107,7 @@ class Trainer:
         self._host_stream.reset()    # a new group keeps no sources
         self._host_sources.reset()
         ids = [r.group_id for r in results]
+        self._liveness.replace(self._stubs, ids)
         return ids[0] if len(ids) == 1 else ids
 
     def host_tensors(self, params):
@@ -133,6 +138,7 @@ class Trainer:
         from weightsync.senders.nccl import NcclSender
         self._gpu, groups = NcclSender.join(self._link, self._gpu, device, pack_buffers,
                                             timeout_ms)
+        self._liveness.replace(self._stubs, groups)
         self._backend = "nccl"
         return groups
 
@@ -151,6 +157,7 @@ class Trainer:
         instead (IpcChunks), so the trainer never holds the whole update."""
         from weightsync.senders.ipc import IpcSender
         self._gpu, groups = IpcSender.join(self._link, self._gpu, device, packed, ring_slots)
+        self._liveness.replace(self._stubs, groups)
         self._backend = "ipc"
         return groups
 
