@@ -55,8 +55,9 @@ sample() {  # round -> one line of numbers
   fds=$(ls /proc/"$w"/fd 2>/dev/null | wc -l)
   threads=$(awk '/^Threads:/{print $2}' /proc/"$w"/status)
   rss=$(awk '/^VmRSS:/{print $2}' /proc/"$w"/status)
+  # Summed: on NCCL the worker has a context on both GPUs (two rows).
   gpu=$(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits \
-        | awk -F', ' -v p="$w" '$1==p{print $2}')
+        | awk -F', ' -v p="$w" '$1==p{s+=$2} END{print s+0}')
   maps=$(grep -c nvidia /proc/"$w"/maps)
   echo "$1 $w ${fds:-0} ${threads:-0} ${rss:-0} ${gpu:-0} ${maps:-0}" >>"$LOG/samples.txt"
 }
