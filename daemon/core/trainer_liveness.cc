@@ -6,7 +6,7 @@
 // DataPlane::Cancel) and ended as any failed update is, and the engines the
 // trainer paused are resumed. Without this, nothing told the NCCL backend
 // that its trainer died: the update lasted until --update_idle_timeout_ms.
-// TakeOverLocked is a restarted trainer's explicit takeover of an update
+// TakeOver is a restarted trainer's explicit takeover of an update
 // nobody holds. The locking rules are coordinator.h's.
 #include <string>
 #include <vector>
