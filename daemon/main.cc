@@ -119,6 +119,11 @@ DEFINE_int64(shutdown_timeout_ms, 0,
 DEFINE_int64(update_idle_timeout_ms, 300000,
              "end an update whose trainer shows no sign (no chunk, call or "
              "data-plane progress) for this long; 0: never");
+DEFINE_int64(engine_start_grace_ms, 5000,
+             "unregister an engine that has not opened its control stream "
+             "this long after registering (it never started, or hangs "
+             "before it); updates of every engine leave such an engine out "
+             "meanwhile; 0: never");
 DEFINE_string(allow_uids, "",
               "comma-separated uids allowed to connect to the Unix socket "
               "(besides the daemon's own uid and root)");
@@ -267,6 +272,8 @@ int Main() {
   core_options.finish_timeout = absl::Milliseconds(FLAGS_finish_timeout_ms);
   core_options.update_idle_timeout =
       absl::Milliseconds(FLAGS_update_idle_timeout_ms);
+  core_options.engine_start_grace =
+      absl::Milliseconds(FLAGS_engine_start_grace_ms);
   core_options.build_info = CudaBuildInfo();
   // Trainers' NCCL is checked against it at an nccl Init (issue 20).
   core_options.nccl_version = NcclVersionCode();

@@ -54,7 +54,8 @@ Coordinator::Coordinator(CoordinatorOptions options,
       mapper_(std::move(mapper)),
       data_planes_(std::move(data_planes)),
       sources_(SourceLimitsOf(options_)) {
-  if (options_.update_idle_timeout > absl::ZeroDuration()) {
+  if (options_.update_idle_timeout > absl::ZeroDuration() ||
+      options_.engine_start_grace > absl::ZeroDuration()) {
     watchdog_ = std::thread([this] { WatchIdle(); });
   }
 }
@@ -101,12 +102,14 @@ absl::StatusOr<v1::RegisterEngineResponse> Coordinator::RegisterEngine(
     replaced = std::move(it->second);
     RemoveEngineLocked(id, "re-registered");
   }
+  removed_why_.erase(id);
   EngineRecord& r = engines_[id];
   r.layout = layout;
   // Unique across daemon restarts too: clients cache layouts by this id.
   r.layout_id = absl::StrCat("layout-", layout_prefix_, "-", ++next_layout_);
   r.parameters.Swap(&parameters);
   r.version = request.version();
+  r.registered_at = absl::Now();
   r.trainer_uids.assign(request.trainer_uids().begin(),
                         request.trainer_uids().end());
   if (request.dirty()) {
@@ -145,6 +148,7 @@ absl::Status Coordinator::UnregisterEngine(const std::string& engine_id) {
 void Coordinator::RemoveEngineLocked(const std::string& engine_id,
                                      const std::string& why) {
   engines_.erase(engine_id);
+  removed_why_[engine_id] = why;
   // A cached plan holds the layouts, and so the engine's mappings.
   last_plan_.reset();
   last_plan_layouts_.clear();
@@ -190,6 +194,25 @@ bool Coordinator::DetachControl(const std::string& engine_id,
   absl::MutexLock lock(&mu_);
   if (!engines_.contains(engine_id)) return false;
   RemoveEngineLocked(engine_id, "control stream closed");
+  return true;
+}
+
+bool Coordinator::EngineLost(const std::string& engine_id,
+                             const std::string& reason) {
+  absl::MutexLock lock(&mu_);
+  if (!engines_.contains(engine_id)) return false;
+  LOG(WARNING) << Event("engine.lost_memory", "",
+                        engines_.at(engine_id).version, engine_id)
+               << reason;
+  RemoveEngineLocked(
+      engine_id,
+      absl::StrCat("engine '", engine_id,
+                   "' reported that its registered memory is no longer its "
+                   "weights (",
+                   reason,
+                   "); it was unregistered: register the engine's weights "
+                   "again (unregister before freeing them)"));
+  hub_.DetachEngine(engine_id);
   return true;
 }
 

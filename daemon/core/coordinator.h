@@ -10,7 +10,8 @@
 // on the state lock mu_ behind an engine or the data plane.
 //
 // The class is defined in nine files: coordinator.cc (the engine registry,
-// the transfer group, status, shutdown), pause.cc (pause/resume), sources.cc
+// the transfer group, status, shutdown), engine_expiry.cc (engines without a
+// control stream), pause.cc (pause/resume), sources.cc
 // (registered sources), update_start.cc (an update's validation, planning,
 // pause and Begin), update_session.cc (its chunks, its failure),
 // update_watchdog.cc (the idle watchdog), update_finish.cc (Finish with the
@@ -73,6 +74,8 @@ struct UpdateOutcome {
   double pause_seconds = 0;  // committed: how long its engines were paused
 };
 using UpdateListener = std::function<void(const UpdateOutcome&)>;
+// An engine the core unregistered by itself (engine_start_grace), by id.
+using EngineExpiredListener = std::function<void(const std::string&)>;
 
 struct CoordinatorOptions {
   // Chunk size when Start asks for none, and the largest accepted.
@@ -93,6 +96,11 @@ struct CoordinatorOptions {
   // if aborted: a trainer that froze or vanished without closing its
   // stream would otherwise hold the engines paused forever. Zero: never.
   absl::Duration update_idle_timeout = absl::Minutes(5);
+  // An engine registered this long without opening its control stream
+  // (its process never called start(), or hangs before it) is unregistered
+  // and reported (engine.expired): no notice can reach it, so it could only
+  // stop updates. Zero: never.
+  absl::Duration engine_start_grace = absl::Seconds(5);
   RegistrationLimits limits;
   std::string build_info;
   // This daemon's NCCL as ncclGetVersion encodes it (0: none, the host-only
@@ -147,6 +155,10 @@ class Coordinator {
   // True if `ch` was the engine's stream and the engine was removed.
   bool DetachControl(const std::string& engine_id, const ControlChannel* ch);
   void OnAck(const std::string& engine_id, const v1::EngineMessage::Ack& ack);
+  // The engine reported its registered memory gone (EngineMessage.Lost):
+  // unregistered, lost to an update in flight with `reason`, its stream
+  // detached. True if it was registered.
+  bool EngineLost(const std::string& engine_id, const std::string& reason);
 
   // Trainer side.
   absl::StatusOr<v1::InitWeightTransferResponse> InitWeightTransfer(
@@ -219,6 +231,11 @@ class Coordinator {
   void set_update_listener(UpdateListener listener) {
     listener_ = std::move(listener);
   }
+  // Called (outside the core's locks) for every engine expired for want of
+  // a control stream; set before serving.
+  void set_engine_expired_listener(EngineExpiredListener listener) {
+    expired_listener_ = std::move(listener);
+  }
 
   // Runs the part of CheckEngine that reads the engine's whole memory (no
   // lock held): `run(read)` must call `read` once and return after it. The
@@ -251,7 +268,8 @@ class Coordinator {
     bool dirty = false;
     bool updating = false;
     std::vector<uint32_t> trainer_uids;  // empty: any
-    std::string layout_id;  // EngineStatus.layout_id: new per registration
+    std::string layout_id;     // EngineStatus.layout_id: new per registration
+    absl::Time registered_at;  // for engine_start_grace
   };
   using EngineMap = absl::flat_hash_map<std::string, EngineRecord>;
   static SourceLimits SourceLimitsOf(const CoordinatorOptions& o);
@@ -321,6 +339,9 @@ class Coordinator {
       }
       return -1;
     }
+    // Registered engines that an update of every engine left out for want
+    // of a control stream, with why; Finish reports them as lost.
+    std::vector<std::pair<std::string, std::string>> left_out;
   };
 
   // StartWeightUpdate's working state, filled step by step by its helpers
@@ -330,6 +351,7 @@ class Coordinator {
     std::vector<std::string> ids;  // the engines, in plan order
     std::vector<std::shared_ptr<const EngineLayout>> layouts;  // as ids
     std::vector<std::string> to_pause;                         // not paused yet
+    std::vector<std::pair<std::string, std::string>> left_out;  // Update's
     std::shared_ptr<DataPlane> plane;
     std::shared_ptr<const CopyPlan> plan;
     // The manifest: the request's tensors, or its registered source's.
@@ -481,6 +503,21 @@ class Coordinator {
   absl::StatusOr<std::vector<std::string>> SelectEngines(
       const google::protobuf::RepeatedPtrField<std::string>& ids)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The engines a notice can reach (engine_expiry.cc): as SelectEngines,
+  // but `ids` empty selects only engines with an open control stream and
+  // lists the others in *left_out (id, why); an engine named in `ids`
+  // without one is FAILED_PRECONDITION saying how to fix it, and so is an
+  // empty selection.
+  absl::StatusOr<std::vector<std::string>> SelectReachableEngines(
+      const google::protobuf::RepeatedPtrField<std::string>& ids,
+      std::vector<std::pair<std::string, std::string>>* left_out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Why `id`, registered, can't be reached: no stream since it registered.
+  std::string StreamlessWhy(const std::string& id, const EngineRecord& r) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Unregisters engines registered longer than engine_start_grace without
+  // a control stream, and tells expired_listener_ (WatchIdle).
+  void ExpireStreamlessEngines();
   void RemoveEngineLocked(const std::string& engine_id, const std::string& why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes the engines of the update in flight whose shared memory its
@@ -528,12 +565,18 @@ class Coordinator {
       ABSL_GUARDED_BY(mu_);
   LinkedCopyPlan last_linked_ ABSL_GUARDED_BY(mu_);
   EngineMap engines_ ABSL_GUARDED_BY(mu_);
+  // Why each engine id was last removed (RemoveEngineLocked), for an update
+  // that selected it just before: its result names the reason. Cleared by
+  // a new registration of the id.
+  absl::flat_hash_map<std::string, std::string> removed_why_
+      ABSL_GUARDED_BY(mu_);
   v1::Backend backend_ ABSL_GUARDED_BY(mu_) = v1::BACKEND_UNSPECIFIED;
   // This daemon's first NCCL rank in the group (InitWeightTransfer): a
   // transfer plan's senders are ranks [0, M), so it must be >= M.
   int32_t rank_offset_ ABSL_GUARDED_BY(mu_) = 0;
   UpdateListener listener_;
   ReadRunner engine_read_runner_;
+  EngineExpiredListener expired_listener_;
   std::shared_ptr<DataPlane> data_plane_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<Update> update_ ABSL_GUARDED_BY(mu_);
   v1::UpdateStatus last_update_ ABSL_GUARDED_BY(mu_);

@@ -83,7 +83,8 @@ absl::StatusOr<v1::PauseResponse> Coordinator::Pause(
   std::vector<std::string> ids, to_pause;
   {
     absl::MutexLock lock(&mu_);
-    WS_ASSIGN_OR_RETURN(ids, SelectEngines(request.engine_ids()));
+    WS_ASSIGN_OR_RETURN(ids,
+                        SelectReachableEngines(request.engine_ids(), nullptr));
     for (const std::string& id : ids) {
       EngineRecord& r = engines_.at(id);
       if (r.paused) {
@@ -116,7 +117,8 @@ absl::StatusOr<v1::ResumeResponse> Coordinator::Resume(
   std::vector<std::string> ids, to_resume;
   {
     absl::MutexLock lock(&mu_);
-    WS_ASSIGN_OR_RETURN(ids, SelectEngines(request.engine_ids()));
+    WS_ASSIGN_OR_RETURN(ids,
+                        SelectReachableEngines(request.engine_ids(), nullptr));
     for (const std::string& id : ids) {
       const EngineRecord& r = engines_.at(id);
       if (r.updating) {

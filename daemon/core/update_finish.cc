@@ -305,6 +305,19 @@ Coordinator::Committed Coordinator::CommitVersionsLocked(
     // A dirty engine stays paused: Resume needs allow_dirty.
     if (r.paused_by_update && !r.dirty) c.resume.push_back(e);
   }
+  // Engines an update of every engine left out (no control stream): lost
+  // to it, as FAILED_PRECONDITION saying why (engine_expiry.cc).
+  for (const auto& [e, why] : update_->left_out) {
+    v1::EngineResult* result = response.add_engines();
+    result->set_engine_id(e);
+    result->set_lost(true);
+    result->set_code(static_cast<int>(absl::StatusCode::kFailedPrecondition));
+    result->set_message(
+        absl::StrCat("left out of update '", update_->id, "': ", why));
+    if (auto it = engines_.find(e); it != engines_.end()) {
+      result->set_version(it->second.version);
+    }
+  }
   response.set_version(c.version);
   c.paused_at = update_->paused_at;
   response.set_bytes(update_->plan->chunks.total_bytes);

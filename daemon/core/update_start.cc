@@ -196,7 +196,8 @@ absl::Status Coordinator::SelectForStart(
                      "before starting '",
                      request.update_id(), "'"));
   }
-  WS_ASSIGN_OR_RETURN(s.ids, SelectEngines(request.engine_ids()));
+  WS_ASSIGN_OR_RETURN(
+      s.ids, SelectReachableEngines(request.engine_ids(), &s.left_out));
   bool sparse = false;
   for (const v1::TensorSpec& t : request.tensors()) {
     sparse = sparse || t.sparse_nnz() > 0;
@@ -361,6 +362,7 @@ void Coordinator::InstallUpdateLocked(
   update->engine_ids = s.ids;
   update->lost.assign(s.ids.size(), false);
   update->lost_why.assign(s.ids.size(), "");
+  update->left_out = s.left_out;
   update->data_plane = s.plane;
   update->started = s.t_entry;
   update->last_activity = absl::Now();
@@ -392,6 +394,9 @@ void Coordinator::InstallUpdateLocked(
     // Gone since the snapshot (or replaced by a new registration).
     if (it == engines_.end() || it->second.layout != s.layouts[i]) {
       update->lost[i] = true;
+      if (auto w = removed_why_.find(s.ids[i]); w != removed_why_.end()) {
+        update->lost_why[i] = w->second;
+      }
       s.plane->MarkEngineLost(i);
       continue;
     }

@@ -1,5 +1,7 @@
 // Coordinator: the idle watchdog. Its thread (WatchIdle, started by the
-// constructor when --update_idle_timeout_ms is set) ends an update that its
+// constructor when --update_idle_timeout_ms or --engine_start_grace_ms is
+// set) expires engines that never opened their control stream
+// (engine_expiry.cc), ends an update that its
 // trainer abandoned, or left failed past a short grace (EndIdleUpdate), and
 // resumes engines that a trainer gone silent paused and never resumed
 // (ResumeOrphanedPauses). EndIfFailed is the same clean-up done at once by
@@ -30,7 +32,12 @@ void Coordinator::EndIfFailed(absl::string_view by) {
                             update_->target_version)
                    << "failed (" << update_->error << ") and nobody ended it; "
                    << by << " ends it";
-      why = absl::AbortedError("superseded");
+      // The engines' dirty notice says what happened to the update (e.g.
+      // "trainer disconnected mid-stream after 3 of 8 chunks"), not only
+      // who ended it.
+      why = absl::AbortedError(absl::StrCat(
+          "update '", update_->id, "' failed: ", update_->error.message(), "; ",
+          by, " ended it (its trainer did not)"));
     } else {
       // Prepared and never committed: its trainer is gone or gave up. It
       // may have committed other daemons, so the engines stay paused and
@@ -48,9 +55,14 @@ void Coordinator::EndIfFailed(absl::string_view by) {
 }
 
 void Coordinator::WatchIdle() {
-  const absl::Duration period =
-      std::min(absl::Milliseconds(200), options_.update_idle_timeout / 4);
+  absl::Duration period = absl::Milliseconds(200);
+  for (absl::Duration d :
+       {options_.update_idle_timeout, options_.engine_start_grace}) {
+    if (d > absl::ZeroDuration()) period = std::min(period, d / 4);
+  }
   while (WatchSleep(period)) {
+    ExpireStreamlessEngines();
+    if (options_.update_idle_timeout <= absl::ZeroDuration()) continue;
     if (ResumeOrphanedPauses()) continue;
     EndIdleUpdate();
   }
@@ -98,6 +110,7 @@ void Coordinator::EndIdleUpdate() {
   std::string id;
   absl::Duration idle;
   bool prepared = false;
+  std::string failed;  // why, for a failed update
   {
     absl::MutexLock lock(&mu_);
     if (update_ == nullptr || shut_down_) return;
@@ -118,6 +131,9 @@ void Coordinator::EndIdleUpdate() {
     if (idle < options_.update_idle_timeout && !failed_long) return;
     id = update_->id;
     prepared = update_->phase == Phase::kPrepared;
+    if (update_->phase == Phase::kFailed) {
+      failed = std::string(update_->error.message());
+    }
   }
   // As Abort does, after a Finish or Abort in progress (they hold
   // control_mu_ and end the update themselves).
@@ -136,6 +152,12 @@ void Coordinator::EndIdleUpdate() {
                        : absl::StrCat("no word from its trainer for ",
                                       absl::FormatDuration(idle)))
                << "; ending it";
+  if (!failed.empty()) {
+    EndFailedUpdate(absl::AbortedError(
+        absl::StrCat("update '", id, "' failed: ", failed,
+                     "; its trainer did not end it, so the daemon did")));
+    return;
+  }
   EndFailedUpdate(absl::DeadlineExceededError(absl::StrCat(
       "update '", id, "' abandoned: ",
       prepared ? "prepared but not committed, no call from its trainer for "

@@ -19,8 +19,40 @@
 #include "grpcpp/resource_quota.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
+#include "grpcpp/support/server_interceptor.h"
 
 namespace weightsync {
+namespace {
+
+// Counts the calls in progress: one interceptor lives as long as its call.
+class CallCounter : public grpc::experimental::Interceptor {
+ public:
+  explicit CallCounter(std::atomic<int>* open) : open_(open) {
+    open_->fetch_add(1);
+  }
+  ~CallCounter() override { open_->fetch_sub(1); }
+  void Intercept(grpc::experimental::InterceptorBatchMethods* m) override {
+    m->Proceed();
+  }
+
+ private:
+  std::atomic<int>* const open_;
+};
+
+class CallCounterFactory
+    : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  explicit CallCounterFactory(std::atomic<int>* open) : open_(open) {}
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo*) override {
+    return new CallCounter(open_);
+  }
+
+ private:
+  std::atomic<int>* const open_;
+};
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
     const ServerOptions& options, Coordinator* core) {
@@ -130,6 +162,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
       std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
       interceptors;
   interceptors.push_back(ParseErrorInterceptorFactory());
+  // Calls open, for Shutdown.
+  interceptors.push_back(
+      std::make_unique<CallCounterFactory>(&server->open_calls_));
   builder.experimental().SetInterceptorCreators(std::move(interceptors));
   builder.RegisterService(&server->trainer_);
   builder.RegisterService(&server->engine_);
@@ -197,7 +232,18 @@ void Server::Shutdown(absl::Duration grace) {
   // Trainers' Liveness streams never end by themselves: end them now
   // rather than after the grace.
   trainer_.EndLivenessStreams();
-  server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
+  // The core has told the engines what they need (core Shutdown first); an
+  // idle control stream must not hold the stop for the whole grace.
+  engine_.CancelControlStreams();
+  // Open calls get up to `grace`; idle connections get nothing: gRPC would
+  // hold its Shutdown for the whole deadline on a connection whose client
+  // is idle (it answers no GOAWAY ping while it does not poll), which made
+  // SIGTERM take --shutdown_grace_ms with a trainer merely connected.
+  const absl::Time end = absl::Now() + grace;
+  while (open_calls_.load() > 0 && absl::Now() < end) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  server_->Shutdown(absl::ToChronoTime(absl::Now()));
   server_->Wait();
   server_.reset();
 }

@@ -119,6 +119,9 @@ class Server {
   std::atomic<bool> stop_health_{false};
   std::thread health_;
   int health_state_ = -1;  // the last UpdateHealth's bits; health_ thread
+  // Calls open now, every service (a counting interceptor): Shutdown
+  // waits for these, not for idle connections.
+  std::atomic<int> open_calls_{0};
 };
 
 }  // namespace weightsync

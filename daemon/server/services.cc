@@ -565,6 +565,12 @@ grpc::Status EngineServiceImpl::RegisterEngine(
   return s;
 }
 
+void EngineServiceImpl::CancelControlStreams() {
+  absl::MutexLock lock(&streams_mu_);
+  streams_cancelled_ = true;
+  for (grpc::ServerContext* ctx : streams_) ctx->TryCancel();
+}
+
 void EngineServiceImpl::Forget(const std::string& engine) {
   // If the engine's process died, nobody else will remove its shared
   // memory (shm_reaper.h).
@@ -601,13 +607,39 @@ grpc::Status EngineServiceImpl::Control(
   absl::Status status =
       owners_->Check(engine, PeerOf(ctx), EngineOwners::Action::kControl);
   if (!status.ok()) return ToGrpcStatus(status);
+  {
+    absl::MutexLock lock(&streams_mu_);
+    if (streams_cancelled_) {
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                          "daemon is shutting down");
+    }
+    streams_.insert(ctx);
+  }
+  struct Untrack {
+    EngineServiceImpl* self;
+    grpc::ServerContext* ctx;
+    ~Untrack() {
+      absl::MutexLock lock(&self->streams_mu_);
+      self->streams_.erase(ctx);
+    }
+  } untrack{this, ctx};
   auto channel = std::make_shared<StreamChannel>(stream);
   // ALREADY_EXISTS while another stream speaks for the engine.
   status = core_->AttachControl(engine, channel);
   if (!status.ok()) return ToGrpcStatus(status);
   VLOG(1) << "engine " << engine << " control stream open";
   while (stream->Read(&message)) {
-    if (message.has_ack()) core_->OnAck(engine, message.ack());
+    if (!message.has_ack()) continue;
+    const v1::EngineMessage::Ack& ack = message.ack();
+    if (ack.notice_id() != 0) {
+      core_->OnAck(engine, ack);
+    } else if (!ack.ok() &&
+               core_->EngineLost(engine, ack.message().substr(0, 1024))) {
+      // Notice 0 is never sent: its refusal is the engine reporting that
+      // its registered memory is no longer its weights (docs/protocol.md,
+      // "EngineService"). Daemons before this ignore it as a foreign ack.
+      Forget(engine);
+    }
   }
   channel->Close();
   // Only the stream that spoke for the engine removes it (and its owner).

@@ -138,8 +138,13 @@ class TrainerServiceImpl final : public v1::TrainerService::Service {
 class EngineServiceImpl final : public v1::EngineService::Service {
  public:
   // `owners` outlives the service.
+  // Takes the core's engine-expired listener (an expired engine is
+  // forgotten as an unregistered one is).
   EngineServiceImpl(Coordinator* core, EngineOwners* owners)
-      : core_(core), owners_(owners) {}
+      : core_(core), owners_(owners) {
+    core_->set_engine_expired_listener(
+        [this](const std::string& engine) { Forget(engine); });
+  }
   // Set before the server starts.
   void set_peer_lookup(PeerLookup lookup) { peer_of_ = std::move(lookup); }
   // Set before the server starts; null (the default): no caps.
@@ -155,6 +160,10 @@ class EngineServiceImpl final : public v1::EngineService::Service {
       grpc::ServerContext* ctx,
       grpc::ServerReaderWriter<v1::DaemonMessage, v1::EngineMessage>* stream)
       override;
+  // Shutdown: cancels every open control stream (an idle engine's stream
+  // would otherwise hold the server's stop for its whole grace) and every
+  // one opened from now on. Any thread.
+  void CancelControlStreams();
 
  private:
   std::optional<PeerCred> PeerOf(grpc::ServerContext* ctx);
@@ -167,6 +176,10 @@ class EngineServiceImpl final : public v1::EngineService::Service {
   PeerLookup peer_of_;
   CallLimits* limits_ = nullptr;
   ShmReaper reaper_;
+  absl::Mutex streams_mu_;
+  absl::flat_hash_set<grpc::ServerContext*> streams_
+      ABSL_GUARDED_BY(streams_mu_);
+  bool streams_cancelled_ ABSL_GUARDED_BY(streams_mu_) = false;
 };
 
 }  // namespace weightsync

@@ -62,12 +62,15 @@ def start(test, *flags):
 class HostDaemonCase(unittest.TestCase):
     """A test case with its own weightsyncd on the host backend (started per
     test, stopped and checked for a clean exit after it), a Trainer of it,
-    and engine(): host engines registered and connected, closed after."""
+    and engine(): host engines registered and connected, closed after.
+    FLAGS: the daemon's flags (a subclass may set its own)."""
+
+    FLAGS = ("--notice_timeout_ms=2000",)
 
     def setUp(self):
         import weightsync
         # Its folder (socket, log) goes away with the test.
-        self.daemon, self.target = start(self, "--notice_timeout_ms=2000")
+        self.daemon, self.target = start(self, *self.FLAGS)
         self.trainer = weightsync.Trainer(self.target, timeout=10)
         self.engines = []
 

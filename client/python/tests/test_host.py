@@ -510,7 +510,9 @@ class HostBackendTest(daemon_fixture.HostDaemonCase):
         with self.assertRaises(WeightSyncError) as e:
             self.trainer.update([("a", np.zeros(2, np.float32))], version=1)
         self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
-        self.assertIn("InitWeightTransfer", e.exception.message)
+        # In the user's terms (issue 30); the daemon's own words in details.
+        self.assertIn("init_host()", e.exception.message)
+        self.assertIn("InitWeightTransfer", e.exception.details)
 
 
 if __name__ == "__main__":

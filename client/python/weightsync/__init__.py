@@ -7,11 +7,11 @@ message is a protobuf of the weightsync.v1 API). See docs/python.md;
 the local daemon's health.
 """
 
-from weightsync._errors import WeightSyncError
+from weightsync._errors import UsageError, WeightSyncError
 from weightsync._version import __version__
 from weightsync import planner
 
-__all__ = ["WeightSyncError", "Trainer", "Engine", "LazyTensor", "planner", "__version__"]
+__all__ = ["WeightSyncError", "UsageError", "Trainer", "Engine", "LazyTensor", "planner", "__version__"]
 
 
 def __getattr__(name):

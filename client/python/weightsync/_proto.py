@@ -7,11 +7,14 @@ runtimes from 3.20 (Debian) to 7.x (the GPU machines) alike.
 """
 
 import os
+import time
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
+from weightsync import _retry
 from weightsync._errors import WeightSyncError
+from weightsync._usage import rephrase
 
 _DESC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weightsync_v1.desc")
 
@@ -57,16 +60,26 @@ v1 = _Namespace()
 
 
 class Stub:
-    """Calls one weightsync.v1 service by method name, with a deadline each."""
+    """Calls one weightsync.v1 service by method name, with a deadline each.
+    With `target` (the channel's), unary calls that hit an unreachable
+    daemon are retried on a fresh channel as weightsync._retry says; the
+    Stub then owns the channels it makes (close() closes the current
+    one)."""
 
-    def __init__(self, channel, service, timeout):
+    def __init__(self, channel, service, timeout, target=None):
         # "TrainerService" (weightsync.v1) or a full name such as
         # "grpc.health.v1.Health" (also in the descriptor set).
         self._channel = channel
+        self._target = target
         self._service = _pool.FindServiceByName(
             service if "." in service else "weightsync.v1." + service)
         self._timeout = timeout
         self._methods = {}
+
+    @property
+    def timeout(self):
+        """The default deadline of a call, in seconds."""
+        return self._timeout
 
     def _method(self, name):
         if name not in self._methods:
@@ -88,10 +101,34 @@ class Stub:
         method, req_cls = self._method(name)
         if request is None:
             request = req_cls(**fields)
-        try:
-            return method(request, timeout=timeout or self._timeout)
-        except grpc.RpcError as e:
-            raise WeightSyncError(e.code().name, e.details()) from None
+        timeout = timeout or self._timeout
+        # An iterator (a client stream) is consumed by the first try.
+        retry = self._target is not None and hasattr(request, "SerializeToString")
+        give_up = time.monotonic() + min(timeout, _retry.WINDOW_S)
+        delay = _retry.FIRST_DELAY_S
+        while True:
+            try:
+                return method(request, timeout=timeout)
+            except grpc.RpcError as e:
+                code, details = e.code().name, e.details()
+                if (retry and code == "UNAVAILABLE" and _retry.retryable(name, details)
+                        and time.monotonic() + delay < give_up):
+                    time.sleep(delay)
+                    delay = min(2 * delay, _retry.MAX_DELAY_S)
+                    method = self.reset()._method(name)[0]
+                    continue
+                raise WeightSyncError(code, rephrase(name, code, details), details) from None
+
+    def reset(self):
+        """Replaces the channel by a fresh one to the same target (none of
+        gRPC's reconnect back-off carried over); returns self."""
+        old, self._channel = self._channel, channel(self._target)
+        self._methods = {}
+        old.close()
+        return self
+
+    def close(self):
+        self._channel.close()
 
     def future(self, name, requests, timeout=None):
         """A client-streaming call started without waiting for it: a
@@ -116,6 +153,13 @@ def channel(target, max_message_bytes=(64 << 20) + (1 << 20)):
     options = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
+        # A channel of its own (not gRPC's process-wide subchannel pool,
+        # whose back-off a fresh channel would inherit) that tries again
+        # soon after losing the daemon (weightsync._retry).
+        ("grpc.use_local_subchannel_pool", 1),
+        ("grpc.initial_reconnect_backoff_ms", 50),
+        ("grpc.min_reconnect_backoff_ms", 50),
+        ("grpc.max_reconnect_backoff_ms", 500),
     ]
     if not target.startswith("unix:"):
         # A daemon cut off the network sends no FIN or RST: pings during a

@@ -27,9 +27,11 @@ import time
 import numpy as np
 
 from weightsync import _shm
-from weightsync._errors import WeightSyncError
+from weightsync._dtypes import normalise_params
+from weightsync._errors import UsageError, WeightSyncError
 from weightsync._proto import Stub, channel, default_target, v1
 from weightsync._tensors import STORAGE
+from weightsync._watch import MemoryWatch
 from weightsync import planner
 
 
@@ -51,7 +53,7 @@ def lay_out_shared(params, prefix, track=False):
         esize = planner.element_size(dtype)
         if esize is None or dtype not in STORAGE:
             name = names[dtypes.index(dtype)]
-            raise ValueError(f"parameter '{name}': dtype {dtype!r} is not supported")
+            raise UsageError(f"parameter '{name}': dtype {dtype!r} is not supported")
         esizes[dtype] = esize
     counts = np.fromiter(map(math.prod, shapes), np.int64, n)
     nbytes = counts * np.fromiter(map(esizes.__getitem__, dtypes), np.int64, n)
@@ -134,7 +136,8 @@ class Engine:
         self.engine_id = engine_id
         self._trainer_uids = list(trainer_uids)
         self._channel = channel(target or default_target())
-        self._stub = Stub(self._channel, "EngineService", timeout)
+        self._stub = Stub(self._channel, "EngineService", timeout,
+                          target=target or default_target())
         self._shm = None
         self._outbox = None
         self._thread = None
@@ -146,13 +149,17 @@ class Engine:
         self.aliases = {}
         self._torch_params = None
         self._registration = None
+        self._watch = None    # weightsync._watch.MemoryWatch of what was registered
+        self.lost = None      # why the engine told the daemon its memory is gone
         self._closing = False
         self.reconnects = 0   # re-registrations after the daemon went away
 
     def register_host(self, params, version=0, segments=None, quantization=None):
-        """Lays out `params` [(name, dtype enum name, shape)] in shared
-        memory (256-byte aligned), registers them and returns {name: numpy
-        array}. `segments` maps a parameter name to a list of
+        """Lays out `params` [(name, dtype, shape)] in shared memory
+        (256-byte aligned), registers them and returns {name: numpy
+        array}; each array keeps its memory mapped for as long as it
+        lives. A dtype is the wire's enum name ("BFLOAT16") or a numpy or
+        torch spelling ("bfloat16", np.float16, torch.float32). `segments` maps a parameter name to a list of
         weightsync.v1.Segment field dicts (checkpoint layout, see
         docs/protocol.md); without, each parameter is the checkpoint tensor
         of the same name and shape. `quantization` maps the name of an FP8
@@ -161,7 +168,7 @@ class Engine:
         quantises what feeds it and writes the scales into the parameter
         named by scale_parameter (docs/protocol.md, "FP8 targets"); FP8
         arrays hold the encodings as uint8."""
-        params = params if isinstance(params, (list, tuple)) else list(params)
+        params = normalise_params(params)
         segments = segments or {}
         quantization = quantization or {}
         # Shared-memory names allow no "/" and Python's resource tracker
@@ -186,6 +193,8 @@ class Engine:
             self._shm = None
             raise
         self._registration = request
+        self._watch = MemoryWatch(arrays)
+        self.lost = None
         self.version = version
         return arrays
 
@@ -239,6 +248,8 @@ class Engine:
         self._stub.call("RegisterEngine", request)
         self._registration = request
         self._torch_params = out   # keep the memory alive while registered
+        self._watch = MemoryWatch(out)
+        self.lost = None
         self.version = version
         return out
 
@@ -274,6 +285,8 @@ class Engine:
                         ack.ack.ok = ok
                         ack.ack.message = message
                         self._outbox.put(ack)
+                        if kind in ("pause", "resume"):
+                            self._check_memory()
                 except Exception:
                     pass  # stream broken (close(), or the daemon went away)
                 # The daemon went away: register again and reopen the stream.
@@ -291,6 +304,23 @@ class Engine:
         self._thread = threading.Thread(target=serve, name=f"weightsync-{self.engine_id}",
                                         daemon=True)
         self._thread.start()
+
+    def _check_memory(self):
+        """At a pause or resume: if a registered tensor no longer holds the
+        registered memory, tell the daemon (after the notice's Ack, a
+        refused Ack of notice 0: docs/protocol.md, "EngineService"): it
+        unregisters the engine and names why. The engine does not
+        re-register that memory; register again to come back."""
+        why = self._watch.changed() if self._watch is not None else None
+        if why is None or self.lost is not None:
+            return
+        self.lost = why
+        self._registration = None   # never re-register memory that is gone
+        message = v1.EngineMessage()
+        message.ack.notice_id = 0   # no notice has id 0: "my memory is gone"
+        message.ack.ok = False
+        message.ack.message = why
+        self._outbox.put(message)
 
     def _open_stream(self):
         if self._outbox is not None:
@@ -349,19 +379,47 @@ class Engine:
         with self._lock:
             return self._lock.wait_for(lambda: self.version >= version, timeout)
 
-    def close(self):
-        """Ends the control stream (the daemon forgets the engine) and frees
-        the shared memory."""
-        self._closing = True
-        if self._outbox is not None:
-            self._outbox.put(None)
-        if self._responses is not None:
-            self._responses.cancel()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        self._channel.close()
+    def unregister(self, timeout=5.0):
+        """Tells the daemon to forget this engine (no update reaches it
+        after this returns) and ends the control stream; the shared
+        memory's name goes too. Arrays and tensors it returned stay valid
+        memory. The engine may register again. Idempotent: an engine not
+        registered (never, or expired by the daemon for want of a start())
+        is left as it is."""
+        registered, self._registration = self._registration is not None, None
+        self._stop_serving()
+        if registered:
+            try:
+                self._stub.call("UnregisterEngine", engine_id=self.engine_id,
+                                timeout=min(self._stub.timeout, timeout))
+            except WeightSyncError as e:
+                # Gone already (its stream closed, or it expired); a daemon
+                # that is down forgets it on its own.
+                if e.code not in ("NOT_FOUND", "UNAVAILABLE"):
+                    raise
+        self._torch_params = None
         if self._shm is not None:
             # The name goes; the memory stays mapped while any array the
             # engine was given still views it (weightsync._shm).
             self._shm.unlink()
             self._shm = None
+
+    def _stop_serving(self):
+        self._closing = True
+        if self._outbox is not None:
+            self._outbox.put(None)
+        if self._responses is not None:
+            self._responses.cancel()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        self._thread = self._responses = self._outbox = None
+        self._closing = False
+
+    def close(self):
+        """Unregisters the engine (see unregister()), ends the control
+        stream and the connection. Nothing stays registered."""
+        try:
+            self.unregister(timeout=1.0)   # a daemon that is down is not waited for
+        finally:
+            self._closing = True
+            self._stub.close()

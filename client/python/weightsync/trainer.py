@@ -26,8 +26,10 @@ deadline; errors raise WeightSyncError with the daemon's code and message.
 import contextlib
 import uuid
 
-from weightsync import _liveness, _multi
+from weightsync import _liveness, _multi, _warm
 from weightsync._proto import Stub, channel, default_target, v1
+from weightsync._usage import tensor_pairs
+from weightsync.host_source import HostSource
 from weightsync.senders.base import Link, Update
 from weightsync.senders.host_source import HostSourceSender
 from weightsync.senders.host_stream import HostStreamSender
@@ -46,7 +48,8 @@ class Trainer:
             raise ValueError("no daemon target")
         self._targets = [t or default_target() for t in targets]
         self._channels = [channel(t) for t in self._targets]
-        self._stubs = [Stub(c, "TrainerService", timeout) for c in self._channels]
+        self._stubs = [Stub(c, "TrainerService", timeout, target=t)
+                       for c, t in zip(self._channels, self._targets)]
         self._channel, self._stub = self._channels[0], self._stubs[0]
         self._link = Link(self._stubs, _multi.Group(self._stubs, self._targets), timeout,
                           stream_timeout)
@@ -60,6 +63,9 @@ class Trainer:
         # Each daemon's hold on the group it formed for this trainer
         # (weightsync._liveness): this process dying ends its update there.
         self._liveness = _liveness.Holds(timeout)
+        # (source, engine) dtype pairs whose receipt kernels init_nccl() /
+        # init_ipc() compiled (weightsync._warm): no compilation in update().
+        self.warmed = []
 
     # What the last update left (weightsync.senders.base.Link).
     last_results = property(lambda self: self._link.last_results,
@@ -84,8 +90,8 @@ class Trainer:
         if self._gpu is not None:
             self._gpu.close()
         self._host_sources.close()
-        for c in self._channels:
-            c.close()
+        for s in self._stubs:
+            s.close()   # its channel: the first, or one it made since (weightsync._retry)
 
     @property
     def last_timings(self):
@@ -140,6 +146,8 @@ class Trainer:
                                             timeout_ms)
         self._liveness.replace(self._stubs, groups)
         self._backend = "nccl"
+        self.warmed = _warm.warm_receipts(self._stub, self._gpu.gpu.device,
+                                          self._link.remember_layout)
         return groups
 
     def init_ipc(self, device=None, packed=False, ring_slots=2):
@@ -159,6 +167,8 @@ class Trainer:
         self._gpu, groups = IpcSender.join(self._link, self._gpu, device, packed, ring_slots)
         self._liveness.replace(self._stubs, groups)
         self._backend = "ipc"
+        self.warmed = _warm.warm_receipts(self._stub, self._gpu.gpu.device,
+                                          self._link.remember_layout)
         return groups
 
     def world_size(self, backend=None):
@@ -225,7 +235,9 @@ class Trainer:
                mode="streaming", allow_streaming_fallback=False, verify=True,
                base_version=0):
         """Sends every (name, tensor) as weight version `version` (host
-        backend: numpy arrays or CPU torch tensors). Returns the daemon's
+        backend: numpy arrays or CPU torch tensors): a list of pairs, any
+        iterable of them, or a {name: tensor} mapping such as
+        model.state_dict(), in send order. Returns the daemon's
         FinishWeightUpdateResponse (per-engine results, pause_seconds). The
         manifest is planned with the shared chunk planner, exactly as the
         daemon plans it. mode="staged": engines keep serving while the bytes
@@ -245,6 +257,8 @@ class Trainer:
         its bytes are sent and let go right after (weightsync.lazy; on
         nccl/ipc in weightsync.gpu_trainer), receipts summed as it is
         made. With several daemons the answer is a list, one per daemon."""
+        if not isinstance(named_tensors, HostSource):
+            named_tensors = tensor_pairs(named_tensors)   # a state_dict too; not empty
         u = Update(named_tensors, version, chunk_bytes,
                    update_id or f"update-{version}-{uuid.uuid4().hex[:8]}", engine_ids, mode,
                    allow_streaming_fallback, verify, base_version)

@@ -55,8 +55,9 @@ class HostSourceSender(Sender):
         memory, registers it with every daemon (each opens the same memory:
         the host backend's daemons share this host's /dev/shm) and returns
         the HostSource."""
+        from weightsync._dtypes import normalise_params
         from weightsync.engine import lay_out_shared
-        params = params if isinstance(params, (list, tuple)) else list(params)
+        params = normalise_params(params)   # numpy/torch dtype spellings too
         shm, offsets, _, arrays = lay_out_shared(params, f"weightsync-trainer-{os.getpid()}",
                                                  track=True)
         if len(arrays) != len(params):

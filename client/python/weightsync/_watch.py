@@ -1,0 +1,61 @@
+"""Is an engine's registered memory still its weights? (issue 30)
+
+The contract is "unregister before freeing": the daemon writes the memory
+an engine registered, and an engine that frees its parameters (or moves
+them: `param.data = ...`, an offload, a re-allocation) would otherwise go
+on being called READY while serving weights the daemon no longer writes.
+MemoryWatch records, at registration, every registered tensor's data
+pointer and its storage's; `changed()` compares them again (the engine's
+control thread asks at each pause and resume) and says which parameter
+moved. Numpy arrays over the engine's shared memory can't move (they
+keep their mapping, weightsync._shm); torch tensors can.
+
+Cost: two C-level passes over the tensors (no Python step per tensor
+unless something changed).
+"""
+
+import operator
+
+_NUMPY_PTR = operator.itemgetter(0)
+
+
+def _pointers(obj):
+    """(data pointer, storage pointer) of a torch tensor or numpy array."""
+    ptr = getattr(obj, "data_ptr", None)
+    if ptr is not None:   # torch (or a stand-in with its methods)
+        storage = obj.untyped_storage() if hasattr(obj, "untyped_storage") else None
+        return ptr(), storage.data_ptr() if storage is not None else None
+    iface = getattr(obj, "__array_interface__", None)
+    if iface is not None:
+        return _NUMPY_PTR(iface["data"]), None
+    return None, None
+
+
+class MemoryWatch:
+    """The registered tensors {name: tensor} and where they were."""
+
+    __slots__ = ("_names", "_objs", "_where", "_fixed")
+
+    def __init__(self, named):
+        self._names = list(named)
+        self._objs = list(named.values())
+        self._where = list(map(_pointers, self._objs))
+        # Numpy arrays never move their memory: nothing to check.
+        self._fixed = all(hasattr(o, "__array_interface__") and not hasattr(o, "data_ptr")
+                          for o in self._objs)
+
+    def changed(self):
+        """None while every tensor is where it was registered; else a
+        sentence naming the first parameter that is not."""
+        if self._fixed:
+            return None
+        now = list(map(_pointers, self._objs))
+        if now == self._where:
+            return None
+        for name, (p0, s0), (p1, s1) in zip(self._names, self._where, now):
+            if (p0, s0) != (p1, s1):
+                what = "its data pointer" if p0 != p1 else "its storage"
+                return (f"parameter '{name}': {what} moved from 0x{(p0 if p0 != p1 else s0) or 0:x} "
+                        f"to 0x{(p1 if p0 != p1 else s1) or 0:x} (freed or re-allocated since "
+                        "registration)")
+        return None
