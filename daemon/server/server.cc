@@ -147,6 +147,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
     auto tcp = TcpListener::Bind(options.tcp_address);
     if (!tcp.ok()) return tcp.status();
     server->tcp_ = *std::move(tcp);
+    server->tcp_->set_keepalive(options.keepalive_ms,
+                                options.keepalive_timeout_ms);
     server->tcp_port_ = server->tcp_->port();
     TcpListener* t = server->tcp_.get();
     server->token_checker_ = std::make_shared<TokenChecker>(

@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -123,6 +124,18 @@ void TcpListener::AcceptLoop(
     if (c < 0) continue;
     const int one = 1;  // as gRPC's own listener: small control messages
     setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    if (keepalive_ms_ > 0) {
+      const int idle_s = std::max(1, keepalive_ms_ / 1000);
+      const int intvl_s = std::max(1, keepalive_timeout_ms_ / 1000);
+      const int cnt = 2;
+      const unsigned int user_ms =
+          static_cast<unsigned int>(keepalive_ms_ + keepalive_timeout_ms_);
+      setsockopt(c, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+      setsockopt(c, IPPROTO_TCP, TCP_KEEPIDLE, &idle_s, sizeof(idle_s));
+      setsockopt(c, IPPROTO_TCP, TCP_KEEPINTVL, &intvl_s, sizeof(intvl_s));
+      setsockopt(c, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof(cnt));
+      setsockopt(c, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_ms, sizeof(user_ms));
+    }
     {
       absl::MutexLock lock(&mu_);
       recent_.push_back(PeerName(peer));

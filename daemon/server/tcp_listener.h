@@ -40,6 +40,16 @@ class TcpListener {
   void Stop();
 
   bool accepting() const { return gate_.accepting(); }
+
+  // Kernel TCP keepalive on every accepted connection: idle after
+  // `keepalive_ms`, dropped once probes or data go unacknowledged for
+  // `keepalive_ms + timeout_ms` (TCP_USER_TIMEOUT). gRPC's own keepalive
+  // pings did not close a cut connection handed over by descriptor
+  // (tests/faults tcp_cut); this closes it in the kernel. 0: off.
+  void set_keepalive(int keepalive_ms, int timeout_ms) {
+    keepalive_ms_ = keepalive_ms;
+    keepalive_timeout_ms_ = timeout_ms;
+  }
   // "ipv4:a.b.c.d:port" of the last few connections accepted, newest last.
   std::vector<std::string> RecentPeers() const;
 
@@ -53,6 +63,8 @@ class TcpListener {
 
   const std::string address_;
   int fd_;
+  int keepalive_ms_ = 0;
+  int keepalive_timeout_ms_ = 0;
   const int port_;
   AcceptGate gate_;  // used by the accept thread
   std::thread thread_;
