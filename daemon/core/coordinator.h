@@ -224,7 +224,10 @@ class Coordinator {
   // thread that may block, never under a lock.
   static constexpr size_t kMaxHolds = 64;
   absl::StatusOr<int64_t> HoldGroup(const std::string& group_id);
-  void ReleaseGroup(int64_t hold, absl::string_view why);
+  // `trainer_gone` false (the server itself is stopping, not the trainer):
+  // only forgets the hold.
+  void ReleaseGroup(int64_t hold, absl::string_view why,
+                    bool trainer_gone = true);
 
   // Called once for every update that ends (metrics); set before serving.
   // Runs under the core's lock: it must be quick and must not call back.

@@ -47,7 +47,8 @@ bool Coordinator::GroupHeldLocked() const {
   return false;
 }
 
-void Coordinator::ReleaseGroup(int64_t hold, absl::string_view why) {
+void Coordinator::ReleaseGroup(int64_t hold, absl::string_view why,
+                               bool trainer_gone) {
   const absl::Time gone_at = absl::Now();
   std::string group;
   std::shared_ptr<DataPlane> plane;
@@ -59,7 +60,7 @@ void Coordinator::ReleaseGroup(int64_t hold, absl::string_view why) {
     holds_.erase(it);
     // A hold of an earlier group (the trainer formed a new one) ends
     // nothing.
-    if (shut_down_ || group != group_id_) return;
+    if (shut_down_ || !trainer_gone || group != group_id_) return;
     LOG(WARNING) << Event("trainer.gone", update_ ? update_->id : "")
                  << "the trainer holding group " << group << " is gone: " << why
                  << (update_ ? "; ending its update" : "");

@@ -451,10 +451,18 @@ grpc::Status TrainerServiceImpl::Liveness(
   // at once; keepalive (--keepalive_ms) cancels it on a cut network.
   while (stream->Read(&request)) {
   }
-  core_->ReleaseGroup(*hold, ctx->IsCancelled()
-                                 ? "its connection closed (the process "
-                                   "exited, or keepalive found it cut off)"
-                                 : "it closed its Liveness stream");
+  bool server_stopping;
+  {
+    absl::MutexLock lock(&live_mu_);
+    server_stopping = live_ended_;
+  }
+  // A server that stops (EndLivenessStreams) says nothing of the trainer.
+  core_->ReleaseGroup(*hold,
+                      ctx->IsCancelled()
+                          ? "its connection closed (the process "
+                            "exited, or keepalive found it cut off)"
+                          : "it closed its Liveness stream",
+                      !server_stopping);
   return grpc::Status::OK;
 }
 
