@@ -201,5 +201,96 @@ class PropertiesTest(unittest.TestCase):
         self.assertEqual(total, sum(plan.sender_bytes))
 
 
+class _Rows:
+    """numpy standing in for the torch calls many_nccl.piece_views makes."""
+
+    def __init__(self, a):
+        self.a = a
+
+    def __getitem__(self, key):
+        return _Rows(self.a[key])
+
+    def is_contiguous(self):
+        return self.a.flags.c_contiguous
+
+    def contiguous(self):
+        return _Rows(self.a.copy())
+
+    def reshape(self, *shape):
+        return _Rows(self.a.reshape(*shape))
+
+
+class NcclScheduleTest(unittest.TestCase):
+    """The NCCL sender's side of M -> N (weightsync.senders.many_nccl), torch
+    free: every chunk it sends, in place or packed, is byte for byte what the
+    host path (planner.pack_chunk over the piece bytes) sends on that link,
+    and round k holds chunk k of every link (the daemons' receive order)."""
+
+    def test_rounds_carry_the_host_paths_bytes(self):
+        import numpy as np
+        from weightsync import planner
+        from weightsync.senders import many_nccl
+        for seed in range(6):
+            rng = random.Random(seed)
+            spec = _random_spec(rng)
+            plan = tp.build_plan(spec)
+            nrng = np.random.default_rng(seed)
+            data, sizes = {}, {}
+            for k, t in enumerate(spec["tensors"]):
+                rows, cols = tp.view_2d(t["shape"])
+                es = planner.element_size(t["dtype"])
+                sizes[k] = es
+                data[k] = nrng.integers(0, 256, (rows, cols * es), dtype=np.uint8)
+            index = {t["name"]: k for k, t in enumerate(spec["tensors"])}
+            for s in range(plan.num_senders):
+                held = {}
+                for b in spec["senders"][s]["holds"]:
+                    k = index[b["tensor"]]
+                    es = sizes[k]
+                    part = data[k][b["row_begin"]:b["row_begin"] + b["row_count"],
+                                   b["col_begin"] * es:(b["col_begin"] + b["col_count"]) * es]
+                    held.setdefault(k, []).append((b, _Rows(np.ascontiguousarray(part))))
+                plans, flats = {}, {}
+                for r in range(plan.num_receivers):
+                    pieces = plan.link_pieces(s, r)
+                    if not pieces:
+                        continue
+                    flats[r] = [v.a for v in many_nccl.piece_views(pieces, held, sizes)]
+                    want = [data[p.tensor][p.row_begin:p.row_begin + p.row_count,
+                                           p.col_begin * sizes[p.tensor]:
+                                           (p.col_begin + p.col_count) * sizes[p.tensor]].tobytes()
+                            for p in pieces]
+                    self.assertEqual([f.tobytes() for f in flats[r]], want)
+                    plans[r] = planner.plan_chunks(tp.link_manifest(plan, s, r), 1024)
+                    for c in plans[r]["chunks"]:
+                        direct = many_nccl.direct_source(c)
+                        if direct is not None:
+                            got = flats[r][direct[0]][direct[1]:direct[1] + c["size"]].tobytes()
+                        else:
+                            padded, copies = many_nccl.pack_ops(c)
+                            buf = bytearray(c["size"]) if padded else bytearray(b"\xff" * c["size"])
+                            for at, piece, begin, length in copies:
+                                buf[at:at + length] = flats[r][piece][begin:begin + length].tobytes()
+                            got = bytes(buf)
+                        self.assertEqual(got, planner.pack_chunk(c, want), (seed, s, r, c["index"]))
+                rounds = many_nccl.link_rounds(plans)
+                self.assertEqual(len(rounds), max((len(p["chunks"]) for p in plans.values()),
+                                                  default=0))
+                for k, round_ in enumerate(rounds):
+                    self.assertEqual([i for i, _ in round_],
+                                     sorted(i for i in plans if k < len(plans[i]["chunks"])))
+                    self.assertTrue(all(c["index"] == k for _, c in round_))
+
+    def test_a_piece_no_block_holds_is_refused(self):
+        from weightsync._errors import WeightSyncError
+        from weightsync.senders import many_nccl
+        plan = tp.build_plan({"tensors": [{"name": "w", "dtype": "FLOAT32", "shape": [4, 4]}],
+                              "senders": [{"holds": [tp.whole("w", [4, 4])]}],
+                              "receivers": [{"name": "d", "needs": [tp.whole("w", [4, 4])]}]})
+        with self.assertRaises(WeightSyncError) as cm:
+            many_nccl.piece_views(plan.link_pieces(0, 0), {}, {0: 4})
+        self.assertIn("does not hold", cm.exception.message)
+
+
 if __name__ == "__main__":
     unittest.main()

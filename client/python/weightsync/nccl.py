@@ -1,5 +1,6 @@
 """A minimal ctypes binding of NCCL (libnccl.so.2): what a trainer needs to
-join a daemon's transfer group as rank 0 and broadcast bytes.
+join a daemon's transfer group and broadcast bytes (rank 0), or send
+them point to point (every rank of a sharded trainer, weightsync.senders.many_nccl).
 
 No torch.distributed, no TCP store, no pickle: the 128-byte unique id
 travels to the daemon inside InitWeightTransferRequest.
@@ -142,6 +143,9 @@ def _declare(lib):
     lib.ncclBroadcast.argtypes = [c_void_p, c_void_p, c_size_t, c_int, c_int, c_void_p,
                                   c_void_p]
     lib.ncclBroadcast.restype = c_int
+    for call in ("ncclSend", "ncclRecv"):
+        getattr(lib, call).argtypes = [c_void_p, c_size_t, c_int, c_int, c_void_p, c_void_p]
+        getattr(lib, call).restype = c_int
     lib.ncclGroupStart.argtypes = []
     lib.ncclGroupStart.restype = c_int
     lib.ncclGroupEnd.argtypes = []
@@ -234,6 +238,22 @@ class Communicator:
                self._lib.ncclBroadcast(ctypes.c_void_p(ptr), ctypes.c_void_p(ptr),
                                        ctypes.c_size_t(nbytes), _UINT8, root, comm,
                                        ctypes.c_void_p(stream)), comm)
+
+    def send(self, ptr, nbytes, peer, stream=0):
+        """ncclSend of `nbytes` bytes at device address `ptr` to rank
+        `peer` on CUDA stream `stream` (point-to-point: the peer's recv
+        from this rank, in the same order). Returns once enqueued."""
+        comm = self._live("ncclSend")
+        _check(self._lib, "ncclSend",
+               self._lib.ncclSend(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), _UINT8, peer,
+                                  comm, ctypes.c_void_p(stream)), comm)
+
+    def recv(self, ptr, nbytes, peer, stream=0):
+        """ncclRecv of `nbytes` bytes from rank `peer` into `ptr`."""
+        comm = self._live("ncclRecv")
+        _check(self._lib, "ncclRecv",
+               self._lib.ncclRecv(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), _UINT8, peer,
+                                  comm, ctypes.c_void_p(stream)), comm)
 
     def group_start(self):
         _check(self._lib, "ncclGroupStart", self._lib.ncclGroupStart())

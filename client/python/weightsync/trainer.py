@@ -27,6 +27,7 @@ import contextlib
 import uuid
 
 from weightsync import _liveness, _multi, _warm
+from weightsync._errors import WeightSyncError
 from weightsync._proto import Stub, channel, default_target, v1
 from weightsync._usage import tensor_pairs
 from weightsync.host_source import HostSource
@@ -60,6 +61,8 @@ class Trainer:
         self._gpu = None   # the NcclSender or IpcSender of the last init_nccl / init_ipc
         # update_sharded: (collective id, engine ids) -> senders.many.ManySenders
         self._many_senders = {}
+        # init_nccl(collective=...): (collective, many_nccl.NcclLinks)
+        self._sharded_nccl = None
         # Each daemon's hold on the group it formed for this trainer
         # (weightsync._liveness): this process dying ends its update there.
         self._liveness = _liveness.Holds(timeout)
@@ -87,6 +90,7 @@ class Trainer:
 
     def close(self):
         self._liveness.close()
+        self._close_sharded()
         if self._gpu is not None:
             self._gpu.close()
         self._host_sources.close()
@@ -109,6 +113,7 @@ class Trainer:
         "Several daemons")."""
         results = self._link.each(
             lambda i, stub: stub.call("InitWeightTransfer", backend=v1.BACKEND_HOST))
+        self._close_sharded()
         self._backend = "host"
         self._host_stream.reset()    # a new group keeps no sources
         self._host_sources.reset()
@@ -131,7 +136,7 @@ class Trainer:
             raise ValueError("host_tensors is for the host backend: call init_host() first")
         return self._host_sources.make(params)
 
-    def init_nccl(self, device=None, pack_buffers=2, timeout_ms=0):
+    def init_nccl(self, device=None, pack_buffers=2, timeout_ms=0, collective=None):
         """Forms an NCCL transfer group with every daemon: makes an NCCL
         unique id, asks each daemon how many ranks it contributes
         (GetWorldSize for BACKEND_NCCL), calls InitWeightTransfer(world_size
@@ -140,8 +145,17 @@ class Trainer:
         as rank 0 on CUDA `device` (default: the current one) through
         libnccl (ctypes, weightsync.nccl). Blocks until every daemon's rank
         has joined. Call again after an update failed with ABORTED.
-        Returns the group ids."""
+        Returns the group ids.
+
+        With a `collective` of several ranks (a sharded trainer, issue 32),
+        call it on every rank: the group then has every trainer rank (rank
+        r of the collective is NCCL rank r) before the daemons' ranks, and
+        update_sharded sends each rank's share point to point
+        (weightsync.senders.many_nccl); update() is refused."""
+        if collective is not None and collective.world_size > 1:
+            return self._init_nccl_sharded(device, pack_buffers, timeout_ms, collective)
         from weightsync.senders.nccl import NcclSender
+        self._close_sharded()
         self._gpu, groups = NcclSender.join(self._link, self._gpu, device, pack_buffers,
                                             timeout_ms)
         self._liveness.replace(self._stubs, groups)
@@ -149,6 +163,26 @@ class Trainer:
         self.warmed = _warm.warm_receipts(self._stub, self._gpu.gpu.device,
                                           self._link.remember_layout)
         return groups
+
+    def _init_nccl_sharded(self, device, pack_buffers, timeout_ms, collective):
+        from weightsync.senders.many_nccl import NcclLinks
+        if self._gpu is not None:
+            self._gpu.close()
+            self._gpu = None
+        self._close_sharded()
+        links, groups = NcclLinks.join(self._link, collective, device, max(pack_buffers, 4),
+                                       timeout_ms)
+        if collective.rank == 0:
+            self._liveness.replace(self._stubs, groups)
+        self._sharded_nccl = (collective, links)
+        self._backend = "nccl"
+        return groups
+
+    def _close_sharded(self):
+        if self._sharded_nccl is not None:
+            self._sharded_nccl[1].close()
+            self._sharded_nccl = None
+        self._many_senders = {}
 
     def init_ipc(self, device=None, packed=False, ring_slots=2):
         """Forms an IPC transfer group (trainer on the engines' GPU). By
@@ -164,6 +198,7 @@ class Trainer:
         of LazyTensors go through a ring of `ring_slots` chunk slots
         instead (IpcChunks), so the trainer never holds the whole update."""
         from weightsync.senders.ipc import IpcSender
+        self._close_sharded()
         self._gpu, groups = IpcSender.join(self._link, self._gpu, device, packed, ring_slots)
         self._liveness.replace(self._stubs, groups)
         self._backend = "ipc"
@@ -267,6 +302,11 @@ class Trainer:
     def _sender_for(self, u):
         """The sender that carries update `u`."""
         if self._backend in ("nccl", "ipc"):
+            if self._gpu is None:
+                raise WeightSyncError(
+                    "FAILED_PRECONDITION", "this Trainer joined the NCCL group as one rank of "
+                    "a sharded trainer (init_nccl(collective=...)): call update_sharded on "
+                    "every rank, or init_nccl() without a collective for update()")
             return self._gpu
         if len(self._stubs) > 1:
             return self._multi_host
@@ -290,11 +330,23 @@ class Trainer:
         mismatch). Returns every daemon's commit on every rank, or raises
         the same WeightSyncError on every rank."""
         from weightsync.senders import many as many_senders
+        nccl = None
+        if self._sharded_nccl is not None:
+            joined, nccl = self._sharded_nccl
+            collective = joined if collective is None else collective
+            if collective is not joined:
+                raise ValueError("update_sharded: the collective differs from the one "
+                                 "init_nccl(collective=...) formed the NCCL group with")
+        elif self._backend in ("nccl", "ipc"):
+            raise WeightSyncError(
+                "FAILED_PRECONDITION", f"update_sharded on the {self._backend} backend needs "
+                "every rank in the group: init_nccl(collective=...) on every rank (or "
+                "init_host() on rank 0 for the host backend)")
         key = (id(collective), tuple(engine_ids) if engine_ids is not None else None)
         senders = self._many_senders.get(key)
         if senders is None:
             coll = collective if collective is not None else many_senders.TorchCollective()
-            senders = many_senders.ManySenders(self._link, coll, engine_ids)
+            senders = many_senders.ManySenders(self._link, coll, engine_ids, nccl=nccl)
             self._many_senders[key] = senders
         return senders.update(manifest, local, version, chunk_bytes=chunk_bytes,
                               update_id=update_id, verify=verify)

@@ -21,6 +21,11 @@ broadcast(obj)): TorchCollective wraps torch.distributed; any object with
 the same four members works (tests use files). Objects exchanged are plain
 lists, dicts and strings.
 
+On the nccl backend (Trainer.init_nccl(collective=...) on every rank) the
+bytes go point to point over one NCCL group of every trainer rank and every
+daemon (weightsync.senders.many_nccl); on the host backend, one PushChunks
+stream per (rank, daemon) link.
+
 This is the M -> N sender of weightsync.senders. Its update is not the
 shared one-rank sequence of base.Sender (describe, start, send, finish,
 commit): the ranks meet between the steps, so ManySenders runs the same
@@ -89,6 +94,10 @@ def needs_of_status(status, engine_ids=None):
     return out
 
 
+def _field(t, key):
+    return t[key] if isinstance(t, dict) else getattr(t, key)
+
+
 def _piece_bytes(piece, held):
     """The row-major bytes of `piece` out of the held block containing it."""
     for b, rows in held:
@@ -107,10 +116,13 @@ class ManySenders:
     """One rank's side of updates of many senders. Not thread-safe; one
     object per rank, every rank calling `update` in step."""
 
-    def __init__(self, link, collective, engine_ids=None):
+    def __init__(self, link, collective, engine_ids=None, nccl=None):
         self._link = link
         self._coll = collective
         self._engine_ids = engine_ids
+        # The nccl backend's wire (weightsync.senders.many_nccl.NcclLinks),
+        # None on the host backend (one PushChunks stream per link).
+        self.nccl = nccl
         self._plan = None
         self._plan_key = None
         self.last_plan = None
@@ -136,39 +148,59 @@ class ManySenders:
                               if ids is None or e.engine_id in ids))
         return out, key
 
-    def plan(self, manifest, local):
-        """The transfer plan of (every rank's `local` blocks, the daemons'
-        engines), made on every rank from the same spec and registered
-        with every daemon by the leader; reused while neither side
-        changes. A refusal (TransferPlanError naming tensor and ranks)
-        raises on every rank before anything pauses."""
-        holds = [b for b, _ in local]
-        spec_parts = self._coll.all_gather(holds)
-        leader = self.rank == 0
+    def _layout_key(self):
+        """Leader: the key _receivers returns, from statuses without the
+        layouts (cheap: checked every update)."""
+        ids = None if self._engine_ids is None else set(self._engine_ids)
+        return [sorted(e.layout_id for e in stub.call("GetStatus").engines
+                       if ids is None or e.engine_id in ids) for stub in self._link.stubs]
+
+    def _agreed(self, call):
+        """The leader's `call()` on every rank ({"error": [code, message]}
+        of its WeightSyncError raises on every rank)."""
         answer = None
-        if leader:
+        if self.rank == 0:
             try:
-                receivers, layout_key = self._receivers()
-                answer = {"receivers": receivers, "layout_key": layout_key}
+                answer = call()
             except WeightSyncError as e:
                 answer = {"error": [e.code, e.message]}
         answer = self._coll.broadcast(answer)
         if "error" in answer:
             raise WeightSyncError(*answer["error"])
-        spec = {"tensors": list(manifest), "senders": [{"holds": h} for h in spec_parts],
-                "receivers": answer["receivers"]}
-        key = (transfer_plan.plan_id(spec), repr(answer["layout_key"]))
+        return answer
+
+    def plan(self, manifest, local):
+        """The transfer plan of (every rank's `local` blocks, the daemons'
+        engines), made on every rank from the same spec and registered
+        with every daemon by the leader; reused while neither side
+        changes (checked every update by one exchange of each rank's
+        fingerprint of what it holds and the engines' layout ids). A
+        refusal (TransferPlanError naming tensor and ranks) raises on every
+        rank before anything pauses."""
+        holds = [b for b, _ in local]
+        # Each rank's own hash (compared only with what the same ranks
+        # gathered before: every rank decides alike).
+        fingerprint = hash((tuple((_field(t, "name"), str(_field(t, "dtype")),
+                                   tuple(_field(t, "shape"))) for t in manifest),
+                            tuple(tuple(sorted(b.items())) for b in holds)))
+        fingerprints = self._coll.all_gather(fingerprint)
+        layout_key = self._agreed(lambda: {"layout_key": self._layout_key()})["layout_key"]
+        key = (tuple(fingerprints), repr(layout_key))
         if key == self._plan_key:
             return self._plan
+        spec_parts = self._coll.all_gather(holds)
+        receivers = self._agreed(lambda: {"receivers": self._receivers()[0]})["receivers"]
+        spec = {"tensors": list(manifest), "senders": [{"holds": h} for h in spec_parts],
+                "receivers": receivers}
         plan = transfer_plan.build_plan(spec)
         registered = None
-        if leader:
+        if self.rank == 0:
             registered = self._register(spec, plan)
         registered = self._coll.broadcast(registered)
         if registered is not None:
             raise WeightSyncError(*registered)
-        self._plan, self._plan_key, self.last_plan = plan, key, plan
         self._engines = self._engine_layouts()
+        self._plan, self._plan_key, self.last_plan = plan, key, plan
         return plan
 
     def _engine_layouts(self):
@@ -218,12 +250,18 @@ class ManySenders:
         if "error" in started:
             raise WeightSyncError(*started["error"])
         try:
-            sent = {"partials": self._push(plan, local, started, verify)}
+            if self.nccl is not None:
+                sent = {"partials": self.nccl.push(plan, self.rank, local, started,
+                                                   self._engines, verify)}
+            else:
+                sent = {"partials": self._push(plan, local, started, verify)}
         except WeightSyncError as e:
             sent = {"error": [e.code, f"rank {self.rank}: {e.message}"]}
         try:
             outcomes = self._coll.all_gather(sent)
         except Exception as e:  # a rank gone: the collective timed out
+            if self.nccl is not None:
+                self.nccl.abort()
             if leader:
                 _multi.abort(group, started["update_id"], f"a sender did not report: {e}")
             raise WeightSyncError("ABORTED", f"update '{started['update_id']}': a sender did "
@@ -232,6 +270,11 @@ class ManySenders:
         if leader:
             result = self._finish(group, started["update_id"], outcomes)
         result = self._coll.broadcast(result)
+        if self.nccl is not None:
+            if "error" in result:
+                self.nccl.abort()   # a send whose receiver gave up never ends
+            else:
+                self.nccl.wait(self._link.timeout)   # the daemons have every byte
         if "error" in result:
             raise WeightSyncError(*result["error"])
         return [v1.FinishWeightUpdateResponse.FromString(bytes.fromhex(h))

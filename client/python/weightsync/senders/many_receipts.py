@@ -15,7 +15,7 @@ import numpy as np
 
 from weightsync import transfer_plan
 from weightsync._proto import v1
-from weightsync.receipts import expected_receipt
+from weightsync.receipts import expected_receipt, expected_receipt_arrays
 
 __all__ = ["partial_receipts", "add_partials"]
 
@@ -55,22 +55,31 @@ def _view(layout, pieces, names):
     return out
 
 
-def partial_receipts(plan, rank, daemon, engines, payloads):
+def partial_receipts(plan, rank, daemon, engines, payloads, on_gpu=False):
     """{engine id: [checksum (str), bytes]} of what rank `rank` sends
     daemon `daemon` (its receiver index): `engines` {engine id: layout
     (v1.Parameter messages)} of that daemon, `payloads` the link's piece
-    bytes in link order."""
+    bytes in link order: bytes objects, or with `on_gpu` flat uint8 torch
+    CUDA tensors, summed where they are (weightsync.receipts'
+    expected_receipt_arrays: the Triton kernel, else torch ops)."""
     names = [t["name"] if isinstance(t, dict) else t.name for t in plan.tensors]
     manifest = transfer_plan.link_manifest(plan, rank, daemon)
     pieces = [(m["name"], p) for m, p in zip(manifest, plan.link_pieces(rank, daemon))]
-    sent = {m["name"]: (m["dtype"], tuple(m["shape"]), np.frombuffer(data, np.uint8))
-            for m, data in zip(manifest, payloads)}
+    if on_gpu:
+        from weightsync._gpu import elements
+        sent = {m["name"]: (m["dtype"], tuple(m["shape"]), elements(data, m["dtype"]))
+                for m, data in zip(manifest, payloads)}
+        receipt = expected_receipt_arrays
+    else:
+        sent = {m["name"]: (m["dtype"], tuple(m["shape"]), np.frombuffer(data, np.uint8))
+                for m, data in zip(manifest, payloads)}
+        receipt = expected_receipt
     out = {}
     for engine_id, layout in engines.items():
         view = _view(layout, pieces, names)
         if not view:
             continue
-        checksum, _, nbytes = expected_receipt(view, sent)
+        checksum, _, nbytes = receipt(view, sent)
         out[engine_id] = [str(int(checksum)), int(nbytes)]
     return out
 

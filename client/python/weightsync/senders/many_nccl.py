@@ -1,0 +1,307 @@
+"""Every trainer rank sends its own share over NCCL (issue 32): the wire of
+weightsync.senders.many on the nccl backend.
+
+One communicator holds the M trainer ranks (rank r of the training job is
+NCCL rank r) and every daemon's ranks after them (daemon i: M + the ranks
+of the daemons before it). Each rank sends, point to point, only the
+pieces the transfer plan gives it (docs/transfer_plan.md), straight from
+its own GPU memory where a chunk is one contiguous run of one piece, else
+packed into a ring of chunk buffers. Link (rank, daemon i)'s stream is cut
+by the ordinary chunk planner at daemon i's chunk size; round k is chunk k
+of every link, one NCCL group per round, rounds in order: the daemons
+receive in the same order (daemon/core/link_plan.h ChunksByRound, the
+worker's ncclRecv rounds), so every pair of ranks matches its transfers
+and no rank waits on another's later round.
+
+    trainer = weightsync.Trainer(daemon_targets)          # on every rank
+    trainer.init_nccl(device=local_rank, collective=coll)  # every rank joins
+    trainer.update_sharded(manifest, local, version)       # every rank sends
+
+`local` holds torch CUDA tensors here: (block, tensor whose row-major
+bytes are the block), e.g. an FSDP2 parameter's local shard.
+"""
+
+import time
+
+from weightsync import nccl as _nccl
+from weightsync import planner, transfer_plan
+from weightsync._errors import WeightSyncError
+from weightsync._proto import v1
+from weightsync.gpu_trainer import cuda_device
+from weightsync.senders.many_receipts import partial_receipts
+from weightsync.senders.nccl import nccl_version
+
+__all__ = ["NcclLinks", "direct_source", "link_rounds", "pack_ops", "piece_views"]
+
+
+def _field(t, key):
+    return t[key] if isinstance(t, dict) else getattr(t, key)
+
+
+def link_rounds(chunk_plans):
+    """The send order of one rank: [[(daemon, chunk)]] per round, round k
+    holding chunk k of every link that has one (`chunk_plans`: {daemon:
+    planner.plan_chunks of the link}), daemons in index order."""
+    rounds = max((len(p["chunks"]) for p in chunk_plans.values()), default=0)
+    return [[(i, chunk_plans[i]["chunks"][k]) for i in sorted(chunk_plans)
+             if k < len(chunk_plans[i]["chunks"])] for k in range(rounds)]
+
+
+def direct_source(chunk):
+    """(piece index, byte offset) when `chunk` is one contiguous run of one
+    piece's bytes (sent from where it lies), else None (packed)."""
+    pieces = chunk["pieces"]
+    if len(pieces) == 1 and pieces[0]["length"] == chunk["size"] and \
+            pieces[0]["chunk_offset"] == 0:
+        return pieces[0]["tensor"], pieces[0]["tensor_offset"]
+    return None
+
+
+def pack_ops(chunk):
+    """(padded, [(chunk offset, piece, piece offset, length)]): how a chunk
+    not sent in place is packed; padded: some of its bytes are padding
+    (zeroed first, as the host path's planner.pack_chunk leaves them)."""
+    copies = [(p["chunk_offset"], p["tensor"], p["tensor_offset"], p["length"])
+              for p in chunk["pieces"]]
+    return sum(c[3] for c in copies) != chunk["size"], copies
+
+
+def piece_views(pieces, held, element_size):
+    """The row-major bytes of each piece, as flat uint8 tensors: a view of
+    the held block's memory where the piece spans its full rows (FSDP row
+    shards, layers), a copy made on the current stream where it cuts
+    columns (a row-parallel TP shard of a row shard). `held`: {tensor index:
+    [(block, rows)]}, rows the block's bytes as [row_count, col_count *
+    element size] uint8; `element_size`: {tensor index: bytes}."""
+    out = []
+    for p in pieces:
+        es = element_size[p.tensor]
+        for b, rows in held.get(p.tensor, ()):
+            if (b["row_begin"] <= p.row_begin and
+                    p.row_begin + p.row_count <= b["row_begin"] + b["row_count"] and
+                    b["col_begin"] <= p.col_begin and
+                    p.col_begin + p.col_count <= b["col_begin"] + b["col_count"]):
+                r0, c0 = p.row_begin - b["row_begin"], (p.col_begin - b["col_begin"]) * es
+                part = rows[r0:r0 + p.row_count, c0:c0 + p.col_count * es]
+                out.append(part.reshape(-1) if part.is_contiguous() else
+                           part.contiguous().reshape(-1))
+                break
+        else:
+            raise WeightSyncError("INTERNAL", f"the plan gives this rank {p} it does not hold")
+    return out
+
+
+class NcclLinks:
+    """One trainer rank's NCCL side of many-sender updates: the
+    communicator, each daemon's first NCCL rank, the streams and the ring
+    of pack buffers. Made by `join` on every rank."""
+
+    backend = "nccl"
+
+    def __init__(self, comm, device, peers, pack_buffers):
+        import torch
+        self.comm = comm
+        self.device = device
+        self.peers = peers              # daemon index -> its NCCL rank
+        self.pack_buffers = pack_buffers
+        with torch.cuda.device(device):
+            self.pack_stream = torch.cuda.Stream(device)
+            self.comm_stream = torch.cuda.Stream(device)
+        self._ring = []                 # [(buffer, packed event, free event)]
+        self._ring_chunk = 0
+        self._chunks = {}               # (plan id, daemon, chunk bytes) -> chunk plan
+        self._pending = None            # (done event, tensors to keep) of the last update
+        self.last_timings = {}
+        # Tests only: called with each round's index after its sends are
+        # enqueued (tests/gpu/test_mton_gpu.py kills a sender there).
+        self.on_round = None
+
+    @classmethod
+    def join(cls, link, collective, device=None, pack_buffers=4, timeout_ms=0):
+        """Forms the group on every rank: the leader (rank 0) makes the
+        unique id and calls InitWeightTransfer on every daemon (world =
+        trainer ranks + every daemon's ranks; daemon i's rank_offset after
+        the trainer ranks and the daemons before it); every rank then joins
+        as its own rank. Returns (links, group ids); raises the leader's
+        error on every rank."""
+        import torch
+        dev = cuda_device(device)
+        m = collective.world_size
+        answer = None
+        if collective.rank == 0:
+            try:
+                uid = _nccl.get_unique_id()
+                sizes = link.world_sizes("nccl")
+                world = m + sum(sizes)
+                offsets = [m + sum(sizes[:i]) for i in range(len(sizes))]
+                version = nccl_version(_nccl)
+                groups = [stub.call("InitWeightTransfer", backend=v1.BACKEND_NCCL,
+                                    world_size=world, rank_offset=offsets[i], nccl_unique_id=uid,
+                                    timeout_ms=timeout_ms, nccl_version=version).group_id
+                          for i, stub in enumerate(link.stubs)]
+                answer = {"uid": uid.hex(), "world": world, "offsets": offsets, "groups": groups}
+            except WeightSyncError as e:
+                answer = {"error": [e.code, e.message]}
+        answer = collective.broadcast(answer)
+        if "error" in answer:
+            raise WeightSyncError(*answer["error"])
+        with torch.cuda.device(dev):
+            try:
+                comm = _nccl.Communicator(answer["world"], bytes.fromhex(answer["uid"]),
+                                          collective.rank)
+            except _nccl.NcclError as e:
+                raise WeightSyncError("UNAVAILABLE", f"rank {collective.rank} joining the NCCL "
+                                      f"group on {dev}: {e}") from None
+        links = cls(comm, dev, dict(enumerate(answer["offsets"])),
+                    max(pack_buffers, 2 * len(answer["offsets"])))
+        return links, answer["groups"]
+
+    def close(self):
+        self.abort()
+
+    def abort(self):
+        """Ends this rank's sends (ncclCommAbort): after a failed update a
+        send whose receiver is gone never completes. init_nccl again."""
+        if self.comm is not None:
+            self.comm.abort()
+            self.comm = None
+        self._pending = None
+
+    # -- one update --------------------------------------------------------------
+
+    def _ensure_ring(self, size):
+        import torch
+        if self._ring and self._ring_chunk >= size and len(self._ring) >= self.pack_buffers:
+            return
+        self.comm_stream.synchronize()
+        self.pack_stream.synchronize()
+        self._ring = [(torch.empty(size, dtype=torch.uint8, device=self.device),
+                       torch.cuda.Event(), torch.cuda.Event()) for _ in range(self.pack_buffers)]
+        self._ring_chunk = size
+
+    def _chunk_plan(self, plan, rank, daemon, chunk_bytes):
+        key = (plan.id, rank, daemon, chunk_bytes)
+        p = self._chunks.get(key)
+        if p is None:
+            if len(self._chunks) > 64:
+                self._chunks.clear()
+            p = planner.plan_chunks(transfer_plan.link_manifest(plan, rank, daemon), chunk_bytes)
+            self._chunks[key] = p
+        return p
+
+    def push(self, plan, rank, local, started, engines, verify):
+        """Enqueues this rank's sends of one update (returns before they
+        are done: `wait` after the daemons answered) and, with `verify`,
+        sums the receipt terms of what it sends to each daemon on its GPU.
+        Returns {daemon index (str): partial receipts}."""
+        import torch
+        if self.comm is None:
+            raise WeightSyncError("FAILED_PRECONDITION", "no NCCL communicator (never formed, "
+                                  "or aborted after a failed update): call init_nccl() again")
+        t0 = time.perf_counter()
+        index = {_field(t, "name"): k for k, t in enumerate(plan.tensors)}
+        sizes = {k: planner.element_size(_field(t, "dtype")) for k, t in enumerate(plan.tensors)}
+        held = {}
+        for b, t in local:
+            if not hasattr(t, "is_cuda") or not t.is_cuda:
+                raise WeightSyncError("INVALID_ARGUMENT", f"tensor '{b['tensor']}': the nccl "
+                                      "backend sends torch CUDA tensors")
+            flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            rows = flat.view(b["row_count"], -1) if b["row_count"] else flat.view(0, 0)
+            held.setdefault(index[b["tensor"]], []).append((b, rows))
+        current = torch.cuda.current_stream(self.device)
+        links, plans = {}, {}
+        for i in self.peers:
+            pieces = plan.link_pieces(rank, i)
+            if pieces:
+                links[i] = piece_views(pieces, held, sizes)
+                plans[i] = self._chunk_plan(plan, rank, i, started["chunk_bytes"][i])
+        rounds = link_rounds(plans)
+        biggest = max((c["size"] for p in plans.values() for c in p["chunks"]), default=0)
+        if biggest:
+            self._ensure_ring(biggest)
+        self.pack_stream.wait_stream(current)   # the tensors are written (optimizer step)
+        self.comm_stream.wait_stream(current)
+        try:
+            self._send_rounds(rounds, links)
+        except _nccl.NcclError as e:
+            self.abort()
+            raise WeightSyncError("ABORTED", f"sending failed on trainer rank {rank}: {e}; "
+                                  "init_nccl() again") from None
+        for flats in links.values():
+            for f in flats:
+                f.record_stream(self.comm_stream)
+        done = torch.cuda.Event()
+        done.record(self.comm_stream)
+        self._pending = (done, [links, held])
+        t1 = time.perf_counter()
+        partials = {}
+        if verify:
+            for i, flats in links.items():
+                partials[str(i)] = partial_receipts(plan, rank, i, engines[i], flats,
+                                                    on_gpu=True)
+        self.last_timings = {"enqueue_s": t1 - t0, "receipts_s": time.perf_counter() - t1,
+                             "rounds": len(rounds)}
+        return partials
+
+    def _send_rounds(self, rounds, links):
+        """Enqueues every round: its packed chunks on the pack stream (a
+        ring slot is reused once the send that read it is done), then one
+        NCCL group of its sends on the comm stream."""
+        import torch
+        stream_ptr = self.comm_stream.cuda_stream
+        slot = 0
+        for k, round_ in enumerate(rounds):
+            sends = []
+            for i, c in round_:
+                flats = links[i]
+                direct = direct_source(c)
+                if direct is not None:
+                    sends.append((i, flats[direct[0]].data_ptr() + direct[1], c["size"], None))
+                    continue
+                buf, packed, free = self._ring[slot % len(self._ring)]
+                if slot >= len(self._ring):
+                    self.pack_stream.wait_event(free)
+                slot += 1
+                with torch.cuda.stream(self.pack_stream):
+                    padded, copies = pack_ops(c)
+                    if padded:
+                        buf[:c["size"]].zero_()   # padding is zeros on the wire
+                    for at, piece, begin, length in copies:
+                        buf[at:at + length].copy_(flats[piece][begin:begin + length],
+                                                  non_blocking=True)
+                    packed.record(self.pack_stream)
+                self.comm_stream.wait_event(packed)
+                sends.append((i, buf.data_ptr(), c["size"], free))
+            self.comm.group_start()
+            try:
+                for i, ptr, size, _ in sends:
+                    self.comm.send(ptr, size, self.peers[i], stream_ptr)
+            finally:
+                self.comm.group_end()
+            for _, _, _, free in sends:
+                if free is not None:
+                    free.record(self.comm_stream)
+            if self.on_round is not None:
+                self.on_round(k)
+
+    def wait(self, timeout):
+        """Waits until this rank's sends of the last update are done,
+        watching the communicator; aborts it (and raises ABORTED) on an
+        NCCL error or after `timeout` seconds."""
+        if self._pending is None:
+            return
+        done = self._pending[0]
+        deadline = time.monotonic() + timeout
+        sleep = 0.00005
+        while not done.query():
+            err = self.comm.async_error() if self.comm is not None else None
+            if err is not None or time.monotonic() > deadline:
+                self.abort()
+                why = f"NCCL error: {err}" if err is not None else \
+                    f"sends not done after {timeout:.0f} s"
+                raise WeightSyncError("ABORTED", f"{why}; communicator aborted "
+                                      "(init_nccl() again)")
+            time.sleep(sleep)
+            sleep = min(sleep * 2, 0.002)
+        self._pending = None

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Issue 32 through the daemons on 4 GPUs (nvidia-h100-x4), building nothing:
+#   bash tests/gpu/run_mton_checks.sh OUTDIR [BIN=.dev/bin] [MODEL=qwen3-8b]
+# BIN holds weightsyncd and weightsync_gpu_worker (their libraries in
+# BIN/../lib, as /work/shared/tools/device-pack lays them out).
+# 1. tests/gpu/test_mton_gpu.py on a tiny model (a quick check of every
+#    path, the faults included), then on MODEL: two trainer ranks (GPUs 0,
+#    1) -> two daemons (GPUs 2, 3), TP=2 and two replicas, cases rows /
+#    layers / replicas, bit-exact in every engine, timed against today's
+#    single sender in the same run; rank 1 killed mid-update, then repaired.
+# 2. The raw NCCL send/recv baseline of the same byte patterns
+#    (bench/mton_nccl_bench.py) in the same call, in 1 GiB messages and in
+#    the daemon's default chunk (8 MiB).
+# Prints the tables last; logs and JSON under OUTDIR.
+set -uo pipefail
+out="$(mkdir -p "${1:?usage: run_mton_checks.sh OUTDIR [BIN] [MODEL]}" && cd "$1" && pwd)"
+cd "$(dirname "$0")/../.." || exit 2
+bin="$(cd "${2:-.dev/bin}" && pwd)"
+model="${3:-qwen3-8b}"
+NCCL_LIB=$(python3 -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "nccl", "lib"))' 2>/dev/null)
+export NCCL_LIB
+export LD_LIBRARY_PATH="$bin/../lib:${NCCL_LIB:+$NCCL_LIB:}/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+{
+  date -u; echo "commit: ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"
+  nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
+  python3 -c 'import torch; print("torch", torch.__version__, "nccl", torch.cuda.nccl.version(), "gpus", torch.cuda.device_count())'
+} >"$out/env.txt" 2>&1
+cat "$out/env.txt"
+rc=0
+cleanup() { pkill -9 -f test_mton_gpu.py; pkill -9 -f weightsyncd; pkill -9 -f weightsync_gpu_worker; sleep 1; } 2>/dev/null
+timeout -k 10 "${T_TINY:-150}" python3 tests/gpu/test_mton_gpu.py --bin "$bin" \
+  --out "$out/tiny" --model tiny --reps 2 --faults 2>&1 | tee "$out/tiny.txt" | tail -30
+[ "${PIPESTATUS[0]}" = 0 ] || rc=1
+cleanup
+if [ "$rc" = 0 ] || [ -n "${FORCE:-}" ]; then
+  timeout -k 10 "${T_MODEL:-240}" python3 tests/gpu/test_mton_gpu.py --bin "$bin" \
+    --out "$out/$model" --model "$model" --reps 5 --faults 2>&1 | tee "$out/$model.txt" | tail -40
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  cleanup
+fi
+for msg in 1024 8; do
+  timeout -k 10 "${T_RAW:-70}" python3 bench/mton_nccl_bench.py --out "$out/raw$msg" \
+    --model "$model" --reps 3 --msg_mib "$msg" --timeout_s 60 >"$out/raw$msg.log" 2>&1 || rc=1
+  tail -16 "$out/raw$msg.log"
+done
+echo "=== run_mton_checks: $([ $rc = 0 ] && echo PASS || echo FAIL) ($out)"
+exit $rc
