@@ -168,6 +168,13 @@ absl::Status ReceiptRegionsOf(const std::vector<const EngineLayout*>& engines,
                               std::vector<v1::Receipt>* out,
                               std::vector<std::string>* region_sources);
 
+// The checkpoint tensors an update's receipts cover: the sources of the
+// plan's dense uses (a patch's other elements are not the trainer's to
+// vouch for). A transfer plan's update (daemon/core/link_plan.h) streams
+// pieces whose names are not the tensors' the engines' segments name: its
+// receipts cover the tensors all the same.
+absl::flat_hash_set<std::string> ReceiptSources(const CopyPlan& plan);
+
 // The GPU backends' data plane. nccl: bytes arrive by broadcast straight
 // into the worker's GPU staging. ipc: the worker copies them with the copy
 // engines from the trainer's packed buffer on the same node (shared as a

@@ -14,20 +14,18 @@
 #include "common/status_macros.h"
 
 namespace weightsync {
-namespace {
 
-// The names of the plan's dense tensors, the ones receipts cover (a
-// patch's other elements are not the trainer's to vouch for).
-absl::flat_hash_set<std::string> DenseSources(const CopyPlan& plan) {
+absl::flat_hash_set<std::string> ReceiptSources(const CopyPlan& plan) {
   absl::flat_hash_set<std::string> sources;
-  sources.reserve(plan.manifest.size());
-  for (const v1::TensorSpec& t : plan.manifest) {
-    if (t.sparse_nnz() == 0) sources.insert(t.name());
+  for (size_t e = 0; e < plan.dense_uses.size() && e < plan.engines.size();
+       ++e) {
+    const EngineLayout& engine = *plan.engines[e];
+    for (const SourceUse& u : plan.dense_uses[e]) {
+      sources.insert(engine.parameters[u.parameter].segments[u.segment].source);
+    }
   }
   return sources;
 }
-
-}  // namespace
 
 namespace {
 
@@ -161,7 +159,7 @@ absl::StatusOr<std::vector<v1::Receipt>> GpuDataPlane::DeviceReceipts(
   }
   // Not computed as the update went (a staged update): from the plan's
   // dense tensors, whose names are gathered only here.
-  absl::flat_hash_set<std::string> sources = DenseSources(plan);
+  absl::flat_hash_set<std::string> sources = ReceiptSources(plan);
   std::vector<v1::Receipt> out;
   worker::v1::ComputeReceiptsRequest req;
   std::vector<std::string> region_sources;
@@ -179,7 +177,7 @@ absl::Status GpuDataPlane::AddReceipts(
     worker::v1::BeginUpdateRequest* req) {
   // The sources receipts cover (the coordinator's: dense tensors), and the
   // last chunk that carries each.
-  const absl::flat_hash_set<std::string> sources = DenseSources(plan);
+  const absl::flat_hash_set<std::string> sources = ReceiptSources(plan);
   absl::flat_hash_map<std::string, int64_t> last_chunk;
   for (const Chunk& c : plan.chunks.chunks) {
     for (const Piece& piece : c.pieces) {

@@ -40,10 +40,13 @@ if [ "$rc" = 0 ] || [ -n "${FORCE:-}" ]; then
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   cleanup
 fi
-for msg in 1024 8; do
+for msg in ${RAW_MIB:-1024 8}; do
   timeout -k 10 "${T_RAW:-70}" python3 bench/mton_nccl_bench.py --out "$out/raw$msg" \
     --model "$model" --reps 3 --msg_mib "$msg" --timeout_s 60 >"$out/raw$msg.log" 2>&1 || rc=1
   tail -16 "$out/raw$msg.log"
 done
+# Few files back from the GPU machine: the logs in one archive.
+(cd "$out" && tar czf logs.tgz --exclude=logs.tgz --exclude='*.txt' . && \
+  find . -mindepth 1 -maxdepth 1 -type d -exec rm -rf {} +)
 echo "=== run_mton_checks: $([ $rc = 0 ] && echo PASS || echo FAIL) ($out)"
 exit $rc
