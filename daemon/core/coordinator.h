@@ -80,6 +80,9 @@ using EngineExpiredListener = std::function<void(const std::string&)>;
 struct CoordinatorOptions {
   // Chunk size when Start asks for none, and the largest accepted.
   int64_t default_chunk_bytes = int64_t{8} << 20;
+  // The nccl backend's: a broadcast or send of 8 MiB runs at a third of
+  // the speed of one of 64 MiB over NVLink (tests/gpu/RESULTS_mton_daemon.txt).
+  int64_t default_nccl_chunk_bytes = int64_t{64} << 20;
   int64_t max_chunk_bytes = int64_t{64} << 20;
   int64_t max_manifest_tensors = 1 << 20;
   // A manifest tensor's rank (its name is bounded by limits.max_name_length).

@@ -101,8 +101,14 @@ absl::Status Coordinator::ValidateStart(
           " and ", CoordinatorOptions::kMaxTensorRank));
     }
   }
-  s.chunk_bytes = request.chunk_bytes() == 0 ? options_.default_chunk_bytes
-                                             : request.chunk_bytes();
+  if (request.chunk_bytes() != 0) {
+    s.chunk_bytes = request.chunk_bytes();
+  } else {
+    absl::MutexLock lock(&mu_);
+    s.chunk_bytes = backend_ == v1::BACKEND_NCCL
+                        ? options_.default_nccl_chunk_bytes
+                        : options_.default_chunk_bytes;
+  }
   if (s.chunk_bytes > options_.max_chunk_bytes) {
     return absl::InvalidArgumentError(absl::StrCat("chunk_bytes ",
                                                    s.chunk_bytes,

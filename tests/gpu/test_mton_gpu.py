@@ -55,7 +55,7 @@ MODELS["tiny"] = {"vocab_size": 1000, "hidden_size": 256, "intermediate_size": 5
 TRAINER_GPUS = (0, 1)
 # (chunk bytes, receipts) of the timed updates: the documented defaults
 # first (the daemon's chunk size, receipts on).
-VARIANTS = ((0, True), (0, False), (64 << 20, True), (64 << 20, False))
+VARIANTS = ((0, True), (0, False), (256 << 20, True), (256 << 20, False))
 ENGINE_GPUS = (2, 3)
 
 

@@ -172,8 +172,9 @@ class Trainer:
         self._close_sharded()
         links, groups = NcclLinks.join(self._link, collective, device, max(pack_buffers, 4),
                                        timeout_ms)
-        if collective.rank == 0:
-            self._liveness.replace(self._stubs, groups)
+        # Every rank holds the group: any rank dying ends the update on
+        # every daemon at once (its sends' receivers would wait for ever).
+        self._liveness.replace(self._stubs, groups)
         self._sharded_nccl = (collective, links)
         self._backend = "nccl"
         return groups

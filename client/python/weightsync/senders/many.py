@@ -251,8 +251,10 @@ class ManySenders:
             raise WeightSyncError(*started["error"])
         try:
             if self.nccl is not None:
-                sent = {"partials": self.nccl.push(plan, self.rank, local, started,
-                                                   self._engines, verify)}
+                sent = {"partials": self.nccl.push(
+                    plan, self.rank, local, started, self._engines, verify,
+                    watch=lambda: self._watch(started["update_id"]),
+                    timeout=self._link.timeout)}
             else:
                 sent = {"partials": self._push(plan, local, started, verify)}
         except WeightSyncError as e:
@@ -279,6 +281,18 @@ class ManySenders:
             raise WeightSyncError(*result["error"])
         return [v1.FinishWeightUpdateResponse.FromString(bytes.fromhex(h))
                 for h in result["committed"]]
+
+    def _watch(self, update_id):
+        """Raises WeightSyncError when `update_id` is no longer in progress
+        on some daemon (a rank died: its Liveness hold ended it there; or
+        the daemon's watchdog ended it): this rank's sends to it would
+        wait for ever."""
+        for i, stub in enumerate(self._link.stubs):
+            u = stub.call("GetStatus").update
+            if u.update_id != update_id or u.phase == "failed":
+                raise WeightSyncError("ABORTED", f"{self._link.group.name(i)}: update "
+                                      f"'{update_id}' ended there"
+                                      + (f" ({u.error})" if u.error else ""))
 
     def _check_receipts(self, group, update_id, prepared, outcomes):
         """Leader: each daemon's receipts against the ranks' summed parts;

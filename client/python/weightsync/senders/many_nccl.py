@@ -189,11 +189,19 @@ class NcclLinks:
             self._chunks[key] = p
         return p
 
-    def push(self, plan, rank, local, started, engines, verify):
+    # Rounds enqueued ahead of the GPU: a send waits for its receiver, and
+    # a CUDA stream takes only so many launches before the next one blocks
+    # the CPU; past this window the sender waits, watching the update.
+    WINDOW_ROUNDS = 32
+
+    def push(self, plan, rank, local, started, engines, verify, watch=None, timeout=600.0):
         """Enqueues this rank's sends of one update (returns before they
         are done: `wait` after the daemons answered) and, with `verify`,
         sums the receipt terms of what it sends to each daemon on its GPU.
-        Returns {daemon index (str): partial receipts}."""
+        At most WINDOW_ROUNDS rounds run ahead of the GPU; while it waits
+        for them it calls `watch()` every half second (raises when the
+        update ended on a daemon: another rank died) and gives up after
+        `timeout` s. Returns {daemon index (str): partial receipts}."""
         import torch
         if self.comm is None:
             raise WeightSyncError("FAILED_PRECONDITION", "no NCCL communicator (never formed, "
@@ -223,7 +231,7 @@ class NcclLinks:
         self.pack_stream.wait_stream(current)   # the tensors are written (optimizer step)
         self.comm_stream.wait_stream(current)
         try:
-            self._send_rounds(rounds, links)
+            self._send_rounds(rounds, links, watch, time.monotonic() + timeout)
         except _nccl.NcclError as e:
             self.abort()
             raise WeightSyncError("ABORTED", f"sending failed on trainer rank {rank}: {e}; "
@@ -244,14 +252,18 @@ class NcclLinks:
                              "rounds": len(rounds)}
         return partials
 
-    def _send_rounds(self, rounds, links):
+    def _send_rounds(self, rounds, links, watch, deadline):
         """Enqueues every round: its packed chunks on the pack stream (a
         ring slot is reused once the send that read it is done), then one
-        NCCL group of its sends on the comm stream."""
+        NCCL group of its sends on the comm stream; a round starts once
+        the round WINDOW_ROUNDS before it is done."""
         import torch
         stream_ptr = self.comm_stream.cuda_stream
         slot = 0
+        sent = []   # an event after each round's sends
         for k, round_ in enumerate(rounds):
+            if k >= self.WINDOW_ROUNDS:
+                self._await(sent[k - self.WINDOW_ROUNDS], deadline, watch)
             sends = []
             for i, c in round_:
                 flats = links[i]
@@ -282,26 +294,42 @@ class NcclLinks:
             for _, _, _, free in sends:
                 if free is not None:
                     free.record(self.comm_stream)
+            done = torch.cuda.Event()
+            done.record(self.comm_stream)
+            sent.append(done)
             if self.on_round is not None:
                 self.on_round(k)
 
-    def wait(self, timeout):
-        """Waits until this rank's sends of the last update are done,
-        watching the communicator; aborts it (and raises ABORTED) on an
-        NCCL error or after `timeout` seconds."""
-        if self._pending is None:
-            return
-        done = self._pending[0]
-        deadline = time.monotonic() + timeout
-        sleep = 0.00005
-        while not done.query():
+    def _await(self, event, deadline, watch=None):
+        """Waits for `event`, watching the communicator and (every half
+        second) `watch`; on an NCCL error, a watch that raises or the
+        deadline, aborts the communicator and raises ABORTED."""
+        sleep, next_watch = 0.00005, time.monotonic() + 0.5
+        while not event.query():
             err = self.comm.async_error() if self.comm is not None else None
-            if err is not None or time.monotonic() > deadline:
+            now = time.monotonic()
+            why = None
+            if err is not None:
+                why = f"NCCL error: {err}"
+            elif now > deadline:
+                why = "sends not done by the deadline"
+            elif watch is not None and now > next_watch:
+                next_watch = now + 0.5
+                try:
+                    watch()
+                except WeightSyncError as e:
+                    why = e.message
+            if why is not None:
                 self.abort()
-                why = f"NCCL error: {err}" if err is not None else \
-                    f"sends not done after {timeout:.0f} s"
                 raise WeightSyncError("ABORTED", f"{why}; communicator aborted "
                                       "(init_nccl() again)")
             time.sleep(sleep)
             sleep = min(sleep * 2, 0.002)
+
+    def wait(self, timeout, watch=None):
+        """Waits until this rank's sends of the last update are done
+        (_await's rules)."""
+        if self._pending is None:
+            return
+        self._await(self._pending[0], time.monotonic() + timeout, watch)
         self._pending = None
