@@ -6,10 +6,13 @@
     multi_host      MultiHostSender     host backend, several daemons
     nccl            NcclSender          nccl backend, one daemon or several
     ipc             IpcSender           ipc backend (registered source, packed, ring)
-    many            ManySenders         host backend, every trainer rank sends its own
-                                        share on a transfer plan (Trainer.update_sharded;
-                                        its ranks meet between the steps, so it runs them
-                                        itself rather than through Sender.update)
+    many            ManySenders         host and nccl backends, every trainer rank sends
+                                        its own share on a transfer plan
+                                        (Trainer.update_sharded; its ranks meet between
+                                        the steps, so it runs them itself rather than
+                                        through Sender.update)
+    many_nccl       NcclLinks           ManySenders' wire on nccl: one group of every
+                                        rank, point-to-point sends in rounds
 
 weightsync.Trainer owns the connection (a base.Link: the daemons' stubs,
 deadlines, the registered-layout cache, the last answers) and the version
