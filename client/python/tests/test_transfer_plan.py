@@ -219,6 +219,12 @@ class _Rows:
     def reshape(self, *shape):
         return _Rows(self.a.reshape(*shape))
 
+    def view(self, *shape):
+        return _Rows(self.a.reshape(*shape))
+
+    def copy_(self, src):
+        self.a[...] = src.a
+
 
 class NcclScheduleTest(unittest.TestCase):
     """The NCCL sender's side of M -> N (weightsync.senders.many_nccl), torch
@@ -255,7 +261,10 @@ class NcclScheduleTest(unittest.TestCase):
                     pieces = plan.link_pieces(s, r)
                     if not pieces:
                         continue
-                    flats[r] = [v.a for v in many_nccl.piece_views(pieces, held, sizes)]
+                    views, copies = many_nccl.piece_views(
+                        pieces, held, sizes, lambda n: _Rows(np.zeros(n, np.uint8)))
+                    many_nccl.refresh(copies)
+                    flats[r] = [v.a for v in views]
                     want = [data[p.tensor][p.row_begin:p.row_begin + p.row_count,
                                            p.col_begin * sizes[p.tensor]:
                                            (p.col_begin + p.col_count) * sizes[p.tensor]].tobytes()
@@ -288,7 +297,7 @@ class NcclScheduleTest(unittest.TestCase):
                               "senders": [{"holds": [tp.whole("w", [4, 4])]}],
                               "receivers": [{"name": "d", "needs": [tp.whole("w", [4, 4])]}]})
         with self.assertRaises(WeightSyncError) as cm:
-            many_nccl.piece_views(plan.link_pieces(0, 0), {}, {0: 4})
+            many_nccl.piece_views(plan.link_pieces(0, 0), {}, {0: 4}, None)
         self.assertIn("does not hold", cm.exception.message)
 
 

@@ -173,21 +173,46 @@ class ManySenders:
         """The transfer plan of (every rank's `local` blocks, the daemons'
         engines), made on every rank from the same spec and registered
         with every daemon by the leader; reused while neither side
-        changes (checked every update by one exchange of each rank's
-        fingerprint of what it holds and the engines' layout ids). A
-        refusal (TransferPlanError naming tensor and ranks) raises on every
-        rank before anything pauses."""
+        changes (checked by one exchange of each rank's fingerprint of
+        what it holds and the engines' layout ids). A refusal
+        (TransferPlanError naming tensor and ranks) raises on every rank
+        before anything pauses."""
+        return self._plan_and_start(manifest, local, None)[0]
+
+    def _plan_and_start(self, manifest, local, start):
+        """(plan, Start answer or None). `start(plan)`: the leader's Start
+        (a dict, {"error": ...} on failure); with the plan unchanged the
+        leader starts in the same exchange that tells every rank so (one
+        round of the collective fewer per update)."""
         holds = [b for b, _ in local]
         # Each rank's own hash (compared only with what the same ranks
         # gathered before: every rank decides alike).
         fingerprint = hash((tuple((_field(t, "name"), str(_field(t, "dtype")),
                                    tuple(_field(t, "shape"))) for t in manifest),
                             tuple(tuple(sorted(b.items())) for b in holds)))
-        fingerprints = self._coll.all_gather(fingerprint)
-        layout_key = self._agreed(lambda: {"layout_key": self._layout_key()})["layout_key"]
-        key = (tuple(fingerprints), repr(layout_key))
-        if key == self._plan_key:
-            return self._plan
+        fingerprints = tuple(self._coll.all_gather(fingerprint))
+
+        def check():
+            layout_key = self._layout_key()
+            answer = {"layout_key": layout_key}
+            if start is not None and (fingerprints, repr(layout_key)) == self._plan_key:
+                answer["started"] = start(self._plan)
+            return answer
+        answer = self._agreed(check)
+        key = (fingerprints, repr(answer["layout_key"]))
+        if "started" in answer:
+            if key != self._plan_key:   # every rank has the leader's history
+                raise WeightSyncError("INTERNAL", f"rank {self.rank}: the plan the leader "
+                                      "reuses is not this rank's")
+            return self._plan, answer["started"]
+        if key != self._plan_key:
+            self._replan(manifest, holds, key)
+        started = None
+        if start is not None:
+            started = self._coll.broadcast(start(self._plan) if self.rank == 0 else None)
+        return self._plan, started
+
+    def _replan(self, manifest, holds, key):
         spec_parts = self._coll.all_gather(holds)
         receivers = self._agreed(lambda: {"receivers": self._receivers()[0]})["receivers"]
         spec = {"tensors": list(manifest), "senders": [{"holds": h} for h in spec_parts],
@@ -201,7 +226,6 @@ class ManySenders:
             raise WeightSyncError(*registered)
         self._engines = self._engine_layouts()
         self._plan, self._plan_key, self.last_plan = plan, key, plan
-        return plan
 
     def _engine_layouts(self):
         """[{engine id: layout}] of every daemon (what this rank's partial
@@ -239,14 +263,11 @@ class ManySenders:
         this rank holds (None entries ignored). Any rank's failure aborts
         the update on every daemon and raises on every rank."""
         local = [x for x in local if x is not None]
-        plan = self.plan(manifest, local)
         group = self._link.group
         leader = self.rank == 0
-        started = None
-        if leader:
-            update_id = update_id or f"mton-{version}-{uuid.uuid4().hex[:8]}"
-            started = self._start(plan, update_id, version, chunk_bytes, mode)
-        started = self._coll.broadcast(started)
+        update_id = update_id or f"mton-{version}-{uuid.uuid4().hex[:8]}"
+        plan, started = self._plan_and_start(
+            manifest, local, lambda p: self._start(p, update_id, version, chunk_bytes, mode))
         if "error" in started:
             raise WeightSyncError(*started["error"])
         try:

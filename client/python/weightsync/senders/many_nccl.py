@@ -28,10 +28,10 @@ from weightsync import planner, transfer_plan
 from weightsync._errors import WeightSyncError
 from weightsync._proto import v1
 from weightsync.gpu_trainer import cuda_device
-from weightsync.senders.many_receipts import partial_receipts
+from weightsync.senders.many_receipts import link_views
 from weightsync.senders.nccl import nccl_version
 
-__all__ = ["NcclLinks", "direct_source", "link_rounds", "pack_ops", "piece_views"]
+__all__ = ["NcclLinks", "direct_source", "link_rounds", "pack_ops", "piece_views", "refresh"]
 
 
 def _field(t, key):
@@ -66,14 +66,16 @@ def pack_ops(chunk):
     return sum(c[3] for c in copies) != chunk["size"], copies
 
 
-def piece_views(pieces, held, element_size):
-    """The row-major bytes of each piece, as flat uint8 tensors: a view of
-    the held block's memory where the piece spans its full rows (FSDP row
-    shards, layers), a copy made on the current stream where it cuts
-    columns (a row-parallel TP shard of a row shard). `held`: {tensor index:
-    [(block, rows)]}, rows the block's bytes as [row_count, col_count *
-    element size] uint8; `element_size`: {tensor index: bytes}."""
-    out = []
+def piece_views(pieces, held, element_size, alloc):
+    """(flats, copies): the row-major bytes of each piece as a flat uint8
+    tensor, and the copies that fill them. A piece that spans its held
+    block's full rows (FSDP row shards, layers) is a view of the block's
+    memory; one that cuts columns (a row-parallel TP shard of a row shard)
+    is a buffer from `alloc(nbytes)`, filled by `refresh(copies)` before
+    every send. `held`: {tensor index: [(block, rows)]}, rows the block's
+    bytes as [row_count, col_count * element size] uint8; `element_size`:
+    {tensor index: bytes}."""
+    flats, copies = [], []
     for p in pieces:
         es = element_size[p.tensor]
         for b, rows in held.get(p.tensor, ()):
@@ -83,12 +85,36 @@ def piece_views(pieces, held, element_size):
                     p.col_begin + p.col_count <= b["col_begin"] + b["col_count"]):
                 r0, c0 = p.row_begin - b["row_begin"], (p.col_begin - b["col_begin"]) * es
                 part = rows[r0:r0 + p.row_count, c0:c0 + p.col_count * es]
-                out.append(part.reshape(-1) if part.is_contiguous() else
-                           part.contiguous().reshape(-1))
+                if part.is_contiguous():
+                    flats.append(part.reshape(-1))
+                else:
+                    buf = alloc(p.row_count * p.col_count * es)
+                    flats.append(buf)
+                    copies.append((buf.view(p.row_count, p.col_count * es), part))
                 break
         else:
             raise WeightSyncError("INTERNAL", f"the plan gives this rank {p} it does not hold")
-    return out
+    return flats, copies
+
+
+def refresh(copies):
+    """Fills the column-cut pieces' buffers from their blocks (on the
+    current stream)."""
+    for dst, src in copies:
+        dst.copy_(src)
+
+
+class _Program:
+    """One rank's sends of one (plan, local tensors, chunk sizes), made
+    once and replayed by every update of the same tensors (the cached
+    path pays nothing per piece but the copies it must make)."""
+
+    def __init__(self, flats, copies, rounds, keep):
+        self.flats = flats        # {daemon: [piece bytes]}
+        self.copies = copies      # column-cut pieces: refreshed each update
+        self.rounds = rounds      # [[("direct", peer, ptr, size) | ("pack", peer, op)]]
+        self.keep = keep          # what the views need alive
+        self.receipts = {}        # daemon -> (views, sent) of the partial receipts
 
 
 class NcclLinks:
@@ -110,6 +136,7 @@ class NcclLinks:
         self._ring = []                 # [(buffer, packed event, free event)]
         self._ring_chunk = 0
         self._chunks = {}               # (plan id, daemon, chunk bytes) -> chunk plan
+        self._programs = {}             # the last two _Programs, by their key
         self._pending = None            # (done event, tensors to keep) of the last update
         self.last_timings = {}
         # Tests only: called with each round's index after its sends are
@@ -169,6 +196,11 @@ class NcclLinks:
 
     # -- one update --------------------------------------------------------------
 
+    # Rounds enqueued ahead of the GPU: a send waits for its receiver, and
+    # a CUDA stream takes only so many launches before the next one blocks
+    # the CPU; past this window the sender waits, watching the update.
+    WINDOW_ROUNDS = 32
+
     def _ensure_ring(self, size):
         import torch
         if self._ring and self._ring_chunk >= size and len(self._ring) >= self.pack_buffers:
@@ -178,6 +210,7 @@ class NcclLinks:
         self._ring = [(torch.empty(size, dtype=torch.uint8, device=self.device),
                        torch.cuda.Event(), torch.cuda.Event()) for _ in range(self.pack_buffers)]
         self._ring_chunk = size
+        self._programs.clear()   # their packs name the old buffers
 
     def _chunk_plan(self, plan, rank, daemon, chunk_bytes):
         key = (plan.id, rank, daemon, chunk_bytes)
@@ -189,10 +222,77 @@ class NcclLinks:
             self._chunks[key] = p
         return p
 
-    # Rounds enqueued ahead of the GPU: a send waits for its receiver, and
-    # a CUDA stream takes only so many launches before the next one blocks
-    # the CPU; past this window the sender waits, watching the update.
-    WINDOW_ROUNDS = 32
+    def _program(self, plan, rank, local, chunk_bytes):
+        """The cached _Program of this update, or a new one. Keyed by the
+        local tensors' memory: the program holds them, so memory at the
+        same address with the same shape is the same tensor."""
+        import torch
+        if all(t.is_contiguous() for _, t in local):
+            key = (plan.id, rank, tuple(chunk_bytes),
+                   tuple((b["tensor"], b["row_begin"], b["row_count"], b["col_begin"],
+                          b["col_count"], t.data_ptr(), t.numel(), str(t.dtype))
+                         for b, t in local))
+            hit = self._programs.get(key)
+            if hit is not None:
+                return hit
+        else:
+            key = None   # copied below on every update: nothing to keep
+        index = {_field(t, "name"): k for k, t in enumerate(plan.tensors)}
+        sizes = {k: planner.element_size(_field(t, "dtype")) for k, t in enumerate(plan.tensors)}
+        held = {}
+        for b, t in local:
+            if not hasattr(t, "is_cuda") or not t.is_cuda:
+                raise WeightSyncError("INVALID_ARGUMENT", f"tensor '{b['tensor']}': the nccl "
+                                      "backend sends torch CUDA tensors")
+            flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            rows = flat.view(b["row_count"], -1) if b["row_count"] else flat.view(0, 0)
+            held.setdefault(index[b["tensor"]], []).append((b, rows))
+
+        def alloc(n):
+            return torch.empty(n, dtype=torch.uint8, device=self.device)
+        flats, copies, plans = {}, [], {}
+        for i in self.peers:
+            pieces = plan.link_pieces(rank, i)
+            if pieces:
+                flats[i], cut = piece_views(pieces, held, sizes, alloc)
+                copies += cut
+                plans[i] = self._chunk_plan(plan, rank, i, chunk_bytes[i])
+        biggest = max((c["size"] for p in plans.values() for c in p["chunks"]), default=0)
+        if biggest:
+            self._ensure_ring(biggest)
+        program = _Program(flats, copies, self._schedule(link_rounds(plans), flats), held)
+        if key is not None:
+            if len(self._programs) >= 2:
+                self._programs.pop(next(iter(self._programs)))
+            self._programs[key] = program
+        return program
+
+    def _schedule(self, rounds, flats):
+        """Each round's sends, resolved once: a chunk that is one contiguous
+        run of one piece is sent from where it lies; any other is packed
+        into the next ring slot (reused once the send that read it is
+        done) from prepared views."""
+        out, slot = [], 0
+        for round_ in rounds:
+            ops = []
+            for i, c in round_:
+                direct = direct_source(c)
+                if direct is not None:
+                    ops.append(("direct", self.peers[i],
+                                flats[i][direct[0]].data_ptr() + direct[1], c["size"]))
+                    continue
+                index = slot % len(self._ring)
+                buf = self._ring[index][0]
+                padded, copies = pack_ops(c)
+                views = [(buf[at:at + length], flats[i][piece][begin:begin + length])
+                         for at, piece, begin, length in copies]
+                ops.append(("pack", self.peers[i], {
+                    "slot": index, "reuse": slot >= len(self._ring), "size": c["size"],
+                    "zero": buf[:c["size"]] if padded else None, "views": views,
+                    "ptr": buf.data_ptr()}))
+                slot += 1
+            out.append(ops)
+        return out
 
     def push(self, plan, rank, local, started, engines, verify, watch=None, timeout=600.0):
         """Enqueues this rank's sends of one update (returns before they
@@ -207,88 +307,85 @@ class NcclLinks:
             raise WeightSyncError("FAILED_PRECONDITION", "no NCCL communicator (never formed, "
                                   "or aborted after a failed update): call init_nccl() again")
         t0 = time.perf_counter()
-        index = {_field(t, "name"): k for k, t in enumerate(plan.tensors)}
-        sizes = {k: planner.element_size(_field(t, "dtype")) for k, t in enumerate(plan.tensors)}
-        held = {}
-        for b, t in local:
-            if not hasattr(t, "is_cuda") or not t.is_cuda:
-                raise WeightSyncError("INVALID_ARGUMENT", f"tensor '{b['tensor']}': the nccl "
-                                      "backend sends torch CUDA tensors")
-            flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-            rows = flat.view(b["row_count"], -1) if b["row_count"] else flat.view(0, 0)
-            held.setdefault(index[b["tensor"]], []).append((b, rows))
+        program = self._program(plan, rank, local, started["chunk_bytes"])
         current = torch.cuda.current_stream(self.device)
-        links, plans = {}, {}
-        for i in self.peers:
-            pieces = plan.link_pieces(rank, i)
-            if pieces:
-                links[i] = piece_views(pieces, held, sizes)
-                plans[i] = self._chunk_plan(plan, rank, i, started["chunk_bytes"][i])
-        rounds = link_rounds(plans)
-        biggest = max((c["size"] for p in plans.values() for c in p["chunks"]), default=0)
-        if biggest:
-            self._ensure_ring(biggest)
+        refresh(program.copies)                 # on the current stream, after the step
         self.pack_stream.wait_stream(current)   # the tensors are written (optimizer step)
         self.comm_stream.wait_stream(current)
         try:
-            self._send_rounds(rounds, links, watch, time.monotonic() + timeout)
+            self._send_rounds(program.rounds, watch, time.monotonic() + timeout)
         except _nccl.NcclError as e:
             self.abort()
             raise WeightSyncError("ABORTED", f"sending failed on trainer rank {rank}: {e}; "
                                   "init_nccl() again") from None
-        for flats in links.values():
+        for flats in program.flats.values():
             for f in flats:
                 f.record_stream(self.comm_stream)
         done = torch.cuda.Event()
         done.record(self.comm_stream)
-        self._pending = (done, [links, held])
+        self._pending = (done, program)
         t1 = time.perf_counter()
         partials = {}
         if verify:
-            for i, flats in links.items():
-                partials[str(i)] = partial_receipts(plan, rank, i, engines[i], flats,
-                                                    on_gpu=True)
+            for i in program.flats:
+                partials[str(i)] = self._partials(program, plan, rank, i, engines)
         self.last_timings = {"enqueue_s": t1 - t0, "receipts_s": time.perf_counter() - t1,
-                             "rounds": len(rounds)}
+                             "rounds": len(program.rounds)}
         return partials
 
-    def _send_rounds(self, rounds, links, watch, deadline):
-        """Enqueues every round: its packed chunks on the pack stream (a
-        ring slot is reused once the send that read it is done), then one
-        NCCL group of its sends on the comm stream; a round starts once
-        the round WINDOW_ROUNDS before it is done."""
+    def _partials(self, program, plan, rank, i, engines):
+        """{engine id: [checksum, bytes]} of what this rank sends daemon i,
+        summed on the GPU; the views and the elements' table are made once
+        per program and engine layouts."""
+        from weightsync._gpu import elements
+        from weightsync.receipts import expected_receipt_arrays
+        from weightsync.receipts import gpu as receipts_gpu
+        cached = program.receipts.get(i)
+        if cached is None or cached[0] is not engines[i]:
+            views, manifest = link_views(plan, rank, i, engines[i])
+            sent = {m["name"]: (m["dtype"], tuple(m["shape"]), elements(f, m["dtype"]))
+                    for m, f in zip(manifest, program.flats[i])}
+            cached = (engines[i], views, sent)
+            program.receipts[i] = cached
+        _, views, sent = cached
+        if views and receipts_gpu.available():
+            sums = receipts_gpu.expected_receipts_gpu(
+                views, sent, plan_key=(id(program), i, id(engines[i])))
+        else:
+            sums = {e: expected_receipt_arrays(v, sent) for e, v in views.items()}
+        return {e: [str(int(c)), int(b)] for e, (c, _, b) in sums.items()}
+
+    def _send_rounds(self, rounds, watch, deadline):
+        """Enqueues every round of a program: its packs on the pack stream,
+        then one NCCL group of its sends on the comm stream; a round
+        starts once the round WINDOW_ROUNDS before it is done."""
         import torch
         stream_ptr = self.comm_stream.cuda_stream
-        slot = 0
         sent = []   # an event after each round's sends
-        for k, round_ in enumerate(rounds):
+        for k, ops in enumerate(rounds):
             if k >= self.WINDOW_ROUNDS:
                 self._await(sent[k - self.WINDOW_ROUNDS], deadline, watch)
             sends = []
-            for i, c in round_:
-                flats = links[i]
-                direct = direct_source(c)
-                if direct is not None:
-                    sends.append((i, flats[direct[0]].data_ptr() + direct[1], c["size"], None))
+            for op in ops:
+                if op[0] == "direct":
+                    sends.append((op[1], op[2], op[3], None))
                     continue
-                buf, packed, free = self._ring[slot % len(self._ring)]
-                if slot >= len(self._ring):
+                pack = op[2]
+                _, packed, free = self._ring[pack["slot"]]
+                if pack["reuse"]:
                     self.pack_stream.wait_event(free)
-                slot += 1
                 with torch.cuda.stream(self.pack_stream):
-                    padded, copies = pack_ops(c)
-                    if padded:
-                        buf[:c["size"]].zero_()   # padding is zeros on the wire
-                    for at, piece, begin, length in copies:
-                        buf[at:at + length].copy_(flats[piece][begin:begin + length],
-                                                  non_blocking=True)
+                    if pack["zero"] is not None:
+                        pack["zero"].zero_()   # padding is zeros on the wire
+                    for dst, src in pack["views"]:
+                        dst.copy_(src, non_blocking=True)
                     packed.record(self.pack_stream)
                 self.comm_stream.wait_event(packed)
-                sends.append((i, buf.data_ptr(), c["size"], free))
+                sends.append((op[1], pack["ptr"], pack["size"], free))
             self.comm.group_start()
             try:
-                for i, ptr, size, _ in sends:
-                    self.comm.send(ptr, size, self.peers[i], stream_ptr)
+                for peer, ptr, size, _ in sends:
+                    self.comm.send(ptr, size, peer, stream_ptr)
             finally:
                 self.comm.group_end()
             for _, _, _, free in sends:

@@ -17,7 +17,7 @@ from weightsync import transfer_plan
 from weightsync._proto import v1
 from weightsync.receipts import expected_receipt, expected_receipt_arrays
 
-__all__ = ["partial_receipts", "add_partials"]
+__all__ = ["link_views", "partial_receipts", "add_partials"]
 
 _M64 = (1 << 64) - 1
 
@@ -55,6 +55,21 @@ def _view(layout, pieces, names):
     return out
 
 
+def link_views(plan, rank, daemon, engines):
+    """{engine id: its layout seen through link (rank, daemon)} for the
+    engines `engines` ({engine id: layout}) that take any of its pieces,
+    and the link's manifest (the pieces' pseudo tensors)."""
+    names = [t["name"] if isinstance(t, dict) else t.name for t in plan.tensors]
+    manifest = transfer_plan.link_manifest(plan, rank, daemon)
+    pieces = [(m["name"], p) for m, p in zip(manifest, plan.link_pieces(rank, daemon))]
+    views = {}
+    for engine_id, layout in engines.items():
+        view = _view(layout, pieces, names)
+        if view:
+            views[engine_id] = view
+    return views, manifest
+
+
 def partial_receipts(plan, rank, daemon, engines, payloads, on_gpu=False):
     """{engine id: [checksum (str), bytes]} of what rank `rank` sends
     daemon `daemon` (its receiver index): `engines` {engine id: layout
@@ -62,9 +77,7 @@ def partial_receipts(plan, rank, daemon, engines, payloads, on_gpu=False):
     bytes in link order: bytes objects, or with `on_gpu` flat uint8 torch
     CUDA tensors, summed where they are (weightsync.receipts'
     expected_receipt_arrays: the Triton kernel, else torch ops)."""
-    names = [t["name"] if isinstance(t, dict) else t.name for t in plan.tensors]
-    manifest = transfer_plan.link_manifest(plan, rank, daemon)
-    pieces = [(m["name"], p) for m, p in zip(manifest, plan.link_pieces(rank, daemon))]
+    views, manifest = link_views(plan, rank, daemon, engines)
     if on_gpu:
         from weightsync._gpu import elements
         sent = {m["name"]: (m["dtype"], tuple(m["shape"]), elements(data, m["dtype"]))
@@ -75,10 +88,7 @@ def partial_receipts(plan, rank, daemon, engines, payloads, on_gpu=False):
                 for m, data in zip(manifest, payloads)}
         receipt = expected_receipt
     out = {}
-    for engine_id, layout in engines.items():
-        view = _view(layout, pieces, names)
-        if not view:
-            continue
+    for engine_id, view in views.items():
         checksum, _, nbytes = receipt(view, sent)
         out[engine_id] = [str(int(checksum)), int(nbytes)]
     return out
