@@ -37,7 +37,7 @@ step() { printf '%s  %s\n' "$(date +%T)" "$*"; }
 # The package's source as pip sees it in a checkout, copied: an in-tree
 # build writes build/ and weightsync.egg-info next to pyproject.toml.
 mkdir -p "$work/src"
-cp -L client/python/pyproject.toml client/python/README.md "$work/src/"
+cp -L client/python/pyproject.toml client/python/README.md client/python/LICENSE "$work/src/"
 cp -rL client/python/weightsync "$work/src/"
 rm -rf "$work/src/weightsync/__pycache__"
 
@@ -75,6 +75,10 @@ entry = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
 text = zipfile.ZipFile(sys.argv[1]).read(entry[0]).decode()
 want = "[vllm.general_plugins]\nweightsync = weightsync.integrations.vllm_transfer:register"
 assert want in text, f"{want!r} missing from entry_points.txt:\n{text}"
+# The license travels with the wheel (client/python/LICENSE is the root's).
+lic = [n for n in names if n.endswith(".dist-info/LICENSE")]
+assert lic, f"no LICENSE in the wheel's dist-info: {sorted(names)}"
+assert b"Apache License" in zipfile.ZipFile(sys.argv[1]).read(lic[0])
 EOF
 "$py" -m venv --system-site-packages "$work/b"
 "$work/b/bin/pip" install --quiet --no-index "$wheel"
