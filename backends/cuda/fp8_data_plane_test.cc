@@ -8,6 +8,7 @@
 #include <random>
 #include <string>
 
+#include "backends/cuda/fake_gpu_mapper.h"
 #include "backends/cuda/quant_steps.h"
 #include "backends/cuda/worker_client.h"
 #include "common/checksum.h"
@@ -22,23 +23,6 @@ namespace weightsync {
 namespace {
 
 using ::testing::HasSubstr;
-
-// Opens every allocation as a GpuRegion of a supervisor whose worker never
-// starts (its calls fail), numbering them from 1.
-class FakeGpuMapper : public MemoryMapper {
- public:
-  explicit FakeGpuMapper(std::shared_ptr<GpuWorkerSupervisor> sup)
-      : sup_(std::move(sup)) {}
-  absl::StatusOr<std::shared_ptr<MappedRegion>> Open(
-      const v1::Allocation& a) override {
-    return std::shared_ptr<MappedRegion>(
-        std::make_shared<GpuRegion>(sup_, next_++, a.size(), a.device_uuid()));
-  }
-
- private:
-  std::shared_ptr<GpuWorkerSupervisor> sup_;
-  int64_t next_ = 1;
-};
 
 void AddSegment(v1::Parameter* p, const std::string& source, int64_t rb,
                 int64_t rc, int64_t dest) {
@@ -119,16 +103,8 @@ Manifest Tensors() {
   return m;
 }
 
-std::shared_ptr<GpuWorkerSupervisor> Supervisor(int64_t budget) {
-  GpuWorkerSupervisor::Options o;
-  o.worker_binary = "/nonexistent/weightsync_gpu_worker";
-  o.socket_path = "/nonexistent/worker.sock";
-  o.staging_budget = budget;
-  return std::make_shared<GpuWorkerSupervisor>(o);
-}
-
 TEST(GpuFp8DataPlaneTest, PlansFp8TargetsInsteadOfRefusingThem) {
-  auto sup = Supervisor(int64_t{4} << 30);
+  auto sup = FakeSupervisor(int64_t{4} << 30);
   FakeGpuMapper mapper(sup);
   auto layout = BuildEngineLayout(Fp8Engine(v1::MEMORY_CUDA_IPC), mapper);
   ASSERT_TRUE(layout.ok()) << layout.status();
@@ -161,11 +137,11 @@ TEST(GpuFp8DataPlaneTest, TheScratchCountsAgainstTheStagingBudget) {
   {
     // Room for the staging and one row of blocks per use, not for windows:
     // planned with one row of blocks each.
-    auto probe = Supervisor(1);
+    auto probe = FakeSupervisor(1);
     FakeGpuMapper probe_mapper(probe);
     auto plan = plan_with(probe, probe_mapper);
     const int64_t staging = 4 * (64 << 10);
-    auto sup = Supervisor(staging + QuantScratchBytes(*plan, 0));
+    auto sup = FakeSupervisor(staging + QuantScratchBytes(*plan, 0));
     FakeGpuMapper mapper(sup);
     plan = plan_with(sup, mapper);
     GpuDataPlane plane(sup, v1::BACKEND_NCCL);
@@ -173,7 +149,7 @@ TEST(GpuFp8DataPlaneTest, TheScratchCountsAgainstTheStagingBudget) {
               absl::StatusCode::kFailedPrecondition);
     EXPECT_EQ(plane.staging_bytes(), staging + QuantScratchBytes(*plan, 0));
   }
-  auto sup = Supervisor(4 * (64 << 10) + 1000);
+  auto sup = FakeSupervisor(4 * (64 << 10) + 1000);
   FakeGpuMapper mapper(sup);
   auto plan = plan_with(sup, mapper);
   GpuDataPlane plane(sup, v1::BACKEND_NCCL);
@@ -185,7 +161,7 @@ TEST(GpuFp8DataPlaneTest, TheScratchCountsAgainstTheStagingBudget) {
 // The receipt regions of an FP8 engine, summed on the CPU over the same
 // bytes, give the host's ComputeReceipt: checksum, parameters and bytes.
 TEST(GpuFp8DataPlaneTest, ReceiptRegionsCoverFp8BytesAndWrittenScales) {
-  auto sup = Supervisor(int64_t{4} << 30);
+  auto sup = FakeSupervisor(int64_t{4} << 30);
   FakeGpuMapper gpu_mapper(sup);
   auto gpu = BuildEngineLayout(Fp8Engine(v1::MEMORY_CUDA_IPC), gpu_mapper);
   ASSERT_TRUE(gpu.ok()) << gpu.status();

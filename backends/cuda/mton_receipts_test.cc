@@ -7,6 +7,7 @@
 // (tests/gpu/RESULTS_mton_daemon.txt).
 #include <string>
 
+#include "backends/cuda/fake_gpu_mapper.h"
 #include "backends/cuda/worker_client.h"
 #include "common/transfer_plan.h"
 #include "daemon/core/copy_plan.h"
@@ -16,22 +17,6 @@
 
 namespace weightsync {
 namespace {
-
-// Every allocation a GpuRegion of a worker that never starts.
-class FakeGpuMapper : public MemoryMapper {
- public:
-  explicit FakeGpuMapper(std::shared_ptr<GpuWorkerSupervisor> sup)
-      : sup_(std::move(sup)) {}
-  absl::StatusOr<std::shared_ptr<MappedRegion>> Open(
-      const v1::Allocation& a) override {
-    return std::shared_ptr<MappedRegion>(
-        std::make_shared<GpuRegion>(sup_, next_++, a.size(), a.device_uuid()));
-  }
-
- private:
-  std::shared_ptr<GpuWorkerSupervisor> sup_;
-  int64_t next_ = 1;
-};
 
 // Engine "e0": "w" bf16 [64, 256] whole, "b" bf16 [256].
 v1::RegisterEngineRequest Engine() {
@@ -89,11 +74,7 @@ v1::TransferPlanSpec Spec() {
 }
 
 TEST(MtonReceiptsTest, LinkedPlanSumsTheSameRegionsAsAnOrdinaryUpdate) {
-  GpuWorkerSupervisor::Options o;
-  o.worker_binary = "/nonexistent/weightsync_gpu_worker";
-  o.socket_path = "/nonexistent/worker.sock";
-  auto sup = std::make_shared<GpuWorkerSupervisor>(o);
-  FakeGpuMapper mapper(sup);
+  FakeGpuMapper mapper(FakeSupervisor(int64_t{4} << 30));
   auto layout = BuildEngineLayout(Engine(), mapper);
   ASSERT_TRUE(layout.ok()) << layout.status();
   auto plan = BuildTransferPlan(Spec());
