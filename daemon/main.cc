@@ -278,6 +278,8 @@ int Main() {
   // At most --max_chunk_bytes (a daemon that caps chunks caps these too).
   core_options.default_nccl_chunk_bytes =
       std::min<int64_t>(FLAGS_nccl_chunk_bytes, FLAGS_max_chunk_bytes);
+  core_options.device_staging_buffers = FLAGS_gpu_staging_buffers;
+  core_options.device_staging_budget_bytes = FLAGS_gpu_staging_budget_bytes;
   core_options.max_chunk_bytes = FLAGS_max_chunk_bytes;
   core_options.staged_budget_bytes = FLAGS_staged_budget_bytes;
   core_options.notice_timeout = absl::Milliseconds(FLAGS_notice_timeout_ms);

@@ -83,6 +83,12 @@ struct CoordinatorOptions {
   // The nccl backend's: a broadcast or send of 8 MiB runs at a third of
   // the speed of one of 64 MiB over NVLink (tests/gpu/RESULTS_mton_daemon.txt).
   int64_t default_nccl_chunk_bytes = int64_t{64} << 20;
+  // The GPU data plane's staging (--gpu_staging_buffers, _budget_bytes):
+  // a transfer plan's nccl update that asks no chunk size gets one whose
+  // staging (the larger of the buffers and two chunks per sending link)
+  // fits the budget, so many senders don't run it out.
+  int64_t device_staging_buffers = 4;
+  int64_t device_staging_budget_bytes = int64_t{4} << 30;
   int64_t max_chunk_bytes = int64_t{64} << 20;
   int64_t max_manifest_tensors = 1 << 20;
   // A manifest tensor's rank (its name is bounded by limits.max_name_length).
@@ -382,6 +388,12 @@ class Coordinator {
   // s.manifest; NOT_FOUND for an unknown source.
   absl::Status ResolveSource(const v1::StartWeightUpdateRequest& request,
                              StartState& s);
+  // A transfer plan's nccl chunk size when the trainer asks none: at most
+  // `chunk_bytes`, small enough that the worker's staging (its buffers, or
+  // two chunks per sender linked to `receivers`) fits the device budget.
+  int64_t FittingChunkBytes(const TransferPlan& plan,
+                            const std::vector<int32_t>& receivers,
+                            int64_t chunk_bytes) const;
   // Under mu_: the group, no update in flight, the engines and their
   // versions; sets s.ids, s.layouts, s.to_pause and s.plane.
   absl::Status SelectForStart(const v1::StartWeightUpdateRequest& request,

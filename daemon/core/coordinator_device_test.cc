@@ -150,10 +150,14 @@ class AckingEngine : public ControlChannel {
 
 class CoordinatorDeviceTest : public ::testing::Test {
  protected:
-  void SetUp() override {
+  void SetUp() override { Make(CoordinatorOptions()); }
+
+  // The coordinator (engine "e" attached, an nccl group) under `options`.
+  void Make(const CoordinatorOptions& options) {
+    if (coordinator_ != nullptr) TearDown();
     plane_ = std::make_shared<FakeDevicePlane>(&log_);
     coordinator_ = std::make_unique<Coordinator>(
-        CoordinatorOptions(), std::make_shared<testing::HeapMapper>(),
+        options, std::make_shared<testing::HeapMapper>(),
         std::make_shared<Factory>(plane_));
     v1::RegisterEngineRequest r;
     r.set_engine_id("e");
@@ -302,6 +306,31 @@ TEST_F(CoordinatorDeviceTest, TransferPlanOnNcclTakesEachChunkFromItsSender) {
   EXPECT_THAT(plane_->chunk_sources.sender, ElementsAre(0, 1));
   EXPECT_THAT(plane_->chunk_sources.round, ElementsAre(0, 0));
   ASSERT_TRUE(Finish("u1").ok());
+}
+
+// A plan update that asks no chunk size gets one whose staging (the
+// buffers, or two chunks per linked sender) fits the device budget: 256
+// senders at the 64 MiB default would want 32 GiB of staging.
+TEST_F(CoordinatorDeviceTest, TransferPlanChunksFitTheStagingBudget) {
+  for (const auto& [budget, want] :
+       {std::pair<int64_t, int64_t>{int64_t{4} << 30, int64_t{64} << 20},
+        {6000, 1280}}) {
+    CoordinatorOptions o;
+    o.device_staging_buffers = 2;  // two senders: 4 buffers, not 2
+    o.device_staging_budget_bytes = budget;
+    Make(o);
+    InitGroup(coordinator_.get(), 2);
+    absl::StatusOr<std::string> id = RegisterTwoSenders(coordinator_.get());
+    ASSERT_TRUE(id.ok()) << id.status();
+    v1::StartWeightUpdateRequest req;
+    req.set_update_id("u1");
+    req.set_target_version(1);
+    req.set_transfer_plan_id(*id);
+    auto started = coordinator_->StartWeightUpdate(req);
+    ASSERT_TRUE(started.ok()) << started.status();
+    EXPECT_EQ(started->chunk_bytes(), want) << "budget " << budget;
+    ASSERT_TRUE(Finish("u1").ok());
+  }
 }
 
 TEST_F(CoordinatorDeviceTest, TransferPlanRefusedWhereTheDaemonIsASendersRank) {

@@ -5,6 +5,7 @@
 // pauses the engines and begins the data plane (PauseAndBegin), then
 // installs the update (InstallUpdateLocked). The bytes that follow are in
 // update_session.cc; the locking rules are coordinator.h's.
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <utility>
@@ -119,6 +120,29 @@ absl::Status Coordinator::ValidateStart(
   return absl::OkStatus();
 }
 
+int64_t Coordinator::FittingChunkBytes(const TransferPlan& plan,
+                                       const std::vector<int32_t>& receivers,
+                                       int64_t chunk_bytes) const {
+  // The GPU worker stages the larger of its buffers and two rounds of
+  // chunks, one from each sender with a link to the receiver
+  // (backends/cuda/p2p_rounds.h): 256 senders at 64 MiB would want 32 GiB.
+  int64_t links = 0;
+  for (int32_t r : receivers) {
+    int64_t n = 0;
+    for (int32_t sender = 0; sender < plan.num_senders; ++sender) {
+      if (r >= 0 && r < plan.num_receivers && !plan.links[sender][r].empty()) {
+        ++n;
+      }
+    }
+    links = std::max(links, n);
+  }
+  const int64_t buffers =
+      std::max<int64_t>(options_.device_staging_buffers, 2 * links);
+  const int64_t fits = options_.device_staging_budget_bytes /
+                       std::max<int64_t>(buffers, 1) / 256 * 256;
+  return std::max<int64_t>(256, std::min(chunk_bytes, fits));
+}
+
 absl::Status Coordinator::ResolveSource(
     const v1::StartWeightUpdateRequest& request, StartState& s) {
   s.manifest = &request.tensors();
@@ -137,6 +161,9 @@ absl::Status Coordinator::ResolveSource(
       s.transfer = e.plan;
       s.receivers = e.receivers;
       s.manifest = &e.plan->manifest;
+      if (request.chunk_bytes() == 0 && backend_ == v1::BACKEND_NCCL) {
+        s.chunk_bytes = FittingChunkBytes(*e.plan, e.receivers, s.chunk_bytes);
+      }
       return absl::OkStatus();
     }
     return absl::NotFoundError(absl::StrCat(
