@@ -10,7 +10,7 @@
 #    single sender in the same run; rank 1 killed mid-update, then repaired.
 # 2. The raw NCCL send/recv baseline of the same byte patterns
 #    (bench/mton_nccl_bench.py) in the same call, in 1 GiB messages and in
-#    the daemon's default chunk (8 MiB).
+#    the nccl default chunk (64 MiB, --nccl_chunk_bytes).
 # Prints the tables last; logs and JSON under OUTDIR.
 set -uo pipefail
 out="$(mkdir -p "${1:?usage: run_mton_checks.sh OUTDIR [BIN] [MODEL]}" && cd "$1" && pwd)"
@@ -40,7 +40,7 @@ if [ "$rc" = 0 ] || [ -n "${FORCE:-}" ]; then
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   cleanup
 fi
-for msg in ${RAW_MIB:-1024 8}; do
+for msg in ${RAW_MIB:-1024 64}; do
   timeout -k 10 "${T_RAW:-70}" python3 bench/mton_nccl_bench.py --out "$out/raw$msg" \
     --model "$model" --reps 3 --msg_mib "$msg" --timeout_s 60 >"$out/raw$msg.log" 2>&1 || rc=1
   tail -16 "$out/raw$msg.log"
