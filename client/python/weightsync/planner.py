@@ -33,6 +33,7 @@ __all__ = [
     "plan_chunks",
     "plan_chunks_cached",
     "pack_chunk",
+    "vectors_cli",
 ]
 
 SPEC_VERSION = 1
@@ -633,14 +634,17 @@ def render_vectors():
     return json.dumps(build_vectors(), indent=1) + "\n"
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def vectors_cli(argv, doc, render, script):
+    """The --write / --check / print command line of a vectors generator
+    (this module's and weightsync.transfer_plan's): `render()` is the
+    vectors' text, `script` the path its out-of-date message names."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--write", metavar="PATH", help="write the test vectors to PATH")
     group.add_argument("--check", metavar="PATH",
                        help="exit 1 if PATH differs from freshly generated vectors")
     args = parser.parse_args(argv)
-    text = render_vectors()
+    text = render()
     if args.write:
         with open(args.write, "w", encoding="utf-8") as f:
             f.write(text)
@@ -648,11 +652,15 @@ def main(argv=None):
         with open(args.check, encoding="utf-8") as f:
             if f.read() != text:
                 print(f"{args.check} is out of date; regenerate with "
-                      f"python3 client/python/weightsync/planner.py --write {args.check}", file=sys.stderr)
+                      f"python3 {script} --write {args.check}", file=sys.stderr)
                 return 1
     else:
         sys.stdout.write(text)
     return 0
+
+
+def main(argv=None):
+    return vectors_cli(argv, __doc__, render_vectors, "client/python/weightsync/planner.py")
 
 
 if __name__ == "__main__":

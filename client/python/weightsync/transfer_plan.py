@@ -19,7 +19,6 @@ over the tensor's 2-D view [shape[0], prod(shape[1:])]. `block()`,
 rank holds. Standard library only; `build_plan` is a pure function.
 """
 
-import argparse
 import fnmatch
 import json
 import sys
@@ -614,26 +613,12 @@ def render_vectors():
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument("--write", metavar="PATH", help="write the test vectors to PATH")
-    group.add_argument("--check", metavar="PATH",
-                       help="exit 1 if PATH differs from freshly generated vectors")
-    args = parser.parse_args(argv)
-    text = render_vectors()
-    if args.write:
-        with open(args.write, "w", encoding="utf-8") as f:
-            f.write(text)
-    elif args.check:
-        with open(args.check, encoding="utf-8") as f:
-            if f.read() != text:
-                print(f"{args.check} is out of date; regenerate with python3 "
-                      f"client/python/weightsync/transfer_plan.py --write {args.check}",
-                      file=sys.stderr)
-                return 1
-    else:
-        sys.stdout.write(text)
-    return 0
+    try:
+        from weightsync.planner import vectors_cli
+    except ImportError:   # run as a script: its folder is on the path
+        from planner import vectors_cli
+    return vectors_cli(argv, __doc__, render_vectors,
+                       "client/python/weightsync/transfer_plan.py")
 
 
 if __name__ == "__main__":
