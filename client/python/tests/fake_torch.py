@@ -80,6 +80,15 @@ def from_numpy(a):
     return Tensor(a)
 
 
+class device:
+    def __init__(self, kind, index=None):
+        if isinstance(kind, device):
+            kind, index = kind.type, kind.index
+        if ":" in kind:
+            kind, index = kind.split(":")[0], int(kind.split(":")[1])
+        self.type, self.index = kind, index
+
+
 class _Cuda:
     class Stream:
         _next = 1
@@ -105,6 +114,10 @@ class _Cuda:
 
         def query(self):
             return not _Cuda.Event.held
+
+    @staticmethod
+    def current_device():
+        return 0
 
     @staticmethod
     def current_stream(device=None):

@@ -258,5 +258,46 @@ class PushTest(unittest.TestCase):
         self.assertTrue(comm.aborted)
 
 
+class JoinTest(unittest.TestCase):
+    """Forming the group: the leader's failure reaches every rank (no rank
+    left waiting in the collective or in ncclCommInitRank)."""
+
+    class Coll:
+        def __init__(self, rank, answer=None):
+            self.rank, self.world_size, self.answer, self.sent = rank, 2, answer, []
+
+        def broadcast(self, obj, src=0):
+            self.sent.append(obj)
+            return obj if self.rank == src else self.answer
+
+    class Link:
+        stubs = ()
+
+        def world_sizes(self, backend):
+            raise WeightSyncError("UNAVAILABLE", "daemon 1 (unix:/x): connection refused")
+
+    def test_the_leaders_error_is_raised_on_every_rank(self):
+        leader = self.Coll(0)
+        with self.assertRaises(WeightSyncError) as cm:
+            many_nccl.NcclLinks.join(self.Link(), leader, device="cuda:0")
+        self.assertIn("connection refused", cm.exception.message)
+        self.assertEqual(leader.sent, [{"error": ["UNAVAILABLE",
+                                                  "daemon 1 (unix:/x): connection refused"]}])
+        other = self.Coll(1, answer=leader.sent[0])
+        with self.assertRaises(WeightSyncError) as cm:
+            many_nccl.NcclLinks.join(self.Link(), other, device="cuda:1")
+        self.assertEqual(cm.exception.code, "UNAVAILABLE")
+
+    def test_an_error_that_is_not_weightsyncs_reaches_every_rank_too(self):
+        class Broken(self.Link):
+            def world_sizes(self, backend):
+                raise OSError("could not load the NCCL library")
+        leader = self.Coll(0)
+        with self.assertRaises(WeightSyncError) as cm:
+            many_nccl.NcclLinks.join(Broken(), leader, device="cuda:0")
+        self.assertIn("NCCL library", cm.exception.message)
+        self.assertEqual(leader.sent[0]["error"][0], "UNAVAILABLE")
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -26,10 +26,9 @@ import time
 from weightsync import nccl as _nccl
 from weightsync import planner, transfer_plan
 from weightsync._errors import WeightSyncError
-from weightsync._proto import v1
 from weightsync.gpu_trainer import cuda_device
 from weightsync.senders.many_receipts import link_views
-from weightsync.senders.nccl import nccl_version
+from weightsync.senders.nccl import init_daemons
 
 __all__ = ["NcclLinks", "direct_source", "link_rounds", "pack_ops", "piece_views", "refresh"]
 
@@ -157,18 +156,14 @@ class NcclLinks:
         answer = None
         if collective.rank == 0:
             try:
-                uid = _nccl.get_unique_id()
-                sizes = link.world_sizes("nccl")
-                world = m + sum(sizes)
-                offsets = [m + sum(sizes[:i]) for i in range(len(sizes))]
-                version = nccl_version(_nccl)
-                groups = [stub.call("InitWeightTransfer", backend=v1.BACKEND_NCCL,
-                                    world_size=world, rank_offset=offsets[i], nccl_unique_id=uid,
-                                    timeout_ms=timeout_ms, nccl_version=version).group_id
-                          for i, stub in enumerate(link.stubs)]
-                answer = {"uid": uid.hex(), "world": world, "offsets": offsets, "groups": groups}
+                uid, world, offsets, groups = init_daemons(link, m, timeout_ms)
+                answer = {"uid": uid.hex(), "world": world, "offsets": offsets,
+                          "groups": groups}
             except WeightSyncError as e:
                 answer = {"error": [e.code, e.message]}
+            except Exception as e:  # noqa: BLE001 - no libnccl here: every rank must hear
+                answer = {"error": ["UNAVAILABLE", f"rank 0 forming the NCCL group: "
+                                    f"{type(e).__name__}: {e}"]}
         answer = collective.broadcast(answer)
         if "error" in answer:
             raise WeightSyncError(*answer["error"])

@@ -42,6 +42,27 @@ def nccl_version(nccl):
         return 0
 
 
+def init_daemons(link, senders, timeout_ms=0):
+    """Asks every daemon into a new NCCL group whose first `senders` ranks
+    are the trainer's: a fresh unique id, each daemon's rank count
+    (GetWorldSize), then InitWeightTransfer with world_size = senders +
+    all their ranks and rank_offset = senders + the ranks of the daemons
+    before it, and this process's NCCL version. Returns (unique id, world
+    size, each daemon's rank_offset, group ids); the trainer ranks join
+    after."""
+    from weightsync import nccl
+    sizes = link.world_sizes("nccl")
+    uid = nccl.get_unique_id()
+    world = senders + sum(sizes)
+    offsets = [senders + sum(sizes[:i]) for i in range(len(sizes))]
+    version = nccl_version(nccl)
+    groups = [stub.call("InitWeightTransfer", backend=v1.BACKEND_NCCL, world_size=world,
+                        rank_offset=offsets[i], nccl_unique_id=uid, timeout_ms=timeout_ms,
+                        nccl_version=version).group_id
+              for i, stub in enumerate(link.stubs)]
+    return uid, world, offsets, groups
+
+
 class NcclSender(Sender):
     """Updates over an NCCL group (module docstring). `gpu`: the
     GpuSender holding the communicator, streams and pack buffers."""
@@ -65,15 +86,7 @@ class NcclSender(Sender):
         dev = cuda_device(device)
         if previous is not None:
             previous.close()
-        uid = nccl.get_unique_id()
-        sizes = link.world_sizes("nccl")
-        world = 1 + sum(sizes)
-        offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
-        version = nccl_version(nccl)
-        groups = [stub.call("InitWeightTransfer", backend=v1.BACKEND_NCCL, world_size=world,
-                            rank_offset=offsets[i], nccl_unique_id=uid, timeout_ms=timeout_ms,
-                            nccl_version=version).group_id
-                  for i, stub in enumerate(link.stubs)]
+        uid, world, _, groups = init_daemons(link, 1, timeout_ms)
         with torch.cuda.device(dev):
             try:
                 comm = nccl.Communicator(world, uid, 0)
