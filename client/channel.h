@@ -21,6 +21,10 @@ struct ClientOptions {
   absl::Duration stream_timeout = absl::Minutes(10);
   // How long Connect waits for the daemon to accept.
   absl::Duration connect_timeout = absl::Seconds(10);
+  // How long a unary call that found the daemon unreachable is retried
+  // (client/unary_call.h says which calls); never past the call's own
+  // deadline. Zero: no retries.
+  absl::Duration retry_window = absl::Seconds(5);
   int max_message_bytes = (64 << 20) + (1 << 20);
   // TCP targets (docs/security.md): PEM of the CA that signed the daemon's
   // certificate (a non-empty value turns TLS on), the bearer token sent with

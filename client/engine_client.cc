@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "client/unary_call.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
 
@@ -26,24 +27,48 @@ EngineClient::~EngineClient() { Close(); }
 
 absl::StatusOr<v1::RegisterEngineResponse> EngineClient::Register(
     const v1::RegisterEngineRequest& request) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.call_timeout));
   v1::RegisterEngineResponse response;
-  grpc::Status s = stub_->RegisterEngine(&ctx, request, &response);
-  if (!s.ok()) return FromGrpcStatus(s);
+  WS_RETURN_IF_ERROR(CallUnary(channel_.get(), options_, "RegisterEngine",
+                               [&](grpc::ClientContext* ctx) {
+                                 response.Clear();
+                                 return stub_->RegisterEngine(ctx, request,
+                                                              &response);
+                               }));
   registration_ = request;
   engine_id_ = request.engine_id();
   version_ = response.version();
   return response;
 }
 
-absl::Status EngineClient::Unregister() {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.call_timeout));
-  v1::UnregisterEngineRequest request;
-  request.set_engine_id(engine_id_);
-  v1::UnregisterEngineResponse response;
-  return FromGrpcStatus(stub_->UnregisterEngine(&ctx, request, &response));
+absl::Status EngineClient::Unregister() { return Leave(/*patient=*/true); }
+
+absl::Status EngineClient::Leave(bool patient) {
+  absl::Status s;
+  if (!engine_id_.empty()) {
+    ClientOptions options = options_;
+    if (!patient) {
+      options.call_timeout = std::min(options.call_timeout, absl::Seconds(1));
+    }
+    v1::UnregisterEngineRequest request;
+    request.set_engine_id(engine_id_);
+    v1::UnregisterEngineResponse response;
+    // Before the stream closes: the daemon then records a clean leave
+    // ("unregistered"), not a lost stream.
+    s = CallUnary(
+        channel_.get(), options, "UnregisterEngine",
+        [&](grpc::ClientContext* ctx) {
+          return stub_->UnregisterEngine(ctx, request, &response);
+        },
+        /*retry=*/patient);
+    // Gone already (its stream closed, it expired), or a daemon that can't
+    // be reached: it forgets the engine once the stream below closes (a
+    // restarted one never knew it).
+    if (absl::IsNotFound(s) || absl::IsUnavailable(s)) s = absl::OkStatus();
+  }
+  StopControl();
+  engine_id_.clear();
+  registration_.Clear();
+  return s;
 }
 
 absl::Status EngineClient::StartControl(EngineHooks hooks) {
@@ -56,6 +81,7 @@ absl::Status EngineClient::StartControl(EngineHooks hooks) {
   hooks_ = std::move(hooks);
   {
     absl::MutexLock lock(&stream_mu_);
+    closing_ = false;  // after an Unregister, registered again
     WS_RETURN_IF_ERROR(OpenStreamLocked());
   }
   thread_ = std::thread([this] { Run(); });
@@ -68,7 +94,8 @@ absl::Status EngineClient::OpenStreamLocked() {
   v1::EngineMessage hello;
   hello.mutable_hello()->set_engine_id(engine_id_);
   if (!control_->Write(hello)) {
-    absl::Status s = FromGrpcStatus(control_->Finish());
+    absl::Status s = UserStatus(options_.target, "Control", control_->Finish(),
+                                options_.call_timeout);
     control_.reset();
     return s.ok() ? absl::UnavailableError("control stream closed") : s;
   }
@@ -80,11 +107,14 @@ absl::Status EngineClient::Reregister() {
   request.set_version(version_.load());
   // Paused for an update when the daemon vanished: maybe half written.
   request.set_dirty(dirty_.load() || paused_.load());
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.call_timeout));
   v1::RegisterEngineResponse response;
-  WS_RETURN_IF_ERROR(
-      FromGrpcStatus(stub_->RegisterEngine(&ctx, request, &response)));
+  // One try: Run's loop paces the retries.
+  WS_RETURN_IF_ERROR(CallUnary(
+      channel_.get(), options_, "RegisterEngine",
+      [&](grpc::ClientContext* ctx) {
+        return stub_->RegisterEngine(ctx, request, &response);
+      },
+      /*retry=*/false));
   if (request.dirty()) dirty_ = true;
   return absl::OkStatus();
 }
@@ -107,6 +137,9 @@ void EngineClient::Run() {
         return;
       }
       backoff = std::min(backoff * 2, absl::Seconds(2));
+      // Reach a restarted daemon as soon as it listens, not after gRPC's
+      // own reconnect back-off.
+      grpc::experimental::ChannelResetConnectionBackoff(channel_.get());
       stream_mu_.Unlock();
       const absl::Status registered = Reregister();
       stream_mu_.Lock();
@@ -161,7 +194,9 @@ bool EngineClient::WaitForVersion(int64_t version, absl::Time deadline) {
   return mu_.AwaitWithDeadline(absl::Condition(&reached), deadline);
 }
 
-void EngineClient::Close() {
+void EngineClient::Close() { Leave(/*patient=*/false).IgnoreError(); }
+
+void EngineClient::StopControl() {
   {
     absl::MutexLock lock(&stream_mu_);
     closing_ = true;

@@ -5,8 +5,11 @@
 // (tag responses with it). If the daemon goes away (crash, restart), the
 // thread registers the same memory again with the current version (dirty if
 // the engine was paused for an update: its memory may hold part of it) and
-// reopens the stream, retrying with backoff until Close. Thread-safe; Close
-// (or the destructor) joins.
+// reopens the stream, retrying with backoff until Unregister or Close. An
+// engine that is done calls Unregister (or Close, or lets the destructor
+// run): it leaves cleanly instead of being noticed by its stream closing.
+// Thread-safe, except that Register, Unregister, StartControl and Close
+// are called by one owner; Close (or the destructor) joins.
 #ifndef WEIGHTSYNC_CLIENT_ENGINE_CLIENT_H_
 #define WEIGHTSYNC_CLIENT_ENGINE_CLIENT_H_
 
@@ -38,13 +41,25 @@ class EngineClient {
       const ClientOptions& options);
   ~EngineClient();
 
+  // Retried while the daemon is unreachable and the request was not sent
+  // (client/unary_call.h).
   absl::StatusOr<v1::RegisterEngineResponse> Register(
       const v1::RegisterEngineRequest& request);
+  // Leaves cleanly: tells the daemon to forget this engine (no update
+  // reaches it after this returns; an update in progress reports it lost,
+  // "unregistered"), then ends the control stream and joins the notice
+  // thread, which no longer registers the engine again after a daemon
+  // restart. The engine may Register (and StartControl) again. Idempotent:
+  // OK if the engine is not registered (never, already, or forgotten by
+  // the daemon: its stream closed, it expired for want of a control
+  // stream) or the daemon can't be reached (it forgets the engine when the
+  // stream closes; a restarted one never knew it). Another refusal (e.g.
+  // PERMISSION_DENIED) is returned, the stream ended all the same.
   absl::Status Unregister();
   // Opens the control stream and starts the notice thread.
   absl::Status StartControl(EngineHooks hooks);
-  // Closes the control stream (the daemon then forgets the engine) and
-  // joins the notice thread.
+  // Unregister, waiting at most 1 s (one try) for a daemon that is down;
+  // nothing stays registered. The destructor calls it.
   void Close();
 
   int64_t version() const { return version_.load(); }
@@ -59,6 +74,10 @@ class EngineClient {
  private:
   EngineClient(ClientOptions options, std::shared_ptr<grpc::Channel> channel);
   void Run();
+  // Unregister (patient: call_timeout and retries) or Close (1 s, one try).
+  absl::Status Leave(bool patient);
+  // Ends the control stream and joins the notice thread.
+  void StopControl();
   // Reads notices until the stream ends.
   void Serve();
   // Opens the control stream and says hello (stream_mu_ held).

@@ -218,10 +218,13 @@ MultiTrainer::Commit(const std::string& update_id) {
 absl::StatusOr<std::vector<v1::FinishWeightUpdateResponse>>
 MultiTrainer::Update(v1::StartWeightUpdateRequest request,
                      const std::vector<HostTensor>& tensors) {
+  WS_RETURN_IF_ERROR(CheckHostTensors(tensors, "MultiTrainer::Update"));
   request.clear_tensors();
   for (const HostTensor& t : tensors) *request.add_tensors() = t.spec;
   const std::string& id = request.update_id();
-  WS_RETURN_IF_ERROR(StartEverywhere(request));
+  WS_RETURN_IF_ERROR(InUpdateTerms(StartEverywhere(request),
+                                   "MultiTrainer::Update",
+                                   "MultiTrainer::InitHost"));
   // Each daemon is sent the tensors its engines use (stream_omits_unused).
   const std::vector<absl::Status> pushed = Each([&](int i) {
     const v1::StartWeightUpdateResponse& s = starts_[i];

@@ -4,8 +4,10 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/receipts.h"
+#include "client/unary_call.h"
 #include "common/chunk_planner.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
@@ -13,13 +15,56 @@
 namespace weightsync {
 namespace {
 
+// Rephrases the daemon's refusal of an update the user's Update() or
+// MultiTrainer::Update() made without a group: they called neither
+// RegisterSource nor StartWeightUpdate themselves.
+constexpr absl::string_view kNoGroup =
+    "no transfer group: call InitWeightTransfer before ";
+
+}  // namespace
+
+absl::Status InUpdateTerms(const absl::Status& s, absl::string_view call,
+                           absl::string_view init) {
+  if (!absl::IsFailedPrecondition(s) ||
+      !absl::StrContains(s.message(), kNoGroup)) {
+    return s;
+  }
+  return absl::FailedPreconditionError(
+      absl::StrCat(call, ": no transfer group: call ", init, " before ", call,
+                   " [the daemon said: ", s.message(), "]"));
+}
+
+absl::Status CheckHostTensors(const std::vector<HostTensor>& tensors,
+                              absl::string_view call) {
+  if (tensors.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        call, " got no tensors: pass at least one HostTensor (spec and data)"));
+  }
+  for (const HostTensor& t : tensors) {
+    if (t.data == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(call, ": tensor '", t.spec.name(),
+                       "' has no data (HostTensor::data is null); nothing "
+                       "was sent"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// One unary call with its deadline and retries (client/unary_call.h).
 template <typename Response, typename Method, typename Stub, typename Request>
-absl::StatusOr<Response> Call(Stub* stub, Method method,
-                              grpc::ClientContext* ctx,
+absl::StatusOr<Response> Call(grpc::Channel* channel,
+                              const ClientOptions& options, Stub* stub,
+                              absl::string_view name, Method method,
                               const Request& request) {
   Response response;
-  grpc::Status s = (stub->*method)(ctx, request, &response);
-  if (!s.ok()) return FromGrpcStatus(s);
+  WS_RETURN_IF_ERROR(
+      CallUnary(channel, options, name, [&](grpc::ClientContext* ctx) {
+        response.Clear();
+        return (stub->*method)(ctx, request, &response);
+      }));
   return response;
 }
 
@@ -38,18 +83,12 @@ absl::StatusOr<std::unique_ptr<TrainerClient>> TrainerClient::Connect(
       new TrainerClient(options, std::move(channel)));
 }
 
-std::unique_ptr<grpc::ClientContext> TrainerClient::Context() const {
-  auto ctx = std::make_unique<grpc::ClientContext>();
-  ctx->set_deadline(absl::ToChronoTime(absl::Now() + options_.call_timeout));
-  return ctx;
-}
-
 absl::StatusOr<v1::InitWeightTransferResponse>
 TrainerClient::InitWeightTransfer(const v1::InitWeightTransferRequest& r) {
   absl::StatusOr<v1::InitWeightTransferResponse> group =
       Call<v1::InitWeightTransferResponse>(
-          stub_.get(), &v1::TrainerService::Stub::InitWeightTransfer,
-          Context().get(), r);
+          channel_.get(), options_, stub_.get(), "InitWeightTransfer",
+          &v1::TrainerService::Stub::InitWeightTransfer, r);
   if (!group.ok()) return group;
   // The new hold first: the old one's group is not the daemon's any more,
   // so closing it ends nothing (engines this trainer paused stay paused).
@@ -72,13 +111,14 @@ absl::Status TrainerClient::liveness_status() const {
 absl::StatusOr<v1::StartWeightUpdateResponse> TrainerClient::StartWeightUpdate(
     const v1::StartWeightUpdateRequest& r) {
   return Call<v1::StartWeightUpdateResponse>(
-      stub_.get(), &v1::TrainerService::Stub::StartWeightUpdate,
-      Context().get(), r);
+      channel_.get(), options_, stub_.get(), "StartWeightUpdate",
+      &v1::TrainerService::Stub::StartWeightUpdate, r);
 }
 
 absl::Status TrainerClient::PushTensors(const std::string& update_id,
                                         const std::vector<HostTensor>& tensors,
                                         int64_t chunk_bytes) {
+  WS_RETURN_IF_ERROR(CheckHostTensors(tensors, "TrainerClient::PushTensors"));
   Manifest manifest;
   manifest.Reserve(
       static_cast<int>(tensors.size()));  // 100k-tensor MoE updates
@@ -167,8 +207,8 @@ TrainerClient::FinishWeightUpdate(const std::string& update_id) {
   // on a failure its abort (and answer) still arrive before the deadline.
   r.set_timeout_ms(absl::ToInt64Milliseconds(options_.call_timeout) * 2 / 3);
   return Call<v1::FinishWeightUpdateResponse>(
-      stub_.get(), &v1::TrainerService::Stub::FinishWeightUpdate,
-      Context().get(), r);
+      channel_.get(), options_, stub_.get(), "FinishWeightUpdate",
+      &v1::TrainerService::Stub::FinishWeightUpdate, r);
 }
 
 absl::StatusOr<v1::PrepareWeightUpdateResponse>
@@ -177,8 +217,8 @@ TrainerClient::PrepareWeightUpdate(const std::string& update_id) {
   r.set_update_id(update_id);
   r.set_timeout_ms(absl::ToInt64Milliseconds(options_.call_timeout) * 2 / 3);
   return Call<v1::PrepareWeightUpdateResponse>(
-      stub_.get(), &v1::TrainerService::Stub::PrepareWeightUpdate,
-      Context().get(), r);
+      channel_.get(), options_, stub_.get(), "PrepareWeightUpdate",
+      &v1::TrainerService::Stub::PrepareWeightUpdate, r);
 }
 
 absl::StatusOr<v1::FinishWeightUpdateResponse>
@@ -186,8 +226,8 @@ TrainerClient::CommitWeightUpdate(const std::string& update_id) {
   v1::CommitWeightUpdateRequest r;
   r.set_update_id(update_id);
   return Call<v1::FinishWeightUpdateResponse>(
-      stub_.get(), &v1::TrainerService::Stub::CommitWeightUpdate,
-      Context().get(), r);
+      channel_.get(), options_, stub_.get(), "CommitWeightUpdate",
+      &v1::TrainerService::Stub::CommitWeightUpdate, r);
 }
 
 absl::StatusOr<v1::AbortWeightUpdateResponse> TrainerClient::AbortWeightUpdate(
@@ -196,20 +236,21 @@ absl::StatusOr<v1::AbortWeightUpdateResponse> TrainerClient::AbortWeightUpdate(
   r.set_update_id(update_id);
   r.set_reason(reason);
   return Call<v1::AbortWeightUpdateResponse>(
-      stub_.get(), &v1::TrainerService::Stub::AbortWeightUpdate,
-      Context().get(), r);
+      channel_.get(), options_, stub_.get(), "AbortWeightUpdate",
+      &v1::TrainerService::Stub::AbortWeightUpdate, r);
 }
 
 absl::StatusOr<v1::PauseResponse> TrainerClient::Pause(
     const v1::PauseRequest& r) {
-  return Call<v1::PauseResponse>(stub_.get(), &v1::TrainerService::Stub::Pause,
-                                 Context().get(), r);
+  return Call<v1::PauseResponse>(channel_.get(), options_, stub_.get(), "Pause",
+                                 &v1::TrainerService::Stub::Pause, r);
 }
 
 absl::StatusOr<v1::ResumeResponse> TrainerClient::Resume(
     const v1::ResumeRequest& r) {
-  return Call<v1::ResumeResponse>(
-      stub_.get(), &v1::TrainerService::Stub::Resume, Context().get(), r);
+  return Call<v1::ResumeResponse>(channel_.get(), options_, stub_.get(),
+                                  "Resume", &v1::TrainerService::Stub::Resume,
+                                  r);
 }
 
 absl::StatusOr<int> TrainerClient::GetWorldSize(v1::Backend backend) {
@@ -217,8 +258,8 @@ absl::StatusOr<int> TrainerClient::GetWorldSize(v1::Backend backend) {
   request.set_backend(backend);
   WS_ASSIGN_OR_RETURN(v1::GetWorldSizeResponse r,
                       (Call<v1::GetWorldSizeResponse>(
-                          stub_.get(), &v1::TrainerService::Stub::GetWorldSize,
-                          Context().get(), request)));
+                          channel_.get(), options_, stub_.get(), "GetWorldSize",
+                          &v1::TrainerService::Stub::GetWorldSize, request)));
   return r.world_size();
 }
 
@@ -226,8 +267,9 @@ absl::StatusOr<v1::GetStatusResponse> TrainerClient::GetStatus(
     bool include_layouts) {
   v1::GetStatusRequest r;
   r.set_include_layouts(include_layouts);
-  return Call<v1::GetStatusResponse>(
-      stub_.get(), &v1::TrainerService::Stub::GetStatus, Context().get(), r);
+  return Call<v1::GetStatusResponse>(channel_.get(), options_, stub_.get(),
+                                     "GetStatus",
+                                     &v1::TrainerService::Stub::GetStatus, r);
 }
 
 absl::StatusOr<v1::CheckEngineResponse> TrainerClient::CheckEngine(
@@ -235,22 +277,23 @@ absl::StatusOr<v1::CheckEngineResponse> TrainerClient::CheckEngine(
   v1::CheckEngineRequest r;
   r.set_engine_id(engine_id);
   return Call<v1::CheckEngineResponse>(
-      stub_.get(), &v1::TrainerService::Stub::CheckEngine, Context().get(), r);
+      channel_.get(), options_, stub_.get(), "CheckEngine",
+      &v1::TrainerService::Stub::CheckEngine, r);
 }
 
 absl::StatusOr<v1::RegisterSourceResponse> TrainerClient::RegisterSource(
     const v1::RegisterSourceRequest& r) {
   return Call<v1::RegisterSourceResponse>(
-      stub_.get(), &v1::TrainerService::Stub::RegisterSource, Context().get(),
-      r);
+      channel_.get(), options_, stub_.get(), "RegisterSource",
+      &v1::TrainerService::Stub::RegisterSource, r);
 }
 
 absl::Status TrainerClient::UnregisterSource(const std::string& source_id) {
   v1::UnregisterSourceRequest r;
   r.set_source_id(source_id);
   return Call<v1::UnregisterSourceResponse>(
-             stub_.get(), &v1::TrainerService::Stub::UnregisterSource,
-             Context().get(), r)
+             channel_.get(), options_, stub_.get(), "UnregisterSource",
+             &v1::TrainerService::Stub::UnregisterSource, r)
       .status();
 }
 
@@ -315,6 +358,7 @@ absl::StatusOr<v1::StartWeightUpdateResponse> TrainerClient::StartFromSource(
 absl::StatusOr<v1::FinishWeightUpdateResponse> TrainerClient::Update(
     v1::StartWeightUpdateRequest request,
     const std::vector<HostTensor>& tensors) {
+  WS_RETURN_IF_ERROR(CheckHostTensors(tensors, "TrainerClient::Update"));
   const bool dense = Dense(tensors);
   absl::StatusOr<v1::StartWeightUpdateResponse> started;
   if (dense) {
@@ -325,7 +369,10 @@ absl::StatusOr<v1::FinishWeightUpdateResponse> TrainerClient::Update(
     for (const HostTensor& t : tensors) *request.add_tensors() = t.spec;
     started = StartWeightUpdate(request);
   }
-  if (!started.ok()) return started.status();
+  if (!started.ok()) {
+    return InUpdateTerms(started.status(), "TrainerClient::Update",
+                         "TrainerClient::InitWeightTransfer");
+  }
   absl::Status pushed;
   if (dense) {
     if (plan_chunk_bytes_ != started->chunk_bytes()) {

@@ -1,6 +1,10 @@
 // TrainerClient: what a trainer calls to push weights through weightsyncd.
 // Every call carries a deadline; results are absl::StatusOr with the
-// daemon's code and message. Thread-compatible: one update at a time per
+// daemon's code and message, or, where gRPC itself failed the call (no
+// daemon listening, a broken connection, a passed deadline), the same code
+// with a message in the user's terms. Unary calls that found the daemon
+// unreachable (a restart) are retried as client/unary_call.h says; streams
+// never are. Thread-compatible: one update at a time per
 // client; separate clients may be used from separate threads.
 #ifndef WEIGHTSYNC_CLIENT_TRAINER_CLIENT_H_
 #define WEIGHTSYNC_CLIENT_TRAINER_CLIENT_H_
@@ -10,6 +14,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "client/channel.h"
 #include "client/liveness_hold.h"
 #include "common/chunk_planner.h"
@@ -22,6 +27,18 @@ struct HostTensor {
   v1::TensorSpec spec;
   const void* data = nullptr;  // payload_bytes(spec) bytes
 };
+
+// INVALID_ARGUMENT in the terms of `call` (e.g. "TrainerClient::Update")
+// if `tensors` is empty or one has no data; checked before anything is
+// sent.
+absl::Status CheckHostTensors(const std::vector<HostTensor>& tensors,
+                              absl::string_view call);
+// The daemon's "no transfer group: call InitWeightTransfer before <RPC>"
+// refusal of an RPC that `call` made for the user, rephrased to name
+// `call` and `init`, the user's own way to form the group; any other
+// status unchanged.
+absl::Status InUpdateTerms(const absl::Status& s, absl::string_view call,
+                           absl::string_view init);
 
 // An IPC ring update's announcements (StartWeightUpdateRequest
 // .ipc_ring_slots > 0): Ready(k) once chunk k is in slot k % slots;
@@ -127,7 +144,6 @@ class TrainerClient {
 
  private:
   TrainerClient(ClientOptions options, std::shared_ptr<grpc::Channel> channel);
-  std::unique_ptr<grpc::ClientContext> Context() const;
   // Start of a dense update by registered source (registering first when
   // needed); the manifest of `tensors` is what source_manifest_ holds.
   absl::StatusOr<v1::StartWeightUpdateResponse> StartFromSource(

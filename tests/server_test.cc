@@ -867,7 +867,7 @@ TEST_F(ServerTest, EngineVanishingMidUpdateIsReportedLost) {
   Init();
   auto t = Tensors(1);
   ASSERT_TRUE(trainer_->StartWeightUpdate(StartRequest(1, t)).ok());
-  engines_[1]->Close();  // its control stream ends: the engine is gone
+  engines_[1]->Close();  // it leaves (unregisters) mid-update
   for (int i = 0; i < 100 && StatusOf("goes").engine_id() == "goes"; ++i) {
     absl::SleepFor(absl::Milliseconds(10));
   }

@@ -1,0 +1,226 @@
+// Issue 30 for the C++ clients (docs/integration.md, "C++ clients: restarts
+// and errors"): unary calls retried across a daemon restart within a
+// bounded window (idempotent ones always, the others only when the request
+// never left), an engine that leaves cleanly by unregistering, and gRPC's
+// own failures and the daemon's wire-level refusals in the user's terms.
+// Against the real daemon in-process (tests/testing/daemon_fixture.h).
+#include <iostream>
+#include <thread>
+
+#include "absl/time/clock.h"
+#include "client/multi_trainer.h"
+#include "client/unary_call.h"
+#include "gmock/gmock.h"
+#include "tests/testing/daemon_fixture.h"
+
+namespace weightsync {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+class CppClientTest : public testing::DaemonTest {
+ protected:
+  // Stops the daemon (its socket stays unanswered) until RestartCore.
+  void StopDaemon() {
+    server_->Shutdown(absl::ZeroDuration());
+    server_.reset();
+  }
+
+  // Starts the daemon again after `delay` on a thread; Join() returns the
+  // time it was listening again.
+  void RestartAfter(absl::Duration delay) {
+    restarter_ = std::thread([this, delay] {
+      absl::SleepFor(delay);
+      RestartCore();
+      listening_ = absl::Now();
+    });
+  }
+  absl::Time Join() {
+    restarter_.join();
+    return listening_;
+  }
+
+  std::thread restarter_;
+  absl::Time listening_;
+};
+
+// A connected client's idempotent call made while the daemon is down is
+// answered by the restarted daemon as soon as it listens (not after gRPC's
+// reconnect back-off, ~1 s and growing); a non-idempotent call whose
+// request never left (no connection) is resent too.
+TEST_F(CppClientTest, CallsReachARestartedDaemonAsSoonAsItListens) {
+  auto client = TrainerClient::Connect(options_);
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->GetStatus().ok());
+
+  StopDaemon();
+  RestartAfter(absl::Milliseconds(150));
+  const absl::StatusOr<v1::GetStatusResponse> status = (*client)->GetStatus();
+  const absl::Time answered = absl::Now();
+  const absl::Time listening = Join();
+  ASSERT_TRUE(status.ok()) << status.status();
+  std::cerr << "GetStatus answered "
+            << absl::FormatDuration(answered - listening)
+            << " after the restarted daemon listened\n";
+  EXPECT_LT(answered - listening, absl::Milliseconds(500));
+
+  StopDaemon();
+  RestartAfter(absl::Milliseconds(150));
+  v1::InitWeightTransferRequest init;
+  init.set_backend(v1::BACKEND_HOST);
+  const auto group = (*client)->InitWeightTransfer(init);
+  Join();
+  EXPECT_TRUE(group.ok()) << group.status();
+}
+
+// The retry window bounds the wait for a daemon that does not come back,
+// and the error says what happened in the user's terms.
+TEST_F(CppClientTest, ADaemonThatStaysDownFailsWithinTheRetryWindow) {
+  for (absl::Duration window :
+       {absl::ZeroDuration(), absl::Milliseconds(400)}) {
+    ClientOptions options = options_;
+    options.retry_window = window;
+    auto client = TrainerClient::Connect(options);
+    ASSERT_TRUE(client.ok()) << client.status();
+    StopDaemon();
+    const absl::Time start = absl::Now();
+    const auto status = (*client)->GetStatus();
+    const absl::Duration took = absl::Now() - start;
+    EXPECT_EQ(status.status().code(), absl::StatusCode::kUnavailable);
+    EXPECT_THAT(status.status().message(),
+                HasSubstr("GetStatus: weightsyncd is not reachable at " +
+                          options_.target));
+    EXPECT_THAT(status.status().message(), HasSubstr("was not sent"));
+    EXPECT_GE(took, window - absl::Milliseconds(100)) << window;
+    EXPECT_LT(took, window + absl::Seconds(1)) << window;
+    RestartCore();
+  }
+}
+
+// What is retried: the rules of weightsync._retry, on gRPC's own words.
+TEST(RetryRulesTest, OnlyCallsThatCannotHaveArrivedOrAreIdempotent) {
+  const grpc::Status never_sent(
+      grpc::StatusCode::UNAVAILABLE,
+      "failed to connect to all addresses; last error: UNKNOWN: "
+      "unix:/tmp/x.sock: Connection refused");
+  const grpc::Status broke(grpc::StatusCode::UNAVAILABLE, "Socket closed");
+  const grpc::Status late(grpc::StatusCode::DEADLINE_EXCEEDED,
+                          "Deadline Exceeded");
+  EXPECT_TRUE(Retryable("GetStatus", never_sent));
+  EXPECT_TRUE(Retryable("GetStatus", broke));
+  EXPECT_TRUE(Retryable("StartWeightUpdate", never_sent));
+  EXPECT_FALSE(Retryable("StartWeightUpdate", broke));
+  EXPECT_FALSE(Retryable("FinishWeightUpdate", broke));
+  EXPECT_FALSE(Retryable("GetStatus", late));
+  EXPECT_FALSE(Retryable("GetStatus",
+                         grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                                      "failed to connect to all addresses")));
+
+  const absl::Status mid_call =
+      UserStatus("unix:/s", "StartWeightUpdate", broke, absl::Seconds(30));
+  EXPECT_EQ(mid_call.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(mid_call.message(),
+              HasSubstr("StartWeightUpdate: the connection to weightsyncd at "
+                        "unix:/s broke during the call"));
+  EXPECT_THAT(mid_call.message(), HasSubstr("retry the whole update"));
+  const absl::Status timeout =
+      UserStatus("unix:/s", "Pause", late, absl::Seconds(30));
+  EXPECT_EQ(timeout.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(timeout.message(),
+              HasSubstr("Pause: weightsyncd at unix:/s did not answer within "
+                        "30s (ClientOptions::call_timeout)"));
+  // The daemon's own words pass as they are.
+  const grpc::Status own(grpc::StatusCode::UNAVAILABLE,
+                         "daemon is shutting down");
+  EXPECT_EQ(UserStatus("unix:/s", "Pause", own, absl::Seconds(1)).message(),
+            "daemon is shutting down");
+}
+
+// An engine that unregisters is gone when Unregister returns, stays gone
+// across a daemon restart (its notice thread does not register it again),
+// and may register again; a second Unregister is a no-op.
+TEST_F(CppClientTest, UnregisterLeavesAtOnceAndForGood) {
+  EngineClient* engine = AddEngine("e0");
+  ASSERT_EQ(trainer_->GetStatus()->engines_size(), 1);
+  ASSERT_TRUE(engine->Unregister().ok());
+  EXPECT_EQ(trainer_->GetStatus()->engines_size(), 0);
+  EXPECT_TRUE(engine->Unregister().ok());
+
+  RestartCore();
+  absl::SleepFor(absl::Milliseconds(300));  // the old thread would be back
+  EXPECT_EQ(trainer_->GetStatus()->engines_size(), 0);
+  EXPECT_EQ(engine->reconnects(), 0);
+
+  v1::RegisterEngineRequest again = arenas_[0]->Registration();
+  again.set_engine_id("e0");
+  ASSERT_TRUE(engine->Register(again).ok());
+  ASSERT_TRUE(engine->StartControl({}).ok());
+  for (int i = 0; i < 200 && !StatusOf("e0").connected(); ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_TRUE(StatusOf("e0").connected());
+}
+
+// Close (and so the destructor) unregisters first: an update in progress
+// reports the engine "unregistered", not a lost control stream.
+TEST_F(CppClientTest, CloseUnregistersInsteadOfDroppingTheStream) {
+  AddEngine("stays");
+  AddEngine("goes");
+  Init();
+  const std::vector<HostTensor> t = Tensors(1);
+  ASSERT_TRUE(trainer_->StartWeightUpdate(StartRequest(1, t)).ok());
+  engines_[1]->Close();
+  EXPECT_EQ(StatusOf("goes").engine_id(), "");  // gone when Close returns
+  ASSERT_TRUE(trainer_->PushTensors("u1", t, 4096).ok());
+  const auto done = trainer_->FinishWeightUpdate("u1");
+  ASSERT_TRUE(done.ok()) << done.status();
+  bool reported = false;
+  for (const v1::EngineResult& e : done->engines()) {
+    if (e.engine_id() != "goes") continue;
+    reported = true;
+    EXPECT_TRUE(e.lost());
+    EXPECT_THAT(e.message(), HasSubstr("unregistered"));
+    EXPECT_THAT(e.message(), Not(HasSubstr("control stream closed")));
+  }
+  EXPECT_TRUE(reported);
+}
+
+// Mistakes in Update, refused in its own terms before anything is sent.
+TEST_F(CppClientTest, UpdateMistakesAreRefusedInTheUsersTerms) {
+  AddEngine("e0");
+  const std::vector<HostTensor> t = Tensors(1);
+  // No group: the daemon refused RegisterSource, which the user never called.
+  auto no_group = trainer_->Update(StartRequest(1, t), t);
+  EXPECT_EQ(no_group.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(no_group.status().message(),
+              HasSubstr("TrainerClient::Update: no transfer group: call "
+                        "TrainerClient::InitWeightTransfer before "
+                        "TrainerClient::Update"));
+  auto multi = MultiTrainer::Connect({options_});
+  ASSERT_TRUE(multi.ok()) << multi.status();
+  auto multi_no_group = (*multi)->Update(StartRequest(1, t), t);
+  EXPECT_EQ(multi_no_group.status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(multi_no_group.status().message(),
+              HasSubstr("call MultiTrainer::InitHost before"));
+
+  Init();
+  auto empty = trainer_->Update(StartRequest(1, {}), {});
+  EXPECT_EQ(empty.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(empty.status().message(),
+              HasSubstr("TrainerClient::Update got no tensors"));
+  std::vector<HostTensor> no_data = t;
+  no_data[1].data = nullptr;  // once a segfault in the chunk copy
+  auto null = trainer_->Update(StartRequest(1, no_data), no_data);
+  EXPECT_EQ(null.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(null.status().message(),
+              HasSubstr("tensor '" + t[1].spec.name() + "' has no data"));
+  EXPECT_EQ(StatusOf("e0").version(), 0);  // nothing was sent
+  EXPECT_EQ(StatusOf("e0").state(), v1::ENGINE_READY);
+  ASSERT_TRUE(trainer_->Update(StartRequest(1, t), t).ok());
+  ExpectInstalled(0);
+}
+
+}  // namespace
+}  // namespace weightsync
