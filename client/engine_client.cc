@@ -27,6 +27,13 @@ EngineClient::~EngineClient() { Close(); }
 
 absl::StatusOr<v1::RegisterEngineResponse> EngineClient::Register(
     const v1::RegisterEngineRequest& request) {
+  if (thread_.joinable()) {
+    // Its notice thread reads the registration: Unregister first.
+    return absl::FailedPreconditionError(absl::StrCat(
+        "EngineClient::Register: engine '", engine_id_,
+        "' is registered and its control stream open; call Unregister() "
+        "before registering again"));
+  }
   v1::RegisterEngineResponse response;
   WS_RETURN_IF_ERROR(CallUnary(channel_.get(), options_, "RegisterEngine",
                                [&](grpc::ClientContext* ctx) {
@@ -37,6 +44,10 @@ absl::StatusOr<v1::RegisterEngineResponse> EngineClient::Register(
   registration_ = request;
   engine_id_ = request.engine_id();
   version_ = response.version();
+  {
+    absl::MutexLock lock(&mu_);
+    lost_.clear();
+  }
   return response;
 }
 
@@ -129,10 +140,16 @@ void EngineClient::Run() {
       control_->Finish().IgnoreError();
       control_.reset();
     }
+    auto closing = [this]() ABSL_SHARED_LOCKS_REQUIRED(stream_mu_) {
+      return closing_;
+    };
+    if (!lost().empty()) {
+      // The memory is gone: never register it again (register anew to
+      // come back).
+      stream_mu_.Await(absl::Condition(&closing));
+      return;
+    }
     while (!closing_) {
-      auto closing = [this]() ABSL_SHARED_LOCKS_REQUIRED(stream_mu_) {
-        return closing_;
-      };
       if (stream_mu_.AwaitWithTimeout(absl::Condition(&closing), backoff)) {
         return;
       }
@@ -185,7 +202,36 @@ void EngineClient::Serve() {
     ack.mutable_ack()->set_ok(result.ok());
     ack.mutable_ack()->set_message(std::string(result.message()));
     if (!control_->Write(ack)) break;
+    if (m.has_pause() || m.has_resume()) {
+      if (!CheckMemory()) break;
+    }
   }
+}
+
+bool EngineClient::CheckMemory() {
+  if (!hooks_.check_memory || !lost().empty()) return true;
+  const absl::Status memory = hooks_.check_memory();
+  if (memory.ok()) return true;
+  const std::string why = memory.message().empty()
+                              ? "the engine's check_memory hook failed"
+                              : std::string(memory.message());
+  {
+    absl::MutexLock lock(&mu_);
+    lost_ = why;
+  }
+  // No notice has id 0: a refused Ack of it says "my registered memory is
+  // no longer my weights" (docs/protocol.md, "EngineService"). The daemon
+  // then unregisters the engine, naming `why`.
+  v1::EngineMessage gone;
+  gone.mutable_ack()->set_notice_id(0);
+  gone.mutable_ack()->set_ok(false);
+  gone.mutable_ack()->set_message(why);
+  return control_->Write(gone);
+}
+
+std::string EngineClient::lost() const {
+  absl::MutexLock lock(&mu_);
+  return lost_;
 }
 
 bool EngineClient::WaitForVersion(int64_t version, absl::Time deadline) {

@@ -33,6 +33,13 @@ struct EngineHooks {
   std::function<absl::Status()> on_resume;
   std::function<void(int64_t version)> on_new_version;
   std::function<void(const std::string& reason)> on_dirty;
+  // Optional, run after acknowledging each pause and resume: an error says
+  // the registered memory is no longer the engine's weights (freed, moved,
+  // reallocated: the contract is "unregister before freeing"). The client
+  // then tells the daemon, which unregisters the engine (an update reports
+  // it lost, naming the error's message, instead of calling it READY), and
+  // never registers that memory again; lost() says why.
+  std::function<absl::Status()> check_memory;
 };
 
 class EngineClient {
@@ -67,6 +74,8 @@ class EngineClient {
   int64_t reconnects() const { return reconnects_.load(); }
   bool paused() const { return paused_.load(); }
   bool dirty() const { return dirty_.load(); }
+  // Why check_memory said the memory is gone ("" while it has not).
+  std::string lost() const;
   // Blocks until version() >= `version` or `deadline`; true if reached.
   bool WaitForVersion(int64_t version, absl::Time deadline);
   const std::string& engine_id() const { return engine_id_; }
@@ -80,6 +89,9 @@ class EngineClient {
   void StopControl();
   // Reads notices until the stream ends.
   void Serve();
+  // Runs hooks_.check_memory; on an error, reports the engine's memory
+  // gone. False if the stream broke.
+  bool CheckMemory();
   // Opens the control stream and says hello (stream_mu_ held).
   absl::Status OpenStreamLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(stream_mu_);
   // Registers again after the daemon went away.
@@ -102,7 +114,8 @@ class EngineClient {
   std::atomic<int64_t> version_{0};
   std::atomic<bool> paused_{false};
   std::atomic<bool> dirty_{false};
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
+  std::string lost_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace weightsync

@@ -153,7 +153,8 @@ absl::Status TrainerClient::PushPlanned(const std::string& update_id,
     request.clear_update_id();
   }
   writer->WritesDone();
-  return FromGrpcStatus(writer->Finish());
+  return UserStatus(options_.target, "PushChunks", writer->Finish(),
+                    options_.stream_timeout);
 }
 
 std::unique_ptr<IpcChunkStream> TrainerClient::OpenIpcChunks(

@@ -4,6 +4,7 @@
 // never left), an engine that leaves cleanly by unregistering, and gRPC's
 // own failures and the daemon's wire-level refusals in the user's terms.
 // Against the real daemon in-process (tests/testing/daemon_fixture.h).
+#include <atomic>
 #include <iostream>
 #include <thread>
 
@@ -143,6 +144,12 @@ TEST(RetryRulesTest, OnlyCallsThatCannotHaveArrivedOrAreIdempotent) {
 TEST_F(CppClientTest, UnregisterLeavesAtOnceAndForGood) {
   EngineClient* engine = AddEngine("e0");
   ASSERT_EQ(trainer_->GetStatus()->engines_size(), 1);
+  v1::RegisterEngineRequest again = arenas_[0]->Registration();
+  again.set_engine_id("e0");
+  // Its notice thread reads the registration: not while it runs.
+  const auto twice = engine->Register(again);
+  EXPECT_EQ(twice.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(twice.status().message(), HasSubstr("call Unregister()"));
   ASSERT_TRUE(engine->Unregister().ok());
   EXPECT_EQ(trainer_->GetStatus()->engines_size(), 0);
   EXPECT_TRUE(engine->Unregister().ok());
@@ -152,8 +159,6 @@ TEST_F(CppClientTest, UnregisterLeavesAtOnceAndForGood) {
   EXPECT_EQ(trainer_->GetStatus()->engines_size(), 0);
   EXPECT_EQ(engine->reconnects(), 0);
 
-  v1::RegisterEngineRequest again = arenas_[0]->Registration();
-  again.set_engine_id("e0");
   ASSERT_TRUE(engine->Register(again).ok());
   ASSERT_TRUE(engine->StartControl({}).ok());
   for (int i = 0; i < 200 && !StatusOf("e0").connected(); ++i) {
@@ -184,6 +189,44 @@ TEST_F(CppClientTest, CloseUnregistersInsteadOfDroppingTheStream) {
     EXPECT_THAT(e.message(), Not(HasSubstr("control stream closed")));
   }
   EXPECT_TRUE(reported);
+}
+
+// A C++ engine whose registered memory is gone (freed, reallocated) is
+// noticed at the next pause through its check_memory hook: the update
+// reports it lost, naming why, instead of calling it READY, and it stays
+// unregistered.
+TEST_F(CppClientTest, AnEngineWhoseMemoryIsGoneIsReportedLost) {
+  std::atomic<bool> freed{false};
+  std::atomic<int> checks{0};
+  EngineHooks hooks;
+  hooks.check_memory = [&]() {
+    ++checks;
+    return freed ? absl::FailedPreconditionError(
+                       "parameter 'embed' no longer holds its registered "
+                       "memory (freed)")
+                 : absl::OkStatus();
+  };
+  AddEngine("keeps");
+  EngineClient* frees = AddEngine("frees", false, 0, hooks);
+  Init();
+  std::vector<HostTensor> t = Tensors(1);
+  ASSERT_TRUE(trainer_->Update(StartRequest(1, t), t).ok());
+  EXPECT_GE(checks.load(), 2);  // at the pause and at the resume
+  EXPECT_EQ(frees->lost(), "");
+  freed = true;
+  t = Tensors(2);
+  const auto done = trainer_->Update(StartRequest(2, t), t);
+  ASSERT_TRUE(done.ok()) << done.status();
+  for (const v1::EngineResult& e : done->engines()) {
+    EXPECT_EQ(e.lost(), e.engine_id() == "frees") << e.engine_id();
+    if (e.engine_id() == "frees") {
+      EXPECT_THAT(e.message(), HasSubstr("no longer holds its registered"));
+    }
+  }
+  EXPECT_THAT(frees->lost(), HasSubstr("parameter 'embed'"));
+  EXPECT_EQ(StatusOf("frees").engine_id(), "");
+  EXPECT_EQ(StatusOf("keeps").version(), 2);
+  ExpectInstalled(0);
 }
 
 // Mistakes in Update, refused in its own terms before anything is sent.
