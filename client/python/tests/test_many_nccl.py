@@ -160,6 +160,8 @@ class PushTest(unittest.TestCase):
             links.push(self.plan, rank, other, {"chunk_bytes": [CHUNK, CHUNK]}, None, False)
             self.assertIsNot(links._pending[1], program)
             self.check_sends(comm, rank, data)
+            # Only the last program is kept: the old tensors are not held.
+            self.assertEqual(list(links._programs.values()), [links._pending[1]])
 
     def test_column_cuts_and_packs_are_exercised(self):
         links = many_nccl.NcclLinks(FakeComm(), "cuda:0", PEERS, pack_buffers=4)

@@ -135,7 +135,10 @@ class NcclLinks:
         self._ring = []                 # [(buffer, packed event, free event)]
         self._ring_chunk = 0
         self._chunks = {}               # (plan id, daemon, chunk bytes) -> chunk plan
-        self._programs = {}             # the last two _Programs, by their key
+        # The last _Program by its key: one, because a program holds its
+        # tensors (a trainer that sends new tensors every step must not have
+        # the last step's kept alive).
+        self._programs = {}
         self._pending = None            # (done event, tensors to keep) of the last update
         self.last_timings = {}
         # Tests only: called with each round's index after its sends are
@@ -232,6 +235,7 @@ class NcclLinks:
                 return hit
         else:
             key = None   # copied below on every update: nothing to keep
+        self._programs.clear()   # let the last tensors go before making more
         index = {_field(t, "name"): k for k, t in enumerate(plan.tensors)}
         sizes = {k: planner.element_size(_field(t, "dtype")) for k, t in enumerate(plan.tensors)}
         held = {}
@@ -257,8 +261,6 @@ class NcclLinks:
             self._ensure_ring(biggest)
         program = _Program(flats, copies, self._schedule(link_rounds(plans), flats), held)
         if key is not None:
-            if len(self._programs) >= 2:
-                self._programs.pop(next(iter(self._programs)))
             self._programs[key] = program
         return program
 
