@@ -30,14 +30,11 @@ BAZEL=(nice -n 19 bazel)
 # lines), nor the slow process-level suites whose branches the unit and
 # server tests reach too (faults_test 145 s, soak_test, deb_test,
 # deploy_test: measured 2026-11-25, the figures moved by less than the
-# floor's margin; they run in bazel test //... and under ASan), nor
-# limits_test (its descriptor-limit case is not run instrumented: it failed
-# under ASan at 79fd03b; it runs in bazel test //...).
+# floor's margin; they run in bazel test //... and under ASan).
 mapfile -t targets < <("${BAZEL[@]}" query 'tests(//...) except attr(tags, "gpu", //...)
     except //backends/cuda/... except //tests:gpu_worker_supervision_test
     except //tests:pip_install_test except //tests:faults_test
-    except //tests:soak_test except //tests:deb_test except //tests:deploy_test
-    except //tests:limits_test' 2>/dev/null)
+    except //tests:soak_test except //tests:deb_test except //tests:deploy_test' 2>/dev/null)
 "${BAZEL[@]}" test --config=cov "${targets[@]}" //daemon:weightsyncd >"$OUT/bazel.log" 2>&1
 rc=$?
 if [ $rc != 0 ]; then
