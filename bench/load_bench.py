@@ -54,11 +54,12 @@ rng = np.random.default_rng(first)
 tensors = [(n, rng.standard_normal(s).astype(np.float32)) for n, s in {params!r}]
 print("ready", flush=True)
 sys.stdin.readline()
+c0 = time.process_time()
 for v in range(first, first + count):
     t0 = time.perf_counter()
     t.update(tensors, v)
     print("update", time.perf_counter() - t0, flush=True)
-print("done", flush=True)
+print("done", time.process_time() - c0, flush=True)
 """
 
 READERS = r"""
@@ -66,7 +67,7 @@ import sys, threading, time
 sys.path.insert(0, {client!r})
 import grpc
 from weightsync._proto import v1
-target, n = sys.argv[1], int(sys.argv[2])
+target, n, cheap = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "cheap"
 stop = threading.Event()
 counts = {{"ok": 0, "refused": 0, "other": 0}}
 others = {{}}
@@ -84,10 +85,12 @@ def reader():
     calls = [lambda: check(v1.CheckEngineRequest(engine_id="e0"), timeout=30),
              lambda: status(v1.GetStatusRequest(), timeout=30),
              lambda: health(b"", timeout=30)]
+    if cheap:  # no whole-engine reads: GetStatus + health only
+        calls = calls[1:]
     i = 0
     while not stop.is_set():
         try:
-            calls[i % 3]()
+            calls[i % len(calls)]()
             k = "ok"
         except grpc.RpcError as e:
             k = "refused" if e.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -141,9 +144,12 @@ class Sampler:
         self.t.join()
 
 
-def spawn(script, *args, stdin=False):
+def spawn(script, *args, stdin=False, idle=False):
+    def lower():
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     return subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE,
-                            stdin=subprocess.PIPE if stdin else None, text=True)
+                            stdin=subprocess.PIPE if stdin else None, text=True,
+                            preexec_fn=lower if idle else None)
 
 
 def wait_line(p, prefix, timeout=60):
@@ -162,8 +168,33 @@ def percentile(xs, q):
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def measure(target, daemon_pid, params, readers, updates, first_version):
-    """Runs `updates` updates with `readers` reader threads hammering."""
+BURN = r"""
+import sys
+print("ready", flush=True)
+x = 0
+while True:
+    x += 1
+"""
+
+LOADS = {"readers": "reader threads (CheckEngine + GetStatus + health) in one process",
+         "cheap_readers": "reader threads calling only GetStatus + health (no engine reads)",
+         "idle_readers": "the reader process at SCHED_IDLE (client CPU only from idle cores)",
+         "burn": "no calls: one busy-loop process (one core the update can't use)",
+         "idle_burn": "no calls: one busy-loop process at SCHED_IDLE (idle CPU only)"}
+
+
+def cpu_s(pid):
+    """User + system CPU seconds of `pid`, its exited threads included."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(target, daemon_pid, params, readers, updates, first_version, load="readers",
+            engine_pid=None):
+    """Runs `updates` updates with `readers` reader threads hammering (or,
+    load "burn", one busy-loop process). Where the CPU went while they ran:
+    cores each process used over the updates' wall time."""
     fmt = dict(client=CLIENT, params=params)
     trainer = spawn(TRAINER.format(**fmt), target, str(first_version), str(updates), stdin=True)
     wait_line(trainer, "ready")
@@ -171,18 +202,33 @@ def measure(target, daemon_pid, params, readers, updates, first_version):
     sampler = Sampler(daemon_pid)
     rp = None
     if readers:
-        rp = spawn(READERS.format(**fmt), target, str(readers), stdin=True)
+        idle = load.startswith("idle_")
+        if load.endswith("burn"):
+            rp = spawn(BURN, stdin=True, idle=idle)
+        else:
+            which = "cheap" if load == "cheap_readers" else "all"
+            rp = spawn(READERS.format(**fmt), target, str(readers), which, stdin=True,
+                       idle=idle)
         wait_line(rp, "ready")
         time.sleep(0.5)  # the readers get going
+    pids = {"daemon": daemon_pid, "engine": engine_pid, "load": rp.pid if rp else None}
+    c0 = {k: cpu_s(p) for k, p in pids.items() if p}
+    t0 = time.perf_counter()
     trainer.stdin.write("go\n")
     trainer.stdin.flush()
     times = []
     for _ in range(updates):
         times.append(float(wait_line(trainer, "update", timeout=300)[1]))
-    wait_line(trainer, "done")
+    trainer_cpu = float(wait_line(trainer, "done")[1])
+    wall = time.perf_counter() - t0
+    cpu = {k: cpu_s(p) - c0[k] for k, p in pids.items() if p}
+    cpu["trainer"] = trainer_cpu
     trainer.wait()
     got = None
-    if rp is not None:
+    if rp is not None and load.endswith("burn"):
+        rp.kill()
+        rp.wait()
+    elif rp is not None:
         rp.stdin.write("stop\n")
         rp.stdin.flush()
         words = wait_line(rp, "counts")
@@ -194,9 +240,11 @@ def measure(target, daemon_pid, params, readers, updates, first_version):
     after = proc_stats(daemon_pid)
     # The first update of a fresh trainer pays its connection and warm-up.
     steady = times[1:] if len(times) > 2 else times
-    return {"readers": readers, "updates": len(times), "seconds": [round(t, 4) for t in times],
+    return {"readers": readers, "load": load if readers else None, "updates": len(times),
+            "seconds": [round(t, 4) for t in times],
             "median_s": round(percentile(steady, 0.5), 4),
             "p90_s": round(percentile(steady, 0.9), 4), "reader_calls": got,
+            "cores_used": {k: round(v / wall, 2) for k, v in sorted(cpu.items())},
             "threads": {"before": before[0], "peak": sampler.peak_threads, "after": after[0]},
             "rss_mib": {"before": round(before[1], 1), "peak": round(sampler.peak_rss, 1),
                         "after": round(after[1], 1)}}
@@ -213,7 +261,7 @@ def start_daemon(work, extra=()):
     return d, "unix:" + sock
 
 
-def run(mib, updates, reader_counts, daemon_args=()):
+def run(mib, updates, reader_counts, daemon_args=(), load="readers"):
     work = tempfile.mkdtemp(prefix="ws-load-")
     os.chmod(work, 0o750)
     params = params_for(mib)
@@ -224,14 +272,16 @@ def run(mib, updates, reader_counts, daemon_args=()):
         wait_line(engine, "ready")
         version = 1
         for n in [0] + list(reader_counts):
-            rows.append(measure(target, daemon.pid, params, n, updates, version))
+            rows.append(measure(target, daemon.pid, params, n, updates, version, load,
+                                engine.pid))
             version += updates
             base = rows[0]["median_s"]
             r = rows[-1]
             r["ratio_to_unloaded"] = round(r["median_s"] / base, 2)
             print(f"readers {n:4d}: median {r['median_s']:.3f} s p90 {r['p90_s']:.3f} s "
                   f"({r['ratio_to_unloaded']:.2f}x), threads {r['threads']}, "
-                  f"RSS MiB {r['rss_mib']}, reader calls {r['reader_calls']}", flush=True)
+                  f"RSS MiB {r['rss_mib']}, reader calls {r['reader_calls']}, "
+                  f"cores used {r['cores_used']}", flush=True)
     finally:
         engine.kill()
         engine.wait()
@@ -246,11 +296,13 @@ def main():
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--updates", type=int, default=8)
     ap.add_argument("--readers", default="8,64,256")
+    ap.add_argument("--load", choices=sorted(LOADS), default="readers",
+                    help="what runs beside the updates in the rows past the first")
     ap.add_argument("--json")
     ap.add_argument("--note", default="")
     a = ap.parse_args()
     counts = [int(x) for x in a.readers.split(",") if x]
-    rows = run(a.mib, a.updates, counts)
+    rows = run(a.mib, a.updates, counts, load=a.load)
     if a.json:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True, cwd=HERE).stdout.strip()
@@ -258,7 +310,7 @@ def main():
                        "(CheckEngine + GetStatus + health, one reader process), "
                        "Unix socket, receipts on; ratio against the unloaded baseline "
                        "of the same run",
-               "engine_mib": a.mib, "updates_per_row": a.updates,
+               "load": LOADS[a.load], "engine_mib": a.mib, "updates_per_row": a.updates,
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
                "machine": f"{platform.node()}: {os.cpu_count()} cores, {platform.machine()}",
                "note": a.note, "rows": rows}

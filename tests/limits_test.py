@@ -368,24 +368,30 @@ def case_engine_reads(work):
     updates (bench/load_bench.py's machinery, smaller): the median update
     at most 3x the unloaded one of the same run (before issue 35: 4.7x).
     Issue 35's target is 1.5x; a quiet 2-core VM measured 2.15-2.22x on
-    2026-11-28 (the readers' own client processes share the two cores
-    with the trainer), so this bound pins the fix, not the target: the
-    figures against the target are bench/load_bench.py's. Timing on a
-    shared machine is noisy, so a failing comparison is measured once
-    more."""
+    2026-11-28, and readers calling only GetStatus + health slow an update
+    as much (bench/RESULTS.md, "Updates under concurrent readers": the
+    readers' client CPU and the daemon's per-call gRPC work take the
+    trainer's CPU on 2 cores, not the engine reads), so this bound pins the
+    fix, not the target. Rows unloaded, loaded, unloaded, loaded, each
+    side's updates pooled, so that a change in the machine's other load
+    (CI runs two tests at once) falls on both sides; a failing comparison
+    is measured once more."""
     sys.path.insert(0, os.path.join(HERE, "..", "bench"))
     import load_bench
     for attempt in (1, 2):
-        rows = load_bench.run(mib=16, updates=6, reader_counts=[8])
-        base, loaded = rows[0], rows[1]
-        ratio = loaded["median_s"] / base["median_s"]
-        print(f"  updates of 16 MiB: unloaded median {base['median_s']:.3f} s, with 8 readers "
-              f"{loaded['median_s']:.3f} s ({ratio:.2f}x; readers got {loaded['reader_calls']})")
+        rows = load_bench.run(mib=16, updates=5, reader_counts=[8, 0, 8])
+        steady = {0: [], 8: []}
+        for r in rows:
+            steady[r["readers"]] += r["seconds"][1:]  # the first pays the connection
+        base, loaded = float(np.median(steady[0])), float(np.median(steady[8]))
+        ratio = loaded / base
+        calls = [r["reader_calls"] for r in rows if r["readers"]]
+        print(f"  updates of 16 MiB: unloaded median {base:.3f} s, with 8 readers "
+              f"{loaded:.3f} s ({ratio:.2f}x; readers got {calls})")
         if ratio <= 3.0:
             break
     check("engine reads: 8 readers slow updates at most 3x", ratio <= 3.0, ratio)
-    check("engine reads: the readers were served", loaded["reader_calls"]["ok"] > 0,
-          loaded["reader_calls"])
+    check("engine reads: the readers were served", all(c["ok"] > 0 for c in calls), calls)
 
 
 def case_cert_expiry(work):
