@@ -45,7 +45,7 @@ absl::StatusOr<v1::RegisterEngineResponse> EngineClient::Register(
   engine_id_ = request.engine_id();
   version_ = response.version();
   {
-    absl::MutexLock lock(&mu_);
+    absl::MutexLock lock(&lost_mu_);
     lost_.clear();
   }
   return response;
@@ -216,7 +216,7 @@ bool EngineClient::CheckMemory() {
                               ? "the engine's check_memory hook failed"
                               : std::string(memory.message());
   {
-    absl::MutexLock lock(&mu_);
+    absl::MutexLock lock(&lost_mu_);
     lost_ = why;
   }
   // No notice has id 0: a refused Ack of it says "my registered memory is
@@ -230,7 +230,7 @@ bool EngineClient::CheckMemory() {
 }
 
 std::string EngineClient::lost() const {
-  absl::MutexLock lock(&mu_);
+  absl::MutexLock lock(&lost_mu_);
   return lost_;
 }
 

@@ -114,8 +114,10 @@ class EngineClient {
   std::atomic<int64_t> version_{0};
   std::atomic<bool> paused_{false};
   std::atomic<bool> dirty_{false};
-  mutable absl::Mutex mu_;
-  std::string lost_ ABSL_GUARDED_BY(mu_);
+  absl::Mutex mu_;
+  // Its own mutex: hooks run under mu_ may call lost().
+  mutable absl::Mutex lost_mu_;
+  std::string lost_ ABSL_GUARDED_BY(lost_mu_);
 };
 
 }  // namespace weightsync
