@@ -5,6 +5,8 @@
 // own failures and the daemon's wire-level refusals in the user's terms.
 // Against the real daemon in-process (tests/testing/daemon_fixture.h).
 #include <atomic>
+#include <cstdlib>
+#include <fstream>
 #include <iostream>
 #include <thread>
 
@@ -19,6 +21,23 @@ namespace {
 
 using ::testing::HasSubstr;
 using ::testing::Not;
+
+// Messages the tests below get, each quoted in docs/integration.md 2.9's
+// table (DocsQuoteTheMessages).
+constexpr const char* kNotReachable = "weightsyncd is not reachable at unix:/";
+constexpr const char* kNotSent = "the request was not sent";
+constexpr const char* kBroke = "broke during the call (a daemon restart?)";
+constexpr const char* kNotResent =
+    "it may have reached the daemon, so it was not resent";
+constexpr const char* kNoAnswer =
+    "did not answer within 30s (ClientOptions::call_timeout)";
+constexpr const char* kNoGroup =
+    "TrainerClient::Update: no transfer group: call "
+    "TrainerClient::InitWeightTransfer before TrainerClient::Update";
+constexpr const char* kNoGroupMulti = "call MultiTrainer::InitHost";
+constexpr const char* kNoTensors = "TrainerClient::Update got no tensors";
+constexpr const char* kNoData =
+    "has no data (HostTensor::data is null); nothing was sent";
 
 class CppClientTest : public testing::DaemonTest {
  protected:
@@ -92,7 +111,8 @@ TEST_F(CppClientTest, ADaemonThatStaysDownFailsWithinTheRetryWindow) {
     EXPECT_THAT(status.status().message(),
                 HasSubstr("GetStatus: weightsyncd is not reachable at " +
                           options_.target));
-    EXPECT_THAT(status.status().message(), HasSubstr("was not sent"));
+    EXPECT_THAT(status.status().message(), HasSubstr(kNotReachable));
+    EXPECT_THAT(status.status().message(), HasSubstr(kNotSent));
     EXPECT_GE(took, window - absl::Milliseconds(100)) << window;
     EXPECT_LT(took, window + absl::Seconds(1)) << window;
     RestartCore();
@@ -125,9 +145,12 @@ TEST(RetryRulesTest, OnlyCallsThatCannotHaveArrivedOrAreIdempotent) {
               HasSubstr("StartWeightUpdate: the connection to weightsyncd at "
                         "unix:/s broke during the call"));
   EXPECT_THAT(mid_call.message(), HasSubstr("retry the whole update"));
+  EXPECT_THAT(mid_call.message(), HasSubstr(kBroke));
+  EXPECT_THAT(mid_call.message(), HasSubstr(kNotResent));
   const absl::Status timeout =
       UserStatus("unix:/s", "Pause", late, absl::Seconds(30));
   EXPECT_EQ(timeout.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(timeout.message(), HasSubstr(kNoAnswer));
   EXPECT_THAT(timeout.message(),
               HasSubstr("Pause: weightsyncd at unix:/s did not answer within "
                         "30s (ClientOptions::call_timeout)"));
@@ -236,33 +259,46 @@ TEST_F(CppClientTest, UpdateMistakesAreRefusedInTheUsersTerms) {
   // No group: the daemon refused RegisterSource, which the user never called.
   auto no_group = trainer_->Update(StartRequest(1, t), t);
   EXPECT_EQ(no_group.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(no_group.status().message(),
-              HasSubstr("TrainerClient::Update: no transfer group: call "
-                        "TrainerClient::InitWeightTransfer before "
-                        "TrainerClient::Update"));
+  EXPECT_THAT(no_group.status().message(), HasSubstr(kNoGroup));
   auto multi = MultiTrainer::Connect({options_});
   ASSERT_TRUE(multi.ok()) << multi.status();
   auto multi_no_group = (*multi)->Update(StartRequest(1, t), t);
   EXPECT_EQ(multi_no_group.status().code(),
             absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(multi_no_group.status().message(),
-              HasSubstr("call MultiTrainer::InitHost before"));
+  EXPECT_THAT(multi_no_group.status().message(), HasSubstr(kNoGroupMulti));
 
   Init();
   auto empty = trainer_->Update(StartRequest(1, {}), {});
   EXPECT_EQ(empty.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(empty.status().message(),
-              HasSubstr("TrainerClient::Update got no tensors"));
+  EXPECT_THAT(empty.status().message(), HasSubstr(kNoTensors));
   std::vector<HostTensor> no_data = t;
   no_data[1].data = nullptr;  // once a segfault in the chunk copy
   auto null = trainer_->Update(StartRequest(1, no_data), no_data);
   EXPECT_EQ(null.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(null.status().message(),
-              HasSubstr("tensor '" + t[1].spec.name() + "' has no data"));
+              HasSubstr("tensor '" + t[1].spec.name() + "' " + kNoData));
   EXPECT_EQ(StatusOf("e0").version(), 0);  // nothing was sent
   EXPECT_EQ(StatusOf("e0").state(), v1::ENGINE_READY);
   ASSERT_TRUE(trainer_->Update(StartRequest(1, t), t).ok());
   ExpectInstalled(0);
+}
+
+// docs/integration.md 2.9 quotes what the tests above get.
+TEST(DocsTest, DocsQuoteTheMessages) {
+  const char* srcdir = std::getenv("TEST_SRCDIR");
+  const char* ws = std::getenv("TEST_WORKSPACE");
+  std::ifstream in(absl::StrCat(srcdir != nullptr ? srcdir : ".", "/",
+                                ws != nullptr ? ws : "weightsync",
+                                "/docs/integration.md"));
+  const std::string doc(std::istreambuf_iterator<char>(in), {});
+  const size_t at = doc.find("### 2.9 C++ clients: restarts and errors");
+  ASSERT_NE(at, std::string::npos);
+  const std::string section = doc.substr(at, doc.find("\n## ", at) - at);
+  for (const char* message :
+       {kNotReachable, kNotSent, kBroke, kNotResent, kNoAnswer, kNoGroup,
+        kNoGroupMulti, kNoTensors, kNoData}) {
+    EXPECT_THAT(section, HasSubstr(message));
+  }
 }
 
 }  // namespace
