@@ -381,6 +381,16 @@ int Main() {
     }
     std::fflush(stdout);
   };
+  // Run after each pause and resume is acknowledged: memory this engine
+  // freed (SIGUSR1) is no longer its weights, so the daemon unregisters it
+  // and stops calling it READY (issue 30; gpu_faults.py engine_freed).
+  hooks.check_memory = []() {
+    std::lock_guard<std::mutex> hold(memory_mu);
+    return freed ? absl::FailedPreconditionError(absl::StrCat(
+                       "weightsync_gpu_engine freed its parameters' memory (",
+                       FLAGS_memory, ") while registered"))
+                 : absl::OkStatus();
+  };
   if (!(*client)->StartControl(std::move(hooks)).ok()) return 1;
   std::printf("[%s] registered %lld parameters, %.1f MB on GPU %d (%s)\n",
               id.c_str(), static_cast<long long>(registered->parameters()),

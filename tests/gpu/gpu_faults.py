@@ -66,7 +66,9 @@ FAULTS = ["trainer_killed", "trainer_frozen", "engine_killed", "daemon_restarted
 # VMM unmap + release + close, or cudaFree of its legacy-IPC allocation,
 # which engine b then uses) under the daemon's import and stays connected;
 # the trainer goes on. The daemon must live, engine a get v99 and v100
-# verified; engine b's state is recorded, whatever it is.
+# verified. Engine b reports its memory gone at its next pause or resume
+# (EngineHooks::check_memory, issue 30): the daemon unregisters it, and it
+# must not be READY after the next update (b_not_ready).
 FREED = ("engine_freed", "engine_freed_ipc")
 DETECT_LIMIT_S = 30
 
@@ -199,10 +201,11 @@ def run_case(fault, phase):
             st = c.status()
             if st is not None:
                 engs = st.get("engines", [])
-                want = 1 if fault == "engine_killed" else 2
+                # A freed engine b leaves at its next pause or resume.
+                want = (1,) if fault == "engine_killed" else (1, 2) if fault in FREED else (2,)
                 busy = (st.get("update", {}).get("phase") == "receiving" or
                         any(e["state"] in ("ENGINE_PAUSED", "ENGINE_UPDATING") for e in engs) or
-                        len(engs) != want or not all(e.get("connected") for e in engs))
+                        len(engs) not in want or not all(e.get("connected") for e in engs))
                 if not busy:
                     detected = time.time() - t0
                     break
@@ -250,8 +253,9 @@ def run_case(fault, phase):
                                  for e in st.get("engines", [])}
             row["b_saw"] = [l for l in c.log("engine-b").splitlines()
                             if "version" in l or "dirty" in l][-3:]
+            row["b_not_ready"] = not row["after_next"].get("b", "gone").startswith("READY")
         row["ok"] = (not row["hang"] and row["daemon_alive"] and row["states_ok"] and
-                     row["next_update"] and not row["mismatch"])
+                     row["next_update"] and not row["mismatch"] and row.get("b_not_ready", True))
         if MAX_DETECT_S is not None and not row["hang"] and row["detect_s"] > MAX_DETECT_S:
             row["ok"] = False
             row["error"] = f"detection took {row['detect_s']} s > {MAX_DETECT_S} s"
