@@ -9,7 +9,15 @@ ratio to the baseline, what the readers got (OK / refused), and the daemon's
 threads and RSS before, at peak and after.
 
     WEIGHTSYNCD=bazel-bin/daemon/weightsyncd python3 bench/load_bench.py \\
-        [--mib 64] [--updates 8] [--readers 8,64,256] [--json bench/results/load.json]
+        [--mib 64] [--updates 8] [--readers 8,64,256] [--load readers,...] \\
+        [--json bench/results/load.json]
+
+Each row also says where the CPU went: the cores each process (daemon,
+engine, trainer, the load) used over the row's updates. --load picks what
+runs beside the updates (several: one row each, then an unloaded row
+again): the readers above; cheap_readers (GetStatus + health only, no
+engine reads); idle_readers (the reader process at SCHED_IDLE); burn (one
+busy-loop process, no calls); idle_burn (the same at SCHED_IDLE).
 
 The readers run in one Python process (so at most about one core of client
 CPU whatever N is); the trainer in another. On a 2-core machine the three
@@ -262,6 +270,13 @@ def start_daemon(work, extra=()):
 
 
 def run(mib, updates, reader_counts, daemon_args=(), load="readers"):
+    """Rows: unloaded, then each reader count under each load in `load`
+    (a name of LOADS or a list of them); with several loads, one more
+    unloaded row at the end (how much the machine's own load drifted)."""
+    loads = [load] if isinstance(load, str) else list(load)
+    plan = [(0, None)] + [(n, ld) for ld in loads for n in reader_counts]
+    if len(loads) > 1:
+        plan.append((0, None))
     work = tempfile.mkdtemp(prefix="ws-load-")
     os.chmod(work, 0o750)
     params = params_for(mib)
@@ -271,14 +286,14 @@ def run(mib, updates, reader_counts, daemon_args=(), load="readers"):
     try:
         wait_line(engine, "ready")
         version = 1
-        for n in [0] + list(reader_counts):
-            rows.append(measure(target, daemon.pid, params, n, updates, version, load,
-                                engine.pid))
+        for n, ld in plan:
+            rows.append(measure(target, daemon.pid, params, n, updates, version,
+                                ld or "readers", engine.pid))
             version += updates
             base = rows[0]["median_s"]
             r = rows[-1]
             r["ratio_to_unloaded"] = round(r["median_s"] / base, 2)
-            print(f"readers {n:4d}: median {r['median_s']:.3f} s p90 {r['p90_s']:.3f} s "
+            print(f"{ld or 'unloaded':>13} {n:4d}: median {r['median_s']:.3f} s p90 {r['p90_s']:.3f} s "
                   f"({r['ratio_to_unloaded']:.2f}x), threads {r['threads']}, "
                   f"RSS MiB {r['rss_mib']}, reader calls {r['reader_calls']}, "
                   f"cores used {r['cores_used']}", flush=True)
@@ -296,21 +311,27 @@ def main():
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--updates", type=int, default=8)
     ap.add_argument("--readers", default="8,64,256")
-    ap.add_argument("--load", choices=sorted(LOADS), default="readers",
-                    help="what runs beside the updates in the rows past the first")
+    ap.add_argument("--load", default="readers",
+                    help="what runs beside the updates in the rows past the first: "
+                         "comma-separated, of " + ", ".join(sorted(LOADS)))
     ap.add_argument("--json")
     ap.add_argument("--note", default="")
     a = ap.parse_args()
     counts = [int(x) for x in a.readers.split(",") if x]
-    rows = run(a.mib, a.updates, counts, load=a.load)
+    loads = a.load.split(",")
+    for ld in loads:
+        if ld not in LOADS:
+            ap.error(f"--load {ld}: not one of {', '.join(sorted(LOADS))}")
+    rows = run(a.mib, a.updates, counts, load=loads)
     if a.json:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True, cwd=HERE).stdout.strip()
         out = {"what": "host-backend update latency under N concurrent readers "
                        "(CheckEngine + GetStatus + health, one reader process), "
                        "Unix socket, receipts on; ratio against the unloaded baseline "
-                       "of the same run",
-               "load": LOADS[a.load], "engine_mib": a.mib, "updates_per_row": a.updates,
+                       "of the same run; each row's load is one of 'loads'; cores_used: "
+                       "CPU seconds of each process over the row's updates / their wall time",
+               "loads": {ld: LOADS[ld] for ld in loads}, "engine_mib": a.mib, "updates_per_row": a.updates,
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
                "machine": f"{platform.node()}: {os.cpu_count()} cores, {platform.machine()}",
                "note": a.note, "rows": rows}

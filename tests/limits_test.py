@@ -16,7 +16,8 @@
 * a thousand wrong tokens: counted in /metrics, logged with the address,
   and slowed once they come fast;
 * 8 CheckEngine readers hammering during updates: the median update at most
-  3x the unloaded one (same run; the 1.5x target is bench/load_bench.py's);
+  3x the unloaded one (same run; the 1.5x target is bench/load_bench.py's;
+  judged only where the daemon is not built with ASan or coverage);
 * a TLS certificate that expires within a week: warned, and health's
   weightsync.tls_certificate NOT_SERVING.
 
@@ -24,6 +25,7 @@
 """
 
 import asyncio
+import mmap
 import os
 import re
 import resource
@@ -132,6 +134,18 @@ class Daemon:
         except subprocess.TimeoutExpired:
             self.p.kill()
             self.p.wait()
+
+
+def instrumented_daemon():
+    """"ASan" or "coverage" when $WEIGHTSYNCD was built so (--config=asan,
+    --config=cov), else None: such a daemon's timings are not the product's."""
+    with open(os.environ["WEIGHTSYNCD"], "rb") as f:
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            if m.find(b"__asan_init") >= 0:
+                return "ASan"
+            if m.find(b"__llvm_profile_runtime") >= 0:
+                return "coverage"
+    return None
 
 
 def health(channel, service="", timeout=3, metadata=None):
@@ -375,9 +389,16 @@ def case_engine_reads(work):
     fix, not the target. Rows unloaded, loaded, unloaded, loaded, each
     side's updates pooled, so that a change in the machine's other load
     (CI runs two tests at once) falls on both sides; a failing comparison
-    is measured once more."""
+    is measured once more.
+
+    In an instrumented daemon (CI's ASan pass, the coverage run) the ratio
+    is printed, not judged: each of the readers' calls costs such a daemon
+    several times the CPU, so the ratio measures the instrumentation (on
+    one loaded 2-core VM, 2026-11-28: ASan 1.79-4.29x, coverage 2.50-3.58x,
+    the plain build 1.76-2.73x); the plain build's run in CI judges it."""
     sys.path.insert(0, os.path.join(HERE, "..", "bench"))
     import load_bench
+    instrumented = instrumented_daemon()
     for attempt in (1, 2):
         rows = load_bench.run(mib=16, updates=5, reader_counts=[8, 0, 8])
         steady = {0: [], 8: []}
@@ -388,9 +409,12 @@ def case_engine_reads(work):
         calls = [r["reader_calls"] for r in rows if r["readers"]]
         print(f"  updates of 16 MiB: unloaded median {base:.3f} s, with 8 readers "
               f"{loaded:.3f} s ({ratio:.2f}x; readers got {calls})")
-        if ratio <= 3.0:
+        if ratio <= 3.0 or instrumented:
             break
-    check("engine reads: 8 readers slow updates at most 3x", ratio <= 3.0, ratio)
+    if instrumented:
+        print(f"  (an {instrumented} daemon: the ratio is not judged)")
+    else:
+        check("engine reads: 8 readers slow updates at most 3x", ratio <= 3.0, ratio)
     check("engine reads: the readers were served", all(c["ok"] > 0 for c in calls), calls)
 
 
