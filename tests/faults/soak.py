@@ -10,10 +10,11 @@ about zero:
     WEIGHTSYNCD=bazel-bin/daemon/weightsyncd python3 tests/faults/soak.py [CYCLES=200] [--json OUT]
 
 Limits: fds grow by less than 1 over the measured cycles (slope < 0.01
-per cycle) and the median of the last 20 cycles is no higher than that of
-the first 20 (a single sample may catch a connection still closing);
-threads the same but one more allowed (gRPC grows its poller pool once
-under a burst; slope < 0.02), resident memory by less than 16 KiB per cycle. Prints the slopes and exits 1 if one is over.
+per cycle) and the median of the last 20 cycles is at most one above that
+of the first 20 (a single sample may catch a connection still closing, and
+gRPC grows its poller pool once under a burst, a thread and its
+descriptor); threads the same (slope < 0.02), resident memory by less than
+16 KiB per cycle. Prints the slopes and exits 1 if one is over.
 """
 
 import json
@@ -107,8 +108,12 @@ def main():
     # synchronous server grows its pool of poller threads by one when a
     # burst needs it (seen once in ~10 runs, 18 -> 19 mid-run, then flat):
     # threads may end one above where they started; a leak (a thread per
-    # cycle, or per fault every 10 cycles: +15) is far beyond that.
-    for name, i, slack, max_slope in (("fds", 0, 0, 0.01), ("threads", 1, 1, 0.02)):
+    # cycle, or per fault every 10 cycles: +15) is far beyond that. The new
+    # poller brings its descriptor (2026-11-28 at aecb15e: threads 19 -> 20
+    # and fds 11 -> 12 mid-run, then flat for the rest of 200 cycles; 3
+    # reruns PASS), so fds may end one above too; their slope still catches
+    # one leaked per fault (0.05 a cycle).
+    for name, i, slack, max_slope in (("fds", 0, 1, 0.01), ("threads", 1, 1, 0.02)):
         ys = [s[i] for s in warm]
         head, tail = sorted(ys[:20]), sorted(ys[-20:])
         result[name]["median_first_20"] = head[len(head) // 2]
