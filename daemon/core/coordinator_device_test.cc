@@ -280,6 +280,15 @@ absl::StatusOr<std::string> RegisterTwoSenders(Coordinator* c) {
   return resp->plan_id();
 }
 
+// Update "u1" to version 1 by transfer plan `id`.
+v1::StartWeightUpdateRequest PlanUpdate(const std::string& id) {
+  v1::StartWeightUpdateRequest req;
+  req.set_update_id("u1");
+  req.set_target_version(1);
+  req.set_transfer_plan_id(id);
+  return req;
+}
+
 // A group of the two trainer ranks (0, 1) and this daemon (rank_offset).
 void InitGroup(Coordinator* c, int rank_offset) {
   v1::InitWeightTransferRequest init;
@@ -293,10 +302,7 @@ TEST_F(CoordinatorDeviceTest, TransferPlanOnNcclTakesEachChunkFromItsSender) {
   InitGroup(coordinator_.get(), 2);
   absl::StatusOr<std::string> id = RegisterTwoSenders(coordinator_.get());
   ASSERT_TRUE(id.ok()) << id.status();
-  v1::StartWeightUpdateRequest req;
-  req.set_update_id("u1");
-  req.set_target_version(1);
-  req.set_transfer_plan_id(*id);
+  v1::StartWeightUpdateRequest req = PlanUpdate(*id);
   req.set_chunk_bytes(256);
   auto started = coordinator_->StartWeightUpdate(req);
   ASSERT_TRUE(started.ok()) << started.status();
@@ -322,10 +328,7 @@ TEST_F(CoordinatorDeviceTest, TransferPlanChunksFitTheStagingBudget) {
     InitGroup(coordinator_.get(), 2);
     absl::StatusOr<std::string> id = RegisterTwoSenders(coordinator_.get());
     ASSERT_TRUE(id.ok()) << id.status();
-    v1::StartWeightUpdateRequest req;
-    req.set_update_id("u1");
-    req.set_target_version(1);
-    req.set_transfer_plan_id(*id);
+    v1::StartWeightUpdateRequest req = PlanUpdate(*id);
     auto started = coordinator_->StartWeightUpdate(req);
     ASSERT_TRUE(started.ok()) << started.status();
     EXPECT_EQ(started->chunk_bytes(), want) << "budget " << budget;
@@ -337,10 +340,7 @@ TEST_F(CoordinatorDeviceTest, TransferPlanRefusedWhereTheDaemonIsASendersRank) {
   InitGroup(coordinator_.get(), 1);
   absl::StatusOr<std::string> id = RegisterTwoSenders(coordinator_.get());
   ASSERT_TRUE(id.ok()) << id.status();
-  v1::StartWeightUpdateRequest req;
-  req.set_update_id("u1");
-  req.set_target_version(1);
-  req.set_transfer_plan_id(*id);
+  v1::StartWeightUpdateRequest req = PlanUpdate(*id);
   auto started = coordinator_->StartWeightUpdate(req);
   EXPECT_EQ(started.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(started.status().message(),
@@ -355,10 +355,7 @@ TEST_F(CoordinatorDeviceTest, TransferPlanOnIpcRefusedBeforeAnythingPauses) {
   plane_->plane_name = "ipc";
   absl::StatusOr<std::string> id = RegisterTwoSenders(coordinator_.get());
   ASSERT_TRUE(id.ok()) << id.status();
-  v1::StartWeightUpdateRequest req;
-  req.set_update_id("u1");
-  req.set_target_version(1);
-  req.set_transfer_plan_id(*id);
+  v1::StartWeightUpdateRequest req = PlanUpdate(*id);
   auto started = coordinator_->StartWeightUpdate(req);
   EXPECT_EQ(started.status().code(), absl::StatusCode::kUnimplemented);
   EXPECT_THAT(started.status().message(), HasSubstr("the nccl backend"));
