@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "common/transfer_plan.h"
 #include "daemon/core/coordinator.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -253,7 +254,19 @@ TEST_F(CoordinatorDeviceTest, StagedThatFailsBeforeItsCommitLeavesEngines) {
 
 // Two trainer ranks each hold half of "w" (rows of its [16, 1] view) and
 // this daemon (receiver 0) needs all of it: 256-byte chunks, one per link.
+// The spec of RegisterTwoSenders, naming `receivers`.
+v1::RegisterTransferPlanRequest TwoSendersRequest(
+    std::vector<int32_t> receivers);
+
 absl::StatusOr<std::string> RegisterTwoSenders(Coordinator* c) {
+  absl::StatusOr<v1::RegisterTransferPlanResponse> resp =
+      c->RegisterTransferPlan(TwoSendersRequest({0}));
+  if (!resp.ok()) return resp.status();
+  return resp->plan_id();
+}
+
+v1::RegisterTransferPlanRequest TwoSendersRequest(
+    std::vector<int32_t> receivers) {
   v1::RegisterTransferPlanRequest r;
   v1::TransferPlanSpec* spec = r.mutable_spec();
   v1::TensorSpec* t = spec->add_tensors();
@@ -273,11 +286,8 @@ absl::StatusOr<std::string> RegisterTwoSenders(Coordinator* c) {
   n->set_tensor("w");
   n->set_row_count(16);
   n->set_col_count(1);
-  r.add_receivers(0);
-  absl::StatusOr<v1::RegisterTransferPlanResponse> resp =
-      c->RegisterTransferPlan(r);
-  if (!resp.ok()) return resp.status();
-  return resp->plan_id();
+  for (int32_t i : receivers) r.add_receivers(i);
+  return r;
 }
 
 // Update "u1" to version 1 by transfer plan `id`.
@@ -349,6 +359,42 @@ TEST_F(CoordinatorDeviceTest, TransferPlanRefusedWhereTheDaemonIsASendersRank) {
   // Planned (the sources handed over, bound to that plan), nothing paused.
   EXPECT_THAT(log_.Get(), ElementsAre("SetChunkSources 2"));
   EXPECT_EQ(Engine().state(), v1::ENGINE_READY);
+}
+
+// RegisterTransferPlan's refusals (issue 33's sweep of transfer_plans.cc
+// found each of these checks unpinned): no group, a daemon shutting down,
+// no receivers named, a receiver the spec does not have (first or last of
+// the list), one named twice. Nothing is registered.
+TEST_F(CoordinatorDeviceTest, TransferPlanRegistrationRefusals) {
+  Coordinator no_group(CoordinatorOptions(),
+                       std::make_shared<testing::HeapMapper>(),
+                       std::make_shared<Factory>(plane_));
+  auto r = no_group.RegisterTransferPlan(TwoSendersRequest({0}));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(r.status().message(), HasSubstr("no transfer group"));
+  no_group.Shutdown();
+
+  InitGroup(coordinator_.get(), 2);
+  const std::vector<std::pair<std::vector<int32_t>, std::string>> bad = {
+      {{}, "name the receivers"},
+      {{1}, "receiver 1 is repeated or not one of the spec's 1"},
+      {{-1}, "receiver -1 is repeated or not one of the spec's 1"},
+      {{0, 7}, "receiver 7 is repeated"},
+      {{0, 0}, "receiver 0 is repeated"},
+  };
+  for (const auto& [receivers, why] : bad) {
+    r = coordinator_->RegisterTransferPlan(TwoSendersRequest(receivers));
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << why;
+    EXPECT_THAT(r.status().message(), HasSubstr(why));
+  }
+  // Nothing was kept: a Start by the plan's id finds none.
+  auto id = TransferPlanId(TwoSendersRequest({0}).spec());
+  auto started = coordinator_->StartWeightUpdate(PlanUpdate(id));
+  EXPECT_EQ(started.status().code(), absl::StatusCode::kNotFound);
+
+  coordinator_->Shutdown();
+  r = coordinator_->RegisterTransferPlan(TwoSendersRequest({0}));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable);
 }
 
 TEST_F(CoordinatorDeviceTest, TransferPlanOnIpcRefusedBeforeAnythingPauses) {
