@@ -310,28 +310,9 @@ def generate_file(path):
     # alone: any, the tests judge).
     for m in re.finditer(r"\s[+-] 1\b(?![\w.])", code):
         add("bound", m.start(), m.end(), "")
-    # cond and clause over if/while conditions.
-    for kind, o, c in conditions(code):
-        inner_b, inner_e = o + 1, c
-        if kind == "if":
-            add("cond", inner_b, inner_e, "true")
-            add("cond", inner_b, inner_e, "false")
-        for op in ("||", "&&"):
-            spans = split_top(code, inner_b, inner_e, op)
-            for k, (sb, se) in enumerate(spans):
-                # Drop clause k with its operator.
-                if k + 1 < len(spans):
-                    add("clause", sb, spans[k + 1][0], "")
-                else:
-                    add("clause", spans[k - 1][1], se, "")
-            if spans:
-                break
-    # clause over `bool x = a && b;` and `return a || b;` chains.
-    for m in re.finditer(r"(\bbool\s+\w+\s*=|\breturn\b)", code):
-        b = m.end()
-        e = code.find(";", b)
-        if e < 0:
-            continue
+    def drop_clauses(b, e):
+        """clause: each clause of the top-level `||` (else `&&`) chain in
+        [b, e) dropped with its operator."""
         for op in ("||", "&&"):
             spans = split_top(code, b, e, op)
             for k, (sb, se) in enumerate(spans):
@@ -341,6 +322,21 @@ def generate_file(path):
                     add("clause", spans[k - 1][1], se, "")
             if spans:
                 break
+
+    # cond and clause over if/while conditions.
+    for kind, o, c in conditions(code):
+        inner_b, inner_e = o + 1, c
+        if kind == "if":
+            add("cond", inner_b, inner_e, "true")
+            add("cond", inner_b, inner_e, "false")
+        drop_clauses(inner_b, inner_e)
+    # clause over `bool x = a && b;` and `return a || b;` chains.
+    for m in re.finditer(r"(\bbool\s+\w+\s*=|\breturn\b)", code):
+        b = m.end()
+        e = code.find(";", b)
+        if e < 0:
+            continue
+        drop_clauses(b, e)
     # ok: error returns in functions returning a plain Status.
     for m in ERROR_RETURN.finditer(code):
         paren = code.find("(", m.start(1))
