@@ -374,6 +374,18 @@ class RestartsTest(unittest.TestCase):
                 d.kill()
                 d.wait()
 
+    def trainer_and_engine(self):
+        """A Trainer and a started engine "e0" (one float32 [4] parameter
+        "a") of the daemon at self.target, both closed at cleanup; returns
+        the Trainer."""
+        trainer = weightsync.Trainer(self.target, timeout=10)
+        self.addCleanup(trainer.close)
+        engine = weightsync.Engine("e0", self.target, timeout=10)
+        self.addCleanup(engine.close)
+        engine.register_host([("a", "FLOAT32", (4,))])
+        engine.start()
+        return trainer
+
     def wait_listening(self, timeout=10):
         deadline = time.monotonic() + timeout
         while not os.path.exists(self.sock):
@@ -385,12 +397,7 @@ class RestartsTest(unittest.TestCase):
         import threading
         first = self.spawn()
         self.wait_listening()
-        trainer = weightsync.Trainer(self.target, timeout=10)
-        self.addCleanup(trainer.close)
-        engine = weightsync.Engine("e0", self.target, timeout=10)
-        self.addCleanup(engine.close)
-        engine.register_host([("a", "FLOAT32", (4,))])
-        engine.start()
+        trainer = self.trainer_and_engine()
         self.assertEqual(trainer.world_size("host"), 1)
         first.terminate()
         self.assertEqual(first.wait(timeout=10), 0)
@@ -425,12 +432,7 @@ class RestartsTest(unittest.TestCase):
     def test_sigterm_with_idle_clients_stops_at_once(self):
         d = self.spawn()
         self.wait_listening()
-        trainer = weightsync.Trainer(self.target, timeout=10)
-        self.addCleanup(trainer.close)
-        engine = weightsync.Engine("e0", self.target, timeout=10)
-        self.addCleanup(engine.close)
-        engine.register_host([("a", "FLOAT32", (4,))])
-        engine.start()          # an open control stream, nothing on it
+        trainer = self.trainer_and_engine()   # an open control stream, nothing on it
         trainer.init_host()
         trainer.update([("a", np.ones(4, np.float32))], version=1)
         time.sleep(0.2)         # idle connections now
