@@ -111,6 +111,30 @@ class PropertiesTest(unittest.TestCase):
             self.assertEqual(set(got.values()), {1} if got else set())
             self.assertEqual(tp.build_plan(spec).pieces, plan.pieces)
 
+    def test_one_senders_plan_is_its_part_of_the_whole(self):
+        """build_plan(spec, sender=s): what rank s sends, the same pieces in
+        the same order as the whole plan's, and the whole plan's bytes."""
+        rng = random.Random(3232)
+        for _ in range(40):
+            spec = _random_spec(rng)
+            whole = tp.build_plan(spec)
+            for s in range(len(spec["senders"])):
+                one = tp.build_plan(spec, sender=s)
+                self.assertEqual(one.id, whole.id)
+                self.assertEqual(one.sender, s)
+                self.assertEqual(one.pieces, [p for p in whole.pieces if p.sender == s])
+                self.assertEqual(one.sender_bytes, whole.sender_bytes)
+                self.assertEqual(one.receiver_bytes, whole.receiver_bytes)
+                for r in range(len(spec["receivers"])):
+                    self.assertEqual(one.link_pieces(s, r), whole.link_pieces(s, r))
+                    for other in range(len(spec["senders"])):
+                        if other != s:
+                            self.assertEqual(one.link_pieces(other, r), [])
+        spec = _random_spec(rng)
+        for bad in (-1, len(spec["senders"])):
+            with self.assertRaisesRegex(tp.TransferPlanError, f"sender {bad}: the spec has"):
+                tp.build_plan(spec, sender=bad)
+
     def test_replicas_balance_within_ten_percent(self):
         for senders in (2, 3, 4, 8):
             tensors = [{"name": f"l{t}", "dtype": "BFLOAT16", "shape": [64 + 37 * t, 16 + t % 5]}

@@ -153,23 +153,25 @@ class Piece(tuple):
 class Plan:
     """The plan of a spec: `pieces` ordered by (sender, receiver, tensor,
     row_begin, col_begin); `links[s][r]` the indices of link (s, r)'s
-    pieces in stream order; bytes per sender and receiver; `unused` the
-    tensors no receiver needs."""
+    pieces in stream order; bytes per sender and receiver (of the whole
+    plan); `unused` the tensors no receiver needs. `sender`: None, or the
+    one sender whose pieces this plan holds (build_plan(spec, sender=s):
+    the other senders' links are empty, their bytes still counted)."""
 
-    def __init__(self, pid, tensors, num_senders, num_receivers, pieces, unused):
+    def __init__(self, pid, tensors, num_senders, num_receivers, pieces, unused,
+                 sender_bytes, receiver_bytes, sender=None):
         self.id = pid
         self.tensors = tensors
         self.num_senders = num_senders
         self.num_receivers = num_receivers
         self.pieces = pieces
         self.unused = unused
+        self.sender = sender
         self.links = [[[] for _ in range(num_receivers)] for _ in range(num_senders)]
-        self.sender_bytes = [0] * num_senders
-        self.receiver_bytes = [0] * num_receivers
         for k, p in enumerate(pieces):
-            self.links[p.sender][p.receiver].append(k)
-            self.sender_bytes[p.sender] += p.bytes
-            self.receiver_bytes[p.receiver] += p.bytes
+            self.links[p[5]][p[6]].append(k)
+        self.sender_bytes = sender_bytes
+        self.receiver_bytes = receiver_bytes
 
     def link_pieces(self, sender, receiver):
         return [self.pieces[k] for k in self.links[sender][receiver]]
@@ -205,6 +207,12 @@ def _blocks(obj, field):
 
 
 def _block_tuple(b):
+    if type(b) is dict and len(b) == 5 and "col_count" in b:   # block()'s
+        try:
+            return (b["tensor"], int(b["row_begin"]), int(b["row_count"]),
+                    int(b["col_begin"]), int(b["col_count"]))
+        except KeyError:
+            pass
     return (_get(b, "tensor", default=""), int(_get(b, "row_begin", "rowBegin", 0)),
             int(_get(b, "row_count", "rowCount", 0)), int(_get(b, "col_begin", "colBegin", 0)),
             int(_get(b, "col_count", "colCount", 0)))
@@ -308,7 +316,24 @@ def _cuts(end, t, axis):
     return sorted(cuts)
 
 
-def _plan_tensor(ti, t, receivers, pieces, shared):
+class _Out:
+    """What the planning appends to: the pieces of `sender` (None: of
+    every sender) and the bytes of every sender and receiver."""
+
+    def __init__(self, sender, num_senders, num_receivers):
+        self.sender = sender
+        self.pieces = []
+        self.load = [0] * num_senders
+        self.receiver_bytes = [0] * num_receivers
+
+    def add(self, ti, r0, rn, c0, cn, s, r, nbytes):
+        self.load[s] += nbytes
+        self.receiver_bytes[r] += nbytes
+        if self.sender is None or self.sender == s:
+            self.pieces.append(Piece(ti, r0, rn, c0, cn, s, r, nbytes))
+
+
+def _plan_tensor(ti, t, receivers, out, shared):
     groups = []  # [(rect, [holders])] sorted by (r0, c0, rn, cn)
     for rect, s in sorted(t.held, key=lambda x: ((x[0][0], x[0][2], x[0][1], x[0][3]), x[1])):
         if groups and groups[-1][0] == rect:
@@ -327,52 +352,89 @@ def _plan_tensor(ti, t, receivers, pieces, shared):
                                 f"more than {_MAX_CELLS_PER_TENSOR}")
     owner = [-1] * (nr * nc)
     for g, (rect, holders) in enumerate(groups):
-        for i in range(ri[rect[0]], ri[rect[0] + rect[1]]):
-            for j in range(ci[rect[2]], ci[rect[2] + rect[3]]):
-                o = owner[i * nc + j]
-                if o >= 0:
-                    raise TransferPlanError(
-                        f"tensor '{t.name}': the block {_rect_str(groups[o][0])} of sender(s) "
-                        f"{','.join(map(str, groups[o][1]))} overlaps the block {_rect_str(rect)} "
-                        f"of sender(s) {','.join(map(str, holders))}; only identical blocks "
-                        "(replicas) may overlap")
-                owner[i * nc + j] = g
-    need = [None] * (nr * nc)
-    for rect, who in sorted(t.needed, key=lambda x: x[1]):
-        for i in range(ri[rect[0]], ri[rect[0] + rect[1]]):
-            for j in range(ci[rect[2]], ci[rect[2] + rect[3]]):
-                n = need[i * nc + j]
-                if n is None:
-                    need[i * nc + j] = [who]
-                elif n[-1] != who:
-                    n.append(who)
+        j0, j1 = ci[rect[2]], ci[rect[2] + rect[3]]
+        for a, a1 in _runs(ri[rect[0]], ri[rect[0] + rect[1]], j0, j1, nc):
+            if max(owner[a:a1]) >= 0:
+                o = next(o for o in owner[a:a1] if o >= 0)
+                raise TransferPlanError(
+                    f"tensor '{t.name}': the block {_rect_str(groups[o][0])} of sender(s) "
+                    f"{','.join(map(str, groups[o][1]))} overlaps the block {_rect_str(rect)} "
+                    f"of sender(s) {','.join(map(str, holders))}; only identical blocks "
+                    "(replicas) may overlap")
+            owner[a:a1] = [g] * (a1 - a)
+    # need[cell]: a bit per receiver that needs it (receiver r: bit r).
+    need = [0] * (nr * nc)
+    for rect, who in t.needed:
+        bit = 1 << who
+        for a, a1 in _runs(ri[rect[0]], ri[rect[0] + rect[1]], ci[rect[2]],
+                           ci[rect[2] + rect[3]], nc):
+            need[a:a1] = [n | bit for n in need[a:a1]]
     used = False
+    load, mask_bytes = out.load, {}
+    mine = out.sender
     for i in range(nr):
+        a = i * nc
         for j in range(nc):
-            n = need[i * nc + j]
+            n = need[a + j]
             if not n:
                 continue
+            o = owner[a + j]
+            holders = groups[o][1] if o >= 0 else None
+            if holders is not None and len(holders) == 1 and mine is not None \
+                    and mine != holders[0]:   # only its bytes count here
+                nbytes = (rc[i + 1] - rc[i]) * (cc[j + 1] - cc[j]) * t.esize
+                load[holders[0]] += nbytes * bin(n).count("1")
+                mask_bytes[n] = mask_bytes.get(n, 0) + nbytes
+                used = True
+                continue
             cell = (rc[i], rc[i + 1] - rc[i], cc[j], cc[j + 1] - cc[j])
-            o = owner[i * nc + j]
             if o < 0:
-                name = _get(receivers[n[0]], "name", default="")
+                first = (n & -n).bit_length() - 1
+                name = _get(receivers[first], "name", default="")
                 raise TransferPlanError(
-                    f"tensor '{t.name}': {_rect_str(cell)} needed by receiver {n[0]} ('{name}') "
+                    f"tensor '{t.name}': {_rect_str(cell)} needed by receiver {first} ('{name}') "
                     "are held by no sender")
             used = True
-            holders = groups[o][1]
             if len(holders) > 1:
-                shared.append((ti, cell, holders, n))
+                shared.append((ti, cell, holders, _bits(n)))
                 continue
-            for r in n:
-                pieces.append(Piece(ti, cell[0], cell[1], cell[2], cell[3], holders[0], r,
-                                    cell[1] * cell[3] * t.esize))
+            nbytes = cell[1] * cell[3] * t.esize
+            s = holders[0]
+            load[s] += nbytes * bin(n).count("1")
+            mask_bytes[n] = mask_bytes.get(n, 0) + nbytes
+            if mine is None or mine == s:
+                out.pieces.extend(Piece(ti, cell[0], cell[1], cell[2], cell[3], s, r, nbytes)
+                                  for r in _bits(n))
+    for n, nbytes in mask_bytes.items():
+        for r in _bits(n):
+            out.receiver_bytes[r] += nbytes
     return used
 
 
-def _water_fill(cell_job, esize, load, pieces):
+def _runs(i0, i1, j0, j1, nc):
+    """The cells of grid rows [i0, i1) x columns [j0, j1) (row-major, nc
+    columns) as runs [a, a1) of cell indices: one run when the columns
+    are whole, in row-major order."""
+    if j0 == 0 and j1 == nc:
+        return [(i0 * nc, i1 * nc)]
+    return [(i * nc + j0, i * nc + j1) for i in range(i0, i1)]
+
+
+def _bits(mask):
+    """The receivers of a need mask, in increasing order."""
+    out, r = [], 0
+    while mask:
+        if mask & 1:
+            out.append(r)
+        mask >>= 1
+        r += 1
+    return out
+
+
+def _water_fill(cell_job, esize, out):
     ti, rect, holders, receivers = cell_job
     k = len(holders)
+    load = out.load
     row_cost = rect[3] * esize * len(receivers)
     total = row_cost * rect[1]
     order = sorted(holders, key=lambda s: (load[s], s))
@@ -392,8 +454,7 @@ def _water_fill(cell_job, esize, load, pieces):
         if n == 0:
             continue
         for r in receivers:
-            pieces.append(Piece(ti, r0, n, rect[2], rect[3], s, r, n * rect[3] * esize))
-            load[s] += n * rect[3] * esize
+            out.add(ti, r0, n, rect[2], rect[3], s, r, n * rect[3] * esize)
         r0 += n
 
 
@@ -420,24 +481,28 @@ def _merge(pieces):
     return merged
 
 
-def build_plan(spec):
+def build_plan(spec, sender=None):
     """The plan of `spec` (see the module docstring); TransferPlanError
-    naming the tensor and ranks for a bad declaration."""
+    naming the tensor and ranks for a bad declaration. With `sender`, the
+    plan holds only that sender's pieces (what one trainer rank sends:
+    the same pieces as the whole plan's, made in a fraction of the time
+    and memory where there are many senders)."""
     tensors, senders, receivers = _collect(spec)
-    pieces, shared, unused = [], [], []
+    if sender is not None and not 0 <= sender < len(senders):
+        raise TransferPlanError(f"sender {sender}: the spec has {len(senders)} senders")
+    out = _Out(sender, len(senders), len(receivers))
+    shared, unused = [], []
     for ti, t in enumerate(tensors):
-        if t.empty or not _plan_tensor(ti, t, receivers, pieces, shared):
+        if t.empty or not _plan_tensor(ti, t, receivers, out, shared):
             unused.append(t.name)
-    load = [0] * len(senders)
-    for p in pieces:
-        load[p.sender] += p.bytes
     # Largest shared cells first, so the small ones even out what is left.
     shared.sort(key=lambda c: (-c[1][1] * c[1][3] * tensors[c[0]].esize * len(c[3]), c[0],
                                c[1][0], c[1][2]))
     for job in shared:
-        _water_fill(job, tensors[job[0]].esize, load, pieces)
+        _water_fill(job, tensors[job[0]].esize, out)
     specs = list(_get(spec, "tensors", default=[]))
-    return Plan(plan_id(spec), specs, len(senders), len(receivers), _merge(pieces), unused)
+    return Plan(plan_id(spec), specs, len(senders), len(receivers), _merge(out.pieces), unused,
+                out.load, out.receiver_bytes, sender)
 
 
 def link_manifest(plan, sender, receiver):
