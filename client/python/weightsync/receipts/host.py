@@ -54,14 +54,24 @@ def _sum_small(sent, runs, src, dst):
     elements)."""
     ses = np.dtype(STORAGE[src]).itemsize
     names = list(dict.fromkeys(r[0] for r in runs))
-    where = {n: i for i, n in enumerate(names)}
     arrays = [sent[n][2].reshape(-1) for n in names]
     lengths = np.array([a.size // ses for a in arrays], np.int64)
-    starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
     elements = np.concatenate(arrays).view(f"u{ses}")
+    where, index, salts = _elements_of(runs, names, lengths)
+    bits = bits32_np(elements[where].view(np.uint8), src, dst)
+    return int(terms32(bits, index, salts).sum(dtype=np.uint64))
+
+
+def _elements_of(runs, names, lengths):
+    """(source position, destination index, salt) of every element of
+    `runs`, in run order, with the sources `names` (of `lengths`
+    elements) concatenated: array operations, no Python loop per element
+    or per run's elements."""
+    where_of = {n: i for i, n in enumerate(names)}
+    starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
     t = np.array([r[1:] for r in runs], np.int64)   # rows cols rb cb rc cc dest stride s
     cols, rb, cb, rc, cc, dest, stride, salt = (t[:, k] for k in range(1, 9))
-    base = starts[[where[r[0]] for r in runs]] + rb * cols + cb
+    base = starts[[where_of[r[0]] for r in runs]] + rb * cols + cb
     # Rows of a run that are contiguous in source and destination form one
     # row; others are expanded into one run per row.
     whole = (cc == cols) & (cc == stride)
@@ -74,10 +84,8 @@ def _sum_small(sent, runs, src, dst):
     n = cc[row_of]
     first = np.cumsum(n) - n
     e = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(first, n)
-    picked = elements[np.repeat(src0, n) + e]
-    bits = bits32_np(picked.view(np.uint8), src, dst)
-    index = np.repeat(dst0, n) + e
-    return int(terms32(bits, index, np.repeat(salt[row_of].astype(_U32), n)).sum(dtype=np.uint64))
+    return (np.repeat(src0, n) + e, np.repeat(dst0, n) + e,
+            np.repeat(salt[row_of].astype(_U32), n))
 
 
 def plain_receipt(layout, sent, block=BLOCK, layout_key=None):
@@ -179,7 +187,6 @@ def _precompute_small(sent, runs, src, dst, order):
     index arithmetic of _sum_small done once."""
     ses = np.dtype(STORAGE[src]).itemsize
     names = list(dict.fromkeys(r[0] for r in runs))
-    where_of = {n: i for i, n in enumerate(names)}
     numel = []
     for n in names:
         k = 1
@@ -187,33 +194,18 @@ def _precompute_small(sent, runs, src, dst, order):
             k *= int(d)
         numel.append(k)
     lengths = np.array(numel, np.int64)
-    starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-    t = np.array([r[1:] for r in runs], np.int64)   # rows cols rb cb rc cc dest stride s
-    cols, rb, cb, rc, cc, dest, stride, salt = (t[:, k] for k in range(1, 9))
-    base = starts[[where_of[r[0]] for r in runs]] + rb * cols + cb
-    whole = (cc == cols) & (cc == stride)
-    cc = np.where(whole, cc * rc, cc)
-    rc = np.where(whole, 1, rc)
-    row_of = np.repeat(np.arange(len(runs)), rc)
-    r = np.arange(row_of.size, dtype=np.int64) - np.repeat(np.cumsum(rc) - rc, rc)
-    src0 = base[row_of] + r * cols[row_of]
-    dst0 = dest[row_of] + r * stride[row_of]
-    n = cc[row_of]
-    first = np.cumsum(n) - n
-    e = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(first, n)
-    where = np.repeat(src0, n) + e
+    where, index, salts = _elements_of(runs, names, lengths)
     total = int(lengths.sum())
     if where.size == total and np.array_equal(where, np.arange(total, dtype=np.int64)):
         where = None   # every element once, in order: no gather
     elif total < 1 << 31:
         where = where.astype(np.int32)
-    index = np.repeat(dst0, n) + e
     with np.errstate(over="ignore"):
         key = index.astype(_U32) * _U32(KEY_LO)
         hi = (index >> 32).astype(_U32)
         if hi.any():
             key += hi * _U32(KEY_HI)
-        key += np.repeat(salt[row_of].astype(_U32), n)
+        key += salts
     take = tuple(order[nm] for nm in names)
     if take == tuple(range(len(sent))):
         take = None   # every sent tensor, in send order
