@@ -319,7 +319,8 @@ def send_fsdp2(trainer, model, version, names=None, rank=None, group=None, chunk
     rank passes a Trainer; issue 32): no full_tensor() gather, each rank's
     local shards (Shard(0) rows, Shard(1) columns, Replicate split between
     the replicas) go straight to the daemons on one transfer plan
-    (Trainer.update_sharded; host backend). own_shards=False, or a rank
+    (Trainer.update_sharded: the host backend, or nccl after
+    init_nccl(collective=...) on every rank). own_shards=False, or a rank
     passing trainer=None, selects the gathered path: parameters gathered
     one by one and sent by one rank (see the module docstring).
 
