@@ -3,8 +3,11 @@
 // device and computes device receipts, and a fake engine that acknowledges
 // every notice. Checks the order of events (nothing paused before every
 // chunk is staged; the commit copy under the pause), the staging budget,
-// a staged update that fails before its commit (engines untouched), and
-// the receipts' defaults and failures.
+// a staged update that fails before its commit (engines untouched), the
+// receipts' defaults and failures, and transfer plans (registration, the
+// plans kept, the linked-plan cache).
+#include <algorithm>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -21,9 +24,11 @@
 namespace weightsync {
 namespace {
 
+using ::testing::Contains;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
+using ::testing::Not;
 
 // What happened, in order: data plane calls and notices engines received.
 struct Log {
@@ -42,6 +47,11 @@ struct Log {
 class FakeDevicePlane : public DataPlane {
  public:
   explicit FakeDevicePlane(Log* log) : log_(log) {}
+  // Called where the coordinator wakes the plane: after the engines are
+  // selected, before the plan is made.
+  void Warm() override {
+    if (on_warm) on_warm();
+  }
   absl::Status Begin(std::shared_ptr<const CopyPlan>,
                      const v1::StartWeightUpdateRequest&) override {
     log_->Add("Begin");
@@ -94,10 +104,13 @@ class FakeDevicePlane : public DataPlane {
     }
     log_->Add(absl::StrCat("SetChunkSources ", sources.sender.size()));
     chunk_sources = std::move(sources);
+    sources_plan = std::move(plan);
     return absl::OkStatus();
   }
 
   ChunkSources chunk_sources;
+  std::shared_ptr<const CopyPlan> sources_plan;  // of the last chunk_sources
+  std::function<void()> on_warm;
   int64_t budget = int64_t{1} << 30;
   std::string plane_name = "nccl";
   absl::Status wait_status;
@@ -157,25 +170,33 @@ class CoordinatorDeviceTest : public ::testing::Test {
   void Make(const CoordinatorOptions& options) {
     if (coordinator_ != nullptr) TearDown();
     plane_ = std::make_shared<FakeDevicePlane>(&log_);
+    mapper_ = std::make_shared<testing::HeapMapper>();
     coordinator_ = std::make_unique<Coordinator>(
-        options, std::make_shared<testing::HeapMapper>(),
-        std::make_shared<Factory>(plane_));
-    v1::RegisterEngineRequest r;
-    r.set_engine_id("e");
-    v1::Allocation* a = r.add_allocations();
-    a->set_kind(v1::MEMORY_HOST_SHM);
-    a->set_handle("/x");
-    a->set_size(4096);
-    v1::Parameter* p = r.add_parameters();
-    p->set_name("w");
-    p->set_dtype(v1::FLOAT32);
-    p->add_shape(16);
-    ASSERT_TRUE(coordinator_->RegisterEngine(r).ok());
+        options, mapper_, std::make_shared<Factory>(plane_));
+    RegisterE(0);
     engine_ = std::make_shared<AckingEngine>(coordinator_.get(), &log_);
     ASSERT_TRUE(coordinator_->AttachControl("e", engine_).ok());
     v1::InitWeightTransferRequest init;
     init.set_backend(v1::BACKEND_NCCL);
     ASSERT_TRUE(coordinator_->InitWeightTransfer(init).ok());
+  }
+
+  // Engine "e": "w" (float32 [16], or [16, cols]) at `offset` of its one
+  // allocation of 4 KiB per column.
+  void RegisterE(int64_t offset, int cols = 1) {
+    v1::RegisterEngineRequest r;
+    r.set_engine_id("e");
+    v1::Allocation* a = r.add_allocations();
+    a->set_kind(v1::MEMORY_HOST_SHM);
+    a->set_handle("/x");
+    a->set_size(4096 * cols);
+    v1::Parameter* p = r.add_parameters();
+    p->set_name("w");
+    p->set_dtype(v1::FLOAT32);
+    p->add_shape(16);
+    if (cols > 1) p->add_shape(cols);
+    p->set_offset(offset);
+    ASSERT_TRUE(coordinator_->RegisterEngine(r).ok());
   }
 
   void TearDown() override {
@@ -211,6 +232,7 @@ class CoordinatorDeviceTest : public ::testing::Test {
 
   Log log_;
   std::shared_ptr<FakeDevicePlane> plane_;
+  std::shared_ptr<testing::HeapMapper> mapper_;
   std::unique_ptr<Coordinator> coordinator_;
   std::shared_ptr<AckingEngine> engine_;
 };
@@ -254,9 +276,13 @@ TEST_F(CoordinatorDeviceTest, StagedThatFailsBeforeItsCommitLeavesEngines) {
 
 // Two trainer ranks each hold half of "w" (rows of its [16, 1] view) and
 // this daemon (receiver 0) needs all of it: 256-byte chunks, one per link.
-// The spec of RegisterTwoSenders, naming `receivers`.
+// The spec of RegisterTwoSenders, naming `receivers`; sender 0 holds rows
+// [0, split) and sender 1 the rest, for `spec_receivers` daemons that each
+// need all of "w" (a different split is a different plan); "w" is [16] or
+// [16, cols].
 v1::RegisterTransferPlanRequest TwoSendersRequest(
-    std::vector<int32_t> receivers);
+    std::vector<int32_t> receivers, int split = 8, int spec_receivers = 1,
+    int cols = 1);
 
 absl::StatusOr<std::string> RegisterTwoSenders(Coordinator* c) {
   absl::StatusOr<v1::RegisterTransferPlanResponse> resp =
@@ -266,26 +292,29 @@ absl::StatusOr<std::string> RegisterTwoSenders(Coordinator* c) {
 }
 
 v1::RegisterTransferPlanRequest TwoSendersRequest(
-    std::vector<int32_t> receivers) {
+    std::vector<int32_t> receivers, int split, int spec_receivers, int cols) {
   v1::RegisterTransferPlanRequest r;
   v1::TransferPlanSpec* spec = r.mutable_spec();
   v1::TensorSpec* t = spec->add_tensors();
   t->set_name("w");
   t->set_dtype(v1::FLOAT32);
   t->add_shape(16);
+  if (cols > 1) t->add_shape(cols);
   for (int s = 0; s < 2; ++s) {
     v1::TensorBlock* b = spec->add_senders()->add_holds();
     b->set_tensor("w");
-    b->set_row_begin(8 * s);
-    b->set_row_count(8);
-    b->set_col_count(1);
+    b->set_row_begin(s == 0 ? 0 : split);
+    b->set_row_count(s == 0 ? split : 16 - split);
+    b->set_col_count(cols);
   }
-  v1::ReceiverLayout* d = spec->add_receivers();
-  d->set_name("daemon 0");
-  v1::TensorBlock* n = d->add_needs();
-  n->set_tensor("w");
-  n->set_row_count(16);
-  n->set_col_count(1);
+  for (int i = 0; i < spec_receivers; ++i) {
+    v1::ReceiverLayout* d = spec->add_receivers();
+    d->set_name(absl::StrCat("daemon ", i));
+    v1::TensorBlock* n = d->add_needs();
+    n->set_tensor("w");
+    n->set_row_count(16);
+    n->set_col_count(cols);
+  }
   for (int32_t i : receivers) r.add_receivers(i);
   return r;
 }
@@ -297,6 +326,28 @@ v1::StartWeightUpdateRequest PlanUpdate(const std::string& id) {
   req.set_target_version(1);
   req.set_transfer_plan_id(id);
   return req;
+}
+
+// A plan_only Start of plan `id` at `chunk_bytes`: planned (the data plane
+// handed its chunk sources), nothing paused, no update opened.
+absl::StatusOr<v1::StartWeightUpdateResponse> PlanOnly(Coordinator* c,
+                                                       const std::string& id,
+                                                       int64_t chunk_bytes) {
+  v1::StartWeightUpdateRequest req = PlanUpdate(id);
+  req.set_plan_only(true);
+  req.set_chunk_bytes(chunk_bytes);
+  return c->StartWeightUpdate(req);
+}
+
+// Where a copy plan writes first: bytes into the engine's memory.
+int64_t FirstWrite(const CopyPlan& plan) {
+  int64_t first = -1;
+  for (const std::vector<CopyOp>& ops : plan.ops_by_chunk) {
+    for (const CopyOp& op : ops) {
+      if (first < 0 || op.dst_offset < first) first = op.dst_offset;
+    }
+  }
+  return first;
 }
 
 // A group of the two trainer ranks (0, 1) and this daemon (rank_offset).
@@ -395,6 +446,119 @@ TEST_F(CoordinatorDeviceTest, TransferPlanRegistrationRefusals) {
   coordinator_->Shutdown();
   r = coordinator_->RegisterTransferPlan(TwoSendersRequest({0}));
   EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable);
+}
+
+// What a registration answers is what this daemon will be sent: the bytes
+// its receivers need and how many of the senders send them (both ranks
+// here), for one receiver and for two (a daemon of two GPU ranks: the
+// answer a trainer sizes its sends by).
+TEST_F(CoordinatorDeviceTest, TransferPlanRegistrationCountsSendersAndBytes) {
+  InitGroup(coordinator_.get(), 2);
+  auto r = coordinator_->RegisterTransferPlan(TwoSendersRequest({0}));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->plan_id(), TransferPlanId(TwoSendersRequest({0}).spec()));
+  EXPECT_EQ(r->senders(), 2);
+  EXPECT_EQ(r->bytes(), 64);
+  r = coordinator_->RegisterTransferPlan(TwoSendersRequest({1, 0}, 4, 2));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->senders(), 2);
+  EXPECT_EQ(r->bytes(), 128);
+}
+
+// A daemon keeps the last 8 plans registered (docs/protocol.md), by id as
+// a Start names them: a ninth drops the oldest, and a plan registered
+// again, as another receiver, takes its one place (the entry it replaces
+// could never be reached again, so it must not crowd out a live plan).
+TEST_F(CoordinatorDeviceTest, TransferPlansKeptAreTheLastEightById) {
+  InitGroup(coordinator_.get(), 2);
+  auto reg = [&](std::vector<int32_t> receivers, int split,
+                 int spec_receivers) -> std::string {
+    auto r = coordinator_->RegisterTransferPlan(
+        TwoSendersRequest(std::move(receivers), split, spec_receivers));
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? r->plan_id() : "";
+  };
+  auto kept = [&](const std::string& id) {
+    return PlanOnly(coordinator_.get(), id, 256).status();
+  };
+  std::vector<std::string> ids;
+  for (int split = 1; split <= 9; ++split) ids.push_back(reg({0}, split, 1));
+  absl::Status gone = kept(ids[0]);
+  EXPECT_EQ(gone.code(), absl::StatusCode::kNotFound) << gone;
+  EXPECT_THAT(gone.message(), HasSubstr("register it again"));
+  for (int i = 1; i < 9; ++i) EXPECT_TRUE(kept(ids[i]).ok()) << i;
+
+  InitGroup(coordinator_.get(), 2);  // a new group: no plan kept
+  EXPECT_EQ(kept(ids[8]).code(), absl::StatusCode::kNotFound);
+  const std::string first = reg({0}, 10, 1);
+  const std::string both = reg({0}, 8, 2);
+  for (int split = 1; split <= 6; ++split) reg({0}, split, 1);
+  EXPECT_EQ(reg({1}, 8, 2), both);  // the same plan, as its receiver 1
+  EXPECT_TRUE(kept(first).ok()) << "8 plans, not 9: " << kept(first);
+  EXPECT_TRUE(kept(both).ok());
+  EXPECT_THAT(log_.Get(), Not(Contains("pause")));
+}
+
+// A plan update reuses the copy plan of the one before while nothing it
+// was built from changed, and plans anew for another chunk size, another
+// plan, or the engine registered again elsewhere in its memory: a stale
+// plan would take chunks from the wrong senders or write where the
+// parameter no longer is.
+TEST_F(CoordinatorDeviceTest, ALinkedPlanIsReusedOnlyWhileNothingChanged) {
+  // "w" of [16, 64]: a sender's 8 rows are 2 KiB, two 1 KiB chunks.
+  ASSERT_TRUE(coordinator_->UnregisterEngine("e").ok());
+  RegisterE(0, 64);
+  ASSERT_TRUE(coordinator_->AttachControl("e", engine_).ok());
+  InitGroup(coordinator_.get(), 2);
+  auto halves =
+      coordinator_->RegisterTransferPlan(TwoSendersRequest({0}, 8, 1, 64));
+  auto quarter =
+      coordinator_->RegisterTransferPlan(TwoSendersRequest({0}, 4, 1, 64));
+  ASSERT_TRUE(halves.ok() && quarter.ok());
+  auto plan = [&](const std::string& id, int64_t chunk_bytes) {
+    auto started = PlanOnly(coordinator_.get(), id, chunk_bytes);
+    EXPECT_TRUE(started.ok()) << started.status();
+    EXPECT_NE(plane_->sources_plan, nullptr);
+    return started.ok() && plane_->sources_plan != nullptr;
+  };
+  ASSERT_TRUE(plan(halves->plan_id(), 1024));
+  std::shared_ptr<const CopyPlan> planned = plane_->sources_plan;
+  EXPECT_THAT(plane_->chunk_sources.sender, ElementsAre(0, 0, 1, 1));
+  ASSERT_TRUE(plan(halves->plan_id(), 1024));
+  EXPECT_EQ(plane_->sources_plan, planned) << "planned again";
+  // Another chunk size: one 2 KiB chunk per sender.
+  ASSERT_TRUE(plan(halves->plan_id(), 2048));
+  EXPECT_EQ(plane_->sources_plan->chunks.chunk_bytes, 2048);
+  EXPECT_THAT(plane_->chunk_sources.sender, ElementsAre(0, 1));
+  // The same chunk size, another plan: sender 0 holds 4 rows, 1 twelve.
+  ASSERT_TRUE(plan(quarter->plan_id(), 2048));
+  EXPECT_THAT(plane_->chunk_sources.sender, ElementsAre(0, 1, 1));
+  EXPECT_EQ(FirstWrite(*plane_->sources_plan), 0);
+  // "e" registered again with "w" 8 KiB into its memory.
+  ASSERT_TRUE(coordinator_->UnregisterEngine("e").ok());
+  RegisterE(8192, 64);
+  ASSERT_TRUE(coordinator_->AttachControl("e", engine_).ok());
+  ASSERT_TRUE(plan(quarter->plan_id(), 2048));
+  EXPECT_EQ(FirstWrite(*plane_->sources_plan), 8192);
+}
+
+// An engine that goes away while an update is planned (its stream closed
+// mid-Start) is not kept by the plan cache: its memory is let go when the
+// Start is over, not held until some later plan replaces the cached one.
+TEST_F(CoordinatorDeviceTest, AnEngineGoneWhilePlanningLeavesNoMemoryHeld) {
+  InitGroup(coordinator_.get(), 2);
+  absl::StatusOr<std::string> id = RegisterTwoSenders(coordinator_.get());
+  ASSERT_TRUE(id.ok()) << id.status();
+  plane_->on_warm = [this] {
+    EXPECT_TRUE(coordinator_->UnregisterEngine("e").ok());
+  };
+  auto planned = PlanOnly(coordinator_.get(), *id, 256);
+  plane_->on_warm = nullptr;
+  plane_->sources_plan.reset();  // the fake's own reference
+  ASSERT_EQ(mapper_->opened.size(), 1u);
+  EXPECT_EQ(mapper_->opened[0].use_count(), 1)
+      << "the gone engine's memory is still mapped (" << planned.status()
+      << ")";
 }
 
 TEST_F(CoordinatorDeviceTest, TransferPlanOnIpcRefusedBeforeAnythingPauses) {

@@ -71,8 +71,11 @@ Coordinator::RegisterTransferPlan(
   for (const std::string& t : plan->unused) response.add_unused_tensors(t);
   {
     absl::MutexLock lock(&mu_);
+    // Kept by id, as a Start names it: a plan registered again (with these
+    // receivers or others) replaces its entry, so an entry no Start could
+    // reach never holds one of the kMaxTransferPlans places.
     auto same = [&](const TransferPlanEntry& e) {
-      return e.plan->id == plan->id && e.receivers == receivers;
+      return e.plan->id == plan->id;
     };
     transfer_plans_.erase(
         std::remove_if(transfer_plans_.begin(), transfer_plans_.end(), same),
