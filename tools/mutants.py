@@ -364,12 +364,20 @@ def generate_file(path):
             add("loop", b, e, f"{operand} + 1")
             if operand.strip() != "0":
                 add("loop", b, e, f"{operand} - 1")
-    # One mutant per id (two rules may make the same change).
-    seen, out = set(), []
+    # One mutant per change (two rules may make the same one). The same
+    # change of an identical line elsewhere in the file (bus_guard.cc's two
+    # faulted-flag loops) is a mutant of its own: its id gets the number
+    # of the occurrence, so the first one's id stays what it was.
+    placed, count, out = set(), {}, []
     for mu in sorted(ms, key=lambda x: (x.begin, x.op, x.after)):
-        if mu.id not in seen:
-            seen.add(mu.id)
-            out.append(mu)
+        if (mu.id, mu.begin) in placed:
+            continue
+        placed.add((mu.id, mu.begin))
+        count[mu.id] = count.get(mu.id, 0) + 1
+        if count[mu.id] > 1:
+            mu.id = hashlib.sha1(
+                f"{mu.id}\0{count[mu.id]}".encode()).hexdigest()[:10]
+        out.append(mu)
     return out
 
 

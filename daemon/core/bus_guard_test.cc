@@ -3,13 +3,18 @@
 #include "daemon/core/bus_guard.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "backends/host/shm_memory.h"
 #include "gtest/gtest.h"
@@ -18,6 +23,51 @@ namespace weightsync {
 namespace {
 
 constexpr int64_t kSize = 1 << 20;
+const int64_t kPage = sysconf(_SC_PAGESIZE);
+
+// `size` bytes at `data` of a mapping the test made: a window that is part
+// of a larger mapping, or of anonymous memory.
+class PartOf : public MappedRegion {
+ public:
+  PartOf(uint8_t* data, int64_t size) : data_(data), size_(size) {}
+  uint8_t* data() const override { return data_; }
+  int64_t size() const override { return size_; }
+  v1::MemoryKind kind() const override { return v1::MEMORY_HOST_SHM; }
+  const std::string& device_uuid() const override { return uuid_; }
+
+ private:
+  uint8_t* data_;
+  int64_t size_;
+  std::string uuid_ = "host";
+};
+
+void Touch(const uint8_t* p) {
+  volatile uint8_t b = *p;
+  (void)b;
+}
+
+// `bytes` of a shared object shrunk to nothing under its mapping (at `at`
+// when given): every page raises SIGBUS. Null on a set-up failure.
+uint8_t* ShrunkMapping(int64_t bytes, void* at = nullptr) {
+  const std::string name = "/wsbus-gone-" + std::to_string(getpid());
+  const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  if (fd < 0) return nullptr;
+  shm_unlink(name.c_str());
+  void* p = MAP_FAILED;
+  if (ftruncate(fd, bytes) == 0) {
+    p = mmap(at, bytes, PROT_READ | PROT_WRITE,
+             MAP_SHARED | (at != nullptr ? MAP_FIXED : 0), fd, 0);
+  }
+  if (p != MAP_FAILED && ftruncate(fd, 0) != 0) p = MAP_FAILED;
+  close(fd);
+  return p == MAP_FAILED ? nullptr : static_cast<uint8_t*>(p);
+}
+
+uint8_t* AnonymousPage() {
+  void* p = mmap(nullptr, kPage, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  return p == MAP_FAILED ? nullptr : static_cast<uint8_t*>(p);
+}
 
 class BusGuardTest : public ::testing::Test {
  protected:
@@ -76,6 +126,45 @@ TEST_F(BusGuardTest, WritesPastAPartialShrinkFailOnAnyThread) {
   EXPECT_TRUE(daemon_->faulted());
 }
 
+// The window reaches the region's last byte, for a region of one page as
+// for a larger one.
+TEST_F(BusGuardTest, AFaultOnARegionsLastByteFailsTheAccess) {
+  Shrink(0);
+  PartOf first_page(daemon_->data(), kPage);
+  EXPECT_FALSE(
+      GuardedAccess(first_page, [&] { Touch(first_page.data() + kPage - 1); }));
+  EXPECT_TRUE(first_page.faulted());
+  EXPECT_FALSE(
+      GuardedAccess(*daemon_, [&] { Touch(daemon_->data() + kSize - 1); }));
+  EXPECT_TRUE(daemon_->faulted());
+}
+
+// Two regions armed at once (a copy from a source's memory into an
+// engine's): the one that shrank is the one marked faulted, the copy
+// fails, and the next copy is refused without running.
+TEST_F(BusGuardTest, ACopyBetweenTwoRegionsFailsOnTheOneThatShrank) {
+  const std::string name = name_ + "-src";
+  auto created = ShmRegion::Create(name, kSize);
+  ASSERT_TRUE(created.ok()) << created.status();
+  std::unique_ptr<ShmRegion> src = *std::move(created);
+  std::memset(src->data(), 5, kSize);
+  Shrink(kSize / 2);
+  EXPECT_FALSE(GuardedAccess(*src, *daemon_, [&] {
+    std::memcpy(daemon_->data(), src->data(), kSize);
+  }));
+  EXPECT_TRUE(daemon_->faulted());
+  EXPECT_FALSE(src->faulted());
+  bool ran = false;
+  EXPECT_FALSE(GuardedAccess(*src, *daemon_, [&] { ran = true; }));
+  EXPECT_FALSE(ran);
+  src->Unlink();
+}
+
+// The death tests below: a child that never gets its SIGBUS (a guard that
+// takes another mapping's fault for its region's and retries it for ever)
+// ends by SIGALRM instead, and fails the test.
+constexpr int kChildSeconds = 10;
+
 TEST(BusGuardDeathTest, ASigbusOutsideAnyWindowStillKills) {
   const std::string name = "/wsbus-death-" + std::to_string(getpid());
   auto region = ShmRegion::Create(name, kSize);
@@ -83,8 +172,9 @@ TEST(BusGuardDeathTest, ASigbusOutsideAnyWindowStillKills) {
   (*region)->Unlink();
   // Install the handler, then fault outside a window.
   GuardedAccess(**region, [] {});
-  EXPECT_DEATH(
+  EXPECT_EXIT(
       {
+        alarm(kChildSeconds);
         const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT, 0600);
         // A set-up failure exits 0: "failed to die" fails the test.
         if (fd < 0 || ftruncate(fd, 4096) != 0) _exit(0);
@@ -93,8 +183,116 @@ TEST(BusGuardDeathTest, ASigbusOutsideAnyWindowStillKills) {
         if (ftruncate(fd, 0) != 0) _exit(0);
         volatile uint8_t b = static_cast<uint8_t*>(p)[0];
         (void)b;
+        _exit(0);
       },
-      "");
+      ::testing::KilledBySignal(SIGBUS), "");
+}
+
+// While a window is armed, a SIGBUS on memory outside it (the page just
+// before or just after it, or another mapping) is not the region's: it
+// kills as without the guard, not papered over with zeros.
+TEST(BusGuardDeathTest, ASigbusOutsideTheArmedWindowStillKills) {
+  for (int64_t at : {int64_t{-1}, kPage, 2 * kPage}) {
+    EXPECT_EXIT(
+        {
+          alarm(kChildSeconds);
+          uint8_t* m = ShrunkMapping(5 * kPage);
+          if (m == nullptr) _exit(0);
+          // One page of the five, at an address with the page-size bit
+          // set: a rounding that loses that bit moves the window.
+          uint8_t* w = m + kPage;
+          if ((reinterpret_cast<uintptr_t>(w) & kPage) == 0) w += kPage;
+          PartOf region(w, kPage);
+          uint8_t* other = ShrunkMapping(kPage);
+          if (other == nullptr) _exit(0);
+          GuardedAccess(region,
+                        [&] { Touch(at == 2 * kPage ? other : w + at); });
+          _exit(0);
+        },
+        ::testing::KilledBySignal(SIGBUS), "")
+        << "a fault " << at << " bytes from the window";
+  }
+}
+
+// When the guard can't map zeros over the region (the address space used
+// up: RLIMIT_AS here), the SIGBUS is not handled: the process dies of it
+// rather than retrying the faulting access for ever at full CPU.
+TEST(BusGuardDeathTest, AFaultTheGuardCantRepairStillKills) {
+  EXPECT_EXIT(
+      {
+        alarm(kChildSeconds);
+        // 64 MiB of address space of which only the first page is mapped
+        // (an object shrunk under it): zeros over the region need the rest.
+        const int64_t span = 64 << 20;
+        void* r = mmap(nullptr, span, PROT_NONE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (r == MAP_FAILED) _exit(0);
+        uint8_t* m = ShrunkMapping(kPage, r);
+        if (m == nullptr) _exit(0);
+        munmap(m + kPage, span - kPage);
+        PartOf region(m, span);
+        GuardedAccess(region, [] {});  // the handler, before the limit
+        long pages = 0;
+        FILE* statm = fopen("/proc/self/statm", "r");
+        if (statm == nullptr || fscanf(statm, "%ld", &pages) != 1) _exit(0);
+        fclose(statm);
+        const rlim_t limit = pages * kPage + (16 << 20);
+        struct rlimit as;
+        as.rlim_cur = as.rlim_max = limit;
+        if (setrlimit(RLIMIT_AS, &as) != 0) _exit(0);
+        GuardedAccess(region, [&] { Touch(m); });
+        _exit(0);
+      },
+      ::testing::KilledBySignal(SIGBUS), "");
+}
+
+void ExitWith42(int, siginfo_t*, void*) { _exit(42); }
+void ExitWith43(int) { _exit(43); }
+
+// A SIGBUS outside every window goes to the handler the process had before
+// the guard's (a runtime's, a crash reporter's), as if there were no
+// guard; one that was ignored or left to the default kills.
+TEST(BusGuardDeathTest, ASigbusOutsideWindowsGoesToThePreviousHandler) {
+  // A new process per case: the guard's handler, installed once, must come
+  // after the case's.
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  struct Case {
+    int flags;
+    void (*info)(int, siginfo_t*, void*);
+    void (*plain)(int);
+    std::function<bool(int)> ends;
+  };
+  const std::vector<Case> cases = {
+      {SA_SIGINFO, ExitWith42, nullptr, ::testing::ExitedWithCode(42)},
+      {0, nullptr, ExitWith43, ::testing::ExitedWithCode(43)},
+      {0, nullptr, SIG_IGN, ::testing::KilledBySignal(SIGBUS)},
+      {SA_SIGINFO, nullptr, nullptr, ::testing::KilledBySignal(SIGBUS)},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const Case& c = cases[i];
+    EXPECT_EXIT(
+        {
+          alarm(kChildSeconds);
+          struct sigaction sa = {};
+          sigemptyset(&sa.sa_mask);
+          sa.sa_flags = c.flags;
+          if (c.flags & SA_SIGINFO) {
+            sa.sa_sigaction = c.info;
+          } else {
+            sa.sa_handler = c.plain;
+          }
+          if (sigaction(SIGBUS, &sa, nullptr) != 0) _exit(0);
+          uint8_t* mine = AnonymousPage();
+          uint8_t* other = ShrunkMapping(kPage);
+          if (mine == nullptr || other == nullptr) _exit(0);
+          PartOf region(mine, kPage);
+          GuardedAccess(region, [] {});  // the guard's handler, over it
+          Touch(other);
+          _exit(0);
+        },
+        c.ends, "")
+        << "case " << i;
+  }
 }
 
 }  // namespace
