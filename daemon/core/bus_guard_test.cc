@@ -8,10 +8,12 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -23,6 +25,14 @@ namespace weightsync {
 namespace {
 
 constexpr int64_t kSize = 1 << 20;
+
+// A name no earlier run left behind: a run killed mid-test leaves its
+// objects, and in bazel's sandbox every run has the same pid.
+std::string UniqueName(const std::string& prefix) {
+  static std::atomic<int> n{0};
+  return prefix + std::to_string(getpid()) + "-" +
+         std::to_string(std::random_device()()) + "-" + std::to_string(++n);
+}
 const int64_t kPage = sysconf(_SC_PAGESIZE);
 
 // `size` bytes at `data` of a mapping the test made: a window that is part
@@ -49,7 +59,7 @@ void Touch(const uint8_t* p) {
 // `bytes` of a shared object shrunk to nothing under its mapping (at `at`
 // when given): every page raises SIGBUS. Null on a set-up failure.
 uint8_t* ShrunkMapping(int64_t bytes, void* at = nullptr) {
-  const std::string name = "/wsbus-gone-" + std::to_string(getpid());
+  const std::string name = UniqueName("/wsbus-gone-");
   const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
   if (fd < 0) return nullptr;
   shm_unlink(name.c_str());
@@ -72,7 +82,7 @@ uint8_t* AnonymousPage() {
 class BusGuardTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    name_ = "/wsbus-" + std::to_string(getpid());
+    name_ = UniqueName("/wsbus-");
     auto created = ShmRegion::Create(name_, kSize);  // the peer's side
     ASSERT_TRUE(created.ok()) << created.status();
     peer_ = *std::move(created);
@@ -166,7 +176,7 @@ TEST_F(BusGuardTest, ACopyBetweenTwoRegionsFailsOnTheOneThatShrank) {
 constexpr int kChildSeconds = 10;
 
 TEST(BusGuardDeathTest, ASigbusOutsideAnyWindowStillKills) {
-  const std::string name = "/wsbus-death-" + std::to_string(getpid());
+  const std::string name = UniqueName("/wsbus-death-");
   auto region = ShmRegion::Create(name, kSize);
   ASSERT_TRUE(region.ok());
   (*region)->Unlink();
