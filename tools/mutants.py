@@ -505,8 +505,10 @@ class Restore:
             signal.signal(s, h)
 
 
-def run_mutant(mu, bazel_args, verbose=False):
-    """('killed' | 'survived' | 'broken' | 'stale' | 'timeout', detail)."""
+def run_mutant(mu, bazel_args, verbose=False, stop_at=None):
+    """('killed' | 'survived' | 'broken' | 'stale' | 'timeout', detail);
+    `stop_at`: a time.time() past which it is a timeout whatever
+    PER_MUTANT_TIMEOUT says."""
     path = os.path.join(ROOT, mu.file)
     with open(path) as f:
         text = f.read()
@@ -516,6 +518,8 @@ def run_mutant(mu, bazel_args, verbose=False):
     if not targets:
         return "untested", "no test target of the pool depends on the file"
     deadline = time.time() + PER_MUTANT_TIMEOUT
+    if stop_at is not None:
+        deadline = min(deadline, stop_at)
     with Restore(path, text):
         with open(path, "w") as f:
             f.write(mu.apply(text))
@@ -574,6 +578,10 @@ def main():
     ap.add_argument("--seed", default="0")
     ap.add_argument("--budget", type=float, default=0,
                     help="stop starting mutants after this many seconds")
+    ap.add_argument("--overrun", type=float, default=0,
+                    help="with --budget: stop a mutant still running this many "
+                         "seconds after the budget ends (a timeout, not judged), "
+                         "so the whole run ends by budget + overrun")
     ap.add_argument("--floor", type=float, default=0,
                     help="fail when the kill rate (percent) is below this")
     ap.add_argument("--min_judged", type=int, default=10,
@@ -639,7 +647,8 @@ def main():
                   "mutants not run", flush=True)
             break
         t = time.time()
-        verdict, why = run_mutant(mu, args.bazel_args, args.verbose)
+        stop_at = t0 + args.budget + args.overrun if args.budget and args.overrun else None
+        verdict, why = run_mutant(mu, args.bazel_args, args.verbose, stop_at)
         outcome[verdict] = outcome.get(verdict, 0) + 1
         rows.append((mu, verdict, why))
         mark = "SURVIVED" if verdict == "survived" else verdict
