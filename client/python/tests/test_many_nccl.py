@@ -16,6 +16,7 @@ import ctypes
 import os
 import sys
 import unittest
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -299,6 +300,50 @@ class JoinTest(unittest.TestCase):
             many_nccl.NcclLinks.join(Broken(), leader, device="cuda:0")
         self.assertIn("NCCL library", cm.exception.message)
         self.assertEqual(leader.sent[0]["error"][0], "UNAVAILABLE")
+
+
+class LeaderStatusesTest(unittest.TestCase):
+    """ManySenders asks every daemon's GetStatus side by side (the layout
+    key is checked before every update: one round trip, not one a daemon)
+    and fails as the first daemon that fails."""
+
+    class Stub:
+        def __init__(self, engines, barrier, error=None):
+            self.engines, self.barrier, self.error = engines, barrier, error
+
+        def call(self, rpc, **request):
+            assert rpc == "GetStatus", rpc
+            # Every daemon's call must be in flight at once to pass.
+            self.barrier.wait()
+            if self.error:
+                raise self.error
+            return SimpleNamespace(engines=[SimpleNamespace(engine_id=e, layout_id=l)
+                                            for e, l in self.engines])
+
+    def senders(self, stubs, engine_ids=None):
+        from weightsync import _multi
+        from weightsync.senders.base import Link
+        from weightsync.senders.many import ManySenders
+        group = _multi.Group(stubs, [f"unix:/d{i}" for i in range(len(stubs))])
+        return ManySenders(Link(stubs, group, 5, 5), None, engine_ids=engine_ids)
+
+    def test_side_by_side_in_daemon_order(self):
+        import threading
+        barrier = threading.Barrier(3, timeout=10)
+        stubs = [self.Stub([("a", "L2"), ("b", "L1")], barrier), self.Stub([], barrier),
+                 self.Stub([("c", "L3")], barrier)]
+        self.assertEqual(self.senders(stubs)._layout_key(), [["L1", "L2"], [], ["L3"]])
+        self.assertEqual(self.senders(stubs, engine_ids=["b", "c"])._layout_key(),
+                         [["L1"], [], ["L3"]])
+
+    def test_a_daemons_failure_raises(self):
+        import threading
+        barrier = threading.Barrier(2, timeout=10)
+        gone = WeightSyncError("UNAVAILABLE", "daemon 1 (unix:/d1) is not reachable")
+        stubs = [self.Stub([("a", "L1")], barrier), self.Stub([], barrier, error=gone)]
+        with self.assertRaises(WeightSyncError) as cm:
+            self.senders(stubs)._layout_key()
+        self.assertIs(cm.exception, gone)
 
 
 if __name__ == "__main__":

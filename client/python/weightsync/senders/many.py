@@ -139,9 +139,8 @@ class ManySenders:
         """Leader: one receiver per daemon, what its engines use, and the
         key of the engines' layouts (a re-registration changes it)."""
         out, key = [], []
-        for i, stub in enumerate(self._link.stubs):
-            st = stub.call("GetStatus", include_layouts=True)
-            ids = None if self._engine_ids is None else set(self._engine_ids)
+        ids = None if self._engine_ids is None else set(self._engine_ids)
+        for i, st in enumerate(self._statuses(include_layouts=True)):
             out.append({"name": self._link.group.name(i),
                         "needs": needs_of_status(st, ids)})
             key.append(sorted(e.layout_id for e in st.engines
@@ -152,8 +151,20 @@ class ManySenders:
         """Leader: the key _receivers returns, from statuses without the
         layouts (cheap: checked every update)."""
         ids = None if self._engine_ids is None else set(self._engine_ids)
-        return [sorted(e.layout_id for e in stub.call("GetStatus").engines
-                       if ids is None or e.engine_id in ids) for stub in self._link.stubs]
+        return [sorted(e.layout_id for e in st.engines if ids is None or e.engine_id in ids)
+                for st in self._statuses()]
+
+    def _statuses(self, **request):
+        """Every daemon's GetStatus, asked side by side (one round
+        trip an update, not one a daemon after another); raises the first
+        daemon's failure."""
+        if not self._link.multi:
+            return [self._link.stub.call("GetStatus", **request)]
+        out = self._link.group.each(lambda i, stub: stub.call("GetStatus", **request))
+        for r in out:
+            if isinstance(r, WeightSyncError):
+                raise r
+        return out
 
     def _agreed(self, call):
         """The leader's `call()` on every rank ({"error": [code, message]}
@@ -235,8 +246,7 @@ class ManySenders:
         receipts walk), read once per plan."""
         ids = None if self._engine_ids is None else set(self._engine_ids)
         out = []
-        for stub in self._link.stubs:
-            st = stub.call("GetStatus", include_layouts=True)
+        for st in self._statuses(include_layouts=True):
             out.append({e.engine_id: list(e.layout) for e in st.engines
                         if ids is None or e.engine_id in ids})
         return out
