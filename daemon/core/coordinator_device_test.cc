@@ -60,10 +60,12 @@ class FakeDevicePlane : public DataPlane {
   // Only an IPC ring's chunks come this way (announced, not carried).
   absl::Status SubmitChunk(int64_t index, std::string, absl::Time) override {
     log_->Add(absl::StrCat("SubmitChunk ", index));
+    absl::SleepFor(submit_takes);
     return absl::OkStatus();
   }
   absl::Status Drain(absl::Time) override {
     log_->Add("Drain");
+    if (on_drain) on_drain();
     return absl::OkStatus();
   }
   void Abort() override { log_->Add("Abort"); }
@@ -111,6 +113,8 @@ class FakeDevicePlane : public DataPlane {
   ChunkSources chunk_sources;
   std::shared_ptr<const CopyPlan> sources_plan;  // of the last chunk_sources
   std::function<void()> on_warm;
+  std::function<void()> on_drain;
+  absl::Duration submit_takes;  // how long each SubmitChunk writes
   int64_t budget = int64_t{1} << 30;
   std::string plane_name = "nccl";
   absl::Status wait_status;
@@ -608,6 +612,181 @@ TEST_F(CoordinatorDeviceTest, StagedOverAnIpcRingStagesEachAnnouncedChunk) {
               ElementsAre("BeginStaged", "SubmitChunk 0", "WaitStaged", "pause",
                           "CommitStaged", "Drain", "new_version", "resume"));
   EXPECT_EQ(Engine().version(), 1);
+}
+
+// Issue 33's sweep of update_commit.cc: Prepare's own checks.
+
+// A staged update over an IPC ring (one 256-byte chunk, "w"), started.
+void StartRingUpdate(Coordinator* c, FakeDevicePlane* plane) {
+  plane->plane_name = "ipc";
+  v1::StartWeightUpdateRequest req;
+  req.set_update_id("u1");
+  req.set_target_version(1);
+  req.set_mode(v1::UPDATE_MODE_STAGED);
+  req.set_verify(v1::VERIFY_OFF);
+  req.set_ipc_ring_slots(2);
+  req.set_chunk_bytes(256);
+  v1::TensorSpec* t = req.add_tensors();
+  t->set_name("w");
+  t->set_dtype(v1::FLOAT32);
+  t->add_shape(16);
+  auto started = c->StartWeightUpdate(req);
+  ASSERT_TRUE(started.ok()) << started.status();
+}
+
+// A Prepare asked again (a trainer retrying after a lost reply) answers
+// what was prepared: the staged bytes are committed, drained and read back
+// once, and the Commit after it commits them.
+TEST_F(CoordinatorDeviceTest, APreparedUpdateIsNotPreparedAgain) {
+  ASSERT_TRUE(
+      coordinator_
+          ->StartWeightUpdate(Request(1, v1::UPDATE_MODE_STAGED, v1::VERIFY_ON))
+          .ok());
+  v1::PrepareWeightUpdateRequest p;
+  p.set_update_id("u1");
+  p.set_timeout_ms(5000);
+  auto first = coordinator_->PrepareWeightUpdate(p);
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto again = coordinator_->PrepareWeightUpdate(p);
+  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_EQ(again->engines_size(), 1);
+  EXPECT_EQ(again->engines(0).receipt().checksum(), 42u);
+  EXPECT_EQ(Engine().version(), 0);  // prepared, not committed
+  v1::CommitWeightUpdateRequest commit;
+  commit.set_update_id("u1");
+  auto done = coordinator_->CommitWeightUpdate(commit);
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_THAT(log_.Get(),
+              ElementsAre("BeginStaged", "WaitStaged", "pause", "CommitStaged",
+                          "Drain", "DeviceReceipts", "new_version", "resume"));
+  EXPECT_EQ(Engine().version(), 1);
+}
+
+// A Finish whose deadline passes while a chunk is still being written
+// (its PushChunk inside the data plane) fails: nothing is committed while
+// bytes may still be landing.
+TEST_F(CoordinatorDeviceTest, FinishWhileAChunkIsStillBeingWrittenFails) {
+  StartRingUpdate(coordinator_.get(), plane_.get());
+  plane_->submit_takes = absl::Seconds(1);
+  std::thread push([&] {
+    coordinator_->PushChunk("u1", 0, "", absl::Now() + absl::Seconds(10))
+        .IgnoreError();
+  });
+  auto submitting = [&] {
+    std::vector<std::string> e = log_.Get();
+    return std::find(e.begin(), e.end(), "SubmitChunk 0") != e.end();
+  };
+  for (int i = 0; i < 500 && !submitting(); ++i) {
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  v1::FinishWeightUpdateRequest f;
+  f.set_update_id("u1");
+  f.set_timeout_ms(100);
+  auto done = coordinator_->FinishWeightUpdate(f);
+  push.join();
+  ASSERT_FALSE(done.ok());
+  EXPECT_THAT(done.status().message(), HasSubstr("still being received"));
+  EXPECT_THAT(log_.Get(), Not(Contains("new_version")));
+  EXPECT_EQ(Engine().version(), 0);
+}
+
+// An update that fails while its bytes drain (here a chunk out of step
+// with the plan arrives; a trainer whose Liveness stream ends does the
+// same) is not committed: the Finish reports why.
+TEST_F(CoordinatorDeviceTest, AnUpdateThatFailsWhileDrainingIsNotCommitted) {
+  StartRingUpdate(coordinator_.get(), plane_.get());
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  ASSERT_TRUE(coordinator_->PushChunk("u1", 0, "", deadline).ok());
+  plane_->on_drain = [&] {
+    EXPECT_FALSE(coordinator_->PushChunk("u1", 7, "", deadline).ok());
+  };
+  v1::FinishWeightUpdateRequest f;
+  f.set_update_id("u1");
+  f.set_timeout_ms(5000);
+  auto done = coordinator_->FinishWeightUpdate(f);
+  plane_->on_drain = nullptr;
+  ASSERT_FALSE(done.ok());
+  EXPECT_THAT(done.status().message(), HasSubstr("chunk 7 arrived"));
+  EXPECT_THAT(log_.Get(), Not(Contains("new_version")));
+  EXPECT_EQ(Engine().version(), 0);
+}
+
+// A Commit of an update not in progress says why: "already committed" (and
+// at which version) only for the update that was committed, not for an id
+// never seen nor for one that failed (its engines are DIRTY).
+TEST_F(CoordinatorDeviceTest, ACommitOfNoUpdateInProgressSaysWhy) {
+  auto commit = [&](const std::string& id) {
+    v1::CommitWeightUpdateRequest c;
+    c.set_update_id(id);
+    absl::Status s = coordinator_->CommitWeightUpdate(c).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << id;
+    return std::string(s.message());
+  };
+  ASSERT_TRUE(coordinator_
+                  ->StartWeightUpdate(
+                      Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF))
+                  .ok());
+  ASSERT_TRUE(Finish("u1").ok());
+  EXPECT_THAT(commit("u1"), HasSubstr("already committed (version 1)"));
+  EXPECT_THAT(commit("u7"), HasSubstr("never prepared here"));
+  ASSERT_TRUE(coordinator_
+                  ->StartWeightUpdate(
+                      Request(2, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF))
+                  .ok());
+  v1::AbortWeightUpdateRequest abort;
+  abort.set_update_id("u2");
+  ASSERT_TRUE(coordinator_->AbortWeightUpdate(abort).ok());
+  EXPECT_THAT(commit("u2"), HasSubstr("never prepared here"));
+  EXPECT_EQ(Engine().version(), 1);
+}
+
+// An update without receipts (verify off) prepares and answers none.
+TEST_F(CoordinatorDeviceTest, APrepareWithoutReceiptsAnswersNone) {
+  ASSERT_TRUE(coordinator_
+                  ->StartWeightUpdate(
+                      Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF))
+                  .ok());
+  v1::PrepareWeightUpdateRequest p;
+  p.set_update_id("u1");
+  p.set_timeout_ms(5000);
+  auto prepared = coordinator_->PrepareWeightUpdate(p);
+  ASSERT_TRUE(prepared.ok()) << prepared.status();
+  ASSERT_EQ(prepared->engines_size(), 1);
+  EXPECT_FALSE(prepared->engines(0).has_receipt());
+  EXPECT_FALSE(prepared->engines(0).lost());
+  EXPECT_EQ(prepared->engines(0).version(), 0);
+  v1::CommitWeightUpdateRequest commit;
+  commit.set_update_id("u1");
+  ASSERT_TRUE(coordinator_->CommitWeightUpdate(commit).ok());
+  EXPECT_EQ(Engine().version(), 1);
+}
+
+// The engine unregistered between the Start and the Prepare: the Prepare
+// reports it lost (no version, layout or receipt of a gone engine), and the
+// Commit of an update whose every engine left fails: nothing was updated.
+TEST_F(CoordinatorDeviceTest, AnUpdateWhoseEnginesAllLeftCommitsNothing) {
+  ASSERT_TRUE(coordinator_
+                  ->StartWeightUpdate(
+                      Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_ON))
+                  .ok());
+  ASSERT_TRUE(coordinator_->UnregisterEngine("e").ok());
+  v1::PrepareWeightUpdateRequest p;
+  p.set_update_id("u1");
+  p.set_timeout_ms(5000);
+  auto prepared = coordinator_->PrepareWeightUpdate(p);
+  ASSERT_TRUE(prepared.ok()) << prepared.status();
+  ASSERT_EQ(prepared->engines_size(), 1);
+  EXPECT_TRUE(prepared->engines(0).lost());
+  EXPECT_EQ(prepared->engines(0).version(), 0);
+  EXPECT_THAT(prepared->engines(0).layout_id(), IsEmpty());
+  EXPECT_FALSE(prepared->engines(0).has_receipt());
+  v1::CommitWeightUpdateRequest commit;
+  commit.set_update_id("u1");
+  auto done = coordinator_->CommitWeightUpdate(commit);
+  EXPECT_EQ(done.status().code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(done.status().message(),
+              HasSubstr("every engine disconnected during the update"));
+  EXPECT_THAT(log_.Get(), Not(Contains("new_version")));
 }
 
 TEST_F(CoordinatorDeviceTest, StagedWhereTheDataPlaneCantStage) {
