@@ -688,6 +688,7 @@ def record(path, globs, mutants, equivalent, rows):
     for mu in mutants:
         by_file.setdefault(mu.file, {"mutants": []})
     ran = {mu.id: (verdict, why) for mu, verdict, why in rows}
+    this_run = {mu.file for mu, _, _ in rows}
     # A mutant not run now keeps its earlier verdict (a rerun of a few ids
     # after a new test updates them alone); one whose id no longer exists
     # (its line changed) is dropped.
@@ -713,9 +714,13 @@ def record(path, globs, mutants, equivalent, rows):
         if not ms:
             continue
         judged = count["killed"] + count["survived"]
+        # A file none of whose mutants ran now (a --run of another file's
+        # ids) keeps the commit and date it was judged at.
+        old = data["files"].get(f, {})
+        fresh = f in this_run or "commit" not in old
         data["files"][f] = {
-            "commit": commit,
-            "date": time.strftime("%Y-%m-%d"),
+            "commit": commit if fresh else old["commit"],
+            "date": time.strftime("%Y-%m-%d") if fresh else old["date"],
             "generated": generated,
             "swept": len(ms),
             **count,
