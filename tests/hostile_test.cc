@@ -12,6 +12,7 @@
 
 #include <fstream>
 #include <iostream>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -190,7 +191,10 @@ TEST_F(HostileTest, Row2AFifoAsSharedMemoryDoesNotBlock) {
   Engine("good");
   Init();
   const auto before = Snapshot();
-  const std::string name = absl::StrCat("/wsfifo-", getpid());
+  // Not the pid alone: in bazel's sandbox every run has the same pid, and
+  // a run killed before its unlink (a mutant's) would fail every later one.
+  const std::string name =
+      absl::StrCat("/wsfifo-", getpid(), "-", std::random_device()());
   ASSERT_EQ(mkfifo(("/dev/shm" + name).c_str(), 0666), 0);
   v1::RegisterEngineRequest r = arenas_[0]->Registration();
   r.set_engine_id("fifo");
