@@ -230,6 +230,14 @@ class CoordinatorDeviceTest : public ::testing::Test {
     return coordinator_->FinishWeightUpdate(f);
   }
 
+  absl::StatusOr<v1::PrepareWeightUpdateResponse> Prepare(
+      const std::string& id) {
+    v1::PrepareWeightUpdateRequest p;
+    p.set_update_id(id);
+    p.set_timeout_ms(5000);
+    return coordinator_->PrepareWeightUpdate(p);
+  }
+
   v1::EngineStatus Engine() {
     return coordinator_->GetStatus(false).engines(0);
   }
@@ -642,12 +650,9 @@ TEST_F(CoordinatorDeviceTest, APreparedUpdateIsNotPreparedAgain) {
       coordinator_
           ->StartWeightUpdate(Request(1, v1::UPDATE_MODE_STAGED, v1::VERIFY_ON))
           .ok());
-  v1::PrepareWeightUpdateRequest p;
-  p.set_update_id("u1");
-  p.set_timeout_ms(5000);
-  auto first = coordinator_->PrepareWeightUpdate(p);
+  auto first = Prepare("u1");
   ASSERT_TRUE(first.ok()) << first.status();
-  auto again = coordinator_->PrepareWeightUpdate(p);
+  auto again = Prepare("u1");
   ASSERT_TRUE(again.ok()) << again.status();
   ASSERT_EQ(again->engines_size(), 1);
   EXPECT_EQ(again->engines(0).receipt().checksum(), 42u);
@@ -746,10 +751,7 @@ TEST_F(CoordinatorDeviceTest, APrepareWithoutReceiptsAnswersNone) {
                   ->StartWeightUpdate(
                       Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF))
                   .ok());
-  v1::PrepareWeightUpdateRequest p;
-  p.set_update_id("u1");
-  p.set_timeout_ms(5000);
-  auto prepared = coordinator_->PrepareWeightUpdate(p);
+  auto prepared = Prepare("u1");
   ASSERT_TRUE(prepared.ok()) << prepared.status();
   ASSERT_EQ(prepared->engines_size(), 1);
   EXPECT_FALSE(prepared->engines(0).has_receipt());
@@ -770,10 +772,7 @@ TEST_F(CoordinatorDeviceTest, AnUpdateWhoseEnginesAllLeftCommitsNothing) {
                       Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_ON))
                   .ok());
   ASSERT_TRUE(coordinator_->UnregisterEngine("e").ok());
-  v1::PrepareWeightUpdateRequest p;
-  p.set_update_id("u1");
-  p.set_timeout_ms(5000);
-  auto prepared = coordinator_->PrepareWeightUpdate(p);
+  auto prepared = Prepare("u1");
   ASSERT_TRUE(prepared.ok()) << prepared.status();
   ASSERT_EQ(prepared->engines_size(), 1);
   EXPECT_TRUE(prepared->engines(0).lost());
