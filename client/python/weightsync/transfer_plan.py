@@ -379,32 +379,27 @@ def _plan_tensor(ti, t, receivers, out, shared):
             if not n:
                 continue
             o = owner[a + j]
-            holders = groups[o][1] if o >= 0 else None
-            if holders is not None and len(holders) == 1 and mine is not None \
-                    and mine != holders[0]:   # only its bytes count here
-                nbytes = (rc[i + 1] - rc[i]) * (cc[j + 1] - cc[j]) * t.esize
-                load[holders[0]] += nbytes * bin(n).count("1")
-                mask_bytes[n] = mask_bytes.get(n, 0) + nbytes
-                used = True
-                continue
-            cell = (rc[i], rc[i + 1] - rc[i], cc[j], cc[j + 1] - cc[j])
             if o < 0:
                 first = (n & -n).bit_length() - 1
                 name = _get(receivers[first], "name", default="")
+                cell = (rc[i], rc[i + 1] - rc[i], cc[j], cc[j + 1] - cc[j])
                 raise TransferPlanError(
                     f"tensor '{t.name}': {_rect_str(cell)} needed by receiver {first} ('{name}') "
                     "are held by no sender")
             used = True
+            holders = groups[o][1]
             if len(holders) > 1:
-                shared.append((ti, cell, holders, _bits(n)))
+                shared.append((ti, (rc[i], rc[i + 1] - rc[i], cc[j], cc[j + 1] - cc[j]),
+                               holders, _bits(n)))
                 continue
-            nbytes = cell[1] * cell[3] * t.esize
+            # One holder: every sender's bytes count; only `mine`'s pieces are made.
             s = holders[0]
+            nbytes = (rc[i + 1] - rc[i]) * (cc[j + 1] - cc[j]) * t.esize
             load[s] += nbytes * bin(n).count("1")
             mask_bytes[n] = mask_bytes.get(n, 0) + nbytes
             if mine is None or mine == s:
-                out.pieces.extend(Piece(ti, cell[0], cell[1], cell[2], cell[3], s, r, nbytes)
-                                  for r in _bits(n))
+                out.pieces.extend(Piece(ti, rc[i], rc[i + 1] - rc[i], cc[j], cc[j + 1] - cc[j],
+                                        s, r, nbytes) for r in _bits(n))
     for n, nbytes in mask_bytes.items():
         for r in _bits(n):
             out.receiver_bytes[r] += nbytes
