@@ -16,6 +16,12 @@ daemon's IPC data plane on the same GPU. In one run:
                          most 2x update_s_default); init_ipc_s is the init
                          that warms the kernels, first_update_ratio the two
                          updates' ratio
+  first_update_prepared_s the same in a second trainer process that passes
+                         its tensors to init_ipc(tensors=...) (registered
+                         with their receipt tables in init; Triton's cache
+                         is warm by then); first_update_prepared_ratio
+                         against that process's own steady
+                         update_s_default_prepared
 
 medians of REPEATS updates after a first one (which registers the source).
 
@@ -164,6 +170,38 @@ def trainer_main(conn, target):
     C.recv(conn, 60, "the end")
 
 
+def prepared_trainer_main(conn, target):
+    """A second trainer process, as the warm start documents it: the same
+    tensors passed to init_ipc(tensors=...), which registers them and builds
+    their receipt tables; then the first update and REPEATS more, timed."""
+    import torch
+    import weightsync
+    dev = torch.device("cuda", GPU)
+    torch.cuda.set_device(dev)
+    version = C.recv(conn, 1800, "the first version")["version"]
+    pairs = []
+    for i, (n, s) in enumerate(shapes()):
+        t = torch.empty(s, dtype=torch.bfloat16, device=dev)
+        t.normal_(generator=torch.Generator(device=dev).manual_seed(i + 7))
+        pairs.append((n, t))
+    trainer = weightsync.Trainer(target, timeout=120)
+    torch.cuda.synchronize(dev)
+    t = time.perf_counter()
+    trainer.init_ipc(device=GPU, tensors=pairs)
+    out = {"init_ipc_prepared_s": time.perf_counter() - t, "prepared": trainer.prepared}
+    times = []
+    for i in range(REPEATS + 1):
+        torch.cuda.synchronize(dev)
+        t = time.perf_counter()
+        trainer.update(pairs, version=version + i)
+        times.append(time.perf_counter() - t)
+    out["first_update_prepared_s"] = times[0]
+    out["update_s_default_prepared"] = statistics.median(times[1:])
+    out["first_update_prepared_ratio"] = times[0] / out["update_s_default_prepared"]
+    C.send(conn, out)
+    C.recv(conn, 60, "the end")
+
+
 def main():
     daemon_bin, worker_bin = C.binaries(sys.argv)
     out_path = sys.argv[3] if len(sys.argv) > 3 else os.path.join(
@@ -175,6 +213,11 @@ def main():
         e = engine.recv(600, "the engine's registration")
         trainer = C.Worker(trainer_main, d.target)
         r = trainer.recv(1800, "the trainer's figures")
+        trainer.send({"end": True})
+        trainer.stop()
+        trainer = C.Worker(prepared_trainer_main, d.target)
+        trainer.send({"version": r["version"] + 1})
+        r.update(trainer.recv(1800, "the prepared trainer's figures"))
         trainer.send({"end": True})
         engine.send({"end": True})
         engine.recv(60, "the engine's version")
@@ -211,6 +254,10 @@ def main():
     print(f"first update (receipts on) {res['first_update_s'] * 1e3:7.2f} ms = "
           f"{res['first_update_ratio']:.2f}x steady; init_ipc {res['init_ipc_s']:.2f} s "
           f"(warmed {res['warmed']})")
+    print(f"first update after init_ipc(tensors=...) {res['first_update_prepared_s'] * 1e3:7.2f} "
+          f"ms = {res['first_update_prepared_ratio']:.2f}x its steady "
+          f"{res['update_s_default_prepared'] * 1e3:.2f} ms; init_ipc "
+          f"{res['init_ipc_prepared_s']:.2f} s (prepared {res['prepared']})")
     print(f"wrote {out_path}")
     return 0
 

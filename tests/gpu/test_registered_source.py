@@ -7,10 +7,11 @@ daemon's IPC data plane on GPU 0.
     python3 tests/gpu/test_registered_source.py WEIGHTSYNCD WEIGHTSYNC_GPU_WORKER
 
 Checks, each a PASS/FAIL line:
-  * versions 1-3 through Trainer.init_ipc() + update() with the defaults
+  * versions 1-3 through Trainer.init_ipc(tensors=the model) + update() with the defaults
     (registered source, receipts on), a training step between them: every
     engine parameter bitwise equal to the trainer's, greedy generation equal;
-  * the source is registered once (same source id for versions 2-3);
+  * the source is registered once, in init_ipc (the same source id for
+    versions 1-3);
   * a re-allocated trainer parameter (p.data = p.data.clone(): a new data
     pointer) is registered again before the update (new source id) and the
     engine is still bit-exact;
@@ -81,11 +82,14 @@ def trainer_main(conn, target):
     cfg = C.small_config()
     model = C.build_model(cfg, seed=1, device=dev)
     trainer = weightsync.Trainer(target, timeout=120)
-    trainer.init_ipc(device=GPU)
+    # Warm start: the model registered (and its receipt tables built) in init.
+    trainer.init_ipc(device=GPU, tensors=model.named_parameters())
+    prepared = (trainer.prepared, trainer._gpu.source and trainer._gpu.source.source_id)
 
     def report(tag, r, extra=None):
         out = {"tag": tag, "committed": r.version, "source": trainer._gpu.source and
                trainer._gpu.source.source_id, "timings": trainer.last_timings,
+               "prepared": prepared,
                "receipts": sum(1 for e in r.engines if e.HasField("receipt")),
                "digests": C.digests(model.named_parameters()),
                "greedy": C.greedy(model, PROMPT, TOKENS)}
@@ -200,9 +204,13 @@ def main():
             check(t["receipts"] == 1, f"{tag}: receipts checked (the default)")
             print(f"  {tag}: timings {t['timings']}", flush=True)
             sources.append(t["source"])
+            if tag == "v1":
+                ok, pid = t["prepared"]
+                check(ok and pid is not None and t["source"] == pid,
+                      f"v1 updates from the source init_ipc(tensors=...) registered ({pid})")
             if tag == "v3":
-                check(sources[1] == sources[2] and sources[1] is not None,
-                      f"versions 2-3 reuse one registered source ({sources[1]})")
+                check(sources[0] == sources[1] == sources[2] and sources[1] is not None,
+                      f"versions 1-3 reuse one registered source ({sources[1]})")
             if tag.startswith("v4"):
                 check(t["update_error"] is None, f"v4: update after a re-allocation ({t['update_error']})")
                 check(t["moved"] and t["source"] != sources[2],

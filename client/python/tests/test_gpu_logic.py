@@ -596,6 +596,51 @@ class ReceiptCheckTest(unittest.TestCase):
         link.check_receipts([v1.FinishWeightUpdateResponse()], expected)
 
 
+class GpuReceiptsPrepareTest(unittest.TestCase):
+    """GpuReceipts.prepare (Trainer.init_ipc(tensors=...), the warm start):
+    the kernel tables of every layout the warm start fetched are built under
+    the very keys the first update's check looks up, so that check builds
+    none and asks the daemon for no layout."""
+
+    def test_prepared_tables_are_the_ones_the_check_uses(self):
+        from weightsync import _multi
+        from weightsync.senders.base import Link
+        from weightsync.senders.gpu_receipts import GpuReceipts
+        layout, sent = _receipt_case(np.random.default_rng(3))
+        checksum, params, nbytes = receipts.expected_receipt_arrays(layout, sent)
+        stub = FakeStub({"a": layout, "b": layout})
+        link = Link([stub], _multi.Group([stub], ["a", "b"]), 30.0, 600.0)
+        link.remember_layout("L-a", layout)   # what warm_receipts leaves
+        link.remember_layout("L-b", layout)
+
+        class Kernel:   # weightsync.receipts.gpu's keyed entry point
+            tables, built = set(), []
+
+            def expected_receipts_gpu(self, layouts, sent, plan_key=None):
+                if plan_key not in self.tables:
+                    self.tables.add(plan_key)
+                    self.built.append(plan_key)
+                return {0: (checksum, params, nbytes)}
+
+        kernel = Kernel()
+        gr = GpuReceipts()
+        gr._fast = lambda flats, plan_key: kernel if plan_key is not None else None
+        gr.prepare(link, [], [], plan_key=7)
+        self.assertEqual(sorted(kernel.built), [(7, "L-a"), (7, "L-b")])
+        finished = v1.FinishWeightUpdateResponse()
+        for eid in ("a", "b"):
+            finished.engines.add(engine_id=eid, layout_id=f"L-{eid}").receipt.CopyFrom(
+                v1.Receipt(checksum=checksum, bytes=nbytes))
+        gr.check(link, [finished], [], [], plan_key=7)
+        self.assertEqual(len(kernel.built), 2)   # nothing built in the update
+        self.assertEqual(stub.calls, 0)          # and no layout asked for
+        gr.check(link, [finished], [], [], plan_key=8)   # registered again: new tables
+        self.assertEqual(sorted(kernel.built)[2:], [(8, "L-a"), (8, "L-b")])
+        # Without the kernel (no Triton) prepare does nothing.
+        GpuReceipts().prepare(link, [], [], plan_key=None)
+        self.assertEqual(len(kernel.built), 4)
+
+
 class SparseArraysTest(unittest.TestCase):
     """sparse.changed_elements and TorchSparsePatch (the GPU diff, run here
     on numpy) against the host SparsePatch and its payload."""

@@ -69,6 +69,7 @@ class Trainer:
         # (source, engine) dtype pairs whose receipt kernels init_nccl() /
         # init_ipc() compiled (weightsync._warm): no compilation in update().
         self.warmed = []
+        self.prepared = False
 
     # What the last update left (weightsync.senders.base.Link).
     last_results = property(lambda self: self._link.last_results,
@@ -185,7 +186,7 @@ class Trainer:
             self._sharded_nccl = None
         self._many_senders = {}
 
-    def init_ipc(self, device=None, packed=False, ring_slots=2):
+    def init_ipc(self, device=None, packed=False, ring_slots=2, tensors=None, verify=True):
         """Forms an IPC transfer group (trainer on the engines' GPU). By
         default the trainer's tensors are a registered source: update()
         registers them with the daemon once (CUDA IPC handles of their
@@ -197,7 +198,16 @@ class Trainer:
         packed=True take the packed path: each update is packed into one
         CUDA buffer whose IPC handle goes with StartWeightUpdate. Updates
         of LazyTensors go through a ring of `ring_slots` chunk slots
-        instead (IpcChunks), so the trainer never holds the whole update."""
+        instead (IpcChunks), so the trainer never holds the whole update.
+
+        tensors: what update() will send (model.named_parameters(), a
+        state_dict, a list of pairs), registered now, with the receipt
+        tables for the engines' layouts (verify=False: not those), so that
+        the first update costs what a steady one does (warm start;
+        docs/python.md). update() of the same tensors then uses this
+        registration; tensors that moved since are registered again, as
+        always. self.prepared says whether it was done (not for packed=True,
+        sparse patches, LazyTensors or tensors not contiguous on the GPU)."""
         from weightsync.senders.ipc import IpcSender
         self._close_sharded()
         self._gpu, groups = IpcSender.join(self._link, self._gpu, device, packed, ring_slots)
@@ -205,6 +215,8 @@ class Trainer:
         self._backend = "ipc"
         self.warmed = _warm.warm_receipts(self._stub, self._gpu.gpu.device,
                                           self._link.remember_layout)
+        self.prepared = (tensors is not None
+                         and self._gpu.prepare(tensor_pairs(tensors, "init_ipc(tensors=...)"), verify=verify))
         return groups
 
     def world_size(self, backend=None):

@@ -32,6 +32,20 @@ def partial_receipts(layouts, sent):
     return out
 
 
+def _sent(manifest, flats):
+    """sent() -> {name: (dtype, shape, elements)} of the tensors `flats` sent
+    as `manifest` (sparse entries left out), built at the first call."""
+    built = []
+
+    def sent():
+        if not built:
+            from weightsync._gpu import elements
+            built.append({m["name"]: (m["dtype"], m["shape"], elements(f, m["dtype"]))
+                          for m, f in zip(manifest, flats) if not m.get("sparse_nnz")})
+        return built[0]
+    return sent
+
+
 class GpuReceipts:
     """What a GPU sender keeps between updates to check receipts quickly:
     per layout id, whether it has FP8 targets and its (plain, quantised)
@@ -54,30 +68,42 @@ class GpuReceipts:
             if timings is not None:
                 timings["receipts_s"] = time.perf_counter() - t
 
-    def _check(self, link, results, manifest, flats, plan_key):
-        from weightsync._gpu import elements
-        from weightsync.receipts import expected_receipt_arrays
-        built = []
+    def prepare(self, link, manifest, flats, plan_key):
+        """Builds, ahead of the first check, the kernel tables of the
+        registered source `plan_key` for every layout in link.layouts (the
+        engines' layouts the warm start fetched): its first update then
+        checks as a steady one does. Nothing without Triton."""
+        fast = self._fast(flats, plan_key)
+        if fast is None:
+            return
+        sent = _sent(manifest, flats)
+        for layout_id, layout in list(link.layouts.items()):
+            self._expected(fast, layout, layout_id, plan_key, sent)
 
-        def sent():
-            if not built:
-                built.append({m["name"]: (m["dtype"], m["shape"], elements(f, m["dtype"]))
-                              for m, f in zip(manifest, flats) if not m.get("sparse_nnz")})
-            return built[0]
-
-        fast = None
+    @staticmethod
+    def _fast(flats, plan_key):
+        """weightsync.receipts.gpu where the kept-table kernel applies, else None."""
         if plan_key is not None and flats and getattr(flats[0], "is_cuda", False):
             from weightsync.receipts import gpu as receipts_gpu
             if receipts_gpu.available():
-                fast = receipts_gpu
+                return receipts_gpu
+        return None
+
+    def _expected(self, fast, layout, layout_id, plan_key, sent):
+        if self._has_fp8(layout, layout_id):
+            return self._fp8_expected(fast, layout, layout_id, plan_key, sent)
+        return fast.expected_receipts_gpu({0: layout}, sent, plan_key=(
+            plan_key, layout_id) if layout_id else None)[0]
+
+    def _check(self, link, results, manifest, flats, plan_key):
+        from weightsync.receipts import expected_receipt_arrays
+        sent = _sent(manifest, flats)
+        fast = self._fast(flats, plan_key)
         if fast is None:
             link.check_receipts(results, lambda layout: expected_receipt_arrays(layout, sent()))
             return
-        link.check_receipts(results, lambda layout, layout_id: (
-            self._fp8_expected(fast, layout, layout_id, plan_key, sent)
-            if self._has_fp8(layout, layout_id) else
-            fast.expected_receipts_gpu({0: layout}, sent, plan_key=(
-                plan_key, layout_id) if layout_id else None)[0]), keyed=True)
+        link.check_receipts(results, lambda layout, layout_id: self._expected(
+            fast, layout, layout_id, plan_key, sent), keyed=True)
 
     def _has_fp8(self, layout, layout_id):
         # Once per layout id (a pass over 100k parameters cost ~50 ms).

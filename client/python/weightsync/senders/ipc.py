@@ -164,6 +164,24 @@ class IpcSender(Sender):
 
     # -- registered source --------------------------------------------------------
 
+    def prepare(self, pairs, verify=True):
+        """Registers `pairs` (a list of (name, tensor)) as the source ahead
+        of the first update (Trainer.init_ipc(tensors=...)) and, with
+        receipts on, builds the receipt tables for every engine layout the
+        warm start fetched, so that the first update of these very tensors
+        does only what a steady one does. False where updates of them would
+        not come from a registered source (packed=True, sparse patches,
+        LazyTensors, tensors not contiguous on this GPU): nothing is done."""
+        if self.packed or has_patches(pairs) or _lazy.is_lazy(pairs):
+            return False
+        source, raw = self._pick_source(pairs, None, False, False)
+        if source is None:
+            return False
+        self._source_raw = raw
+        if verify:
+            self._receipts.prepare(self.link, source.manifest, source.flats, source.number)
+        return True
+
     def _register(self, pairs):
         """The registered source for (name, tensor) `pairs`: the one already
         registered if every tensor is where it was (same data pointer,
