@@ -39,6 +39,14 @@ mapfile -t targets < <("${BAZEL[@]}" query 'tests(//...) except attr(tags, "gpu"
 rc=$?
 if [ $rc != 0 ]; then
   tail -n 30 "$OUT/bazel.log"
+  # What each failed test printed last (CI keeps nothing else).
+  testlogs="$("${BAZEL[@]}" info --config=cov bazel-testlogs 2>/dev/null)"
+  grep -oE '^//[^ ]+ +FAILED' "$OUT/bazel.log" | awk '{print $1}' | while read -r t; do
+    log="$testlogs/$(echo "${t#//}" | tr ':' '/')/test.log"
+    echo "=== $t: the end of $log"
+    grep -E 'Failure|FAILED|Expected|Which is|Value of|Actual|error' "$log" | head -n 40
+    tail -n 40 "$log"
+  done
   echo "coverage: tests failed under the cov build (bazel exit $rc); $OUT/bazel.log" >&2
 fi
 BIN="$("${BAZEL[@]}" info --config=cov bazel-bin 2>/dev/null)"
