@@ -173,6 +173,9 @@ void EngineClient::Run() {
 void EngineClient::Serve() {
   v1::DaemonMessage m;
   while (control_->Read(&m)) {
+    // At a pause, before the Ack: no byte of the update is written to
+    // memory that is gone (docs/protocol.md, "Control"); at a resume, after.
+    if (m.has_pause() && !CheckMemory()) break;
     absl::Status result;
     switch (m.kind_case()) {
       case v1::DaemonMessage::kPause:
@@ -202,9 +205,7 @@ void EngineClient::Serve() {
     ack.mutable_ack()->set_ok(result.ok());
     ack.mutable_ack()->set_message(std::string(result.message()));
     if (!control_->Write(ack)) break;
-    if (m.has_pause() || m.has_resume()) {
-      if (!CheckMemory()) break;
-    }
+    if (m.has_resume() && !CheckMemory()) break;
   }
 }
 

@@ -33,7 +33,8 @@ struct EngineHooks {
   std::function<absl::Status()> on_resume;
   std::function<void(int64_t version)> on_new_version;
   std::function<void(const std::string& reason)> on_dirty;
-  // Optional, run after acknowledging each pause and resume: an error says
+  // Optional, run at each pause (before acknowledging it, so that the
+  // update goes on without this engine) and after each resume: an error says
   // the registered memory is no longer the engine's weights (freed, moved,
   // reallocated: the contract is "unregister before freeing"). The client
   // then tells the daemon, which unregisters the engine (an update reports

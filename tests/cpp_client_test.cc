@@ -5,9 +5,11 @@
 // own failures and the daemon's wire-level refusals in the user's terms.
 // Against the real daemon in-process (tests/testing/daemon_fixture.h).
 #include <atomic>
+#include <cstring>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <string>
 #include <thread>
 
 #include "absl/time/clock.h"
@@ -216,14 +218,17 @@ TEST_F(CppClientTest, CloseUnregistersInsteadOfDroppingTheStream) {
 
 // A C++ engine whose registered memory is gone (freed, reallocated) is
 // noticed at the next pause through its check_memory hook: the update
-// reports it lost, naming why, instead of calling it READY, and it stays
-// unregistered.
+// reports it lost, naming why, instead of calling it READY, writes nothing
+// to it, and it stays unregistered.
 TEST_F(CppClientTest, AnEngineWhoseMemoryIsGoneIsReportedLost) {
   std::atomic<bool> freed{false};
   std::atomic<int> checks{0};
   EngineHooks hooks;
   hooks.check_memory = [&]() {
     ++checks;
+    // A slow check: a report sent after the pause's Ack loses the race to
+    // the update's commit every time, not now and then.
+    if (freed) absl::SleepFor(absl::Milliseconds(200));
     return freed ? absl::FailedPreconditionError(
                        "parameter 'embed' no longer holds its registered "
                        "memory (freed)")
@@ -237,9 +242,15 @@ TEST_F(CppClientTest, AnEngineWhoseMemoryIsGoneIsReportedLost) {
   EXPECT_GE(checks.load(), 2);  // at the pause and at the resume
   EXPECT_EQ(frees->lost(), "");
   freed = true;
+  const ShmRegion& region = arenas_[1]->region();  // "frees"'s memory
+  const std::string before(reinterpret_cast<const char*>(region.data()),
+                           region.size());
   t = Tensors(2);
   const auto done = trainer_->Update(StartRequest(2, t), t);
   ASSERT_TRUE(done.ok()) << done.status();
+  // Reported at the pause, before its Ack: no byte of version 2 was
+  // written to it (sent after the Ack, the report raced the update).
+  EXPECT_EQ(std::memcmp(region.data(), before.data(), before.size()), 0);
   for (const v1::EngineResult& e : done->engines()) {
     EXPECT_EQ(e.lost(), e.engine_id() == "frees") << e.engine_id();
     if (e.engine_id() == "frees") {

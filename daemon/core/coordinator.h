@@ -487,7 +487,9 @@ class Coordinator {
   // Pauses `engines` all or nothing: if any engine fails to acknowledge,
   // the ones that paused are resumed and the first failure returned, its
   // message prefixed by `why` and naming every engine that failed. Returns
-  // the engines paused. Requires control_mu_.
+  // the engines paused. An engine that left meanwhile (unregistered or
+  // disconnected) is neither: the caller finds it gone. Requires
+  // control_mu_.
   absl::StatusOr<std::vector<std::string>> PauseAll(
       const std::vector<std::string>& engines, v1::PauseMode mode,
       absl::Time deadline, absl::string_view why);

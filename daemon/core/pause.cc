@@ -57,9 +57,22 @@ absl::StatusOr<std::vector<std::string>> Coordinator::PauseAll(
   if (engines.empty()) return std::vector<std::string>();
   const auto acks = hub_.Broadcast(engines, PauseNotice(mode), deadline);
   std::vector<std::string> paused, failed;
-  for (const auto& [id, s] : acks) {
-    (s.ok() ? paused : failed).push_back(id);
-    if (s.ok()) VLOG(1) << Event("engine.paused", "", -1, id) << why;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, s] : acks) {
+      if (s.ok()) {
+        paused.push_back(id);
+        VLOG(1) << Event("engine.paused", "", -1, id) << why;
+      } else if (engines_.contains(id) && hub_.Connected(id)) {
+        failed.push_back(id);
+      } else {
+        // It left while being paused (unregistered, its stream closed, or
+        // it reported its memory gone before acknowledging): not a failed
+        // pause but an engine the caller no longer has; an update reports
+        // it lost (docs/protocol.md, "Pause and resume").
+        LOG(WARNING) << Event("engine.left", "", -1, id) << why << ": " << s;
+      }
+    }
   }
   if (failed.empty()) return paused;
   LOG(WARNING) << Event("engine.pause_failed", "", -1,

@@ -316,6 +316,10 @@ class FreedEngineTest(daemon_fixture.HostDaemonCase):
                 self.ptr = 0x7f0000001000
 
             def data_ptr(self):
+                if self.ptr != 0x7f0000001000:
+                    # A slow check: a report sent after the pause's Ack
+                    # loses the race to the commit every time.
+                    time.sleep(0.2)
                 return self.ptr
 
             def untyped_storage(self):
@@ -335,6 +339,10 @@ class FreedEngineTest(daemon_fixture.HostDaemonCase):
         by_id = {r.engine_id: r for r in second.engines}
         self.assertEqual(by_id["a"].version, 2)
         self.assertTrue(by_id["b"].lost)
+        # Reported at the pause, before its Ack: nothing of version 2 was
+        # written to b (after the Ack, the report raced the update).
+        np.testing.assert_array_equal(wb["w"], w)
+        np.testing.assert_array_equal(wa["w"], w + 1)
         self.assertIn("'b' reported that its registered memory is no longer its weights",
                       by_id["b"].message)
         self.assertIn("parameter 'w': its data pointer moved from 0x7f0000001000 to "

@@ -275,6 +275,10 @@ class Engine:
                     for notice in self._responses:
                         backoff = 0.05
                         kind = notice.WhichOneof("kind")
+                        if kind == "pause":
+                            # Before the Ack: no byte of the update is written
+                            # to memory that is gone (docs/protocol.md, Control).
+                            self._check_memory()
                         ok, message = True, ""
                         try:
                             self._apply(kind, notice, hooks.get(kind))
@@ -285,7 +289,7 @@ class Engine:
                         ack.ack.ok = ok
                         ack.ack.message = message
                         self._outbox.put(ack)
-                        if kind in ("pause", "resume"):
+                        if kind == "resume":
                             self._check_memory()
                 except Exception:
                     pass  # stream broken (close(), or the daemon went away)
@@ -306,9 +310,9 @@ class Engine:
         self._thread.start()
 
     def _check_memory(self):
-        """At a pause or resume: if a registered tensor no longer holds the
-        registered memory, tell the daemon (after the notice's Ack, a
-        refused Ack of notice 0: docs/protocol.md, "EngineService"): it
+        """At a pause (before its Ack) or a resume (after it): if a
+        registered tensor no longer holds the registered memory, tell the
+        daemon (a refused Ack of notice 0: docs/protocol.md, "Control"): it
         unregisters the engine and names why. The engine does not
         re-register that memory; register again to come back."""
         why = self._watch.changed() if self._watch is not None else None
