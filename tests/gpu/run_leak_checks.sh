@@ -60,6 +60,9 @@ sample() {  # round -> one line of numbers
         | awk -F', ' -v p="$w" '$1==p{s+=$2} END{print s+0}')
   maps=$(grep -c nvidia /proc/"$w"/maps)
   echo "$1 $w ${fds:-0} ${threads:-0} ${rss:-0} ${gpu:-0} ${maps:-0}" >>"$LOG/samples.txt"
+  # What the descriptors are, by kind (numbers folded), to name a leak.
+  ls -l /proc/"$w"/fd 2>/dev/null | awk 'NR>1{print $NF}' | sed 's/[0-9][0-9]*/N/g' \
+    | sort | uniq -c >"$LOG/fds-round$1.txt"
 }
 v=1; ok_updates=0; died=0
 for r in $(seq 1 "$ROUNDS"); do

@@ -10,11 +10,15 @@ control thread asks at each pause and resume) and says which parameter
 moved. Numpy arrays over the engine's shared memory can't move (they
 keep their mapping, weightsync._shm); torch tensors can.
 
-Cost: two C-level passes over the tensors (no Python step per tensor
-unless something changed).
+Cost: for torch tensors, three C-level passes over the tensors (data
+pointers; storages; their pointers), no Python step per tensor unless
+something changed. The check runs before the pause's Ack, on the update's
+critical path: a Python call per tensor cost ~1 ms for Qwen3-8B's 399
+(the IPC update measured 1.2 ms slower with it, one H200, 2026-11-28).
 """
 
 import operator
+import sys
 
 _NUMPY_PTR = operator.itemgetter(0)
 
@@ -34,7 +38,7 @@ def _pointers(obj):
 class MemoryWatch:
     """The registered tensors {name: tensor} and where they were."""
 
-    __slots__ = ("_names", "_objs", "_where", "_fixed")
+    __slots__ = ("_names", "_objs", "_where", "_fixed", "_torch", "_torch_where")
 
     def __init__(self, named):
         self._names = list(named)
@@ -43,11 +47,23 @@ class MemoryWatch:
         # Numpy arrays never move their memory: nothing to check.
         self._fixed = all(hasattr(o, "__array_interface__") and not hasattr(o, "data_ptr")
                           for o in self._objs)
+        torch = sys.modules.get("torch")
+        self._torch = (torch if torch is not None and self._objs
+                       and all(isinstance(o, torch.Tensor) for o in self._objs) else None)
+        self._torch_where = self._torch_pointers() if self._torch is not None else None
+
+    def _torch_pointers(self):
+        """(data pointers, storage pointers) of every tensor, C-level."""
+        t = self._torch
+        return (tuple(map(t.Tensor.data_ptr, self._objs)),
+                tuple(map(t.UntypedStorage.data_ptr, map(t.Tensor.untyped_storage, self._objs))))
 
     def changed(self):
         """None while every tensor is where it was registered; else a
         sentence naming the first parameter that is not."""
         if self._fixed:
+            return None
+        if self._torch is not None and self._torch_pointers() == self._torch_where:
             return None
         now = list(map(_pointers, self._objs))
         if now == self._where:
