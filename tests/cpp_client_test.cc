@@ -5,8 +5,8 @@
 // own failures and the daemon's wire-level refusals in the user's terms.
 // Against the real daemon in-process (tests/testing/daemon_fixture.h).
 #include <atomic>
-#include <cstring>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <string>
