@@ -16,6 +16,10 @@ LOG="${2:-/tmp/ws-py}"
 mkdir -p "$LOG"
 LOG="$(cd "$LOG" && pwd)"
 export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"
+# The packed binaries' libraries (device-pack's BIN/../lib) and NCCL's: the
+# daemon exited 127 without them (2026-11-28).
+nccl=$(python3 -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "nccl", "lib"))' 2>/dev/null)
+export LD_LIBRARY_PATH="$BIN/../lib:${nccl:+$nccl:}/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PYTHONPATH="$repo/client/python${PYTHONPATH:+:$PYTHONPATH}"
 export WEIGHTSYNCD="$BIN/weightsyncd" WEIGHTSYNC_GPU_WORKER="$BIN/weightsync_gpu_worker"
 export WS_LOG_DIR="$LOG"
