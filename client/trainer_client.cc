@@ -243,6 +243,15 @@ absl::StatusOr<v1::AbortWeightUpdateResponse> TrainerClient::AbortWeightUpdate(
 
 absl::StatusOr<v1::PauseResponse> TrainerClient::Pause(
     const v1::PauseRequest& r) {
+  if (hold_ == nullptr) {
+    // No group held: hold the pauses instead (an empty group id), so that
+    // they end within a second if this process dies, not at the daemon's
+    // idle deadline. A daemon older than that refuses it: no hold, as
+    // before.
+    absl::StatusOr<std::unique_ptr<LivenessHold>> hold =
+        LivenessHold::Open(stub_.get(), "", options_.call_timeout);
+    if (hold.ok()) hold_ = *std::move(hold);
+  }
   return Call<v1::PauseResponse>(channel_.get(), options_, stub_.get(), "Pause",
                                  &v1::TrainerService::Stub::Pause, r);
 }

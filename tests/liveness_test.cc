@@ -163,12 +163,12 @@ class LivenessTest : public DaemonTest {
   }
 
   // SIGKILLs the trainer; how long the daemon took to settle.
-  double Kill() {
+  double Kill(absl::Duration limit = absl::Seconds(5)) {
     const absl::Time t0 = absl::Now();
     kill(child_, SIGKILL);
     waitpid(child_, nullptr, 0);
     child_ = -1;
-    const double s = SecondsUntilSettled(t0, absl::Seconds(5));
+    const double s = SecondsUntilSettled(t0, limit);
     std::printf("trainer killed: the daemon settled in %.3f s\n", s);
     return s;
   }
@@ -242,6 +242,39 @@ TEST_F(LivenessTest, TrainerKilledAfterPauseResumesItsEngines) {
   EXPECT_GE(s, 0) << "still paused after 5 s";
   EXPECT_LT(s, 1.0);
   EXPECT_EQ(StatusOf("a").state(), v1::ENGINE_READY);
+}
+
+// A trainer that pauses engines without forming a group holds its pauses
+// (an empty group id): killed, its pauses end within a second, not at the
+// idle deadline (here 5 min); alive but gone quiet, they still last.
+TEST_F(LivenessTest, GrouplessTrainerKilledAfterPauseResumesItsEngines) {
+  core_options_.update_idle_timeout = absl::Minutes(5);
+  RestartCore();
+  AddEngine("a");
+  SpawnTrainer("host", "pause_nogroup");
+  ASSERT_EQ(StatusOf("a").state(), v1::ENGINE_PAUSED);
+  absl::SleepFor(absl::Milliseconds(300));  // a live holder: still paused
+  EXPECT_EQ(StatusOf("a").state(), v1::ENGINE_PAUSED);
+  const double s = Kill();
+  EXPECT_GE(s, 0) << "still paused after 5 s";
+  EXPECT_LT(s, 1.0);
+  EXPECT_EQ(StatusOf("a").state(), v1::ENGINE_READY);
+}
+
+// While another trainer holds its group, a group-less trainer's death
+// resumes nothing: pauses are not attributed to trainers, and the living
+// one may have made them (the idle deadline still ends an orphaned one).
+TEST_F(LivenessTest, GrouplessTrainerGoneResumesNothingWhileAnotherHolds) {
+  core_options_.update_idle_timeout = absl::Minutes(5);
+  RestartCore();
+  AddEngine("a");
+  v1::InitWeightTransferRequest init;
+  init.set_backend(v1::BACKEND_HOST);
+  ASSERT_TRUE(trainer_->InitWeightTransfer(init).ok());  // holds the group
+  SpawnTrainer("host", "pause_nogroup");
+  ASSERT_EQ(StatusOf("a").state(), v1::ENGINE_PAUSED);
+  EXPECT_EQ(Kill(absl::Seconds(1.5)), -1);  // the engine stays paused
+  EXPECT_EQ(StatusOf("a").state(), v1::ENGINE_PAUSED);
 }
 
 TEST_F(LivenessTest, FrozenTrainerStillEndsAtTheIdleTimeout) {

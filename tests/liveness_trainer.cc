@@ -3,6 +3,8 @@
 // served by the test's fake data plane) through TrainerClient (which holds
 // it, client/liveness_hold.h), reaches phase argv[3] and prints "ready":
 //   pause   engines paused by the trainer, no update;
+//   pause_nogroup  engines paused by a trainer that formed no group (it
+//           holds its pauses instead);
 //   start   update "dying" (version 5) started, no byte sent;
 //   mid     host: chunk 0 pushed, the PushChunks stream left open;
 //   finish  nccl: "ready" printed, then Finish called (it waits for bytes
@@ -37,6 +39,12 @@ int Main(const std::string& target, const std::string& backend,
   options.target = target;
   auto client = TrainerClient::Connect(options);
   if (!client.ok()) return Fail("connect", client.status());
+  if (phase == "pause_nogroup") {
+    auto paused = (*client)->Pause(v1::PauseRequest());
+    if (!paused.ok()) return Fail("pause", paused.status());
+    Ready();
+    for (;;) pause();
+  }
   v1::InitWeightTransferRequest init;
   if (backend == "nccl") {
     init.set_backend(v1::BACKEND_NCCL);

@@ -225,7 +225,9 @@ class Coordinator {
   // trainer_liveness.cc). A trainer holds the group it formed while it
   // lives (TrainerService.Liveness): HoldGroup opens a hold of `group_id`
   // and returns its token: FAILED_PRECONDITION unless it is the group formed
-  // now, RESOURCE_EXHAUSTED past kMaxHolds. ReleaseGroup closes it; if the
+  // now or empty (a group-less trainer's hold of its pauses: released while
+  // no other hold is open, it resumes the engines trainers paused),
+  // RESOURCE_EXHAUSTED past kMaxHolds. ReleaseGroup closes it; if the
   // hold was of the current group its trainer is gone: the update in
   // progress fails and ends at once (engines DIRTY, or resumed, as for any
   // failed update) and engines paused by a trainer are resumed. It may wait

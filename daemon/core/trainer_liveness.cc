@@ -23,7 +23,8 @@ namespace weightsync {
 absl::StatusOr<int64_t> Coordinator::HoldGroup(const std::string& group_id) {
   absl::MutexLock lock(&mu_);
   if (shut_down_) return absl::UnavailableError("daemon is shutting down");
-  if (group_id.empty() || group_id != group_id_) {
+  // An empty id holds the pauses of a trainer that has formed no group.
+  if (!group_id.empty() && group_id != group_id_) {
     return absl::FailedPreconditionError(absl::StrCat(
         "Liveness: group '", Echo(group_id), "' is not the transfer group ",
         group_id_.empty() ? "(none is formed)"
@@ -36,13 +37,16 @@ absl::StatusOr<int64_t> Coordinator::HoldGroup(const std::string& group_id) {
   }
   const int64_t hold = next_hold_++;
   holds_[hold] = group_id;
-  VLOG(1) << "trainer holds group " << group_id << " (hold " << hold << ")";
+  VLOG(1) << "trainer holds "
+          << (group_id.empty() ? "its pauses (no group)"
+                               : absl::StrCat("group ", group_id))
+          << " (hold " << hold << ")";
   return hold;
 }
 
 bool Coordinator::GroupHeldLocked() const {
   for (const auto& [hold, group] : holds_) {
-    if (group == group_id_) return true;
+    if (!group.empty() && group == group_id_) return true;
   }
   return false;
 }
@@ -58,19 +62,37 @@ void Coordinator::ReleaseGroup(int64_t hold, absl::string_view why,
     if (it == holds_.end()) return;
     group = it->second;
     holds_.erase(it);
-    // A hold of an earlier group (the trainer formed a new one) ends
-    // nothing.
-    if (shut_down_ || !trainer_gone || group != group_id_) return;
-    LOG(WARNING) << Event("trainer.gone", update_ ? update_->id : "")
-                 << "the trainer holding group " << group << " is gone: " << why
-                 << (update_ ? "; ending its update" : "");
-    if (update_ != nullptr && update_->phase == Phase::kReceiving) {
-      FailUpdateLocked(absl::AbortedError(
-          absl::StrCat("the trainer of update '", update_->id,
-                       "' is gone (its Liveness stream ended: ", why,
-                       "); the update failed, start it again")));
-      plane = update_->data_plane;
+    if (shut_down_ || !trainer_gone) return;
+    if (group.empty()) {
+      // A pause hold: its trainer paused engines without a group. Gone,
+      // and no other trainer holding anything: its pauses end now, not at
+      // the idle deadline. (A trainer that forms a group opens that hold
+      // before it lets this one go.)
+      if (!holds_.empty()) return;
+      LOG(WARNING) << Event("trainer.gone", "")
+                   << "the trainer holding its pauses (no group) is gone: "
+                   << why;
+    } else {
+      // A hold of an earlier group (the trainer formed a new one) ends
+      // nothing.
+      if (group != group_id_) return;
+      LOG(WARNING) << Event("trainer.gone", update_ ? update_->id : "")
+                   << "the trainer holding group " << group
+                   << " is gone: " << why
+                   << (update_ ? "; ending its update" : "");
+      if (update_ != nullptr && update_->phase == Phase::kReceiving) {
+        FailUpdateLocked(absl::AbortedError(
+            absl::StrCat("the trainer of update '", update_->id,
+                         "' is gone (its Liveness stream ended: ", why,
+                         "); the update failed, start it again")));
+        plane = update_->data_plane;
+      }
     }
+  }
+  if (group.empty()) {
+    absl::MutexLock control(&control_mu_);
+    ResumeTrainerPauses(why);
+    return;
   }
   // A Finish or Prepare in progress holds control_mu_ while it waits for
   // bytes that will never come: wake it (it then ends the update itself).

@@ -288,6 +288,35 @@ class HostBackendTest(daemon_fixture.HostDaemonCase):
         self.assertIn("mid-generation", e.exception.message)
         self.assertFalse(engine.paused)  # all or nothing: e2 was resumed
 
+    def test_a_groupless_trainer_that_dies_releases_its_pauses(self):
+        """A Trainer that pauses before any init_* holds its pauses (an
+        empty Liveness group): SIGKILLed, its engines resume within a second,
+        not at the daemon's idle deadline (5 min by default, as here)."""
+        import signal
+        import subprocess
+        import time
+        engine, _ = self.engine("e", [("a", "FLOAT32", (2,))])
+        code = ("import sys, time, weightsync\n"
+                "t = weightsync.Trainer(sys.argv[1], timeout=10)\n"
+                "t.pause()\n"
+                "print('paused', flush=True)\n"
+                "time.sleep(60)\n")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+        child = subprocess.Popen([sys.executable, "-c", code, self.target],
+                                 stdout=subprocess.PIPE, text=True, env=env)
+        self.addCleanup(child.kill)
+        self.assertEqual(child.stdout.readline().strip(), "paused")
+        self.assertTrue(engine.paused)
+        time.sleep(0.3)   # alive: its pauses last
+        self.assertTrue(engine.paused)
+        t0 = time.monotonic()
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        while engine.paused and time.monotonic() - t0 < 5:
+            time.sleep(0.01)
+        self.assertFalse(engine.paused, "still paused 5 s after the trainer died")
+        self.assertLess(time.monotonic() - t0, 1.0)
+
     def test_llama_layout_helpers_on_a_tensor_parallel_pair(self):
         from weightsync import layouts
         config = {"vocab_size": 1003, "hidden_size": 64, "intermediate_size": 160,

@@ -76,6 +76,14 @@ class Holds:
         for h in old:
             h.close()
 
+    def hold_pauses(self, stubs):
+        """If nothing is held (no init_* yet), holds this trainer's pauses
+        on every daemon (an empty group id): if the process dies they end
+        within a second, not at the idle deadline. The next init_* replaces
+        them with its groups' holds."""
+        if not self._holds:
+            self.replace(stubs, [""] * len(stubs))
+
     def errors(self):
         """[why daemon i holds nothing, or None]."""
         return [None if h.held else (h.error or "not held") for h in self._holds]

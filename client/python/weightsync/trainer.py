@@ -258,6 +258,7 @@ class Trainer:
     def pause(self, mode="keep", timeout=10.0, engine_ids=()):
         mode_value = {"abort": v1.PAUSE_MODE_ABORT, "wait": v1.PAUSE_MODE_WAIT,
                       "keep": v1.PAUSE_MODE_KEEP}[mode]
+        self._liveness.hold_pauses(self._stubs)   # before any group: hold the pauses
         out = [stub.call("Pause", mode=mode_value, timeout_ms=int(timeout * 1000),
                          engine_ids=list(engine_ids)) for stub in self._stubs]
         return out[0] if len(out) == 1 else out
