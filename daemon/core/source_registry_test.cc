@@ -201,5 +201,88 @@ TEST(SourceRegistryTest, IncompleteMemoryAndUnknownIdsAreRefused) {
   EXPECT_EQ(reg.Unregister(kept->id).code(), absl::StatusCode::kNotFound);
 }
 
+// Every limit holds exactly at its edge (issue 33: the sweep found the
+// tensor-count clause passing every test): the largest allowed value is
+// accepted, one more is refused with a message naming the limit and the
+// value, and nothing is opened for a refusal.
+TEST(SourceRegistryTest, EveryLimitHoldsExactlyAtItsEdge) {
+  testing::HeapMapper mapper;
+  SourceLimits limits;
+  limits.max_tensors = 2;
+  limits.max_name_length = 3;
+  limits.max_rank = 2;
+  limits.max_allocations = 2;
+  limits.max_sources = 64;
+  SourceRegistry reg(limits);
+  auto refused = [&](const v1::RegisterSourceRequest& r, v1::MemoryKind kind,
+                     const std::string& what) {
+    const absl::Status s = reg.Register(r, mapper, kind).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << what;
+    EXPECT_NE(s.message().find(what), std::string::npos) << s;
+  };
+  ASSERT_TRUE(reg.Register(Manifest2(), mapper, kNone).ok());  // 2 tensors
+  v1::RegisterSourceRequest three = Manifest2();
+  *three.add_tensors() = three.tensors(1);
+  three.mutable_tensors(2)->set_name("c");
+  refused(three, kNone, "a source has 1 to 2 tensors; this one has 3");
+
+  v1::RegisterSourceRequest names = Manifest2();
+  names.mutable_tensors(0)->set_name("abc");  // 3 bytes: the longest
+  ASSERT_TRUE(reg.Register(names, mapper, kNone).ok());
+  names.mutable_tensors(0)->set_name("abcd");
+  refused(names, kNone, "source tensor 0 ('abcd'): a name of 4 bytes");
+  names.mutable_tensors(0)->set_name("");
+  refused(names, kNone, "source tensor 0 (''): a name of 0 bytes");
+  v1::RegisterSourceRequest rank = Manifest2();  // tensor 0 has 2 dims
+  rank.mutable_tensors(0)->add_shape(1);
+  refused(rank, kNone, "source tensor 0 ('a'): a name of 1 bytes and 3 dim");
+
+  // Allocations: 2 accepted, 3 refused; every one needs a handle and a
+  // positive size.
+  v1::RegisterSourceRequest two = WithMemory(256, 64);
+  *two.add_allocations() = two.allocations(0);
+  two.mutable_allocations(1)->set_handle(std::string(64, 'j'));
+  two.mutable_placements(1)->set_allocation(1);
+  two.mutable_placements(1)->set_offset(244);  // b's 12 bytes end at 256
+  ASSERT_TRUE(reg.Register(two, mapper, kIpc).ok());
+  v1::RegisterSourceRequest third = two;
+  *third.add_allocations() = two.allocations(0);
+  third.mutable_allocations(2)->set_handle(std::string(64, 'k'));
+  refused(third, kIpc, "1 to 2 allocations; this one has 3");
+  v1::RegisterSourceRequest empty_handle = two;
+  empty_handle.mutable_allocations(1)->clear_handle();
+  refused(empty_handle, kIpc, "source allocation 1:");
+  v1::RegisterSourceRequest zero_size = two;
+  zero_size.mutable_allocations(0)->set_size(0);
+  refused(zero_size, kIpc, "source allocation 0:");
+  v1::RegisterSourceRequest memory_no_placements = WithMemory(256, 64);
+  memory_no_placements.clear_placements();
+  refused(memory_no_placements, kIpc, "2 tensors, 0 placements");
+
+  // Placements: allocation -1 and 2 (of 2) refused; bytes that end exactly
+  // at the allocation's end accepted, one byte further refused, and an
+  // offset past the end or below 0 refused.
+  v1::RegisterSourceRequest place = two;
+  place.mutable_placements(0)->set_allocation(-1);
+  refused(place, kIpc, "source tensor 'a': allocation -1 is not one of the 2");
+  place.mutable_placements(0)->set_allocation(2);
+  refused(place, kIpc, "source tensor 'a': allocation 2 is not one of the 2");
+  v1::RegisterSourceRequest end = two;
+  end.mutable_placements(1)->set_offset(245);
+  refused(end, kIpc, "'b': bytes [245, +12) lie outside allocation 1");
+  end.mutable_placements(1)->set_offset(257);
+  refused(end, kIpc, "'b': bytes [257, +12) lie outside allocation 1");
+  end.mutable_placements(0)->set_offset(-1);
+  end.mutable_placements(1)->set_offset(0);
+  refused(end, kIpc, "'a': bytes [-1, +64) lie outside allocation 0");
+  // An empty tensor may sit at the very end (offset == size).
+  v1::RegisterSourceRequest empty_at_end = two;
+  empty_at_end.mutable_tensors(1)->set_shape(0, 0);
+  empty_at_end.mutable_placements(1)->set_offset(256);
+  ASSERT_TRUE(reg.Register(empty_at_end, mapper, kIpc).ok());
+  EXPECT_EQ(reg.size(), 4);             // the four accepted above, nothing else
+  EXPECT_EQ(mapper.opened.size(), 4u);  // only the accepted sources' memory
+}
+
 }  // namespace
 }  // namespace weightsync
