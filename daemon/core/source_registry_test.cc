@@ -280,8 +280,26 @@ TEST(SourceRegistryTest, EveryLimitHoldsExactlyAtItsEdge) {
   empty_at_end.mutable_tensors(1)->set_shape(0, 0);
   empty_at_end.mutable_placements(1)->set_offset(256);
   ASSERT_TRUE(reg.Register(empty_at_end, mapper, kIpc).ok());
-  EXPECT_EQ(reg.size(), 4);             // the four accepted above, nothing else
-  EXPECT_EQ(mapper.opened.size(), 4u);  // only the accepted sources' memory
+  // The smallest allocation, 1 byte, holds a 1-byte tensor.
+  v1::RegisterSourceRequest tiny;
+  v1::TensorSpec* x = tiny.add_tensors();
+  x->set_name("x");
+  x->set_dtype(v1::INT8);
+  x->add_shape(1);
+  v1::Allocation* one_byte = tiny.add_allocations();
+  one_byte->set_kind(v1::MEMORY_CUDA_IPC);
+  one_byte->set_handle(std::string(64, 't'));
+  one_byte->set_size(1);
+  tiny.add_placements()->set_offset(0);
+  ASSERT_TRUE(reg.Register(tiny, mapper, kIpc).ok());
+  // A tensor whose size can't be computed (a negative dimension) is
+  // refused by name, not sized from an error.
+  v1::RegisterSourceRequest negative = Manifest2();
+  negative.mutable_tensors(1)->set_shape(0, -3);
+  refused(negative, kNone, "tensor 'b'");
+  // The five accepted above and nothing else; only their memory opened.
+  EXPECT_EQ(reg.size(), 5);
+  EXPECT_EQ(mapper.opened.size(), 5u);
 }
 
 }  // namespace
