@@ -22,6 +22,9 @@ TEST(NcclVersionTest, DecodesBothEncodings) {
   EXPECT_EQ(NcclVersionString(2804), "2.8.4");  // before 2.9: X*1000+Y*100+Z
   EXPECT_EQ(NcclVersionString(0), "unknown");
   EXPECT_EQ(DecodeNcclVersion(30001).major, 3);
+  // The encodings meet at 10000 (2.9's new one starts at X*10000).
+  EXPECT_EQ(NcclVersionString(10000), "1.0.0");
+  EXPECT_EQ(NcclVersionString(9999), "9.9.99");
 }
 
 TEST(NcclVersionTest, MajorMinorMustAgreeUnlessAllowedOrUnknown) {
@@ -37,6 +40,8 @@ TEST(NcclVersionTest, MajorMinorMustAgreeUnlessAllowedOrUnknown) {
   EXPECT_THAT(minor.message(), HasSubstr("--allow_nccl_version_mismatch"));
   EXPECT_EQ(CheckNcclVersions(2804, 22809, false).code(),
             absl::StatusCode::kFailedPrecondition);  // old encoding, 2.8
+  EXPECT_EQ(CheckNcclVersions(32809, 22809, false).code(),
+            absl::StatusCode::kFailedPrecondition);  // same minor, 3 vs 2
   EXPECT_EQ(CheckNcclVersions(-1, 22809, false).code(),
             absl::StatusCode::kInvalidArgument);
 }

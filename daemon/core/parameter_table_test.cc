@@ -162,6 +162,16 @@ TEST(ParameterTableTest, RowsServeBackAsTheMessagesTheyStandFor) {
   AppendParameterMessages(**layout, 4, &served);
   ASSERT_EQ(served.size(), 2);
   EXPECT_EQ(served[0].name(), "experts.1.w");
+  // The last one alone, and none from the end or past it.
+  const int n = static_cast<int>((*layout)->parameters.size());
+  served.Clear();
+  AppendParameterMessages(**layout, n - 1, &served);
+  ASSERT_EQ(served.size(), 1);
+  EXPECT_EQ(served[0].SerializeAsString(),
+            messages.parameters(n - 1).SerializeAsString());
+  AppendParameterMessages(**layout, n, &served);
+  AppendParameterMessages(**layout, n + 3, &served);
+  EXPECT_EQ(served.size(), 1);
 }
 
 TEST(ParameterTableTest, MixesWithMessagesRowsAfterThem) {

@@ -67,12 +67,20 @@ class CallLimits {
     return refused_[static_cast<int>(kind)].load();
   }
 
+  // (kind, peer) pairs with a place taken now: each is forgotten when its
+  // last place is given back, so the table does not grow with every peer
+  // the daemon ever saw.
+  int tracked() const {
+    absl::MutexLock lock(&mu_);
+    return static_cast<int>(open_.size());
+  }
+
  private:
   void Leave(Kind kind, const std::string& peer);
 
   const CallLimitOptions options_;
   std::atomic<int64_t> refused_[3] = {};
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   // Open places by (kind, peer); entries at zero are erased.
   absl::flat_hash_map<std::string, int> open_ ABSL_GUARDED_BY(mu_);
   int engine_reads_ ABSL_GUARDED_BY(mu_) = 0;

@@ -51,5 +51,32 @@ TEST(CallLimitsTest, EngineReadsAreCappedForAllPeersTogether) {
   EXPECT_TRUE(limits.Enter(CallLimits::Kind::kEngineRead, "uid 2").ok());
 }
 
+// A peer's count goes down by one per place given back, to zero and no
+// further, and a peer with nothing open is forgotten; a ticket moved onto
+// itself keeps its place.
+TEST(CallLimitsTest, PlacesAreCountedBackExactly) {
+  CallLimits limits({/*max_calls_per_peer=*/2, 1, 1});
+  auto a = limits.Enter(CallLimits::Kind::kCall, "uid 7");
+  auto b = limits.Enter(CallLimits::Kind::kCall, "uid 7");
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(limits.tracked(), 1);
+  *a = CallLimits::Ticket();  // one given back: one still open
+  auto c = limits.Enter(CallLimits::Kind::kCall, "uid 7");
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(limits.Enter(CallLimits::Kind::kCall, "uid 7").status().code(),
+            absl::StatusCode::kResourceExhausted);  // b and c: the cap
+  CallLimits::Ticket& self = *c;
+  *c = std::move(self);  // a self-move keeps the place
+  EXPECT_EQ(limits.Enter(CallLimits::Kind::kCall, "uid 7").status().code(),
+            absl::StatusCode::kResourceExhausted);
+  *b = CallLimits::Ticket();
+  *c = CallLimits::Ticket();
+  EXPECT_EQ(limits.tracked(), 0);  // nothing open: forgotten
+  auto d = limits.Enter(CallLimits::Kind::kCall, "uid 7");
+  auto e = limits.Enter(CallLimits::Kind::kCall, "uid 7");
+  EXPECT_TRUE(d.ok() && e.ok());
+  EXPECT_EQ(limits.tracked(), 1);
+}
+
 }  // namespace
 }  // namespace weightsync
