@@ -54,6 +54,21 @@ TEST(ShmReaperTest, RemovesTheObjectsOfAProcessThatDied) {
   waitpid(child, nullptr, 0);
 }
 
+// A process already reaped (no /proc entry left, kill says ESRCH) is gone
+// too, and each of its objects is removed.
+TEST(ShmReaperTest, RemovesTheObjectsOfAProcessAlreadyReaped) {
+  ShmReaper reaper;
+  const std::string a = MakeShm("reaped-a");
+  const std::string b = MakeShm("reaped-b");
+  const pid_t child = fork();
+  if (child == 0) _exit(0);
+  waitpid(child, nullptr, 0);
+  reaper.UnlinkWhenGone(child, geteuid(), {a, b});
+  EXPECT_TRUE(WaitGone(a, absl::Seconds(5)));
+  EXPECT_TRUE(WaitGone(b, absl::Seconds(5)));
+  EXPECT_EQ(reaper.unlinked(), 2);
+}
+
 TEST(ShmReaperTest, KeepsTheObjectsOfALiveProcessAndOfOtherOwners) {
   ShmReaper reaper(absl::Milliseconds(300));
   const std::string alive = MakeShm("alive");
