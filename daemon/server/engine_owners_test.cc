@@ -13,6 +13,9 @@ constexpr PeerCred kOwner{100, 1000, 1000};
 constexpr PeerCred kSameUser{101, 1000, 1000};
 constexpr PeerCred kOtherUser{200, 2000, 2000};
 constexpr PeerCred kRoot{1, 0, 0};
+// The owner's pid number in another pid namespace (every sandboxed test
+// process is pid 12): the same pid says nothing without the same uid.
+constexpr PeerCred kSamePidOtherUser{100, 2000, 2000};
 const std::optional<PeerCred> kTcp;  // no credentials
 
 // Which of (Control, Unregister, Register again, Check) `caller` may do to
@@ -38,6 +41,7 @@ TEST(EngineOwnersTest, TheSecurityTable) {
   EXPECT_EQ(Rights(kOwner, kOwner), "CURK");
   EXPECT_EQ(Rights(kOwner, kSameUser), "--RK");
   EXPECT_EQ(Rights(kOwner, kOtherUser), "----");
+  EXPECT_EQ(Rights(kOwner, kSamePidOtherUser), "----");
   EXPECT_EQ(Rights(kOwner, kRoot), "-URK");
   EXPECT_EQ(Rights(kOwner, kTcp), "----");
   EXPECT_EQ(Rights(kTcp, kTcp), "CURK");
@@ -57,6 +61,10 @@ TEST(EngineOwnersTest, TheRefusalNamesEngineOwnerAndCaller) {
   EXPECT_EQ(s.message(),
             "engine 'e' belongs to uid 1000 pid 100, which registered it; "
             "uid 2000 pid 200 may not open its control stream "
+            "(docs/security.md)");
+  EXPECT_EQ(owners.Check("e", kTcp, Action::kCheck).message(),
+            "engine 'e' belongs to uid 1000 pid 100, which registered it; "
+            "a caller without credentials (TCP) may not check it "
             "(docs/security.md)");
 }
 
