@@ -203,6 +203,22 @@ class LivenessTest : public DaemonTest {
     EXPECT_EQ(StatusOf("a").version(), version);
   }
 
+  // Engine "a" paused by a trainer process that formed no group, the idle
+  // deadline 5 min (only the trainer's hold can end the pause sooner);
+  // another_holds: this process holds a group of its own first.
+  void PauseByGrouplessTrainer(bool another_holds) {
+    core_options_.update_idle_timeout = absl::Minutes(5);
+    RestartCore();
+    AddEngine("a");
+    if (another_holds) {
+      v1::InitWeightTransferRequest init;
+      init.set_backend(v1::BACKEND_HOST);
+      ASSERT_TRUE(trainer_->InitWeightTransfer(init).ok());
+    }
+    SpawnTrainer("host", "pause_nogroup");
+    ASSERT_EQ(StatusOf("a").state(), v1::ENGINE_PAUSED);
+  }
+
   pid_t child_ = -1;
   FILE* out_ = nullptr;
 };
@@ -248,11 +264,7 @@ TEST_F(LivenessTest, TrainerKilledAfterPauseResumesItsEngines) {
 // (an empty group id): killed, its pauses end within a second, not at the
 // idle deadline (here 5 min); alive but gone quiet, they still last.
 TEST_F(LivenessTest, GrouplessTrainerKilledAfterPauseResumesItsEngines) {
-  core_options_.update_idle_timeout = absl::Minutes(5);
-  RestartCore();
-  AddEngine("a");
-  SpawnTrainer("host", "pause_nogroup");
-  ASSERT_EQ(StatusOf("a").state(), v1::ENGINE_PAUSED);
+  ASSERT_NO_FATAL_FAILURE(PauseByGrouplessTrainer(/*another_holds=*/false));
   absl::SleepFor(absl::Milliseconds(300));  // a live holder: still paused
   EXPECT_EQ(StatusOf("a").state(), v1::ENGINE_PAUSED);
   const double s = Kill();
@@ -265,14 +277,7 @@ TEST_F(LivenessTest, GrouplessTrainerKilledAfterPauseResumesItsEngines) {
 // resumes nothing: pauses are not attributed to trainers, and the living
 // one may have made them (the idle deadline still ends an orphaned one).
 TEST_F(LivenessTest, GrouplessTrainerGoneResumesNothingWhileAnotherHolds) {
-  core_options_.update_idle_timeout = absl::Minutes(5);
-  RestartCore();
-  AddEngine("a");
-  v1::InitWeightTransferRequest init;
-  init.set_backend(v1::BACKEND_HOST);
-  ASSERT_TRUE(trainer_->InitWeightTransfer(init).ok());  // holds the group
-  SpawnTrainer("host", "pause_nogroup");
-  ASSERT_EQ(StatusOf("a").state(), v1::ENGINE_PAUSED);
+  ASSERT_NO_FATAL_FAILURE(PauseByGrouplessTrainer(/*another_holds=*/true));
   EXPECT_EQ(Kill(absl::Seconds(1.5)), -1);  // the engine stays paused
   EXPECT_EQ(StatusOf("a").state(), v1::ENGINE_PAUSED);
 }

@@ -116,6 +116,7 @@ class Trainer:
             lambda i, stub: stub.call("InitWeightTransfer", backend=v1.BACKEND_HOST))
         self._close_sharded()
         self._backend = "host"
+        self.prepared = False
         self._host_stream.reset()    # a new group keeps no sources
         self._host_sources.reset()
         ids = [r.group_id for r in results]
@@ -161,6 +162,7 @@ class Trainer:
                                             timeout_ms)
         self._liveness.replace(self._stubs, groups)
         self._backend = "nccl"
+        self.prepared = False   # init_ipc(tensors=...) registered for another group
         self.warmed = _warm.warm_receipts(self._stub, self._gpu.gpu.device,
                                           self._link.remember_layout)
         return groups
