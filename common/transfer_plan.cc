@@ -1,16 +1,18 @@
 #include "common/transfer_plan.h"
 
 #include <algorithm>
-#include <cinttypes>
-#include <cstdio>
+#include <array>
+#include <cstdint>
 #include <tuple>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/dtype.h"
+#include "common/sha256.h"
 
 namespace weightsync {
 namespace {
@@ -392,13 +394,6 @@ void Merge(std::vector<PlanPiece>* pieces) {
       [&](const PlanPiece& a, const PlanPiece& b) { return key(a) < key(b); });
 }
 
-void Fnv(uint64_t* h, const std::string& s) {
-  for (unsigned char ch : s) {
-    *h ^= ch;
-    *h *= 0x100000001b3ULL;
-  }
-}
-
 std::string BlockText(const char* tag, const v1::TensorBlock& b) {
   return absl::StrCat(tag, " ", b.tensor().size(), ":", b.tensor(), " ",
                       b.row_begin(), " ", b.row_count(), " ", b.col_begin(),
@@ -408,27 +403,27 @@ std::string BlockText(const char* tag, const v1::TensorBlock& b) {
 }  // namespace
 
 std::string TransferPlanId(const v1::TransferPlanSpec& spec) {
-  uint64_t h = 0xcbf29ce484222325ULL;
-  Fnv(&h, absl::StrCat("weightsync transfer plan ", kTransferPlanSpecVersion,
-                       "\n"));
+  Sha256 h;
+  h.Update(absl::StrCat("weightsync transfer plan ", kTransferPlanSpecVersion,
+                        "\n"));
   for (const v1::TensorSpec& t : spec.tensors()) {
-    Fnv(&h,
-        absl::StrCat("T ", t.name().size(), ":", t.name(), " ",
-                     static_cast<int>(t.dtype()), " ",
-                     absl::StrJoin(t.shape(), ","), " ", t.sparse_nnz(), "\n"));
+    h.Update(absl::StrCat(
+        "T ", t.name().size(), ":", t.name(), " ", static_cast<int>(t.dtype()),
+        " ", absl::StrJoin(t.shape(), ","), " ", t.sparse_nnz(), "\n"));
   }
   for (int s = 0; s < spec.senders_size(); ++s) {
-    Fnv(&h, absl::StrCat("S ", s, "\n"));
-    for (const auto& b : spec.senders(s).holds()) Fnv(&h, BlockText("H", b));
+    h.Update(absl::StrCat("S ", s, "\n"));
+    for (const auto& b : spec.senders(s).holds()) h.Update(BlockText("H", b));
   }
   for (int r = 0; r < spec.receivers_size(); ++r) {
     const std::string& n = spec.receivers(r).name();
-    Fnv(&h, absl::StrCat("R ", r, " ", n.size(), ":", n, "\n"));
-    for (const auto& b : spec.receivers(r).needs()) Fnv(&h, BlockText("N", b));
+    h.Update(absl::StrCat("R ", r, " ", n.size(), ":", n, "\n"));
+    for (const auto& b : spec.receivers(r).needs()) h.Update(BlockText("N", b));
   }
-  char hex[17];
-  std::snprintf(hex, sizeof(hex), "%016" PRIx64, h);
-  return absl::StrCat("tp", kTransferPlanSpecVersion, "-", hex);
+  const std::array<uint8_t, 32> digest = h.Final();
+  return absl::StrCat("tp", kTransferPlanSpecVersion, "-",
+                      absl::BytesToHexString(absl::string_view(
+                          reinterpret_cast<const char*>(digest.data()), 8)));
 }
 
 absl::StatusOr<TransferPlan> BuildTransferPlan(

@@ -27,8 +27,9 @@
 
 namespace weightsync {
 
-// Version of docs/transfer_plan.md; part of every plan id.
-inline constexpr int kTransferPlanSpecVersion = 1;
+// Version of docs/transfer_plan.md; part of every plan id. 2: the id is
+// SHA-256 of the canonical text, not FNV-1a 64.
+inline constexpr int kTransferPlanSpecVersion = 2;
 
 // Bounds on untrusted declarations (a spec arrives over gRPC).
 struct TransferPlanLimits {
@@ -86,7 +87,7 @@ struct TransferPlan {
 absl::StatusOr<TransferPlan> BuildTransferPlan(
     const v1::TransferPlanSpec& spec, const TransferPlanLimits& limits = {});
 
-// The plan id of `spec`: FNV-1a 64 of its canonical text
+// The plan id of `spec`: the first 8 bytes of the SHA-256 of its canonical text
 // (docs/transfer_plan.md, "Plan id"). Equal specs give equal ids in every
 // language.
 std::string TransferPlanId(const v1::TransferPlanSpec& spec);

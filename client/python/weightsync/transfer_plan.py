@@ -20,6 +20,7 @@ rank holds. Standard library only; `build_plan` is a pure function.
 """
 
 import fnmatch
+import hashlib
 import json
 import sys
 
@@ -43,7 +44,7 @@ __all__ = [
     "link_manifest",
 ]
 
-SPEC_VERSION = 1
+SPEC_VERSION = 2  # 2: the plan id is SHA-256, not FNV-1a 64
 _MAX_BYTES = 2**62
 _MAX_CELLS_PER_TENSOR = 2**22
 
@@ -177,12 +178,6 @@ class Plan:
         return [self.pieces[k] for k in self.links[sender][receiver]]
 
 
-def _fnv(h, text):
-    for ch in text.encode("utf-8"):
-        h = ((h ^ ch) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
-    return h
-
-
 def _dtype_number(dtype):
     if isinstance(dtype, int) and not isinstance(dtype, bool):
         return dtype
@@ -219,24 +214,25 @@ def _block_tuple(b):
 
 
 def plan_id(spec):
-    """FNV-1a 64 of the spec's canonical text (docs/transfer_plan.md)."""
-    h = _fnv(0xCBF29CE484222325, f"weightsync transfer plan {SPEC_VERSION}\n")
+    """The first 8 bytes of the SHA-256 of the spec's canonical text, in hex
+    (docs/transfer_plan.md)."""
+    h = hashlib.sha256(f"weightsync transfer plan {SPEC_VERSION}\n".encode())
     for t in _get(spec, "tensors", default=[]):
         name = _get(t, "name", default="")
         shape = ",".join(str(int(d)) for d in _get(t, "shape", default=[]))
         nnz = int(_get(t, "sparse_nnz", "sparseNnz", 0))
-        h = _fnv(h, f"T {len(name.encode())}:{name} {_dtype_number(_get(t, 'dtype'))} "
-                    f"{shape} {nnz}\n")
+        h.update(f"T {len(name.encode())}:{name} {_dtype_number(_get(t, 'dtype'))} "
+                 f"{shape} {nnz}\n".encode())
     for s, sender in enumerate(_get(spec, "senders", default=[])):
-        h = _fnv(h, f"S {s}\n")
-        for b in _blocks(sender, "holds"):
-            h = _fnv(h, _block_text("H", _block_tuple(b)))
+        h.update(f"S {s}\n".encode())
+        h.update("".join(_block_text("H", _block_tuple(b))
+                         for b in _blocks(sender, "holds")).encode())
     for r, receiver in enumerate(_get(spec, "receivers", default=[])):
         name = _get(receiver, "name", default="")
-        h = _fnv(h, f"R {r} {len(name.encode())}:{name}\n")
-        for b in _blocks(receiver, "needs"):
-            h = _fnv(h, _block_text("N", _block_tuple(b)))
-    return f"tp{SPEC_VERSION}-{h:016x}"
+        h.update(f"R {r} {len(name.encode())}:{name}\n".encode())
+        h.update("".join(_block_text("N", _block_tuple(b))
+                         for b in _blocks(receiver, "needs")).encode())
+    return f"tp{SPEC_VERSION}-{h.hexdigest()[:16]}"
 
 
 def _block_text(tag, b):
