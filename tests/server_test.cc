@@ -14,13 +14,16 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <limits>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "backends/host/shm_memory.h"
 #include "client/engine_client.h"
 #include "client/host_arena.h"
@@ -467,6 +470,57 @@ TEST_F(ServerTest, CheckReadsAnEnginesWeightsAsAReceipt) {
   auto v2 = trainer_->CheckEngine("plain");
   ASSERT_TRUE(v2.ok());
   EXPECT_EQ(v2->version(), 2);
+}
+
+// Checks of one engine that arrive while a read of it runs wait for that
+// read and share its receipt (issue 35: N readers cost one read); a check
+// after it reads again and sees what changed since.
+TEST_F(ServerTest, ConcurrentChecksOfOneEngineShareOneRead) {
+  AddEngine("plain");
+  Init();
+  auto t = Tensors(1);
+  ASSERT_TRUE(trainer_->Update(StartRequest(1, t), t).ok());
+  absl::Mutex mu;
+  int reads = 0;
+  bool release = false;
+  core_->set_engine_read_runner([&](const std::function<void()>& read) {
+    absl::MutexLock lock(&mu);
+    ++reads;
+    mu.Await(absl::Condition(&release));
+    read();
+  });
+  // The engine's server limits two reads at once: two callers.
+  std::vector<absl::StatusOr<v1::CheckEngineResponse>> got(2);
+  std::vector<std::thread> callers;
+  for (int i = 0; i < 2; ++i) {
+    callers.emplace_back([&, i] { got[i] = trainer_->CheckEngine("plain"); });
+  }
+  {
+    absl::MutexLock lock(&mu);
+    mu.Await(absl::Condition(
+        +[](int* n) { return *n >= 1; }, &reads));
+  }
+  absl::SleepFor(absl::Milliseconds(300));  // the second caller joins
+  {
+    absl::MutexLock lock(&mu);
+    EXPECT_EQ(reads, 1) << "the second check read on its own";
+    release = true;
+  }
+  for (auto& c : callers) c.join();
+  ASSERT_TRUE(got[0].ok()) << got[0].status();
+  ASSERT_TRUE(got[1].ok()) << got[1].status();
+  EXPECT_EQ(got[0]->receipt().checksum(), got[1]->receipt().checksum());
+  EXPECT_EQ(got[0]->version(), 1);
+  // Done: the next check reads the memory again.
+  uint8_t* mem = const_cast<uint8_t*>(arenas_[0]->region().data());
+  const int64_t at = arenas_[0]->parameters()[0].offset();
+  mem[at] ^= 0x01;
+  auto after = trainer_->CheckEngine("plain");
+  mem[at] ^= 0x01;
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_NE(after->receipt().checksum(), got[0]->receipt().checksum());
+  absl::MutexLock lock(&mu);
+  EXPECT_EQ(reads, 2);
 }
 
 // A sparse patch of `name` (float32): every 97th element gets a new value.

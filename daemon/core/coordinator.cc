@@ -428,6 +428,8 @@ absl::StatusOr<v1::CheckEngineResponse> Coordinator::CheckEngine(
     const v1::CheckEngineRequest& request) {
   const std::string& id = request.engine_id();
   std::shared_ptr<const EngineLayout> layout;
+  std::shared_ptr<EngineRead> mine,
+      joined;  // the read this call runs or waits for
   v1::CheckEngineResponse response;
   response.set_engine_id(id);
   auto busy = [&](const EngineRecord& r) -> absl::Status {
@@ -455,23 +457,53 @@ absl::StatusOr<v1::CheckEngineResponse> Coordinator::CheckEngine(
     const v1::EngineStatus status = EngineStatusLocked(id, it->second);
     response.set_version(status.version());
     response.set_state(status.state());
+    std::shared_ptr<EngineRead>& slot = engine_reads_[id];
+    if (slot == nullptr) {
+      slot = std::make_shared<EngineRead>();
+      slot->layout = layout.get();
+      slot->version = response.version();
+      mine = slot;
+    } else if (slot->layout == layout.get() &&
+               slot->version == response.version()) {
+      joined = slot;
+    }  // else a read of what the engine was still runs: read on our own
   }
-  absl::flat_hash_set<std::string> sources;
-  for (const auto& [source, uses] : layout->uses_by_source) {
-    sources.emplace(source);
-  }
-  const absl::Time t0 = absl::Now();
   absl::StatusOr<v1::Receipt> receipt;
-  const auto read = [&] { receipt = ComputeReceipt(*layout, sources); };
-  if (engine_read_runner_) {
-    engine_read_runner_(read);
+  double seconds = 0;
+  if (joined != nullptr) {
+    joined->done.WaitForNotification();
+    receipt = joined->receipt;
+    seconds = joined->seconds;
   } else {
-    read();
-  }
-  if (receipt.status().code() == absl::StatusCode::kUnimplemented) {
-    // GPU memory: the GPU worker reads it.
-    receipt = mapper_->DeviceReceipt(*layout, sources,
-                                     absl::Now() + options_.finish_timeout);
+    absl::flat_hash_set<std::string> sources;
+    for (const auto& [source, uses] : layout->uses_by_source) {
+      sources.emplace(source);
+    }
+    const absl::Time t0 = absl::Now();
+    const auto read = [&] { receipt = ComputeReceipt(*layout, sources); };
+    if (engine_read_runner_) {
+      engine_read_runner_(read);
+    } else {
+      read();
+    }
+    if (receipt.status().code() == absl::StatusCode::kUnimplemented) {
+      // GPU memory: the GPU worker reads it.
+      receipt = mapper_->DeviceReceipt(*layout, sources,
+                                       absl::Now() + options_.finish_timeout);
+    }
+    seconds = absl::ToDoubleSeconds(absl::Now() - t0);
+    if (mine != nullptr) {
+      mine->receipt = receipt;
+      mine->seconds = seconds;
+      {
+        absl::MutexLock lock(&mu_);
+        auto it = engine_reads_.find(id);
+        if (it != engine_reads_.end() && it->second == mine) {
+          engine_reads_.erase(it);
+        }
+      }
+      mine->done.Notify();
+    }
   }
   if (!receipt.ok()) {
     if (AnyRegionFaulted(*layout)) {
@@ -482,7 +514,7 @@ absl::StatusOr<v1::CheckEngineResponse> Coordinator::CheckEngine(
         receipt.status().code(),
         absl::StrCat("engine '", id, "': ", receipt.status().message()));
   }
-  response.set_seconds(absl::ToDoubleSeconds(absl::Now() - t0));
+  response.set_seconds(seconds);
   *response.mutable_receipt() = *std::move(receipt);
   absl::MutexLock lock(&mu_);
   auto it = engines_.find(id);

@@ -37,6 +37,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "daemon/core/copy_plan.h"
 #include "daemon/core/data_plane.h"
@@ -598,6 +599,20 @@ class Coordinator {
   int32_t rank_offset_ ABSL_GUARDED_BY(mu_) = 0;
   UpdateListener listener_;
   ReadRunner engine_read_runner_;
+  // A whole-engine read in flight (CheckEngine). Callers that ask for the
+  // same engine, layout and version while it runs wait for it and share its
+  // receipt: N readers hammering one engine cost one read at a time, not N
+  // (issue 35). Each caller still checks, after it, that the engine did not
+  // change while it was read.
+  struct EngineRead {
+    const EngineLayout* layout = nullptr;
+    int64_t version = 0;
+    absl::Notification done;
+    absl::StatusOr<v1::Receipt> receipt;  // set before done
+    double seconds = 0;
+  };
+  absl::flat_hash_map<std::string, std::shared_ptr<EngineRead>> engine_reads_
+      ABSL_GUARDED_BY(mu_);
   EngineExpiredListener expired_listener_;
   std::shared_ptr<DataPlane> data_plane_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<Update> update_ ABSL_GUARDED_BY(mu_);
