@@ -1,14 +1,20 @@
 #include "backends/cuda/gpu_worker.h"
 
+#include <malloc.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
+#include <fstream>
+#include <string>
 #include <utility>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "backends/cuda/cuda_status.h"
 #include "backends/cuda/gpu_uuid.h"
 #include "common/grpc_status.h"
@@ -262,10 +268,7 @@ grpc::Status GpuWorker::InitGroup(grpc::ServerContext* ctx,
   std::memcpy(&id, request->nccl_unique_id().data(), sizeof(id));
   return ToGrpcStatus(owner_.Run(
       [&, id]() mutable -> absl::Status {
-        if (comm_ != nullptr) {  // a new group replaces the old one
-          ncclCommAbort(comm_);
-          comm_ = nullptr;
-        }
+        DropCommunicator();  // a new group replaces the old one
         update_active_ = false;
         enqueue_timeout_ = request->timeout_ms() > 0
                                ? absl::Milliseconds(request->timeout_ms())
@@ -309,6 +312,40 @@ absl::Status GpuWorker::WaitComm(absl::Time deadline) {
     absl::SleepFor(absl::Microseconds(200));
   }
   return absl::OkStatus();
+}
+
+namespace {
+
+// VmRSS of this process in KiB (/proc/self/status), or -1.
+int64_t RssKib() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    int64_t kib;
+    if (absl::StartsWith(line, "VmRSS:") &&
+        absl::SimpleAtoi(absl::StripAsciiWhitespace(absl::StripSuffix(
+                             absl::StripPrefix(line, "VmRSS:"), "kB")),
+                         &kib)) {
+      return kib;
+    }
+  }
+  return -1;
+}
+
+}  // namespace
+
+void GpuWorker::DropCommunicator() {
+  if (comm_ == nullptr) return;
+  // May hang when a peer vanished: the daemon's deadline catches it and
+  // kills this process.
+  ncclCommAbort(comm_);
+  comm_ = nullptr;
+  comm_ready_ = false;
+  const int64_t before = RssKib();
+  malloc_trim(0);
+  LOG(INFO) << "event=nccl.comm_released: communicator aborted; RSS "
+            << before / 1024 << " MiB, " << RssKib() / 1024
+            << " MiB after returning freed heap";
 }
 
 absl::Status GpuWorker::EnsureStreams() {

@@ -626,13 +626,7 @@ grpc::Status GpuWorker::AbortUpdate(grpc::ServerContext* ctx,
         update_active_ = false;
         staged_pending_ = false;
         CloseIpcSource();
-        if (comm_ != nullptr) {
-          // May hang when a peer vanished: the daemon's deadline catches it
-          // and kills this process.
-          ncclCommAbort(comm_);
-          comm_ = nullptr;
-          comm_ready_ = false;
-        }
+        DropCommunicator();
         if (scatter_stream_ != nullptr) {
           WS_CUDA(cudaStreamSynchronize(scatter_stream_));
           WS_CUDA(cudaStreamSynchronize(recv_stream_));
