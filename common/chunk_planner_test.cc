@@ -126,5 +126,45 @@ TEST(ChunkPlannerTest, AnUpdatePast2To62BytesIsRefusedNamingTheTensor) {
             "tensor 'one_more' takes the update past 2^62 bytes");
 }
 
+// 4-byte sparse indices address at most 2^32 elements (0 .. 2^32 - 1): a
+// tensor of exactly 2^32 takes them, one element more is refused.
+TEST(ChunkPlannerTest, FourByteIndicesHoldExactly2To32Elements) {
+  Manifest m;
+  v1::TensorSpec* t = m.Add();
+  t->set_name("t");
+  t->set_dtype(v1::UINT8);
+  t->add_shape(int64_t{1} << 32);
+  t->set_sparse_nnz(10);
+  t->set_sparse_index_bytes(4);
+  absl::StatusOr<ChunkPlan> plan = PlanChunks(m, 4096);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->payload_bytes[0], 10 * (4 + 1));
+  m.Mutable(0)->set_shape(0, (int64_t{1} << 32) + 1);
+  plan = PlanChunks(m, 4096);
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(plan.status().message().find("at most 2^32 elements"),
+            std::string::npos)
+      << plan.status();
+}
+
+// An update of exactly kMaxChunks chunks is planned; one chunk more is
+// refused before anything is allocated.
+TEST(ChunkPlannerTest, AtMostKMaxChunksChunks) {
+  Manifest m;
+  v1::TensorSpec* t = m.Add();
+  t->set_name("t");
+  t->set_dtype(v1::UINT8);
+  t->add_shape(kMaxChunks * kChunkAlignment);
+  absl::StatusOr<ChunkPlan> plan = PlanChunks(m, kChunkAlignment);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(static_cast<int64_t>(plan->chunks.size()), kMaxChunks);
+  m.Mutable(0)->set_shape(0, kMaxChunks * kChunkAlignment + 1);
+  plan = PlanChunks(m, kChunkAlignment);
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(plan.status().message().find("use larger chunks"),
+            std::string::npos)
+      << plan.status();
+}
+
 }  // namespace
 }  // namespace weightsync

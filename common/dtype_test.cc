@@ -1,7 +1,9 @@
 #include "common/dtype.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -69,6 +71,100 @@ TEST(DTypeTest, NumElementsRejectsNegativeAndHuge) {
   EXPECT_FALSE(NumElements({1LL << 40, 1LL << 40}, v1::FLOAT32, "x").ok());
   absl::StatusOr<int64_t> bad = NumElements({2}, v1::DTYPE_UNSPECIFIED, "w");
   EXPECT_NE(bad.status().message().find("w"), std::string::npos);
+}
+
+// float -> half against a reference written another way: the nearest of
+// the finite halves (their values from HalfToFloat, exact in double), ties
+// to the even one, and infinity from 65520 (half way past the largest
+// half, 65504) up. Tried at every half, at every midpoint between two
+// neighbours and one float ulp either side of it, both signs: every
+// rounding edge of the normal and subnormal ranges.
+uint16_t ReferenceHalf(float f) {
+  static const std::vector<double> values = [] {
+    std::vector<double> v;
+    for (uint32_t h = 0; h <= 0x7BFF; ++h) {
+      v.push_back(HalfToFloat(static_cast<uint16_t>(h)));
+    }
+    return v;
+  }();
+  const uint16_t sign = std::signbit(f) ? 0x8000 : 0;
+  const double x = std::fabs(static_cast<double>(f));
+  if (x >= 65520.0) return sign | 0x7C00;
+  const size_t hi = std::lower_bound(values.begin(), values.end(), x) -
+                    values.begin();               // values[hi] >= x
+  if (hi == values.size()) return sign | 0x7BFF;  // (65504, 65520)
+  if (values[hi] == x || hi == 0) return sign | static_cast<uint16_t>(hi);
+  const double up = values[hi] - x, down = x - values[hi - 1];
+  if (up < down || (up == down && hi % 2 == 0)) {
+    return sign | static_cast<uint16_t>(hi);
+  }
+  return sign | static_cast<uint16_t>(hi - 1);
+}
+
+TEST(DTypeTest, HalfRoundsToNearestEvenAtEveryEdge) {
+  int tried = 0;
+  for (uint32_t h = 0; h < 0x7BFF; ++h) {
+    const double lo = HalfToFloat(static_cast<uint16_t>(h));
+    const double hi = HalfToFloat(static_cast<uint16_t>(h + 1));
+    const float mid = static_cast<float>((lo + hi) / 2);  // exact in float
+    for (float f : {static_cast<float>(lo), mid, std::nextafter(mid, 0.0f),
+                    std::nextafter(mid, 1e9f)}) {
+      for (float g : {f, -f}) {
+        ASSERT_EQ(FloatToHalf(g), ReferenceHalf(g))
+            << std::hexfloat << g << " (half " << std::hex << h << ")";
+        ++tried;
+      }
+    }
+  }
+  // The overflow edge, the underflow edge (2^-25 is half way to the
+  // smallest subnormal, 2^-24: ties to 0), and below.
+  for (float f : {65504.0f, 65519.996f, 65520.0f, 1e9f, std::ldexp(1.0f, -25),
+                  std::nextafter(std::ldexp(1.0f, -25), 1.0f),
+                  std::nextafter(std::ldexp(1.0f, -25), 0.0f),
+                  std::ldexp(1.0f, -24), std::ldexp(1.0f, -14),
+                  std::nextafter(std::ldexp(1.0f, -14), 0.0f), 1e-30f}) {
+    for (float g : {f, -f}) {
+      EXPECT_EQ(FloatToHalf(g), ReferenceHalf(g)) << std::hexfloat << g;
+    }
+  }
+  EXPECT_GT(tried, 200000);
+  // Infinity stays infinite; NaN stays NaN (quiet), its sign kept.
+  EXPECT_EQ(FloatToHalf(INFINITY), 0x7C00);
+  EXPECT_EQ(FloatToHalf(-INFINITY), 0xFC00);
+  EXPECT_EQ(FloatToHalf(NAN) & 0x7E00, 0x7E00);
+  EXPECT_EQ(FloatToHalf(std::numeric_limits<float>::max()), 0x7C00);
+}
+
+// A NaN whose payload sits in the bits bfloat16 drops (0x7F800001) is
+// still a NaN, not rounded up into infinity.
+TEST(DTypeTest, Bf16KeepsNaNsWithLowPayloads) {
+  for (uint32_t bits : {0x7F800001u, 0xFF800001u, 0x7F80FFFFu, 0x7FC00000u}) {
+    float f;
+    std::memcpy(&f, &bits, 4);
+    EXPECT_TRUE(std::isnan(Bf16ToFloat(FloatToBf16(f)))) << std::hex << bits;
+  }
+}
+
+// Unknown dtypes convert to nothing, not even themselves.
+TEST(DTypeTest, UnknownDtypesDoNotConvert) {
+  EXPECT_FALSE(CanConvert(v1::DTYPE_UNSPECIFIED, v1::DTYPE_UNSPECIFIED));
+  EXPECT_FALSE(CanConvert(static_cast<v1::DType>(99), v1::FLOAT32));
+}
+
+// A zero dimension is an empty tensor; the 2^62-byte bound is exact: a
+// shape of exactly 2^62 bytes passes, one row more is refused.
+TEST(DTypeTest, NumElementsBoundsAreExact) {
+  EXPECT_EQ(*NumElements({0, 5}, v1::FLOAT32, "x"), 0);
+  EXPECT_EQ(*NumElements({5, 0}, v1::FLOAT32, "x"), 0);
+  EXPECT_EQ(
+      *NumElements({int64_t{1} << 30, int64_t{1} << 30}, v1::FLOAT32, "x"),
+      int64_t{1} << 60);
+  EXPECT_FALSE(
+      NumElements({(int64_t{1} << 30) + 1, int64_t{1} << 30}, v1::FLOAT32, "x")
+          .ok());
+  EXPECT_EQ(*NumElements({int64_t{1} << 60}, v1::FLOAT32, "x"),
+            int64_t{1} << 60);
+  EXPECT_FALSE(NumElements({(int64_t{1} << 60) + 1}, v1::FLOAT32, "x").ok());
 }
 
 }  // namespace

@@ -58,9 +58,13 @@ void View(const v1::TensorSpec& t, int64_t* rows, int64_t* cols) {
                cols);
 }
 
-// The spec of `senders` trainer ranks (row shards, or `replicas` whole
-// copies) and one receiver that needs what `engines` use.
-v1::TransferPlanSpec Spec(const Manifest& manifest, int senders, bool replicas,
+// How the trainer ranks hold each tensor: row shards (torch.chunk's cut),
+// column shards, or whole copies.
+enum class Split { kRows, kCols, kReplicas };
+
+// The spec of `senders` trainer ranks holding tensors as `split` says and
+// one receiver that needs what `engines` use.
+v1::TransferPlanSpec Spec(const Manifest& manifest, int senders, Split split,
                           const std::vector<Engine>& engines) {
   v1::TransferPlanSpec spec;
   *spec.mutable_tensors() = manifest;
@@ -70,14 +74,17 @@ v1::TransferPlanSpec Spec(const Manifest& manifest, int senders, bool replicas,
   for (const v1::TensorSpec& t : manifest) {
     int64_t rows, cols;
     View(t, &rows, &cols);
-    const int64_t step = (rows + senders - 1) / senders;
+    const int64_t cut = split == Split::kCols ? cols : rows;
+    const int64_t step = (cut + senders - 1) / senders;
     for (int s = 0; s < senders; ++s) {
-      const int64_t lo = replicas ? 0 : std::min(rows, s * step);
-      const int64_t hi = replicas ? rows : std::min(rows, (s + 1) * step);
-      if (hi > lo) {
-        *spec.mutable_senders(s)->add_holds() =
-            Block(t.name(), lo, hi - lo, 0, cols);
-      }
+      const int64_t lo =
+          split == Split::kReplicas ? 0 : std::min(cut, s * step);
+      const int64_t hi =
+          split == Split::kReplicas ? cut : std::min(cut, (s + 1) * step);
+      if (hi <= lo) continue;
+      *spec.mutable_senders(s)->add_holds() =
+          split == Split::kCols ? Block(t.name(), 0, rows, lo, hi - lo)
+                                : Block(t.name(), lo, hi - lo, 0, cols);
     }
   }
   for (const Engine& e : engines) {
@@ -94,7 +101,7 @@ v1::TransferPlanSpec Spec(const Manifest& manifest, int senders, bool replicas,
 
 // Every link's stream packed as its sender packs it, scattered through the
 // linked plan; every engine parameter must equal the reference installer's.
-void RunAndCompare(int senders, bool replicas, int64_t chunk_bytes) {
+void RunAndCompare(int senders, Split split, int64_t chunk_bytes) {
   testing::HeapMapper mapper;
   std::vector<Engine> engines = {
       MakeEngine("plain", synthetic::Layout::kPlain, 0, 1, v1::BFLOAT16,
@@ -111,13 +118,21 @@ void RunAndCompare(int senders, bool replicas, int64_t chunk_bytes) {
     data[t.name()] = {t, synthetic::Contents(t, 3)};
   }
   absl::StatusOr<TransferPlan> plan =
-      BuildTransferPlan(Spec(manifest, senders, replicas, engines));
+      BuildTransferPlan(Spec(manifest, senders, split, engines));
   ASSERT_TRUE(plan.ok()) << plan.status();
   std::vector<std::shared_ptr<const EngineLayout>> layouts;
   for (const Engine& e : engines) layouts.push_back(e.layout);
   absl::StatusOr<LinkedCopyPlan> linked =
       BuildLinkedCopyPlan(*plan, {0}, chunk_bytes, layouts);
   ASSERT_TRUE(linked.ok()) << linked.status();
+  // The host data plane is exactly one receiver, one in the plan.
+  absl::StatusOr<LinkedCopyPlan> two =
+      BuildLinkedCopyPlan(*plan, {0, 0}, chunk_bytes, layouts);
+  EXPECT_EQ(two.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(two.status().message(), HasSubstr("exactly one"));
+  EXPECT_EQ(
+      BuildLinkedCopyPlan(*plan, {1}, chunk_bytes, layouts).status().code(),
+      absl::StatusCode::kInvalidArgument);
   int64_t chunks = 0;
   for (const LinkChunks& l : linked->links) {
     const Manifest m = LinkManifest(*plan, l.sender, l.receiver);
@@ -149,6 +164,26 @@ void RunAndCompare(int senders, bool replicas, int64_t chunk_bytes) {
     }
   }
   EXPECT_EQ(chunks, linked->copy->chunks.chunks.size());
+  // The links' chunk plans appended: one offset and size per piece, each
+  // piece inside the stream, the stream's length past its last chunk.
+  const ChunkPlan& all = linked->copy->chunks;
+  ASSERT_EQ(all.tensor_offsets.size(), linked->copy->manifest.size());
+  ASSERT_EQ(all.payload_bytes.size(), linked->copy->manifest.size());
+  for (size_t k = 0; k < all.tensor_offsets.size(); ++k) {
+    EXPECT_LE(all.tensor_offsets[k] + all.payload_bytes[k], all.total_bytes);
+  }
+  ASSERT_FALSE(all.chunks.empty());
+  for (size_t g = 0; g < all.chunks.size(); ++g) {  // each link aligned
+    EXPECT_EQ(all.chunks[g].offset, static_cast<int64_t>(g) * chunk_bytes);
+  }
+  EXPECT_EQ(all.total_bytes, all.chunks.back().offset + all.chunks.back().size);
+  // Every copy moves something: a piece beside a segment makes none.
+  for (const auto& ops : linked->copy->ops_by_chunk) {
+    for (const CopyOp& op : ops) {
+      ASSERT_GT(op.rows, 0) << "senders " << senders;
+      ASSERT_GT(op.cols, 0) << "senders " << senders;
+    }
+  }
   for (const Engine& e : engines) {
     const uint8_t* base = e.layout->regions[0]->data();
     for (const v1::Parameter& p : e.params) {
@@ -164,13 +199,26 @@ void RunAndCompare(int senders, bool replicas, int64_t chunk_bytes) {
 }
 
 TEST(LinkPlanTest, RowShardsScatterBitExact) {
-  for (int64_t chunk : {256, 1280, 65536}) RunAndCompare(2, false, chunk);
-  RunAndCompare(3, false, 768);
+  for (int64_t chunk : {256, 1280, 65536})
+    RunAndCompare(2, Split::kRows, chunk);
+  RunAndCompare(3, Split::kRows, 768);
+}
+
+// Shards that meet an engine's segments in a single row or column, and
+// pieces beside a segment (the same tensor, no common row or column):
+// each must give exactly its overlap, never a piece of zero or negative
+// size, nor lose a one-row overlap.
+TEST(LinkPlanTest, ThinAndDisjointOverlapsScatterBitExact) {
+  for (int senders : {5, 7}) {
+    RunAndCompare(senders, Split::kRows, 512);
+    RunAndCompare(senders, Split::kCols, 512);
+  }
+  RunAndCompare(2, Split::kCols, 65536);
 }
 
 TEST(LinkPlanTest, ReplicasScatterBitExact) {
-  RunAndCompare(2, true, 512);
-  RunAndCompare(3, true, 65536);
+  RunAndCompare(2, Split::kReplicas, 512);
+  RunAndCompare(3, Split::kReplicas, 65536);
 }
 
 TEST(LinkPlanTest, ChunksByRoundTakeChunkKOfEveryLinkInRoundK) {
@@ -195,7 +243,7 @@ TEST(LinkPlanTest, ReceiverThatNeedsLessThanItsEnginesIsRefused) {
   for (const v1::TensorSpec& t : synthetic::Checkpoint(model, v1::FLOAT32)) {
     *manifest.Add() = t;
   }
-  v1::TransferPlanSpec spec = Spec(manifest, 2, false, engines);
+  v1::TransferPlanSpec spec = Spec(manifest, 2, Split::kRows, engines);
   // The receiver forgets the last row of its first need.
   v1::TensorBlock* b = spec.mutable_receivers(0)->mutable_needs(0);
   b->set_row_count(b->row_count() - 1);

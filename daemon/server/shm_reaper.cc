@@ -16,19 +16,23 @@
 #include "glog/logging.h"
 
 namespace weightsync {
-namespace {
 
-// No such process, or a zombie (dead, not yet reaped by its parent).
-bool Gone(pid_t pid) {
-  if (kill(pid, 0) != 0 && errno == ESRCH) return true;
+char ProcStatState(const std::string& line) {
+  const size_t paren = line.rfind(')');
+  return paren != std::string::npos && paren + 2 < line.size() ? line[paren + 2]
+                                                               : '\0';
+}
+
+bool ProcessGone(pid_t pid, int (*signal)(pid_t, int)) {
+  if (signal(pid, 0) != 0 && errno == ESRCH) return true;
   std::ifstream stat(absl::StrCat("/proc/", pid, "/stat"));
   std::string line;
   if (!std::getline(stat, line)) return false;
-  // "pid (comm) S ...": the state follows the last ')'.
-  const size_t paren = line.rfind(')');
-  return paren != std::string::npos && paren + 2 < line.size() &&
-         (line[paren + 2] == 'Z' || line[paren + 2] == 'X');
+  const char state = ProcStatState(line);
+  return state == 'Z' || state == 'X';
 }
+
+namespace {
 
 // Unlinks `name` if it exists and `uid` owns it.
 bool UnlinkIfOwned(const std::string& name, uid_t uid) {
@@ -71,7 +75,7 @@ void ShmReaper::Run() {
     mu_.AwaitWithTimeout(absl::Condition(&stop_), absl::Milliseconds(100));
     const absl::Time now = absl::Now();
     for (auto it = watches_.begin(); it != watches_.end();) {
-      if (Gone(it->pid)) {
+      if (ProcessGone(it->pid)) {
         std::vector<std::string> removed;
         for (const std::string& name : it->names) {
           if (UnlinkIfOwned(name, it->uid)) removed.push_back(name);

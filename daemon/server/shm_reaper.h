@@ -10,6 +10,7 @@
 #ifndef WEIGHTSYNC_DAEMON_SERVER_SHM_REAPER_H_
 #define WEIGHTSYNC_DAEMON_SERVER_SHM_REAPER_H_
 
+#include <signal.h>
 #include <sys/types.h>
 
 #include <string>
@@ -21,6 +22,16 @@
 #include "absl/time/time.h"
 
 namespace weightsync {
+
+// Whether process `pid` is gone: no such process (ESRCH), or a zombie
+// (dead, not yet reaped by its parent). A process this one may not signal
+// (EPERM: another user's) is alive. `signal` is kill(2); a test passes
+// another.
+bool ProcessGone(pid_t pid, int (*signal)(pid_t, int) = ::kill);
+// The state letter of a /proc/<pid>/stat line ("pid (comm) S ...": the
+// letter after the last ')'; comm may hold ')' and spaces), or '\0' when
+// the line has none.
+char ProcStatState(const std::string& line);
 
 class ShmReaper {
  public:

@@ -1,10 +1,12 @@
 #include "daemon/server/shm_reaper.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <random>
 #include <string>
 
@@ -85,6 +87,37 @@ TEST(ShmReaperTest, KeepsTheObjectsOfALiveProcessAndOfOtherOwners) {
   EXPECT_EQ(reaper.unlinked(), 0);
   shm_unlink(alive.c_str());
   shm_unlink(other.c_str());
+}
+
+// The state letter follows the last ')': a comm may hold ')' and spaces,
+// and a line cut short (or without a ')') has no state, never a letter
+// read from elsewhere in it.
+TEST(ShmReaperTest, ProcStatStateIsTheLetterAfterTheLastParen) {
+  EXPECT_EQ(ProcStatState("123 (engine) S 1 123 123 0 -1"), 'S');
+  EXPECT_EQ(ProcStatState("123 (a) b) Z 1"), 'Z');
+  EXPECT_EQ(ProcStatState("123 (x) Z"), 'Z');  // the letter ends the line
+  EXPECT_EQ(ProcStatState("123 (x) "), '\0');
+  EXPECT_EQ(ProcStatState("123 (x)"), '\0');
+  EXPECT_EQ(ProcStatState("1Z no paren"), '\0');
+  EXPECT_EQ(ProcStatState(""), '\0');
+}
+
+// A live process this one may not signal (kill says EPERM: another
+// user's) is alive, not gone: its objects are not removed under it. Only
+// ESRCH means gone. (kill is replaced: a test in Bazel's sandbox can't
+// become another user to meet a real EPERM.)
+TEST(ShmReaperTest, OnlyNoSuchProcessIsGoneNotPermissionDenied) {
+  auto denied = +[](pid_t, int) -> int {
+    errno = EPERM;
+    return -1;
+  };
+  auto no_such = +[](pid_t, int) -> int {
+    errno = ESRCH;
+    return -1;
+  };
+  EXPECT_FALSE(ProcessGone(getpid(), denied));  // alive, another user's
+  EXPECT_TRUE(ProcessGone(getpid(), no_such));
+  EXPECT_FALSE(ProcessGone(getpid()));  // the real kill(2): alive
 }
 
 }  // namespace
