@@ -167,5 +167,24 @@ TEST(DTypeTest, NumElementsBoundsAreExact) {
   EXPECT_FALSE(NumElements({(int64_t{1} << 60) + 1}, v1::FLOAT32, "x").ok());
 }
 
+// Exactly n elements are converted, the first included, none past the
+// end; a same-dtype "conversion" copies bits exactly (an int64, a
+// signalling bf16 NaN that a trip through float would quiet).
+TEST(DTypeTest, ConvertElementsTouchesExactlyNElements) {
+  const std::vector<float> src = {1.5f, -2.0f, 3.25f, 7.0f};
+  std::vector<uint16_t> dst(5, 0xFFFF);  // one guard element past n = 4
+  ConvertElements(src.data(), v1::FLOAT32, dst.data(), v1::FLOAT16, 4);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(dst[i], FloatToHalf(src[i])) << i;
+  EXPECT_EQ(dst[4], 0xFFFF);
+  const std::vector<int64_t> ints = {-1, int64_t{1} << 62, 12345};
+  std::vector<int64_t> copy(3, 0);
+  ConvertElements(ints.data(), v1::INT64, copy.data(), v1::INT64, 3);
+  EXPECT_EQ(copy, ints);
+  const std::vector<uint16_t> snan = {0x7F81, 0x3F80};
+  std::vector<uint16_t> out(2, 0);
+  ConvertElements(snan.data(), v1::BFLOAT16, out.data(), v1::BFLOAT16, 2);
+  EXPECT_EQ(out, snan);
+}
+
 }  // namespace
 }  // namespace weightsync

@@ -130,9 +130,13 @@ void RunAndCompare(int senders, Split split, int64_t chunk_bytes) {
       BuildLinkedCopyPlan(*plan, {0, 0}, chunk_bytes, layouts);
   EXPECT_EQ(two.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(two.status().message(), HasSubstr("exactly one"));
-  EXPECT_EQ(
-      BuildLinkedCopyPlan(*plan, {1}, chunk_bytes, layouts).status().code(),
-      absl::StatusCode::kInvalidArgument);
+  for (int32_t outside : {-1, 1}) {  // the plan has receiver 0 only
+    EXPECT_EQ(BuildLinkedCopyPlan(*plan, {outside}, chunk_bytes, layouts)
+                  .status()
+                  .code(),
+              absl::StatusCode::kInvalidArgument)
+        << outside;
+  }
   int64_t chunks = 0;
   for (const LinkChunks& l : linked->links) {
     const Manifest m = LinkManifest(*plan, l.sender, l.receiver);
