@@ -65,10 +65,12 @@ enum class Split { kRows, kCols, kReplicas };
 // The spec of `senders` trainer ranks holding tensors as `split` says and
 // one receiver that needs what `engines` use.
 v1::TransferPlanSpec Spec(const Manifest& manifest, int senders, Split split,
-                          const std::vector<Engine>& engines) {
+                          const std::vector<Engine>& engines,
+                          bool idle_sender = false) {
   v1::TransferPlanSpec spec;
   *spec.mutable_tensors() = manifest;
   for (int s = 0; s < senders; ++s) spec.add_senders();
+  if (idle_sender) spec.add_senders();  // one more rank, holding nothing
   v1::ReceiverLayout* r = spec.add_receivers();
   r->set_name("daemon");
   for (const v1::TensorSpec& t : manifest) {
@@ -101,7 +103,8 @@ v1::TransferPlanSpec Spec(const Manifest& manifest, int senders, Split split,
 
 // Every link's stream packed as its sender packs it, scattered through the
 // linked plan; every engine parameter must equal the reference installer's.
-void RunAndCompare(int senders, Split split, int64_t chunk_bytes) {
+void RunAndCompare(int senders, Split split, int64_t chunk_bytes,
+                   bool idle_sender = false) {
   testing::HeapMapper mapper;
   std::vector<Engine> engines = {
       MakeEngine("plain", synthetic::Layout::kPlain, 0, 1, v1::BFLOAT16,
@@ -118,7 +121,7 @@ void RunAndCompare(int senders, Split split, int64_t chunk_bytes) {
     data[t.name()] = {t, synthetic::Contents(t, 3)};
   }
   absl::StatusOr<TransferPlan> plan =
-      BuildTransferPlan(Spec(manifest, senders, split, engines));
+      BuildTransferPlan(Spec(manifest, senders, split, engines, idle_sender));
   ASSERT_TRUE(plan.ok()) << plan.status();
   std::vector<std::shared_ptr<const EngineLayout>> layouts;
   for (const Engine& e : engines) layouts.push_back(e.layout);
@@ -137,6 +140,17 @@ void RunAndCompare(int senders, Split split, int64_t chunk_bytes) {
               absl::StatusCode::kInvalidArgument)
         << outside;
   }
+  // One entry per link that carries pieces (a sender holding nothing the
+  // receiver needs has none), in sender order.
+  std::vector<int32_t> carrying, listed;
+  for (int32_t s = 0; s < plan->num_senders; ++s) {
+    if (!plan->links[s][0].empty()) carrying.push_back(s);
+  }
+  for (const LinkChunks& l : linked->links) {
+    listed.push_back(l.sender);
+    EXPECT_GT(l.num_chunks, 0);
+  }
+  EXPECT_EQ(listed, carrying);
   int64_t chunks = 0;
   for (const LinkChunks& l : linked->links) {
     const Manifest m = LinkManifest(*plan, l.sender, l.receiver);
@@ -218,6 +232,7 @@ TEST(LinkPlanTest, ThinAndDisjointOverlapsScatterBitExact) {
     RunAndCompare(senders, Split::kCols, 512);
   }
   RunAndCompare(2, Split::kCols, 65536);
+  RunAndCompare(3, Split::kRows, 512, /*idle_sender=*/true);  // a link empty
 }
 
 TEST(LinkPlanTest, ReplicasScatterBitExact) {
