@@ -137,10 +137,12 @@ class GpuWorker final : public worker::v1::GpuWorker::Service {
   absl::Status EnsureStaging(int64_t chunk_bytes, int buffers, bool larger_ok);
   absl::Status EnsureStreams();
   // Aborts comm_ (a new group replaces it, or an update is aborted) and
-  // hands the heap NCCL freed back to the kernel: each communicator's init
-  // and proxy threads leave multi-MB blocks in glibc's per-thread arenas,
-  // which otherwise stay in the worker's RSS (issue 36: ~4 MB per trainer
-  // restart). Logs RSS before and after. Owner thread only.
+  // hands the heap NCCL freed back to the kernel (malloc_trim: each
+  // communicator's init and proxy threads free multi-MB blocks into
+  // glibc's per-thread arenas). Logs RSS before and after. Measured on 2 x
+  // H200: 2-4 MiB given back per communicator, while RSS still grows
+  // ~10 MiB per trainer (tests/gpu/RESULTS_leak_trim_h200x2.txt): the rest
+  // is memory in use. Owner thread only.
   void DropCommunicator();
   // Enqueues the NCCL receive of `bytes` into `buf` on recv_stream_,
   // waiting (bounded, abortable) while the non-blocking enqueue completes.
