@@ -3,9 +3,12 @@
 Unix socket calls GetStatus, health Check and CheckEngine (of one 64 MiB
 host engine) back to back; prints the daemon's CPU time per call (utime +
 stime from /proc, so a busy machine inflates wall time, not this), the
-client's, and the wall time.
+client's, and the wall time. Then --checkers threads (own channels) call
+CheckEngine of that engine at once, 30 calls each: the daemon's CPU per
+answered check (concurrent checks of one engine share one read).
 
-    WEIGHTSYNCD=bazel-bin/daemon/weightsyncd /usr/bin/python3 bench/call_cost.py [--calls 6000]
+    WEIGHTSYNCD=bazel-bin/daemon/weightsyncd /usr/bin/python3 bench/call_cost.py \
+        [--calls 6000] [--checkers 2]
 """
 
 import argparse
@@ -14,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "client",
@@ -32,6 +36,7 @@ def cpu_s(pid):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=6000)
+    ap.add_argument("--checkers", type=int, default=2)
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="wscallcost-")
     sock = os.path.join(tmp, "sock")
@@ -68,6 +73,34 @@ def main():
             print(f"{name} ({n} calls): daemon {1e6 * (d1 - d0) / n:.0f} us CPU/call, "
                   f"client {1e6 * (c1 - c0) / n:.0f} us CPU/call, "
                   f"wall {1e6 * (t1 - t0) / n:.0f} us/call")
+        counts = {"ok": 0, "refused": 0}
+        lock = threading.Lock()
+
+        def checker():
+            with grpc.insecure_channel(target) as own:
+                call = own.unary_unary(
+                    "/weightsync.v1.TrainerService/CheckEngine",
+                    request_serializer=v1.CheckEngineRequest.SerializeToString,
+                    response_deserializer=v1.CheckEngineResponse.FromString)
+                for _ in range(30):
+                    try:
+                        call(v1.CheckEngineRequest(engine_id="e0"), timeout=30)
+                        k = "ok"
+                    except grpc.RpcError:
+                        k = "refused"
+                    with lock:
+                        counts[k] += 1
+
+        d0, t0 = cpu_s(daemon.pid), time.time()
+        threads = [threading.Thread(target=checker) for _ in range(args.checkers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        d1, t1 = cpu_s(daemon.pid), time.time()
+        print(f"{args.checkers} concurrent checkers: {counts['ok']} answered, "
+              f"{counts['refused']} refused; daemon {1e3 * (d1 - d0) / max(counts['ok'], 1):.1f} "
+              f"ms CPU per answered check, wall {t1 - t0:.2f} s")
         engine.close()
         ch.close()
     finally:
