@@ -23,13 +23,14 @@ char ProcStatState(const std::string& line) {
                                                                : '\0';
 }
 
+bool DeadProcessState(char state) { return state == 'Z' || state == 'X'; }
+
 bool ProcessGone(pid_t pid, int (*signal)(pid_t, int)) {
   if (signal(pid, 0) != 0 && errno == ESRCH) return true;
   std::ifstream stat(absl::StrCat("/proc/", pid, "/stat"));
   std::string line;
   if (!std::getline(stat, line)) return false;
-  const char state = ProcStatState(line);
-  return state == 'Z' || state == 'X';
+  return DeadProcessState(ProcStatState(line));
 }
 
 namespace {

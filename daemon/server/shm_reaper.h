@@ -32,6 +32,9 @@ bool ProcessGone(pid_t pid, int (*signal)(pid_t, int) = ::kill);
 // letter after the last ')'; comm may hold ')' and spaces), or '\0' when
 // the line has none.
 char ProcStatState(const std::string& line);
+// Whether a /proc state letter is a dead process: 'Z' (a zombie) or 'X'
+// (dead, being removed).
+bool DeadProcessState(char state);
 
 class ShmReaper {
  public:

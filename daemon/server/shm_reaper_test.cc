@@ -100,6 +100,10 @@ TEST(ShmReaperTest, ProcStatStateIsTheLetterAfterTheLastParen) {
   EXPECT_EQ(ProcStatState("123 (x)"), '\0');
   EXPECT_EQ(ProcStatState("1Z no paren"), '\0');
   EXPECT_EQ(ProcStatState(""), '\0');
+  for (char dead : {'Z', 'X'}) EXPECT_TRUE(DeadProcessState(dead)) << dead;
+  for (char alive : {'R', 'S', 'D', 'T', 't', 'I', '\0'}) {
+    EXPECT_FALSE(DeadProcessState(alive)) << alive;
+  }
 }
 
 // A live process this one may not signal (kill says EPERM: another
