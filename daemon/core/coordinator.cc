@@ -428,8 +428,8 @@ absl::StatusOr<v1::CheckEngineResponse> Coordinator::CheckEngine(
     const v1::CheckEngineRequest& request) {
   const std::string& id = request.engine_id();
   std::shared_ptr<const EngineLayout> layout;
-  std::shared_ptr<EngineRead> mine,
-      joined;  // the read this call runs or waits for
+  // The read this call runs (and shares), or the running one it waits for.
+  std::shared_ptr<EngineRead> mine, joined;
   v1::CheckEngineResponse response;
   response.set_engine_id(id);
   auto busy = [&](const EngineRecord& r) -> absl::Status {
