@@ -225,6 +225,51 @@ TEST(QuantScatterTest, ChunksThatCutBlocksGiveTheWholeParameterQuantised) {
   }
 }
 
+// An engine marked lost during an update (it died, or was unregistered)
+// is not written any more: neither its FP8 values nor its scales. The
+// same update without the mark writes both (the test can tell).
+TEST(QuantScatterTest, ALostEnginesFp8ParametersAreNotWritten) {
+  std::mt19937 rng(3);
+  const std::vector<Tensor> tensors = {
+      RandomTensor("w", v1::BFLOAT16, 128, 256, rng)};
+  v1::RegisterEngineRequest r;
+  r.set_engine_id("fp8");
+  int64_t offset = 0;
+  Quantize(Add(r, "w", v1::FLOAT8_E4M3FN, 128, 256, &offset), v1::FLOAT8_E4M3FN,
+           "w_scale_inv", v1::QUANT_SCHEME_BLOCK, v1::SCALE_FORM_DEQUANT);
+  Add(r, "w_scale_inv", v1::FLOAT32, 1, 2, &offset);
+  v1::Allocation* a = r.add_allocations();
+  a->set_kind(v1::MEMORY_HOST_SHM);
+  a->set_handle("/fp8");
+  a->set_size(offset);
+  for (bool lost : {true, false}) {
+    SCOPED_TRACE(lost ? "lost" : "not lost");
+    testing::HeapMapper mapper;
+    auto layout = BuildEngineLayout(r, mapper);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    Manifest manifest;
+    *manifest.Add() = tensors[0].spec;
+    auto plan = BuildCopyPlan(manifest, 4096, {*layout});
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    HostDataPlane plane({});
+    ASSERT_TRUE(plane.Begin(*plan, v1::StartWeightUpdateRequest()).ok());
+    if (lost) plane.MarkEngineLost(0);
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    const std::string& packed = tensors[0].bytes;
+    for (const Chunk& c : (*plan)->chunks.chunks) {
+      ASSERT_TRUE(
+          plane.SubmitChunk(c.index, packed.substr(c.offset, c.size), deadline)
+              .ok());
+    }
+    plane.Drain(deadline).IgnoreError();  // a lost engine may fail it
+    for (int i : {0, 1}) {
+      const std::string bytes = Bytes(**layout, i);
+      EXPECT_EQ(bytes == std::string(bytes.size(), '\0'), lost)
+          << "parameter " << i;
+    }
+  }
+}
+
 TEST(QuantScatterTest, PlanRefusesPatchesAndSourcesThatCantBeQuantised) {
   v1::RegisterEngineRequest r;
   r.set_engine_id("fp8");
