@@ -168,5 +168,76 @@ TEST(Fp8Test, ScalesOfZeroAndTinyBlocksAreOne) {
   EXPECT_EQ(StoredScale(0.25f, false), 0.25f);
 }
 
+// float -> FP8 against a reference written another way: the nearest of
+// the format's finite values (decoded by Fp8ToFloat), ties to the even
+// encoding, saturating at the largest finite one. Tried at every value,
+// every midpoint between neighbours and one float ulp either side, both
+// signs, both formats: every rounding edge, subnormals and the top.
+uint8_t ReferenceFp8(float x, v1::DType format) {
+  const uint8_t max_bits = format == v1::FLOAT8_E5M2 ? 0x7B : 0x7E;
+  const uint8_t sign = std::signbit(x) ? 0x80 : 0;
+  const double a = std::fabs(static_cast<double>(x));
+  if (a >= Fp8ToFloat(max_bits, format)) return sign | max_bits;
+  uint8_t k = 0;
+  while (k < max_bits && Fp8ToFloat(k + 1, format) <= a) ++k;
+  const double down = a - Fp8ToFloat(k, format);
+  const double up = Fp8ToFloat(k + 1, format) - a;
+  if (down < up || (down == up && k % 2 == 0)) return sign | k;
+  return sign | (k + 1);
+}
+
+TEST(Fp8Test, RoundsToNearestEvenAtEveryEdge) {
+  for (v1::DType format : {v1::FLOAT8_E4M3FN, v1::FLOAT8_E5M2}) {
+    const uint8_t max_bits = format == v1::FLOAT8_E5M2 ? 0x7B : 0x7E;
+    std::vector<float> edges = {
+        std::ldexp(1.0f, -149), 1e-30f, 0.0f,
+        std::nextafter(Fp8ToFloat(max_bits, format), 1e30f), 1e30f};
+    for (int k = 0; k < max_bits; ++k) {
+      const float lo = Fp8ToFloat(k, format);
+      const float mid = (lo + Fp8ToFloat(k + 1, format)) / 2;  // exact
+      for (float f :
+           {lo, mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 1e30f)}) {
+        edges.push_back(f);
+      }
+    }
+    for (float f : edges) {
+      for (float g : {f, -f}) {
+        ASSERT_EQ(FloatToFp8(g, format), ReferenceFp8(g, format))
+            << std::hexfloat << g << " format " << format;
+      }
+    }
+  }
+  EXPECT_TRUE(IsFp8(v1::FLOAT8_E4M3FN));
+  EXPECT_TRUE(IsFp8(v1::FLOAT8_E5M2));
+  EXPECT_FALSE(IsFp8(v1::BFLOAT16));
+}
+
+// QuantizeBlocks writes its rows x cols values and one scale per block,
+// nothing past them (guard bytes after both outputs stay as they were),
+// also when the blocks tile the matrix exactly.
+TEST(Fp8Test, QuantizeBlocksWritesNothingPastItsOutputs) {
+  const int64_t rows = 4, cols = 8;
+  std::vector<float> x(rows * cols);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i) - 10;
+  Fp8Blocks q;
+  q.format = v1::FLOAT8_E4M3FN;
+  q.block_rows = 2;
+  q.block_cols = 4;
+  q.reciprocal = false;
+  const int64_t srows = 2, scols = 2;  // 4 / 2, 8 / 4
+  std::vector<uint8_t> values(rows * cols + 16, 0xAB);
+  std::vector<uint8_t> scales(srows * scols * 4 + 16, 0xCD);
+  QuantizeBlocks(x.data(), rows, cols, cols, q, values.data(), cols,
+                 scales.data(), scols);
+  for (size_t i = rows * cols; i < values.size(); ++i) {
+    EXPECT_EQ(values[i], 0xAB) << "value byte " << i;
+  }
+  for (size_t i = srows * scols * 4; i < scales.size(); ++i) {
+    EXPECT_EQ(scales[i], 0xCD) << "scale byte " << i;
+  }
+  EXPECT_NE(values[0], 0xAB);
+  EXPECT_NE(scales[srows * scols * 4 - 1], 0xCD);  // the last scale written
+}
+
 }  // namespace
 }  // namespace weightsync
