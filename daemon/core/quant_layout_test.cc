@@ -86,6 +86,25 @@ TEST(QuantLayoutTest, RecordsBlocksAndKeepsTheScaleOutOfTheSources) {
   EXPECT_FALSE((*layout)->parameters[2].quant.has_value());
 }
 
+// Block sides given explicitly are taken, up to exactly 2^24 (one block
+// row for the whole weight: scales [1, 3]).
+TEST(QuantLayoutTest, AcceptsExplicitBlockSidesUpTo2To24) {
+  for (int64_t rows : {int64_t{128}, int64_t{1} << 24}) {
+    SCOPED_TRACE(rows);
+    v1::RegisterEngineRequest r = Fp8Engine();
+    v1::Quantization* q = r.mutable_parameters(0)->mutable_quantization();
+    q->set_scheme(v1::QUANT_SCHEME_BLOCK);
+    q->set_block_rows(rows);
+    q->set_block_cols(128);
+    if (rows > 300) r.mutable_parameters(1)->set_shape(0, 1);  // [1, 3]
+    testing::HeapMapper mapper;
+    auto layout = BuildEngineLayout(r, mapper);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    EXPECT_EQ((*layout)->parameters[0].quant->block_rows, rows);
+    EXPECT_EQ((*layout)->parameters[0].quant->block_cols, 128);
+  }
+}
+
 TEST(QuantLayoutTest, AcceptsPerRowScalesAndReciprocalForms) {
   for (std::vector<int64_t> shape :
        {std::vector<int64_t>{300}, std::vector<int64_t>{300, 1}}) {
@@ -277,6 +296,29 @@ TEST(QuantLayoutTest, RefusesEveryBadDeclarationBeforeOpeningMemory) {
          r.mutable_parameters(0)->mutable_quantization()->set_block_rows(-1);
        },
        absl::StatusCode::kInvalidArgument, "block -1 x 0"},
+      {"negative block columns",
+       [](auto& r) {
+         r.mutable_parameters(0)->mutable_quantization()->set_block_cols(-1);
+       },
+       absl::StatusCode::kInvalidArgument, "block 0 x -1"},
+      {"block rows past 2^24",
+       [](auto& r) {
+         r.mutable_parameters(0)->mutable_quantization()->set_block_rows(
+             (int64_t{1} << 24) + 1);
+       },
+       absl::StatusCode::kInvalidArgument, "or 1 to 16777216"},
+      {"block columns past 2^24",
+       [](auto& r) {
+         r.mutable_parameters(0)->mutable_quantization()->set_block_cols(
+             (int64_t{1} << 24) + 1);
+       },
+       absl::StatusCode::kInvalidArgument, "or 1 to 16777216"},
+      {"unknown scale form",
+       [](auto& r) {
+         r.mutable_parameters(0)->mutable_quantization()->set_scale_form(
+             static_cast<v1::ScaleForm>(99));
+       },
+       absl::StatusCode::kInvalidArgument, "not a value this daemon knows"},
       {"block sizes with per-row",
        [](auto& r) {
          v1::Quantization* q = r.mutable_parameters(0)->mutable_quantization();
