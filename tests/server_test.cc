@@ -500,7 +500,8 @@ TEST_F(ServerTest, ConcurrentChecksOfOneEngineShareOneRead) {
     mu.Await(absl::Condition(
         +[](int* n) { return *n >= 1; }, &reads));
   }
-  absl::SleepFor(absl::Milliseconds(300));  // the second caller joins
+  // The second caller joins (2 s: time enough on a loaded machine).
+  absl::SleepFor(absl::Seconds(2));
   {
     absl::MutexLock lock(&mu);
     EXPECT_EQ(reads, 1) << "the second check read on its own";
