@@ -272,8 +272,11 @@ absl::Status GpuWorker::EnqueueP2pUpdate(
     for (int64_t k = round.first; k < round.end; ++k) {
       const int b = buf_of[k - round.first];
       if (b < 0) {
-        // Received in place: its one op is done.
+        // Received in place: its one op is done; the regions it completes
+        // are summed now (the scatter stream waited for the round).
         while (op < request.ops_size() && request.ops(op).chunk() == k) ++op;
+        absl::Status summed = EnqueueReceiptsAfter(k);
+        if (!summed.ok()) return summed;
         continue;
       }
       absl::Status s =

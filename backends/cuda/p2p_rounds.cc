@@ -1,11 +1,14 @@
 #include "backends/cuda/p2p_rounds.h"
 
 #include <algorithm>
+#include <climits>
 #include <tuple>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
+#include "common/status_macros.h"
 
 namespace weightsync {
 
@@ -34,11 +37,12 @@ absl::StatusOr<P2pSchedule> PlanP2pRounds(
   P2pSchedule out;
   out.direct.assign(n, false);
   out.direct_op.assign(n, -1);
-  // Chunks that carry work besides their ops: never direct.
+  // Chunks that carry work besides their ops: never direct. (Receipts
+  // summed after a chunk are not such work: the worker sums them once the
+  // chunk's round has arrived, received in place or staged.)
   absl::flat_hash_set<int64_t> busy;
   for (const auto& p : request.sparse_pieces()) busy.insert(p.chunk());
   for (const auto& q : request.quant_steps()) busy.insert(q.chunk());
-  for (int64_t k : request.receipt_after_chunk()) busy.insert(k);
   std::vector<int> ops_of(n, 0), first_op(n, -1);
   for (int i = 0; i < request.ops_size(); ++i) {
     const int64_t k = request.ops(i).chunk();
@@ -125,6 +129,93 @@ int64_t MaxChunksPerRound(const std::vector<int64_t>& round) {
   return best;
 }
 
+namespace {
+
+// Bytes [begin, end) of an allocation.
+struct Span {
+  int64_t begin = 0;
+  int64_t end = 0;
+};
+
+// The bytes a strided 2-D block covers, first byte to last (the rows' gaps
+// included: a superset, which only ever places a receipt later).
+Span BlockSpan(int64_t offset, int64_t rows, int64_t stride, int64_t width) {
+  if (rows <= 0 || width <= 0) return {offset, offset};
+  return {offset, offset + (rows - 1) * stride + width};
+}
+
+int64_t ElementBytes(int32_t dtype) {
+  // An unknown dtype: the widest, so the span can only grow.
+  return v1::DType_IsValid(dtype) ? ElementSize(static_cast<v1::DType>(dtype))
+                                  : 8;
+}
+
+}  // namespace
+
+absl::Status PlaceReceipts(worker::v1::BeginUpdateRequest* req) {
+  const int64_t n = req->chunk_sizes_size();
+  const auto& regions = req->receipts().regions();
+  if (req->receipt_after_chunk_size() != regions.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        regions.size(), " receipt regions but ",
+        req->receipt_after_chunk_size(), " receipt_after_chunk entries"));
+  }
+  // Per allocation: its regions sorted by first byte, with the running
+  // maximum of their last bytes (regions may overlap).
+  struct Sorted {
+    std::vector<std::pair<Span, int>> spans;  // (span, region index)
+    std::vector<int64_t> max_end;
+  };
+  absl::flat_hash_map<int64_t, Sorted> by_alloc;
+  for (int i = 0; i < regions.size(); ++i) {
+    const worker::v1::ReceiptRegionSpec& r = regions[i];
+    by_alloc[r.allocation_id()].spans.push_back(
+        {BlockSpan(r.offset(), r.rows(), r.row_stride_bytes(),
+                   r.cols() * r.element_size()),
+         i});
+  }
+  for (auto& [id, sorted] : by_alloc) {
+    std::sort(sorted.spans.begin(), sorted.spans.end(),
+              [](const auto& a, const auto& b) {
+                return a.first.begin < b.first.begin;
+              });
+    int64_t m = INT64_MIN;
+    for (const auto& [span, i] : sorted.spans) {
+      m = std::max(m, span.end);
+      sorted.max_end.push_back(m);
+    }
+  }
+  // A region is summed after the last chunk whose ops write into it; one
+  // that no op writes (a tensor of no bytes) after the first.
+  std::vector<int64_t> after(regions.size(), 0);
+  for (const worker::v1::GpuOp& o : req->ops()) {
+    auto it = by_alloc.find(o.allocation_id());
+    if (it == by_alloc.end()) continue;
+    const Span w = BlockSpan(o.dst_offset(), o.rows(), o.dst_stride(),
+                             o.cols() * ElementBytes(o.dst_dtype()));
+    if (w.end <= w.begin) continue;
+    const Sorted& sorted = it->second;
+    // Regions starting before the op's end, walked back while some region
+    // at or before them still reaches past the op's start.
+    int64_t j = std::lower_bound(sorted.spans.begin(), sorted.spans.end(),
+                                 w.end,
+                                 [](const auto& a, int64_t v) {
+                                   return a.first.begin < v;
+                                 }) -
+                sorted.spans.begin() - 1;
+    for (; j >= 0 && sorted.max_end[j] > w.begin; --j) {
+      const auto& [span, i] = sorted.spans[j];
+      if (span.end > w.begin && span.begin < span.end) {
+        after[i] = std::max(after[i], o.chunk());
+      }
+    }
+  }
+  for (int i = 0; i < regions.size(); ++i) {
+    req->set_receipt_after_chunk(i, n == 0 ? -1 : after[i]);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status OrderChunksByRound(const std::vector<int32_t>& sender,
                                 const std::vector<int64_t>& round,
                                 worker::v1::BeginUpdateRequest* req) {
@@ -181,9 +272,7 @@ absl::Status OrderChunksByRound(const std::vector<int32_t>& sender,
       o->set_chunk(c);
     }
   }
-  for (int i = 0; i < out.receipt_after_chunk_size(); ++i) {
-    out.set_receipt_after_chunk(i, n - 1);
-  }
+  WS_RETURN_IF_ERROR(PlaceReceipts(&out));
   out.set_staging_buffers(
       std::max<int64_t>(req->staging_buffers(), 2 * MaxChunksPerRound(round)));
   *req = std::move(out);

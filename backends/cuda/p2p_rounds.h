@@ -50,7 +50,7 @@ absl::StatusOr<P2pSchedule> PlanP2pRounds(
 // plan's order (links one after another); puts them in round order, chunk
 // k at its place by (round[k], sender[k], k), ops renumbered and in the
 // new chunk order (stable), and sets chunk_peers (= sender[k], the NCCL
-// rank) and chunk_rounds. Receipts are summed after the last chunk. The
+// rank) and chunk_rounds; receipts placed by PlaceReceipts. The
 // worker's staging buffers: at least twice the most chunks of one round.
 // INVALID_ARGUMENT for tables of the wrong size or a negative sender;
 // UNIMPLEMENTED for what M->N does not carry yet (staged, sparse patches,
@@ -58,6 +58,14 @@ absl::StatusOr<P2pSchedule> PlanP2pRounds(
 absl::Status OrderChunksByRound(const std::vector<int32_t>& sender,
                                 const std::vector<int64_t>& round,
                                 worker::v1::BeginUpdateRequest* req);
+
+// Each receipt region of `req` summed after the last chunk whose ops write
+// into it (ops and regions as the worker gets them; a region no op writes
+// after the first chunk), so that the worker sums every region as soon as
+// its bytes are in, overlapped with the rounds still arriving, not all of
+// them after the last round. INVALID_ARGUMENT if the regions and their
+// receipt_after_chunk entries differ in number.
+absl::Status PlaceReceipts(worker::v1::BeginUpdateRequest* req);
 
 // The most chunks any round of `round` (one entry per chunk) holds.
 int64_t MaxChunksPerRound(const std::vector<int64_t>& round);

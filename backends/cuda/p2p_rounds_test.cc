@@ -34,6 +34,17 @@ GpuOp* AddOp(BeginUpdateRequest* r, int64_t chunk, int64_t alloc, int64_t rows,
   return o;
 }
 
+void AddRegion(BeginUpdateRequest* r, int64_t alloc, int64_t offset,
+               int64_t rows, int64_t bytes_a_row, int64_t stride = 0) {
+  worker::v1::ReceiptRegionSpec* g = r->mutable_receipts()->add_regions();
+  g->set_allocation_id(alloc);
+  g->set_offset(offset);
+  g->set_rows(rows);
+  g->set_cols(bytes_a_row / 2);
+  g->set_element_size(2);
+  g->set_row_stride_bytes(stride ? stride : bytes_a_row);
+}
+
 BeginUpdateRequest TwoSenders() {
   // Round 0: a chunk from each trainer rank; round 1: the same.
   BeginUpdateRequest r;
@@ -73,16 +84,21 @@ TEST(P2pRoundsTest, NoRoundsMeansOneChunkARound) {
   EXPECT_EQ(s->rounds.size(), 4u);
 }
 
-TEST(P2pRoundsTest, OtherWorkIsNeverDirect) {
+TEST(P2pRoundsTest, ReceiptsDoNotStageAChunk) {
+  // The worker sums a region after its chunk's round, in place or staged.
   BeginUpdateRequest r = TwoSenders();
   r.add_receipt_after_chunk(0);
+  r.add_receipt_after_chunk(3);
   auto s = PlanP2pRounds(r, 4, 2, OnMyGpu);
   ASSERT_TRUE(s.ok()) << s.status();
-  EXPECT_FALSE(s->direct[0]);
-  r = TwoSenders();
+  EXPECT_EQ(s->direct, (std::vector<bool>{true, false, false, true}));
+}
+
+TEST(P2pRoundsTest, OtherWorkIsNeverDirect) {
+  BeginUpdateRequest r = TwoSenders();
   r.add_sparse_pieces()->set_chunk(3);
   r.add_quant_steps()->set_chunk(0);
-  s = PlanP2pRounds(r, 4, 2, OnMyGpu);
+  auto s = PlanP2pRounds(r, 4, 2, OnMyGpu);
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_FALSE(s->direct[0]);
   EXPECT_FALSE(s->direct[3]);
@@ -148,6 +164,8 @@ TEST(P2pRoundsTest, DaemonOrdersLinkChunksByRound) {
   AddOp(&r, 2, 7, 1, 150, 300, 300)->set_dst_offset(3);
   AddOp(&r, 3, 7, 1, 200, 400, 400)->set_dst_offset(4);
   AddOp(&r, 4, 7, 1, 250, 500, 500)->set_dst_offset(5);
+  // One receipt region over every op's bytes: summed after the last chunk.
+  AddRegion(&r, 7, 0, 1, 600);
   r.add_receipt_after_chunk(2);
   const std::vector<int32_t> sender = {0, 0, 0, 1, 1};
   const std::vector<int64_t> round = {0, 1, 2, 0, 1};
@@ -173,6 +191,54 @@ TEST(P2pRoundsTest, DaemonOrdersLinkChunksByRound) {
   auto s = PlanP2pRounds(r, 4, 2, OnMyGpu);
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_EQ(s->rounds.size(), 3u);
+}
+
+TEST(P2pRoundsTest, EachRegionSummedAfterTheLastChunkWritingIt) {
+  // Allocation 7: regions [0, 100), [100, 300), [300, 400), [400, 500)
+  // (none written), [1000, 1400) as 2 rows of 100 bytes, 300 apart;
+  // allocation 9: one region no op writes.
+  BeginUpdateRequest r;
+  for (int k = 0; k < 6; ++k) r.add_chunk_sizes(100);
+  AddRegion(&r, 7, 0, 1, 100);
+  AddRegion(&r, 7, 100, 1, 200);
+  AddRegion(&r, 7, 300, 1, 100);
+  AddRegion(&r, 7, 400, 1, 100);
+  AddRegion(&r, 7, 1000, 2, 100, 300);
+  AddRegion(&r, 9, 0, 1, 100);
+  for (int i = 0; i < 6; ++i) r.add_receipt_after_chunk(5);
+  AddOp(&r, 3, 7, 1, 50, 100, 100)->set_dst_offset(0);    // [0, 100)
+  AddOp(&r, 1, 7, 1, 50, 100, 100)->set_dst_offset(100);  // [100, 200)
+  AddOp(&r, 4, 7, 1, 50, 100, 100)->set_dst_offset(200);  // [200, 300)
+  AddOp(&r, 0, 7, 1, 50, 100, 100)->set_dst_offset(300);  // [300, 400)
+  AddOp(&r, 2, 7, 1, 50, 100, 100)->set_dst_offset(1300);  // the 2nd row
+  AddOp(&r, 5, 8, 1, 50, 100, 100)->set_dst_offset(0);     // another alloc
+  ASSERT_TRUE(PlaceReceipts(&r).ok());
+  EXPECT_EQ(std::vector<int64_t>(r.receipt_after_chunk().begin(),
+                                 r.receipt_after_chunk().end()),
+            (std::vector<int64_t>{3, 4, 0, 0, 2, 0}));
+  // Overlapping regions, one inside the other: each gets its own writers.
+  r.clear_receipts();
+  r.clear_receipt_after_chunk();
+  AddRegion(&r, 7, 0, 1, 400);
+  AddRegion(&r, 7, 100, 1, 100);
+  r.add_receipt_after_chunk(0);
+  r.add_receipt_after_chunk(0);
+  ASSERT_TRUE(PlaceReceipts(&r).ok());
+  EXPECT_EQ(r.receipt_after_chunk(0), 4);
+  EXPECT_EQ(r.receipt_after_chunk(1), 1);
+  // A strided op covers its rows' gaps too (only ever later): 2 rows of 50
+  // bytes from 150, 200 apart, reach [150, 400).
+  r.mutable_ops(4)->set_dst_offset(150);
+  r.mutable_ops(4)->set_rows(2);
+  r.mutable_ops(4)->set_cols(25);
+  r.mutable_ops(4)->set_dst_stride(200);
+  r.mutable_ops(4)->set_chunk(5);
+  ASSERT_TRUE(PlaceReceipts(&r).ok());
+  EXPECT_EQ(r.receipt_after_chunk(0), 5);
+  EXPECT_EQ(r.receipt_after_chunk(1), 5);
+  // Regions and entries that differ in number: refused.
+  r.add_receipt_after_chunk(0);
+  EXPECT_EQ(PlaceReceipts(&r).code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(P2pRoundsTest, DaemonOrderRefusesWhatMtoNDoesNotCarry) {

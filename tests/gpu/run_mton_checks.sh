@@ -8,9 +8,15 @@
 #    1) -> two daemons (GPUs 2, 3), TP=2 and two replicas, cases rows /
 #    layers / replicas, bit-exact in every engine, timed against today's
 #    single sender in the same run; rank 1 killed mid-update, then repaired.
+#    Faults: rank 1 dies at the start, mid-transfer and at the finish (and,
+#    on the tiny model, freezes: SIGSTOP), each followed by a repair.
 # 2. The raw NCCL send/recv baseline of the same byte patterns
 #    (bench/mton_nccl_bench.py) in the same call, in 1 GiB messages and in
 #    the nccl default chunk (64 MiB, --nccl_chunk_bytes).
+# 3. The cross-node code path (NET=1, the default): NCCL's network
+#    transport over loopback (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1) for
+#    the daemons, the trainers and the raw baseline, on Qwen3-1.7B, TP=2
+#    engine, the documented defaults only.
 # Prints the tables last; logs and JSON under OUTDIR.
 set -uo pipefail
 out="$(mkdir -p "${1:?usage: run_mton_checks.sh OUTDIR [BIN] [MODEL]}" && cd "$1" && pwd)"
@@ -30,13 +36,13 @@ export PYTHONUNBUFFERED=1
 cat "$out/env.txt"
 rc=0
 cleanup() { pkill -9 -f test_mton_gpu.py; pkill -9 -f weightsyncd; pkill -9 -f weightsync_gpu_worker; sleep 1; } 2>/dev/null
-timeout -k 10 "${T_TINY:-150}" python3 tests/gpu/test_mton_gpu.py --bin "$bin" \
+timeout -k 10 "${T_TINY:-240}" python3 tests/gpu/test_mton_gpu.py --bin "$bin" \
   --out "$out/tiny" --model tiny --reps 2 --faults 2>&1 | tee "$out/tiny.txt" | tail -30
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 cleanup
 if [ "$rc" = 0 ] || [ -n "${FORCE:-}" ]; then
-  timeout -k 10 "${T_MODEL:-240}" python3 tests/gpu/test_mton_gpu.py --bin "$bin" \
-    --out "$out/$model" --model "$model" --reps 5 --faults 2>&1 | tee "$out/$model.txt" | tail -40
+  timeout -k 10 "${T_MODEL:-300}" python3 tests/gpu/test_mton_gpu.py --bin "$bin" \
+    --out "$out/$model" --model "$model" --reps 5 --faults start mid finish 2>&1 | tee "$out/$model.txt" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   cleanup
 fi
@@ -45,6 +51,18 @@ for msg in ${RAW_MIB:-1024 64}; do
     --model "$model" --reps 3 --msg_mib "$msg" --timeout_s 60 >"$out/raw$msg.log" 2>&1 || rc=1
   tail -16 "$out/raw$msg.log"
 done
+if [ "${NET:-1}" = 1 ]; then
+  net_model="${NET_MODEL:-qwen3-1.7b}"
+  NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 timeout -k 10 "${T_NET:-200}" \
+    python3 tests/gpu/test_mton_gpu.py --bin "$bin" --out "$out/net" --model "$net_model" \
+    --layouts tp2 --variants default --reps 3 2>&1 | tee "$out/net.txt" | tail -12
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  cleanup
+  NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 timeout -k 10 "${T_RAW:-70}" \
+    python3 bench/mton_nccl_bench.py --out "$out/rawnet" --model "$net_model" --reps 3 \
+    --msg_mib 64 --timeout_s 60 --layouts tp2 --wire dense fp8 sparse >"$out/rawnet.log" 2>&1 || rc=1
+  tail -20 "$out/rawnet.log"
+fi
 # Few files back from the GPU machine: the logs in one archive.
 (cd "$out" && tar czf logs.tgz --exclude=logs.tgz --exclude='*.txt' . && \
   find . -mindepth 1 -maxdepth 1 -type d -exec rm -rf {} +)

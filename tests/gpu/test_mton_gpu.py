@@ -20,10 +20,13 @@
   in every engine (each engine process regenerates the version and
   compares every segment), then --reps timed updates (call to return on
   rank 0, the slower rank reported too);
-* faults (replicas layout, case rows): rank 1 dies (os._exit) after
-  enqueueing half its rounds: the update fails on rank 0 and on both
-  daemons, no engine serves a mixed version (all DIRTY or all at the
-  old version), a new job (both ranks restarted) repairs every engine.
+* faults (replicas layout, case rows; --faults PHASE...): rank 1 dies
+  (os._exit) after the Start and before its first send, after its third
+  round of sends, or once all its bytes arrived but before it reports; or
+  it freezes (SIGSTOP) after its third round: each time the update fails
+  on rank 0 and on both daemons, no engine serves the new version (DIRTY,
+  or READY at the old one), a new job (both ranks restarted) repairs
+  every engine.
 
     python3 tests/gpu/test_mton_gpu.py --bin BIN --out DIR [--model qwen3-8b]
 
@@ -55,7 +58,9 @@ MODELS["tiny"] = {"vocab_size": 1000, "hidden_size": 256, "intermediate_size": 5
 TRAINER_GPUS = (0, 1)
 # (chunk bytes, receipts) of the timed updates: the documented defaults
 # first (the daemon's chunk size, receipts on).
-VARIANTS = ((0, True), (0, False), (256 << 20, True), (256 << 20, False))
+VARIANT_NAMES = {"default": (0, True), "default-noverify": (0, False),
+                 "256": (256 << 20, True), "256-noverify": (256 << 20, False)}
+FAULTS = ("start", "mid", "finish", "frozen")
 ENGINE_GPUS = (2, 3)
 
 
@@ -180,15 +185,8 @@ def rank_main(args):
                 torch.cuda.synchronize(dev)
                 reply(ok=True, bytes=sum(t.numel() * 2 for _, t in local + full))
             elif op in ("update", "update_single"):
-                if cmd.get("die_after_round") is not None and args.rank == 1:
-                    links = trainer._sharded_nccl[1]
-                    die = cmd["die_after_round"]
-
-                    def on_round(k):
-                        if k >= die:
-                            torch.cuda.synchronize(dev)
-                            os._exit(9)
-                    links.on_round = on_round
+                if cmd.get("fault") and args.rank == 1:
+                    plant_fault(trainer._sharded_nccl[1], cmd["fault"], dev)
                 times, timings = [], []
                 for target in cmd["versions"]:
                     t = time.perf_counter()
@@ -212,6 +210,35 @@ def rank_main(args):
         except Exception as e:  # noqa: BLE001 - reported to the launcher
             reply(ok=False, code=type(e).__name__, error=str(e)[:600])
     os._exit(0)
+
+
+def plant_fault(links, phase, dev):
+    """Rank 1's death (or freeze) at `phase` of its next update:
+    "start" after the Start is agreed, before its first send; "mid" after
+    its third round of sends left the GPU; "finish" once every byte it
+    sends has arrived, before it reports to the leader; "frozen" SIGSTOP
+    after the third round (alive, its socket open: only the daemons' idle
+    timeout can end it)."""
+    import signal
+    import torch
+    if phase == "start":
+        links._send_rounds = lambda *a, **k: os._exit(9)
+    elif phase == "finish":
+        push = links.push
+
+        def push_then_die(*a, **k):
+            push(*a, **k)
+            torch.cuda.synchronize(dev)
+            os._exit(9)
+        links.push = push_then_die
+    else:
+        def on_round(k):
+            if k >= 2:
+                torch.cuda.synchronize(dev)
+                if phase == "frozen":
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                os._exit(9)
+        links.on_round = on_round
 
 
 # -- the launcher ------------------------------------------------------------------------
@@ -341,7 +368,8 @@ def layout_block(run, layout, version, reps):
     assert first["ok"], first
     version += 1
     run.check(data, f"{layout} single sender")
-    for chunk, verify in VARIANTS:
+    variants = [VARIANT_NAMES[v] for v in sorted(a.variants, key=list(VARIANT_NAMES).index)]
+    for chunk, verify in variants:
         got = run.both({"op": "update_single", "verify": verify, "chunk": chunk,
                         "versions": list(range(version, version + reps))}, who=(0,))[0]
         assert got["ok"], got
@@ -361,7 +389,7 @@ def layout_block(run, layout, version, reps):
         assert all(x["ok"] for x in first), first
         version += 1
         run.check(data, f"{layout} {case} two senders")
-        for chunk, verify in VARIANTS:
+        for chunk, verify in variants:
             got = run.both({"op": "update", "verify": verify, "chunk": chunk,
                             "versions": list(range(version, version + reps))})
             assert all(x["ok"] for x in got), got
@@ -378,50 +406,52 @@ def layout_block(run, layout, version, reps):
     return version
 
 
-def faults(run, version):
-    """Rank 1 dies mid-update; the update fails everywhere; a new job repairs."""
+def faults(run, version, phases):
+    """Rank 1 dies (or freezes) at each phase of an update: the update
+    fails on rank 0 and on both daemons, no engine serves the new version
+    (DIRTY, or READY at the old one), a new job repairs every engine."""
     import weightsync
     run.start_engines("replicas")
     assert all(x["ok"] for x in run.both({"op": "init_sharded"}))
     assert all(x["ok"] for x in run.both({"op": "load", "case": "rows", "version": version}))
     assert all(x["ok"] for x in run.both({"op": "update", "versions": [version]}))
-    good = version
-    run.check(good, "faults: before")
-    version += 1
-    # Enough rounds to die in the middle: small chunks for a small model.
-    chunk = 64 << 10 if run.args.model == "tiny" else 0
-    run.ranks[1].send({"op": "update", "versions": [version], "die_after_round": 2,
-                       "chunk": chunk})
-    run.ranks[0].send({"op": "update", "versions": [version], "chunk": chunk})
-    t = time.time()
-    got = json.loads(run.ranks[0].read(90, json_only=True))
-    took = time.time() - t
-    assert not got["ok"], f"the update succeeded with a dead sender: {got}"
-    trainer = weightsync.Trainer(run.targets, timeout=30)
-    states = []
-    for st in trainer.statuses():
-        for e in st.engines:
-            states.append((e.engine_id, weightsync._proto.v1.enum_name("EngineState", e.state),
-                           e.version))
-    mixed = any(s == "ENGINE_READY" and v == version for _, s, v in states)
-    print(f"  rank 1 died mid-update: rank 0 got {got['code']} in {took:.1f} s; engines "
-          f"{states}", flush=True)
-    assert not mixed, states
-    run.start_ranks()
-    for attempt in range(5):   # the daemons may still be ending the aborted update
-        init = run.both({"op": "init_sharded"})
-        if all(x["ok"] for x in init):
-            break
-        print(f"  init after the fault, try {attempt + 1}: {init}", flush=True)
-        time.sleep(2)
-    assert all(x["ok"] for x in init), init
-    version += 1
-    assert all(x["ok"] for x in run.both({"op": "load", "case": "rows", "version": version}))
-    assert all(x["ok"] for x in run.both({"op": "update", "versions": [version]}))
-    run.check(version, "faults: repaired by a new job")
-    run.rows.append({"fault": "rank 1 died after round 2", "error": got, "seconds": took,
-                     "engines": states, "repaired": True})
-    trainer.close()
+    run.check(version, "faults: before")
+    for phase in phases:
+        version += 1
+        # Enough rounds to die in the middle: small chunks for a small model.
+        chunk = 64 << 10 if run.args.model == "tiny" else 0
+        run.ranks[1].send({"op": "update", "versions": [version], "fault": phase,
+                           "chunk": chunk})
+        run.ranks[0].send({"op": "update", "versions": [version], "chunk": chunk})
+        t = time.time()
+        got = json.loads(run.ranks[0].read(120, json_only=True))
+        took = time.time() - t
+        assert not got["ok"], f"{phase}: the update succeeded with a dead sender: {got}"
+        trainer = weightsync.Trainer(run.targets, timeout=30)
+        states = []
+        for st in trainer.statuses():
+            for e in st.engines:
+                states.append((e.engine_id,
+                               weightsync._proto.v1.enum_name("EngineState", e.state), e.version))
+        trainer.close()
+        mixed = any(s == "ENGINE_READY" and v == version for _, s, v in states)
+        print(f"  rank 1 {phase}: rank 0 got {got['code']} in {took:.1f} s; engines {states}",
+              flush=True)
+        assert not mixed, states
+        run.start_ranks()   # SIGKILL: a frozen rank 1 too
+        for attempt in range(5):   # the daemons may still be ending the aborted update
+            init = run.both({"op": "init_sharded"})
+            if all(x["ok"] for x in init):
+                break
+            print(f"  init after the fault, try {attempt + 1}: {init}", flush=True)
+            time.sleep(2)
+        assert all(x["ok"] for x in init), init
+        version += 1
+        assert all(x["ok"] for x in run.both({"op": "load", "case": "rows", "version": version}))
+        assert all(x["ok"] for x in run.both({"op": "update", "versions": [version]}))
+        run.check(version, f"faults: {phase}, repaired by a new job")
+        run.rows.append({"fault": phase, "error": got, "seconds": took, "engines": states,
+                         "repaired": True})
     return version + 1
 
 
@@ -435,7 +465,7 @@ def launcher(args):
         for layout in args.layouts:
             version = layout_block(run, layout, version, args.reps)
         if args.faults:
-            faults(run, version)
+            faults(run, version, args.faults)
     except Exception as e:  # noqa: BLE001 - reported, logs kept
         ok = False
         print(f"FAIL: {type(e).__name__}: {e}", flush=True)
@@ -475,7 +505,10 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--cases", nargs="+", default=list(mp.CASES), choices=mp.CASES)
     ap.add_argument("--layouts", nargs="+", default=list(mp.LAYOUTS), choices=mp.LAYOUTS)
-    ap.add_argument("--faults", action="store_true")
+    ap.add_argument("--faults", nargs="*", choices=FAULTS,
+                    help="rank 1 dies at these phases (all four when none is named)")
+    ap.add_argument("--variants", nargs="+", choices=sorted(VARIANT_NAMES),
+                    default=sorted(VARIANT_NAMES), help="(chunk, receipts) of the timed updates")
     ap.add_argument("--layout")
     ap.add_argument("--index", type=int)
     ap.add_argument("--gpu", type=int)
@@ -490,6 +523,8 @@ def main():
     if args.role == "rank":
         return rank_main(args)
     args.bin = os.path.abspath(args.bin)
+    if args.faults is not None and not args.faults:
+        args.faults = list(FAULTS)
     return launcher(args)
 
 
