@@ -197,12 +197,11 @@ absl::Status PlaceReceipts(worker::v1::BeginUpdateRequest* req) {
     const Sorted& sorted = it->second;
     // Regions starting before the op's end, walked back while some region
     // at or before them still reaches past the op's start.
-    int64_t j = std::lower_bound(sorted.spans.begin(), sorted.spans.end(),
-                                 w.end,
-                                 [](const auto& a, int64_t v) {
-                                   return a.first.begin < v;
-                                 }) -
-                sorted.spans.begin() - 1;
+    int64_t j =
+        std::lower_bound(
+            sorted.spans.begin(), sorted.spans.end(), w.end,
+            [](const auto& a, int64_t v) { return a.first.begin < v; }) -
+        sorted.spans.begin() - 1;
     for (; j >= 0 && sorted.max_end[j] > w.begin; --j) {
       const auto& [span, i] = sorted.spans[j];
       if (span.end > w.begin && span.begin < span.end) {

@@ -206,10 +206,10 @@ TEST(P2pRoundsTest, EachRegionSummedAfterTheLastChunkWritingIt) {
   AddRegion(&r, 7, 1000, 2, 100, 300);
   AddRegion(&r, 9, 0, 1, 100);
   for (int i = 0; i < 6; ++i) r.add_receipt_after_chunk(5);
-  AddOp(&r, 3, 7, 1, 50, 100, 100)->set_dst_offset(0);    // [0, 100)
-  AddOp(&r, 1, 7, 1, 50, 100, 100)->set_dst_offset(100);  // [100, 200)
-  AddOp(&r, 4, 7, 1, 50, 100, 100)->set_dst_offset(200);  // [200, 300)
-  AddOp(&r, 0, 7, 1, 50, 100, 100)->set_dst_offset(300);  // [300, 400)
+  AddOp(&r, 3, 7, 1, 50, 100, 100)->set_dst_offset(0);     // [0, 100)
+  AddOp(&r, 1, 7, 1, 50, 100, 100)->set_dst_offset(100);   // [100, 200)
+  AddOp(&r, 4, 7, 1, 50, 100, 100)->set_dst_offset(200);   // [200, 300)
+  AddOp(&r, 0, 7, 1, 50, 100, 100)->set_dst_offset(300);   // [300, 400)
   AddOp(&r, 2, 7, 1, 50, 100, 100)->set_dst_offset(1300);  // the 2nd row
   AddOp(&r, 5, 8, 1, 50, 100, 100)->set_dst_offset(0);     // another alloc
   ASSERT_TRUE(PlaceReceipts(&r).ok());
