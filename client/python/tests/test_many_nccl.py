@@ -346,5 +346,37 @@ class LeaderStatusesTest(unittest.TestCase):
         self.assertIs(cm.exception, gone)
 
 
+class StartTest(unittest.TestCase):
+    """The leader's Start says whether receipts are wanted: VERIFY_ON has a
+    GPU daemon sum them as the chunks land (unset, it read every engine
+    back after the transfer, receipts wanted or not); VERIFY_OFF none."""
+
+    class Stub:
+        def __init__(self):
+            self.requests = []
+
+        def call(self, rpc, request=None, **kw):
+            assert rpc == "StartWeightUpdate", rpc
+            self.requests.append(request)
+            return SimpleNamespace(chunk_bytes=1 << 20)
+
+    def test_verify_is_said_to_every_daemon(self):
+        from weightsync import _multi
+        from weightsync._proto import v1
+        from weightsync.senders.base import Link
+        from weightsync.senders.many import ManySenders
+        stubs = [self.Stub(), self.Stub()]
+        group = _multi.Group(stubs, ["unix:/d0", "unix:/d1"])
+        senders = ManySenders(Link(stubs, group, 5, 5), None)
+        plan = SimpleNamespace(id="plan-1")
+        for verify, want in ((True, v1.VERIFY_ON), (False, v1.VERIFY_OFF)):
+            started = senders._start(plan, f"u-{verify}", 7, 0, "streaming", verify)
+            self.assertEqual(started["chunk_bytes"], [1 << 20, 1 << 20])
+            for stub in stubs:
+                r = stub.requests[-1]
+                self.assertEqual((r.update_id, r.verify, r.transfer_plan_id),
+                                 (f"u-{verify}", want, "plan-1"))
+
+
 if __name__ == "__main__":
     unittest.main()
