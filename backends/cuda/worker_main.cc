@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include "backends/cuda/gpu_worker.h"
+#include "backends/cuda/worker_env.h"
 #include "gflags/gflags.h"
 #include "glog/logging.h"
 #include "grpcpp/security/server_credentials.h"
@@ -29,9 +30,15 @@ DEFINE_int32(device, 0,
              "other GPUs is opened for it, so its copies reach them by peer");
 
 int main(int argc, char** argv) {
+  // Before any thread (glibc's arenas are per thread) and before NCCL reads
+  // its environment (worker_env.h).
+  const weightsync::WorkerEnvDefaults env =
+      weightsync::ApplyWorkerEnvDefaults();
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   FLAGS_logtostderr = true;
   google::InitGoogleLogging(argv[0]);
+  LOG(INFO) << "process defaults: "
+            << weightsync::DescribeWorkerEnvDefaults(env);
   if (FLAGS_socket.empty()) {
     LOG(ERROR) << "--socket is required";
     return 2;
