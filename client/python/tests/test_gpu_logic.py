@@ -15,7 +15,6 @@ import sys
 import tempfile
 import types
 import unittest
-from unittest import mock
 
 import numpy as np
 
@@ -640,58 +639,6 @@ class GpuReceiptsPrepareTest(unittest.TestCase):
         # Without the kernel (no Triton) prepare does nothing.
         GpuReceipts().prepare(link, [], [], plan_key=None)
         self.assertEqual(len(kernel.built), 4)
-
-
-class GpuReceiptsPlainTest(unittest.TestCase):
-    """Trainer.update's plain tensors (no registered source, no plan key)
-    go through the receipts kernel too, its tables kept by what was sent
-    (names, dtypes, shapes, addresses) and the engine's layout id; an FP8
-    engine's expectation stays the exact arrays path."""
-
-    class Kernel:
-        def __init__(self):
-            self.built, self.calls = [], []
-
-        def expected_receipts_gpu(self, layouts, sent, plan_key=None, keep=True):
-            self.calls.append((plan_key, keep))
-            if plan_key is not None and plan_key not in self.built:
-                self.built.append(plan_key)
-            return {0: (11, 1, 2)}
-
-    class Flat:
-        def __init__(self, ptr):
-            self.ptr = ptr
-
-        def data_ptr(self):
-            return self.ptr
-
-    def test_plain_tensors_use_the_kernel_keyed_by_what_was_sent(self):
-        from weightsync.senders.gpu_receipts import GpuReceipts
-        layout, _ = _receipt_case(np.random.default_rng(5))
-        gr, kernel = GpuReceipts(), self.Kernel()
-        gr._has_fp8 = lambda layout, layout_id: False
-        at = {"w": 4096}
-
-        def sent():
-            return {"w": ("BFLOAT16", [4, 8], self.Flat(at["w"]))}
-        self.assertEqual(gr._expected(kernel, layout, "L-a", None, sent), (11, 1, 2))
-        gr._expected(kernel, layout, "L-a", None, sent)
-        self.assertEqual(len(kernel.built), 1)   # the same tensors: nothing new
-        at["w"] = 8192                           # the tensor moved: new tables
-        gr._expected(kernel, layout, "L-a", None, sent)
-        gr._expected(kernel, layout, "L-b", None, sent)   # another layout id
-        self.assertEqual(len(kernel.built), 3)
-        self.assertEqual(kernel.built[0], (("sent", (("w", "BFLOAT16", 4096, (4, 8)),)), "L-a"))
-        # No layout id: tables for this call only, nothing kept.
-        gr._expected(kernel, layout, None, None, sent)
-        self.assertEqual(kernel.calls[-1], (None, False))
-        # An FP8 engine without a plan key: the exact arrays path, no kernel.
-        gr._has_fp8 = lambda layout, layout_id: True
-        with mock.patch("weightsync.receipts.expected_receipt_arrays",
-                        return_value=(5, 6, 7)) as exact:
-            self.assertEqual(gr._expected(kernel, layout, "L-a", None, sent), (5, 6, 7))
-        exact.assert_called_once()
-        self.assertEqual(len(kernel.calls), 5)
 
 
 class SparseArraysTest(unittest.TestCase):

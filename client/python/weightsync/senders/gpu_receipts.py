@@ -74,7 +74,7 @@ class GpuReceipts:
         engines' layouts the warm start fetched): its first update then
         checks as a steady one does. Nothing without Triton."""
         fast = self._fast(flats, plan_key)
-        if fast is None or plan_key is None:
+        if fast is None:
             return
         sent = _sent(manifest, flats)
         for layout_id, layout in list(link.layouts.items()):
@@ -82,9 +82,8 @@ class GpuReceipts:
 
     @staticmethod
     def _fast(flats, plan_key):
-        """weightsync.receipts.gpu where its kernel applies (CUDA tensors,
-        Triton), else None."""
-        if flats and getattr(flats[0], "is_cuda", False):
+        """weightsync.receipts.gpu where the kept-table kernel applies, else None."""
+        if plan_key is not None and flats and getattr(flats[0], "is_cuda", False):
             from weightsync.receipts import gpu as receipts_gpu
             if receipts_gpu.available():
                 return receipts_gpu
@@ -92,19 +91,7 @@ class GpuReceipts:
 
     def _expected(self, fast, layout, layout_id, plan_key, sent):
         if self._has_fp8(layout, layout_id):
-            if plan_key is None:   # its kept tables need a registered source's key
-                from weightsync.receipts import expected_receipt_arrays
-                return expected_receipt_arrays(layout, sent())
             return self._fp8_expected(fast, layout, layout_id, plan_key, sent)
-        if plan_key is None and layout_id:
-            # Plain tensors (Trainer.update's list): the tables kept by
-            # what was sent, names, dtypes, shapes and addresses, and the
-            # daemon's layout id (new whenever the engine registers again).
-            # Was the torch int64 path: 16 ms for Qwen3-8B on an H200.
-            plan_key = ("sent", tuple((n, e[0], e[2].data_ptr(), tuple(e[1]))
-                                      for n, e in sent().items()))
-        if plan_key is None:   # no layout id: tables for this call only
-            return fast.expected_receipts_gpu({0: layout}, sent, keep=False)[0]
         return fast.expected_receipts_gpu({0: layout}, sent, plan_key=(
             plan_key, layout_id) if layout_id else None)[0]
 
