@@ -152,6 +152,97 @@ TEST(P2pRoundsTest, BadRequestsRefusedNamingTheField) {
   ExpectRefused(r, "chunk 2 has 0 bytes");
 }
 
+TEST(P2pRoundsTest, MoreRefusalsNamingTheField) {
+  BeginUpdateRequest r = TwoSenders();
+  r.add_chunk_rounds(2);
+  ExpectRefused(r, "chunk_rounds has 5 entries for 4 chunks");
+  r = TwoSenders();
+  r.set_ipc_source_handle("h");
+  ExpectRefused(r, "not staged, not IPC");
+  r = TwoSenders();
+  r.set_ipc_registered_source(true);
+  ExpectRefused(r, "not staged, not IPC");
+  r = TwoSenders();
+  r.set_staging_buffers(1);
+  ExpectRefused(r, "at least 2 staging buffers");
+  r = TwoSenders();
+  r.mutable_ops(2)->set_chunk(4);
+  ExpectRefused(r, "op 2 names chunk 4 of 4");
+  r = TwoSenders();
+  r.mutable_ops(2)->set_chunk(-1);
+  ExpectRefused(r, "op 2 names chunk -1 of 4");
+  r = TwoSenders();
+  r.set_chunk_peers(0, -1);
+  ExpectRefused(r, "chunk 0 comes from rank -1");
+}
+
+TEST(P2pRoundsTest, EdgesThatAreAccepted) {
+  // The last rank of the world is a peer; a chunk of one byte is a chunk;
+  // two staging buffers are enough for a round that stages one chunk.
+  BeginUpdateRequest r = TwoSenders();
+  r.set_chunk_peers(1, 3);
+  r.set_chunk_peers(3, 3);
+  EXPECT_TRUE(PlanP2pRounds(r, 4, 2, OnMyGpu).ok());
+  r = TwoSenders();
+  r.set_chunk_sizes(3, 1);
+  r.mutable_ops(4)->set_cols(0);  // (the op no longer fills it: staged)
+  auto s = PlanP2pRounds(r, 4, 2, OnMyGpu);
+  ASSERT_TRUE(s.ok()) << s.status();
+  r = TwoSenders();  // each round stages one chunk: two buffers do
+  r.set_staging_buffers(2);
+  s = PlanP2pRounds(r, 4, 2, OnMyGpu);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->staged_chunks, 2);
+}
+
+TEST(P2pRoundsTest, InPlaceOnlyForOneOpThatTakesTheWholeChunk) {
+  // Two engines on this GPU need the same bytes: two ops from one chunk.
+  BeginUpdateRequest r = TwoSenders();
+  AddOp(&r, 0, 7, 16, 128, 256, 256)->set_dst_offset(1 << 20);
+  auto s = PlanP2pRounds(r, 4, 2, OnMyGpu);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_FALSE(s->direct[0]);
+  // An op that reads from byte 16 of the chunk, or from another allocation
+  // (a registered source), is not the chunk received in place.
+  r = TwoSenders();
+  r.mutable_ops(0)->set_src_offset(16);
+  s = PlanP2pRounds(r, 4, 2, OnMyGpu);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_FALSE(s->direct[0]);
+  r = TwoSenders();
+  r.mutable_ops(0)->set_src_allocation_id(9);
+  s = PlanP2pRounds(r, 4, 2, OnMyGpu);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_FALSE(s->direct[0]);
+  EXPECT_TRUE(s->direct[3]);
+}
+
+TEST(P2pRoundsTest, MostChunksInARound) {
+  EXPECT_EQ(MaxChunksPerRound({}), 0);
+  EXPECT_EQ(MaxChunksPerRound({4}), 1);
+  EXPECT_EQ(MaxChunksPerRound({0, 0, 0, 5, 5}), 3);  // the first round
+  EXPECT_EQ(MaxChunksPerRound({0, 1, 1, 1}), 3);     // the last round
+  EXPECT_EQ(MaxChunksPerRound({2, 7, 2, 7, 2}), 3);  // unsorted
+}
+
+TEST(P2pRoundsTest, EmptyRegionsAndOpsPlaceNothing) {
+  // A region of no rows or no columns holds no byte: no op's chunk is its
+  // last, whatever the op covers; an op of no rows writes nothing.
+  BeginUpdateRequest r;
+  for (int k = 0; k < 4; ++k) r.add_chunk_sizes(100);
+  AddRegion(&r, 7, 0, 0, 100, /*stride=*/1);  // no rows
+  AddRegion(&r, 7, 0, 2, 0, 100);             // no columns
+  AddRegion(&r, 7, 1000, 1, 100);
+  for (int i = 0; i < 3; ++i) r.add_receipt_after_chunk(3);
+  AddOp(&r, 3, 7, 2, 50, 100, 100)->set_dst_offset(0);   // [0, 200)
+  AddOp(&r, 2, 7, 0, 50, 100, 1)->set_dst_offset(1000);  // no rows
+  AddOp(&r, 1, 7, 1, 50, 100, 100)->set_dst_offset(1000);
+  ASSERT_TRUE(PlaceReceipts(&r).ok());
+  EXPECT_EQ(std::vector<int64_t>(r.receipt_after_chunk().begin(),
+                                 r.receipt_after_chunk().end()),
+            (std::vector<int64_t>{0, 0, 1}));
+}
+
 TEST(P2pRoundsTest, DaemonOrdersLinkChunksByRound) {
   // The copy plan's order: link (0 -> me) chunks 0, 1, 2, then link
   // (1 -> me) chunks 3, 4; round r = chunk r of every link.
