@@ -122,6 +122,10 @@ class Control:
     # ASSUMED: a control round trip between nodes (gRPC over TCP+TLS); the
     # same call on one host costs 0.16-0.8 ms (results/worker_rpc_probe.txt).
     round_trip_s: float = 0.5e-3
+    # M->N through the daemons: what an update of several senders costs
+    # beyond the terms above (the ranks' collectives, the senders starting
+    # after the daemons' Begin, the daemons' rounds); calibrated below.
+    many_senders_s: float = 0.0
 
 
 def measured():
@@ -191,9 +195,28 @@ def measured():
     sp = load("sparse.json")
     sparse = {"diff_s_per_byte_h200": sp["trainer_diff_pack_s_median"] / sp["dense_bytes"],
               "apply_s_per_nnz_h200": sp["sparse_device_s_median"] / sp["steps"][0]["nnz"]}
-    return {"gpus": {"H200": h200, "H100": h100, "H800": h800}, "rates": rates,
-            "sparse": sparse,
-            "control": control, "ipc_control": ipc_control, "nccl_wire_GBps": wire_Bps / GB}
+    m = {"gpus": {"H200": h200, "H100": h100, "H800": h800}, "rates": rates,
+         "sparse": sparse,
+         "control": control, "ipc_control": ipc_control, "nccl_wire_GBps": wire_Bps / GB}
+    measured_s, d = many_senders_run("tp2")
+    m["control"] = replace(control, many_senders_s=max(0.0, measured_s - predict(d, m).total_s))
+    return m
+
+
+def many_senders_run(layout):
+    """(measured seconds, Deployment) of issue 32's run 5 (mton.json
+    "daemons"): two trainer ranks -> two daemons on 4 x H200, Qwen3-8B,
+    256 MiB chunks, receipts on; the median over the three trainer cases.
+    The TP=2 engine's row calibrates Control.many_senders_s (one number:
+    ~14 ms), the two replicas' row checks it."""
+    run5 = load("mton.json")["daemons"]["run5"]["qwen3-8b"]
+    times = sorted(x["median_s"] for x in run5 if x.get("layout") == layout
+                   and x.get("senders") == 2 and x.get("verify")
+                   and x.get("chunk") == 256 * MiB)
+    d = Deployment(QWEN3_8B, gpu="H200", same_node=True, engine_gpus_per_node=2,
+                   tp=2 if layout == "tp2" else 1, schedule="p2p", senders=2,
+                   chunk_bytes=256 * MiB, receipts=True)
+    return times[len(times) // 2], d
 
 
 def chunk_sizes(total, chunk):
@@ -499,6 +522,8 @@ def _predict_p2p(d, m):
     if nnz_gpu:
         # Each update's piece sizes differ: one header round before the bytes.
         parts["sparse header round"] = per_call + (0.0 if d.same_node else r.hop_s)
+    if S > 1:
+        parts["many-sender protocol"] = c.many_senders_s
     if daemons > 1:
         parts["multi-daemon rounds"] = 2 * c.round_trip_s   # prepare, commit; plan by id
     if d.receipts:
@@ -562,6 +587,15 @@ def validation(m=None):
         t = p.total_s - p.parts.get("receipts (trainer)", 0.0)   # C++ trainer: not timed
         rows.append((f"NCCL, Qwen3-8B, 1 GiB, receipts {'on' if on else 'off'}",
                      "receipts.json", rec[key], t, "check"))
+    # M->N through the daemons (issue 32, run 5): the TP=2 row calibrates
+    # the one many-senders constant (~14 ms: the daemons' device time runs
+    # ~10 ms over raw whatever the bytes, 8 GB or 16 GB, and the ranks'
+    # collectives ~5 ms), the replicas row (twice the bytes) checks it.
+    for layout in ("tp2", "replicas"):
+        measured_s, d = many_senders_run(layout)
+        rows.append((f"M->N through the daemons, Qwen3-8B, 2 senders -> {layout}, 256 MiB",
+                     "mton.json", measured_s, predict(d, m).total_s,
+                     "input" if layout == "tp2" else "check"))
     st = load("staged.json")
     p = predict(two_gpu(QWEN3_8B, chunk_bytes=st["chunk_bytes"], mode="staged"), m)
     rows.append(("staged NCCL, Qwen3-8B: the whole update", "staged.json",
