@@ -346,6 +346,86 @@ TEST(P2pRoundsTest, DaemonOrderRefusesWhatMtoNDoesNotCarry) {
   r.add_quant_steps()->set_chunk(0);
   EXPECT_EQ(OrderChunksByRound({0}, {0}, &r).code(),
             absl::StatusCode::kUnimplemented);
+  // Each table one per chunk; one sparse patch, held ops: not carried.
+  r = BeginUpdateRequest();
+  r.add_chunk_sizes(100);
+  EXPECT_EQ(OrderChunksByRound({0}, {0, 0}, &r).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(OrderChunksByRound({0, 0}, {0}, &r).code(),
+            absl::StatusCode::kInvalidArgument);
+  r.add_sparse()->set_name("w");
+  EXPECT_EQ(OrderChunksByRound({0}, {0}, &r).code(),
+            absl::StatusCode::kUnimplemented);
+  r.clear_sparse();
+  r.set_reuse_ops(true);
+  EXPECT_EQ(OrderChunksByRound({0}, {0}, &r).code(),
+            absl::StatusCode::kUnimplemented);
+  r.set_reuse_ops(false);
+  // An op naming a chunk the update does not have.
+  AddOp(&r, 1, 7, 1, 50, 100, 100);
+  absl::Status s = OrderChunksByRound({0}, {0}, &r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("op 0 names chunk 1 of 1"), std::string::npos)
+      << s.message();
+  r.mutable_ops(0)->set_chunk(-1);
+  s = OrderChunksByRound({0}, {0}, &r);
+  EXPECT_NE(s.message().find("op 0 names chunk -1 of 1"), std::string::npos)
+      << s.message();
+  r.mutable_ops(0)->set_chunk(0);
+  EXPECT_TRUE(OrderChunksByRound({0}, {0}, &r).ok());
+}
+
+TEST(P2pRoundsTest, RoundsThatDecreaseAtTheLastChunkAreRefused) {
+  BeginUpdateRequest r = TwoSenders();
+  r.set_chunk_rounds(0, 0);
+  r.set_chunk_rounds(1, 1);
+  r.set_chunk_rounds(2, 1);
+  r.set_chunk_rounds(3, 0);
+  r.set_chunk_peers(2, 0);
+  ExpectRefused(r, "chunk_rounds decrease at chunk 3");
+}
+
+TEST(P2pRoundsTest, RegionsPlacedAtTheirEdges) {
+  // Allocation 7. Regions: A [99, 100) (one byte, the op's last), B [50,
+  // 101) (one byte into the second op), C [0, 400) with an empty region D
+  // at 155 inside it, E [1, 2) and F [0, 1) listed begin-descending.
+  BeginUpdateRequest r;
+  for (int k = 0; k < 6; ++k) r.add_chunk_sizes(100);
+  auto region = [&](int64_t offset, int64_t bytes) {
+    worker::v1::ReceiptRegionSpec* g = r.mutable_receipts()->add_regions();
+    g->set_allocation_id(7);
+    g->set_offset(offset);
+    g->set_rows(bytes > 0 ? 1 : 0);
+    g->set_cols(bytes);
+    g->set_element_size(1);
+    g->set_row_stride_bytes(bytes);
+    r.add_receipt_after_chunk(5);
+  };
+  region(99, 1);   // A
+  region(50, 51);  // B
+  region(0, 400);  // C
+  region(155, 0);  // D
+  region(1, 1);    // E
+  region(0, 1);    // F
+  auto op = [&](int64_t chunk, int64_t offset, int64_t bytes) {
+    GpuOp* o = AddOp(&r, chunk, 7, 1, bytes, bytes, bytes);
+    o->set_dst_offset(offset);
+    o->set_src_dtype(v1::FLOAT8_E4M3FN);  // one byte an element
+    o->set_dst_dtype(v1::FLOAT8_E4M3FN);
+  };
+  op(3, 0, 1);     // [0, 1): F and C
+  op(2, 1, 1);     // [1, 2): E and C
+  op(1, 2, 98);    // [2, 100): A, B and C
+  op(4, 100, 60);  // [100, 160): B by its last byte, C, not D
+  op(0, 300, 1);   // [300, 301): C
+  ASSERT_TRUE(PlaceReceipts(&r).ok());
+  EXPECT_EQ(std::vector<int64_t>(r.receipt_after_chunk().begin(),
+                                 r.receipt_after_chunk().end()),
+            (std::vector<int64_t>{1, 4, 4, 0, 2, 3}));
+  // An op of no rows inside a region writes nothing there.
+  AddOp(&r, 5, 7, 0, 10, 10, 10)->set_dst_offset(350);
+  ASSERT_TRUE(PlaceReceipts(&r).ok());
+  EXPECT_EQ(r.receipt_after_chunk(2), 4);
 }
 
 }  // namespace
