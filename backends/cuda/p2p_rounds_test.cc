@@ -422,6 +422,18 @@ TEST(P2pRoundsTest, RegionsPlacedAtTheirEdges) {
   EXPECT_EQ(std::vector<int64_t>(r.receipt_after_chunk().begin(),
                                  r.receipt_after_chunk().end()),
             (std::vector<int64_t>{1, 4, 4, 0, 2, 3}));
+  // A region that only its last byte puts in an op, with no longer region
+  // before it to keep the walk going.
+  BeginUpdateRequest one;
+  for (int k = 0; k < 5; ++k) one.add_chunk_sizes(100);
+  AddRegion(&one, 7, 50, 1, 51);  // [50, 101) once one-byte elements
+  one.mutable_receipts()->mutable_regions(0)->set_cols(51);
+  one.mutable_receipts()->mutable_regions(0)->set_element_size(1);
+  one.add_receipt_after_chunk(0);
+  GpuOp* late = AddOp(&one, 4, 7, 1, 30, 60, 60);  // [100, 160)
+  late->set_dst_offset(100);
+  ASSERT_TRUE(PlaceReceipts(&one).ok());
+  EXPECT_EQ(one.receipt_after_chunk(0), 4);
   // An op of no rows inside a region writes nothing there.
   AddOp(&r, 5, 7, 0, 10, 10, 10)->set_dst_offset(350);
   ASSERT_TRUE(PlaceReceipts(&r).ok());
