@@ -864,5 +864,42 @@ class HostLazyTest(daemon_fixture.HostDaemonCase):
             np.testing.assert_array_equal(w[n], arrays[n], err_msg=n)
 
 
+class FsdpOwnShardsTest(unittest.TestCase):
+    """send_fsdp2's own-shards path (every rank has a Trainer) hands
+    update_sharded the collective the NCCL group was formed with when
+    there is one (another is refused there), else its group's; and its
+    chunk_bytes and verify."""
+
+    class Comm:
+        rank, src = 0, 0
+
+        def all_gather(self, obj):
+            return [obj, obj]
+
+    class Trainer:
+        def __init__(self, joined):
+            self.sharded_collective, self.calls = joined, []
+
+        def update_sharded(self, manifest, local, version, collective=None, chunk_bytes=0,
+                           verify=True):
+            self.calls.append((manifest, local, version, collective, chunk_bytes, verify))
+            return "committed"
+
+    def send(self, trainer, comm, **kw):
+        from unittest import mock
+        with mock.patch.object(fsdp, "_group_factory", lambda group, rank: comm), \
+                mock.patch.object(fsdp, "_own_shards", lambda model, names: (["m"], ["l"])):
+            return fsdp.send_fsdp2(trainer, None, 5, **kw)
+
+    def test_the_groups_collective_on_nccl_and_verify_passed_on(self):
+        joined, comm = object(), self.Comm()
+        t = self.Trainer(joined)
+        self.assertEqual(self.send(t, comm, chunk_bytes=256, verify=False), "committed")
+        self.assertEqual(t.calls, [(["m"], ["l"], 5, joined, 256, False)])
+        host = self.Trainer(None)   # host backend: no NCCL group
+        self.send(host, comm)
+        self.assertEqual(host.calls, [(["m"], ["l"], 5, comm, 0, True)])
+
+
 if __name__ == "__main__":
     unittest.main()

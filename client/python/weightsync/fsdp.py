@@ -340,8 +340,12 @@ def send_fsdp2(trainer, model, version, names=None, rank=None, group=None, chunk
             raise ValueError("send_fsdp2(own_shards=True): every rank needs a Trainer")
         if every:
             manifest, local = _own_shards(model, names)
-            return trainer.update_sharded(manifest, local, version, collective=comm,
-                                          chunk_bytes=chunk_bytes)
+            # On nccl the ranks agree through the collective the group was
+            # formed with (update_sharded refuses another one).
+            joined = getattr(trainer, "sharded_collective", None)
+            return trainer.update_sharded(manifest, local, version,
+                                          collective=joined or comm,
+                                          chunk_bytes=chunk_bytes, verify=verify)
     items = lazy_parameters(model, names)
     sequence = materialize_sequence([{"name": n, "dtype": t.dtype, "shape": list(t.shape)}
                                      for n, t in items])

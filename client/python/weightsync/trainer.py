@@ -330,6 +330,12 @@ class Trainer:
             return self._host_sources
         return self._host_stream
 
+    @property
+    def sharded_collective(self):
+        """The collective init_nccl(collective=...) formed the NCCL group
+        with (every update_sharded of this Trainer uses it), or None."""
+        return None if self._sharded_nccl is None else self._sharded_nccl[0]
+
     def update_sharded(self, manifest, local, version, collective=None, chunk_bytes=0,
                        update_id=None, engine_ids=None, verify=True):
         """Every rank of a sharded or replicated trainer sends its own share
