@@ -3,6 +3,8 @@
 // scales, bit for bit the function applied to the whole parameter; the
 // daemon's receipts of FP8 engines against tests/vectors/fp8.json (exact
 // arithmetic, tools/fp8_vectors.py); the plan's refusals.
+#include "backends/host/quant_scatter.h"
+
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -264,6 +266,103 @@ TEST(QuantScatterTest, ALostEnginesFp8ParametersAreNotWritten) {
           << "parameter " << i;
     }
   }
+}
+
+// A row of 129 bfloat16 elements in chunks of 128: every row leaves a run
+// of one element for the next chunk (and the last chunk one element in
+// all); the parameter still comes out as the whole matrix quantised.
+TEST(QuantScatterTest, RunsOfOneElementAtChunkEdges) {
+  std::mt19937 rng(11);
+  const std::vector<Tensor> tensors = {
+      RandomTensor("w", v1::BFLOAT16, 5, 129, rng)};
+  const auto ref = Reference(Widen(tensors[0], 129, 0, 5, 0, 129), 5, 129,
+                             {v1::FLOAT8_E4M3FN, 128, 128, false});
+  testing::HeapMapper mapper;
+  auto layout = Install(OneFp8Weight(5, 129, 1, 2), tensors, 256, mapper);
+  ASSERT_NE(layout, nullptr);
+  EXPECT_TRUE(Bytes(*layout, 0) == ref.first);
+  EXPECT_TRUE(Bytes(*layout, 1) == ref.second);
+}
+
+// QuantScatter alone: a plan without FP8 targets feeds nothing; a plan
+// whose pieces fall outside their target's rectangle, or reach a second
+// row of blocks while the first is still open, is refused (INTERNAL) and
+// nothing is written outside the band.
+TEST(QuantScatterTest, ABrokenPlanIsRefusedNotWrittenOutsideItsBand) {
+  std::mt19937 rng(5);
+  const std::vector<Tensor> tensors = {
+      RandomTensor("w", v1::BFLOAT16, 256, 256, rng)};
+  Manifest m;
+  *m.Add() = tensors[0].spec;
+  testing::HeapMapper mapper;
+  {
+    v1::RegisterEngineRequest plain;
+    plain.set_engine_id("bf16");
+    int64_t offset = 0;
+    Add(plain, "w", v1::BFLOAT16, 256, 256, &offset);
+    v1::Allocation* a = plain.add_allocations();
+    a->set_kind(v1::MEMORY_HOST_SHM);
+    a->set_handle("/bf16");
+    a->set_size(offset);
+    auto layout = BuildEngineLayout(plain, mapper);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    auto plan = BuildCopyPlan(m, 4096, {*layout});
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    QuantScatter q;
+    q.Reset(**plan);
+    EXPECT_TRUE(
+        q.Feed(**plan, 0,
+               reinterpret_cast<const uint8_t*>(tensors[0].bytes.data()),
+               nullptr, nullptr)
+            .ok());
+  }
+  auto layout = BuildEngineLayout(OneFp8Weight(256, 256, 2, 2), mapper);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  // One chunk holds the whole tensor (band 0 then band 1); chunks of 256
+  // bytes hold half a row each.
+  auto whole = BuildCopyPlan(m, 1 << 20, {*layout});
+  auto halves = BuildCopyPlan(m, 256, {*layout});
+  ASSERT_TRUE(whole.ok() && halves.ok());
+  const auto* bytes = reinterpret_cast<const uint8_t*>(tensors[0].bytes.data());
+  auto feed = [&](const CopyPlan& plan, std::vector<int64_t> chunks) {
+    QuantScatter q;
+    q.Reset(plan);
+    absl::Status s;
+    for (int64_t k : chunks) {
+      s = q.Feed(plan, k, bytes + plan.chunks.chunks[k].offset, nullptr,
+                 nullptr);
+      if (!s.ok()) break;
+    }
+    return s;
+  };
+  EXPECT_TRUE(feed(**whole, {0}).ok());
+  for (int side = 0; side < 4; ++side) {
+    SCOPED_TRACE(side);
+    CopyPlan bad = **whole;
+    QuantRect& r = bad.quant[0].rect;
+    (side == 0   ? r.r0
+     : side == 1 ? r.r1
+     : side == 2 ? r.c0
+                 : r.c1) += side % 2 == 0 ? 1 : -1;
+    const absl::Status s = feed(bad, {0});
+    EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+    EXPECT_THAT(s.message(), HasSubstr("outside its rows of blocks"));
+  }
+  // Half a row of band 0, then a chunk of band 1: band 0 is still open.
+  // (Into a fresh engine: nothing may be written, no band was complete.)
+  testing::HeapMapper fresh_mapper;
+  auto fresh = BuildEngineLayout(OneFp8Weight(256, 256, 2, 2), fresh_mapper);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  auto fresh_halves = BuildCopyPlan(m, 256, {*fresh});
+  ASSERT_TRUE(fresh_halves.ok()) << fresh_halves.status();
+  const int64_t band1 = 128 * 2;  // row 128's first half-row chunk
+  ASSERT_EQ((*fresh_halves)->chunks.chunks[band1].offset, 128 * 256 * 2);
+  EXPECT_TRUE(feed(**halves, {0, 1}).ok());
+  const absl::Status s = feed(**fresh_halves, {0, band1});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+  EXPECT_THAT(s.message(), HasSubstr("out of order"));
+  EXPECT_TRUE(Bytes(**fresh, 0) == std::string(256 * 256, '\0'));
+  EXPECT_TRUE(Bytes(**fresh, 1) == std::string(2 * 2 * 4, '\0'));
 }
 
 TEST(QuantScatterTest, PlanRefusesPatchesAndSourcesThatCantBeQuantised) {
