@@ -268,17 +268,31 @@ TEST(QuantScatterTest, ALostEnginesFp8ParametersAreNotWritten) {
   }
 }
 
-// A row of 129 bfloat16 elements in chunks of 128: every row leaves a run
-// of one element for the next chunk (and the last chunk one element in
-// all); the parameter still comes out as the whole matrix quantised.
-TEST(QuantScatterTest, RunsOfOneElementAtChunkEdges) {
+// An FP8 parameter [4, 128] taken from rows 0-3, columns 0-127 of a
+// bfloat16 tensor [5, 129], in chunks of 128 elements: row r of the
+// source splits at column 128 - r, so row 1 leaves a run of one element
+// for the next chunk, and the chunks also carry row 4, which no element
+// of the parameter comes from. The parameter is the quantised sub-matrix.
+TEST(QuantScatterTest, RunsOfOneElementAndRowsOutsideTheSegment) {
   std::mt19937 rng(11);
   const std::vector<Tensor> tensors = {
       RandomTensor("w", v1::BFLOAT16, 5, 129, rng)};
-  const auto ref = Reference(Widen(tensors[0], 129, 0, 5, 0, 129), 5, 129,
+  v1::RegisterEngineRequest r;
+  r.set_engine_id("fp8");
+  int64_t offset = 0;
+  v1::Parameter* w = Add(r, "w", v1::FLOAT8_E4M3FN, 4, 128, &offset);
+  Quantize(w, v1::FLOAT8_E4M3FN, "w_scale_inv", v1::QUANT_SCHEME_BLOCK,
+           v1::SCALE_FORM_DEQUANT);
+  AddSegment(w, "w", 0, 4, 0, 128, 0, 128);
+  Add(r, "w_scale_inv", v1::FLOAT32, 1, 1, &offset);
+  v1::Allocation* a = r.add_allocations();
+  a->set_kind(v1::MEMORY_HOST_SHM);
+  a->set_handle("/fp8");
+  a->set_size(offset);
+  const auto ref = Reference(Widen(tensors[0], 129, 0, 4, 0, 128), 4, 128,
                              {v1::FLOAT8_E4M3FN, 128, 128, false});
   testing::HeapMapper mapper;
-  auto layout = Install(OneFp8Weight(5, 129, 1, 2), tensors, 256, mapper);
+  auto layout = Install(r, tensors, 256, mapper);
   ASSERT_NE(layout, nullptr);
   EXPECT_TRUE(Bytes(*layout, 0) == ref.first);
   EXPECT_TRUE(Bytes(*layout, 1) == ref.second);
@@ -347,6 +361,26 @@ TEST(QuantScatterTest, ABrokenPlanIsRefusedNotWrittenOutsideItsBand) {
     const absl::Status s = feed(bad, {0});
     EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
     EXPECT_THAT(s.message(), HasSubstr("outside its rows of blocks"));
+  }
+  // One row: a rectangle one column short is caught by its right edge
+  // alone (no other check notices: the row's count fits no band).
+  {
+    const std::vector<Tensor> row = {
+        RandomTensor("w", v1::BFLOAT16, 1, 256, rng)};
+    Manifest m1;
+    *m1.Add() = row[0].spec;
+    auto one = BuildEngineLayout(OneFp8Weight(1, 256, 1, 2), mapper);
+    ASSERT_TRUE(one.ok()) << one.status();
+    auto plan1 = BuildCopyPlan(m1, 1 << 20, {*one});
+    ASSERT_TRUE(plan1.ok()) << plan1.status();
+    CopyPlan bad = **plan1;
+    bad.quant[0].rect.c1 -= 1;
+    QuantScatter q;
+    q.Reset(bad);
+    const absl::Status s =
+        q.Feed(bad, 0, reinterpret_cast<const uint8_t*>(row[0].bytes.data()),
+               nullptr, nullptr);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
   }
   // Half a row of band 0, then a chunk of band 1: band 0 is still open.
   // (Into a fresh engine: nothing may be written, no band was complete.)
