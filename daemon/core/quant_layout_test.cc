@@ -135,7 +135,7 @@ TEST(QuantLayoutTest, AcceptsStackedExpertWeights) {
   };
   for (const Case& c :
        {Case{{4, 2, 3}, false}, Case{{8, 3}, false}, Case{{4, 256}, true},
-        Case{{4, 256, 1}, true}, Case{{1024}, true}}) {
+        Case{{4, 256, 1}, true}, Case{{1024}, true}, Case{{1024, 1}, true}}) {
     v1::RegisterEngineRequest r = Fp8Engine();
     r.mutable_allocations(0)->set_size(4 << 20);
     v1::Parameter* w = r.mutable_parameters(0);
@@ -392,6 +392,151 @@ TEST(QuantLayoutTest, BoundsTheRowOfBlocksHeldPerUse) {
   const absl::Status s = Refusal(Fp8Engine(), limits);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("a row of its blocks (128 x 260"));
+}
+
+// The edges: a block exactly 2^24 columns wide; a band of exactly the
+// bytes the daemon holds; a registration of which only the last
+// parameter, or only the one whose scale is parameter 0, is bad.
+TEST(QuantLayoutTest, EdgesOfTheBoundsAreAccepted) {
+  {
+    v1::RegisterEngineRequest r = Fp8Engine();
+    v1::Quantization* q = r.mutable_parameters(0)->mutable_quantization();
+    q->set_scheme(v1::QUANT_SCHEME_BLOCK);
+    q->set_block_rows(128);
+    q->set_block_cols(int64_t{1} << 24);
+    r.mutable_parameters(1)->set_shape(1, 1);  // [3, 1]
+    testing::HeapMapper mapper;
+    auto layout = BuildEngineLayout(r, mapper);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    EXPECT_EQ((*layout)->parameters[0].quant->block_cols, int64_t{1} << 24);
+  }
+  RegistrationLimits limits;
+  limits.max_quant_band_bytes = 128 * 260 * 4;
+  testing::HeapMapper mapper;
+  EXPECT_TRUE(BuildEngineLayout(Fp8Engine(), mapper, limits).ok());
+}
+
+TEST(QuantLayoutTest, EveryQuantisedParameterIsChecked) {
+  // The scale first, the FP8 weight last, its scale the wrong shape.
+  v1::RegisterEngineRequest r;
+  r.set_engine_id("e0");
+  v1::Allocation* a = r.add_allocations();
+  a->set_kind(v1::MEMORY_HOST_SHM);
+  a->set_handle("/x");
+  a->set_size(1 << 20);
+  AddParameter(r, "w_scale_inv", v1::FLOAT32, {2, 3}, 100 * 1024);
+  v1::Parameter* w = AddParameter(r, "w", v1::FLOAT8_E4M3FN, {300, 260}, 0);
+  w->mutable_quantization()->set_format(v1::FLOAT8_E4M3FN);
+  w->mutable_quantization()->set_scale_parameter("w_scale_inv");
+  absl::Status s = Refusal(r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("needs float32 [3, 3]"));
+  // A 2-D weight's message says nothing of stacked matrices.
+  EXPECT_THAT(s.message(), ::testing::Not(HasSubstr("stacked")));
+  r.mutable_parameters(0)->set_shape(0, 3);
+  testing::HeapMapper mapper;
+  EXPECT_TRUE(BuildEngineLayout(r, mapper).ok());
+}
+
+TEST(QuantLayoutTest, MoreRefusals) {
+  // The scale parameter is the last message and is itself quantised.
+  v1::RegisterEngineRequest r = Fp8Engine();
+  r.mutable_parameters(0)->mutable_quantization()->set_scale_parameter("w2");
+  v1::Parameter* w2 =
+      AddParameter(r, "w2", v1::FLOAT8_E4M3FN, {128, 128}, 200 * 1024);
+  w2->mutable_quantization()->set_format(v1::FLOAT8_E4M3FN);
+  w2->mutable_quantization()->set_scale_parameter("w_scale_inv");
+  absl::Status s = Refusal(r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("its scale parameter 'w2' is itself "
+                                     "quantised"));
+  // The weight in host memory, its scales on a GPU.
+  r = Fp8Engine();
+  v1::Allocation* gpu = r.add_allocations();
+  gpu->set_kind(v1::MEMORY_CUDA_IPC);
+  gpu->set_handle("/scales");
+  gpu->set_size(4096);
+  r.mutable_parameters(1)->set_allocation(1);
+  r.mutable_parameters(1)->set_offset(0);
+  s = Refusal(r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  // An empty FP8 weight.
+  r = Fp8Engine();
+  r.mutable_parameters(0)->set_shape(0, 0);
+  s = Refusal(r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  // Shards on block boundaries but one: starting one row in (ending at the
+  // weight's last row), or one column in (ending at its last column).
+  for (int side = 0; side < 2; ++side) {
+    SCOPED_TRACE(side);
+    r = Fp8Engine();
+    v1::Parameter* w = r.mutable_parameters(0);
+    if (side == 0) {
+      AddSegment(w, "a", 0, 299, 0, 260, 260, 260);  // rows [1, 300)
+    } else {
+      AddSegment(w, "a", 0, 300, 0, 259, 1, 260);  // cols [1, 260)
+    }
+    s = Refusal(r);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(s.message(), HasSubstr("cuts a 128 x 128 block"));
+  }
+}
+
+TEST(QuantLayoutTest, ScaleBlocksOfARectangle) {
+  QuantLayout q;
+  q.cols = 260;
+  q.block_rows = 128;
+  q.block_cols = 128;
+  q.grid_cols = 3;
+  SegmentLayout s;
+  s.row_count = 128;  // rows [128, 256) x cols [128, 256): block (1, 1)
+  s.col_count = 128;
+  s.dest_offset = 128 * 260 + 128;
+  s.dest_row_stride = 260;
+  ScaleBlocks b = ScaleBlocksOf(q, s);
+  EXPECT_EQ(b.i0, 1);
+  EXPECT_EQ(b.i1, 2);
+  EXPECT_EQ(b.j0, 1);
+  EXPECT_EQ(b.j1, 2);
+  EXPECT_EQ(b.first, 1 * 3 + 1);
+  s.row_count = 129;  // one row into block row 2; to the last column
+  s.col_count = 132;
+  b = ScaleBlocksOf(q, s);
+  EXPECT_EQ(b.i1, 3);
+  EXPECT_EQ(b.j1, 3);
+}
+
+TEST(QuantLayoutTest, SegmentRectanglesAtTheirEdges) {
+  SegmentLayout s;
+  // A rectangle that ends exactly at the last column.
+  s.row_count = 2;
+  s.col_count = 5;
+  s.dest_offset = 10 + 5;
+  s.dest_row_stride = 10;
+  auto r = SegmentRect(10, s);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->c1, 10);
+  s.col_count = 6;  // one column past the row: not a rectangle
+  EXPECT_FALSE(SegmentRect(10, s).has_value());
+  // One row with any stride: a run; exactly to the row's end, or not.
+  s.row_count = 1;
+  s.col_count = 5;
+  s.dest_row_stride = 0;
+  r = SegmentRect(10, s);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->r0, 1);
+  EXPECT_EQ(r->r1, 2);
+  EXPECT_EQ(r->c1, 10);
+  s.col_count = 6;  // from (1, 5) past the row's end, not at column 0
+  EXPECT_FALSE(SegmentRect(10, s).has_value());
+  s.dest_offset = 10;  // from (1, 0): 6 elements, within the row
+  r = SegmentRect(10, s);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->c1, 6);
+  // 20 elements from (1, 5): two rows' worth, not from column 0.
+  s.dest_offset = 15;
+  s.col_count = 20;
+  EXPECT_FALSE(SegmentRect(10, s).has_value());
 }
 
 TEST(QuantLayoutTest, SegmentRectangles) {
