@@ -465,6 +465,7 @@ TEST(QuantLayoutTest, MoreRefusals) {
   r.mutable_parameters(0)->set_shape(0, 0);
   s = Refusal(r);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("non-empty weight"));
   // Shards on block boundaries but one: starting one row in (ending at the
   // weight's last row), or one column in (ending at its last column).
   for (int side = 0; side < 2; ++side) {
@@ -480,6 +481,37 @@ TEST(QuantLayoutTest, MoreRefusals) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_THAT(s.message(), HasSubstr("cuts a 128 x 128 block"));
   }
+}
+
+// Scale parameters as rows of the parameter table (the first and the
+// last row), for two FP8 weights that are messages.
+TEST(QuantLayoutTest, ScalesInTheParameterTable) {
+  v1::RegisterEngineRequest r = Fp8Engine();
+  r.mutable_parameters()->DeleteSubrange(1, 2);  // w only
+  v1::Parameter* w2 =
+      AddParameter(r, "w2", v1::FLOAT8_E4M3FN, {128, 128}, 200 * 1024);
+  w2->mutable_quantization()->set_format(v1::FLOAT8_E4M3FN);
+  w2->mutable_quantization()->set_scale_parameter("w2_scale");
+  v1::ParameterTable* t = r.mutable_parameter_table();
+  auto row = [t](const std::string& name, v1::DType dtype,
+                 std::vector<int64_t> shape, int64_t offset) {
+    t->add_names(name);
+    t->add_dtypes(dtype);
+    t->add_ranks(static_cast<int32_t>(shape.size()));
+    for (int64_t d : shape) t->add_dims(d);
+    t->add_allocations(0);
+    t->add_offsets(offset);
+  };
+  row("w_scale_inv", v1::FLOAT32, {3, 3}, 100 * 1024);
+  row("norm", v1::BFLOAT16, {260}, 110 * 1024);
+  row("w2_scale", v1::FLOAT32, {1, 1}, 120 * 1024);
+  testing::HeapMapper mapper;
+  auto layout = BuildEngineLayout(r, mapper);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  ASSERT_TRUE((*layout)->parameters[0].quant.has_value());
+  ASSERT_TRUE((*layout)->parameters[1].quant.has_value());
+  EXPECT_EQ((*layout)->parameters[0].quant->scale_parameter, 2);
+  EXPECT_EQ((*layout)->parameters[1].quant->scale_parameter, 4);
 }
 
 TEST(QuantLayoutTest, ScaleBlocksOfARectangle) {
