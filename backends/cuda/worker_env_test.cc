@@ -16,12 +16,17 @@ TEST(WorkerEnvTest, DefaultsWhereTheEnvironmentIsSilent) {
   unsetenv("MALLOC_ARENA_MAX");
   unsetenv("NCCL_RAS_ENABLE");
   const WorkerEnvDefaults d = ApplyWorkerEnvDefaults();
+#if defined(__SANITIZE_ADDRESS__)
+  // ASan's allocator replaces glibc's: there is no mallopt to take it.
+  EXPECT_FALSE(d.arenas_capped);
+#else
   EXPECT_TRUE(d.arenas_capped);
+  EXPECT_NE(DescribeWorkerEnvDefaults(d).find("capped at 2"),
+            std::string::npos);
+#endif
   EXPECT_TRUE(d.ras_disabled);
   ASSERT_NE(getenv("NCCL_RAS_ENABLE"), nullptr);
   EXPECT_EQ(std::string(getenv("NCCL_RAS_ENABLE")), "0");
-  EXPECT_NE(DescribeWorkerEnvDefaults(d).find("capped at 2"),
-            std::string::npos);
   EXPECT_NE(DescribeWorkerEnvDefaults(d).find("NCCL_RAS_ENABLE=0"),
             std::string::npos);
 }
