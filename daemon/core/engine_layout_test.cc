@@ -211,6 +211,26 @@ TEST(EngineLayoutTest, RejectsDuplicateNamesBadDtypeAndBadIds) {
   EXPECT_THAT(Build(r).message(), HasSubstr("names allocation 3"));
 }
 
+// Engine ids: letters, digits and - _ . : only, every class at its edges;
+// the characters just outside each class, and the empty id, refused.
+TEST(EngineLayoutTest, EngineIdCharactersAtTheirEdges) {
+  for (const std::string id :
+       {"a", "z", "A", "Z", "0", "9", "-", "_", ".", ":", "aZ09-_.:"}) {
+    SCOPED_TRACE(id);
+    v1::RegisterEngineRequest r = TwoParams();
+    r.set_engine_id(id);
+    EXPECT_TRUE(Build(r).ok()) << Build(r);
+  }
+  for (const std::string id : {"`", "{", "@", "[", "/", ";", " ", "e/0", ""}) {
+    SCOPED_TRACE(id);
+    v1::RegisterEngineRequest r = TwoParams();
+    r.set_engine_id(id);
+    const absl::Status s = Build(r);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(s.message(), HasSubstr("engine_id"));
+  }
+}
+
 TEST(EngineLayoutTest, RejectsSegmentsOutsideTheParameterOrSource) {
   v1::RegisterEngineRequest r = TwoParams();
   v1::Segment* s = r.mutable_parameters(0)->add_segments();
