@@ -231,6 +231,30 @@ TEST(EngineLayoutTest, EngineIdCharactersAtTheirEdges) {
   }
 }
 
+// Two segments whose first rows are apart but whose later rows meet: the
+// overlap is found in the rows after the first.
+TEST(EngineLayoutTest, OverlapsInLaterRowsAreFound) {
+  v1::RegisterEngineRequest r = TwoParams();
+  v1::Parameter* w = r.mutable_parameters(0);  // float32 [16, 8]
+  auto seg = [w](const std::string& src, int64_t rows, int64_t cols,
+                 int64_t dest, int64_t stride) {
+    v1::Segment* s = w->add_segments();
+    s->set_source(src);
+    s->set_row_count(rows);
+    s->set_col_count(cols);
+    s->set_dest_offset(dest);
+    s->set_dest_row_stride(stride);
+  };
+  seg("a", 3, 4, 0, 8);   // [0, 4), [8, 12), [16, 20)
+  seg("b", 1, 2, 4, 0);   // [4, 6): beside a's first row
+  seg("c", 1, 4, 17, 0);  // [17, 21): into a's third row
+  const absl::Status s = Build(r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("write the same elements (at 17)"));
+  w->mutable_segments()->RemoveLast();
+  EXPECT_TRUE(Build(r).ok()) << Build(r);
+}
+
 TEST(EngineLayoutTest, RejectsSegmentsOutsideTheParameterOrSource) {
   v1::RegisterEngineRequest r = TwoParams();
   v1::Segment* s = r.mutable_parameters(0)->add_segments();
