@@ -255,6 +255,55 @@ TEST(EngineLayoutTest, OverlapsInLaterRowsAreFound) {
   EXPECT_TRUE(Build(r).ok()) << Build(r);
 }
 
+// A segment's block: each bound refused one past its edge, accepted at
+// it (parameter float32 [16, 8]; source [10, 8] where a shape is given).
+TEST(EngineLayoutTest, SegmentBlocksAtTheirEdges) {
+  struct Case {
+    const char* what;
+    int64_t row_begin, row_count, col_begin, col_count, dest, stride;
+    bool source_shape, ok;
+  };
+  for (const Case& c : {
+           Case{"whole source", 0, 10, 0, 8, 0, 8, true, true},
+           Case{"negative row_begin", -1, 2, 0, 8, 0, 8, false, false},
+           Case{"no rows", 0, 0, 0, 8, 0, 8, false, false},
+           Case{"negative col_begin", 0, 2, -1, 8, 0, 8, false, false},
+           Case{"no columns", 0, 2, 0, 0, 0, 8, false, false},
+           Case{"negative dest", 0, 1, 0, 8, -8, 8, false, false},
+           Case{"dest 0, one row", 0, 1, 0, 8, 0, 8, false, true},
+           Case{"stride under the columns", 0, 2, 0, 8, 0, 7, false, false},
+           Case{"last source row", 9, 1, 0, 8, 0, 8, true, true},
+           Case{"row_begin past the source", 11, 1, 0, 8, 0, 8, true, false},
+           Case{"row_begin at the source's end", 10, 1, 0, 8, 0, 8, true,
+                false},
+           Case{"rows past the source", 8, 3, 0, 8, 0, 8, true, false},
+           Case{"last source column", 0, 1, 7, 1, 0, 1, true, true},
+           Case{"col_begin past the source", 0, 1, 9, 1, 0, 1, true, false},
+           Case{"col_begin at the source's end", 0, 1, 8, 1, 0, 1, true, false},
+           Case{"columns past the source", 0, 1, 6, 3, 0, 3, true, false},
+       }) {
+    SCOPED_TRACE(c.what);
+    v1::RegisterEngineRequest r = TwoParams();
+    v1::Segment* s = r.mutable_parameters(0)->add_segments();
+    s->set_source("ckpt");
+    s->set_row_begin(c.row_begin);
+    s->set_row_count(c.row_count);
+    s->set_col_begin(c.col_begin);
+    s->set_col_count(c.col_count);
+    s->set_dest_offset(c.dest);
+    s->set_dest_row_stride(c.stride);
+    if (c.source_shape) {
+      s->add_source_shape(10);
+      s->add_source_shape(8);
+    }
+    const absl::Status st = Build(r);
+    EXPECT_EQ(st.ok(), c.ok) << st;
+    if (!c.ok) {
+      EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+    }
+  }
+}
+
 TEST(EngineLayoutTest, RejectsSegmentsOutsideTheParameterOrSource) {
   v1::RegisterEngineRequest r = TwoParams();
   v1::Segment* s = r.mutable_parameters(0)->add_segments();
