@@ -19,6 +19,7 @@
 #include "backends/host/host_data_plane.h"
 #include "common/dtype.h"
 #include "common/fp8.h"
+#include "common/status_macros.h"
 #include "daemon/core/copy_plan.h"
 #include "daemon/core/engine_layout.h"
 #include "daemon/core/receipt.h"
@@ -298,6 +299,21 @@ TEST(QuantScatterTest, RunsOfOneElementAndRowsOutsideTheSegment) {
   EXPECT_TRUE(Bytes(*layout, 1) == ref.second);
 }
 
+// A fresh QuantScatter fed `chunks` of `plan` in that order from the
+// packed stream `bytes`; the first failure, or OK.
+absl::Status FeedChunks(const CopyPlan& plan, const std::string& bytes,
+                        const std::vector<int64_t>& chunks) {
+  QuantScatter q;
+  q.Reset(plan);
+  for (int64_t k : chunks) {
+    WS_RETURN_IF_ERROR(q.Feed(plan, k,
+                              reinterpret_cast<const uint8_t*>(bytes.data()) +
+                                  plan.chunks.chunks[k].offset,
+                              nullptr, nullptr));
+  }
+  return absl::OkStatus();
+}
+
 // QuantScatter alone: a plan without FP8 targets feeds nothing; a plan
 // whose pieces fall outside their target's rectangle, or reach a second
 // row of blocks while the first is still open, is refused (INTERNAL) and
@@ -322,13 +338,7 @@ TEST(QuantScatterTest, ABrokenPlanIsRefusedNotWrittenOutsideItsBand) {
     ASSERT_TRUE(layout.ok()) << layout.status();
     auto plan = BuildCopyPlan(m, 4096, {*layout});
     ASSERT_TRUE(plan.ok()) << plan.status();
-    QuantScatter q;
-    q.Reset(**plan);
-    EXPECT_TRUE(
-        q.Feed(**plan, 0,
-               reinterpret_cast<const uint8_t*>(tensors[0].bytes.data()),
-               nullptr, nullptr)
-            .ok());
+    EXPECT_TRUE(FeedChunks(**plan, tensors[0].bytes, {0}).ok());
   }
   auto layout = BuildEngineLayout(OneFp8Weight(256, 256, 2, 2), mapper);
   ASSERT_TRUE(layout.ok()) << layout.status();
@@ -337,17 +347,8 @@ TEST(QuantScatterTest, ABrokenPlanIsRefusedNotWrittenOutsideItsBand) {
   auto whole = BuildCopyPlan(m, 1 << 20, {*layout});
   auto halves = BuildCopyPlan(m, 256, {*layout});
   ASSERT_TRUE(whole.ok() && halves.ok());
-  const auto* bytes = reinterpret_cast<const uint8_t*>(tensors[0].bytes.data());
   auto feed = [&](const CopyPlan& plan, std::vector<int64_t> chunks) {
-    QuantScatter q;
-    q.Reset(plan);
-    absl::Status s;
-    for (int64_t k : chunks) {
-      s = q.Feed(plan, k, bytes + plan.chunks.chunks[k].offset, nullptr,
-                 nullptr);
-      if (!s.ok()) break;
-    }
-    return s;
+    return FeedChunks(plan, tensors[0].bytes, chunks);
   };
   EXPECT_TRUE(feed(**whole, {0}).ok());
   for (int side = 0; side < 4; ++side) {
@@ -375,11 +376,7 @@ TEST(QuantScatterTest, ABrokenPlanIsRefusedNotWrittenOutsideItsBand) {
     ASSERT_TRUE(plan1.ok()) << plan1.status();
     CopyPlan bad = **plan1;
     bad.quant[0].rect.c1 -= 1;
-    QuantScatter q;
-    q.Reset(bad);
-    const absl::Status s =
-        q.Feed(bad, 0, reinterpret_cast<const uint8_t*>(row[0].bytes.data()),
-               nullptr, nullptr);
+    const absl::Status s = FeedChunks(bad, row[0].bytes, {0});
     EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
   }
   // Half a row of band 0, then a chunk of band 1: band 0 is still open.
