@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU leak check (issue 6), one command:
-#   COMMIT=<sha> KIND=<kind> bash tests/gpu/run_leak_checks.sh [BIN_DIR=.dev/bin] [LOG_DIR=/tmp/ws-leak] [ROUNDS=20]
+#   COMMIT=<sha> KIND=<kind> bash tests/gpu/run_leak_checks.sh [BIN_DIR=.dev/bin] [LOG_DIR=/tmp/ws-leak] [ROUNDS=20 IPC, 40 NCCL]
 # One GPU: the IPC backend, daemon, engines and trainers on GPU 0. Two GPUs:
 # the NCCL backend, trainers on GPU 0, daemon and engines on GPU 1 (every
 # trainer forms a new communicator, and a dying one leaves the worker to
@@ -22,14 +22,17 @@
 set -uo pipefail
 BIN="$(cd "${1:-.dev/bin}" && pwd)"
 LOG="${2:-/tmp/ws-leak}"
-ROUNDS="${3:-20}"
+ROUNDS_ARG="${3:-}"
 mkdir -p "$LOG" && chmod 750 "$LOG"  # the socket lives here
 rm -f "$LOG"/*.log "$LOG"/*.json
 export NCCL_NVLS_ENABLE=0
 sock="$LOG/d.sock"
 NGPU=$(nvidia-smi -L | wc -l)
-if [ "$NGPU" -ge 2 ]; then DEV_D=1 BACKEND=nccl RING=""
-else DEV_D=0 BACKEND=ipc RING="--ipc_ring_slots=2"; fi
+# NCCL's worker warms up for ~16 rounds (its resident memory climbs ~1.3 MiB
+# after round 8, then stays flat: RESULTS_leak_arena_h200x2.txt), and the
+# judge compares the last period with the first half: 40 rounds there.
+if [ "$NGPU" -ge 2 ]; then DEV_D=1 BACKEND=nccl RING="" ROUNDS="${ROUNDS_ARG:-40}"
+else DEV_D=0 BACKEND=ipc RING="--ipc_ring_slots=2" ROUNDS="${ROUNDS_ARG:-20}"; fi
 pids=()
 source "$(dirname "$0")/stop_all.sh"
 trap stop_all EXIT
