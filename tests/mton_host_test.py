@@ -78,6 +78,7 @@ for version in versions:
         out = {{"version": version, "ok": True, "plan": senders.last_plan.id,
                "checked": sorted(senders.last_checked),
                "sent": senders.last_plan.sender_bytes[rank],
+               "timings": senders.last_timings,
                "receipts": {{e.engine_id: [str(e.receipt.checksum), e.receipt.parameters]
                              for c in committed for e in c.engines}}}}
     except Exception as e:
@@ -290,6 +291,13 @@ def main():
                 assert all(g["ok"] for g in got), f"case {case} v{version}: {got}"
                 assert got[0]["plan"] == got[1]["plan"], f"case {case}: plans differ {got}"
                 assert all(g["sent"] > 0 for g in got), f"case {case}: a rank sent nothing"
+                # Where an update's time went, per rank (the leader also
+                # times its calls to the daemons): every phase, none negative.
+                phases = {"plan_start_s", "push_s", "gather_s", "finish_s"}
+                for r, g in enumerate(got):
+                    want = phases | ({"start_s", "prepare_s", "commit_s"} if r == 0 else set())
+                    assert set(g["timings"]) == want and min(g["timings"].values()) >= 0, \
+                        f"case {case}: rank {r} timed {g['timings']}"
                 assert got[0]["checked"] == sorted(w.layout), \
                     f"case {case}: the leader checked the receipts of {got[0]['checked']}"
                 w.expect_receipts(got[0]["receipts"], version, f"case {case} v{version}")

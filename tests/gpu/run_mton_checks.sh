@@ -17,6 +17,11 @@
 #    transport over loopback (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1) for
 #    the daemons, the trainers and the raw baseline, on Qwen3-1.7B, TP=2
 #    engine, the documented defaults only.
+# Knobs: TINY=0 skips 1; FAULTS (default "start mid finish"; empty: none),
+# LAYOUTS (tp2 and/or replicas) and VARIANTS (test_mton_gpu.py --variants)
+# narrow 1's MODEL step; RAW_MIB the raw message sizes (default "1024 64");
+# NET=0 skips 3. Never name the daemon's binary in the command line that
+# starts this script: the cleanup's pkill -f would match that shell too.
 # Prints the tables last; logs and JSON under OUTDIR.
 set -uo pipefail
 out="$(mkdir -p "${1:?usage: run_mton_checks.sh OUTDIR [BIN] [MODEL]}" && cd "$1" && pwd)"
@@ -42,15 +47,22 @@ if [ "${TINY:-1}" = 1 ]; then   # TINY=0: straight to MODEL (a rerun)
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   cleanup
 fi
+faults="${FAULTS-start mid finish}" fault_args=()
+[ -n "$faults" ] && fault_args=(--faults $faults)
 if [ "$rc" = 0 ] || [ -n "${FORCE:-}" ]; then
   timeout -k 10 "${T_MODEL:-300}" python3 tests/gpu/test_mton_gpu.py --bin "$bin" \
-    --out "$out/$model" --model "$model" --reps 5 --faults start mid finish 2>&1 | tee "$out/$model.txt" | tail -40
+    --out "$out/$model" --model "$model" --reps 5 "${fault_args[@]}" \
+    ${LAYOUTS:+--layouts $LAYOUTS} ${VARIANTS:+--variants $VARIANTS} 2>&1 | tee "$out/$model.txt" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  # The daemons' own account of each update (pause, begin, transfer, device, receipts, commit).
+  grep -h "update.committed" "$out/$model"/d*.log 2>/dev/null | sed 's/^.*update.committed //' \
+    >"$out/$model-daemons.txt"
   cleanup
 fi
 for msg in ${RAW_MIB:-1024 64}; do
   timeout -k 10 "${T_RAW:-70}" python3 bench/mton_nccl_bench.py --out "$out/raw$msg" \
-    --model "$model" --reps 3 --msg_mib "$msg" --timeout_s 60 >"$out/raw$msg.log" 2>&1 || rc=1
+    --model "$model" --reps 3 --msg_mib "$msg" --timeout_s 60 ${LAYOUTS:+--layouts $LAYOUTS} \
+    >"$out/raw$msg.log" 2>&1 || rc=1
   tail -16 "$out/raw$msg.log"
 done
 if [ "${NET:-1}" = 1 ]; then

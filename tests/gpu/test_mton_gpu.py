@@ -59,7 +59,8 @@ TRAINER_GPUS = (0, 1)
 # (chunk bytes, receipts) of the timed updates: the documented defaults
 # first (the daemon's chunk size, receipts on).
 VARIANT_NAMES = {"default": (0, True), "default-noverify": (0, False),
-                 "256": (256 << 20, True), "256-noverify": (256 << 20, False)}
+                 "256": (256 << 20, True), "256-noverify": (256 << 20, False),
+                 "1024": (1 << 30, True)}
 FAULTS = ("start", "mid", "finish", "frozen")
 ENGINE_GPUS = (2, 3)
 
@@ -298,7 +299,10 @@ class Run:
             self.daemons.append(subprocess.Popen(
                 [f"{self.args.bin}/weightsyncd", f"--socket={self.work}/d{i}.sock",
                  f"--gpu={gpu}", f"--gpu_worker={self.args.bin}/weightsync_gpu_worker",
-                 "--max_chunk_bytes=268435456", "--update_idle_timeout_ms=20000"],
+                 # 1 GiB chunks (variant "1024") stage up to 2 per round
+                 # and link: a budget past the default 4 GiB for them.
+                 "--max_chunk_bytes=1073741824", "--gpu_staging_budget_bytes=17179869184",
+                 "--update_idle_timeout_ms=20000"],
                 stderr=log, stdout=log))
         for i in range(2):
             for _ in range(400):
@@ -508,7 +512,8 @@ def main():
     ap.add_argument("--faults", nargs="*", choices=FAULTS,
                     help="rank 1 dies at these phases (all four when none is named)")
     ap.add_argument("--variants", nargs="+", choices=sorted(VARIANT_NAMES),
-                    default=sorted(VARIANT_NAMES), help="(chunk, receipts) of the timed updates")
+                    default=sorted(set(VARIANT_NAMES) - {"1024"}),
+                    help="(chunk, receipts) of the timed updates (1024: 1 GiB chunks, asked only)")
     ap.add_argument("--layout")
     ap.add_argument("--index", type=int)
     ap.add_argument("--gpu", type=int)

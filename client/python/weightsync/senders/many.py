@@ -32,6 +32,7 @@ commit): the ranks meet between the steps, so ManySenders runs the same
 steps itself, on the Trainer's Link (Trainer.update_sharded forwards here).
 """
 
+import time
 import uuid
 
 from weightsync import _multi, planner, transfer_plan
@@ -130,6 +131,14 @@ class ManySenders:
         # chunk this rank sends.
         self._on_chunk = None
         self.last_checked = []   # leader: engines whose receipts it checked
+        # Seconds of each phase of the last update on this rank (plan_start:
+        # the plan check and the leader's Start until every rank has its
+        # answer; push: the sends enqueued and the partial receipts;
+        # gather: every rank's outcome; finish: the leader's prepare, receipt
+        # check and commit until every rank has the result; wait: this
+        # rank's sends done). The leader also has start_s, prepare_s and
+        # commit_s, its calls to the daemons.
+        self.last_timings = {}
 
     @property
     def rank(self):
@@ -279,9 +288,17 @@ class ManySenders:
         group = self._link.group
         leader = self.rank == 0
         update_id = update_id or f"mton-{version}-{uuid.uuid4().hex[:8]}"
+        self.last_timings = timings = {}
+        t = [time.perf_counter()]
+
+        def phase(name):
+            now = time.perf_counter()
+            timings[name + "_s"] = now - t[0]
+            t[0] = now
         plan, started = self._plan_and_start(
             manifest, local,
             lambda p: self._start(p, update_id, version, chunk_bytes, mode, verify))
+        phase("plan_start")
         if "error" in started:
             raise WeightSyncError(*started["error"])
         try:
@@ -294,6 +311,7 @@ class ManySenders:
                 sent = {"partials": self._push(plan, local, started, verify)}
         except WeightSyncError as e:
             sent = {"error": [e.code, f"rank {self.rank}: {e.message}"]}
+        phase("push")
         try:
             outcomes = self._coll.all_gather(sent)
         except Exception as e:  # a rank gone: the collective timed out
@@ -303,15 +321,19 @@ class ManySenders:
                 _multi.abort(group, started["update_id"], f"a sender did not report: {e}")
             raise WeightSyncError("ABORTED", f"update '{started['update_id']}': a sender did "
                                   f"not report ({e}); aborted on every daemon") from None
+        phase("gather")
         result = None
         if leader:
             result = self._finish(group, started["update_id"], outcomes)
         result = self._coll.broadcast(result)
+        phase("finish")
         if self.nccl is not None:
             if "error" in result:
                 self.nccl.abort()   # a send whose receiver gave up never ends
             else:
                 self.nccl.wait(self._link.timeout)   # the daemons have every byte
+            phase("wait")
+            self.nccl.last_timings.update(timings)
         if "error" in result:
             raise WeightSyncError(*result["error"])
         return [v1.FinishWeightUpdateResponse.FromString(bytes.fromhex(h))
@@ -353,7 +375,9 @@ class ManySenders:
             mode=v1.UPDATE_MODE_STAGED if mode == "staged" else v1.UPDATE_MODE_STREAMING)
         if self._engine_ids is not None:
             request.engine_ids.extend(self._engine_ids)
+        t0 = time.perf_counter()
         results = group.each(lambda i, stub: stub.call("StartWeightUpdate", request))
+        self.last_timings["start_s"] = time.perf_counter() - t0
         for i, r in enumerate(results):
             if isinstance(r, WeightSyncError):
                 ok = [j for j, s in enumerate(results) if not isinstance(s, WeightSyncError)]
@@ -406,9 +430,12 @@ class ManySenders:
                 return {"error": [failed[0], f"sender {rank} failed; the update was aborted "
                                   f"on every daemon: {failed[1]}"]}
         try:
+            t0 = time.perf_counter()
             prepared = _multi.prepare(group, update_id, self._link.daemon_wait_ms())
             self._check_receipts(group, update_id, prepared, outcomes)
+            t1 = time.perf_counter()
             committed = _multi.commit(group, update_id)
+            self.last_timings.update(prepare_s=t1 - t0, commit_s=time.perf_counter() - t1)
         except WeightSyncError as e:
             return {"error": [e.code, e.message]}
         self._link.last_results = committed
