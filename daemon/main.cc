@@ -70,6 +70,11 @@ DEFINE_int64(nccl_chunk_bytes, 64 << 20,
              "chunk size of nccl updates when a trainer asks for none, at "
              "most --max_chunk_bytes (NVLink moves 8 MiB messages at a third "
              "of the speed of 64 MiB ones)");
+DEFINE_int64(nccl_plan_chunk_bytes, 256 << 20,
+             "chunk size of a transfer plan's (many senders) nccl update "
+             "when the trainers ask for none, lowered to fit "
+             "--gpu_staging_budget_bytes (not capped by --max_chunk_bytes: "
+             "the daemon's own receives, not a trainer's messages)");
 DEFINE_int64(max_chunk_bytes, 64 << 20, "largest chunk a trainer may ask for");
 DEFINE_int32(staging_buffers, 4, "host staging buffers (chunks in flight)");
 DEFINE_int64(staged_budget_bytes, int64_t{4} << 30,
@@ -232,6 +237,13 @@ bool ValidFlags() {
     LOG(ERROR) << "--nccl_chunk_bytes must be a positive multiple of 256";
     return false;
   }
+  if (FLAGS_nccl_plan_chunk_bytes <= 0 ||
+      FLAGS_nccl_plan_chunk_bytes > (1 << 30) ||
+      FLAGS_nccl_plan_chunk_bytes % 256 != 0) {
+    LOG(ERROR) << "--nccl_plan_chunk_bytes must be a multiple of 256 in "
+                  "(0, 1 GiB]";
+    return false;
+  }
   if (FLAGS_gpu_staging_buffers < 2) {
     LOG(ERROR) << "--gpu_staging_buffers must be at least 2 (pipelining)";
     return false;
@@ -278,6 +290,7 @@ int Main() {
   // At most --max_chunk_bytes (a daemon that caps chunks caps these too).
   core_options.default_nccl_chunk_bytes =
       std::min<int64_t>(FLAGS_nccl_chunk_bytes, FLAGS_max_chunk_bytes);
+  core_options.default_plan_chunk_bytes = FLAGS_nccl_plan_chunk_bytes;
   core_options.device_staging_buffers = FLAGS_gpu_staging_buffers;
   core_options.device_staging_budget_bytes = FLAGS_gpu_staging_budget_bytes;
   core_options.max_chunk_bytes = FLAGS_max_chunk_bytes;

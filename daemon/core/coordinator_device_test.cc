@@ -387,12 +387,16 @@ TEST_F(CoordinatorDeviceTest, TransferPlanOnNcclTakesEachChunkFromItsSender) {
   ASSERT_TRUE(Finish("u1").ok());
 }
 
-// A plan update that asks no chunk size gets one whose staging (the
-// buffers, or two chunks per linked sender) fits the device budget: 256
-// senders at the 64 MiB default would want 32 GiB of staging.
+// A plan update that asks no chunk size gets the plan default (256 MiB,
+// above the 64 MiB of --max_chunk_bytes: the daemon's own receives) lowered
+// until its staging (the buffers, or two chunks per linked sender) fits the
+// device budget: 256 senders at 256 MiB would want 128 GiB of staging.
 TEST_F(CoordinatorDeviceTest, TransferPlanChunksFitTheStagingBudget) {
   for (const auto& [budget, want] :
-       {std::pair<int64_t, int64_t>{int64_t{4} << 30, int64_t{64} << 20},
+       {std::pair<int64_t, int64_t>{int64_t{4} << 30, int64_t{256} << 20},
+        {int64_t{1} << 30, int64_t{256} << 20},
+        {(int64_t{1} << 30) - 256, (int64_t{256} << 20) - 256},
+        {int64_t{512} << 20, int64_t{128} << 20},
         {6000, 1280}}) {
     CoordinatorOptions o;
     o.device_staging_buffers = 2;  // two senders: 4 buffers, not 2

@@ -18,6 +18,10 @@ def main():
     rows = {(r["layout"], r["case"], r["senders"], r["verify"], r["chunk"]): r["median_s"] * 1e3
             for r in d["rows"] if "layout" in r}
     chunks = sorted({k[4] for k in rows})
+    # What "default" meant: the daemons' own chunk size, one sender's and
+    # (recorded since run 9) the many senders' (their timings' chunk_bytes).
+    taken = {r["chunk"]: r["timings"][0]["chunk_bytes"] for r in d["rows"]
+             if r.get("senders") == 2 and r.get("timings") and "chunk_bytes" in r["timings"][0]}
     print("| layout | case | chunk | receipts | one sender ms | two senders ms (rank 0) "
           "| two vs one | raw p2p ms (" + " / ".join(["1 GiB", "64 MiB"][:len(raws)])
           + ") | raw 1 GiB / two |")
@@ -31,7 +35,8 @@ def main():
                         continue
                     one, two = rows[(lay, "full", 1, v, ch)], rows[key]
                     raw = [r[f"p2p_2s_{case}_{lay}/dense"]["s_median"] * 1e3 for r in raws]
-                    name = f"{ch >> 20} MiB" if ch else "default (64 MiB)"
+                    name = (f"{ch >> 20} MiB" if ch else "default (64 MiB" +
+                            (f"; two senders {taken[0] >> 20} MiB)" if 0 in taken else ")"))
                     print(f"| {lay} | {case} | {name} | {'on' if v else 'off'} | {one:.1f} | "
                           f"{two:.1f} | {one / two:.2f}x | {' / '.join(f'{x:.1f}' for x in raw)} "
                           f"| {raw[0] / two:.2f} |")

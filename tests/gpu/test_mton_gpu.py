@@ -59,6 +59,7 @@ TRAINER_GPUS = (0, 1)
 # (chunk bytes, receipts) of the timed updates: the documented defaults
 # first (the daemon's chunk size, receipts on).
 VARIANT_NAMES = {"default": (0, True), "default-noverify": (0, False),
+                 "64": (64 << 20, True), "64-noverify": (64 << 20, False),
                  "256": (256 << 20, True), "256-noverify": (256 << 20, False),
                  "1024": (1 << 30, True)}
 FAULTS = ("start", "mid", "finish", "frozen")
@@ -299,10 +300,11 @@ class Run:
             self.daemons.append(subprocess.Popen(
                 [f"{self.args.bin}/weightsyncd", f"--socket={self.work}/d{i}.sock",
                  f"--gpu={gpu}", f"--gpu_worker={self.args.bin}/weightsync_gpu_worker",
-                 # 1 GiB chunks (variant "1024") stage up to 2 per round
-                 # and link: a budget past the default 4 GiB for them.
-                 "--max_chunk_bytes=1073741824", "--gpu_staging_budget_bytes=17179869184",
-                 "--update_idle_timeout_ms=20000"],
+                 "--max_chunk_bytes=1073741824", "--update_idle_timeout_ms=20000"]
+                # 1 GiB chunks (variant "1024") stage two per round and
+                # link: a budget past the default 4 GiB, asked only then.
+                + (["--gpu_staging_budget_bytes=17179869184"]
+                   if "1024" in (self.args.variants or ()) else []),
                 stderr=log, stdout=log))
         for i in range(2):
             for _ in range(400):
@@ -512,8 +514,9 @@ def main():
     ap.add_argument("--faults", nargs="*", choices=FAULTS,
                     help="rank 1 dies at these phases (all four when none is named)")
     ap.add_argument("--variants", nargs="+", choices=sorted(VARIANT_NAMES),
-                    default=sorted(set(VARIANT_NAMES) - {"1024"}),
-                    help="(chunk, receipts) of the timed updates (1024: 1 GiB chunks, asked only)")
+                    default=["default", "default-noverify", "256", "256-noverify"],
+                    help="(chunk, receipts) of the timed updates (default: the daemons' own "
+                         "chunk size: 64 MiB for one sender, 256 MiB for many)")
     ap.add_argument("--layout")
     ap.add_argument("--index", type=int)
     ap.add_argument("--gpu", type=int)

@@ -334,6 +334,9 @@ class ManySenders:
                 self.nccl.wait(self._link.timeout)   # the daemons have every byte
             phase("wait")
             self.nccl.last_timings.update(timings)
+            # The chunk size the daemons took (the largest: a daemon whose
+            # staging budget fits less lowers its own).
+            self.nccl.last_timings["chunk_bytes"] = max(started["chunk_bytes"], default=0)
         if "error" in result:
             raise WeightSyncError(*result["error"])
         return [v1.FinishWeightUpdateResponse.FromString(bytes.fromhex(h))
