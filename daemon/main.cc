@@ -72,9 +72,11 @@ DEFINE_int64(nccl_chunk_bytes, 64 << 20,
              "of the speed of 64 MiB ones)");
 DEFINE_int64(nccl_plan_chunk_bytes, 256 << 20,
              "chunk size of a transfer plan's (many senders) nccl update "
-             "when the trainers ask for none, lowered to fit "
-             "--gpu_staging_budget_bytes (not capped by --max_chunk_bytes: "
-             "the daemon's own receives, not a trainer's messages)");
+             "that asks none, when the trainer said its senders are on this "
+             "host (InitWeightTransferRequest.senders_on_this_host; else "
+             "--nccl_chunk_bytes), lowered to fit --gpu_staging_budget_bytes "
+             "(not capped by --max_chunk_bytes: the daemon's own receives, "
+             "not a trainer's messages)");
 DEFINE_int64(max_chunk_bytes, 64 << 20, "largest chunk a trainer may ask for");
 DEFINE_int32(staging_buffers, 4, "host staging buffers (chunks in flight)");
 DEFINE_int64(staged_budget_bytes, int64_t{4} << 30,

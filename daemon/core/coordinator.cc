@@ -300,6 +300,7 @@ absl::StatusOr<v1::InitWeightTransferResponse> Coordinator::InitWeightTransfer(
   transfer_plans_.clear();  // so do its transfer plans
   backend_ = request.backend();
   rank_offset_ = request.rank_offset();
+  senders_on_this_host_ = request.senders_on_this_host();
   data_plane_ = std::move(plane);
   v1::InitWeightTransferResponse response;
   response.set_group_id(

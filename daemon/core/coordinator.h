@@ -84,13 +84,15 @@ struct CoordinatorOptions {
   // The nccl backend's: a broadcast or send of 8 MiB runs at a third of
   // the speed of one of 64 MiB over NVLink (tests/gpu/RESULTS_mton_daemon.txt).
   int64_t default_nccl_chunk_bytes = int64_t{64} << 20;
-  // A transfer plan's (many senders) nccl update that asks no chunk size
-  // starts from this, lowered to fit the staging budget (below). Every
-  // sender's rounds move 256 MiB messages 3-13% faster than 64 MiB ones
-  // through the daemons (4 x H200, tests/gpu/RESULTS_mton_daemon.txt runs
-  // 5 and 8; 1 GiB gains only row shards). Not capped by max_chunk_bytes:
-  // that bounds what a trainer may ask and a host chunk's message; these
-  // chunks are the daemon's own NCCL receives, bounded by the budget.
+  // A transfer plan's (many senders) nccl update that asks no chunk size,
+  // in a group whose trainer said its senders are on this host
+  // (InitWeightTransferRequest.senders_on_this_host), starts from this
+  // instead of default_nccl_chunk_bytes; either is lowered to fit the
+  // staging budget (below). Over NVLink 256 MiB rounds ran 5-16% faster
+  // than 64 MiB ones through the daemons, over NCCL's network transport
+  // 10-20% slower (4 x H200, tests/gpu/RESULTS_mton_daemon.txt runs 9 and
+  // 10). Not capped by max_chunk_bytes: that bounds what a trainer may ask
+  // and a host chunk's message; these are the daemon's own NCCL receives.
   int64_t default_plan_chunk_bytes = int64_t{256} << 20;
   // The GPU data plane's staging (--gpu_staging_buffers, _budget_bytes):
   // a transfer plan's nccl update that asks no chunk size gets one whose
@@ -605,6 +607,9 @@ class Coordinator {
   // This daemon's first NCCL rank in the group (InitWeightTransfer): a
   // transfer plan's senders are ranks [0, M), so it must be >= M.
   int32_t rank_offset_ ABSL_GUARDED_BY(mu_) = 0;
+  // InitWeightTransferRequest.senders_on_this_host: the default chunk size
+  // of the group's transfer-plan updates on nccl.
+  bool senders_on_this_host_ ABSL_GUARDED_BY(mu_) = false;
   UpdateListener listener_;
   ReadRunner engine_read_runner_;
   // A whole-engine read in flight (CheckEngine). Callers that ask for the

@@ -363,11 +363,12 @@ int64_t FirstWrite(const CopyPlan& plan) {
 }
 
 // A group of the two trainer ranks (0, 1) and this daemon (rank_offset).
-void InitGroup(Coordinator* c, int rank_offset) {
+void InitGroup(Coordinator* c, int rank_offset, bool senders_local = false) {
   v1::InitWeightTransferRequest init;
   init.set_backend(v1::BACKEND_NCCL);
   init.set_world_size(3);
   init.set_rank_offset(rank_offset);
+  init.set_senders_on_this_host(senders_local);
   ASSERT_TRUE(c->InitWeightTransfer(init).ok());
 }
 
@@ -387,28 +388,40 @@ TEST_F(CoordinatorDeviceTest, TransferPlanOnNcclTakesEachChunkFromItsSender) {
   ASSERT_TRUE(Finish("u1").ok());
 }
 
-// A plan update that asks no chunk size gets the plan default (256 MiB,
-// above the 64 MiB of --max_chunk_bytes: the daemon's own receives) lowered
-// until its staging (the buffers, or two chunks per linked sender) fits the
-// device budget: 256 senders at 256 MiB would want 128 GiB of staging.
+// A plan update that asks no chunk size gets the nccl default (64 MiB), or
+// where the trainer said its senders are on this host the plan default
+// (256 MiB, above the 64 MiB of --max_chunk_bytes: the daemon's own
+// receives), lowered until its staging (the buffers, or two chunks per
+// linked sender) fits the device budget: 256 senders at 256 MiB would want
+// 128 GiB of staging.
 TEST_F(CoordinatorDeviceTest, TransferPlanChunksFitTheStagingBudget) {
-  for (const auto& [budget, want] :
-       {std::pair<int64_t, int64_t>{int64_t{4} << 30, int64_t{256} << 20},
-        {int64_t{1} << 30, int64_t{256} << 20},
-        {(int64_t{1} << 30) - 256, (int64_t{256} << 20) - 256},
-        {int64_t{512} << 20, int64_t{128} << 20},
-        {6000, 1280}}) {
+  struct Case {
+    int64_t budget;
+    bool senders_local;
+    int64_t want;
+  };
+  for (const Case& c : std::vector<Case>{
+           {int64_t{4} << 30, false, int64_t{64} << 20},
+           {int64_t{4} << 30, true, int64_t{256} << 20},
+           {int64_t{1} << 30, true, int64_t{256} << 20},
+           {(int64_t{1} << 30) - 256, true, (int64_t{256} << 20) - 256},
+           {int64_t{512} << 20, true, int64_t{128} << 20},
+           {int64_t{128} << 20, false, int64_t{32} << 20},
+           {6000, false, 1280},
+           {6000, true, 1280}}) {
+    const int64_t budget = c.budget, want = c.want;
     CoordinatorOptions o;
     o.device_staging_buffers = 2;  // two senders: 4 buffers, not 2
     o.device_staging_budget_bytes = budget;
     Make(o);
-    InitGroup(coordinator_.get(), 2);
+    InitGroup(coordinator_.get(), 2, c.senders_local);
     absl::StatusOr<std::string> id = RegisterTwoSenders(coordinator_.get());
     ASSERT_TRUE(id.ok()) << id.status();
     v1::StartWeightUpdateRequest req = PlanUpdate(*id);
     auto started = coordinator_->StartWeightUpdate(req);
     ASSERT_TRUE(started.ok()) << started.status();
-    EXPECT_EQ(started->chunk_bytes(), want) << "budget " << budget;
+    EXPECT_EQ(started->chunk_bytes(), want)
+        << "budget " << budget << ", senders on this host " << c.senders_local;
     ASSERT_TRUE(Finish("u1").ok());
   }
 }

@@ -162,8 +162,10 @@ absl::Status Coordinator::ResolveSource(
       s.receivers = e.receivers;
       s.manifest = &e.plan->manifest;
       if (request.chunk_bytes() == 0 && backend_ == v1::BACKEND_NCCL) {
-        s.chunk_bytes = FittingChunkBytes(*e.plan, e.receivers,
-                                          options_.default_plan_chunk_bytes);
+        s.chunk_bytes = FittingChunkBytes(
+            *e.plan, e.receivers,
+            senders_on_this_host_ ? options_.default_plan_chunk_bytes
+                                  : options_.default_nccl_chunk_bytes);
       }
       return absl::OkStatus();
     }

@@ -266,15 +266,20 @@ class JoinTest(unittest.TestCase):
     left waiting in the collective or in ncclCommInitRank)."""
 
     class Coll:
-        def __init__(self, rank, answer=None):
+        def __init__(self, rank, answer=None, hosts=None):
             self.rank, self.world_size, self.answer, self.sent = rank, 2, answer, []
+            self.hosts = hosts
 
         def broadcast(self, obj, src=0):
             self.sent.append(obj)
             return obj if self.rank == src else self.answer
 
+        def all_gather(self, obj):
+            return self.hosts or [obj, obj]
+
     class Link:
         stubs = ()
+        group = SimpleNamespace(targets=["unix:/x"])
 
         def world_sizes(self, backend):
             raise WeightSyncError("UNAVAILABLE", "daemon 1 (unix:/x): connection refused")
@@ -300,6 +305,63 @@ class JoinTest(unittest.TestCase):
             many_nccl.NcclLinks.join(Broken(), leader, device="cuda:0")
         self.assertIn("NCCL library", cm.exception.message)
         self.assertEqual(leader.sent[0]["error"][0], "UNAVAILABLE")
+
+
+    def test_the_leader_tells_the_daemons_whether_the_senders_share_their_host(self):
+        """InitWeightTransfer says senders_on_this_host where every rank is
+        on one host with NCCL's peer-to-peer transport on and every daemon
+        behind a Unix socket (the daemons then take 256 MiB chunks)."""
+        from weightsync import nccl
+
+        class Stub:
+            def __init__(self):
+                self.inits = []
+
+            def call(self, method, **kw):
+                self.inits.append(kw)
+                return SimpleNamespace(group_id="g")
+
+        class Link:
+            def __init__(self, targets):
+                self.stubs = [Stub() for _ in targets]
+                self.group = SimpleNamespace(targets=targets)
+
+            def world_sizes(self, backend):
+                return [1] * len(self.stubs)
+        saved = nccl.get_unique_id
+        nccl.get_unique_id = lambda: bytes(128)
+        try:
+            for targets, hosts, want in [
+                    (["unix:/a", "unix:/b"], [("h", None, None)] * 2, True),
+                    (["unix:/a", "10.0.0.2:7000"], [("h", None, None)] * 2, False),
+                    (["unix:/a"], [("h", None, None), ("g", None, None)], False),
+                    (["unix:/a"], [("h", "1", None), ("h", None, None)], False)]:
+                link = Link(targets)
+                with self.assertRaises(WeightSyncError):   # no NCCL here to join
+                    many_nccl.NcclLinks.join(link, self.Coll(0, hosts=hosts), device="cuda:0")
+                for stub in link.stubs:
+                    self.assertEqual(stub.inits[0]["senders_on_this_host"], want,
+                                     (targets, hosts))
+        finally:
+            nccl.get_unique_id = saved
+
+
+class LocalLinksTest(unittest.TestCase):
+    """Which groups the daemons may give their larger chunks: NCCL carries
+    every sender's bytes inside one host."""
+
+    def test_one_host_over_nvlink_only(self):
+        from weightsync.senders.nccl import local_links
+        here = ("node-a", None, None)
+        self.assertTrue(local_links(["unix:/s0", "unix:/s1"], [here, here]))
+        self.assertTrue(local_links(["unix:/s0"], [here, ("node-a", "0", "0")]))
+        for targets, ranks, why in [
+                (["unix:/s0", "node-b:7000"], [here], "a daemon over TCP"),
+                (["unix:/s0"], [here, ("node-b", None, None)], "a rank on another host"),
+                (["unix:/s0"], [here, ("node-a", "1", None)], "peer-to-peer off"),
+                (["unix:/s0"], [here, ("node-a", None, "1")], "shared memory off"),
+                ([], [here], "no daemon"), (["unix:/s0"], [], "no rank")]:
+            self.assertFalse(local_links(targets, ranks), why)
 
 
 class LeaderStatusesTest(unittest.TestCase):

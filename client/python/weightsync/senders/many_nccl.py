@@ -28,7 +28,7 @@ from weightsync import planner, transfer_plan
 from weightsync._errors import WeightSyncError
 from weightsync.gpu_trainer import cuda_device
 from weightsync.senders.many_receipts import link_views
-from weightsync.senders.nccl import init_daemons
+from weightsync.senders.nccl import init_daemons, local_links, this_host
 
 __all__ = ["NcclLinks", "direct_source", "link_rounds", "pack_ops", "piece_views", "refresh"]
 
@@ -156,10 +156,15 @@ class NcclLinks:
         import torch
         dev = cuda_device(device)
         m = collective.world_size
+        # Where the ranks run (one host, NVLink/PCIe: the daemons take
+        # larger chunks by default): asked once, when the group forms.
+        hosts = collective.all_gather(this_host())
         answer = None
         if collective.rank == 0:
             try:
-                uid, world, offsets, groups = init_daemons(link, m, timeout_ms)
+                uid, world, offsets, groups = init_daemons(
+                    link, m, timeout_ms,
+                    senders_on_this_host=local_links(link.group.targets, hosts))
                 answer = {"uid": uid.hex(), "world": world, "offsets": offsets,
                           "groups": groups}
             except WeightSyncError as e:

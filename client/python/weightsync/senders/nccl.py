@@ -42,14 +42,15 @@ def nccl_version(nccl):
         return 0
 
 
-def init_daemons(link, senders, timeout_ms=0):
+def init_daemons(link, senders, timeout_ms=0, senders_on_this_host=False):
     """Asks every daemon into a new NCCL group whose first `senders` ranks
     are the trainer's: a fresh unique id, each daemon's rank count
     (GetWorldSize), then InitWeightTransfer with world_size = senders +
     all their ranks and rank_offset = senders + the ranks of the daemons
-    before it, and this process's NCCL version. Returns (unique id, world
-    size, each daemon's rank_offset, group ids); the trainer ranks join
-    after."""
+    before it, and this process's NCCL version (and, for many senders,
+    whether they all run on the daemons' host: local_links). Returns
+    (unique id, world size, each daemon's rank_offset, group ids); the
+    trainer ranks join after."""
     from weightsync import nccl
     sizes = link.world_sizes("nccl")
     uid = nccl.get_unique_id()
@@ -58,9 +59,34 @@ def init_daemons(link, senders, timeout_ms=0):
     version = nccl_version(nccl)
     groups = [stub.call("InitWeightTransfer", backend=v1.BACKEND_NCCL, world_size=world,
                         rank_offset=offsets[i], nccl_unique_id=uid, timeout_ms=timeout_ms,
-                        nccl_version=version).group_id
+                        nccl_version=version,
+                        senders_on_this_host=senders_on_this_host).group_id
               for i, stub in enumerate(link.stubs)]
     return uid, world, offsets, groups
+
+
+def local_links(targets, ranks):
+    """True when NCCL carries every sender's bytes to every daemon inside
+    one host, by NVLink or PCIe (the daemons' default chunk size for such
+    groups is larger: InitWeightTransferRequest.senders_on_this_host):
+    every daemon reached by a Unix socket, every rank (its (hostname,
+    NCCL_P2P_DISABLE, NCCL_SHM_DISABLE), `ranks`) on one host, and no rank
+    keeping NCCL off its peer-to-peer and shared-memory transports."""
+    if not targets or not ranks:
+        return False
+    on = lambda v: (v or "").strip() not in ("", "0")  # noqa: E731 - NCCL reads "1"
+    return (all(t.startswith("unix:") for t in targets)
+            and len({host for host, _, _ in ranks}) == 1
+            and not any(on(p2p) or on(shm) for _, p2p, shm in ranks))
+
+
+def this_host():
+    """(hostname, NCCL_P2P_DISABLE, NCCL_SHM_DISABLE) of this process: what
+    local_links compares across ranks."""
+    import os
+    import socket
+    return (socket.gethostname(), os.environ.get("NCCL_P2P_DISABLE"),
+            os.environ.get("NCCL_SHM_DISABLE"))
 
 
 class NcclSender(Sender):
