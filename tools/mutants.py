@@ -73,7 +73,7 @@ TEST_POOL = [
     "//daemon/core:coordinator_device_test", "//daemon/core:link_plan_test",
     "//daemon/server:engine_owners_test", "//daemon/server:shm_reaper_test",
     "//daemon/server:shutdown_deadline_test",
-    "//backends/host:quant_scatter_test",
+    "//backends/host:quant_scatter_test", "//backends/host:host_data_plane_test",
     "//tests:refusals_test", "//tests:server_test", "//tests:commit_test",
     "//tests:hostile_test", "//tests:source_test",
     "//tests:state_machine_test", "//tests:multi_trainer_test",

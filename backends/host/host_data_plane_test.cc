@@ -1,0 +1,200 @@
+// The host data plane's sparse apply and chunk scatter, as a peer's patch or
+// a lost engine meets them (issue 33: the survivors of the sweep of
+// host_data_plane.cc against the suites that reach it): an index outside the
+// tensor refuses the whole patch before any element is written, naming the
+// tensor and the index; uint32 indices are read as uint32; a lost engine's
+// memory is never touched; a block use writes only its own rows and columns.
+#include "backends/host/host_data_plane.h"
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "daemon/core/copy_plan.h"
+#include "daemon/core/engine_layout.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/heap_memory.h"
+
+namespace weightsync {
+namespace {
+
+using ::testing::Each;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+constexpr float kOld = -7.0f;  // what engine memory holds before a patch
+
+// `engines` engines of one host region each, `floats` float32 elements all
+// kOld; regions()[e] reads them back.
+struct Engines {
+  CopyPlan plan;
+  std::vector<std::shared_ptr<testing::HeapRegion>> heap;
+
+  Engines(int engines, int64_t floats) {
+    for (int e = 0; e < engines; ++e) {
+      auto layout = std::make_shared<EngineLayout>();
+      layout->engine_id = "e" + std::to_string(e);
+      auto region = std::make_shared<testing::HeapRegion>(floats * 4);
+      std::vector<float> old(floats, kOld);
+      std::memcpy(region->data(), old.data(), floats * 4);
+      layout->regions.push_back(region);
+      heap.push_back(region);
+      plan.engines.push_back(layout);
+    }
+  }
+  std::vector<float> Floats(int engine) const {
+    std::vector<float> out(heap[engine]->size() / 4);
+    std::memcpy(out.data(), heap[engine]->data(), heap[engine]->size());
+    return out;
+  }
+};
+
+// A patch of a float32 tensor of `numel` elements (`cols` to a row) with
+// these indices (4 or 8 bytes each) and values 1, 2, 3, ...; no uses.
+struct Patch {
+  SparsePatch patch;
+  std::string payload;
+
+  Patch(int64_t numel, int64_t cols, const std::vector<int64_t>& indices,
+        int index_bytes) {
+    patch.name = "w";
+    patch.nnz = indices.size();
+    patch.numel = numel;
+    patch.cols = cols;
+    patch.index_bytes = index_bytes;
+    patch.dtype = v1::FLOAT32;
+    for (int64_t i : indices) {
+      if (index_bytes == 4) {
+        const uint32_t narrow = static_cast<uint32_t>(i);
+        payload.append(reinterpret_cast<const char*>(&narrow), 4);
+      } else {
+        payload.append(reinterpret_cast<const char*>(&i), 8);
+      }
+    }
+    for (size_t k = 0; k < indices.size(); ++k) {
+      const float v = 1.0f + k;
+      payload.append(reinterpret_cast<const char*>(&v), 4);
+    }
+    patch.payload_bytes = payload.size();
+  }
+  // The whole tensor is engine e's parameter at element `at` (flat).
+  void UseWhole(int32_t engine, int64_t at) {
+    SparsePatch::Use u;
+    u.engine = engine;
+    u.param_offset = at * 4;
+    u.dtype = v1::FLOAT32;
+    u.implicit = true;
+    patch.uses.push_back(u);
+  }
+  absl::Status Apply(const CopyPlan& plan,
+                     const std::atomic<bool>* lost = nullptr) const {
+    return ApplySparsePatch(
+        plan, patch, reinterpret_cast<const uint8_t*>(payload.data()), lost);
+  }
+};
+
+TEST(ApplySparsePatchTest, ItsFirstAndLastElementsAreWritten) {
+  for (int index_bytes : {8, 4}) {
+    Engines engines(1, 6);
+    Patch p(6, 6, {0, 5}, index_bytes);
+    p.UseWhole(0, 0);
+    ASSERT_TRUE(p.Apply(engines.plan).ok()) << index_bytes;
+    EXPECT_THAT(engines.Floats(0), ElementsAre(1, kOld, kOld, kOld, kOld, 2))
+        << index_bytes << "-byte indices";
+  }
+}
+
+TEST(ApplySparsePatchTest, AnIndexOutsideTheTensorRefusesItWhole) {
+  // One good index before the bad one: nothing at all is written.
+  for (const auto& [bad, index_bytes, named] :
+       std::vector<std::tuple<int64_t, int, std::string>>{
+           {-1, 8, "-1"},
+           {6, 8, "6"},
+           {6, 4, "6"},
+           {int64_t{1} << 40, 8, "1099511627776"},
+           // A uint32 index is never negative: 0xffffffff is 4294967295.
+           {-1, 4, "4294967295"}}) {
+    Engines engines(1, 6);
+    Patch p(6, 6, {0, bad}, index_bytes);
+    p.UseWhole(0, 0);
+    absl::Status s = p.Apply(engines.plan);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << named;
+    EXPECT_THAT(s.message(), HasSubstr("tensor 'w': sparse index " + named +
+                                       " is outside [0, 6)"));
+    EXPECT_THAT(engines.Floats(0), Each(kOld)) << named;
+  }
+}
+
+TEST(ApplySparsePatchTest, Uint32IndicesAreReadAsUint32) {
+  // Read as int64, these four bytes pairs would be other indices entirely.
+  Engines engines(1, 8);
+  Patch p(8, 8, {7, 2, 4}, 4);
+  p.UseWhole(0, 0);
+  ASSERT_TRUE(p.Apply(engines.plan).ok());
+  EXPECT_THAT(engines.Floats(0),
+              ElementsAre(kOld, kOld, 2, kOld, 3, kOld, kOld, 1));
+}
+
+TEST(ApplySparsePatchTest, ALostEngineIsNotTouched) {
+  Engines engines(2, 4);
+  Patch p(4, 4, {1, 3}, 8);
+  p.UseWhole(0, 0);
+  p.UseWhole(1, 0);
+  std::atomic<bool> lost[2] = {false, true};
+  ASSERT_TRUE(p.Apply(engines.plan, lost).ok());
+  EXPECT_THAT(engines.Floats(0), ElementsAre(kOld, 1, kOld, 2));
+  EXPECT_THAT(engines.Floats(1), Each(kOld));
+}
+
+TEST(ApplySparsePatchTest, ABlockUseWritesOnlyItsRowsAndColumns) {
+  // A [4, 4] tensor; the use holds rows 1-2, columns 1-2 at elements 5.. of
+  // the engine's 16 (row stride 2). The patch touches every element on and
+  // around the block's edges: only the four inside land.
+  Engines engines(1, 16);
+  std::vector<int64_t> all;
+  for (int64_t i = 0; i < 16; ++i) all.push_back(i);
+  Patch p(16, 4, all, 8);
+  SparsePatch::Use u;
+  u.dtype = v1::FLOAT32;
+  u.row_begin = 1;
+  u.row_count = 2;
+  u.col_begin = 1;
+  u.col_count = 2;
+  u.dest_offset = 5;
+  u.dest_row_stride = 2;
+  p.patch.uses.push_back(u);
+  ASSERT_TRUE(p.Apply(engines.plan).ok());
+  // Element (r, c) carries value 1 + 4r + c: (1,1) 6, (1,2) 7, (2,1) 10,
+  // (2,2) 11, at 5, 6, 7, 8.
+  EXPECT_THAT(engines.Floats(0),
+              ElementsAre(kOld, kOld, kOld, kOld, kOld, 6, 7, 10, 11, kOld,
+                          kOld, kOld, kOld, kOld, kOld, kOld));
+}
+
+TEST(ScatterChunkTest, ALostEngineIsNotTouched) {
+  Engines engines(2, 2);
+  const float chunk[2] = {4, 5};
+  std::vector<CopyOp> ops(2);
+  for (int e = 0; e < 2; ++e) {
+    ops[e].engine = e;
+    ops[e].rows = 1;
+    ops[e].cols = 2;
+    ops[e].src_dtype = ops[e].dst_dtype = v1::FLOAT32;
+  }
+  std::atomic<bool> lost[2] = {true, false};
+  ScatterChunk(engines.plan, ops, reinterpret_cast<const uint8_t*>(chunk),
+               lost);
+  EXPECT_THAT(engines.Floats(0), Each(kOld));
+  EXPECT_THAT(engines.Floats(1), ElementsAre(4, 5));
+  ScatterChunk(engines.plan, ops, reinterpret_cast<const uint8_t*>(chunk),
+               nullptr);  // none lost
+  EXPECT_THAT(engines.Floats(0), ElementsAre(4, 5));
+}
+
+}  // namespace
+}  // namespace weightsync
