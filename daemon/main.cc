@@ -259,7 +259,7 @@ bool ValidFlags() {
   for (const auto& [name, value, least] :
        {std::tuple<const char*, int, int>{"max_streams_per_connection",
                                           FLAGS_max_streams_per_connection, 1},
-        {"max_threads", FLAGS_max_threads, 8},
+        {"max_threads", FLAGS_max_threads, 16},  // 8 spare + 8 places
         {"max_metadata_bytes", FLAGS_max_metadata_bytes, 1024},
         {"max_calls_per_peer", FLAGS_max_calls_per_peer, 1},
         {"max_control_streams_per_peer", FLAGS_max_control_streams_per_peer, 1},
@@ -400,6 +400,7 @@ int Main() {
   server_options.call_limits.max_control_streams_per_peer =
       FLAGS_max_control_streams_per_peer;
   server_options.call_limits.max_engine_reads = FLAGS_max_engine_reads;
+  server_options.call_limits.max_threads = FLAGS_max_threads;
   PeerPolicy& policy = server_options.peer_policy;
   policy.uids = {getuid(), 0};
   policy.gids = {getgid()};

@@ -1,5 +1,7 @@
 #include "daemon/server/call_limits.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace weightsync {
@@ -48,6 +50,17 @@ absl::StatusOr<CallLimits::Ticket> CallLimits::Enter(Kind kind,
     return Ticket(this, kind, "");
   }
   const bool control = kind == Kind::kControl;
+  const int all_cap =
+      std::max(1, options_.max_threads - CallLimitOptions::kSpareThreads);
+  if (options_.max_threads > 0 && open_all_ >= all_cap) {
+    ++refused_all_;
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the daemon runs ", open_all_,
+        " calls and Control streams for all peers, the most it takes at once "
+        "(--max_threads=",
+        options_.max_threads, ", less ", CallLimitOptions::kSpareThreads,
+        " threads kept to refuse the rest); retry after a back-off"));
+  }
   const int cap = control ? options_.max_control_streams_per_peer
                           : options_.max_calls_per_peer;
   int& open = open_[Key(kind, peer)];
@@ -62,6 +75,7 @@ absl::StatusOr<CallLimits::Ticket> CallLimits::Enter(Kind kind,
         cap, "); close some or retry after a back-off"));
   }
   ++open;
+  ++open_all_;
   return Ticket(this, kind, peer);
 }
 
@@ -71,6 +85,7 @@ void CallLimits::Leave(Kind kind, const std::string& peer) {
     --engine_reads_;
     return;
   }
+  --open_all_;
   auto it = open_.find(Key(kind, peer));
   if (it != open_.end() && --it->second <= 0) open_.erase(it);
 }

@@ -31,6 +31,14 @@ struct CallLimitOptions {
   // Reads of a whole engine's memory (CheckEngine) running at once, all
   // peers together (--max_engine_reads).
   int max_engine_reads = 2;
+  // The server's threads (--max_threads; 0: no cap here). Calls and Control
+  // streams of all peers together hold at most max_threads - kSpareThreads
+  // places, so the call past them is refused by this cap, naming the flag,
+  // while gRPC still has threads to run the refusal; gRPC's own quota
+  // ("Server Threadpool Exhausted", no flag named) is then only met when
+  // the spare threads are busy too.
+  int max_threads = 0;
+  static constexpr int kSpareThreads = 8;
 };
 
 class CallLimits {
@@ -66,6 +74,8 @@ class CallLimits {
   int64_t refused(Kind kind) const {
     return refused_[static_cast<int>(kind)].load();
   }
+  // Calls and Control streams refused by the all-peers cap (max_threads).
+  int64_t refused_all_peers() const { return refused_all_.load(); }
 
   // (kind, peer) pairs with a place taken now: each is forgotten when its
   // last place is given back, so the table does not grow with every peer
@@ -80,10 +90,12 @@ class CallLimits {
 
   const CallLimitOptions options_;
   std::atomic<int64_t> refused_[3] = {};
+  std::atomic<int64_t> refused_all_{0};
   mutable absl::Mutex mu_;
   // Open places by (kind, peer); entries at zero are erased.
   absl::flat_hash_map<std::string, int> open_ ABSL_GUARDED_BY(mu_);
   int engine_reads_ ABSL_GUARDED_BY(mu_) = 0;
+  int open_all_ ABSL_GUARDED_BY(mu_) = 0;  // calls + Control streams
 };
 
 // The process's CallLimits counters, for /metrics; null until a server

@@ -1,5 +1,6 @@
 #include "daemon/server/call_limits.h"
 
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -49,6 +50,44 @@ TEST(CallLimitsTest, EngineReadsAreCappedForAllPeersTogether) {
   CallLimits::Ticket moved = *std::move(first);
   { CallLimits::Ticket gone = std::move(moved); }
   EXPECT_TRUE(limits.Enter(CallLimits::Kind::kEngineRead, "uid 2").ok());
+}
+
+// All peers together hold at most --max_threads less the spare threads:
+// the call past that is refused by this cap, naming the flag, whoever
+// makes it; Control streams count, engine reads (always inside a call) do
+// not; a place given back is free again.
+TEST(CallLimitsTest, AllPeersTogetherStayUnderTheThreads) {
+  CallLimitOptions o;
+  o.max_threads = CallLimitOptions::kSpareThreads + 3;  // three places
+  CallLimits limits(o);
+  std::vector<CallLimits::Ticket> held;
+  for (const auto& [kind, peer] :
+       std::vector<std::pair<CallLimits::Kind, std::string>>{
+           {CallLimits::Kind::kCall, "uid 1"},
+           {CallLimits::Kind::kControl, "uid 2"},
+           {CallLimits::Kind::kCall, "uid 3"}}) {
+    auto t = limits.Enter(kind, peer);
+    ASSERT_TRUE(t.ok()) << peer;
+    held.push_back(*std::move(t));
+  }
+  for (auto kind : {CallLimits::Kind::kCall, CallLimits::Kind::kControl}) {
+    auto refused = limits.Enter(kind, "uid 4");
+    ASSERT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_THAT(refused.status().message(),
+                HasSubstr("the daemon runs 3 calls and Control streams for "
+                          "all peers"));
+    EXPECT_THAT(refused.status().message(), HasSubstr("--max_threads=11"));
+  }
+  EXPECT_EQ(limits.refused_all_peers(), 2);
+  EXPECT_EQ(limits.refused(CallLimits::Kind::kCall), 0);
+  EXPECT_TRUE(limits.Enter(CallLimits::Kind::kEngineRead, "uid 4").ok());
+  held.erase(held.begin());  // uid 1's call ends
+  EXPECT_TRUE(limits.Enter(CallLimits::Kind::kCall, "uid 4").ok());
+  // No cap at all where the server's threads are not said (0).
+  CallLimits uncapped({1, 1, 1});
+  auto a = uncapped.Enter(CallLimits::Kind::kCall, "uid 1");
+  auto b = uncapped.Enter(CallLimits::Kind::kCall, "uid 2");
+  EXPECT_TRUE(a.ok() && b.ok());
 }
 
 // A peer's count goes down by one per place given back, to zero and no

@@ -172,6 +172,9 @@ class LimitsCollector : public prometheus::Collectable {
           Sample(limits != nullptr ? limits->refused(kind) : 0,
                  {{"limit", flag}}, MetricType::Counter));
     }
+    refused.metric.push_back(
+        Sample(limits != nullptr ? limits->refused_all_peers() : 0,
+               {{"limit", "max_threads"}}, MetricType::Counter));
     return {auth, accept, refused};
   }
 };
