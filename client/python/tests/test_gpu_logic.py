@@ -641,6 +641,62 @@ class GpuReceiptsPrepareTest(unittest.TestCase):
         self.assertEqual(len(kernel.built), 4)
 
 
+class GpuReceiptsEarlyTest(unittest.TestCase):
+    """GpuReceipts.early (the nccl sender, once its broadcasts are
+    enqueued): the expectation of the layouts the engines had at the last
+    check is computed while the transfer runs, and the check after it uses
+    that, computing only a layout it has not seen (an engine registered
+    again); what the check compares is what early() computed."""
+
+    def test_the_check_uses_what_was_computed_beside_the_transfer(self):
+        from weightsync import _multi
+        from weightsync.senders.base import Link
+        from weightsync.senders.gpu_receipts import GpuReceipts
+        layout, sent = _receipt_case(np.random.default_rng(5))
+        good = receipts.expected_receipt_arrays(layout, sent)
+        stub = FakeStub({"a": layout})
+        link = Link([stub], _multi.Group([stub], ["a"]), 30.0, 600.0)
+        link.remember_layout("L-a", layout)
+        link.remember_layout("L-new", layout)
+
+        class Kernel:
+            def __init__(self):
+                self.calls = []
+
+            def expected_receipts_gpu(self, layouts, sent, plan_key=None):
+                self.calls.append(plan_key)
+                return {0: good}
+
+        kernel = Kernel()
+        gr = GpuReceipts()
+        gr._fast = lambda flats, plan_key: kernel
+
+        def finished(layout_id, checksum=good[0]):
+            f = v1.FinishWeightUpdateResponse()
+            f.engines.add(engine_id="a", layout_id=layout_id).receipt.CopyFrom(
+                v1.Receipt(checksum=checksum, bytes=good[2]))
+            return [f]
+        timings = {}
+        self.assertEqual(gr.early(link, [], [0], timings=timings), {})  # no check yet
+        gr.check(link, finished("L-a"), [], [0])             # the first: after the transfer
+        self.assertEqual(len(kernel.calls), 1)
+        early = gr.early(link, [], [0], timings=timings)     # the next: beside it
+        self.assertEqual(list(early), ["L-a"])
+        self.assertIn("early_receipts_s", timings)
+        self.assertEqual(len(kernel.calls), 2)
+        gr.check(link, finished("L-a"), [], [0], early=early)
+        self.assertEqual(len(kernel.calls), 2)               # nothing computed after it
+        # What is compared is early()'s value: a wrong one is a mismatch.
+        with self.assertRaises(WeightSyncError) as cm:
+            gr.check(link, finished("L-a"), [], [0],
+                     early={"L-a": (good[0] ^ 1, good[1], good[2])})
+        self.assertEqual(cm.exception.code, "DATA_LOSS")
+        # An engine registered again (a layout early() did not know): computed then.
+        gr.check(link, finished("L-new"), [], [0], early=early)
+        self.assertEqual(len(kernel.calls), 3)
+        self.assertEqual(list(gr.early(link, [], [0])), ["L-new"])
+
+
 class SparseArraysTest(unittest.TestCase):
     """sparse.changed_elements and TorchSparsePatch (the GPU diff, run here
     on numpy) against the host SparsePatch and its payload."""

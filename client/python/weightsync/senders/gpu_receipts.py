@@ -56,17 +56,43 @@ class GpuReceipts:
         self._fp8 = {}       # layout_id -> whether it has FP8 targets
         self._split = {}     # layout_id -> (plain, quantised) parameters
         self._prepared = {}  # (plan_key, layout_id) -> prepared_receipt_gpu handle
+        self._last_layout_ids = ()  # the engines' layouts at the last check
 
-    def check(self, link, results, manifest, flats, plan_key=None, timings=None):
+    def check(self, link, results, manifest, flats, plan_key=None, timings=None, early=None):
         """Checks `results` (link.check_receipts) against the expectation
-        of the tensors `flats` sent as `manifest`; adds the seconds it took
-        to `timings` as receipts_s."""
+        of the tensors `flats` sent as `manifest` (`early`: {layout id:
+        expectation} already computed, see early()); adds the seconds it
+        took to `timings` as receipts_s."""
         t = time.perf_counter()
         try:
-            self._check(link, results, manifest, flats, plan_key)
+            self._check(link, results, manifest, flats, plan_key, early or {})
         finally:
+            self._last_layout_ids = tuple(sorted({
+                r.layout_id for f in results for r in f.engines
+                if r.layout_id and r.HasField("receipt")}))
             if timings is not None:
                 timings["receipts_s"] = time.perf_counter() - t
+
+    def early(self, link, manifest, flats, plan_key=None, timings=None):
+        """{layout id: expectation} of the tensors `flats` sent as
+        `manifest`, for the layouts the engines had at the last check (their
+        layouts in link.layouts), computed now: called once the sends are
+        enqueued, the kernels run on the tensors' stream beside the
+        transfer on the communication stream, instead of after it. An
+        engine registered again since has another layout id: check()
+        computes that one after the transfer, as before. Adds the seconds
+        to `timings` as early_receipts_s."""
+        t = time.perf_counter()
+        out = {}
+        if self._last_layout_ids and flats:
+            compute = self._computer(manifest, flats, plan_key)
+            for layout_id in self._last_layout_ids:
+                layout = link.layouts.get(layout_id)
+                if layout is not None:
+                    out[layout_id] = compute(layout, layout_id)
+        if timings is not None:
+            timings["early_receipts_s"] = time.perf_counter() - t
+        return out
 
     def prepare(self, link, manifest, flats, plan_key):
         """Builds, ahead of the first check, the kernel tables of the
@@ -95,15 +121,21 @@ class GpuReceipts:
         return fast.expected_receipts_gpu({0: layout}, sent, plan_key=(
             plan_key, layout_id) if layout_id else None)[0]
 
-    def _check(self, link, results, manifest, flats, plan_key):
+    def _computer(self, manifest, flats, plan_key):
+        """expected(layout, layout_id) of the tensors `flats` sent as
+        `manifest`: the kept-table kernel where it applies, else
+        weightsync.receipts' arrays."""
         from weightsync.receipts import expected_receipt_arrays
         sent = _sent(manifest, flats)
         fast = self._fast(flats, plan_key)
         if fast is None:
-            link.check_receipts(results, lambda layout: expected_receipt_arrays(layout, sent()))
-            return
-        link.check_receipts(results, lambda layout, layout_id: self._expected(
-            fast, layout, layout_id, plan_key, sent), keyed=True)
+            return lambda layout, layout_id: expected_receipt_arrays(layout, sent())
+        return lambda layout, layout_id: self._expected(fast, layout, layout_id, plan_key, sent)
+
+    def _check(self, link, results, manifest, flats, plan_key, early):
+        compute = self._computer(manifest, flats, plan_key)
+        link.check_receipts(results, lambda layout, layout_id: (
+            early[layout_id] if layout_id in early else compute(layout, layout_id)), keyed=True)
 
     def _has_fp8(self, layout, layout_id):
         # Once per layout id (a pass over 100k parameters cost ~50 ms).

@@ -143,10 +143,11 @@ class NcclSender(Sender):
             except Exception:
                 prepacked = set()   # planning errors are the daemon's to report
         job = Job(request, t0=t0, names=[m["name"] for m in manifest], flats=flats,
-                  manifest=manifest, lazy=None, prepacked=prepacked, on_made=None)
+                  manifest=manifest, lazy=None, prepacked=prepacked, on_made=None, early=None,
+                  timings={})
         if u.verify:
             job.check = lambda results: self._receipts.check(
-                self.link, results, manifest, flats, timings=gpu.last_timings)
+                self.link, results, manifest, flats, timings=gpu.last_timings, early=job.early)
         return job
 
     def describe_lazy(self, u):
@@ -207,6 +208,11 @@ class NcclSender(Sender):
             raise WeightSyncError("ABORTED", f"update '{u.update_id}': sending failed on the "
                                   f"trainer: {what}{detail}; init_nccl() again") from None
         job.t_enqueued = time.perf_counter()
+        if job.check is not None and feed is None:
+            # The expectation of the layouts the engines had last time, while
+            # the broadcasts run (it read the tensors after the step, as they do).
+            job.early = self._receipts.early(self.link, job.manifest, job.flats,
+                                             timings=job.timings)
         if feed is not None:
             self.link.last_lazy = {"made": feed.made, "peak_bytes": feed.peak_bytes,
                                    "window_bytes": max(windows, default=0),
@@ -230,7 +236,8 @@ class NcclSender(Sender):
         gpu.last_timings = {"prepare_s": job.t_start - job.t0,
                             "start_s": job.t_started - job.t_start,
                             "enqueue_s": job.t_enqueued - job.t_started,
-                            "start_to_finish_s": t1 - job.t_start}
+                            "start_to_finish_s": t1 - job.t_start,
+                            **getattr(job, "timings", {})}
         if not link.multi:
             link.last_results = results
         return results
