@@ -93,7 +93,8 @@ class _Cuda:
     class Stream:
         _next = 1
 
-        def __init__(self, device=None):
+        def __init__(self, device=None, priority=0):
+            self.priority = priority
             self.cuda_stream = _Cuda.Stream._next
             _Cuda.Stream._next += 1
 

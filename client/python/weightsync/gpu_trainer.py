@@ -183,8 +183,11 @@ class GpuSender:
         self.comm = comm
         self.pack_buffers = max(1, pack_buffers)
         with torch.cuda.device(self.device):
-            self.pack_stream = torch.cuda.Stream(self.device)
-            self.comm_stream = torch.cuda.Stream(self.device)
+            # Above the default priority: the receipts' kernels on the
+            # tensors' stream, beside the transfer, must not keep NCCL's and
+            # the packs' blocks waiting for SMs.
+            self.pack_stream = torch.cuda.Stream(self.device, priority=-1)
+            self.comm_stream = torch.cuda.Stream(self.device, priority=-1)
         self._ring = []          # [(tensor, packed event, free event)]
         self._ring_chunk = 0
         self._plans = {}
