@@ -35,6 +35,11 @@ QWEN3_8B = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 1228
             "head_dim": 128, "model_type": "qwen3", "tie_word_embeddings": False}
 MODEL = os.environ.get("BENCH_MODEL", "qwen3-8b")
 CHUNKS_MIB = [int(x) for x in os.environ.get("BENCH_CHUNKS_MIB", "1024,256").split(",")]
+# BENCH_VERIFY=off,on,late: each chunk size also with receipts (the default
+# of Trainer.update; rows keyed "<MiB>-on"), and with their expectation
+# computed after the transfer as before 31cd3bf ("<MiB>-late":
+# GpuReceipts.EARLY off).
+VERIFY = os.environ.get("BENCH_VERIFY", "off").split(",")
 UPDATES = 6
 REPEATS = 5
 
@@ -157,14 +162,18 @@ def trainer_main(conn, target):
             trainer = weightsync.Trainer(target, timeout=300)
             trainer.init_nccl(device=0)
             runs, version = {}, 0
+            from weightsync.senders.gpu_receipts import GpuReceipts
             for mib in CHUNKS_MIB:
-                rows = []
-                for _ in range(UPDATES):
-                    version += 1
-                    r = trainer.update(named, version=version, chunk_bytes=mib << 20,
-                                       verify=False)  # the transfer alone, as before
-                    rows.append(dict(trainer.last_timings, daemon_s=r.seconds))
-                runs[str(mib)] = rows
+                for mode in VERIFY:   # off: the transfer alone, as before
+                    GpuReceipts.EARLY = mode != "late"
+                    rows = []
+                    for _ in range(UPDATES):
+                        version += 1
+                        r = trainer.update(named, version=version, chunk_bytes=mib << 20,
+                                           verify=mode != "off")
+                        rows.append(dict(trainer.last_timings, daemon_s=r.seconds))
+                    runs[str(mib) + ("" if mode == "off" else "-" + mode)] = rows
+            GpuReceipts.EARLY = True
             C.send(conn, {"runs": runs, "sums": sums(named)})
         elif msg["cmd"] == "naive":
             C.send(conn, {"times": naive(named, 0, msg["port"], REPEATS)})
@@ -213,18 +222,23 @@ def main():
               "updates (per-tensor int16 sums)", flush=True)
         ok &= same
         sweep = []
-        for mib, rows in w["runs"].items():
+        for key, rows in w["runs"].items():
             tail = rows[1:]   # updates 2-6
-            row = {"chunk_MiB": int(mib),
+            mib, _, mode = key.partition("-")
+            row = {"chunk_MiB": int(mib), "receipts": mode or "off",
                    "weightsync_s": statistics.median(r["start_to_finish_s"] for r in tail),
                    "daemon_s": statistics.median(r["daemon_s"] for r in tail),
                    "total_s": statistics.median(r["total_s"] for r in tail),
                    "prepare_s": statistics.median(r["prepare_s"] for r in tail),
                    "enqueue_s": statistics.median(r["enqueue_s"] for r in tail),
                    "all_start_to_finish_s": [round(r["start_to_finish_s"], 5) for r in rows]}
+            for k in ("early_receipts_s", "receipts_s"):
+                if all(k in r for r in tail):
+                    row[k] = statistics.median(r[k] for r in tail)
             row["weightsync_GBps"] = nbytes / row["weightsync_s"] / 1e9
             sweep.append(row)
-            print(f"weightsync chunk {mib} MiB: {row['weightsync_s']:.4f} s Start->Finish "
+            print(f"weightsync chunk {mib} MiB, receipts {row['receipts']}: "
+                  f"{row['weightsync_s']:.4f} s Start->Finish "
                   f"({row['weightsync_GBps']:.1f} GB/s), daemon {row['daemon_s']:.4f} s, "
                   f"with manifest/views {row['total_s']:.4f} s", flush=True)
 
@@ -246,7 +260,7 @@ def main():
         baseline = nbytes / raw_s / 1e9
         print(f"raw NCCL 1 GiB broadcasts: {raw_s:.4f} s ({baseline:.1f} GB/s)", flush=True)
 
-        best = min(sweep, key=lambda r: r["weightsync_s"])
+        best = min((r for r in sweep if r["receipts"] == "off"), key=lambda r: r["weightsync_s"])
         commit = os.environ.get("COMMIT") or subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
             cwd=here).stdout.strip() or "unknown"

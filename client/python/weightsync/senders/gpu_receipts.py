@@ -52,6 +52,10 @@ class GpuReceipts:
     split; per (plan key, layout id), weightsync.receipts.fp8_gpu's prepared
     kernel tables."""
 
+    # early() computes the expectation beside the transfer; False: nothing
+    # early, all after it (bench/python_bench.py's "late" rows, an A/B).
+    EARLY = True
+
     def __init__(self):
         self._fp8 = {}       # layout_id -> whether it has FP8 targets
         self._split = {}     # layout_id -> (plain, quantised) parameters
@@ -84,7 +88,7 @@ class GpuReceipts:
         to `timings` as early_receipts_s."""
         t = time.perf_counter()
         out = {}
-        if self._last_layout_ids and flats:
+        if self.EARLY and self._last_layout_ids and flats:
             compute = self._computer(manifest, flats, plan_key)
             for layout_id in self._last_layout_ids:
                 layout = link.layouts.get(layout_id)
