@@ -16,6 +16,7 @@
 
 #include "daemon/core/copy_plan.h"
 #include "daemon/core/engine_layout.h"
+#include "daemon/core/source_registry.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/heap_memory.h"
@@ -194,6 +195,83 @@ TEST(ScatterChunkTest, ALostEngineIsNotTouched) {
   ScatterChunk(engines.plan, ops, reinterpret_cast<const uint8_t*>(chunk),
                nullptr);  // none lost
   EXPECT_THAT(engines.Floats(0), ElementsAre(4, 5));
+}
+
+// A registered source of two float32 tensors, "a" (64 elements, packed at
+// 0) and "b" (1 element, packed at 256, right after a), whose bytes live
+// apart in the trainer's memory (a at byte 16, b at byte 400): a copy of
+// the packed stream is read where each tensor lives (issue 33: the
+// survivors of CopyOpFromSource, host_data_plane.cc:100-108).
+struct TwoTensorSource {
+  Engines engines{1, 80};
+  Source source;
+  std::vector<float> a, b;
+
+  TwoTensorSource() {
+    engines.plan.chunks.tensor_offsets = {0, 256};
+    engines.plan.chunks.payload_bytes = {256, 4};
+    Chunk chunk;
+    chunk.size = 260;
+    engines.plan.chunks.chunks.push_back(chunk);
+    auto memory = std::make_shared<testing::HeapRegion>(512);
+    for (int i = 0; i < 64; ++i) a.push_back(100 + i);
+    b.push_back(999);
+    std::memcpy(memory->data() + 16, a.data(), 256);
+    std::memcpy(memory->data() + 400, b.data(), 4);
+    source.id = "s";
+    source.regions.push_back(memory);
+    source.placements = {{0, 16}, {0, 400}};
+  }
+  absl::Status Scatter(const CopyOp& op) {
+    engines.plan.ops_by_chunk = {{op}};
+    return ScatterFromSource(engines.plan, 0, source, nullptr);
+  }
+  static CopyOp Op(int64_t src_offset, int64_t rows, int64_t cols,
+                   int64_t src_stride, int64_t dst_stride) {
+    CopyOp op;
+    op.src_offset = src_offset;
+    op.rows = rows;
+    op.cols = cols;
+    op.src_stride = src_stride;
+    op.dst_stride = dst_stride;
+    op.src_dtype = op.dst_dtype = v1::FLOAT32;
+    return op;
+  }
+};
+
+TEST(ScatterFromSourceTest, AOneRowCopyAcrossTwoTensorsReadsEachWhereItLives) {
+  TwoTensorSource t;
+  // One row of 65 elements (the plan joins ops contiguous in the stream):
+  // a's 64, then b's one, the last piece a single element.
+  ASSERT_TRUE(t.Scatter(TwoTensorSource::Op(0, 1, 65, 0, 0)).ok());
+  std::vector<float> want = t.a;
+  want.push_back(999);
+  want.resize(80, kOld);
+  EXPECT_EQ(t.engines.Floats(0), want);
+}
+
+TEST(ScatterFromSourceTest, AContiguousBlockAcrossTwoTensorsIsOneRun) {
+  TwoTensorSource t;
+  // 5 rows of 13, packed rows back to back on both sides: one run of 65.
+  ASSERT_TRUE(t.Scatter(TwoTensorSource::Op(0, 5, 13, 52, 52)).ok());
+  std::vector<float> want = t.a;
+  want.push_back(999);
+  want.resize(80, kOld);
+  EXPECT_EQ(t.engines.Floats(0), want);
+}
+
+TEST(ScatterFromSourceTest, AStridedCopyMayEndOnItsTensorsLastByte) {
+  TwoTensorSource t;
+  // Rows of 2 every 3 elements, the second ending on a's last byte
+  // (elements 59, 60 and 62, 63); one element more would be b's.
+  ASSERT_TRUE(t.Scatter(TwoTensorSource::Op(236, 2, 2, 12, 8)).ok());
+  const std::vector<float> got = t.engines.Floats(0);
+  EXPECT_THAT(std::vector<float>(got.begin(), got.begin() + 5),
+              ElementsAre(159, 160, 162, 163, kOld));
+  // A strided copy that runs past its tensor is refused, naming the source.
+  absl::Status past = t.Scatter(TwoTensorSource::Op(240, 2, 2, 12, 8));
+  EXPECT_EQ(past.code(), absl::StatusCode::kInternal);
+  EXPECT_THAT(past.message(), HasSubstr("registered source 's'"));
 }
 
 }  // namespace
