@@ -239,25 +239,19 @@ struct TwoTensorSource {
   }
 };
 
-TEST(ScatterFromSourceTest, AOneRowCopyAcrossTwoTensorsReadsEachWhereItLives) {
-  TwoTensorSource t;
-  // One row of 65 elements (the plan joins ops contiguous in the stream):
-  // a's 64, then b's one, the last piece a single element.
-  ASSERT_TRUE(t.Scatter(TwoTensorSource::Op(0, 1, 65, 0, 0)).ok());
-  std::vector<float> want = t.a;
-  want.push_back(999);
-  want.resize(80, kOld);
-  EXPECT_EQ(t.engines.Floats(0), want);
-}
-
-TEST(ScatterFromSourceTest, AContiguousBlockAcrossTwoTensorsIsOneRun) {
-  TwoTensorSource t;
-  // 5 rows of 13, packed rows back to back on both sides: one run of 65.
-  ASSERT_TRUE(t.Scatter(TwoTensorSource::Op(0, 5, 13, 52, 52)).ok());
-  std::vector<float> want = t.a;
-  want.push_back(999);
-  want.resize(80, kOld);
-  EXPECT_EQ(t.engines.Floats(0), want);
+TEST(ScatterFromSourceTest, ACopyAcrossTwoTensorsReadsEachWhereItLives) {
+  // 65 elements (the plan joins ops contiguous in the stream): a's 64, then
+  // b's one, the last piece a single element; as one row, and as 5 rows of
+  // 13 packed back to back on both sides (one run all the same).
+  for (const CopyOp& op : {TwoTensorSource::Op(0, 1, 65, 0, 0),
+                           TwoTensorSource::Op(0, 5, 13, 52, 52)}) {
+    TwoTensorSource t;
+    ASSERT_TRUE(t.Scatter(op).ok()) << op.rows << " rows";
+    std::vector<float> want = t.a;
+    want.push_back(999);
+    want.resize(80, kOld);
+    EXPECT_EQ(t.engines.Floats(0), want) << op.rows << " rows";
+  }
 }
 
 TEST(ScatterFromSourceTest, AStridedCopyMayEndOnItsTensorsLastByte) {

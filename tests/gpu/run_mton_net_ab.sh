@@ -12,13 +12,13 @@
 # the daemon's binary in the command line that starts this script (the
 # cleanup's pkill -f would match that shell).
 set -uo pipefail
-out="$(mkdir -p "${1:?usage: run_mton_net_ab.sh OUTDIR [BIN] [MODEL]}" && cd "$1" && pwd)"
-cd "$(dirname "$0")/../.." || exit 2
-bin="$(cd "${2:-.dev/bin}" && pwd)"
+here="$(cd "$(dirname "$0")" && pwd)"
+. "$here/gpu_env.sh"
+gpu_env "$(cd "$here/../.." && pwd)" "${2:-.dev/bin}" "${1:?usage: run_mton_net_ab.sh OUTDIR [BIN] [MODEL]}" \
+  || exit 2
+out="$LOG" bin="$BIN"
 model="${3:-qwen3-1.7b}"
-NCCL_LIB=$(python3 -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "nccl", "lib"))' 2>/dev/null)
-export LD_LIBRARY_PATH="$bin/../lib:${NCCL_LIB:+$NCCL_LIB:}/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1
 { date -u; echo "commit: ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"; nvidia-smi -L; } \
   | tee "$out/env.txt"
