@@ -92,8 +92,12 @@ class GpuReceipts:
             compute = self._computer(manifest, flats, plan_key)
             for layout_id in self._last_layout_ids:
                 layout = link.layouts.get(layout_id)
-                if layout is not None:
+                if layout is None:
+                    continue
+                try:
                     out[layout_id] = compute(layout, layout_id)
+                except Exception:  # noqa: BLE001 - the update is under way: the check
+                    pass           # computes it after Finish and reports what fails
         if timings is not None:
             timings["early_receipts_s"] = time.perf_counter() - t
         return out
