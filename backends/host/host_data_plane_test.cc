@@ -268,5 +268,26 @@ TEST(ScatterFromSourceTest, AStridedCopyMayEndOnItsTensorsLastByte) {
   EXPECT_THAT(past.message(), HasSubstr("registered source 's'"));
 }
 
+// A plan whose copy reads packed bytes no tensor holds (before the first
+// tensor, in the padding after one) is refused, naming the source, and
+// nothing is written: the daemon makes its plans, so this is a broken plan.
+TEST(ScatterFromSourceTest, ACopyOfBytesNoTensorHoldsIsRefused) {
+  for (const int64_t at :
+       {int64_t{0}, int64_t{255}, int64_t{256 + 12}, int64_t{256 + 255}}) {
+    TwoTensorSource t;
+    // "a" is now 3 elements packed at 256 (12 bytes, padded to 256), "b"
+    // one at 512.
+    t.engines.plan.chunks.tensor_offsets = {256, 512};
+    t.engines.plan.chunks.payload_bytes = {12, 4};
+    absl::Status s = t.Scatter(TwoTensorSource::Op(at, 1, 1, 0, 0));
+    EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << at;
+    EXPECT_THAT(s.message(),
+                HasSubstr("reads packed bytes at " + std::to_string(at) +
+                          " that no tensor of the registered "
+                          "source 's' holds"));
+    EXPECT_THAT(t.engines.Floats(0), Each(kOld)) << at;
+  }
+}
+
 }  // namespace
 }  // namespace weightsync
