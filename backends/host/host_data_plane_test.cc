@@ -268,6 +268,14 @@ TEST(ScatterFromSourceTest, AStridedCopyMayEndOnItsTensorsLastByte) {
   EXPECT_THAT(past.message(), HasSubstr("registered source 's'"));
 }
 
+TEST(ScatterFromSourceTest, ALostEngineIsNotTouched) {
+  TwoTensorSource t;
+  t.engines.plan.ops_by_chunk = {{TwoTensorSource::Op(0, 1, 65, 0, 0)}};
+  std::atomic<bool> lost[1] = {true};
+  ASSERT_TRUE(ScatterFromSource(t.engines.plan, 0, t.source, lost).ok());
+  EXPECT_THAT(t.engines.Floats(0), Each(kOld));
+}
+
 // A plan whose copy reads packed bytes no tensor holds (before the first
 // tensor, in the padding after one) is refused, naming the source, and
 // nothing is written: the daemon makes its plans, so this is a broken plan.
