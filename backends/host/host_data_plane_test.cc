@@ -276,6 +276,29 @@ TEST(ScatterFromSourceTest, ALostEngineIsNotTouched) {
   EXPECT_THAT(t.engines.Floats(0), Each(kOld));
 }
 
+// Byte-sized elements: a copy may read a tensor's very last byte, and a
+// strided copy one byte past it is refused (a 16-byte UINT8 tensor "c").
+TEST(ScatterFromSourceTest, ByteElementsToTheLastByteAndNotOnePast) {
+  TwoTensorSource t;
+  t.engines.plan.chunks.tensor_offsets = {0};
+  t.engines.plan.chunks.payload_bytes = {16};
+  t.source.placements = {{0, 16}};  // a's first 16 bytes, as bytes
+  auto op = [](int64_t at, int64_t rows, int64_t cols, int64_t stride) {
+    CopyOp o = TwoTensorSource::Op(at, rows, cols, stride, cols);
+    o.src_dtype = o.dst_dtype = v1::UINT8;
+    return o;
+  };
+  std::vector<uint8_t> bytes(16);
+  std::memcpy(bytes.data(), t.a.data(), 16);
+  ASSERT_TRUE(t.Scatter(op(15, 1, 1, 0)).ok());  // the last byte alone
+  EXPECT_EQ(t.engines.heap[0]->data()[0], bytes[15]);
+  ASSERT_TRUE(t.Scatter(op(11, 2, 2, 3)).ok());  // rows ending on it
+  EXPECT_EQ(std::vector<uint8_t>(t.engines.heap[0]->data(),
+                                 t.engines.heap[0]->data() + 4),
+            std::vector<uint8_t>({bytes[11], bytes[12], bytes[14], bytes[15]}));
+  EXPECT_EQ(t.Scatter(op(12, 2, 2, 3)).code(), absl::StatusCode::kInternal);
+}
+
 // A plan whose copy reads packed bytes no tensor holds (before the first
 // tensor, in the padding after one) is refused, naming the source, and
 // nothing is written: the daemon makes its plans, so this is a broken plan.
