@@ -250,6 +250,37 @@ TEST_F(LivenessTest, NcclTrainerKilledInFinishWakesTheWait) {
   NextTrainerCommits(v1::BACKEND_NCCL, 7);
 }
 
+// A trainer that dies between prepare and commit: its update ends at once
+// by the prepared update's rule (several daemons: it may have committed
+// others), said as such: engines paused and DIRTY, the commit refused, the
+// next update repairs them (docs/protocol.md, "Trainer liveness" 2).
+TEST_F(LivenessTest, TrainerKilledAfterPrepareEndsItPreparedAndDirty) {
+  AddEngine("a");
+  {
+    absl::MutexLock lock(&arrive_mu);
+    bytes_arrive = true;  // its bytes land: Prepare returns
+  }
+  SpawnTrainer("nccl", "prepared");
+  ASSERT_EQ(core_->GetStatus().update().phase(), "prepared");
+  const double s = Kill();
+  EXPECT_GE(s, 0) << "not settled within 5 s";
+  EXPECT_LT(s, 1.0);
+  const v1::GetStatusResponse st = core_->GetStatus();
+  EXPECT_EQ(st.update().update_id(), "dying");
+  EXPECT_EQ(st.update().phase(), "failed");
+  EXPECT_THAT(st.update().error(),
+              HasSubstr("is gone (its Liveness stream ended"));
+  EXPECT_THAT(st.update().error(),
+              HasSubstr("prepared, never committed: its engines stay paused "
+                        "and DIRTY"));
+  EXPECT_EQ(StatusOf("a").state(), v1::ENGINE_DIRTY);
+  v1::CommitWeightUpdateRequest commit;
+  commit.set_update_id("dying");
+  EXPECT_EQ(core_->CommitWeightUpdate(commit).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  NextTrainerCommits(v1::BACKEND_NCCL, 7);
+}
+
 TEST_F(LivenessTest, TrainerKilledAfterPauseResumesItsEngines) {
   AddEngine("a");
   SpawnTrainer("nccl", "pause");
