@@ -173,6 +173,18 @@ class LivenessTest : public DaemonTest {
     return s;
   }
 
+  // SIGKILLs the trainer of update "dying": within 1 s the update is
+  // failed, its error saying `why`.
+  void KillFailsTheUpdate(const std::string& why) {
+    const double s = Kill();
+    EXPECT_GE(s, 0) << "not settled within 5 s";
+    EXPECT_LT(s, 1.0);
+    const v1::GetStatusResponse st = core_->GetStatus();
+    EXPECT_EQ(st.update().update_id(), "dying");
+    EXPECT_EQ(st.update().phase(), "failed");
+    EXPECT_THAT(st.update().error(), HasSubstr(why));
+  }
+
   // The next trainer (this process's TrainerClient): a whole update of
   // version `version` on `backend` commits.
   void NextTrainerCommits(v1::Backend backend, int64_t version) {
@@ -227,13 +239,7 @@ TEST_F(LivenessTest, NcclTrainerKilledAfterStartFailsTheUpdateInASecond) {
   AddEngine("a");
   SpawnTrainer("nccl", "start");
   ASSERT_EQ(StatusOf("a").state(), v1::ENGINE_UPDATING);
-  const double s = Kill();
-  EXPECT_GE(s, 0) << "not settled within 5 s";
-  EXPECT_LT(s, 1.0);
-  const v1::GetStatusResponse st = core_->GetStatus();
-  EXPECT_EQ(st.update().update_id(), "dying");
-  EXPECT_EQ(st.update().phase(), "failed");
-  EXPECT_THAT(st.update().error(), HasSubstr("is gone"));
+  KillFailsTheUpdate("is gone");
   // NCCL bytes may have landed from Start on: the engine is DIRTY.
   EXPECT_EQ(StatusOf("a").state(), v1::ENGINE_DIRTY);
   NextTrainerCommits(v1::BACKEND_NCCL, 7);
@@ -262,15 +268,8 @@ TEST_F(LivenessTest, TrainerKilledAfterPrepareEndsItPreparedAndDirty) {
   }
   SpawnTrainer("nccl", "prepared");
   ASSERT_EQ(core_->GetStatus().update().phase(), "prepared");
-  const double s = Kill();
-  EXPECT_GE(s, 0) << "not settled within 5 s";
-  EXPECT_LT(s, 1.0);
-  const v1::GetStatusResponse st = core_->GetStatus();
-  EXPECT_EQ(st.update().update_id(), "dying");
-  EXPECT_EQ(st.update().phase(), "failed");
-  EXPECT_THAT(st.update().error(),
-              HasSubstr("is gone (its Liveness stream ended"));
-  EXPECT_THAT(st.update().error(),
+  KillFailsTheUpdate("is gone (its Liveness stream ended");
+  EXPECT_THAT(core_->GetStatus().update().error(),
               HasSubstr("prepared, never committed: its engines stay paused "
                         "and DIRTY"));
   EXPECT_EQ(StatusOf("a").state(), v1::ENGINE_DIRTY);
