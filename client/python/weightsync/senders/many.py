@@ -333,7 +333,10 @@ class ManySenders:
             else:
                 self.nccl.wait(self._link.timeout)   # the daemons have every byte
             phase("wait")
-            self.nccl.last_timings.update(timings)
+            # The push's own figures only where this update's push set them
+            # (a failed one leaves the last update's).
+            pushed = self.nccl.last_timings if "error" not in sent else {}
+            self.nccl.last_timings = {**pushed, **timings}
             # The chunk size the daemons took (the largest: a daemon whose
             # staging budget fits less lowers its own).
             self.nccl.last_timings["chunk_bytes"] = max(started["chunk_bytes"], default=0)
