@@ -225,6 +225,258 @@ class PropertiesTest(unittest.TestCase):
         self.assertEqual(total, sum(plan.sender_bytes))
 
 
+def _fp8_param(name, shape, scale, block=(4, 4), fmt="FLOAT8_E4M3FN", reciprocal=False,
+               segments=()):
+    """An FP8 target and its scale parameter (as tests/test_fp8.py's)."""
+    from weightsync._proto import v1
+    from weightsync.receipts import fp8
+    p = v1.Parameter(name=name, dtype=getattr(v1, fmt), shape=list(shape))
+    for seg in segments:
+        p.segments.add(**seg)
+    p.quantization.CopyFrom(v1.Quantization(**fp8.quantization_fields(fmt, scale, block,
+                                                                       reciprocal)))
+    br, bc, rows, cols = fp8.block_shape(p)
+    s = v1.Parameter(name=scale, dtype=v1.FLOAT32, shape=[-(-rows // br), -(-cols // bc)])
+    return [p, s]
+
+
+class Fp8PartialReceiptsTest(unittest.TestCase):
+    """Many ranks' partial receipts of FP8 targets (senders.many_receipts):
+    blocks cut between ranks are quantised with the whole block's amax (the
+    ranks' parts exchanged, fp8_block_parts / combine_block_parts), each
+    scale counted once, and the parts add up to the whole update's receipt
+    (receipts.expected_receipt: what the daemon installs)."""
+
+    @staticmethod
+    def _data(tensors, seed):
+        """{name: [rows, cols * element size] uint8} of each tensor's 2-D
+        view: normal values, blocks of very different magnitudes, an inf
+        and a NaN (neither counts in an amax), bfloat16 as float32's top
+        half."""
+        import numpy as np
+        rng = np.random.default_rng(seed)
+        out = {}
+        for t in tensors:
+            rows, cols = tp.view_2d(t["shape"])
+            x = rng.standard_normal((rows, cols)).astype(np.float32)
+            x *= np.float32(2.0) ** rng.integers(-6, 7, (rows, 1)).astype(np.float32)
+            x[rows // 2, 0], x[rows - 1, cols - 1] = np.inf, np.nan
+            if t["dtype"] == "BFLOAT16":
+                x = (x.view(np.uint32) >> 16).astype(np.uint16)
+            out[t["name"]] = x.view(np.uint8).reshape(rows, -1)
+        return out
+
+    def _check(self, tensors, holds, layout, seed=0, flip=None):
+        """Plans `holds` (one list of blocks a rank) -> one daemon of one
+        engine `layout` and returns (the ranks' block parts, their summed
+        partial receipts, the whole receipt (checksum, bytes), the sum
+        without the exchange). flip=(rank, piece): that rank's piece has
+        its first element's sign flipped."""
+        import json
+        import types
+        import numpy as np
+        from weightsync import planner
+        from weightsync.receipts import expected_receipt
+        from weightsync.senders import many_receipts as mr
+        from weightsync.senders.many import needs_of_status
+        status = types.SimpleNamespace(engines=[types.SimpleNamespace(engine_id="e",
+                                                                      layout=layout)])
+        spec = {"tensors": tensors, "senders": [{"holds": h} for h in holds],
+                "receivers": [{"name": "d", "needs": needs_of_status(status)}]}
+        plan = tp.build_plan(spec)
+        data = self._data(tensors, seed)
+        engines = {"e": layout}
+
+        def payloads(r):
+            out = []
+            for k, p in enumerate(plan.link_pieces(r, 0)):
+                t = tensors[p.tensor]
+                es = planner.element_size(t["dtype"])
+                raw = bytearray(data[t["name"]][p.row_begin:p.row_begin + p.row_count,
+                                                p.col_begin * es:(p.col_begin + p.col_count)
+                                                * es].tobytes())
+                if flip == (r, k):
+                    raw[es - 1] ^= 0x80
+                out.append(bytes(raw))
+            return out
+        ranks = range(len(holds))
+        # Through JSON, as the tests' file collective carries them.
+        parts = json.loads(json.dumps([mr.fp8_block_parts(plan, r, 0, engines, payloads(r))
+                                       for r in ranks]))
+        amax, owner = mr.combine_block_parts(parts)
+        total = mr.add_partials(mr.partial_receipts(plan, r, 0, engines, payloads(r),
+                                                    fp8_amax=amax, fp8_owner=owner)
+                                for r in ranks)
+        alone = mr.add_partials(mr.partial_receipts(plan, r, 0, engines, payloads(r))
+                                for r in ranks)
+        sent = {t["name"]: (t["dtype"], tuple(t["shape"]), data[t["name"]].reshape(-1))
+                for t in tensors}
+        whole = expected_receipt(layout, sent)
+        return parts, total["e"], (whole[0], whole[2]), alone["e"]
+
+    def test_row_shards_cutting_a_block(self):
+        from weightsync._proto import v1
+        tensors = [{"name": "w", "dtype": "FLOAT32", "shape": [10, 8]},
+                   {"name": "n", "dtype": "FLOAT32", "shape": [8]}]
+        layout = _fp8_param("w", [10, 8], "w_scale") + [
+            v1.Parameter(name="n", dtype=v1.BFLOAT16, shape=[8])]
+        holds = [[tp.shard("w", [10, 8], 0, r, 2), tp.whole("n", [8])] for r in range(2)]
+        parts, total, whole, alone = self._check(tensors, holds, layout)
+        # Rows 0..4 and 5..9: block row 1 (rows 4..7) cut, both its blocks.
+        self.assertEqual(sorted(parts[0]), ["e/w/2", "e/w/3"])
+        self.assertEqual(sorted(parts[1]), ["e/w/2", "e/w/3"])
+        self.assertEqual([parts[0]["e/w/2"][1], parts[1]["e/w/2"][1]], [4, 12])
+        self.assertEqual(total, whole)
+        self.assertNotEqual(alone, whole)   # the exchange is what makes them agree
+        # 80 FP8 bytes + 6 scales + n's 8 bfloat16.
+        self.assertEqual(whole[1], 80 + 6 * 4 + 16)
+
+    def test_column_shards_cutting_blocks(self):
+        tensors = [{"name": "q", "dtype": "BFLOAT16", "shape": [8, 10]},
+                   {"name": "k", "dtype": "BFLOAT16", "shape": [4, 10]},
+                   {"name": "o", "dtype": "FLOAT32", "shape": [5, 10]}]
+        seg = dict(col_begin=0, col_count=10, dest_row_stride=10)
+        # A fused qkv of q and k (e5m2, reciprocal scales, 4 x 4 blocks)
+        # and a per-row target.
+        layout = (_fp8_param("qkv", [12, 10], "qkv_scale", fmt="FLOAT8_E5M2", reciprocal=True,
+                             segments=[dict(source="q", row_begin=0, row_count=8,
+                                            dest_offset=0, **seg),
+                                       dict(source="k", row_begin=0, row_count=4,
+                                            dest_offset=80, **seg)])
+                  + _fp8_param("o", [5, 10], "o_scale", block=None))
+        holds = [[tp.shard(t["name"], t["shape"], 1, r, 2) for t in tensors] for r in range(2)]
+        parts, total, whole, alone = self._check(tensors, holds, layout, seed=1)
+        # Columns 0..4 and 5..9: block column 1 (4..7) of qkv cut in every
+        # block row, and every row of o.
+        self.assertEqual(sorted(parts[1]), sorted(parts[0]))
+        self.assertEqual(sorted(k for k in parts[0] if k.startswith("e/qkv/")),
+                         ["e/qkv/1", "e/qkv/4", "e/qkv/7"])
+        self.assertEqual(len([k for k in parts[0] if k.startswith("e/o/")]), 5)
+        self.assertEqual(total, whole)
+        self.assertNotEqual(alone, whole)
+
+    def test_replicas_whose_rows_the_plan_splits(self):
+        tensors = [{"name": "w", "dtype": "FLOAT32", "shape": [18, 8]},
+                   {"name": "u", "dtype": "BFLOAT16", "shape": [7, 12]}]
+        layout = _fp8_param("w", [18, 8], "w_scale") + _fp8_param("u", [7, 12], "u_scale",
+                                                                   block=(4, 8))
+        holds = [[tp.whole(t["name"], t["shape"]) for t in tensors] for _ in range(2)]
+        parts, total, whole, alone = self._check(tensors, holds, layout, seed=2)
+        self.assertTrue(parts[0] and parts[1], "the plan cut no block: the case is not covered")
+        self.assertEqual(total, whole)
+        self.assertNotEqual(alone, whole)
+
+    def test_row_shards_on_block_boundaries_need_no_exchange(self):
+        tensors = [{"name": "w", "dtype": "FLOAT32", "shape": [16, 6]}]
+        layout = _fp8_param("w", [16, 6], "w_scale")
+        holds = [[tp.shard("w", [16, 6], 0, r, 2)] for r in range(2)]
+        parts, total, whole, alone = self._check(tensors, holds, layout, seed=3)
+        self.assertEqual(parts, [{}, {}])
+        self.assertEqual(total, whole)
+        self.assertEqual(alone, whole)
+
+    def test_a_flipped_byte_on_one_rank_changes_the_total(self):
+        tensors = [{"name": "w", "dtype": "FLOAT32", "shape": [10, 8]}]
+        layout = _fp8_param("w", [10, 8], "w_scale")
+        holds = [[tp.shard("w", [10, 8], 0, r, 2)] for r in range(2)]
+        _, total, whole, _ = self._check(tensors, holds, layout, seed=4)
+        self.assertEqual(total, whole)
+        for rank in (0, 1):
+            _, bad, whole_again, _ = self._check(tensors, holds, layout, seed=4,
+                                                 flip=(rank, 0))
+            self.assertEqual(whole_again, whole)
+            self.assertNotEqual(bad[0], whole[0], f"rank {rank}")
+            self.assertEqual(bad[1], whole[1])
+
+    def test_plain_layouts_partials_are_unchanged(self):
+        """Without FP8 targets: no block parts, and each link's partial
+        receipt is expected_receipt over its view, whatever FP8 maps come
+        with it (what partial_receipts computed before FP8 targets)."""
+        import numpy as np
+        from weightsync import planner
+        from weightsync._proto import v1
+        from weightsync.receipts import expected_receipt
+        from weightsync.senders import many_receipts as mr
+        rng = random.Random(3208)
+        for _ in range(12):
+            spec = _random_spec(rng)
+            plan = tp.build_plan(spec)
+            engines = [{"e": [v1.Parameter(name=t["name"], dtype=v1.FLOAT16,
+                                           shape=t["shape"]) for t in spec["tensors"]]}
+                       for _ in spec["receivers"]]
+            self.assertFalse(mr.has_fp8_targets(engines))
+            nrng = np.random.default_rng(rng.randrange(1 << 30))
+            for s in range(plan.num_senders):
+                for r in range(plan.num_receivers):
+                    pieces = plan.link_pieces(s, r)
+                    payloads = [nrng.integers(0, 256, p.row_count * p.col_count * planner
+                                              .element_size(spec["tensors"][p.tensor]["dtype"]),
+                                              dtype=np.uint8).tobytes() for p in pieces]
+                    views, manifest = mr.link_views(plan, s, r, engines[r])
+                    sent = {m["name"]: (m["dtype"], tuple(m["shape"]),
+                                        np.frombuffer(d, np.uint8))
+                            for m, d in zip(manifest, payloads)}
+                    want = {e: [str(int(c)), int(b)]
+                            for e, (c, _, b) in ((e, expected_receipt(v, sent))
+                                                 for e, v in views.items())}
+                    self.assertEqual(mr.fp8_block_parts(plan, s, r, engines[r], payloads), {})
+                    got = mr.partial_receipts(plan, s, r, engines[r], payloads)
+                    self.assertEqual(got, want)
+                    self.assertEqual(mr.partial_receipts(
+                        plan, s, r, engines[r], payloads, fp8_amax={"e/x/0": 1.0},
+                        fp8_owner={"e/x/0": 1 - s}), want)
+
+    def test_many_senders_exchange_the_parts_in_step(self):
+        """ManySenders._fp8_partials on two ranks (threads, one collective):
+        the receipts add up to the whole; a rank whose sends failed still
+        joins the exchange, and then neither reports receipts."""
+        import threading
+        import numpy as np
+        from weightsync.receipts import expected_receipt
+        from weightsync.senders import many, many_receipts as mr
+        tensors = [{"name": "w", "dtype": "FLOAT32", "shape": [10, 8]}]
+        layout = _fp8_param("w", [10, 8], "w_scale")
+        holds = [[tp.shard("w", [10, 8], 0, r, 2)] for r in range(2)]
+        spec = {"tensors": tensors, "senders": [{"holds": h} for h in holds],
+                "receivers": [{"name": "d", "needs": [tp.whole("w", [10, 8])]},
+                              {"name": "other", "needs": []}]}
+        plan = tp.build_plan(spec)
+        data = self._data(tensors, 5)["w"]
+        payloads = [[data[p.row_begin:p.row_begin + p.row_count].tobytes()
+                     for p in plan.link_pieces(r, 0)] for r in range(2)]
+
+        class Threads:
+            def __init__(self, rank, box, barrier):
+                self.rank, self.world_size, self._box, self._b = rank, 2, box, barrier
+
+            def all_gather(self, obj):
+                self._box[self.rank] = obj
+                self._b.wait(10)
+                out = list(self._box)
+                self._b.wait(10)
+                return out
+
+        def run(fail_rank):
+            box, barrier, out = [None, None], threading.Barrier(2), [None, None]
+
+            def rank(r):
+                senders = many.ManySenders(None, Threads(r, box, barrier))
+                senders._engines = [{"e": layout}, {}]
+                out[r] = senders._fp8_partials(plan, None if r == fail_rank else
+                                               [payloads[r], 0])
+            threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(20)
+            return out
+        got = run(None)
+        self.assertEqual(got[0][1], 0)
+        whole = expected_receipt(layout, {"w": ("FLOAT32", (10, 8), data.reshape(-1))})
+        self.assertEqual(mr.add_partials(g[0] for g in got)["e"], (whole[0], whole[2]))
+        self.assertEqual(run(1), [[], []])
+
+
 class _Rows:
     """numpy standing in for the torch calls many_nccl.piece_views makes."""
 

@@ -16,14 +16,17 @@ Per block of float32 values x (the sent elements widened exactly):
 
 quantize(x, ...) quantises a 2-D float32 array; quantized_receipt sums what
 an engine's FP8 parameters and their scales hold after an update (the part
-of weightsync.receipts.expected_receipt for quantised targets)."""
+of weightsync.receipts.expected_receipt for quantised targets). Given the
+blocks' amax, quantisation is elementwise: one sender of many (whose parts
+of a block the others complete) takes its blocks' amax with block_stats,
+and quantize / quantized_receipt take the whole blocks' (amax=)."""
 
 import numpy as np
 
 from weightsync import _xp
 
 __all__ = ["FMAX", "quantize", "to_fp8", "from_fp8", "dequantize", "block_shape",
-           "quantized_receipt", "split_layout", "CHUNK"]
+           "block_amax", "block_stats", "quantized_receipt", "split_layout", "CHUNK"]
 
 FMAX = {"FLOAT8_E4M3FN": 448.0, "FLOAT8_E5M2": 57344.0}
 # (mantissa bits, bias, largest finite encoding, NaN encoding, FMAX bits)
@@ -82,28 +85,32 @@ def from_fp8(enc, fmt):
     return np.where(e8 & 0x80, -v, v).astype(np.float32)
 
 
-def quantize(x, block_rows, block_cols, fmt="FLOAT8_E4M3FN", reciprocal=False, ops=None):
+def quantize(x, block_rows, block_cols, fmt="FLOAT8_E4M3FN", reciprocal=False, ops=None,
+             amax=None):
     """(uint8 FP8 encodings of x's shape, float32 stored scales
     [ceil(rows / block_rows), ceil(cols / block_cols)]) of a 2-D float32
     array, cut into blocks from its top-left corner (edge blocks partial).
     Per row: block_rows=1, block_cols=cols. `x`: a numpy array, or a torch
     tensor with `ops` = weightsync._xp.TorchOps() (then on its device,
     bit for bit the same: float32 IEEE operations only, every operand a
-    tensor)."""
+    tensor).
+
+    amax: float32 [ceil(rows / block_rows), ceil(cols / block_cols)] (an
+    array of x's kind), each block's amax to quantise with instead of the
+    one of x's own elements (block_amax): a sender that holds part of a
+    block quantises its elements with the whole block's amax, the max of
+    every part's block_amax, exactly as the daemon quantises the whole
+    block (quantisation is elementwise once d is known)."""
     ops = ops or _xp.NumpyOps()
     if not _xp.is_torch(x):
         x = np.asarray(x, np.float32)
+        amax = None if amax is None else np.asarray(amax, np.float32)
     rows, cols = x.shape
     gr, gc = -(-rows // block_rows), -(-cols // block_cols)
     with ops.errstate():
-        padded = ops.zeros((gr * block_rows, gc * block_cols), "float32", x)
-        padded[:rows, :cols] = x
-        mag = abs(padded)
-        # NaN and inf count as 0 (a float32 zero: no Python float operand
-        # that an older numpy could widen the result with).
-        mag = ops.where(mag < float("inf"), mag, ops.zeros(1, "float32", x))
-        amax = ops.amax_blocks(mag.reshape(gr, block_rows, gc, block_cols))
-        del mag
+        padded = _padded(ops, x, block_rows, block_cols)
+        if amax is None:
+            amax = _padded_amax(ops, padded, block_rows, block_cols)
         d = amax / ops.full_like(amax, FMAX[fmt])
         one = ops.full_like(d, 1.0)
         d = ops.where(d == 0, one, d)
@@ -113,6 +120,39 @@ def quantize(x, block_rows, block_cols, fmt="FLOAT8_E4M3FN", reciprocal=False, o
         q = ops.where(x != x, x, q)   # NaN as it is (its sign is kept)
         stored = one / d if reciprocal else d
     return to_fp8(q, fmt, ops), stored
+
+
+def block_amax(x, block_rows, block_cols, ops=None):
+    """float32 [ceil(rows / block_rows), ceil(cols / block_cols)]: the amax
+    quantize takes for each block of 2-D float32 `x` (max |x| over the
+    block's finite elements, 0 if none; an array of x's kind). Elements
+    that are 0 change nothing, so the amax of a sender's part of a block is
+    that of an image of the block holding its elements and zeros."""
+    ops = ops or _xp.NumpyOps()
+    if not _xp.is_torch(x):
+        x = np.asarray(x, np.float32)
+    with ops.errstate():
+        return _padded_amax(ops, _padded(ops, x, block_rows, block_cols), block_rows,
+                            block_cols)
+
+
+def _padded(ops, x, block_rows, block_cols):
+    """2-D `x` in a float32 grid of whole blocks (zeros past its edges)."""
+    rows, cols = x.shape
+    gr, gc = -(-rows // block_rows), -(-cols // block_cols)
+    padded = ops.zeros((gr * block_rows, gc * block_cols), "float32", x)
+    padded[:rows, :cols] = x
+    return padded
+
+
+def _padded_amax(ops, padded, block_rows, block_cols):
+    """Each block's amax of a grid of whole blocks (_padded)."""
+    gr, gc = padded.shape[0] // block_rows, padded.shape[1] // block_cols
+    mag = abs(padded)
+    # NaN and inf count as 0 (a float32 zero: no Python float operand
+    # that an older numpy could widen the result with).
+    mag = ops.where(mag < float("inf"), mag, ops.zeros(1, "float32", padded))
+    return ops.amax_blocks(mag.reshape(gr, block_rows, gc, block_cols))
 
 
 def dequantize(enc, scales, block_rows, block_cols, fmt="FLOAT8_E4M3FN", reciprocal=False):
@@ -273,7 +313,41 @@ def terms_sum(ops, bits, index, salt):
     return ops.to_int(mix32_bits(bits ^ key).sum())
 
 
-def quantized_receipt(quantized, sent, ops=None, chunk=CHUNK, values=True):
+def block_stats(quantized, sent, ops=None, chunk=CHUNK):
+    """{parameter name: (amax, counts)} of the quantised parameters that
+    `sent` (as quantized_receipt takes it) writes: float32 [gr, gc] each
+    block's block_amax over the elements a sent source writes, and int64
+    [gr, gc] how many of them there are (edge blocks partial). What one
+    sender of many (weightsync.senders.many_receipts) holds of each block:
+    the max of every sender's amax of a block is the block's amax (max is
+    exact). Numpy arrays, or torch tensors with `ops` as quantized_receipt;
+    `chunk` elements at a time at most (whole rows of blocks)."""
+    ops = ops or _xp.NumpyOps()
+    out = {}
+    for p in quantized:
+        if not any(n in sent for n in sources(p)):
+            continue
+        br, bc, rows, cols = block_shape(p)
+        image, mask = _image(p, sent, rows, cols, ops, True, chunk)
+        if not bool(mask.any()):
+            continue
+        gr, gc = -(-rows // br), -(-cols // bc)
+        amax = ops.zeros((gr, gc), "float32", image)
+        counts = ops.zeros((gr, gc), "int64", image)
+        step = br * max(1, chunk // max(br * cols, 1))
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            g0, g1 = r0 // br, -(-r1 // br)
+            amax[g0:g1] = block_amax(image[r0:r1], br, bc, ops)
+            pad = ops.zeros(((g1 - g0) * br, gc * bc), "bool", mask)
+            pad[:r1 - r0, :cols] = mask[r0:r1]
+            counts[g0:g1] = pad.reshape(g1 - g0, br, gc, bc).sum(3).sum(1)
+        out[p.name] = (amax, counts)
+    return out
+
+
+def quantized_receipt(quantized, sent, ops=None, chunk=CHUNK, values=True, amax=None,
+                      scales=None):
     """(checksum, parameters, bytes) of the quantised parameters of a
     layout (split_layout) after an update that sent `sent` (as
     expected_receipt takes it): their FP8 elements that a sent source
@@ -284,9 +358,18 @@ def quantized_receipt(quantized, sent, ops=None, chunk=CHUNK, values=True):
     one device, where all of it runs (the same code: bit for bit the same
     sums). A parameter is quantised `chunk` elements at a time at most
     (whole rows of blocks; at least one). values=False: the counts only
-    (the checksum is 0), nothing quantised."""
+    (the checksum is 0), nothing quantised.
+
+    One sender's part of an update of many (weightsync.senders.many_receipts):
+    amax {parameter name: float32 [gr, gc]}, the blocks' amax to quantise
+    with (quantize's amax: every sender's elements of the block); scales
+    {parameter name: bool [gr, gc]}, the written blocks whose scale (and
+    its 4 bytes) this part counts (each block's by one sender). Arrays of
+    the ops' kind; a parameter neither names takes its own blocks' amax and
+    every written block's scale, as the whole update's receipt."""
     from weightsync.receipts.core import salt32
     ops = ops or _xp.NumpyOps()
+    amax, scales = amax or {}, scales or {}
     total = params = nbytes = 0
     for p in quantized:
         if not any(n in sent for n in sources(p)):
@@ -301,20 +384,25 @@ def quantized_receipt(quantized, sent, ops=None, chunk=CHUNK, values=True):
         gc = -(-cols // bc)
         step = br * max(1, chunk // max(br * cols, 1))
         salt, scale_salt = salt32(p.name), salt32(qz.scale_parameter)
+        given, counted = amax.get(p.name), scales.get(p.name)
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
+            g0, g1 = r0 // br, -(-r1 // br)
             m = mask[r0:r1]
             index = ops.nonzero(m.reshape(-1))
             if not index.shape[0]:
                 continue
             blocks = _written_blocks(ops, m, br, bc)
+            if counted is not None:
+                blocks = blocks[counted[g0:g1].reshape(-1)[blocks]]
             nbytes += int(index.shape[0]) + 4 * int(blocks.shape[0])
             if not values:
                 continue
-            enc, stored = quantize(image[r0:r1], br, bc, fmt, reciprocal, ops)
+            enc, stored = quantize(image[r0:r1], br, bc, fmt, reciprocal, ops,
+                                   None if given is None else given[g0:g1])
             total += terms_sum(ops, ops.to_int64(enc.reshape(-1)[index]), index + r0 * cols,
                                 salt)
             total += terms_sum(ops, ops.f32_bits(stored.reshape(-1)[blocks]),
-                                blocks + (r0 // br) * gc, scale_salt)
+                                blocks + g0 * gc, scale_salt)
         params += 2
     return total & 0xFFFFFFFFFFFFFFFF, params, nbytes

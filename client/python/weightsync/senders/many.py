@@ -39,7 +39,9 @@ from weightsync import _multi, planner, transfer_plan
 from weightsync._errors import WeightSyncError
 from weightsync._proto import v1
 from weightsync._tensors import describe
-from weightsync.senders.many_receipts import add_partials, partial_receipts
+from weightsync.senders.many_receipts import (add_partials, combine_block_parts,
+                                              fp8_block_parts, has_fp8_targets,
+                                              partial_receipts)
 
 __all__ = ["ManySenders", "TorchCollective", "shard_of", "needs_of_status"]
 
@@ -393,7 +395,9 @@ class ManySenders:
 
     def _push(self, plan, local, started, verify):
         """This rank's links, one PushChunks stream per daemon, in parallel;
-        returns {daemon index (str): its partial receipts} (verify)."""
+        returns {daemon index (str): its partial receipts} (verify). With an
+        FP8 target on any daemon, the receipts wait for one more exchange
+        of every rank (_fp8_partials)."""
         held = {}
         for b, array in local:
             _, _, raw = describe(b["tensor"], array)
@@ -401,6 +405,7 @@ class ManySenders:
             held.setdefault(b["tensor"], []).append((b, rows))
         names = [t["name"] if isinstance(t, dict) else t.name for t in plan.tensors]
         me, update_id = self.rank, started["update_id"]
+        fp8 = verify and has_fp8_targets(self._engines)
 
         def push(i, stub):
             pieces = plan.link_pieces(me, i)
@@ -418,13 +423,55 @@ class ManySenders:
                                                data=planner.pack_chunk(c, payloads),
                                                sender=me, receiver=i)
             stub.call("PushChunks", requests(), timeout=self._link.stream_timeout)
+            if fp8:
+                return payloads   # summed once every rank's block parts are in
             return partial_receipts(plan, me, i, self._engines[i], payloads) if verify else {}
-        partials = {}
-        for i, r in enumerate(self._link.group.each(push)):
+        results = list(self._link.group.each(push))
+        for i, r in enumerate(results):
             if isinstance(r, WeightSyncError):
+                if fp8:   # the ranks' exchange stays in step; this error is the one told
+                    try:
+                        self._fp8_partials(plan, None)
+                    except WeightSyncError:
+                        pass
                 raise WeightSyncError(r.code, f"{self._link.group.name(i)}: {r.message}")
-            partials[str(i)] = r
-        return partials
+        if fp8:
+            results = self._fp8_partials(plan, results)
+        return {str(i): r for i, r in enumerate(results)}
+
+    def _fp8_partials(self, plan, payloads):
+        """[partial receipts of each daemon] of an update with FP8 targets.
+        `payloads`: what this rank sent each daemon (its piece bytes, 0
+        for none). One all_gather of every rank's fp8_block_parts (the
+        blocks it sends part of), then this rank's partial receipts with
+        the blocks' amax and owners (combine_block_parts). Every rank calls
+        it once an update, in step: payloads None when its sends failed
+        (it reports nothing; then, and when another rank reported nothing,
+        it returns []: the failed rank's outcome aborts the update)."""
+        me, parts, error = self.rank, None, None
+        if payloads is not None:
+            try:
+                parts = {str(i): fp8_block_parts(plan, me, i, self._engines[i], p)
+                         for i, p in enumerate(payloads) if p}
+            except Exception as e:  # noqa: BLE001 - reported after the exchange
+                error = WeightSyncError("INTERNAL", f"FP8 block parts: {e!r}")
+        try:
+            gathered = self._coll.all_gather(parts)
+        except Exception as e:  # a rank gone: the collective timed out
+            raise WeightSyncError("ABORTED", "the ranks' FP8 block parts were not "
+                                  f"gathered ({e})") from None
+        if error is not None:
+            raise error
+        if payloads is None or any(g is None for g in gathered):
+            return []
+        out = []
+        for i, p in enumerate(payloads):
+            if p:
+                amax, owner = combine_block_parts(g.get(str(i)) for g in gathered)
+                p = partial_receipts(plan, me, i, self._engines[i], p, fp8_amax=amax,
+                                     fp8_owner=owner)
+            out.append(p)
+        return out
 
     def _finish(self, group, update_id, outcomes):
         """Leader: abort everywhere if a rank failed, else prepare and
