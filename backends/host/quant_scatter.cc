@@ -25,6 +25,17 @@ int64_t BandRows(const QuantTarget& t, const QuantLayout& q, int64_t band) {
 void QuantScatter::Reset(const CopyPlan& plan) {
   bands_.clear();
   bands_.resize(plan.quant.size());
+  gathered_.clear();
+  gathered_.resize(plan.quant.size());
+}
+
+int64_t QuantScatter::open_bytes() const {
+  int64_t n = 0;
+  for (const Band& b : bands_) n += b.index >= 0 ? 4 * b.values.size() : 0;
+  for (const auto& open : gathered_) {
+    for (const auto& [band, b] : open) n += 4 * b.values.size();
+  }
+  return n;
 }
 
 absl::Status QuantScatter::Feed(const CopyPlan& plan, int64_t index,
@@ -86,13 +97,14 @@ absl::Status QuantScatter::Take(const CopyPlan& plan, int32_t target,
   const QuantLayout& q = *p.quant;
   const int64_t ses = ElementSize(t.src_dtype);
   const int64_t width = Width(t);
-  Band& b = bands_[target];
   while (n > 0) {
     const int64_t pr = dest / q.cols, pc = dest % q.cols;
     const int64_t m = std::min(n, q.cols - pc);
     const int64_t band = pr / q.block_rows;
-    // The plan keeps every element inside the rectangle and in order; a
-    // plan that broke that must not write out of the band.
+    Band& b = t.gathered ? gathered_[target][band] : bands_[target];
+    // The plan keeps every element inside the rectangle, and a use fed by
+    // one stream in order; a plan that broke that must not write out of
+    // the band.
     if (pr < t.rect.r0 || pr >= t.rect.r1 || pc < t.rect.c0 ||
         pc + m > t.rect.c1 || (b.index != band && b.filled != 0)) {
       return absl::InternalError(absl::StrCat(
@@ -109,7 +121,10 @@ absl::Status QuantScatter::Take(const CopyPlan& plan, int32_t target,
         &b.values[(pr - band * q.block_rows) * width + (pc - t.rect.c0)],
         v1::FLOAT32, m);
     b.filled += m;
-    if (b.filled == static_cast<int64_t>(b.values.size())) Flush(plan, target);
+    if (b.filled == static_cast<int64_t>(b.values.size())) {
+      Flush(plan, target, b);
+      if (t.gathered) gathered_[target].erase(band);
+    }
     src += m * ses;
     dest += m;
     n -= m;
@@ -117,13 +132,12 @@ absl::Status QuantScatter::Take(const CopyPlan& plan, int32_t target,
   return absl::OkStatus();
 }
 
-void QuantScatter::Flush(const CopyPlan& plan, int32_t target) {
+void QuantScatter::Flush(const CopyPlan& plan, int32_t target, Band& b) {
   const QuantTarget& t = plan.quant[target];
   const EngineLayout& engine = *plan.engines[t.engine];
   const ParameterLayout& p = engine.parameters[t.parameter];
   const QuantLayout& q = *p.quant;
   const ParameterLayout& scale = engine.parameters[q.scale_parameter];
-  Band& b = bands_[target];
   const int64_t width = Width(t);
   const int64_t rows = static_cast<int64_t>(b.values.size()) / width;
   const int64_t row0 = b.index * q.block_rows;

@@ -7,7 +7,11 @@
 // one scale per block into the scale parameter. So a block is written
 // once, whole, with its own scale; a chunk that ends inside a band leaves
 // it waiting for the next chunk. At most one band per use is open; a
-// band's memory is released after the use's last band.
+// band's memory is released after the use's last band. A gathered use
+// (QuantTarget::gathered: the links of a transfer plan feed it, in no
+// fixed order) keeps each of its bands open until every element of it
+// has arrived; the plan bounds how many bytes that holds
+// (CopyPlan::quant_band_bytes).
 //
 // Thread-compatible: the host data plane's owner thread alone uses it,
 // one instance per update (Reset at Begin).
@@ -18,6 +22,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "daemon/core/copy_plan.h"
 #include "daemon/core/source_registry.h"
@@ -37,6 +42,10 @@ class QuantScatter {
   absl::Status Feed(const CopyPlan& plan, int64_t index, const uint8_t* chunk,
                     const Source* source, const std::atomic<bool>* lost);
 
+  // Float32 bytes of the bands open now (at most the plan's
+  // quant_band_bytes).
+  int64_t open_bytes() const;
+
  private:
   struct Band {
     int64_t index = -1;  // row of blocks being filled, -1: none
@@ -48,10 +57,12 @@ class QuantScatter {
   // parameter element `dest` onward, quantising every band they complete.
   absl::Status Take(const CopyPlan& plan, int32_t target, const uint8_t* src,
                     int64_t dest, int64_t n);
-  // Quantises and writes the full band of `target`.
-  void Flush(const CopyPlan& plan, int32_t target);
+  // Quantises and writes full band `b` of `target`.
+  void Flush(const CopyPlan& plan, int32_t target, Band& b);
 
   std::vector<Band> bands_;
+  // Gathered uses' open bands, by row of blocks.
+  std::vector<absl::flat_hash_map<int64_t, Band>> gathered_;
 };
 
 }  // namespace weightsync

@@ -602,6 +602,56 @@ TEST_F(CoordinatorDeviceTest, TransferPlanOnIpcRefusedBeforeAnythingPauses) {
   EXPECT_EQ(Engine().state(), v1::ENGINE_READY);
 }
 
+// An FP8 target fed by a plan's links: the host backend gathers its rows
+// of blocks (link_plan.h); a GPU data plane does not yet, so the Start is
+// refused naming the target, planned but before anything pauses.
+TEST_F(CoordinatorDeviceTest,
+       TransferPlanIntoAnFp8TargetOnNcclRefusedUnpaused) {
+  v1::RegisterEngineRequest r;
+  r.set_engine_id("f");
+  v1::Allocation* a = r.add_allocations();
+  a->set_kind(v1::MEMORY_HOST_SHM);
+  a->set_handle("/x");
+  a->set_size(4096 * 16);
+  v1::Parameter* w = r.add_parameters();
+  w->set_name("w");
+  w->set_dtype(v1::FLOAT8_E4M3FN);
+  w->add_shape(16);
+  w->add_shape(16);
+  v1::Quantization* q = w->mutable_quantization();
+  q->set_format(v1::FLOAT8_E4M3FN);
+  q->set_scale_parameter("w_scale");
+  q->set_scheme(v1::QUANT_SCHEME_BLOCK);
+  q->set_block_rows(16);
+  q->set_block_cols(16);
+  v1::Parameter* scale = r.add_parameters();
+  scale->set_name("w_scale");
+  scale->set_dtype(v1::FLOAT32);
+  scale->add_shape(1);
+  scale->add_shape(1);
+  scale->set_offset(1024);
+  const auto registered = coordinator_->RegisterEngine(r);
+  ASSERT_TRUE(registered.ok()) << registered.status();
+  auto control = std::make_shared<AckingEngine>(coordinator_.get(), &log_);
+  ASSERT_TRUE(coordinator_->AttachControl("f", control).ok());
+  InitGroup(coordinator_.get(), 2);
+  absl::StatusOr<v1::RegisterTransferPlanResponse> plan =
+      coordinator_->RegisterTransferPlan(TwoSendersRequest({0}, 8, 1, 16));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  v1::StartWeightUpdateRequest req = PlanUpdate(plan->plan_id());
+  req.add_engine_ids("f");
+  auto started = coordinator_->StartWeightUpdate(req);
+  EXPECT_EQ(started.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(started.status().message(),
+              HasSubstr("engine 'f' parameter 'w' is an FP8 target: the nccl "
+                        "backend does not quantise"));
+  EXPECT_THAT(log_.Get(), IsEmpty());  // nothing paused
+  const v1::GetStatusResponse status = coordinator_->GetStatus();
+  for (const v1::EngineStatus& e : status.engines()) {
+    EXPECT_EQ(e.state(), v1::ENGINE_READY) << e.engine_id();
+  }
+}
+
 TEST_F(CoordinatorDeviceTest, StagedOverTheDeviceBudget) {
   plane_->budget = 16;  // bytes: less than one chunk
   auto started = coordinator_->StartWeightUpdate(

@@ -66,6 +66,11 @@ struct QuantTarget {
   v1::DType src_dtype = v1::DTYPE_UNSPECIFIED;
   int64_t src_cols = 0;  // of the source's 2-D view (the segment's view)
   QuantRect rect;        // what the segment writes, on block boundaries
+  // Fed by the pieces of several links of a transfer plan (link_plan.h)
+  // in no fixed order: several of its rows of blocks may be open at once,
+  // each quantised once all of it has arrived. False: one stream in order,
+  // one row of blocks open at a time.
+  bool gathered = false;
 };
 
 // Source elements [begin, end) of a quantised use, at byte `chunk_offset`

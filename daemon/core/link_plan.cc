@@ -8,7 +8,9 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/dtype.h"
 #include "common/status_macros.h"
+#include "daemon/core/quant_layout.h"
 
 namespace weightsync {
 
@@ -46,6 +48,12 @@ std::shared_ptr<const EngineLayout> LinkView(const EngineLayout& engine,
     ParameterLayout q = p;
     q.implicit = false;
     q.segments.clear();
+    // An FP8 target takes its link pieces as QuantPieces of the whole
+    // manifest's target (QuantLinks below), not as copies.
+    if (p.quant.has_value()) {
+      view->parameters.push_back(std::move(q));
+      continue;
+    }
     for (const SegmentLayout& segment : p.segments) {
       const SegmentLayout s = SegmentBlock(p, segment);
       auto it = by_tensor.find(s.source);
@@ -114,6 +122,181 @@ void Append(const CopyPlan& l, CopyPlan& out) {
   out.quant_by_chunk.resize(out.chunks.chunks.size());
 }
 
+// FP8 targets through a plan's links (docs/transfer_plan.md, "FP8
+// targets"). The targets are the whole manifest's (one per engine segment,
+// as for one stream); each link piece of a tensor that feeds one becomes
+// QuantPieces of it in flat source elements: one per chunk piece where the
+// plan piece spans its tensor's columns, else one per row. The data plane
+// gathers every row of blocks from whichever links carry its elements and
+// quantises it once whole, so a block cut between senders is quantised
+// once, with one scale, as if one sender had sent it.
+class QuantLinks {
+ public:
+  QuantLinks(const TransferPlan& plan, const CopyPlan& whole)
+      : plan_(plan), whole_(whole), seen_(whole.quant.size()) {
+    absl::flat_hash_map<std::string, int32_t> tensor_of;
+    for (int32_t t = 0; t < plan.manifest.size(); ++t) {
+      tensor_of[plan.manifest.Get(t).name()] = t;
+    }
+    by_tensor_.resize(plan.manifest.size());
+    for (int32_t i = 0; i < static_cast<int32_t>(whole.quant.size()); ++i) {
+      const QuantTarget& q = whole.quant[i];
+      const ParameterLayout& p =
+          whole.engines[q.engine]->parameters[q.parameter];
+      auto it = tensor_of.find(p.segments[q.segment].source);
+      if (it != tensor_of.end()) by_tensor_[it->second].push_back(i);
+    }
+  }
+
+  // The quantised pieces of link chunk plan `l` (the link's plan pieces
+  // `link`), whose chunks and tensors were appended to `out` from
+  // `base_chunk` and `base_tensor` on.
+  void Add(const std::vector<int32_t>& link, const CopyPlan& l,
+           int64_t base_chunk, int64_t base_tensor, CopyPlan& out) {
+    for (const Chunk& chunk : l.chunks.chunks) {
+      for (const Piece& c : chunk.pieces) {
+        const PlanPiece& piece = plan_.pieces[link[c.tensor]];
+        if (by_tensor_[piece.tensor].empty()) continue;
+        int64_t rows, cols;
+        const v1::TensorSpec& spec = plan_.manifest.Get(piece.tensor);
+        SourceMatrix(
+            std::vector<int64_t>(spec.shape().begin(), spec.shape().end()),
+            &rows, &cols);
+        const int64_t es = ElementSize(spec.dtype());
+        const int64_t e0 = c.tensor_offset / es, e1 = e0 + c.length / es;
+        const int64_t w = piece.col_count;
+        // Runs of the chunk piece in the tensor's flat elements.
+        std::vector<std::pair<int64_t, int64_t>> runs;  // (first, n)
+        if (w == cols) {
+          runs.push_back({piece.row_begin * cols + e0, e1 - e0});
+        } else {
+          for (int64_t r = e0 / w; r * w < e1; ++r) {
+            const int64_t a = std::max(e0, r * w),
+                          z = std::min(e1, (r + 1) * w);
+            runs.push_back(
+                {(piece.row_begin + r) * cols + piece.col_begin + a - r * w,
+                 z - a});
+          }
+        }
+        for (int32_t target : by_tensor_[piece.tensor]) {
+          int64_t at = c.chunk_offset;
+          for (const auto& [first, n] : runs) {
+            if (Note(target, link[c.tensor], w == cols, first, first + n)) {
+              out.quant_by_chunk[base_chunk + chunk.index].push_back(
+                  {target, static_cast<int32_t>(base_tensor + c.tensor), first,
+                   first + n, at, c.tensor_offset + (at - c.chunk_offset)});
+            }
+            at += n * es;
+          }
+        }
+      }
+    }
+  }
+
+  // Every target's elements must have arrived exactly (else the engine
+  // layouts changed since the plan was made); sets out.quant, each marked
+  // gathered unless one plan piece carries all of it, and the float32 bytes
+  // of rows of blocks that may be open at once: those only one piece fills,
+  // whole width, open while that piece streams by (each of `links` links
+  // at one place: `whole.quant_band_bytes` at most), and every other, which
+  // may wait for the last of its links.
+  absl::Status Finish(int32_t receiver, int64_t links, CopyPlan& out) {
+    out.quant = whole_.quant;
+    int64_t waiting = 0;
+    for (size_t i = 0; i < out.quant.size(); ++i) {
+      QuantTarget& t = out.quant[i];
+      const EngineLayout& engine = *whole_.engines[t.engine];
+      const ParameterLayout& p = engine.parameters[t.parameter];
+      const SegmentLayout& s = p.segments[t.segment];
+      const Seen& seen = seen_[i];
+      if (seen.elements != s.row_count * s.col_count) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "transfer plan '", plan_.id, "': receiver ", receiver, " gets ",
+            seen.elements, " of the ", s.row_count * s.col_count,
+            " elements FP8 target '", p.name, "' of engine '", engine.engine_id,
+            "' takes: the engine layouts changed since the plan was made; "
+            "make it again from the engines' layouts"));
+      }
+      t.gathered = seen.pieces != 1;
+      const int64_t br = p.quant->block_rows;
+      for (const auto& [band, use] : seen.bands) {
+        if (use.pieces == 1 && use.whole_width) continue;
+        const int64_t rows = std::min(t.rect.r1, (band + 1) * br) -
+                             std::max(t.rect.r0, band * br);
+        waiting += rows * (t.rect.c1 - t.rect.c0) * 4;
+      }
+    }
+    out.quant_band_bytes = links * whole_.quant_band_bytes + waiting;
+    return absl::OkStatus();
+  }
+
+ private:
+  struct BandUse {
+    int32_t piece = -1;  // the one plan piece writing it, while one does
+    int pieces = 0;      // 1, or 2 for two or more
+    bool whole_width = false;
+  };
+  struct Seen {
+    int64_t elements = 0;
+    int32_t piece = -1;
+    int pieces = 0;  // as BandUse's
+    absl::flat_hash_map<int64_t, BandUse> bands;
+  };
+
+  // Counts flat source elements [begin, end) of plan piece `piece` into
+  // target `target`; false where none of them is the target's.
+  bool Note(int32_t target, int32_t piece, bool whole_width, int64_t begin,
+            int64_t end) {
+    const QuantTarget& t = whole_.quant[target];
+    const ParameterLayout& p =
+        whole_.engines[t.engine]->parameters[t.parameter];
+    const SegmentLayout& s = p.segments[t.segment];
+    const int64_t cols = t.src_cols;
+    const int64_t r_lo = std::max(s.row_begin, begin / cols);
+    const int64_t r_hi =
+        std::min(s.row_begin + s.row_count - 1, (end - 1) / cols);
+    Seen& seen = seen_[target];
+    bool any = false;
+    for (int64_t r = r_lo; r <= r_hi; ++r) {
+      const int64_t a = std::max(r * cols + s.col_begin, begin);
+      const int64_t z = std::min(r * cols + s.col_begin + s.col_count, end);
+      if (z <= a) continue;
+      any = true;
+      seen.elements += z - a;
+      const int64_t dest = s.dest_offset +
+                           (r - s.row_begin) * s.dest_row_stride +
+                           (a - r * cols - s.col_begin);
+      const int64_t br = p.quant->block_rows;
+      const int64_t b0 = dest / p.quant->cols / br;
+      const int64_t b1 = (dest + (z - a) - 1) / p.quant->cols / br;
+      for (int64_t b = b0; b <= b1; ++b)
+        Mark(seen.bands[b], piece, whole_width);
+    }
+    if (any) {
+      if (seen.pieces == 0) {
+        seen.piece = piece;
+        seen.pieces = 1;
+      } else if (seen.piece != piece) {
+        seen.pieces = 2;
+      }
+    }
+    return any;
+  }
+
+  static void Mark(BandUse& use, int32_t piece, bool whole_width) {
+    if (use.pieces == 0) {
+      use = {piece, 1, whole_width};
+    } else if (use.piece != piece) {
+      use.pieces = 2;
+    }
+  }
+
+  const TransferPlan& plan_;
+  const CopyPlan& whole_;
+  std::vector<std::vector<int32_t>> by_tensor_;  // targets of each tensor
+  std::vector<Seen> seen_;                       // per target
+};
+
 }  // namespace
 
 std::vector<RoundChunk> ChunksByRound(const LinkedCopyPlan& linked) {
@@ -152,15 +335,6 @@ absl::StatusOr<LinkedCopyPlan> BuildLinkedCopyPlan(
   WS_ASSIGN_OR_RETURN(
       std::shared_ptr<const CopyPlan> whole,
       BuildCopyPlan(plan.manifest, chunk_bytes, engines, UnusedTensors::kSkip));
-  if (!whole->quant.empty()) {
-    const QuantTarget& q = whole->quant[0];
-    return absl::FailedPreconditionError(absl::StrCat(
-        "engine '", engines[q.engine]->engine_id, "' parameter '",
-        engines[q.engine]->parameters[q.parameter].name,
-        "' is an FP8 target: a transfer plan's pieces may cut its blocks, "
-        "and updates of many senders don't quantise yet; send it through "
-        "an ordinary update"));
-  }
   auto out = std::make_shared<CopyPlan>();
   out->engines = whole->engines;
   out->unused = whole->unused;
@@ -168,7 +342,18 @@ absl::StatusOr<LinkedCopyPlan> BuildLinkedCopyPlan(
   out->covers_engine = whole->covers_engine;
   out->bytes_by_engine = whole->bytes_by_engine;
   out->chunks.chunk_bytes = chunk_bytes;
+  // What the links' copies must write: all but the FP8 targets' bytes,
+  // which QuantLinks counts.
   std::vector<int64_t> written(engines.size(), 0);
+  std::vector<int64_t> copied = whole->bytes_by_engine;
+  for (const QuantTarget& t : whole->quant) {
+    const ParameterLayout& p = engines[t.engine]->parameters[t.parameter];
+    const SegmentLayout& s = p.segments[t.segment];
+    const ScaleBlocks b = ScaleBlocksOf(*p.quant, s);
+    copied[t.engine] -= s.row_count * s.col_count * ElementSize(p.dtype) +
+                        (b.i1 - b.i0) * (b.j1 - b.j0) * 4;
+  }
+  QuantLinks quant(plan, *whole);
   LinkedCopyPlan linked;
   for (int32_t s = 0; s < plan.num_senders; ++s) {
     const std::vector<int32_t>& link = plan.links[s][receiver];
@@ -188,20 +373,25 @@ absl::StatusOr<LinkedCopyPlan> BuildLinkedCopyPlan(
     lc.first_chunk = out->chunks.chunks.size();
     lc.num_chunks = l->chunks.chunks.size();
     lc.bytes = l->chunks.total_bytes;
+    const int64_t base_tensor = out->manifest.size();
     Append(*l, *out);
+    quant.Add(link, *l, lc.first_chunk, base_tensor, *out);
     linked.links.push_back(lc);
   }
   // The pieces of one receiver are disjoint, so the bytes they write add
   // up to the engine's only if they cover every element it uses.
   for (size_t e = 0; e < engines.size(); ++e) {
-    if (written[e] != whole->bytes_by_engine[e]) {
+    if (written[e] != copied[e]) {
       return absl::FailedPreconditionError(absl::StrCat(
           "transfer plan '", plan.id, "': receiver ", receiver,
           " needs less than engine '", engines[e]->engine_id, "' uses (",
-          written[e], " of ", whole->bytes_by_engine[e],
+          written[e], " of ", copied[e],
           " bytes): the engine layouts changed since the plan was made; "
           "make it again from the engines' layouts"));
     }
+  }
+  if (!whole->quant.empty()) {
+    WS_RETURN_IF_ERROR(quant.Finish(receiver, linked.links.size(), *out));
   }
   linked.copy = std::move(out);
   return linked;

@@ -5,12 +5,14 @@
 #include <vector>
 
 #include "backends/host/host_data_plane.h"
+#include "backends/host/quant_scatter.h"
 #include "client/host_arena.h"
 #include "common/dtype.h"
 #include "daemon/core/receipt.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/heap_memory.h"
+#include "tools/synthetic/fp8_layout.h"
 #include "tools/synthetic/synthetic_model.h"
 
 namespace weightsync {
@@ -23,11 +25,10 @@ struct Engine {
   std::shared_ptr<const EngineLayout> layout;
 };
 
-Engine MakeEngine(const std::string& id, synthetic::Layout layout, int rank,
-                  int size, v1::DType dtype, testing::HeapMapper& mapper) {
-  const auto model = *synthetic::ModelByName("tiny");
+Engine MakeEngineOf(const std::string& id, std::vector<v1::Parameter> params,
+                    testing::HeapMapper& mapper) {
   Engine e;
-  e.params = synthetic::EngineParameters(model, layout, rank, size, dtype);
+  e.params = std::move(params);
   const int64_t bytes = *HostArena::Layout(&e.params);
   v1::RegisterEngineRequest r;
   r.set_engine_id(id);
@@ -40,6 +41,14 @@ Engine MakeEngine(const std::string& id, synthetic::Layout layout, int rank,
   EXPECT_TRUE(built.ok()) << built.status();
   e.layout = *built;
   return e;
+}
+
+Engine MakeEngine(const std::string& id, synthetic::Layout layout, int rank,
+                  int size, v1::DType dtype, testing::HeapMapper& mapper) {
+  const auto model = *synthetic::ModelByName("tiny");
+  return MakeEngineOf(
+      id, synthetic::EngineParameters(model, layout, rank, size, dtype),
+      mapper);
 }
 
 v1::TensorBlock Block(const std::string& t, int64_t r0, int64_t rn, int64_t c0,
@@ -238,6 +247,197 @@ TEST(LinkPlanTest, ThinAndDisjointOverlapsScatterBitExact) {
 TEST(LinkPlanTest, ReplicasScatterBitExact) {
   RunAndCompare(2, Split::kReplicas, 512);
   RunAndCompare(3, Split::kReplicas, 65536);
+}
+
+// The order chunks of several links reach a host daemon: each link in
+// order, the links interleaved in rounds, or one link after another from
+// the last.
+enum class Arrival { kRounds, kLastLinkFirst };
+
+// FP8 engines (16 x 16 blocks: a plain one and a TP=2 pair) fed by the
+// links of `senders` ranks holding the checkpoint as `split` says, the
+// chunks arriving as `arrival` says: every parameter (FP8 elements and
+// scales included) must equal the reference quantisation of the whole
+// checkpoint, whichever senders cut which blocks, and the open bands must
+// stay within the plan's bound. Returns the linked plan and the bound of
+// one stream of the whole manifest.
+std::pair<LinkedCopyPlan, int64_t> RunFp8AndCompare(int senders, Split split,
+                                                    int64_t chunk_bytes,
+                                                    Arrival arrival) {
+  testing::HeapMapper mapper;
+  const auto model = *synthetic::ModelByName("tiny");
+  auto fp8 = [&](synthetic::Layout layout, int rank, int size) {
+    return *synthetic::Fp8EngineParameters(model, layout, rank, size,
+                                           v1::BFLOAT16, v1::FLOAT8_E4M3FN, 16);
+  };
+  std::vector<Engine> engines = {
+      MakeEngineOf("fp8", fp8(synthetic::Layout::kPlain, 0, 1), mapper),
+      MakeEngineOf("tp0", fp8(synthetic::Layout::kTensorParallel, 0, 2),
+                   mapper),
+      MakeEngineOf("tp1", fp8(synthetic::Layout::kTensorParallel, 1, 2),
+                   mapper)};
+  Manifest manifest;
+  synthetic::CheckpointData data;
+  for (const v1::TensorSpec& t : synthetic::Checkpoint(model, v1::FLOAT32)) {
+    *manifest.Add() = t;
+    data[t.name()] = {t, synthetic::Contents(t, 5)};
+  }
+  absl::StatusOr<TransferPlan> plan =
+      BuildTransferPlan(Spec(manifest, senders, split, engines));
+  EXPECT_TRUE(plan.ok()) << plan.status();
+  std::vector<std::shared_ptr<const EngineLayout>> layouts;
+  for (const Engine& e : engines) layouts.push_back(e.layout);
+  absl::StatusOr<LinkedCopyPlan> linked =
+      BuildLinkedCopyPlan(*plan, {0}, chunk_bytes, layouts);
+  EXPECT_TRUE(linked.ok()) << linked.status();
+  if (!linked.ok()) return {};
+  const CopyPlan& copy = *linked->copy;
+  EXPECT_FALSE(copy.quant.empty());
+  // Each link's stream as its sender packs it, cut into its chunks.
+  struct Arrived {
+    int64_t chunk = 0;  // in the linked plan
+    int64_t round = 0;
+    std::vector<uint8_t> bytes;
+  };
+  std::vector<std::vector<Arrived>> by_link;
+  for (const LinkChunks& l : linked->links) {
+    const Manifest m = LinkManifest(*plan, l.sender, l.receiver);
+    absl::StatusOr<ChunkPlan> cp = PlanChunks(m, chunk_bytes);
+    EXPECT_TRUE(cp.ok());
+    std::vector<uint8_t> stream(cp->total_bytes, 0);
+    const std::vector<int32_t>& pieces = plan->links[l.sender][l.receiver];
+    for (size_t k = 0; k < pieces.size(); ++k) {
+      const PlanPiece& p = plan->pieces[pieces[k]];
+      const v1::TensorSpec& t = manifest.Get(p.tensor);
+      int64_t rows, cols;
+      View(t, &rows, &cols);
+      const int64_t es = ElementSize(t.dtype());
+      const uint8_t* src = data.at(t.name()).second.data();
+      for (int64_t i = 0; i < p.row_count; ++i) {
+        std::memcpy(
+            stream.data() + cp->tensor_offsets[k] + i * p.col_count * es,
+            src + ((p.row_begin + i) * cols + p.col_begin) * es,
+            p.col_count * es);
+      }
+    }
+    by_link.emplace_back();
+    for (const Chunk& c : cp->chunks) {
+      by_link.back().push_back(
+          {l.first_chunk + c.index, c.index,
+           std::vector<uint8_t>(stream.begin() + c.offset,
+                                stream.begin() + c.offset + c.size)});
+    }
+  }
+  std::vector<const Arrived*> order;
+  if (arrival == Arrival::kRounds) {
+    for (int64_t round = 0;; ++round) {
+      bool any = false;
+      for (const auto& link : by_link) {
+        if (round < static_cast<int64_t>(link.size())) {
+          order.push_back(&link[round]);
+          any = true;
+        }
+      }
+      if (!any) break;
+    }
+  } else {
+    for (auto l = by_link.rbegin(); l != by_link.rend(); ++l) {
+      for (const Arrived& a : *l) order.push_back(&a);
+    }
+  }
+  QuantScatter quant;
+  quant.Reset(copy);
+  int64_t most_open = 0;
+  for (const Arrived* a : order) {
+    ScatterChunk(copy, copy.ops_by_chunk[a->chunk], a->bytes.data(), nullptr);
+    const absl::Status fed =
+        quant.Feed(copy, a->chunk, a->bytes.data(), nullptr, nullptr);
+    EXPECT_TRUE(fed.ok()) << fed;
+    most_open = std::max(most_open, quant.open_bytes());
+  }
+  EXPECT_EQ(quant.open_bytes(), 0) << "a row of blocks never completed";
+  EXPECT_LE(most_open, copy.quant_band_bytes);
+  for (const Engine& e : engines) {
+    const uint8_t* base = e.layout->regions[0]->data();
+    const std::vector<std::vector<uint8_t>> want =
+        synthetic::ExpectedFp8Engine(e.params, data);
+    for (size_t i = 0; i < e.params.size(); ++i) {
+      const v1::Parameter& p = e.params[i];
+      EXPECT_EQ(std::memcmp(base + p.offset(), want[i].data(), want[i].size()),
+                0)
+          << e.layout->engine_id << " " << p.name() << " senders " << senders
+          << " chunk " << chunk_bytes;
+    }
+  }
+  for (size_t i = 0; i < engines.size(); ++i) {
+    EXPECT_TRUE(copy.covers_engine[i]);
+  }
+  absl::StatusOr<std::shared_ptr<const CopyPlan>> whole =
+      BuildCopyPlan(manifest, chunk_bytes, layouts, UnusedTensors::kSkip);
+  EXPECT_TRUE(whole.ok());
+  return {*linked, (*whole)->quant_band_bytes};
+}
+
+// Row shards on multiples of the block (tiny's rows over 2 ranks): every
+// block comes whole from one sender, so no band waits for another link.
+TEST(LinkPlanTest, Fp8TargetsFromAlignedRowShardsWaitForNothing) {
+  for (Arrival arrival : {Arrival::kRounds, Arrival::kLastLinkFirst}) {
+    const auto [linked, one_stream] =
+        RunFp8AndCompare(2, Split::kRows, 1280, arrival);
+    ASSERT_NE(linked.copy, nullptr);
+    EXPECT_EQ(linked.copy->quant_band_bytes, 2 * one_stream);
+    int gathered = 0;
+    for (const QuantTarget& t : linked.copy->quant) gathered += t.gathered;
+    EXPECT_GT(gathered, 0);  // q_proj's rows come from both
+  }
+}
+
+// Shards that cut blocks (3 ranks: rows or columns at 22 and 44 of 64) and
+// replicas (the plan splits rows by bytes, anywhere): a block cut between
+// senders is quantised once, whole, with one scale, whatever order the
+// links' chunks come in.
+TEST(LinkPlanTest, Fp8BlocksCutBetweenSendersQuantiseWhole) {
+  for (Arrival arrival : {Arrival::kRounds, Arrival::kLastLinkFirst}) {
+    for (Split split : {Split::kRows, Split::kCols, Split::kReplicas}) {
+      const auto [linked, one_stream] =
+          RunFp8AndCompare(3, split, 768, arrival);
+      ASSERT_NE(linked.copy, nullptr);
+      EXPECT_GT(linked.copy->quant_band_bytes, 3 * one_stream);
+    }
+    RunFp8AndCompare(2, Split::kReplicas, 65536, arrival);
+  }
+}
+
+// An engine's FP8 target whose elements a receiver no longer needs (the
+// plan was made before the layout changed) is refused, naming it.
+TEST(LinkPlanTest, Fp8TargetNotCoveredIsRefused) {
+  testing::HeapMapper mapper;
+  const auto model = *synthetic::ModelByName("tiny");
+  std::vector<Engine> engines = {MakeEngineOf(
+      "fp8",
+      *synthetic::Fp8EngineParameters(model, synthetic::Layout::kPlain, 0, 1,
+                                      v1::BFLOAT16, v1::FLOAT8_E4M3FN, 16),
+      mapper)};
+  Manifest manifest;
+  for (const v1::TensorSpec& t : synthetic::Checkpoint(model, v1::FLOAT32)) {
+    *manifest.Add() = t;
+  }
+  v1::TransferPlanSpec spec = Spec(manifest, 2, Split::kRows, engines);
+  // The receiver forgets the last row of q_proj's need.
+  for (v1::TensorBlock& b : *spec.mutable_receivers(0)->mutable_needs()) {
+    if (b.tensor() == "model.layers.0.self_attn.q_proj.weight") {
+      b.set_row_count(b.row_count() - 1);
+    }
+  }
+  absl::StatusOr<TransferPlan> plan = BuildTransferPlan(spec);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  absl::StatusOr<LinkedCopyPlan> linked =
+      BuildLinkedCopyPlan(*plan, {0}, 4096, {engines[0].layout});
+  ASSERT_FALSE(linked.ok());
+  EXPECT_EQ(linked.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(linked.status().message(), HasSubstr("FP8 target"));
+  EXPECT_THAT(linked.status().message(), HasSubstr("engine 'fp8'"));
+  EXPECT_THAT(linked.status().message(), HasSubstr("make it again"));
 }
 
 TEST(LinkPlanTest, ChunksByRoundTakeChunkKOfEveryLinkInRoundK) {

@@ -293,6 +293,16 @@ absl::Status Coordinator::PlanStart(const v1::StartWeightUpdateRequest& request,
     WS_ASSIGN_OR_RETURN(
         LinkedCopyPlan linked,
         LinkedPlanFor(*s.transfer, s.receivers, s.chunk_bytes, s.layouts));
+    if (!linked.copy->quant.empty() && !plane.QuantizesGathered()) {
+      const QuantTarget& q = linked.copy->quant[0];
+      const EngineLayout& e = *linked.copy->engines[q.engine];
+      return absl::FailedPreconditionError(absl::StrCat(
+          "engine '", e.engine_id, "' parameter '",
+          e.parameters[q.parameter].name, "' is an FP8 target: the ",
+          plane.name(),
+          " backend does not quantise the pieces of many senders yet (the "
+          "host backend does); send it through an ordinary update"));
+    }
     if (plane.ReceivesOwnBytes()) {
       // NCCL: each chunk comes from its link's sender (NCCL rank = the
       // plan's sender index), round r = chunk r of every link.
