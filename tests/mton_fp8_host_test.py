@@ -56,6 +56,18 @@ class ThreadCollective:
         return self.all_gather(obj if self.rank == src else None)[src]
 
 
+def run_ranks(ranks, rank_main, timeout=120):
+    """rank_main(r) on a thread per rank; raises if one is still running
+    after `timeout` seconds."""
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+        if t.is_alive():
+            raise AssertionError("a rank hung")
+
+
 def holdings(case, rank, ranks, ck):
     """(manifest, [(block, array)]) of rank `rank` of `ranks` in `case`."""
     manifest, local = [], []
@@ -114,12 +126,7 @@ class ManyFp8HostTest(unittest.TestCase):
                         out[r].append((version, e, []))
             finally:
                 trainer.close()
-        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(ranks)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-            self.assertFalse(t.is_alive(), "a rank hung")
+        run_ranks(ranks, rank_main)
         return out
 
     def test_many_senders_quantise_every_block_once(self):

@@ -268,6 +268,14 @@ class World:
                 out[e.engine_id] = e.layout
         return out
 
+    def dump_logs(self):
+        """The tail of every process's log, to stderr (a failed run)."""
+        for name in sorted(os.listdir(self.work)):
+            if name.endswith(".log"):
+                print(f"--- {name}", file=sys.stderr)
+                with open(os.path.join(self.work, name)) as f:
+                    sys.stderr.write(f.read()[-3000:])
+
     def no_mixture(self, why):
         """No engine serves (READY) a version its memory does not hold."""
         st = self.states()
@@ -335,11 +343,7 @@ def main():
         print(f"next job repaired every engine at v{base + 3}; {time.time() - t0:.1f} s",
               flush=True)
     except BaseException:
-        for name in sorted(os.listdir(w.work)):
-            if name.endswith(".log"):
-                print(f"--- {name}", file=sys.stderr)
-                with open(os.path.join(w.work, name)) as f:
-                    sys.stderr.write(f.read()[-3000:])
+        w.dump_logs()
         raise
     finally:
         w.close()

@@ -65,7 +65,7 @@ class HostDataPlane : public DataPlane {
   void MarkEngineLost(int engine) override;
   int64_t chunks_written() const override;
   std::string name() const override { return "host"; }
-  bool QuantizesGathered() const override { return true; }
+  bool TakesPlanFp8AndPatches() const override { return true; }
   int64_t staging_bytes() const override;
 
  private:

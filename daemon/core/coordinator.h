@@ -521,7 +521,8 @@ class Coordinator {
   absl::StatusOr<LinkedCopyPlan> LinkedPlanFor(
       const TransferPlan& plan, const std::vector<int32_t>& receivers,
       int64_t chunk_bytes,
-      const std::vector<std::shared_ptr<const EngineLayout>>& layouts)
+      const std::vector<std::shared_ptr<const EngineLayout>>& layouts,
+      const std::vector<LinkPatch>& patches)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(control_mu_);
   // Start's answer for the plan in `s` (plan_only, or an update begun).
   static v1::StartWeightUpdateResponse StartResponse(

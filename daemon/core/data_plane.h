@@ -108,10 +108,11 @@ class DataPlane {
   // rather than through SubmitChunk.
   virtual bool ReceivesOwnBytes() const { return false; }
 
-  // True where the data plane quantises FP8 targets fed by the links of a
-  // transfer plan (QuantTarget::gathered); Start refuses such an update,
-  // before anything pauses, on a data plane that does not.
-  virtual bool QuantizesGathered() const { return false; }
+  // True where the data plane takes the transfer-plan updates that are more
+  // than dense copies: FP8 targets fed by several links
+  // (QuantTarget::gathered) and sparse patches of pieces; Start refuses
+  // such an update, before anything pauses, on a data plane that does not.
+  virtual bool TakesPlanFp8AndPatches() const { return false; }
 
   virtual std::string name() const = 0;
   // Bytes of staging the update in progress holds now (metrics).

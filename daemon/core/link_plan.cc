@@ -118,6 +118,19 @@ void Append(const CopyPlan& l, CopyPlan& out) {
   }
   out.ops_by_chunk.insert(out.ops_by_chunk.end(), l.ops_by_chunk.begin(),
                           l.ops_by_chunk.end());
+  const int base_sparse = out.sparse.size();
+  for (const SparsePatch& p : l.sparse) {
+    out.sparse.push_back(p);
+    out.sparse.back().tensor += base_tensor;
+  }
+  for (const auto& pieces : l.sparse_pieces_by_chunk) {
+    std::vector<std::pair<int, Piece>> moved = pieces;
+    for (auto& [patch, piece] : moved) {
+      patch += base_sparse;
+      piece.tensor += base_tensor;
+    }
+    out.sparse_pieces_by_chunk.push_back(std::move(moved));
+  }
   out.sparse_pieces_by_chunk.resize(out.chunks.chunks.size());
   out.quant_by_chunk.resize(out.chunks.chunks.size());
 }
@@ -230,6 +243,11 @@ class QuantLinks {
     return absl::OkStatus();
   }
 
+  // Per manifest tensor, the targets it feeds.
+  const std::vector<std::vector<int32_t>>& targets_by_tensor() const {
+    return by_tensor_;
+  }
+
  private:
   struct BandUse {
     int32_t piece = -1;  // the one plan piece writing it, while one does
@@ -314,10 +332,61 @@ std::vector<RoundChunk> ChunksByRound(const LinkedCopyPlan& linked) {
   return out;
 }
 
+namespace {
+
+// `patches` by sender, then piece: checked against the plan's links to
+// `receiver` and `quant` (a patch can't go into an FP8 target).
+absl::StatusOr<std::vector<absl::flat_hash_map<int32_t, LinkPatch>>>
+PatchesBySender(const TransferPlan& plan, int32_t receiver,
+                const std::vector<LinkPatch>& patches,
+                const std::vector<std::vector<int32_t>>& fp8_targets_of,
+                const CopyPlan& whole) {
+  std::vector<absl::flat_hash_map<int32_t, LinkPatch>> out(plan.num_senders);
+  for (const LinkPatch& p : patches) {
+    const std::string entry = absl::StrCat(
+        "transfer plan '", plan.id, "': the sparse patch of sender ", p.sender,
+        "'s piece ", p.piece, " to receiver ", receiver);
+    if (p.sender < 0 || p.sender >= plan.num_senders || p.piece < 0 ||
+        p.piece >=
+            static_cast<int64_t>(plan.links[p.sender][receiver].size())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(entry, " names no piece of the plan"));
+    }
+    const PlanPiece& piece =
+        plan.pieces[plan.links[p.sender][receiver][p.piece]];
+    const int64_t numel = piece.row_count * piece.col_count;
+    const v1::TensorSpec& t = plan.manifest.Get(piece.tensor);
+    if (p.nnz < 1 || p.nnz > numel ||
+        (p.index_bytes != 4 && p.index_bytes != 8) ||
+        (p.index_bytes == 4 && numel > (int64_t{1} << 32))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          entry, " (tensor '", t.name(), "', ", numel, " elements) has nnz ",
+          p.nnz, " and ", p.index_bytes,
+          "-byte indices: nnz must be 1 to the piece's elements, indices 4 "
+          "(up to 2^32 elements) or 8 bytes"));
+    }
+    if (!fp8_targets_of[piece.tensor].empty()) {
+      const QuantTarget& q = whole.quant[fp8_targets_of[piece.tensor][0]];
+      return absl::FailedPreconditionError(absl::StrCat(
+          entry, ": tensor '", t.name(), "' feeds FP8 target '",
+          whole.engines[q.engine]->parameters[q.parameter].name,
+          "' of engine '", whole.engines[q.engine]->engine_id,
+          "', whose blocks' scales a patch would leave stale; send it dense"));
+    }
+    if (!out[p.sender].emplace(p.piece, p).second) {
+      return absl::InvalidArgumentError(absl::StrCat(entry, " is named twice"));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
 absl::StatusOr<LinkedCopyPlan> BuildLinkedCopyPlan(
     const TransferPlan& plan, const std::vector<int32_t>& receivers,
     int64_t chunk_bytes,
-    const std::vector<std::shared_ptr<const EngineLayout>>& engines) {
+    const std::vector<std::shared_ptr<const EngineLayout>>& engines,
+    const std::vector<LinkPatch>& patches) {
   if (receivers.size() != 1) {
     return absl::FailedPreconditionError(absl::StrCat(
         "transfer plan '", plan.id, "': this daemon is ", receivers.size(),
@@ -354,18 +423,31 @@ absl::StatusOr<LinkedCopyPlan> BuildLinkedCopyPlan(
                         (b.i1 - b.i0) * (b.j1 - b.j0) * 4;
   }
   QuantLinks quant(plan, *whole);
+  WS_ASSIGN_OR_RETURN(const auto patched,
+                      PatchesBySender(plan, receiver, patches,
+                                      quant.targets_by_tensor(), *whole));
   LinkedCopyPlan linked;
   for (int32_t s = 0; s < plan.num_senders; ++s) {
     const std::vector<int32_t>& link = plan.links[s][receiver];
     if (link.empty()) continue;
-    const Manifest m = LinkManifest(plan, s, receiver);
+    Manifest m = LinkManifest(plan, s, receiver);
     std::vector<std::shared_ptr<const EngineLayout>> views;
     for (const auto& e : engines) views.push_back(LinkView(*e, plan, link, m));
     WS_ASSIGN_OR_RETURN(
         std::shared_ptr<const CopyPlan> l,
-        BuildCopyPlan(m, chunk_bytes, std::move(views), UnusedTensors::kSkip));
+        BuildCopyPlan(m, chunk_bytes, views, UnusedTensors::kSkip));
+    // What the link's pieces write, counted dense (a patch writes some of
+    // its piece's elements: coverage is the plan's, not the patch's).
     for (size_t e = 0; e < engines.size(); ++e) {
       written[e] += l->bytes_by_engine[e];
+    }
+    if (!patched[s].empty()) {
+      for (const auto& [k, p] : patched[s]) {
+        m.Mutable(k)->set_sparse_nnz(p.nnz);
+        m.Mutable(k)->set_sparse_index_bytes(p.index_bytes);
+      }
+      WS_ASSIGN_OR_RETURN(l, BuildCopyPlan(m, chunk_bytes, std::move(views),
+                                           UnusedTensors::kSkip));
     }
     LinkChunks lc;
     lc.sender = s;
@@ -393,6 +475,7 @@ absl::StatusOr<LinkedCopyPlan> BuildLinkedCopyPlan(
   if (!whole->quant.empty()) {
     WS_RETURN_IF_ERROR(quant.Finish(receiver, linked.links.size(), *out));
   }
+  if (!patches.empty()) out->covers_engine.assign(engines.size(), false);
   linked.copy = std::move(out);
   return linked;
 }

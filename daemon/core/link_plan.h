@@ -40,18 +40,33 @@ struct LinkedCopyPlan {
 // receiver that holds the engine needs (TensorBlock).
 SegmentLayout SegmentBlock(const ParameterLayout& p, const SegmentLayout& s);
 
+// A piece of a link sent as a sparse patch (v1::PlanSparsePiece): piece
+// `piece` of link (sender, the daemon's receiver) carries `nnz` (index,
+// value) pairs; index_bytes 4 (uint32) or 8 (int64).
+struct LinkPatch {
+  int32_t sender = 0;
+  int32_t piece = 0;
+  int64_t nnz = 0;
+  int32_t index_bytes = 8;
+};
+
 // Resolves `plan`'s links into `receivers` (indices of the plan's
 // receivers that this daemon is) against `engines`. INVALID_ARGUMENT as
 // BuildCopyPlan for a manifest the engines can't take; FAILED_PRECONDITION
 // when the receivers' needs do not cover every element the engines use
 // (the engine layouts changed: re-plan), when `receivers` is not exactly
 // one receiver (a daemon of several GPU ranks assigns engines to ranks:
-// the GPU data plane's job), or for an FP8 target (a piece may cut its
-// blocks: send it through an ordinary update).
+// the GPU data plane's job), or for a sparse patch into a tensor that feeds
+// an FP8 target. `patches`: the pieces of links to this receiver sent as
+// sparse patches (INVALID_ARGUMENT naming the entry for a sender or piece
+// the plan does not have, a piece named twice, an nnz outside [1, the
+// piece's elements], an index width not 4 or 8); no engine is then
+// rewritten whole (covers_engine).
 absl::StatusOr<LinkedCopyPlan> BuildLinkedCopyPlan(
     const TransferPlan& plan, const std::vector<int32_t>& receivers,
     int64_t chunk_bytes,
-    const std::vector<std::shared_ptr<const EngineLayout>>& engines);
+    const std::vector<std::shared_ptr<const EngineLayout>>& engines,
+    const std::vector<LinkPatch>& patches = {});
 
 // A linked plan's chunks in the order a GPU receiver takes them when every
 // sender sends in rounds (round k = chunk k of every link; issue 32's NCCL

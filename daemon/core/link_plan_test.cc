@@ -110,6 +110,29 @@ v1::TransferPlanSpec Spec(const Manifest& manifest, int senders, Split split,
   return spec;
 }
 
+// Link `l`'s stream as its sender packs it (chunk plan `cp` of its link
+// manifest): each piece's block of `data`, row-major.
+std::vector<uint8_t> PackLink(const TransferPlan& plan, const LinkChunks& l,
+                              const ChunkPlan& cp,
+                              const synthetic::CheckpointData& data) {
+  std::vector<uint8_t> stream(cp.total_bytes, 0);
+  const std::vector<int32_t>& pieces = plan.links[l.sender][l.receiver];
+  for (size_t k = 0; k < pieces.size(); ++k) {
+    const PlanPiece& p = plan.pieces[pieces[k]];
+    const v1::TensorSpec& t = plan.manifest.Get(p.tensor);
+    int64_t rows, cols;
+    View(t, &rows, &cols);
+    const int64_t es = ElementSize(t.dtype());
+    const uint8_t* src = data.at(t.name()).second.data();
+    for (int64_t i = 0; i < p.row_count; ++i) {
+      std::memcpy(stream.data() + cp.tensor_offsets[k] + i * p.col_count * es,
+                  src + ((p.row_begin + i) * cols + p.col_begin) * es,
+                  p.col_count * es);
+    }
+  }
+  return stream;
+}
+
 // Every link's stream packed as its sender packs it, scattered through the
 // linked plan; every engine parameter must equal the reference installer's.
 void RunAndCompare(int senders, Split split, int64_t chunk_bytes,
@@ -166,22 +189,7 @@ void RunAndCompare(int senders, Split split, int64_t chunk_bytes,
     absl::StatusOr<ChunkPlan> cp = PlanChunks(m, chunk_bytes);
     ASSERT_TRUE(cp.ok());
     ASSERT_EQ(cp->chunks.size(), l.num_chunks);
-    std::vector<uint8_t> stream(cp->total_bytes, 0);
-    const std::vector<int32_t>& pieces = plan->links[l.sender][l.receiver];
-    for (size_t k = 0; k < pieces.size(); ++k) {
-      const PlanPiece& p = plan->pieces[pieces[k]];
-      const v1::TensorSpec& t = manifest.Get(p.tensor);
-      int64_t rows, cols;
-      View(t, &rows, &cols);
-      const int64_t es = ElementSize(t.dtype());
-      const uint8_t* src = data.at(t.name()).second.data();
-      for (int64_t i = 0; i < p.row_count; ++i) {
-        std::memcpy(
-            stream.data() + cp->tensor_offsets[k] + i * p.col_count * es,
-            src + ((p.row_begin + i) * cols + p.col_begin) * es,
-            p.col_count * es);
-      }
-    }
+    const std::vector<uint8_t> stream = PackLink(*plan, l, *cp, data);
     for (const Chunk& c : cp->chunks) {
       const int64_t g = l.first_chunk + c.index;
       ASSERT_EQ(linked->copy->chunks.chunks[g].size, c.size);
@@ -304,22 +312,7 @@ std::pair<LinkedCopyPlan, int64_t> RunFp8AndCompare(int senders, Split split,
     const Manifest m = LinkManifest(*plan, l.sender, l.receiver);
     absl::StatusOr<ChunkPlan> cp = PlanChunks(m, chunk_bytes);
     EXPECT_TRUE(cp.ok());
-    std::vector<uint8_t> stream(cp->total_bytes, 0);
-    const std::vector<int32_t>& pieces = plan->links[l.sender][l.receiver];
-    for (size_t k = 0; k < pieces.size(); ++k) {
-      const PlanPiece& p = plan->pieces[pieces[k]];
-      const v1::TensorSpec& t = manifest.Get(p.tensor);
-      int64_t rows, cols;
-      View(t, &rows, &cols);
-      const int64_t es = ElementSize(t.dtype());
-      const uint8_t* src = data.at(t.name()).second.data();
-      for (int64_t i = 0; i < p.row_count; ++i) {
-        std::memcpy(
-            stream.data() + cp->tensor_offsets[k] + i * p.col_count * es,
-            src + ((p.row_begin + i) * cols + p.col_begin) * es,
-            p.col_count * es);
-      }
-    }
+    const std::vector<uint8_t> stream = PackLink(*plan, l, *cp, data);
     by_link.emplace_back();
     for (const Chunk& c : cp->chunks) {
       by_link.back().push_back(
@@ -438,6 +431,128 @@ TEST(LinkPlanTest, Fp8TargetNotCoveredIsRefused) {
   EXPECT_THAT(linked.status().message(), HasSubstr("FP8 target"));
   EXPECT_THAT(linked.status().message(), HasSubstr("engine 'fp8'"));
   EXPECT_THAT(linked.status().message(), HasSubstr("make it again"));
+}
+
+// Pieces sent as sparse patches: each becomes a patch of its pseudo tensor
+// (through the engines' segments it meets), in its link's stream; the rest
+// stay copies; no engine is rewritten whole. Bad entries are refused
+// naming them.
+TEST(LinkPlanTest, SparsePiecesBecomePatchesOfTheirLinks) {
+  testing::HeapMapper mapper;
+  std::vector<Engine> engines = {
+      MakeEngine("plain", synthetic::Layout::kPlain, 0, 1, v1::BFLOAT16,
+                 mapper),
+      MakeEngine("tp0", synthetic::Layout::kTensorParallel, 0, 2, v1::BFLOAT16,
+                 mapper)};
+  const auto model = *synthetic::ModelByName("tiny");
+  Manifest manifest;
+  for (const v1::TensorSpec& t : synthetic::Checkpoint(model, v1::FLOAT32)) {
+    *manifest.Add() = t;
+  }
+  absl::StatusOr<TransferPlan> plan =
+      BuildTransferPlan(Spec(manifest, 2, Split::kRows, engines));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  std::vector<std::shared_ptr<const EngineLayout>> layouts;
+  for (const Engine& e : engines) layouts.push_back(e.layout);
+  absl::StatusOr<LinkedCopyPlan> dense =
+      BuildLinkedCopyPlan(*plan, {0}, 4096, layouts);
+  ASSERT_TRUE(dense.ok()) << dense.status();
+  const std::vector<LinkPatch> patches = {{0, 1, 3, 4}, {1, 0, 1, 8}};
+  absl::StatusOr<LinkedCopyPlan> sparse =
+      BuildLinkedCopyPlan(*plan, {0}, 4096, layouts, patches);
+  ASSERT_TRUE(sparse.ok()) << sparse.status();
+  const CopyPlan& c = *sparse->copy;
+  ASSERT_EQ(c.sparse.size(), 2u);
+  const std::string piece01 = LinkManifest(*plan, 0, 0).Get(1).name();
+  const std::string piece10 = LinkManifest(*plan, 1, 0).Get(0).name();
+  EXPECT_EQ(c.sparse[0].name, piece01);
+  EXPECT_EQ(c.sparse[0].nnz, 3);
+  EXPECT_EQ(c.sparse[0].index_bytes, 4);
+  EXPECT_EQ(c.sparse[1].name, piece10);
+  EXPECT_EQ(c.sparse[1].index_bytes, 8);
+  for (const SparsePatch& p : c.sparse) {
+    EXPECT_EQ(c.manifest.Get(p.tensor).name(), p.name);
+    EXPECT_FALSE(p.uses.empty()) << p.name;
+  }
+  // Each patch's payload lies in its own link's chunks.
+  int64_t pieces = 0;
+  for (const LinkChunks& l : sparse->links) {
+    for (int64_t k = l.first_chunk; k < l.first_chunk + l.num_chunks; ++k) {
+      for (const auto& [patch, piece] : c.sparse_pieces_by_chunk[k]) {
+        EXPECT_EQ(c.sparse[patch].name, l.sender == 0 ? piece01 : piece10);
+        EXPECT_EQ(c.manifest.Get(piece.tensor).name(), c.sparse[patch].name);
+        ++pieces;
+      }
+    }
+  }
+  EXPECT_GE(pieces, 2);
+  EXPECT_LT(c.chunks.total_bytes, dense->copy->chunks.total_bytes);
+  for (size_t e = 0; e < engines.size(); ++e) {
+    EXPECT_TRUE(dense->copy->covers_engine[e]);
+    EXPECT_FALSE(c.covers_engine[e]);
+  }
+  struct Bad {
+    LinkPatch patch;
+    const char* words;
+  };
+  const int32_t last = plan->links[0][0].size();
+  for (const Bad& b : std::vector<Bad>{
+           {{2, 0, 1, 8}, "names no piece"},
+           {{-1, 0, 1, 8}, "names no piece"},
+           {{0, last, 1, 8}, "names no piece"},
+           {{0, -1, 1, 8}, "names no piece"},
+           {{0, 0, 0, 8}, "has nnz 0"},
+           {{0, 0, 1 << 30, 8}, "nnz must be 1 to the piece's elements"},
+           {{0, 0, 1, 2}, "2-byte indices"}}) {
+    absl::StatusOr<LinkedCopyPlan> r =
+        BuildLinkedCopyPlan(*plan, {0}, 4096, layouts, {b.patch});
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << b.words;
+    EXPECT_THAT(r.status().message(), HasSubstr(b.words));
+  }
+  absl::StatusOr<LinkedCopyPlan> twice = BuildLinkedCopyPlan(
+      *plan, {0}, 4096, layouts, {{0, 1, 3, 4}, {0, 1, 2, 4}});
+  EXPECT_EQ(twice.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(twice.status().message(), HasSubstr("named twice"));
+  // A piece's whole elements is the most a patch names.
+  const PlanPiece& p0 = plan->pieces[plan->links[0][0][0]];
+  EXPECT_TRUE(BuildLinkedCopyPlan(*plan, {0}, 4096, layouts,
+                                  {{0, 0, p0.row_count * p0.col_count, 4}})
+                  .ok());
+}
+
+TEST(LinkPlanTest, ASparsePieceIntoAnFp8TargetIsRefused) {
+  testing::HeapMapper mapper;
+  const auto model = *synthetic::ModelByName("tiny");
+  std::vector<Engine> engines = {MakeEngineOf(
+      "fp8",
+      *synthetic::Fp8EngineParameters(model, synthetic::Layout::kPlain, 0, 1,
+                                      v1::BFLOAT16, v1::FLOAT8_E4M3FN, 16),
+      mapper)};
+  Manifest manifest;
+  for (const v1::TensorSpec& t : synthetic::Checkpoint(model, v1::FLOAT32)) {
+    *manifest.Add() = t;
+  }
+  absl::StatusOr<TransferPlan> plan =
+      BuildTransferPlan(Spec(manifest, 2, Split::kRows, engines));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  // The link piece of an FP8 linear layer's weight, and of a plain norm.
+  int32_t fp8_piece = -1, plain_piece = -1;
+  const std::vector<int32_t>& link = plan->links[0][0];
+  for (size_t k = 0; k < link.size(); ++k) {
+    const std::string& t = manifest.Get(plan->pieces[link[k]].tensor).name();
+    if (synthetic::IsFp8Linear(t) && fp8_piece < 0) fp8_piece = k;
+    if (t.find("norm") != std::string::npos && plain_piece < 0) plain_piece = k;
+  }
+  ASSERT_GE(fp8_piece, 0);
+  ASSERT_GE(plain_piece, 0);
+  absl::StatusOr<LinkedCopyPlan> r = BuildLinkedCopyPlan(
+      *plan, {0}, 4096, {engines[0].layout}, {{0, fp8_piece, 1, 4}});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(r.status().message(), HasSubstr("feeds FP8 target"));
+  EXPECT_THAT(r.status().message(), HasSubstr("send it dense"));
+  EXPECT_TRUE(BuildLinkedCopyPlan(*plan, {0}, 4096, {engines[0].layout},
+                                  {{0, plain_piece, 1, 4}})
+                  .ok());
 }
 
 TEST(LinkPlanTest, ChunksByRoundTakeChunkKOfEveryLinkInRoundK) {

@@ -93,7 +93,12 @@ Coordinator::RegisterTransferPlan(
 absl::StatusOr<LinkedCopyPlan> Coordinator::LinkedPlanFor(
     const TransferPlan& plan, const std::vector<int32_t>& receivers,
     int64_t chunk_bytes,
-    const std::vector<std::shared_ptr<const EngineLayout>>& layouts) {
+    const std::vector<std::shared_ptr<const EngineLayout>>& layouts,
+    const std::vector<LinkPatch>& patches) {
+  // Patches change with every update: planned each time, never cached.
+  if (!patches.empty()) {
+    return BuildLinkedCopyPlan(plan, receivers, chunk_bytes, layouts, patches);
+  }
   std::string key = absl::StrCat(plan.id, "|", chunk_bytes);
   for (int32_t r : receivers) absl::StrAppend(&key, "|", r);
   {

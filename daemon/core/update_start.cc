@@ -234,7 +234,7 @@ absl::Status Coordinator::SelectForStart(
   }
   WS_ASSIGN_OR_RETURN(
       s.ids, SelectReachableEngines(request.engine_ids(), &s.left_out));
-  bool sparse = false;
+  bool sparse = request.plan_sparse_size() > 0;
   for (const v1::TensorSpec& t : request.tensors()) {
     sparse = sparse || t.sparse_nnz() > 0;
   }
@@ -290,10 +290,36 @@ absl::Status Coordinator::PlanStart(const v1::StartWeightUpdateRequest& request,
   }
   // Plan every byte before moving any (invariant 2).
   if (s.transfer != nullptr) {
-    WS_ASSIGN_OR_RETURN(
-        LinkedCopyPlan linked,
-        LinkedPlanFor(*s.transfer, s.receivers, s.chunk_bytes, s.layouts));
-    if (!linked.copy->quant.empty() && !plane.QuantizesGathered()) {
+    // The patches of links to this daemon's receiver(s); the others are
+    // other daemons'.
+    std::vector<LinkPatch> patches;
+    for (const v1::PlanSparsePiece& p : request.plan_sparse()) {
+      if (p.receiver() < 0 || p.receiver() >= s.transfer->num_receivers) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("update '", request.update_id(),
+                         "': a plan_sparse entry names "
+                         "receiver ",
+                         p.receiver(), "; transfer plan '", s.transfer->id,
+                         "' has ", s.transfer->num_receivers));
+      }
+      if (std::find(s.receivers.begin(), s.receivers.end(), p.receiver()) ==
+          s.receivers.end()) {
+        continue;
+      }
+      patches.push_back({p.sender(), p.piece(), p.nnz(),
+                         p.index_bytes() == 0 ? 8 : p.index_bytes()});
+    }
+    WS_ASSIGN_OR_RETURN(LinkedCopyPlan linked,
+                        LinkedPlanFor(*s.transfer, s.receivers, s.chunk_bytes,
+                                      s.layouts, patches));
+    if (!linked.copy->sparse.empty() && !plane.TakesPlanFp8AndPatches()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "update '", request.update_id(), "' sends ", patches.size(),
+          " pieces as sparse patches: the ", plane.name(),
+          " backend does not apply the patches of many senders yet (the "
+          "host backend does); send them dense"));
+    }
+    if (!linked.copy->quant.empty() && !plane.TakesPlanFp8AndPatches()) {
       const QuantTarget& q = linked.copy->quant[0];
       const EngineLayout& e = *linked.copy->engines[q.engine];
       return absl::FailedPreconditionError(absl::StrCat(

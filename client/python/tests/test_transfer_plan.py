@@ -427,13 +427,13 @@ class Fp8PartialReceiptsTest(unittest.TestCase):
                         fp8_owner={"e/x/0": 1 - s}), want)
 
     def test_many_senders_exchange_the_parts_in_step(self):
-        """ManySenders._fp8_partials on two ranks (threads, one collective):
+        """many_receipts.exchanged_fp8_partials on two ranks (threads, one collective):
         the receipts add up to the whole; a rank whose sends failed still
         joins the exchange, and then neither reports receipts."""
         import threading
         import numpy as np
         from weightsync.receipts import expected_receipt
-        from weightsync.senders import many, many_receipts as mr
+        from weightsync.senders import many_receipts as mr
         tensors = [{"name": "w", "dtype": "FLOAT32", "shape": [10, 8]}]
         layout = _fp8_param("w", [10, 8], "w_scale")
         holds = [[tp.shard("w", [10, 8], 0, r, 2)] for r in range(2)]
@@ -460,10 +460,9 @@ class Fp8PartialReceiptsTest(unittest.TestCase):
             box, barrier, out = [None, None], threading.Barrier(2), [None, None]
 
             def rank(r):
-                senders = many.ManySenders(None, Threads(r, box, barrier))
-                senders._engines = [{"e": layout}, {}]
-                out[r] = senders._fp8_partials(plan, None if r == fail_rank else
-                                               [payloads[r], 0])
+                out[r] = mr.exchanged_fp8_partials(
+                    Threads(r, box, barrier), plan, r, [{"e": layout}, {}],
+                    None if r == fail_rank else [payloads[r], 0])
             threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
             for t in threads:
                 t.start()
@@ -475,6 +474,42 @@ class Fp8PartialReceiptsTest(unittest.TestCase):
         whole = expected_receipt(layout, {"w": ("FLOAT32", (10, 8), data.reshape(-1))})
         self.assertEqual(mr.add_partials(g[0] for g in got)["e"], (whole[0], whole[2]))
         self.assertEqual(run(1), [[], []])
+
+
+class ManySparseTest(unittest.TestCase):
+    """weightsync.senders.many_sparse: what a rank keeps and diffs."""
+
+    def test_basis_patches_what_changed_little_and_keeps_within_its_budget(self):
+        import numpy as np
+        from weightsync.senders.many_sparse import (Basis, link_manifest_with_patches,
+                                                    patch_entries)
+        from types import SimpleNamespace
+        piece = SimpleNamespace(row_count=4, col_count=25)   # a plan piece of 100 float32
+        before = np.arange(100, dtype=np.float32)
+        few, many = before.copy(), before + 1
+        few[[3, 70]] = -1
+        basis = Basis(budget=None)
+        basis.keep("p", 1, {0: [before.tobytes(), before.tobytes(), before.tobytes()]})
+        got = basis.patches("p", 1, 0, [piece] * 3,
+                            [few.tobytes(), many.tobytes(), before.tobytes()], max_density=0.05)
+        self.assertEqual(sorted(got), [0, 2])      # the piece that changed wholly goes dense
+        self.assertEqual(got[0].indices.tolist(), [3, 70])
+        self.assertEqual(got[0].values.view(np.float32).tolist(), [-1, -1])
+        self.assertEqual(got[2].nnz, 1)            # unchanged: one element, still a patch
+        self.assertEqual(got[0].index_bytes, 4)
+        self.assertEqual(patch_entries(3, {0: got}), [[3, 0, 0, 2, 4], [3, 0, 2, 1, 4]])
+        manifest = link_manifest_with_patches([{"name": "a"}, {"name": "b"}, {"name": "c"}], got)
+        self.assertEqual([m.get("sparse_nnz", 0) for m in manifest], [2, 0, 1])
+        # Another plan or base version: no basis, every piece dense.
+        self.assertEqual(basis.patches("q", 1, 0, [piece], [few.tobytes()], 0.05), {})
+        self.assertEqual(basis.patches("p", 2, 0, [piece], [few.tobytes()], 0.05), {})
+        # A budget of one piece keeps the first; the second goes dense.
+        small = Basis(budget=400)
+        small.keep("p", 1, {0: [before.tobytes(), before.tobytes()]})
+        self.assertEqual(sorted(small.patches("p", 1, 0, [piece] * 2,
+                                              [few.tobytes(), few.tobytes()], 0.05)), [0])
+        small.clear()
+        self.assertEqual(small.patches("p", 1, 0, [piece], [few.tobytes()], 0.05), {})
 
 
 class _Rows:

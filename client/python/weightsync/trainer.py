@@ -337,7 +337,8 @@ class Trainer:
         return None if self._sharded_nccl is None else self._sharded_nccl[0]
 
     def update_sharded(self, manifest, local, version, collective=None, chunk_bytes=0,
-                       update_id=None, engine_ids=None, verify=True):
+                       update_id=None, engine_ids=None, verify=True, base_version=None,
+                       max_density=0.1, basis_bytes=0):
         """Every rank of a sharded or replicated trainer sends its own share
         (issue 32; docs/transfer_plan.md): call on every rank, each with a
         Trainer of every daemon (host backend: init_host() on rank 0 only),
@@ -350,7 +351,11 @@ class Trainer:
         receipt terms of what it sent and rank 0 checks the daemons'
         receipts against the sum (DATA_LOSS, aborted everywhere, on a
         mismatch). Returns every daemon's commit on every rank, or raises
-        the same WeightSyncError on every rank."""
+        the same WeightSyncError on every rank. Sparse patches (host
+        backend): with basis_bytes (None: no bound) each rank keeps what
+        it sent, and a later update_sharded(base_version=v) sends each
+        piece that changed in at most max_density of its elements since
+        version v as a patch (docs/transfer_plan.md, "Sparse patches")."""
         from weightsync.senders import many as many_senders
         nccl = None
         if self._sharded_nccl is not None:
@@ -368,10 +373,12 @@ class Trainer:
         senders = self._many_senders.get(key)
         if senders is None:
             coll = collective if collective is not None else many_senders.TorchCollective()
-            senders = many_senders.ManySenders(self._link, coll, engine_ids, nccl=nccl)
+            senders = many_senders.ManySenders(self._link, coll, engine_ids, nccl=nccl,
+                                               basis_bytes=basis_bytes)
             self._many_senders[key] = senders
         return senders.update(manifest, local, version, chunk_bytes=chunk_bytes,
-                              update_id=update_id, verify=verify)
+                              update_id=update_id, verify=verify, base_version=base_version,
+                              max_density=max_density)
 
     def finish(self, update_id):
         """FinishWeightUpdate of an update this process started."""

@@ -39,9 +39,9 @@ from weightsync import _multi, planner, transfer_plan
 from weightsync._errors import WeightSyncError
 from weightsync._proto import v1
 from weightsync._tensors import describe
-from weightsync.senders.many_receipts import (add_partials, combine_block_parts,
-                                              fp8_block_parts, has_fp8_targets,
-                                              partial_receipts)
+from weightsync.senders import many_sparse
+from weightsync.senders.many_receipts import (add_partials, exchanged_fp8_partials,
+                                              has_fp8_targets, partial_receipts)
 
 __all__ = ["ManySenders", "TorchCollective", "shard_of", "needs_of_status"]
 
@@ -115,12 +115,33 @@ def _piece_bytes(piece, held):
     raise WeightSyncError("INTERNAL", f"the plan gives this rank {piece} it does not hold")
 
 
+def _link_payloads(plan, rank, local, daemons):
+    """{daemon: [the row-major bytes of each piece of rank `rank`'s link to
+    it]} out of the blocks it holds, `local`."""
+    held = {}
+    for b, array in local:
+        _, _, raw = describe(b["tensor"], array)
+        rows = raw.reshape(b["row_count"], -1) if b["row_count"] else raw.reshape(0, 0)
+        held.setdefault(b["tensor"], []).append((b, rows))
+    names = [t["name"] if isinstance(t, dict) else t.name for t in plan.tensors]
+    out = {}
+    for i in range(daemons):
+        pieces = plan.link_pieces(rank, i)
+        if pieces:
+            out[i] = [_piece_bytes(p, held.get(names[p.tensor], ())) for p in pieces]
+    return out
+
+
 class ManySenders:
     """One rank's side of updates of many senders. Not thread-safe; one
     object per rank, every rank calling `update` in step."""
 
-    def __init__(self, link, collective, engine_ids=None, nccl=None):
+    def __init__(self, link, collective, engine_ids=None, nccl=None, basis_bytes=0):
         self._link = link
+        # What this rank sent last, for sparse patches against it
+        # (update(base_version=...)): at most basis_bytes (None: no bound;
+        # 0: nothing kept, every update dense).
+        self._basis = many_sparse.Basis(basis_bytes) if basis_bytes != 0 else None
         self._coll = collective
         self._engine_ids = engine_ids
         # The nccl backend's wire (weightsync.senders.many_nccl.NcclLinks),
@@ -141,6 +162,8 @@ class ManySenders:
         # rank's sends done). The leader also has start_s, prepare_s and
         # commit_s, its calls to the daemons.
         self.last_timings = {}
+        self._sent = {}   # {daemon: [piece bytes]} this rank sent in its last push
+        self.last_wire = {}
 
     @property
     def rank(self):
@@ -199,26 +222,41 @@ class ManySenders:
         what it holds and the engines' layout ids). A refusal
         (TransferPlanError naming tensor and ranks) raises on every rank
         before anything pauses."""
-        return self._plan_and_start(manifest, local, None)[0]
+        return self._plan_and_start(manifest, local, None, [])[0]
 
-    def _plan_and_start(self, manifest, local, start):
-        """(plan, Start answer or None). `start(plan)`: the leader's Start
-        (a dict, {"error": ...} on failure); with the plan unchanged the
-        leader starts in the same exchange that tells every rank so (one
-        round of the collective fewer per update)."""
+    def _patches(self, local, base_version, max_density):
+        """({daemon: [piece bytes]}, {daemon: {piece: SparsePatch}}) of this
+        rank's links on the current plan against its basis of base_version
+        (host backend); (None, {}) without one."""
+        basis, plan = self._basis, self._plan
+        if base_version is None or basis is None or plan is None or self.nccl is not None \
+                or basis.version != base_version or basis.plan_id != plan.id:
+            return None, {}
+        payloads = _link_payloads(plan, self.rank, local, len(self._link.stubs))
+        return payloads, basis.link_patches(plan, self.rank, base_version, payloads, max_density)
+
+    def _plan_and_start(self, manifest, local, start, entries):
+        """(plan, Start answer or None, whether the plan was reused).
+        `start(plan, entries)`: the leader's Start (a dict, {"error": ...}
+        on failure) with every rank's sparse `entries` (patch_entries, of
+        the current plan: used only where it is reused); with the plan
+        unchanged the leader starts in the same exchange that tells every
+        rank so (one round of the collective fewer per update)."""
         holds = [b for b, _ in local]
         # Each rank's own hash (compared only with what the same ranks
         # gathered before: every rank decides alike).
         fingerprint = hash((tuple((_field(t, "name"), str(_field(t, "dtype")),
                                    tuple(_field(t, "shape"))) for t in manifest),
                             tuple(tuple(sorted(b.items())) for b in holds)))
-        fingerprints = tuple(self._coll.all_gather(fingerprint))
+        gathered = self._coll.all_gather([fingerprint, entries])
+        fingerprints = tuple(g[0] for g in gathered)
+        every_entry = [e for g in gathered for e in g[1]]
 
         def check():
             layout_key = self._layout_key()
             answer = {"layout_key": layout_key}
             if start is not None and (fingerprints, repr(layout_key)) == self._plan_key:
-                answer["started"] = start(self._plan)
+                answer["started"] = start(self._plan, every_entry)
             return answer
         answer = self._agreed(check)
         key = (fingerprints, repr(answer["layout_key"]))
@@ -226,13 +264,15 @@ class ManySenders:
             if key != self._plan_key:   # every rank has the leader's history
                 raise WeightSyncError("INTERNAL", f"rank {self.rank}: the plan the leader "
                                       "reuses is not this rank's")
-            return self._plan, answer["started"]
-        if key != self._plan_key:
+            return self._plan, answer["started"], True
+        reused = key == self._plan_key
+        if not reused:
             self._replan(manifest, holds, key)
         started = None
         if start is not None:
-            started = self._coll.broadcast(start(self._plan) if self.rank == 0 else None)
-        return self._plan, started
+            started = self._coll.broadcast(
+                start(self._plan, every_entry if reused else []) if self.rank == 0 else None)
+        return self._plan, started, reused
 
     def _replan(self, manifest, holds, key):
         spec_parts = self._coll.all_gather(holds)
@@ -279,13 +319,15 @@ class ManySenders:
         return None
 
     def update(self, manifest, local, version, chunk_bytes=0, update_id=None, mode="streaming",
-               verify=True):
+               verify=True, base_version=None, max_density=0.1):
         """Sends this rank's share of version `version` and returns every
         daemon's commit (FinishWeightUpdateResponse list, the same on
         every rank). `manifest`: the global tensors [{"name", "dtype",
         "shape"}] (the same on every rank); `local`: [(block, array)]
         this rank holds (None entries ignored). Any rank's failure aborts
-        the update on every daemon and raises on every rank."""
+        the update on every daemon and raises on every rank. base_version:
+        pieces that changed in at most max_density of their elements since
+        then go as sparse patches (many_sparse; host backend)."""
         local = [x for x in local if x is not None]
         group = self._link.group
         leader = self.rank == 0
@@ -297,9 +339,14 @@ class ManySenders:
             now = time.perf_counter()
             timings[name + "_s"] = now - t[0]
             t[0] = now
-        plan, started = self._plan_and_start(
+        payloads, patches = self._patches(local, base_version, max_density)
+        plan, started, reused = self._plan_and_start(
             manifest, local,
-            lambda p: self._start(p, update_id, version, chunk_bytes, mode, verify))
+            lambda p, entries: self._start(p, update_id, version, chunk_bytes, mode, verify,
+                                           entries, base_version),
+            many_sparse.patch_entries(self.rank, patches))
+        if not reused:   # the patches were of the last plan: this one goes dense
+            payloads, patches = None, {}
         phase("plan_start")
         if "error" in started:
             raise WeightSyncError(*started["error"])
@@ -310,7 +357,8 @@ class ManySenders:
                     watch=lambda: self._watch(started["update_id"]),
                     timeout=self._link.timeout)}
             else:
-                sent = {"partials": self._push(plan, local, started, verify)}
+                sent = {"partials": self._push(plan, local, started, verify, payloads,
+                                               patches)}
         except WeightSyncError as e:
             sent = {"error": [e.code, f"rank {self.rank}: {e.message}"]}
         phase("push")
@@ -342,6 +390,8 @@ class ManySenders:
             # The chunk size the daemons took (the largest: a daemon whose
             # staging budget fits less lowers its own).
             self.nccl.last_timings["chunk_bytes"] = max(started["chunk_bytes"], default=0)
+        if self._basis is not None:   # after a failure what the engines hold is not known
+            self._basis.after(plan.id, version, self._sent, "error" not in result)
         if "error" in result:
             raise WeightSyncError(*result["error"])
         return [v1.FinishWeightUpdateResponse.FromString(bytes.fromhex(h))
@@ -371,7 +421,8 @@ class ManySenders:
                 _multi.fail_everywhere(group, update_id, i, WeightSyncError("DATA_LOSS", bad),
                                        "receipts do not match")
 
-    def _start(self, plan, update_id, version, chunk_bytes, mode, verify):
+    def _start(self, plan, update_id, version, chunk_bytes, mode, verify, entries=(),
+               base_version=None):
         group = self._link.group
         # VERIFY_ON asks a GPU daemon to sum its receipts as the chunks land
         # (unset, it read every engine back after the transfer: 4.4 ms for
@@ -380,7 +431,10 @@ class ManySenders:
             update_id=update_id, target_version=version, chunk_bytes=chunk_bytes,
             verify=v1.VERIFY_ON if verify else v1.VERIFY_OFF,
             transfer_plan_id=plan.id,
-            mode=v1.UPDATE_MODE_STAGED if mode == "staged" else v1.UPDATE_MODE_STREAMING)
+            mode=v1.UPDATE_MODE_STAGED if mode == "staged" else v1.UPDATE_MODE_STREAMING,
+            plan_sparse=many_sparse.plan_sparse_messages(entries))
+        if entries:
+            request.sparse_base_version = base_version
         if self._engine_ids is not None:
             request.engine_ids.extend(self._engine_ids)
         t0 = time.perf_counter()
@@ -393,85 +447,62 @@ class ManySenders:
                 return {"error": [r.code, f"{group.name(i)}: {r.message}"]}
         return {"update_id": update_id, "chunk_bytes": [r.chunk_bytes for r in results]}
 
-    def _push(self, plan, local, started, verify):
+    def _push(self, plan, local, started, verify, payloads=None, patches=None):
         """This rank's links, one PushChunks stream per daemon, in parallel;
         returns {daemon index (str): its partial receipts} (verify). With an
         FP8 target on any daemon, the receipts wait for one more exchange
-        of every rank (_fp8_partials)."""
-        held = {}
-        for b, array in local:
-            _, _, raw = describe(b["tensor"], array)
-            rows = raw.reshape(b["row_count"], -1) if b["row_count"] else raw.reshape(0, 0)
-            held.setdefault(b["tensor"], []).append((b, rows))
-        names = [t["name"] if isinstance(t, dict) else t.name for t in plan.tensors]
+        of every rank (many_receipts.exchanged_fp8_partials)."""
         me, update_id = self.rank, started["update_id"]
         fp8 = verify and has_fp8_targets(self._engines)
+        if payloads is None:
+            payloads = _link_payloads(plan, me, local, len(self._link.stubs))
+        patches = patches or {}
+        self._sent = payloads
+        wire_bytes = {i: [mine.payload().nbytes
+                          if (mine := patches.get(i, {}).get(k)) is not None else len(data)
+                          for k, data in enumerate(pieces)] for i, pieces in payloads.items()}
+        # What this rank's pieces weigh dense and on the wire, and how many
+        # went as patches (tests, benchmarks).
+        self.last_wire = {"dense_bytes": sum(sum(len(d) for d in p) for p in payloads.values()),
+                          "wire_bytes": sum(sum(b) for b in wire_bytes.values()),
+                          "patched_pieces": sum(len(p) for p in patches.values())}
 
         def push(i, stub):
-            pieces = plan.link_pieces(me, i)
-            if not pieces:
+            if i not in payloads:
                 return 0
-            chunks = planner.plan_chunks(transfer_plan.link_manifest(plan, me, i),
-                                         started["chunk_bytes"][i])
-            payloads = [_piece_bytes(p, held.get(names[p.tensor], ())) for p in pieces]
+            mine = patches.get(i, {})
+            chunks = planner.plan_chunks(
+                many_sparse.link_manifest_with_patches(transfer_plan.link_manifest(plan, me, i),
+                                                       mine),
+                started["chunk_bytes"][i])
+            # Patched pieces travel as their patch; receipts sum the pieces
+            # whole (the daemons read back what the engines then hold).
+            wire = [mine[k].payload().tobytes() if k in mine else data
+                    for k, data in enumerate(payloads[i])]
 
             def requests():
                 for c in chunks["chunks"]:
                     if self._on_chunk is not None:
                         self._on_chunk(i, c["index"])
                     yield v1.PushChunksRequest(update_id=update_id, chunk_index=c["index"],
-                                               data=planner.pack_chunk(c, payloads),
+                                               data=planner.pack_chunk(c, wire),
                                                sender=me, receiver=i)
             stub.call("PushChunks", requests(), timeout=self._link.stream_timeout)
             if fp8:
-                return payloads   # summed once every rank's block parts are in
-            return partial_receipts(plan, me, i, self._engines[i], payloads) if verify else {}
+                return payloads[i]   # summed once every rank's block parts are in
+            return partial_receipts(plan, me, i, self._engines[i], payloads[i]) if verify else {}
         results = list(self._link.group.each(push))
         for i, r in enumerate(results):
             if isinstance(r, WeightSyncError):
                 if fp8:   # the ranks' exchange stays in step; this error is the one told
                     try:
-                        self._fp8_partials(plan, None)
+                        exchanged_fp8_partials(self._coll, plan, me, self._engines, None)
                     except WeightSyncError:
                         pass
                 raise WeightSyncError(r.code, f"{self._link.group.name(i)}: {r.message}")
         if fp8:
-            results = self._fp8_partials(plan, results)
+            results = exchanged_fp8_partials(self._coll, plan, me, self._engines, results)
         return {str(i): r for i, r in enumerate(results)}
-
-    def _fp8_partials(self, plan, payloads):
-        """[partial receipts of each daemon] of an update with FP8 targets.
-        `payloads`: what this rank sent each daemon (its piece bytes, 0
-        for none). One all_gather of every rank's fp8_block_parts (the
-        blocks it sends part of), then this rank's partial receipts with
-        the blocks' amax and owners (combine_block_parts). Every rank calls
-        it once an update, in step: payloads None when its sends failed
-        (it reports nothing; then, and when another rank reported nothing,
-        it returns []: the failed rank's outcome aborts the update)."""
-        me, parts, error = self.rank, None, None
-        if payloads is not None:
-            try:
-                parts = {str(i): fp8_block_parts(plan, me, i, self._engines[i], p)
-                         for i, p in enumerate(payloads) if p}
-            except Exception as e:  # noqa: BLE001 - reported after the exchange
-                error = WeightSyncError("INTERNAL", f"FP8 block parts: {e!r}")
-        try:
-            gathered = self._coll.all_gather(parts)
-        except Exception as e:  # a rank gone: the collective timed out
-            raise WeightSyncError("ABORTED", "the ranks' FP8 block parts were not "
-                                  f"gathered ({e})") from None
-        if error is not None:
-            raise error
-        if payloads is None or any(g is None for g in gathered):
-            return []
-        out = []
-        for i, p in enumerate(payloads):
-            if p:
-                amax, owner = combine_block_parts(g.get(str(i)) for g in gathered)
-                p = partial_receipts(plan, me, i, self._engines[i], p, fp8_amax=amax,
-                                     fp8_owner=owner)
-            out.append(p)
-        return out
 
     def _finish(self, group, update_id, outcomes):
         """Leader: abort everywhere if a rank failed, else prepare and

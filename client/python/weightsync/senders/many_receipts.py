@@ -28,11 +28,12 @@ block's, and it counts the scale.
 import numpy as np
 
 from weightsync import _xp, transfer_plan
+from weightsync._errors import WeightSyncError
 from weightsync._proto import v1
 from weightsync.receipts import expected_receipt, expected_receipt_arrays, fp8
 
 __all__ = ["link_views", "partial_receipts", "add_partials", "has_fp8_targets",
-           "fp8_block_parts", "combine_block_parts"]
+           "fp8_block_parts", "combine_block_parts", "exchanged_fp8_partials"]
 
 _M64 = (1 << 64) - 1
 
@@ -243,3 +244,38 @@ def add_partials(parts):
             c, b = total.get(engine_id, (0, 0))
             total[engine_id] = ((c + int(checksum)) & _M64, b + nbytes)
     return total
+
+
+def exchanged_fp8_partials(collective, plan, rank, engines, payloads):
+    """[partial receipts of each daemon] of rank `rank`'s part of an update
+    with FP8 targets. `payloads`: what it sent each daemon (its piece bytes,
+    0 for none); `engines`: [{engine id: layout}] per daemon. One
+    all_gather of every rank's fp8_block_parts (the blocks it sends part
+    of), then its partial receipts with the blocks' amax and owners
+    (combine_block_parts). Every rank calls it once an update, in step:
+    payloads None when its sends failed (it reports nothing; then, and when
+    another rank reported nothing, it returns []: the failed rank's outcome
+    aborts the update)."""
+    parts, error = None, None
+    if payloads is not None:
+        try:
+            parts = {str(i): fp8_block_parts(plan, rank, i, engines[i], p)
+                     for i, p in enumerate(payloads) if p}
+        except Exception as e:  # noqa: BLE001 - reported after the exchange
+            error = WeightSyncError("INTERNAL", f"FP8 block parts: {e!r}")
+    try:
+        gathered = collective.all_gather(parts)
+    except Exception as e:  # a rank gone: the collective timed out
+        raise WeightSyncError("ABORTED", "the ranks' FP8 block parts were not "
+                              f"gathered ({e})") from None
+    if error is not None:
+        raise error
+    if payloads is None or any(g is None for g in gathered):
+        return []
+    out = []
+    for i, p in enumerate(payloads):
+        if p:
+            amax, owner = combine_block_parts(g.get(str(i)) for g in gathered)
+            p = partial_receipts(plan, rank, i, engines[i], p, fp8_amax=amax, fp8_owner=owner)
+        out.append(p)
+    return out
