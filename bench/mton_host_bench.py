@@ -13,7 +13,9 @@ float32) into a TP=2 engine pair, first bfloat16, then FP8 (e4m3, 128 x
 FSDP row shards (ManySenders, threads of this process, each with its own
 Trainer) dense; the same two ranks with 0.3% of the elements changed per
 version, each piece that changed little sent as a sparse patch against
-the version before. Each row: the median of --updates updates, its ratio
+the version before (and the same with receipts off, to show what they
+cost: they stay whole, each rank summing its pieces' new values). Each
+row: the median of --updates updates, its ratio
 to the one-sender row of the same engines, the bytes the ranks put on the
 wire against dense.
 
@@ -151,12 +153,12 @@ def one_sender(target, cks, first_version):
         t.close()
 
 
-def many_senders(target, cks, first_version, sparse):
+def many_senders(target, cks, first_version, sparse, verify=True):
     """(seconds of rank 0's updates, [wire figures per update]) of RANKS
     rank threads; with `sparse` every update after the first patches
     the one before."""
     room = {"n": RANKS, "slots": [None] * RANKS, "barrier": threading.Barrier(RANKS, timeout=300)}
-    times, wires, errors = [], [[] for _ in range(RANKS)], []
+    times, phases, wires, errors = [], [], [[] for _ in range(RANKS)], []
 
     def rank_main(r):
         trainer = weightsync.Trainer(target, timeout=120)
@@ -170,9 +172,10 @@ def many_senders(target, cks, first_version, sparse):
                 base = v - 1 if sparse and k > 0 else None
                 local = shards(r, ck)
                 t0 = time.perf_counter()
-                s.update(MANIFEST, local, v, base_version=base, max_density=0.05)
+                s.update(MANIFEST, local, v, base_version=base, max_density=0.05, verify=verify)
                 if r == 0:
                     times.append(time.perf_counter() - t0)
+                    phases.append(dict(s.last_timings))
                 wires[r].append(dict(s.last_wire))
         except BaseException as e:  # noqa: BLE001 - raised below
             errors.append(e)
@@ -183,6 +186,8 @@ def many_senders(target, cks, first_version, sparse):
         raise errors[0]
     per_update = [{key: sum(w[k][key] for w in wires) for key in wires[0][k]}
                   for k in range(len(cks))]
+    for k, p in enumerate(phases):
+        per_update[k]["phases"] = p
     return times, per_update
 
 
@@ -209,7 +214,8 @@ def main():
         for engines, specs in (("bf16 TP=2", bf16), ("fp8 e4m3 128x128 TP=2", fp8)):
             d.engines_up(specs)
             base = None
-            for row in ("one sender", "2 ranks dense", "2 ranks sparse 0.3%"):
+            for row in ("one sender", "2 ranks dense", "2 ranks sparse 0.3%",
+                        "2 ranks sparse 0.3%, receipts off"):
                 if row == "one sender":
                     times, wire = one_sender(d.target, cks[:n], version + 1), None
                 elif row == "2 ranks dense":
@@ -218,7 +224,8 @@ def main():
                     continue   # a patch can't go into an FP8 target
                 else:
                     # the first update of the row (dense) is its basis, not timed
-                    times, wire = many_senders(d.target, cks[:n + 1], version + 1, True)
+                    times, wire = many_senders(d.target, cks[:n + 1], version + 1, True,
+                                               verify="off" not in row)
                     times, wire = times[1:], wire[1:]
                     version += 1
                 version += n
@@ -231,6 +238,9 @@ def main():
                     r["wire_vs_dense"] = round(
                         statistics.median(w["wire_bytes"] / w["dense_bytes"] for w in wire), 4)
                     r["patched_pieces"] = wire[-1]["patched_pieces"]
+                    # rank 0's phases (weightsync.senders.many.ManySenders.last_timings)
+                    r["phases_s"] = {k: round(statistics.median(w["phases"][k] for w in wire), 4)
+                                     for k in wire[0]["phases"]}
                 rows.append(r)
                 print(json.dumps(r), flush=True)
     finally:

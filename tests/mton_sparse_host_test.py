@@ -111,10 +111,13 @@ def main():
             dense = sum(out[r][v - 1][1]["dense_bytes"] for r in range(RANKS))
             sent = sum(out[r][v - 1][1]["wire_bytes"] for r in range(RANKS))
             patched = sum(out[r][v - 1][1]["patched_pieces"] for r in range(RANKS))
+            # Receipts of patched links summed from the elements that changed.
+            deltas = sum(out[r][v - 1][1]["receipts_from_deltas"] for r in range(RANKS))
             if v == 1:
-                assert (sent, patched) == (dense, 0), (v, sent, dense, patched)
+                assert (sent, patched, deltas) == (dense, 0, 0), (v, sent, dense, patched)
             else:
                 assert patched > 0 and sent < dense * 0.2, (v, sent, dense, patched)
+                assert deltas == RANKS * len(w.targets), (v, deltas)
             print(f"v{v}: {patched} pieces patched, {sent} of {dense} dense bytes on the wire "
                   f"({sent / dense:.3f})", flush=True)
         if errors:

@@ -512,6 +512,49 @@ class ManySparseTest(unittest.TestCase):
         self.assertEqual(small.patches("p", 1, 0, [piece], [few.tobytes()], 0.05), {})
 
 
+    def test_receipt_deltas_are_the_change_of_the_partial_receipts(self):
+        import numpy as np
+        from weightsync._proto import v1
+        from weightsync.senders.many_receipts import partial_receipts
+        from weightsync.senders.many_sparse import receipt_deltas
+        rng = np.random.default_rng(9)
+        # An engine: w's columns 1..4 into a float16 [9, 3] parameter (a
+        # conversion and a segment), b whole in float32.
+        layout = [v1.Parameter(name="p", dtype=v1.FLOAT16, shape=[9, 3],
+                               segments=[v1.Segment(source="w", row_begin=0, row_count=9,
+                                                    col_begin=1, col_count=3)]),
+                  v1.Parameter(name="b", dtype=v1.FLOAT32, shape=[7])]
+        tensors = [{"name": "w", "dtype": "FLOAT32", "shape": [9, 6]},
+                   {"name": "b", "dtype": "FLOAT32", "shape": [7]}]
+        spec = {"tensors": tensors,
+                "senders": [{"holds": [tp.shard("w", [9, 6], 0, r, 2), tp.whole("b", [7])]}
+                            for r in range(2)],
+                "receivers": [{"name": "d", "needs": [tp.block("w", 0, 9, 1, 3),
+                                                      tp.whole("b", [7])]}]}
+        plan = tp.build_plan(spec)
+        engines = {"e": layout}
+
+        def payloads(data, r):
+            return [data[tensors[p.tensor]["name"]][p.row_begin:p.row_begin + p.row_count,
+                                                    p.col_begin:p.col_begin + p.col_count]
+                    .tobytes() for p in plan.link_pieces(r, 0)]
+        before = {"w": rng.standard_normal((9, 6)).astype(np.float32),
+                  "b": rng.standard_normal((7, 1)).astype(np.float32)}
+        after = {k: a.copy() for k, a in before.items()}
+        after["w"][[0, 4, 8], [1, 2, 0]] = [7.0, -3.5, 1.0]   # (8, 0) is in no segment
+        after["b"][5] = 2.0
+        for r in range(2):
+            old = partial_receipts(plan, r, 0, engines, payloads(before, r))
+            new = partial_receipts(plan, r, 0, engines, payloads(after, r))
+            delta = receipt_deltas(plan, r, 0, engines, payloads(before, r), payloads(after, r))
+            self.assertEqual(set(delta), {"e"})
+            self.assertEqual((int(old["e"][0]) + delta["e"]) % (1 << 64), int(new["e"][0]))
+            self.assertNotEqual(old["e"][0], new["e"][0])
+        # Nothing changed: no change.
+        self.assertEqual(receipt_deltas(plan, 0, 0, engines, payloads(before, 0),
+                                        payloads(before, 0)), {"e": 0})
+
+
 class _Rows:
     """numpy standing in for the torch calls many_nccl.piece_views makes."""
 

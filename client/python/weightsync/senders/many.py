@@ -391,7 +391,8 @@ class ManySenders:
             # staging budget fits less lowers its own).
             self.nccl.last_timings["chunk_bytes"] = max(started["chunk_bytes"], default=0)
         if self._basis is not None:   # after a failure what the engines hold is not known
-            self._basis.after(plan.id, version, self._sent, "error" not in result)
+            self._basis.after(plan.id, version, self._sent, "error" not in result,
+                              {int(i): p for i, p in (sent.get("partials") or {}).items()})
         if "error" in result:
             raise WeightSyncError(*result["error"])
         return [v1.FinishWeightUpdateResponse.FromString(bytes.fromhex(h))
@@ -465,7 +466,8 @@ class ManySenders:
         # went as patches (tests, benchmarks).
         self.last_wire = {"dense_bytes": sum(sum(len(d) for d in p) for p in payloads.values()),
                           "wire_bytes": sum(sum(b) for b in wire_bytes.values()),
-                          "patched_pieces": sum(len(p) for p in patches.values())}
+                          "patched_pieces": sum(len(p) for p in patches.values()),
+                          "receipts_from_deltas": 0}
 
         def push(i, stub):
             if i not in payloads:
@@ -490,7 +492,14 @@ class ManySenders:
             stub.call("PushChunks", requests(), timeout=self._link.stream_timeout)
             if fp8:
                 return payloads[i]   # summed once every rank's block parts are in
-            return partial_receipts(plan, me, i, self._engines[i], payloads[i]) if verify else {}
+            if not verify:
+                return {}
+            # A patched update sums only the elements that changed.
+            kept = self._basis.receipts_of(plan, me, i, self._engines[i], payloads[i]) \
+                if i in patches else None
+            if kept:
+                self.last_wire["receipts_from_deltas"] += 1
+            return kept or partial_receipts(plan, me, i, self._engines[i], payloads[i])
         results = list(self._link.group.each(push))
         for i, r in enumerate(results):
             if isinstance(r, WeightSyncError):

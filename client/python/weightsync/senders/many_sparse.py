@@ -16,8 +16,12 @@ import numpy as np
 
 from weightsync import sparse
 from weightsync._proto import v1
+from weightsync.receipts.core import bits32_np, layout_regions, salt32, terms32
+from weightsync.senders.many_receipts import link_views
 
-__all__ = ["Basis", "patch_entries", "link_manifest_with_patches"]
+__all__ = ["Basis", "patch_entries", "link_manifest_with_patches", "receipt_deltas"]
+
+_M64 = (1 << 64) - 1
 
 
 class Basis:
@@ -31,10 +35,15 @@ class Basis:
 
     def clear(self):
         self.plan_id, self.version, self.pieces = None, None, {}
+        # {daemon: this rank's partial receipts of its link} at that version
+        # (receipts on), so that a patched update sums only what changed.
+        self.receipts = {}
 
-    def keep(self, plan_id, version, payloads):
-        """After an update committed: `payloads` {daemon: [piece bytes]}."""
+    def keep(self, plan_id, version, payloads, receipts=None):
+        """After an update committed: `payloads` {daemon: [piece bytes]},
+        `receipts` {daemon: partial receipts} where they were summed."""
         self.clear()
+        self.receipts = dict(receipts or {})
         left = self.budget
         for daemon, pieces in payloads.items():
             for k, data in enumerate(pieces):
@@ -44,11 +53,11 @@ class Basis:
                 left = None if left is None else left - len(data)
         self.plan_id, self.version = plan_id, version
 
-    def after(self, plan_id, version, payloads, committed):
+    def after(self, plan_id, version, payloads, committed, receipts=None):
         """After an update: keep what it sent if it committed, else
         nothing."""
         if committed:
-            self.keep(plan_id, version, payloads)
+            self.keep(plan_id, version, payloads, receipts)
         else:
             self.clear()
 
@@ -62,6 +71,20 @@ class Basis:
             if found:
                 out[i] = found
         return out
+
+    def receipts_of(self, plan, rank, daemon, engines, payloads):
+        """This rank's partial receipts of link `daemon` after it sends
+        `payloads`, from those it kept and the terms of the elements that
+        changed (receipt_deltas), or None where it kept none or lacks a
+        piece's basis."""
+        kept = self.receipts.get(daemon)
+        before = [self.pieces.get((daemon, k)) for k in range(len(payloads))]
+        if kept is None or any(b is None or len(b) != len(p) for b, p in zip(before, payloads)):
+            return None
+        deltas = receipt_deltas(plan, rank, daemon, engines, before, payloads)
+        if set(deltas) != set(kept):
+            return None
+        return {e: [str((int(c) + deltas[e]) & _M64), n] for e, (c, n) in kept.items()}
 
     def patches(self, plan_id, base_version, daemon, pieces, payloads, max_density):
         """{piece index: SparsePatch} of link `daemon` where a piece changed
@@ -104,4 +127,43 @@ def link_manifest_with_patches(manifest, patches):
         p = patches.get(k)
         out.append(m if p is None else dict(m, sparse_nnz=int(p.nnz),
                                             sparse_index_bytes=int(p.index_bytes)))
+    return out
+
+
+def receipt_deltas(plan, rank, daemon, engines, before, after):
+    """{engine id: the change (mod 2^64) of rank `rank`'s partial receipt of
+    link `daemon` (weightsync.senders.many_receipts.partial_receipts) when
+    its pieces' bytes go from `before` to `after`}: the checksum is a sum of
+    one term per installed element, keyed by its place, so only the
+    elements whose bits changed count, new term minus old. Plain
+    parameters only (no FP8 target takes a patch)."""
+    views, manifest = link_views(plan, rank, daemon, engines)
+    changed, sent = {}, {}
+    for m, old, new in zip(manifest, before, after):
+        numel = m["shape"][0] * m["shape"][1]
+        if not numel:
+            continue
+        width = len(new) // numel
+        o = np.frombuffer(old, f"u{width}")
+        n = np.frombuffer(new, f"u{width}")
+        idx = np.flatnonzero(o != n)
+        if idx.size:
+            changed[m["name"]] = (m["dtype"], idx, o[idx], n[idx])
+            sent[m["name"]] = (m["dtype"], tuple(m["shape"]), None)
+    out = {}
+    for engine_id, view in views.items():
+        total = 0
+        for name, dst, regions in layout_regions(view, sent):
+            for source, _, cols, rb, cb, rc, cc, dest, stride in regions or ():
+                src, idx, o, n = changed[source]
+                r, c = idx // cols, idx % cols
+                keep = (r >= rb) & (r < rb + rc) & (c >= cb) & (c < cb + cc)
+                if not keep.any():
+                    continue
+                at = dest + (r[keep] - rb) * stride + (c[keep] - cb)
+                salt = salt32(name)
+                for values, sign in ((n[keep], 1), (o[keep], -1)):
+                    bits = bits32_np(np.ascontiguousarray(values).view(np.uint8), src, dst)
+                    total += sign * int(terms32(bits, at, salt).sum(dtype=np.uint64))
+        out[engine_id] = total & _M64
     return out
