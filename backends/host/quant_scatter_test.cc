@@ -396,6 +396,42 @@ TEST(QuantScatterTest, ABrokenPlanIsRefusedNotWrittenOutsideItsBand) {
   EXPECT_TRUE(Bytes(**fresh, 1) == std::string(2 * 2 * 4, '\0'));
 }
 
+// What a stream holds open: the float32 row of blocks being filled, from
+// its first element (band 0 too) until its last; nothing once it is
+// written, though its memory is kept for the next band.
+TEST(QuantScatterTest, OpenBytesAreTheBandBeingFilled) {
+  std::mt19937 rng(7);
+  const std::vector<Tensor> tensors = {
+      RandomTensor("w", v1::BFLOAT16, 256, 256, rng)};
+  Manifest m;
+  *m.Add() = tensors[0].spec;
+  testing::HeapMapper mapper;
+  auto layout = BuildEngineLayout(OneFp8Weight(256, 256, 2, 2), mapper);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  auto plan = BuildCopyPlan(m, 256, {*layout});  // half a row a chunk
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  QuantScatter q;
+  q.Reset(**plan);
+  const int64_t band = 128 * 256 * 4;
+  auto feed = [&](int64_t k) {
+    ASSERT_TRUE(
+        q.Feed(**plan, k,
+               reinterpret_cast<const uint8_t*>(tensors[0].bytes.data()) +
+                   (*plan)->chunks.chunks[k].offset,
+               nullptr, nullptr)
+            .ok());
+  };
+  EXPECT_EQ(q.open_bytes(), 0);
+  feed(0);
+  EXPECT_EQ(q.open_bytes(), band);
+  for (int64_t k = 1; k < 256; ++k) feed(k);  // rows 0-127: band 0 written
+  EXPECT_EQ(q.open_bytes(), 0);
+  feed(256);
+  EXPECT_EQ(q.open_bytes(), band);
+  for (int64_t k = 257; k < 512; ++k) feed(k);
+  EXPECT_EQ(q.open_bytes(), 0);
+}
+
 TEST(QuantScatterTest, PlanRefusesPatchesAndSourcesThatCantBeQuantised) {
   const v1::RegisterEngineRequest r = OneFp8Weight(4, 8, 1, 1);
   testing::HeapMapper mapper;

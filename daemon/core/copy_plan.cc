@@ -363,6 +363,7 @@ std::vector<std::vector<int>> PlanQuant(const UsesByTensor& uses,
       q.segment = use.source_use.segment;
       q.src_dtype = plan.manifest[t].dtype();
       q.src_cols = use.cols;
+      q.tensor = t;
       q.rect = *SegmentRect(use.param->quant->cols, *use.segment);
       // Each at most 256 MiB (registration) and at most 2^20 uses.
       band_bytes +=

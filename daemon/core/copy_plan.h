@@ -60,6 +60,7 @@ struct SparsePatch {
 // Its elements get no CopyOp: the data plane gathers them as float32 and
 // quantises each row of blocks once all of it has arrived.
 struct QuantTarget {
+  int32_t tensor = 0;  // the manifest tensor that feeds it
   int32_t engine = 0;
   int32_t parameter = 0;  // index into that engine's parameters
   int32_t segment = 0;

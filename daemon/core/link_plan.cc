@@ -145,19 +145,14 @@ void Append(const CopyPlan& l, CopyPlan& out) {
 // once, with one scale, as if one sender had sent it.
 class QuantLinks {
  public:
+  // `whole`: the copy plan of the plan's whole manifest (kSkip).
   QuantLinks(const TransferPlan& plan, const CopyPlan& whole)
-      : plan_(plan), whole_(whole), seen_(whole.quant.size()) {
-    absl::flat_hash_map<std::string, int32_t> tensor_of;
-    for (int32_t t = 0; t < plan.manifest.size(); ++t) {
-      tensor_of[plan.manifest.Get(t).name()] = t;
-    }
-    by_tensor_.resize(plan.manifest.size());
+      : plan_(plan),
+        whole_(whole),
+        by_tensor_(plan.manifest.size()),
+        seen_(whole.quant.size()) {
     for (int32_t i = 0; i < static_cast<int32_t>(whole.quant.size()); ++i) {
-      const QuantTarget& q = whole.quant[i];
-      const ParameterLayout& p =
-          whole.engines[q.engine]->parameters[q.parameter];
-      auto it = tensor_of.find(p.segments[q.segment].source);
-      if (it != tensor_of.end()) by_tensor_[it->second].push_back(i);
+      by_tensor_[whole.quant[i].tensor].push_back(i);
     }
   }
 
@@ -194,7 +189,7 @@ class QuantLinks {
         for (int32_t target : by_tensor_[piece.tensor]) {
           int64_t at = c.chunk_offset;
           for (const auto& [first, n] : runs) {
-            if (Note(target, link[c.tensor], w == cols, first, first + n)) {
+            if (Note(target, link[c.tensor], first, first + n)) {
               out.quant_by_chunk[base_chunk + chunk.index].push_back(
                   {target, static_cast<int32_t>(base_tensor + c.tensor), first,
                    first + n, at, c.tensor_offset + (at - c.chunk_offset)});
@@ -209,10 +204,10 @@ class QuantLinks {
   // Every target's elements must have arrived exactly (else the engine
   // layouts changed since the plan was made); sets out.quant, each marked
   // gathered unless one plan piece carries all of it, and the float32 bytes
-  // of rows of blocks that may be open at once: those only one piece fills,
-  // whole width, open while that piece streams by (each of `links` links
-  // at one place: `whole.quant_band_bytes` at most), and every other, which
-  // may wait for the last of its links.
+  // of rows of blocks that may be open at once: those one piece fills
+  // (its elements come in order) are open only while it streams by (each
+  // of `links` links at one place: `whole.quant_band_bytes` at most); one
+  // that several pieces fill may wait for the last of them.
   absl::Status Finish(int32_t receiver, int64_t links, CopyPlan& out) {
     out.quant = whole_.quant;
     int64_t waiting = 0;
@@ -230,10 +225,13 @@ class QuantLinks {
             "' takes: the engine layouts changed since the plan was made; "
             "make it again from the engines' layouts"));
       }
-      t.gathered = seen.pieces != 1;
       const int64_t br = p.quant->block_rows;
+      int32_t only = -1;  // the one piece of every band, while there is one
+      t.gathered = false;
       for (const auto& [band, use] : seen.bands) {
-        if (use.pieces == 1 && use.whole_width) continue;
+        if (only == -1) only = use.piece;
+        t.gathered = t.gathered || use.shared || use.piece != only;
+        if (!use.shared) continue;
         const int64_t rows = std::min(t.rect.r1, (band + 1) * br) -
                              std::max(t.rect.r0, band * br);
         waiting += rows * (t.rect.c1 - t.rect.c0) * 4;
@@ -250,21 +248,17 @@ class QuantLinks {
 
  private:
   struct BandUse {
-    int32_t piece = -1;  // the one plan piece writing it, while one does
-    int pieces = 0;      // 1, or 2 for two or more
-    bool whole_width = false;
+    int32_t piece = -1;   // the first plan piece writing it
+    bool shared = false;  // and another one too
   };
   struct Seen {
     int64_t elements = 0;
-    int32_t piece = -1;
-    int pieces = 0;  // as BandUse's
     absl::flat_hash_map<int64_t, BandUse> bands;
   };
 
   // Counts flat source elements [begin, end) of plan piece `piece` into
   // target `target`; false where none of them is the target's.
-  bool Note(int32_t target, int32_t piece, bool whole_width, int64_t begin,
-            int64_t end) {
+  bool Note(int32_t target, int32_t piece, int64_t begin, int64_t end) {
     const QuantTarget& t = whole_.quant[target];
     const ParameterLayout& p =
         whole_.engines[t.engine]->parameters[t.parameter];
@@ -287,26 +281,13 @@ class QuantLinks {
       const int64_t br = p.quant->block_rows;
       const int64_t b0 = dest / p.quant->cols / br;
       const int64_t b1 = (dest + (z - a) - 1) / p.quant->cols / br;
-      for (int64_t b = b0; b <= b1; ++b)
-        Mark(seen.bands[b], piece, whole_width);
-    }
-    if (any) {
-      if (seen.pieces == 0) {
-        seen.piece = piece;
-        seen.pieces = 1;
-      } else if (seen.piece != piece) {
-        seen.pieces = 2;
+      for (int64_t b = b0; b <= b1; ++b) {
+        BandUse& use = seen.bands[b];
+        if (use.piece == -1) use.piece = piece;
+        use.shared = use.shared || use.piece != piece;
       }
     }
     return any;
-  }
-
-  static void Mark(BandUse& use, int32_t piece, bool whole_width) {
-    if (use.pieces == 0) {
-      use = {piece, 1, whole_width};
-    } else if (use.piece != piece) {
-      use.pieces = 2;
-    }
   }
 
   const TransferPlan& plan_;

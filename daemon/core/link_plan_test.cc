@@ -399,6 +399,69 @@ TEST(LinkPlanTest, Fp8BlocksCutBetweenSendersQuantiseWhole) {
     }
     RunFp8AndCompare(2, Split::kReplicas, 65536, arrival);
   }
+  // Column shards of 13 and 12 columns in chunks of 64 elements: a chunk
+  // ends one element into a piece's row (59 rows of 13 and one).
+  RunFp8AndCompare(5, Split::kCols, 256, Arrival::kRounds);
+}
+
+// One FP8 target w [64, 32] in 16 x 16 blocks, fed whole by one tensor that
+// `cuts` split into row shards of as many senders: the rows of blocks a
+// cut falls in wait for both senders, every other streams by. The plan's
+// bound is each link at one place (one row of blocks, 2 KiB) plus the
+// waiting ones; the target is gathered unless one piece feeds it all.
+TEST(LinkPlanTest, Fp8BandsThatWaitAreTheOnesACutFallsIn) {
+  struct Case {
+    std::vector<int64_t> cuts;
+    int64_t bound;
+    bool gathered;
+  };
+  for (const Case& c :
+       std::vector<Case>{{{}, 2048, false},
+                         {{32}, 2 * 2048, true},
+                         {{20}, 2 * 2048 + 2048, true},
+                         {{20, 44}, 3 * 2048 + 2 * 2048, true},
+                         {{1, 63}, 3 * 2048 + 2 * 2048, true}}) {
+    testing::HeapMapper mapper;
+    std::vector<v1::Parameter> params(2);
+    params[0].set_name("w");
+    params[0].set_dtype(v1::FLOAT8_E4M3FN);
+    params[0].add_shape(64);
+    params[0].add_shape(32);
+    v1::Quantization* q = params[0].mutable_quantization();
+    q->set_format(v1::FLOAT8_E4M3FN);
+    q->set_scale_parameter("w_scale");
+    q->set_block_rows(16);
+    q->set_block_cols(16);
+    params[1].set_name("w_scale");
+    params[1].set_dtype(v1::FLOAT32);
+    params[1].add_shape(4);
+    params[1].add_shape(2);
+    Engine e = MakeEngineOf("e", params, mapper);
+    v1::TransferPlanSpec spec;
+    v1::TensorSpec* t = spec.add_tensors();
+    t->set_name("w");
+    t->set_dtype(v1::FLOAT32);
+    t->add_shape(64);
+    t->add_shape(32);
+    std::vector<int64_t> edges = {0};
+    edges.insert(edges.end(), c.cuts.begin(), c.cuts.end());
+    edges.push_back(64);
+    for (size_t i = 0; i + 1 < edges.size(); ++i) {
+      *spec.add_senders()->add_holds() =
+          Block("w", edges[i], edges[i + 1] - edges[i], 0, 32);
+    }
+    v1::ReceiverLayout* r = spec.add_receivers();
+    r->set_name("daemon");
+    *r->add_needs() = Block("w", 0, 64, 0, 32);
+    absl::StatusOr<TransferPlan> plan = BuildTransferPlan(spec);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    absl::StatusOr<LinkedCopyPlan> linked =
+        BuildLinkedCopyPlan(*plan, {0}, 1024, {e.layout});
+    ASSERT_TRUE(linked.ok()) << linked.status();
+    ASSERT_EQ(linked->copy->quant.size(), 1u);
+    EXPECT_EQ(linked->copy->quant_band_bytes, c.bound) << c.cuts.size();
+    EXPECT_EQ(linked->copy->quant[0].gathered, c.gathered) << c.cuts.size();
+  }
 }
 
 // An engine's FP8 target whose elements a receiver no longer needs (the
@@ -509,6 +572,16 @@ TEST(LinkPlanTest, SparsePiecesBecomePatchesOfTheirLinks) {
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << b.words;
     EXPECT_THAT(r.status().message(), HasSubstr(b.words));
   }
+  // nnz one past the piece's elements; the last piece of a link is one.
+  const PlanPiece& p1 = plan->pieces[plan->links[0][0][1]];
+  absl::StatusOr<LinkedCopyPlan> over = BuildLinkedCopyPlan(
+      *plan, {0}, 4096, layouts, {{0, 1, p1.row_count * p1.col_count + 1, 8}});
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(over.status().message(),
+              HasSubstr("nnz must be 1 to the piece's elements"));
+  EXPECT_TRUE(
+      BuildLinkedCopyPlan(*plan, {0}, 4096, layouts, {{0, last - 1, 1, 8}})
+          .ok());
   absl::StatusOr<LinkedCopyPlan> twice = BuildLinkedCopyPlan(
       *plan, {0}, 4096, layouts, {{0, 1, 3, 4}, {0, 1, 2, 4}});
   EXPECT_EQ(twice.status().code(), absl::StatusCode::kInvalidArgument);
@@ -517,6 +590,68 @@ TEST(LinkPlanTest, SparsePiecesBecomePatchesOfTheirLinks) {
   const PlanPiece& p0 = plan->pieces[plan->links[0][0][0]];
   EXPECT_TRUE(BuildLinkedCopyPlan(*plan, {0}, 4096, layouts,
                                   {{0, 0, p0.row_count * p0.col_count, 4}})
+                  .ok());
+}
+
+// uint32 indices reach 2^32 elements: a piece of exactly that many takes
+// them, one of more needs int64 (the plan describes the tensor; no engine
+// holds it, so nothing of its 4 GiB is allocated).
+TEST(LinkPlanTest, FourByteIndicesReachTwoToTheThirtyTwoElements) {
+  testing::HeapMapper mapper;
+  std::vector<Engine> engines = {MakeEngine("plain", synthetic::Layout::kPlain,
+                                            0, 1, v1::BFLOAT16, mapper)};
+  const auto model = *synthetic::ModelByName("tiny");
+  Manifest manifest;
+  for (const v1::TensorSpec& t : synthetic::Checkpoint(model, v1::FLOAT32)) {
+    *manifest.Add() = t;
+  }
+  const int64_t four_g = int64_t{1} << 32;
+  v1::TensorSpec* huge = manifest.Add();
+  huge->set_name("huge");
+  huge->set_dtype(v1::UINT8);
+  huge->add_shape(four_g + 1);
+  v1::TransferPlanSpec spec = Spec(manifest, 1, Split::kRows, engines);
+  // The receiver needs the first 2^32 elements (rows of the [2^32 + 1, 1]
+  // view): one piece.
+  *spec.mutable_receivers(0)->add_needs() = Block("huge", 0, four_g, 0, 1);
+  absl::StatusOr<TransferPlan> plan = BuildTransferPlan(spec);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  int32_t big = -1;
+  const std::vector<int32_t>& link = plan->links[0][0];
+  for (size_t k = 0; k < link.size(); ++k) {
+    const PlanPiece& p = plan->pieces[link[k]];
+    if (manifest.Get(p.tensor).name() == "huge" && p.row_count == four_g) {
+      big = k;
+    }
+  }
+  ASSERT_GE(big, 0);
+  const std::vector<std::shared_ptr<const EngineLayout>> layouts = {
+      engines[0].layout};
+  EXPECT_TRUE(BuildLinkedCopyPlan(*plan, {0}, int64_t{1} << 30, layouts,
+                                  {{0, big, 1, 4}})
+                  .ok());
+  // One element more: the same piece made one row longer.
+  v1::TransferPlanSpec longer = spec;
+  auto* needs = longer.mutable_receivers(0)->mutable_needs();
+  needs->RemoveLast();
+  *longer.mutable_receivers(0)->add_needs() =
+      Block("huge", 0, four_g + 1, 0, 1);
+  plan = BuildTransferPlan(longer);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  big = -1;
+  for (size_t k = 0; k < plan->links[0][0].size(); ++k) {
+    if (manifest.Get(plan->pieces[plan->links[0][0][k]].tensor).name() ==
+        "huge") {
+      big = k;
+    }
+  }
+  ASSERT_GE(big, 0);
+  absl::StatusOr<LinkedCopyPlan> r = BuildLinkedCopyPlan(
+      *plan, {0}, int64_t{1} << 30, layouts, {{0, big, 1, 4}});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(), HasSubstr("4-byte indices"));
+  EXPECT_TRUE(BuildLinkedCopyPlan(*plan, {0}, int64_t{1} << 30, layouts,
+                                  {{0, big, 1, 8}})
                   .ok());
 }
 
