@@ -459,15 +459,7 @@ class ManySenders:
             payloads = _link_payloads(plan, me, local, len(self._link.stubs))
         patches = patches or {}
         self._sent = payloads
-        wire_bytes = {i: [mine.payload().nbytes
-                          if (mine := patches.get(i, {}).get(k)) is not None else len(data)
-                          for k, data in enumerate(pieces)] for i, pieces in payloads.items()}
-        # What this rank's pieces weigh dense and on the wire, and how many
-        # went as patches (tests, benchmarks).
-        self.last_wire = {"dense_bytes": sum(sum(len(d) for d in p) for p in payloads.values()),
-                          "wire_bytes": sum(sum(b) for b in wire_bytes.values()),
-                          "patched_pieces": sum(len(p) for p in patches.values()),
-                          "receipts_from_deltas": 0}
+        self.last_wire = many_sparse.wire_figures(payloads, patches)
 
         def push(i, stub):
             if i not in payloads:

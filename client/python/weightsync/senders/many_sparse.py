@@ -19,7 +19,8 @@ from weightsync._proto import v1
 from weightsync.receipts.core import bits32_np, layout_regions, salt32, terms32
 from weightsync.senders.many_receipts import link_views
 
-__all__ = ["Basis", "patch_entries", "link_manifest_with_patches", "receipt_deltas"]
+__all__ = ["Basis", "patch_entries", "link_manifest_with_patches", "receipt_deltas",
+           "wire_figures"]
 
 _M64 = (1 << 64) - 1
 
@@ -167,3 +168,15 @@ def receipt_deltas(plan, rank, daemon, engines, before, after):
                     total += sign * int(terms32(bits, at, salt).sum(dtype=np.uint64))
         out[engine_id] = total & _M64
     return out
+
+
+def wire_figures(payloads, patches):
+    """What a rank's pieces ({daemon: [bytes]}) weigh dense and on the wire
+    with `patches` ({daemon: {piece: SparsePatch}}), how many went as
+    patches, and (counted by the sender) how many links' receipts came from
+    deltas: ManySenders.last_wire, for tests and benchmarks."""
+    wire = sum(patches[i][k].payload().nbytes if k in patches.get(i, {}) else len(data)
+               for i, pieces in payloads.items() for k, data in enumerate(pieces))
+    return {"dense_bytes": sum(len(d) for p in payloads.values() for d in p),
+            "wire_bytes": wire, "patched_pieces": sum(len(p) for p in patches.values()),
+            "receipts_from_deltas": 0}
