@@ -46,10 +46,11 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 import numpy as np  # noqa: E402
 
 import weightsync  # noqa: E402
-from weightsync import layouts, transfer_plan  # noqa: E402
+from weightsync import layouts  # noqa: E402
 from weightsync.senders.many import ManySenders  # noqa: E402
 from fp8_host_test import ENGINES  # noqa: E402
 from mton_fp8_host_test import ThreadCollective, run_ranks  # noqa: E402
+from mton_sparse_host_test import local_of  # noqa: E402
 
 CONFIG = dict(model_type="qwen3", vocab_size=8192, hidden_size=1024, num_attention_heads=16,
               num_key_value_heads=8, head_dim=64, num_hidden_layers=4,
@@ -73,16 +74,6 @@ def checkpoints(n):
             flat[at] += 1e-3
         out.append(ck)
     return out
-
-
-def shards(rank, ck):
-    local = []
-    for name, a in ck.items():
-        b = transfer_plan.shard(name, a.shape, 0, rank, RANKS)
-        if b is not None:
-            rows = a.reshape(a.shape[0], -1)
-            local.append((b, rows[b["row_begin"]:b["row_begin"] + b["row_count"]]))
-    return local
 
 
 class Daemon:
@@ -170,7 +161,7 @@ def many_senders(target, cks, first_version, sparse, verify=True):
             for k, ck in enumerate(cks):
                 v = first_version + k
                 base = v - 1 if sparse and k > 0 else None
-                local = shards(r, ck)
+                local = local_of(r, ck)
                 t0 = time.perf_counter()
                 s.update(MANIFEST, local, v, base_version=base, max_density=0.05, verify=verify)
                 if r == 0:

@@ -244,8 +244,10 @@ class World:
         want = expected(params, segments, ckpt)
         return np.array_equal(got[:want.size].view(np.uint32), want.view(np.uint32))
 
-    def expect_version(self, version, why):
-        ckpt = dict(weights(DENSE, version))
+    def expect_version(self, version, why, ckpt=None):
+        """Every engine READY at `version`, its memory `ckpt` (default the
+        world's checkpoint of that version)."""
+        ckpt = dict(weights(DENSE, version)) if ckpt is None else ckpt
         st = self.states()
         for eid in self.layout:
             assert st[eid] == (v1.ENGINE_READY, version), f"{why}: {eid} is {st[eid]}"

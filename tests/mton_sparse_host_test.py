@@ -130,16 +130,9 @@ def main():
     print("PASS")
 
 
-def check_memory(w, ck, version, why):
-    st = w.states()
-    for eid in w.layout:
-        assert st[eid] == (v1.ENGINE_READY, version), f"{why}: {eid} is {st[eid]}"
-        assert w.memory_is(eid, ck), f"{why}: {eid} memory is not v{version}"
-
-
 def refusals(w, trainer, plan_id, cks):
     """Starts the trainer side never sends, each refused before a pause."""
-    check_memory(w, cks[3], 3, "after v3")
+    w.expect_version(3, "after v3", cks[3])
     stub = trainer._stubs[0]
     good = v1.PlanSparsePiece(sender=0, receiver=0, piece=0, nnz=1, index_bytes=4)
     cases = [("against v2", 2, [good], "FAILED_PRECONDITION", "holds sparse patches against"),
@@ -162,7 +155,7 @@ def refusals(w, trainer, plan_id, cks):
             print(f"{why}: refused {e.code} ({e.message[:110]}...)", flush=True)
         else:
             raise AssertionError(f"{why}: the Start was accepted")
-        check_memory(w, cks[3], 3, f"after the refused Start ({why})")
+        w.expect_version(3, f"after the refused Start ({why})", cks[3])
 
 
 if __name__ == "__main__":

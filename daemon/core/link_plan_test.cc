@@ -404,6 +404,26 @@ TEST(LinkPlanTest, Fp8BlocksCutBetweenSendersQuantiseWhole) {
   RunFp8AndCompare(5, Split::kCols, 256, Arrival::kRounds);
 }
 
+// The tiny model's checkpoint in float32, and one plain FP8 engine of it
+// (16 x 16 blocks).
+Manifest TinyManifest() {
+  Manifest manifest;
+  for (const v1::TensorSpec& t :
+       synthetic::Checkpoint(*synthetic::ModelByName("tiny"), v1::FLOAT32)) {
+    *manifest.Add() = t;
+  }
+  return manifest;
+}
+
+Engine TinyFp8Engine(testing::HeapMapper& mapper) {
+  return MakeEngineOf(
+      "fp8",
+      *synthetic::Fp8EngineParameters(*synthetic::ModelByName("tiny"),
+                                      synthetic::Layout::kPlain, 0, 1,
+                                      v1::BFLOAT16, v1::FLOAT8_E4M3FN, 16),
+      mapper);
+}
+
 // One FP8 target w [64, 32] in 16 x 16 blocks, fed whole by one tensor that
 // `cuts` split into row shards of as many senders: the rows of blocks a
 // cut falls in wait for both senders, every other streams by. The plan's
@@ -468,16 +488,8 @@ TEST(LinkPlanTest, Fp8BandsThatWaitAreTheOnesACutFallsIn) {
 // plan was made before the layout changed) is refused, naming it.
 TEST(LinkPlanTest, Fp8TargetNotCoveredIsRefused) {
   testing::HeapMapper mapper;
-  const auto model = *synthetic::ModelByName("tiny");
-  std::vector<Engine> engines = {MakeEngineOf(
-      "fp8",
-      *synthetic::Fp8EngineParameters(model, synthetic::Layout::kPlain, 0, 1,
-                                      v1::BFLOAT16, v1::FLOAT8_E4M3FN, 16),
-      mapper)};
-  Manifest manifest;
-  for (const v1::TensorSpec& t : synthetic::Checkpoint(model, v1::FLOAT32)) {
-    *manifest.Add() = t;
-  }
+  std::vector<Engine> engines = {TinyFp8Engine(mapper)};
+  const Manifest manifest = TinyManifest();
   v1::TransferPlanSpec spec = Spec(manifest, 2, Split::kRows, engines);
   // The receiver forgets the last row of q_proj's need.
   for (v1::TensorBlock& b : *spec.mutable_receivers(0)->mutable_needs()) {
@@ -657,16 +669,8 @@ TEST(LinkPlanTest, FourByteIndicesReachTwoToTheThirtyTwoElements) {
 
 TEST(LinkPlanTest, ASparsePieceIntoAnFp8TargetIsRefused) {
   testing::HeapMapper mapper;
-  const auto model = *synthetic::ModelByName("tiny");
-  std::vector<Engine> engines = {MakeEngineOf(
-      "fp8",
-      *synthetic::Fp8EngineParameters(model, synthetic::Layout::kPlain, 0, 1,
-                                      v1::BFLOAT16, v1::FLOAT8_E4M3FN, 16),
-      mapper)};
-  Manifest manifest;
-  for (const v1::TensorSpec& t : synthetic::Checkpoint(model, v1::FLOAT32)) {
-    *manifest.Add() = t;
-  }
+  std::vector<Engine> engines = {TinyFp8Engine(mapper)};
+  const Manifest manifest = TinyManifest();
   absl::StatusOr<TransferPlan> plan =
       BuildTransferPlan(Spec(manifest, 2, Split::kRows, engines));
   ASSERT_TRUE(plan.ok()) << plan.status();

@@ -172,25 +172,12 @@ class PropertiesTest(unittest.TestCase):
 
     def test_partial_receipts_add_up_to_the_whole(self):
         import numpy as np
-        from weightsync._proto import v1
         from weightsync.receipts import expected_receipt
         from weightsync.senders.many_receipts import add_partials, partial_receipts
         rng = np.random.default_rng(5)
         w = rng.standard_normal((9, 6)).astype(np.float32)
         b = rng.standard_normal(7).astype(np.float32)
-        # An engine: w's columns 1..4 into a [9, 3] parameter, b whole.
-        layout = [v1.Parameter(name="p", dtype=v1.FLOAT16, shape=[9, 3],
-                               segments=[v1.Segment(source="w", row_begin=0, row_count=9,
-                                                    col_begin=1, col_count=3)]),
-                  v1.Parameter(name="b", dtype=v1.FLOAT32, shape=[7])]
-        tensors = [{"name": "w", "dtype": "FLOAT32", "shape": [9, 6]},
-                   {"name": "b", "dtype": "FLOAT32", "shape": [7]}]
-        spec = {"tensors": tensors,
-                "senders": [{"holds": [tp.shard("w", [9, 6], 0, r, 2), tp.whole("b", [7])]}
-                            for r in range(2)],
-                "receivers": [{"name": "d", "needs": [tp.block("w", 0, 9, 1, 3),
-                                                      tp.whole("b", [7])]}]}
-        plan = tp.build_plan(spec)
+        layout, tensors, plan = _two_rank_engine()
         data = {"w": w.reshape(9, 6), "b": b.reshape(7, 1)}
 
         def payloads(r, flip=False):
@@ -476,6 +463,25 @@ class Fp8PartialReceiptsTest(unittest.TestCase):
         self.assertEqual(run(1), [[], []])
 
 
+def _two_rank_engine():
+    """(layout, tensors, plan): an engine taking w's columns 1..4 into a
+    float16 [9, 3] parameter (a conversion and a segment) and b whole in
+    float32, fed by two ranks of w's row shards that both hold b."""
+    from weightsync._proto import v1
+    layout = [v1.Parameter(name="p", dtype=v1.FLOAT16, shape=[9, 3],
+                           segments=[v1.Segment(source="w", row_begin=0, row_count=9,
+                                                col_begin=1, col_count=3)]),
+              v1.Parameter(name="b", dtype=v1.FLOAT32, shape=[7])]
+    tensors = [{"name": "w", "dtype": "FLOAT32", "shape": [9, 6]},
+               {"name": "b", "dtype": "FLOAT32", "shape": [7]}]
+    spec = {"tensors": tensors,
+            "senders": [{"holds": [tp.shard("w", [9, 6], 0, r, 2), tp.whole("b", [7])]}
+                        for r in range(2)],
+            "receivers": [{"name": "d", "needs": [tp.block("w", 0, 9, 1, 3),
+                                                  tp.whole("b", [7])]}]}
+    return layout, tensors, tp.build_plan(spec)
+
+
 class ManySparseTest(unittest.TestCase):
     """weightsync.senders.many_sparse: what a rank keeps and diffs."""
 
@@ -514,24 +520,10 @@ class ManySparseTest(unittest.TestCase):
 
     def test_receipt_deltas_are_the_change_of_the_partial_receipts(self):
         import numpy as np
-        from weightsync._proto import v1
         from weightsync.senders.many_receipts import partial_receipts
         from weightsync.senders.many_sparse import receipt_deltas
         rng = np.random.default_rng(9)
-        # An engine: w's columns 1..4 into a float16 [9, 3] parameter (a
-        # conversion and a segment), b whole in float32.
-        layout = [v1.Parameter(name="p", dtype=v1.FLOAT16, shape=[9, 3],
-                               segments=[v1.Segment(source="w", row_begin=0, row_count=9,
-                                                    col_begin=1, col_count=3)]),
-                  v1.Parameter(name="b", dtype=v1.FLOAT32, shape=[7])]
-        tensors = [{"name": "w", "dtype": "FLOAT32", "shape": [9, 6]},
-                   {"name": "b", "dtype": "FLOAT32", "shape": [7]}]
-        spec = {"tensors": tensors,
-                "senders": [{"holds": [tp.shard("w", [9, 6], 0, r, 2), tp.whole("b", [7])]}
-                            for r in range(2)],
-                "receivers": [{"name": "d", "needs": [tp.block("w", 0, 9, 1, 3),
-                                                      tp.whole("b", [7])]}]}
-        plan = tp.build_plan(spec)
+        layout, tensors, plan = _two_rank_engine()
         engines = {"e": layout}
 
         def payloads(data, r):
