@@ -276,6 +276,46 @@ TEST(TransferPlanTest, UntrustedSizesAreBounded) {
   refused(spec, "receiver 0: a name of 16 bytes");
 }
 
+// A block that starts before its tensor's first row or column is refused
+// naming tensor and rank, even where its end lies inside (the CI sample of
+// 2026-12-01 found the column case unpinned: [-1, +2) passed the bounds on
+// its end alone).
+TEST(TransferPlanTest, ABlockStartingBeforeItsTensorIsRefused) {
+  for (bool column : {true, false}) {
+    for (bool need : {false, true}) {
+      v1::TransferPlanSpec spec;
+      v1::TensorSpec* t = spec.add_tensors();
+      t->set_name("w");
+      t->set_dtype(v1::FLOAT32);
+      t->add_shape(4);
+      t->add_shape(8);
+      v1::TensorBlock whole;
+      whole.set_tensor("w");
+      whole.set_row_count(4);
+      whole.set_col_count(8);
+      v1::TensorBlock bad = whole;
+      if (column) {
+        bad.set_col_begin(-1);
+        bad.set_col_count(2);
+      } else {
+        bad.set_row_begin(-1);
+        bad.set_row_count(2);
+      }
+      *spec.add_senders()->add_holds() = need ? whole : bad;
+      v1::ReceiverLayout* r = spec.add_receivers();
+      r->set_name("d");
+      *r->add_needs() = need ? bad : whole;
+      absl::StatusOr<TransferPlan> plan = BuildTransferPlan(spec);
+      ASSERT_FALSE(plan.ok()) << column << need;
+      EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_NE(plan.status().message().find("tensor 'w'"), std::string::npos)
+          << plan.status();
+      EXPECT_NE(plan.status().message().find("does not fit"), std::string::npos)
+          << plan.status();
+    }
+  }
+}
+
 TEST(TransferPlanTest, IdChangesWithEitherSide) {
   const vectors::TransferPlanVectors v = LoadVectors();
   v1::TransferPlanSpec spec = v.cases(0).spec();
