@@ -393,6 +393,7 @@ class ManySenders:
         if self._basis is not None:   # after a failure what the engines hold is not known
             self._basis.after(plan.id, version, self._sent, "error" not in result,
                               {int(i): p for i, p in (sent.get("partials") or {}).items()})
+            self._sent = {}   # the basis keeps what its budget allows
         if "error" in result:
             raise WeightSyncError(*result["error"])
         return [v1.FinishWeightUpdateResponse.FromString(bytes.fromhex(h))
@@ -458,7 +459,7 @@ class ManySenders:
         if payloads is None:
             payloads = _link_payloads(plan, me, local, len(self._link.stubs))
         patches = patches or {}
-        self._sent = payloads
+        self._sent = payloads if self._basis is not None else {}   # held only for a basis
         self.last_wire = many_sparse.wire_figures(payloads, patches)
 
         def push(i, stub):
