@@ -324,13 +324,7 @@ def block_stats(quantized, sent, ops=None, chunk=CHUNK):
     `chunk` elements at a time at most (whole rows of blocks)."""
     ops = ops or _xp.NumpyOps()
     out = {}
-    for p in quantized:
-        if not any(n in sent for n in sources(p)):
-            continue
-        br, bc, rows, cols = block_shape(p)
-        image, mask = _image(p, sent, rows, cols, ops, True, chunk)
-        if not bool(mask.any()):
-            continue
+    for p, (br, bc, rows, cols), image, mask in _sent_images(quantized, sent, ops, True, chunk):
         gr, gc = -(-rows // br), -(-cols // bc)
         amax = ops.zeros((gr, gc), "float32", image)
         counts = ops.zeros((gr, gc), "int64", image)
@@ -344,6 +338,19 @@ def block_stats(quantized, sent, ops=None, chunk=CHUNK):
             counts[g0:g1] = pad.reshape(g1 - g0, br, gc, bc).sum(3).sum(1)
         out[p.name] = (amax, counts)
     return out
+
+
+def _sent_images(quantized, sent, ops, values, chunk):
+    """(parameter, block_shape, image, mask) of each quantised parameter of
+    `quantized` that a sent source writes (_image), skipping those it
+    writes nothing of: the walk quantized_receipt and block_stats share."""
+    for p in quantized:
+        if not any(n in sent for n in sources(p)):
+            continue
+        shape = block_shape(p)
+        image, mask = _image(p, sent, shape[2], shape[3], ops, values, chunk)
+        if bool(mask.any()):
+            yield p, shape, image, mask
 
 
 def quantized_receipt(quantized, sent, ops=None, chunk=CHUNK, values=True, amax=None,
@@ -371,13 +378,7 @@ def quantized_receipt(quantized, sent, ops=None, chunk=CHUNK, values=True, amax=
     ops = ops or _xp.NumpyOps()
     amax, scales = amax or {}, scales or {}
     total = params = nbytes = 0
-    for p in quantized:
-        if not any(n in sent for n in sources(p)):
-            continue
-        br, bc, rows, cols = block_shape(p)
-        image, mask = _image(p, sent, rows, cols, ops, values, chunk)
-        if not bool(mask.any()):
-            continue
+    for p, (br, bc, rows, cols), image, mask in _sent_images(quantized, sent, ops, values, chunk):
         qz = p.quantization
         fmt = enum_name("DType", qz.format)
         reciprocal = enum_name("ScaleForm", qz.scale_form) == "SCALE_FORM_RECIPROCAL"
