@@ -33,7 +33,71 @@ absl::StatusOr<int> SparseIndexBytes(const v1::TensorSpec& tensor,
   }
 }
 
+absl::StatusOr<WireQuant> ResolveWireQuant(const v1::TensorSpec& tensor) {
+  const v1::Quantization& q = tensor.quantization();
+  auto bad = [&tensor](const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor '", tensor.name(), "' (quantised on the wire): ", why));
+  };
+  const bool fp8 =
+      tensor.dtype() == v1::FLOAT8_E4M3FN || tensor.dtype() == v1::FLOAT8_E5M2;
+  if (!fp8 || q.format() != tensor.dtype()) {
+    return bad(absl::StrCat("dtype ", DTypeName(tensor.dtype()),
+                            " and quantization.format ", DTypeName(q.format()),
+                            " must be one FP8 format, float8_e4m3fn or "
+                            "float8_e5m2"));
+  }
+  if (!q.scale_parameter().empty()) {
+    return bad(
+        "quantization.scale_parameter names an engine's parameter; a "
+        "manifest tensor's scales travel in its payload: leave it empty");
+  }
+  if (!v1::QuantScheme_IsValid(q.scheme()) ||
+      !v1::ScaleForm_IsValid(q.scale_form())) {
+    return bad(absl::StrCat("quantization.scheme ", q.scheme(),
+                            " or scale_form ", q.scale_form(),
+                            " is not a value this daemon knows"));
+  }
+  constexpr int64_t kMaxBlockSide = int64_t{1} << 24;
+  if (q.block_rows() < 0 || q.block_cols() < 0 ||
+      q.block_rows() > kMaxBlockSide || q.block_cols() > kMaxBlockSide) {
+    return bad(absl::StrCat("block ", q.block_rows(), " x ", q.block_cols(),
+                            " must be 0 (128) or 1 to ", kMaxBlockSide));
+  }
+  WireQuant w;
+  w.per_row = q.scheme() == v1::QUANT_SCHEME_PER_ROW;
+  if (w.per_row && (q.block_rows() != 0 || q.block_cols() != 0)) {
+    return bad(
+        "block_rows and block_cols are for QUANT_SCHEME_BLOCK; leave them 0 "
+        "with QUANT_SCHEME_PER_ROW");
+  }
+  if (tensor.sparse_nnz() != 0) {
+    return bad("a sparse patch can't be quantised; send it in its dtype");
+  }
+  const std::vector<int64_t> shape(tensor.shape().begin(),
+                                   tensor.shape().end());
+  absl::StatusOr<int64_t> numel = NumElements(
+      shape, tensor.dtype(), absl::StrCat("tensor '", tensor.name(), "'"));
+  if (!numel.ok()) return numel.status();
+  if (*numel == 0) return bad("an empty tensor has nothing to quantise");
+  w.rows = shape.empty() ? 1 : shape[0];
+  w.cols = *numel / w.rows;
+  w.block_rows = w.per_row ? 1 : (q.block_rows() ? q.block_rows() : 128);
+  w.block_cols = w.per_row ? w.cols : (q.block_cols() ? q.block_cols() : 128);
+  w.grid_rows = (w.rows + w.block_rows - 1) / w.block_rows;
+  w.grid_cols = (w.cols + w.block_cols - 1) / w.block_cols;
+  w.scales_offset = (*numel + 3) / 4 * 4;
+  w.reciprocal = q.scale_form() == v1::SCALE_FORM_RECIPROCAL;
+  return w;
+}
+
 absl::StatusOr<int64_t> PayloadBytes(const v1::TensorSpec& tensor) {
+  if (tensor.has_quantization()) {
+    absl::StatusOr<WireQuant> w = ResolveWireQuant(tensor);
+    if (!w.ok()) return w.status();
+    // numel < 2^62 bytes of FP8; the grid has at most numel scales.
+    return w->scales_offset + w->grid_rows * w->grid_cols * 4;
+  }
   const std::string what = absl::StrCat("tensor '", tensor.name(), "'");
   const std::vector<int64_t> shape(tensor.shape().begin(),
                                    tensor.shape().end());

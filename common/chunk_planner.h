@@ -51,9 +51,28 @@ using Manifest = google::protobuf::RepeatedPtrField<v1::TensorSpec>;
 absl::StatusOr<int> SparseIndexBytes(const v1::TensorSpec& tensor,
                                      int64_t numel);
 
-// Bytes a tensor occupies on the wire (dense, or sparse indices + values),
-// or INVALID_ARGUMENT naming the tensor.
+// Bytes a tensor occupies on the wire (dense, sparse indices + values, or
+// quantised: FP8 elements + scales), or INVALID_ARGUMENT naming the tensor.
 absl::StatusOr<int64_t> PayloadBytes(const v1::TensorSpec& tensor);
+
+// A tensor quantised on the wire (TensorSpec.quantization set; "FP8 on the
+// wire", docs/protocol.md): its 2-D view [rows, cols] (as segments view
+// it), its blocks (PER_ROW: 1 x cols), its grid of scales and where they
+// start in its payload.
+struct WireQuant {
+  int64_t rows = 0, cols = 0;
+  int64_t block_rows = 0, block_cols = 0;
+  int64_t grid_rows = 0, grid_cols = 0;
+  int64_t scales_offset = 0;  // the elements' bytes rounded up to 4
+  bool per_row = false;
+  bool reciprocal = false;  // the scales are 1 / d (SCALE_FORM_RECIPROCAL)
+};
+
+// INVALID_ARGUMENT naming the tensor: a dtype that is not FP8 or not the
+// quantization's format, a scale_parameter named, an unknown scheme or
+// scale form, block sides outside [0 (= 128), 2^24] or set with PER_ROW, a
+// sparse patch quantised.
+absl::StatusOr<WireQuant> ResolveWireQuant(const v1::TensorSpec& tensor);
 
 // Plans `manifest` into chunks of `chunk_bytes` (a positive multiple of
 // kChunkAlignment). INVALID_ARGUMENT names the offending tensor or field.

@@ -1,6 +1,7 @@
 #include "common/chunk_planner.h"
 
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <string>
 
@@ -145,6 +146,84 @@ TEST(ChunkPlannerTest, FourByteIndicesHoldExactly2To32Elements) {
   EXPECT_NE(plan.status().message().find("at most 2^32 elements"),
             std::string::npos)
       << plan.status();
+}
+
+// A tensor quantised on the wire weighs a byte per element, then from the
+// next multiple of 4 its float32 scales, one per block (per row: one per
+// row); what can't be such a tensor is refused naming it and the field.
+TEST(ChunkPlannerTest, QuantisedOnTheWireIsElementsThenScales) {
+  auto spec = [](std::vector<int64_t> shape) {
+    v1::TensorSpec t;
+    t.set_name("w");
+    t.set_dtype(v1::FLOAT8_E4M3FN);
+    for (int64_t d : shape) t.add_shape(d);
+    t.mutable_quantization()->set_format(v1::FLOAT8_E4M3FN);
+    return t;
+  };
+  // [3, 5, 7] is the 3 x 35 matrix: 105 bytes, padded to 108, then one
+  // 128 x 128 block's scale.
+  EXPECT_EQ(*PayloadBytes(spec({3, 5, 7})), 108 + 4);
+  v1::TensorSpec t = spec({300, 260});
+  EXPECT_EQ(*PayloadBytes(t), 78000 + 3 * 3 * 4);
+  t.mutable_quantization()->set_block_rows(100);
+  t.mutable_quantization()->set_block_cols(1);
+  EXPECT_EQ(*PayloadBytes(t), 78000 + 3 * 260 * 4);
+  t = spec({300, 260});
+  t.mutable_quantization()->set_scheme(v1::QUANT_SCHEME_PER_ROW);
+  EXPECT_EQ(*PayloadBytes(t), 78000 + 300 * 4);
+  absl::StatusOr<WireQuant> w = ResolveWireQuant(t);
+  ASSERT_TRUE(w.ok());
+  EXPECT_TRUE(w->per_row);
+  EXPECT_EQ(w->block_cols, 260);
+  EXPECT_EQ(w->scales_offset, 78000);
+
+  struct Bad {
+    std::function<void(v1::TensorSpec&)> make;
+    std::string says;
+  };
+  const std::vector<Bad> bad = {
+      {[](v1::TensorSpec& t) { t.set_dtype(v1::BFLOAT16); },
+       "dtype bfloat16 and quantization.format float8_e4m3fn"},
+      {[](v1::TensorSpec& t) {
+         t.mutable_quantization()->set_format(v1::FLOAT8_E5M2);
+       },
+       "quantization.format float8_e5m2 must be one FP8 format"},
+      {[](v1::TensorSpec& t) {
+         t.mutable_quantization()->set_scale_parameter("w_scale");
+       },
+       "leave it empty"},
+      {[](v1::TensorSpec& t) {
+         t.mutable_quantization()->set_scheme(static_cast<v1::QuantScheme>(9));
+       },
+       "quantization.scheme 9"},
+      {[](v1::TensorSpec& t) { t.mutable_quantization()->set_block_rows(-1); },
+       "block -1 x 0 must be 0 (128) or 1 to 16777216"},
+      {[](v1::TensorSpec& t) {
+         t.mutable_quantization()->set_block_cols((int64_t{1} << 24) + 1);
+       },
+       "block 0 x 16777217"},
+      {[](v1::TensorSpec& t) {
+         t.mutable_quantization()->set_scheme(v1::QUANT_SCHEME_PER_ROW);
+         t.mutable_quantization()->set_block_cols(128);
+       },
+       "leave them 0 with QUANT_SCHEME_PER_ROW"},
+      {[](v1::TensorSpec& t) { t.set_sparse_nnz(3); },
+       "a sparse patch can't be quantised"},
+      {[](v1::TensorSpec& t) { t.set_shape(0, 0); },
+       "an empty tensor has nothing to quantise"},
+  };
+  for (const Bad& b : bad) {
+    v1::TensorSpec t = spec({300, 260});
+    b.make(t);
+    absl::StatusOr<int64_t> bytes = PayloadBytes(t);
+    EXPECT_EQ(bytes.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(bytes.status().message().find("tensor 'w' (quantised on the "
+                                            "wire): "),
+              std::string::npos)
+        << bytes.status();
+    EXPECT_NE(bytes.status().message().find(b.says), std::string::npos)
+        << bytes.status() << " should say " << b.says;
+  }
 }
 
 // An update of exactly kMaxChunks chunks is planned; one chunk more is

@@ -132,6 +132,13 @@ absl::Status Collect(const v1::TransferPlanSpec& spec,
                        "': a transfer plan carries dense tensors (sparse "
                        "patches follow the plan's pieces, not its spec)"));
     }
+    if (t.has_quantization()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor '", t.name(),
+          "': a transfer plan carries tensors in their own dtypes (the "
+          "daemons quantise what feeds an FP8 target); leave quantization "
+          "unset"));
+    }
     TensorInfo& info = (*tensors)[i];
     // The 2-D view segments use (engine_layout.h, SourceMatrix).
     info.rows = t.shape_size() == 0 ? 1 : t.shape(0);

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/time/clock.h"
 #include "backends/host/host_data_plane.h"
@@ -161,20 +162,23 @@ std::vector<float> Widen(const Tensor& t, int64_t cols, int64_t rb, int64_t rc,
   return out;
 }
 
-TEST(QuantScatterTest, ChunksThatCutBlocksGiveTheWholeParameterQuantised) {
+// w: bfloat16 [300, 260] into e4m3 128 x 128 (edge blocks partial), and
+// the same tensor copied plainly into a bfloat16 parameter; qkv: a TP
+// rank of fused float32/float16 sources into e5m2 with reciprocal
+// scales; o: a row-parallel shard of a bfloat16 tensor, per-row scales;
+// side: parts of two tensors side by side (a block column from 256).
+std::vector<Tensor> MixedTensors() {
   std::mt19937 rng(7);
-  // w: bfloat16 [300, 260] into e4m3 128 x 128 (edge blocks partial), and
-  // the same tensor copied plainly into a bfloat16 parameter; qkv: a TP
-  // rank of fused float32/float16 sources into e5m2 with reciprocal
-  // scales; o: a row-parallel shard of a bfloat16 tensor, per-row scales;
-  // side: parts of two tensors side by side (a block column from 256).
-  const std::vector<Tensor> tensors = {
+  return {
       RandomTensor("w", v1::BFLOAT16, 300, 260, rng),
       RandomTensor("q", v1::FLOAT32, 256, 200, rng),
       RandomTensor("k", v1::FLOAT32, 128, 200, rng),
       RandomTensor("v", v1::FLOAT16, 256, 200, rng),
       RandomTensor("o_proj", v1::BFLOAT16, 130, 512, rng),
   };
+}
+
+v1::RegisterEngineRequest MixedFp8Engine() {
   v1::RegisterEngineRequest r;
   r.set_engine_id("fp8");
   int64_t offset = 0;
@@ -207,6 +211,12 @@ TEST(QuantScatterTest, ChunksThatCutBlocksGiveTheWholeParameterQuantised) {
   a->set_kind(v1::MEMORY_HOST_SHM);
   a->set_handle("/fp8");
   a->set_size(offset);
+  return r;
+}
+
+TEST(QuantScatterTest, ChunksThatCutBlocksGiveTheWholeParameterQuantised) {
+  const std::vector<Tensor> tensors = MixedTensors();
+  const v1::RegisterEngineRequest r = MixedFp8Engine();
 
   // The references, from the whole matrices.
   const auto w = Reference(Widen(tensors[0], 260, 0, 300, 0, 260), 300, 260,
@@ -245,6 +255,161 @@ TEST(QuantScatterTest, ChunksThatCutBlocksGiveTheWholeParameterQuantised) {
     EXPECT_TRUE(Bytes(*layout, 6) == o_ref.second);
     EXPECT_TRUE(Bytes(*layout, 7) == side_ref.first);
     EXPECT_TRUE(Bytes(*layout, 8) == side_ref.second);
+  }
+}
+
+// `t` quantised on the wire (TensorSpec.quantization): its FP8 elements,
+// then from the next multiple of 4 bytes the stored scales of its blocks
+// (per row: [rows]), by the one function, from the whole tensor.
+Tensor OnTheWire(const Tensor& t, v1::DType format, int64_t block_rows,
+                 int64_t block_cols, bool reciprocal, bool per_row = false) {
+  const int64_t rows = t.spec.shape(0), cols = t.spec.shape(1);
+  const Fp8Blocks q{format, per_row ? 1 : block_rows,
+                    per_row ? cols : block_cols, reciprocal};
+  const auto [fp8, scales] =
+      Reference(Widen(t, cols, 0, rows, 0, cols), rows, cols, q);
+  Tensor w;
+  w.spec = t.spec;
+  w.spec.set_dtype(format);
+  v1::Quantization* z = w.spec.mutable_quantization();
+  z->set_format(format);
+  z->set_scheme(per_row ? v1::QUANT_SCHEME_PER_ROW : v1::QUANT_SCHEME_BLOCK);
+  if (!per_row) {
+    z->set_block_rows(block_rows);
+    z->set_block_cols(block_cols);
+  }
+  z->set_scale_form(reciprocal ? v1::SCALE_FORM_RECIPROCAL
+                               : v1::SCALE_FORM_DEQUANT);
+  w.bytes = fp8;
+  w.bytes.resize((fp8.size() + 3) / 4 * 4, '\0');
+  w.bytes += scales;
+  return w;
+}
+
+// FP8 on the wire: the sender quantises the tensors whose every use is an
+// FP8 target of its blocks (q, k, v into qkv, in e5m2 with reciprocal
+// scales, each use on whole blocks of its tensor: the TP rank's rows from
+// 128), and the engine holds, at every chunk size, exactly what the daemon
+// quantising them gives; the other tensors, sent as they are, still are
+// quantised by the daemon beside them. The payload is a byte per element
+// plus the scales.
+TEST(QuantScatterTest, QuantisedOnTheWireLandsAsTheDaemonQuantises) {
+  const std::vector<Tensor> plain = MixedTensors();
+  const v1::RegisterEngineRequest r = MixedFp8Engine();
+  std::vector<Tensor> wire = plain;
+  for (int t : {1, 2, 3}) {
+    wire[t] = OnTheWire(plain[t], v1::FLOAT8_E5M2, 128, 128, true);
+  }
+  EXPECT_EQ(wire[1].bytes.size(), 256 * 200 + 2 * 2 * 4);
+  testing::HeapMapper ref_mapper;
+  auto want = Install(r, plain, 1 << 20, ref_mapper);
+  ASSERT_NE(want, nullptr);
+  for (int64_t chunk_bytes : {256, 768, 4096, 11520, 65536, 1 << 20}) {
+    SCOPED_TRACE(chunk_bytes);
+    testing::HeapMapper mapper;
+    std::shared_ptr<const CopyPlan> plan;
+    auto layout = Install(r, wire, chunk_bytes, mapper, &plan);
+    ASSERT_NE(layout, nullptr);
+    for (size_t i = 0; i < layout->parameters.size(); ++i) {
+      EXPECT_TRUE(Bytes(*layout, i) == Bytes(*want, i))
+          << layout->parameters[i].name;
+    }
+    // Only w's, o_proj's and side's uses are quantised by the daemon.
+    for (const QuantTarget& q : plan->quant) {
+      EXPECT_TRUE(q.tensor == 0 || q.tensor == 4) << q.tensor;
+    }
+    auto got = ComputeReceipt(*layout, plan->dense_uses[0]);
+    auto ref = ComputeReceipt(*want, plan->dense_uses[0]);
+    ASSERT_TRUE(got.ok() && ref.ok());
+    EXPECT_EQ(got->checksum(), ref->checksum());
+  }
+}
+
+// A per-row target fed whole rows of a tensor quantised per row on the
+// wire; and what can't be copied as it is, refused before anything is
+// written, naming the tensor, the engine and the parameter: a tensor that
+// also feeds a plain parameter, another format, block or scale form, a
+// segment off the tensor's blocks, per-row scales of part of a row, and
+// a payload that isn't FP8 elements of the quantization's format.
+TEST(QuantScatterTest, OnTheWireOnlyWhatCopiesAsItIs) {
+  std::mt19937 rng(11);
+  const Tensor rows = RandomTensor("rows", v1::BFLOAT16, 130, 256, rng);
+  v1::RegisterEngineRequest r;
+  r.set_engine_id("per_row");
+  int64_t offset = 0;
+  Quantize(Add(r, "rows", v1::FLOAT8_E4M3FN, 130, 256, &offset),
+           v1::FLOAT8_E4M3FN, "rows_scale", v1::QUANT_SCHEME_PER_ROW,
+           v1::SCALE_FORM_DEQUANT);
+  Add(r, "rows_scale", v1::FLOAT32, 130, 0, &offset);
+  v1::Allocation* a = r.add_allocations();
+  a->set_kind(v1::MEMORY_HOST_SHM);
+  a->set_handle("/fp8");
+  a->set_size(offset);
+  {
+    testing::HeapMapper m1, m2;
+    auto want = Install(r, {rows}, 4096, m1);
+    auto got = Install(
+        r, {OnTheWire(rows, v1::FLOAT8_E4M3FN, 0, 0, false, true)}, 4096, m2);
+    ASSERT_NE(want, nullptr);
+    ASSERT_NE(got, nullptr);
+    EXPECT_TRUE(Bytes(*got, 0) == Bytes(*want, 0));
+    EXPECT_TRUE(Bytes(*got, 1) == Bytes(*want, 1));
+  }
+
+  const std::vector<Tensor> plain = MixedTensors();
+  testing::HeapMapper mapper;
+  auto layout = BuildEngineLayout(MixedFp8Engine(), mapper);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  auto refused = [&](int t, const Tensor& sent) {
+    Manifest manifest;
+    for (size_t i = 0; i < plain.size(); ++i) {
+      *manifest.Add() = static_cast<int>(i) == t ? sent.spec : plain[i].spec;
+    }
+    return BuildCopyPlan(manifest, 4096, {*layout}).status();
+  };
+  struct Case {
+    int tensor;
+    Tensor sent;
+    std::string says;
+  };
+  Tensor e4m3_payload_e5m2 =
+      OnTheWire(plain[1], v1::FLOAT8_E5M2, 128, 128, true);
+  e4m3_payload_e5m2.spec.set_dtype(v1::FLOAT8_E4M3FN);
+  Tensor scale_named = OnTheWire(plain[1], v1::FLOAT8_E5M2, 128, 128, true);
+  scale_named.spec.mutable_quantization()->set_scale_parameter("qkv_scale");
+  const std::vector<Case> cases = {
+      // w also feeds w_copy (bfloat16): it can't arrive as FP8.
+      {0, OnTheWire(plain[0], v1::FLOAT8_E4M3FN, 128, 128, false),
+       "parameter 'w_copy': the tensor arrives quantised to float8_e4m3fn but "
+       "the parameter (bfloat16) is not an FP8 target"},
+      {1, OnTheWire(plain[1], v1::FLOAT8_E4M3FN, 128, 128, true),
+       "parameter 'qkv': the tensor is quantised to float8_e4m3fn (128 x 128, "
+       "reciprocal scales) but the target quantises to float8_e5m2"},
+      {1, OnTheWire(plain[1], v1::FLOAT8_E5M2, 64, 128, true),
+       "(64 x 128, reciprocal scales) but the target quantises to "
+       "float8_e5m2 (128 x 128, reciprocal scales)"},
+      {1, OnTheWire(plain[1], v1::FLOAT8_E5M2, 128, 128, false),
+       "(128 x 128) but the target"},
+      // side reads w's rows [0, 130): they end inside w's second block row
+      // (128 x 128 blocks on the wire against side's 2 x 128).
+      {0, OnTheWire(plain[0], v1::FLOAT8_E4M3FN, 2, 128, false),
+       "parameter 'w'"},
+      // o reads columns [256, 512) of o_proj: part of each row.
+      {4, OnTheWire(plain[4], v1::FLOAT8_E4M3FN, 0, 0, false, true),
+       "parameter 'o': the segment reads rows [0, 130) x cols [256, 512) of "
+       "the tensor's 130x512 matrix, which are not whole blocks of it"},
+      {1, e4m3_payload_e5m2,
+       "tensor 'q' (quantised on the wire): dtype float8_e4m3fn and "
+       "quantization.format float8_e5m2 must be one FP8 format"},
+      {1, scale_named, "leave it empty"},
+  };
+  for (const Case& c : cases) {
+    const absl::Status s = refused(c.tensor, c.sent);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr(c.says));
+    if (absl::StrContains(c.says, "parameter")) {
+      EXPECT_THAT(std::string(s.message()), HasSubstr("engine 'fp8'"));
+    }
   }
 }
 

@@ -25,12 +25,85 @@ struct Use {
 
 using UsesByTensor = std::vector<std::vector<Use>>;
 
+// The rectangle of a tensor's 2-D view that a use reads: rows [r0, r0 +
+// rows) x cols [c0, c0 + cols) (an implicit segment: all of it).
+struct SourceRect {
+  int64_t r0 = 0, rows = 0, c0 = 0, cols = 0;
+};
+SourceRect SourceRectOf(const ParameterLayout& p, const SegmentLayout& s,
+                        int64_t rows, int64_t cols) {
+  if (p.implicit) return {0, rows, 0, cols};
+  return {s.row_begin, s.row_count, s.col_begin, s.col_count};
+}
+
+// A use of a tensor quantised on the wire ("FP8 on the wire",
+// docs/protocol.md): its FP8 target must quantise exactly as the trainer
+// did, block for block, so that its elements and scales are copied as they
+// are: the same format, scheme, block and scale form, and a rectangle that
+// starts on a block of the tensor and ends on one or at its edge (then the
+// target's blocks, on its own boundaries, are the tensor's).
+absl::Status CheckWireUse(const v1::TensorSpec& t, const std::string& where,
+                          const ParameterLayout& p, const SegmentLayout& s) {
+  const std::string resend =
+      "; send it unquantised (in its own dtype) and the daemon quantises it";
+  if (!p.quant.has_value()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": the tensor arrives quantised to ",
+                     DTypeName(t.dtype()), " but the parameter (",
+                     DTypeName(p.dtype), ") is not an FP8 target", resend));
+  }
+  WS_ASSIGN_OR_RETURN(const WireQuant w, ResolveWireQuant(t));
+  const QuantLayout& q = *p.quant;
+  const bool q_per_row =
+      q.block_rows == 1 && q.block_cols == q.cols && q.grid_cols == 1;
+  if (q.format != t.dtype() || q.reciprocal != w.reciprocal ||
+      (w.per_row
+           ? !q_per_row
+           : (q.block_rows != w.block_rows || q.block_cols != w.block_cols))) {
+    auto form = [](bool per_row, int64_t br, int64_t bc, bool reciprocal) {
+      return absl::StrCat(per_row ? "per row" : absl::StrCat(br, " x ", bc),
+                          reciprocal ? ", reciprocal scales" : "");
+    };
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": the tensor is quantised to ", DTypeName(t.dtype()), " (",
+        form(w.per_row, w.block_rows, w.block_cols, w.reciprocal),
+        ") but the target quantises to ", DTypeName(q.format), " (",
+        form(false, q.block_rows, q.block_cols, q.reciprocal), ")", resend));
+  }
+  if (p.implicit && (w.rows != q.rows || w.cols != q.cols)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": the parameter's blocks are of its ", q.rows,
+                     " x ", q.cols, " matrix, the tensor's of its ", w.rows,
+                     " x ", w.cols, " view", resend));
+  }
+  const SourceRect r = SourceRectOf(p, s, w.rows, w.cols);
+  const QuantRect dst = *SegmentRect(q.cols, s);
+  // PER_ROW: a block is a whole row of both, so the use must span both.
+  const int64_t bc = w.per_row ? w.cols : w.block_cols;
+  const bool aligned =
+      dst.r1 - dst.r0 == r.rows && dst.c1 - dst.c0 == r.cols &&
+      r.r0 % w.block_rows == 0 && r.c0 % bc == 0 &&
+      ((r.r0 + r.rows) % w.block_rows == 0 || r.r0 + r.rows == w.rows) &&
+      ((r.c0 + r.cols) % bc == 0 || r.c0 + r.cols == w.cols) &&
+      (!w.per_row || (dst.c0 == 0 && dst.c1 == q.cols));
+  if (!aligned) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": the segment reads rows ", HalfOpen(r.r0, r.rows), " x cols ",
+        HalfOpen(r.c0, r.cols), " of the tensor's ", w.rows, "x", w.cols,
+        " matrix, which are not whole blocks of it (", w.block_rows, " x ", bc,
+        ") laid onto the target's", resend));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckUse(const v1::TensorSpec& t, const std::string& engine,
                       const ParameterLayout& p, const SegmentLayout& s) {
   const std::vector<int64_t> shape(t.shape().begin(), t.shape().end());
   const std::string where = absl::StrCat("tensor '", t.name(), "' -> engine '",
                                          engine, "' parameter '", p.name, "'");
-  if (p.quant.has_value()) {
+  if (t.has_quantization()) {
+    if (!p.quant.has_value()) return CheckWireUse(t, where, p, s);
+  } else if (p.quant.has_value()) {
     if (!IsConvertibleFloat(t.dtype())) {
       return absl::InvalidArgumentError(absl::StrCat(
           where, ": dtype ", DTypeName(t.dtype()), " can't be quantised into ",
@@ -54,7 +127,8 @@ absl::Status CheckUse(const v1::TensorSpec& t, const std::string& engine,
           where, ": shape ", ShapeString(shape),
           " does not match the registered ", ShapeString(p.shape)));
     }
-    return absl::OkStatus();
+    return t.has_quantization() ? CheckWireUse(t, where, p, s)
+                                : absl::OkStatus();
   }
   if (!s.source_shape.empty() && shape != s.source_shape) {
     return absl::InvalidArgumentError(
@@ -75,7 +149,7 @@ absl::Status CheckUse(const v1::TensorSpec& t, const std::string& engine,
         HalfOpen(s.col_begin, s.col_count), " lie outside the tensor's ", rows,
         "x", cols, " matrix"));
   }
-  return absl::OkStatus();
+  return t.has_quantization() ? CheckWireUse(t, where, p, s) : absl::OkStatus();
 }
 
 // Appends `op` to `out`, or extends a recent op of the same region when both
@@ -173,6 +247,46 @@ void EmitOps(const Use& use, int64_t e0, int64_t e1, int64_t chunk_offset,
     emit(first_full, start, start + s.col_count, last_full - first_full + 1);
   }
   if (tail) emit(r_hi, ta, tb, 1);
+}
+
+// Appends the copies of payload bytes [piece.tensor_offset, + length) of a
+// tensor quantised on the wire through `use` (checked by CheckWireUse):
+// its FP8 elements into the target as they are, its scales into the
+// target's scale parameter `scale`, at the blocks the use covers.
+void EmitWireOps(const Use& use, const WireQuant& w,
+                 const ParameterLayout& scale, const Piece& piece,
+                 std::vector<CopyOp>& out) {
+  const int64_t lo = piece.tensor_offset;
+  const int64_t hi = lo + piece.length;
+  const int64_t numel = w.rows * w.cols;
+  if (lo < numel) {
+    EmitOps(use, lo, std::min(hi, numel), piece.chunk_offset, use.param->dtype,
+            out);
+  }
+  const int64_t s_lo = std::max(lo, w.scales_offset);
+  const int64_t s_hi =
+      std::min(hi, w.scales_offset + w.grid_rows * w.grid_cols * 4);
+  if (s_lo >= s_hi) return;
+  const QuantLayout& q = *use.param->quant;
+  const SourceRect r = SourceRectOf(*use.param, *use.segment, w.rows, w.cols);
+  const ScaleBlocks b = ScaleBlocksOf(q, *use.segment);
+  // The scales as a parameter fed by the tensor's grid of scales.
+  ParameterLayout grid;
+  grid.dtype = v1::FLOAT32;
+  grid.region = scale.region;
+  grid.offset = scale.offset;
+  SegmentLayout blocks;
+  blocks.row_begin = r.r0 / w.block_rows;
+  blocks.row_count = b.i1 - b.i0;
+  blocks.col_begin = w.per_row ? 0 : r.c0 / w.block_cols;
+  blocks.col_count = b.j1 - b.j0;
+  blocks.dest_offset = b.first;
+  blocks.dest_row_stride = q.grid_cols;
+  const Use scales{use.engine, &grid, &blocks, w.grid_rows, w.grid_cols, {}};
+  // Scales start 4-aligned in a 256-aligned tensor, and chunks are
+  // multiples of 256: a piece never splits one.
+  EmitOps(scales, (s_lo - w.scales_offset) / 4, (s_hi - w.scales_offset) / 4,
+          piece.chunk_offset + (s_lo - lo), v1::FLOAT32, out);
 }
 
 // Every use of every manifest tensor by every engine, checked (CheckUse).
@@ -351,6 +465,8 @@ std::vector<std::vector<int>> PlanQuant(const UsesByTensor& uses,
                                         CopyPlan& plan) {
   std::vector<std::vector<int>> target_of;
   for (int t = 0; t < plan.manifest.size(); ++t) {
+    // Quantised on the wire: copied as it is (EmitWireOps).
+    if (plan.manifest[t].has_quantization()) continue;
     int64_t band_bytes = 0;  // of this tensor's uses, open together
     for (size_t u = 0; u < uses[t].size(); ++u) {
       const Use& use = uses[t][u];
@@ -391,6 +507,16 @@ void PlanOps(const UsesByTensor& uses, const std::vector<int>& sparse_index,
       if (sparse_index[piece.tensor] >= 0) {
         plan.sparse_pieces_by_chunk[chunk.index].push_back(
             {sparse_index[piece.tensor], piece});
+        continue;
+      }
+      if (spec.has_quantization()) {
+        const WireQuant w = *ResolveWireQuant(spec);  // checked by PlanChunks
+        for (const Use& use : uses[piece.tensor]) {
+          const EngineLayout& engine = *plan.engines[use.engine];
+          EmitWireOps(use, w,
+                      engine.parameters[use.param->quant->scale_parameter],
+                      piece, ops);
+        }
         continue;
       }
       const int64_t es = ElementSize(spec.dtype());

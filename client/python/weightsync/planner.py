@@ -186,11 +186,30 @@ def _validate_tensor(index, tensor, seen_names):
         if ib == 4 and n > 2 ** 32:
             raise ValueError(f"tensor '{name}': sparse_index_bytes 4 holds indices of at "
                              f"most 2^32 elements; it has {n}")
+    quantized = _quantization(tensor)
+    if quantized is not None:
+        if nnz:
+            raise ValueError(f"tensor '{name}': a sparse patch can't be quantised")
+        from weightsync.wire_fp8 import payload_bytes as wire_bytes
+        return wire_bytes(shape, quantized)
     payload = payload_bytes(dtype, shape, nnz, ib)
     if payload > MAX_BYTES:
         raise ValueError(f"tensor '{name}': sparse payload of {payload} bytes overflows "
                          f"(more than 2**62 bytes)")
     return payload
+
+
+def _quantization(tensor):
+    """The Quantization fields of a tensor quantised on the wire (a dict's
+    "quantization", or a TensorSpec's set field), else None."""
+    if isinstance(tensor, dict):
+        return tensor.get("quantization") or None
+    if hasattr(tensor, "HasField") and tensor.HasField("quantization"):
+        from weightsync.receipts.fp8 import enum_name
+        q = tensor.quantization
+        return {"scheme": enum_name("QuantScheme", q.scheme),
+                "block_rows": q.block_rows, "block_cols": q.block_cols}
+    return None
 
 
 # Element size by dtype given as an enum name (str) or number (int); only
@@ -256,7 +275,7 @@ def _validated_payloads(tensors):
                 esize = _fast_esize(t.get("dtype"))
                 if esize is not None:
                     nnz = t["sparse_nnz"] if "sparse_nnz" in t else t.get("sparseNnz", 0)
-                    if not nnz:
+                    if not nnz and "quantization" not in t:
                         n = _dense_numel(t.get("shape", ()) or ())
                         if n is not None and n * esize <= MAX_BYTES:
                             add(name)

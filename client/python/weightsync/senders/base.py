@@ -81,15 +81,28 @@ def specs(manifest):
     sparse_index_bytes]})."""
     return [v1.TensorSpec(name=m["name"], dtype=getattr(v1, m["dtype"]), shape=m["shape"],
                           sparse_nnz=m.get("sparse_nnz", 0),
-                          sparse_index_bytes=m.get("sparse_index_bytes", 0))
+                          sparse_index_bytes=m.get("sparse_index_bytes", 0),
+                          quantization=_quantization(m.get("quantization")))
             for m in manifest]
 
 
-def sent_of(manifest, data):
+def _quantization(fields):
+    """weightsync.v1.Quantization of a manifest dict's "quantization"
+    fields (weightsync.wire_fp8), or None."""
+    if not fields:
+        return None
+    from google.protobuf import json_format
+    return json_format.ParseDict(dict(fields), v1.Quantization())
+
+
+def sent_of(manifest, data, sources=None):
     """{name: (dtype, shape, payload)} of the dense tensors (what receipts
-    cover)."""
-    return {m["name"]: (m["dtype"], m["shape"], d) for m, d in zip(manifest, data)
-            if not m.get("sparse_nnz")}
+    cover); a tensor quantised on the wire as `sources` ({name: (dtype,
+    shape, payload)} of the tensors before quantisation) gives it: the
+    receipts' expectation quantises it as the trainer did."""
+    sources = sources or {}
+    return {m["name"]: sources.get(m["name"]) or (m["dtype"], m["shape"], d)
+            for m, d in zip(manifest, data) if not m.get("sparse_nnz")}
 
 
 class Link:

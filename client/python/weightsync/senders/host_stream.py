@@ -18,15 +18,17 @@ from weightsync._tensors import build_manifest, describe
 from weightsync.lazy import LazyTensor
 from weightsync.senders.base import Job, Sender, sent_of, specs
 from weightsync.sparse import SparsePatch, TorchSparsePatch
+from weightsync.wire_fp8 import WireFp8
 
 _second = operator.itemgetter(1)
 
 
 def has_patches(named_tensors):
-    """True if any tensor of the (name, tensor) pairs is a SparsePatch: one
-    pass over the distinct types, not an isinstance per tensor."""
+    """True if any tensor of the (name, tensor) pairs is a SparsePatch or
+    a WireFp8 (described with Start, not registered): one pass over the
+    distinct types, not an isinstance per tensor."""
     types = set(map(type, map(_second, named_tensors)))
-    return any(issubclass(t, SparsePatch) for t in types)
+    return any(issubclass(t, (SparsePatch, WireFp8)) for t in types)
 
 
 def describe_host(named_tensors):
@@ -34,6 +36,14 @@ def describe_host(named_tensors):
     arrays, CPU torch tensors or SparsePatches."""
     data, manifest = [], []
     for name, tensor in named_tensors:
+        if isinstance(tensor, WireFp8):
+            payload = tensor.payload()
+            if hasattr(payload, "cpu"):
+                payload = payload.cpu().numpy()
+            data.append(payload)
+            manifest.append({"name": name, "dtype": tensor.dtype, "shape": list(tensor.shape),
+                             "quantization": tensor.fields})
+            continue
         if isinstance(tensor, SparsePatch):
             if not tensor.nnz:
                 raise ValueError(f"tensor '{name}': an empty patch (sparse_nnz 0 means a "
@@ -56,6 +66,14 @@ def describe_host(named_tensors):
         data.append(raw)
         manifest.append({"name": name, "dtype": dtype, "shape": list(shape)})
     return data, manifest
+
+
+def wire_sources(named_tensors):
+    """{name: (dtype, shape, bytes)} of the tensors given quantised on the
+    wire (WireFp8), as they were before quantisation: what the receipts
+    expect the engines' FP8 targets to hold."""
+    return {name: describe(name, t.source) for name, t in named_tensors
+            if isinstance(t, WireFp8)}
 
 
 def expect_host(sent):
@@ -85,7 +103,7 @@ class HostStreamSender(Sender):
         request = u.request(sparse_base_version=u.base_version, tensors=specs(manifest))
         return Job(request, manifest=manifest, payloads=data,
                    plan=lambda chunk_bytes: (planner.plan_chunks(manifest, chunk_bytes), None),
-                   check=self.receipts(expect_host(sent_of(manifest, data)))
+                   check=self.receipts(expect_host(sent_of(manifest, data, wire_sources(pairs))))
                    if u.verify else None)
 
     def _registered(self, named_tensors):

@@ -1,0 +1,210 @@
+"""FP8 on the wire (docs/protocol.md, "FP8 on the wire"): the trainer
+quantises a tensor whose every use is an FP8 target of the same blocks,
+with the one FP8 function (weightsync.receipts.fp8.quantize, bit for bit
+the daemon's), and sends its FP8 elements and scales: a byte per element
+instead of two (bf16) or four (float32). The daemon copies them as they
+are; an engine holds exactly what the daemon quantising the tensor gives.
+
+    plan = wire_plan(layouts, shapes)     # {name: Quantization fields}
+    pairs = on_the_wire(named_tensors, plan)
+
+`wire_plan` mirrors the daemon's check (daemon/core/copy_plan.cc,
+CheckWireUse): every use of the tensor, in every engine, is an FP8 target
+of one format, block and scale form, through a rectangle on whole blocks
+of the tensor. Anything else is sent as it is and quantised by the daemon,
+as before; a layout that changed under a plan is refused by the daemon
+before anything pauses (INVALID_ARGUMENT naming the tensor)."""
+
+import numpy as np
+
+from weightsync.receipts.fp8 import CHUNK, block_shape, enum_name, quantize
+
+__all__ = ["WireFp8", "wire_plan", "quantize_on_wire", "on_the_wire", "payload_bytes"]
+
+
+def _matrix(shape):
+    """(rows, cols) of a tensor's 2-D view as segments see it."""
+    shape = [int(d) for d in shape]
+    if not shape:
+        return 1, 1
+    cols = 1
+    for d in shape[1:]:
+        cols *= d
+    return shape[0], cols
+
+
+def _segment_rect(cols, s):
+    """The parameter rectangle (r0, r1, c0, c1) segment `s` writes in a
+    parameter of `cols` columns, or None (quant_layout.cc SegmentRect)."""
+    stride = s.dest_row_stride or s.col_count
+    r0, c0 = divmod(s.dest_offset, cols)
+    if stride == cols and s.col_count <= cols - c0:
+        return r0, r0 + s.row_count, c0, c0 + s.col_count
+    if s.row_count != 1 and stride != s.col_count:
+        return None
+    n = s.row_count * s.col_count
+    if n <= cols - c0:
+        return r0, r0 + 1, c0, c0 + n
+    if c0 == 0 and n % cols == 0:
+        return r0, r0 + n // cols, 0, cols
+    return None
+
+
+def _form(p):
+    """(format, per_row, block_rows, block_cols, reciprocal) of a quantised
+    Parameter: what a tensor quantised for it must match."""
+    qz = p.quantization
+    br, bc, _, _ = block_shape(p)
+    per_row = enum_name("QuantScheme", qz.scheme) == "QUANT_SCHEME_PER_ROW"
+    return (enum_name("DType", qz.format), per_row, None if per_row else br,
+            None if per_row else bc,
+            enum_name("ScaleForm", qz.scale_form) == "SCALE_FORM_RECIPROCAL")
+
+
+def _fits(p, s, rows, cols, form):
+    """Whether use (p, s) of a rows x cols tensor copies as it is when the
+    tensor is quantised in `form` (copy_plan.cc CheckWireUse)."""
+    _, per_row, br, bc, _ = form
+    _, _, q_rows, q_cols = block_shape(p)
+    if per_row:
+        br, bc = 1, cols
+    if s is None:   # the parameter is the tensor itself
+        if (rows, cols) != (q_rows, q_cols):
+            return False
+        rb, rc, cb, cc = 0, rows, 0, cols
+        rect = (0, q_rows, 0, q_cols)
+    else:
+        rb, rc, cb, cc = s.row_begin, s.row_count, s.col_begin, s.col_count
+        rect = _segment_rect(q_cols, s)
+        if rect is None:
+            return False
+    r0, r1, c0, c1 = rect
+    return (r1 - r0 == rc and c1 - c0 == cc and rb % br == 0 and cb % bc == 0
+            and ((rb + rc) % br == 0 or rb + rc == rows)
+            and ((cb + cc) % bc == 0 or cb + cc == cols)
+            and (not per_row or (c0 == 0 and c1 == q_cols)))
+
+
+def wire_plan(layouts, shapes):
+    """{tensor name: weightsync.v1.Quantization fields} of the tensors of
+    `shapes` ({name: shape}) that can travel quantised to every engine of
+    `layouts` (an iterable of layouts: lists of weightsync.v1.Parameter,
+    as GetStatus(include_layouts) returns them): each is used at least
+    once, every use is an FP8 target of one format, block and scale form,
+    on whole blocks of the tensor."""
+    uses = {}   # name -> [(parameter, segment or None)]
+    for layout in layouts:
+        for p in layout:
+            if p.segments:
+                for s in p.segments:
+                    uses.setdefault(s.source, []).append((p, s))
+            else:
+                uses.setdefault(p.name, []).append((p, None))
+    plan = {}
+    for name, shape in shapes.items():
+        found = uses.get(name)
+        if not found or not all(p.HasField("quantization") for p, _ in found):
+            continue
+        forms = {_form(p) for p, _ in found}
+        if len(forms) != 1:
+            continue
+        form = forms.pop()
+        rows, cols = _matrix(shape)
+        if rows * cols == 0 or not all(_fits(p, s, rows, cols, form) for p, s in found):
+            continue
+        fmt, per_row, br, bc, reciprocal = form
+        fields = {"format": fmt, "scale_form": "SCALE_FORM_RECIPROCAL" if reciprocal
+                  else "SCALE_FORM_DEQUANT"}
+        if per_row:
+            fields["scheme"] = "QUANT_SCHEME_PER_ROW"
+        else:
+            fields.update(scheme="QUANT_SCHEME_BLOCK", block_rows=br, block_cols=bc)
+        plan[name] = fields
+    return plan
+
+
+def payload_bytes(shape, fields):
+    """Bytes of a tensor quantised as `fields` says on the wire: its FP8
+    elements, rounded up to 4, then a float32 scale per block (per row:
+    per row)."""
+    rows, cols = _matrix(shape)
+    if fields.get("scheme") == "QUANT_SCHEME_PER_ROW":
+        br, bc = 1, cols
+    else:
+        br, bc = fields.get("block_rows") or 128, fields.get("block_cols") or 128
+    return -(-rows * cols // 4) * 4 + (-(-rows // br)) * (-(-cols // bc)) * 4
+
+
+class WireFp8:
+    """A tensor quantised for the wire: `source` (as given, for receipts),
+    `shape`, `fields` (its Quantization), `elements` (uint8 FP8 encodings,
+    [rows, cols]) and `scales` (float32 stored scales of its blocks)."""
+
+    __slots__ = ("source", "shape", "fields", "elements", "scales")
+
+    def __init__(self, source, shape, fields, elements, scales):
+        self.source, self.shape, self.fields = source, tuple(shape), fields
+        self.elements, self.scales = elements, scales
+
+    @property
+    def dtype(self):
+        return self.fields["format"]
+
+    def payload(self):
+        """The payload as the daemon reads it: flat uint8 (numpy arrays) or
+        a flat torch.uint8 tensor on the elements' device."""
+        n = self.elements.reshape(-1).shape[0]
+        pad = -n % 4
+        if isinstance(self.elements, np.ndarray):
+            parts = [self.elements.reshape(-1), np.zeros(pad, np.uint8),
+                     np.ascontiguousarray(self.scales, np.float32).reshape(-1).view(np.uint8)]
+            return np.concatenate(parts)
+        import torch
+        flat = self.elements.reshape(-1)
+        scales = self.scales.contiguous().reshape(-1).view(torch.uint8)
+        return torch.cat([flat, flat.new_zeros(pad), scales])
+
+
+def quantize_on_wire(name, tensor, fields, ops=None):
+    """WireFp8 of `tensor` (a float numpy array, or a torch tensor with
+    `ops` = weightsync._xp.TorchOps(), quantised on its device) quantised
+    as `fields` (a wire_plan entry) says, whole, from its top-left block."""
+    from weightsync._xp import NumpyOps
+    from weightsync.receipts.fp8 import _elements, _widen
+    from weightsync._tensors import describe
+    ops = ops or NumpyOps()
+    shape = tuple(int(d) for d in tensor.shape)
+    rows, cols = _matrix(shape)
+    if isinstance(tensor, np.ndarray):
+        dtype, _, raw = describe(name, tensor)
+    else:
+        from weightsync._gpu import dtype_name
+        dtype, raw = dtype_name(name, tensor), tensor
+    if dtype not in ("FLOAT32", "BFLOAT16", "FLOAT16"):
+        raise ValueError(f"tensor '{name}': {dtype} can't be quantised on the wire "
+                         "(float32, bfloat16 or float16)")
+    x = _widen(ops, _elements(ops, raw, dtype), dtype).reshape(rows, cols)
+    per_row = fields.get("scheme") == "QUANT_SCHEME_PER_ROW"
+    br = 1 if per_row else fields.get("block_rows") or 128
+    bc = cols if per_row else fields.get("block_cols") or 128
+    reciprocal = fields.get("scale_form") == "SCALE_FORM_RECIPROCAL"
+    # Rows of blocks CHUNK elements at a time (quantize holds several int64
+    # temporaries an element).
+    step = br * max(1, CHUNK // max(br * cols, 1))
+    if step >= rows:
+        enc, stored = quantize(x, br, bc, fields["format"], reciprocal, ops)
+    else:
+        parts = [quantize(x[r0:r0 + step], br, bc, fields["format"], reciprocal, ops)
+                 for r0 in range(0, rows, step)]
+        cat = np.concatenate if isinstance(x, np.ndarray) else __import__("torch").cat
+        enc, stored = cat([e for e, _ in parts]), cat([s for _, s in parts])
+    return WireFp8(tensor, shape, dict(fields), enc, stored)
+
+
+def on_the_wire(named_tensors, plan, ops=None):
+    """(name, tensor or WireFp8) pairs: the tensors `plan` (wire_plan)
+    names quantised, the rest as given."""
+    if not plan:
+        return list(named_tensors)
+    return [(n, quantize_on_wire(n, t, plan[n], ops) if n in plan else t)
+            for n, t in named_tensors]
