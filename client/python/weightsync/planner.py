@@ -190,8 +190,7 @@ def _validate_tensor(index, tensor, seen_names):
     if quantized is not None:
         if nnz:
             raise ValueError(f"tensor '{name}': a sparse patch can't be quantised")
-        from weightsync.wire_fp8 import payload_bytes as wire_bytes
-        return wire_bytes(shape, quantized)
+        return wire_payload_bytes(shape, quantized)
     payload = payload_bytes(dtype, shape, nnz, ib)
     if payload > MAX_BYTES:
         raise ValueError(f"tensor '{name}': sparse payload of {payload} bytes overflows "
@@ -205,11 +204,26 @@ def _quantization(tensor):
     if isinstance(tensor, dict):
         return tensor.get("quantization") or None
     if hasattr(tensor, "HasField") and tensor.HasField("quantization"):
-        from weightsync.receipts.fp8 import enum_name
         q = tensor.quantization
-        return {"scheme": enum_name("QuantScheme", q.scheme),
+        return {"scheme": "QUANT_SCHEME_PER_ROW" if q.scheme == 2 else "QUANT_SCHEME_BLOCK",
                 "block_rows": q.block_rows, "block_cols": q.block_cols}
     return None
+
+
+def wire_payload_bytes(shape, fields):
+    """Bytes of a tensor quantised on the wire as Quantization `fields`
+    say (weightsync.wire_fp8): its FP8 elements, rounded up to 4, then a
+    float32 scale per block (per row: per row) of its 2-D view."""
+    shape = [int(d) for d in shape]
+    rows = shape[0] if shape else 1
+    cols = 1
+    for d in shape[1:]:
+        cols *= d
+    if fields.get("scheme") == "QUANT_SCHEME_PER_ROW":
+        br, bc = 1, max(cols, 1)
+    else:
+        br, bc = fields.get("block_rows") or 128, fields.get("block_cols") or 128
+    return -(-rows * cols // 4) * 4 + (-(-rows // br)) * (-(-cols // bc)) * 4
 
 
 # Element size by dtype given as an enum name (str) or number (int); only

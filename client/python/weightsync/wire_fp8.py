@@ -17,7 +17,8 @@ before anything pauses (INVALID_ARGUMENT naming the tensor)."""
 
 import numpy as np
 
-from weightsync.receipts.fp8 import CHUNK, block_shape, enum_name, quantize
+from weightsync.planner import wire_payload_bytes
+from weightsync.receipts.fp8 import CHUNK, block_shape, enum_name, quantize, widened
 
 __all__ = ["WireFp8", "wire_plan", "quantize_on_wire", "on_the_wire", "payload_bytes"]
 
@@ -127,12 +128,7 @@ def payload_bytes(shape, fields):
     """Bytes of a tensor quantised as `fields` says on the wire: its FP8
     elements, rounded up to 4, then a float32 scale per block (per row:
     per row)."""
-    rows, cols = _matrix(shape)
-    if fields.get("scheme") == "QUANT_SCHEME_PER_ROW":
-        br, bc = 1, cols
-    else:
-        br, bc = fields.get("block_rows") or 128, fields.get("block_cols") or 128
-    return -(-rows * cols // 4) * 4 + (-(-rows // br)) * (-(-cols // bc)) * 4
+    return wire_payload_bytes(shape, fields)
 
 
 class WireFp8:
@@ -170,7 +166,6 @@ def quantize_on_wire(name, tensor, fields, ops=None):
     `ops` = weightsync._xp.TorchOps(), quantised on its device) quantised
     as `fields` (a wire_plan entry) says, whole, from its top-left block."""
     from weightsync._xp import NumpyOps
-    from weightsync.receipts.fp8 import _elements, _widen
     from weightsync._tensors import describe
     ops = ops or NumpyOps()
     shape = tuple(int(d) for d in tensor.shape)
@@ -183,7 +178,7 @@ def quantize_on_wire(name, tensor, fields, ops=None):
     if dtype not in ("FLOAT32", "BFLOAT16", "FLOAT16"):
         raise ValueError(f"tensor '{name}': {dtype} can't be quantised on the wire "
                          "(float32, bfloat16 or float16)")
-    x = _widen(ops, _elements(ops, raw, dtype), dtype).reshape(rows, cols)
+    x = widened(raw, dtype, ops).reshape(rows, cols)
     per_row = fields.get("scheme") == "QUANT_SCHEME_PER_ROW"
     br = 1 if per_row else fields.get("block_rows") or 128
     bc = cols if per_row else fields.get("block_cols") or 128

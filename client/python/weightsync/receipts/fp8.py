@@ -241,6 +241,13 @@ def _widen(ops, elements, dtype):
     return ops.f32_from_bits(convert_element_bits(ops, ops.flat(elements), dtype, "FLOAT32"))
 
 
+def widened(raw, dtype, ops=None):
+    """float32 values (flat) of a sent tensor's storage `raw` of float
+    dtype `dtype`, exactly (as the daemon widens them)."""
+    ops = ops or _xp.NumpyOps()
+    return _widen(ops, _elements(ops, raw, dtype), dtype)
+
+
 def sources(p):
     """The sent tensors that feed parameter `p` (its segments' sources, or
     its own name)."""
