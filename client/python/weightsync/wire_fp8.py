@@ -18,6 +18,7 @@ before anything pauses (INVALID_ARGUMENT naming the tensor)."""
 import numpy as np
 
 from weightsync.planner import wire_payload_bytes
+from weightsync.transfer_plan import view_2d
 from weightsync.receipts.fp8 import CHUNK, block_shape, enum_name, quantize, widened
 
 __all__ = ["WireFp8", "wire_plan", "quantize_on_wire", "on_the_wire", "payload_bytes"]
@@ -25,13 +26,7 @@ __all__ = ["WireFp8", "wire_plan", "quantize_on_wire", "on_the_wire", "payload_b
 
 def _matrix(shape):
     """(rows, cols) of a tensor's 2-D view as segments see it."""
-    shape = [int(d) for d in shape]
-    if not shape:
-        return 1, 1
-    cols = 1
-    for d in shape[1:]:
-        cols *= d
-    return shape[0], cols
+    return view_2d([int(d) for d in shape])
 
 
 def _segment_rect(cols, s):
