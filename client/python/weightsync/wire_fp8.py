@@ -165,7 +165,7 @@ def quantize_on_wire(name, tensor, fields, ops=None):
     ops = ops or NumpyOps()
     shape = tuple(int(d) for d in tensor.shape)
     rows, cols = _matrix(shape)
-    if isinstance(tensor, np.ndarray):
+    if isinstance(ops, NumpyOps):   # numpy arrays, CPU torch tensors
         dtype, _, raw = describe(name, tensor)
     else:
         from weightsync._gpu import dtype_name
