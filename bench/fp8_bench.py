@@ -10,6 +10,11 @@ update aimed at one engine (`engine_ids`):
 
   bf16_update_s / fp8_update_s          Trainer.update(...), receipts on (default)
   bf16_update_s_receipts_off / fp8_...  the same with verify=False
+  fp8_wire_update_s[_receipts_off]      the FP8 engine, update(fp8_on_wire=True): the
+                                        trainer quantises the linear weights on its
+                                        GPU and the packed path carries a byte an
+                                        element (`*_bytes`: what the daemon took in)
+  wire_quantize_s                       that quantisation alone
   torch_quantize_s                      the trainer-side quantisation frameworks do
                                         today (per 128x128 block amax, scale, cast
                                         to float8_e4m3fn in torch) of the same
@@ -121,15 +126,17 @@ def trainer_main(conn, target):
     trainer.init_ipc(device=GPU)
     version = [0]
 
-    def series(engine, verify, key):
+    def series(engine, verify, key, wire=False):
         times, parts = [], {}
         for i in range(REPEATS + 1):
             version[0] += 1
             torch.cuda.synchronize(dev)
             t = time.perf_counter()
-            trainer.update(pairs, version=version[0], verify=verify,
-                           engine_ids=[f"engine-{engine}"], chunk_bytes=CHUNK_BYTES)
+            r = trainer.update(pairs, version=version[0], verify=verify,
+                               engine_ids=[f"engine-{engine}"], chunk_bytes=CHUNK_BYTES,
+                               fp8_on_wire=wire)
             dt = time.perf_counter() - t
+            out[key + "_bytes"] = r.bytes   # what the daemon took in (source or stream)
             if i:
                 times.append(dt)
                 for k, v in (trainer.last_timings or {}).items():
@@ -147,9 +154,25 @@ def trainer_main(conn, target):
     # Interleaved by setting, so a drift of the machine hits both engines.
     series("bf16", False, "bf16_update_s_receipts_off")
     series("fp8", False, "fp8_update_s_receipts_off")
+    series("fp8", False, "fp8_wire_update_s_receipts_off", wire=True)
     if os.environ.get("BENCH_RECEIPTS", "on") == "on":
         series("bf16", True, "bf16_update_s")
         series("fp8", True, "fp8_update_s")
+        series("fp8", True, "fp8_wire_update_s", wire=True)
+    # FP8 on the wire's own part: the trainer's quantisation of every
+    # tensor it sends quantised (one Triton launch each), alone.
+    from weightsync import wire_fp8
+    plan = trainer._wire_plans.plan(trainer._link, ["engine-fp8"], pairs)
+    times = []
+    for _ in range(REPEATS):
+        torch.cuda.synchronize(dev)
+        t = time.perf_counter()
+        wire_fp8.on_the_wire(pairs, plan)
+        torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - t)
+    out["wire_quantize_s"] = statistics.median(times)
+    out["wire_tensors"] = len(plan)
+    out["wire_triton_failed"] = list(wire_fp8._TRITON_FAILED)
     C.send(conn, out)
     C.recv(conn, 60, "the end")
 
@@ -189,20 +212,31 @@ def main():
     if "fp8_update_s" in res:
         res["ratio"] = res["fp8_update_s"] / res["bf16_update_s"]
     res["ratio_receipts_off"] = res["fp8_update_s_receipts_off"] / res["bf16_update_s_receipts_off"]
+    # FP8 on the wire against the daemon quantising (the default), same engine.
+    if "fp8_wire_update_s" in res:
+        res["wire_ratio"] = res["fp8_wire_update_s"] / res["fp8_update_s"]
+    res["wire_ratio_receipts_off"] = (res["fp8_wire_update_s_receipts_off"]
+                                      / res["fp8_update_s_receipts_off"])
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
     with open(out_path, "w") as f:
         json.dump(res, f, indent=1)
     print(f"{res['tensors']} tensors, {res['bytes_sent'] / 1e9:.2f} GB sent, on {kind}")
     print(f"engine bytes: bf16 {res['engine_bytes_bf16'] / 1e9:.2f} GB, "
           f"fp8 {res['engine_bytes_fp8'] / 1e9:.2f} GB")
-    for k in ("bf16_update_s_receipts_off", "fp8_update_s_receipts_off", "bf16_update_s",
-              "fp8_update_s"):
+    for k in ("bf16_update_s_receipts_off", "fp8_update_s_receipts_off",
+              "fp8_wire_update_s_receipts_off", "bf16_update_s", "fp8_update_s",
+              "fp8_wire_update_s"):
         if k in res:
             parts = ", ".join(f"{p} {v * 1e3:.2f}" for p, v in res.get(k + "_parts", {}).items())
-            print(f"{k:28s} {res[k] * 1e3:9.2f} ms  (first {res[k + '_first'] * 1e3:.1f} ms; "
-                  f"{parts})")
+            print(f"{k:31s} {res[k] * 1e3:9.2f} ms  {res[k + '_bytes'] / 1e9:6.2f} GB  "
+                  f"(first {res[k + '_first'] * 1e3:.1f} ms; {parts})")
+    print(f"FP8 on the wire: {res['wire_tensors']} tensors quantised by the trainer in "
+          f"{res['wire_quantize_s'] * 1e3:.2f} ms (Triton fell back: "
+          f"{res['wire_triton_failed'] or 'no'})")
     print(f"ratio fp8/bf16: receipts on {res.get('ratio', float('nan')):.3f}, "
           f"off {res['ratio_receipts_off']:.3f}")
+    print(f"ratio fp8 on the wire / daemon quantising: receipts on "
+          f"{res.get('wire_ratio', float('nan')):.3f}, off {res['wire_ratio_receipts_off']:.3f}")
     print(f"torch quantisation of the {res['torch_quantize_weights']} linear weights: "
           f"{res['torch_quantize_s'] * 1e3:.2f} ms")
     print(f"wrote {out_path}")

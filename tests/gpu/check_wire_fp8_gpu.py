@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """FP8 on the wire, quantised on the GPU (weightsync.wire_fp8.quantize_on_wire
-with torch ops on the tensor's device) against the numpy path (the one CI
-binds to the daemon: backends/host:quant_scatter_test): every payload byte
-(FP8 elements, padding, stored scales) equal, for float32 / bfloat16 /
-float16 tensors with NaN, +-inf and zeros, e4m3fn and e5m2, 128x128 blocks
-with partial edges, 2x128 and per row (the host path: CPU torch tensors
-through numpy), DEQUANT and RECIPROCAL scales, one
-tensor larger than a quantisation step (CHUNK elements). Then the time of
-the GPU path on a 4096 x 12288 bfloat16 weight. Prints PASS/FAIL lines;
-exit 1 on any FAIL. Under a minute.
+on the tensor's device: the Triton kernel, and torch ops) against the
+numpy path (the one CI binds to the daemon: backends/host:
+quant_scatter_test): every payload byte (FP8 elements, padding, stored
+scales) equal, for float32 / bfloat16 / float16 tensors with NaN, +-inf
+and zeros, e4m3fn and e5m2, 128x128 blocks with partial edges, 2x128 and
+per row (the host path: CPU torch tensors through numpy), DEQUANT and
+RECIPROCAL scales, one tensor larger than a quantisation step (CHUNK
+elements). Then the time of both GPU paths on a 4096 x 12288 bfloat16
+weight. Prints PASS/FAIL lines; exit 1 on any FAIL. Under a minute.
 
     PYTHONPATH=client/python python3 tests/gpu/check_wire_fp8_gpu.py
 """
@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
 
 from weightsync import _xp  # noqa: E402
 from weightsync.planner import wire_payload_bytes  # noqa: E402
+from weightsync import wire_fp8  # noqa: E402
 from weightsync.wire_fp8 import quantize_on_wire  # noqa: E402
 
 DEV = torch.device("cuda", 0)
@@ -61,27 +62,51 @@ def main():
                 if shape == (4200, 4096) and name != "e4m3 128x128":
                     continue
                 what = f"{dtype} {list(shape)} {name}"
-                gpu = quantize_on_wire("w", src.to(DEV), fields, _xp.TorchOps()).payload()
                 host = quantize_on_wire("w", src, fields).payload()   # numpy
-                got = gpu.cpu().numpy()
                 want_len = wire_payload_bytes(shape, fields)
-                check(f"{what}: payload bytes equal the host path's", got.shape == host.shape
-                      and bool(np.array_equal(got, host)) and got.shape[0] == want_len,
-                      f"{int((got != host).sum()) if got.shape == host.shape else 'size'} differ")
+                for path in PATHS:
+                    gpu = on_gpu(path, src.to(DEV), fields)
+                    got = gpu.cpu().numpy()
+                    check(f"{what} ({path}): payload bytes equal the host path's",
+                          got.shape == host.shape and bool(np.array_equal(got, host))
+                          and got.shape[0] == want_len,
+                          f"{int((got != host).sum()) if got.shape == host.shape else 'size'}"
+                          " differ")
+    check("the Triton kernel never fell back to torch", not wire_fp8._TRITON_FAILED,
+          "; ".join(wire_fp8._TRITON_FAILED))
     w = torch.randn(4096, 12288, generator=g).to(torch.bfloat16).to(DEV)
     fields = forms[0][0]
-    quantize_on_wire("w", w, fields, _xp.TorchOps())
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        quantize_on_wire("w", w, fields, _xp.TorchOps()).payload()
+    for path in PATHS:
+        on_gpu(path, w, fields)
         torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    ms = sorted(times)[2] * 1e3
-    print(f"TIME quantize_on_wire + payload, 4096 x 12288 bf16 (100.7 MB -> 50.3 MB) "
-          f"on the GPU: {ms:.1f} ms median of 5", flush=True)
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            on_gpu(path, w, fields)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        ms = sorted(times)[2] * 1e3
+        print(f"TIME quantize_on_wire + payload ({path}), 4096 x 12288 bf16 (100.7 MB -> "
+              f"50.3 MB) on the GPU: {ms:.2f} ms median of 5, {100.7e6 / ms / 1e9:.0f} GB/s "
+              "of source read", flush=True)
     return 1 if failures else 0
+
+
+PATHS = ("triton", "torch")
+
+
+def on_gpu(path, x, fields):
+    """The payload of `x` quantised on its GPU by `path`: the Triton kernel
+    (the default where Triton is present) or torch ops
+    (WEIGHTSYNC_WIRE_TRITON=0)."""
+    os.environ["WEIGHTSYNC_WIRE_TRITON"] = "1" if path == "triton" else "0"
+    try:
+        w = quantize_on_wire("w", x, fields, _xp.TorchOps())
+        if path == "triton" and w._payload is None:
+            check("the Triton path made the payload", False, "it took the torch path")
+        return w.payload()
+    finally:
+        os.environ.pop("WEIGHTSYNC_WIRE_TRITON", None)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,11 @@ exact: an engine process on GPU 0 holds FP8 weights and scales in torch
   float16 tensors (NaN, +-inf, a zero block, tiny values) through every GPU
   path: IPC from a registered source, IPC from a packed buffer, IPC staged
   (quantised at the commit), an IPC ring (LazyTensors: chunks arrive one
-  slot at a time, as NCCL chunks do), each with small chunk_bytes so blocks
-  are cut across chunks; and NCCL streaming and staged from GPU 1 where
-  there is one. Receipts on (the trainer checks them). Every FP8 byte and
+  slot at a time, as NCCL chunks do), FP8 on the wire (fp8_on_wire=True:
+  the trainer quantises on its GPU, the daemon copies bytes and scales as
+  they are) streaming and staged, each with small chunk_bytes so blocks
+  are cut across chunks; and NCCL streaming, staged and on the wire from
+  GPU 1 where there is one. Receipts on (the trainer checks them). Every FP8 byte and
   scale must equal weightsync.fp8 (numpy) applied to the trainer's tensors.
 model: a small transformers model (Qwen3/Llama-style config, random init,
   no downloads): the engine's linear layers hold e4m3 weights + 128x128
@@ -240,10 +242,17 @@ def exact_rounds(n_gpus):
               ("ipc source, default chunks", "ipc", "source", 0),
               ("ipc packed, 48 KiB chunks", "ipc", "packed", 48 << 10),
               ("ipc packed staged, 40 KiB chunks", "ipc", "staged", 40 << 10),
-              ("ipc ring (lazy), 32 KiB chunks", "ipc", "ring", 32 << 10)]
+              ("ipc ring (lazy), 32 KiB chunks", "ipc", "ring", 32 << 10),
+              # FP8 on the wire (fp8_on_wire=True): the trainer quantises
+              # every FP8 weight on its GPU (Triton), the daemon copies the
+              # bytes and scales as they are (the packed path).
+              ("ipc FP8 on the wire, 48 KiB chunks", "ipc", "wire", 48 << 10),
+              ("ipc FP8 on the wire staged, 40 KiB chunks", "ipc", "wire staged", 40 << 10)]
     if n_gpus >= 2:
         rounds += [("nccl from GPU 1, 64 KiB chunks", "nccl", "stream", 64 << 10),
-                   ("nccl from GPU 1 staged, 40 KiB chunks", "nccl", "staged", 40 << 10)]
+                   ("nccl from GPU 1 staged, 40 KiB chunks", "nccl", "staged", 40 << 10),
+                   ("nccl from GPU 1, FP8 on the wire, 64 KiB chunks", "nccl", "wire",
+                    64 << 10)]
     return rounds
 
 
@@ -270,15 +279,20 @@ def exact_trainer(conn, target, n_gpus):
         if how == "ring":
             items = [(n, LazyTensor(n, t.dtype, t.shape, (lambda t=t: t), device=dev))
                      for n, t in items]
-        mode = "staged" if how == "staged" else "streaming"
+        mode = "staged" if how.endswith("staged") else "streaming"
         err = None
         try:
-            r = trainer.update(items, version=version, chunk_bytes=chunk, mode=mode)
+            r = trainer.update(items, version=version, chunk_bytes=chunk, mode=mode,
+                               fp8_on_wire=how.startswith("wire"))
             receipts = sum(1 for e in r.engines if e.HasField("receipt"))
         except weightsync.WeightSyncError as e:
             err, receipts = f"{e.code}: {e.message}", 0
         torch.cuda.synchronize(dev)
+        # How many tensors travelled quantised (the plan update() used).
+        wired = (len(trainer._wire_plans.plan(trainer._link, (), items))
+                 if how.startswith("wire") else 0)
         C.send(conn, {"tag": tag, "version": version, "update_error": err, "receipts": receipts,
+                      "wired": wired,
                       "dtypes": {n: str(t.dtype) for n, t in tensors.items()},
                       "expect": reference(tensors), "detail": reference_detail(tensors)})
         C.recv(conn, 600, "go on")
@@ -325,6 +339,10 @@ def run_exact(daemon_bin, worker_bin):
                           ", ".join(f"[{i}] engine {a[i]:#04x} ref {b[i]:#04x} "
                                     f"src {x[i]:#010x}" for i in idx[:6]), flush=True)
             check(t["receipts"] == 1, f"{tag}: receipts checked by the trainer")
+            if "on the wire" in tag:   # every FP8 weight's source: SYN, q/k/v, the experts
+                want = len(SYN) + len(FUSED[1]) + len(STACKED[1])
+                check(t["wired"] == want, f"{tag}: {t['wired']} of {want} FP8 weights' "
+                                          "sources travelled quantised")
             rows.append((tag, ok_update and not bad and t["receipts"] == 1,
                          ",".join(sorted(set(t["dtypes"].values())))))
             trainer.send({"go": True})
@@ -501,6 +519,10 @@ def run_model(daemon_bin, worker_bin):
             check(e["greedy"] == t["greedy_ref"],
                   f"{tag}: engine greedy {e['greedy']} == reference {t['greedy_ref']}")
             check(t["receipts"] == 1, f"{tag}: receipts checked by the trainer")
+            if "on the wire" in tag:   # every FP8 weight's source: SYN, q/k/v, the experts
+                want = len(SYN) + len(FUSED[1]) + len(STACKED[1])
+                check(t["wired"] == want, f"{tag}: {t['wired']} of {want} FP8 weights' "
+                                          "sources travelled quantised")
             print(f"  {tag}: loss {t['loss']}; the bf16 trainer's own greedy "
                   f"{t['greedy_bf16']} ({'same' if t['greedy_bf16'] == t['greedy_ref'] else 'differs'})",
                   flush=True)

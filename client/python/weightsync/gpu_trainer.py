@@ -44,6 +44,7 @@ from weightsync._proto import v1
 from weightsync._tensors import describe
 from weightsync.lazy import Feed, LazyTensor, check_materialized
 from weightsync.sparse import SparsePatch, TorchSparsePatch
+from weightsync.wire_fp8 import WireFp8
 
 # Chunk size of a lazy IPC update (the ring's slots) when the caller asks
 # for none: the daemon's default --max_chunk_bytes.
@@ -211,6 +212,15 @@ class GpuSender:
                 flats.append(t)
                 manifest.append({"name": name, "dtype": t.dtype, "shape": list(t.shape)})
                 continue
+            if isinstance(t, WireFp8):   # FP8 on the wire: elements, then scales
+                payload = t.payload()
+                if not hasattr(payload, "is_cuda"):
+                    payload = torch.from_numpy(payload).to(self.device)
+                names.append(name)
+                flats.append(payload)
+                manifest.append({"name": name, "dtype": t.dtype,
+                                 "shape": [int(s) for s in t.shape], "quantization": t.fields})
+                continue
             if isinstance(t, SparsePatch):
                 if not t.nnz:
                     raise ValueError(f"tensor '{name}': an empty patch (sparse_nnz 0 means a "
@@ -236,9 +246,30 @@ class GpuSender:
             manifest.append({"name": name, "dtype": dt, "shape": [int(s) for s in t.shape]})
         return names, flats, manifest, dropped
 
+    @staticmethod
+    def receipt_inputs(pairs, manifest, flats):
+        """(manifest, flats) the receipts' expectation takes: as sent, but
+        a tensor quantised on the wire (WireFp8) counts as the tensor it
+        was quantised from, which the expectation quantises as the engine's
+        FP8 target says (weightsync.receipts), exactly as the trainer did."""
+        wired = {n: t for n, t in pairs if isinstance(t, WireFp8)}
+        if not wired:
+            return manifest, flats
+        out_m, out_f = [], []
+        for m, f in zip(manifest, flats):
+            w = wired.get(m["name"])
+            if w is not None:
+                m = {"name": m["name"], "dtype": dtype_name(m["name"], w.source),
+                     "shape": m["shape"]}
+                f = flat_bytes(m["name"], w.source)
+            out_m.append(m)
+            out_f.append(f)
+        return out_m, out_f
+
     def plan(self, manifest, chunk_bytes):
         key = (chunk_bytes, tuple((m["name"], m["dtype"], tuple(m["shape"]),
-                                   m.get("sparse_nnz", 0), m.get("sparse_index_bytes", 0))
+                                   m.get("sparse_nnz", 0), m.get("sparse_index_bytes", 0),
+                                   tuple(sorted(m.get("quantization", {}).items())))
                                   for m in manifest))
         p = self._plans.get(key)
         if p is None:

@@ -27,6 +27,7 @@ import contextlib
 import uuid
 
 from weightsync import _liveness, _multi, _warm
+from weightsync import lazy as _lazy
 from weightsync._errors import WeightSyncError
 from weightsync._proto import Stub, channel, default_target, v1
 from weightsync._usage import tensor_pairs
@@ -35,6 +36,7 @@ from weightsync.senders.base import Link, Update
 from weightsync.senders.host_source import HostSourceSender
 from weightsync.senders.host_stream import HostStreamSender
 from weightsync.senders.multi_host import MultiHostSender
+from weightsync.wire_fp8 import WirePlans, on_the_wire
 
 
 class Trainer:
@@ -70,6 +72,7 @@ class Trainer:
         # init_ipc() compiled (weightsync._warm): no compilation in update().
         self.warmed = []
         self.prepared = False
+        self._wire_plans = WirePlans()   # update(fp8_on_wire=True)
 
     # What the last update left (weightsync.senders.base.Link).
     last_results = property(lambda self: self._link.last_results,
@@ -284,7 +287,7 @@ class Trainer:
 
     def update(self, named_tensors, version, chunk_bytes=0, update_id=None, engine_ids=(),
                mode="streaming", allow_streaming_fallback=False, verify=True,
-               base_version=0):
+               base_version=0, fp8_on_wire=False):
         """Sends every (name, tensor) as weight version `version` (host
         backend: numpy arrays or CPU torch tensors): a list of pairs, any
         iterable of them, or a {name: tensor} mapping such as
@@ -307,13 +310,39 @@ class Trainer:
         dtype, shape and a function that makes it): it is made just before
         its bytes are sent and let go right after (weightsync.lazy; on
         nccl/ipc in weightsync.gpu_trainer), receipts summed as it is
-        made. With several daemons the answer is a list, one per daemon."""
+        made. With several daemons the answer is a list, one per daemon.
+
+        fp8_on_wire=True: each tensor whose every use, in every engine the
+        update writes, is an FP8 target of one format, block and scale
+        form on whole blocks of it is quantised here, where it is (a CUDA
+        tensor on its GPU: one Triton launch), and travels as a byte an
+        element plus its blocks' scales; the engines then hold exactly
+        what the daemon quantising it gives (weightsync.wire_fp8,
+        docs/protocol.md "FP8 on the wire"). The rest travel as they are.
+        Off by default: it pays where the link binds (NCCL across nodes),
+        not where the daemon reads the trainer's memory itself (IPC on the
+        same GPU, the host backend): bench/RESULTS.md, "FP8 on the wire"."""
         if not isinstance(named_tensors, HostSource):
             named_tensors = tensor_pairs(named_tensors)   # a state_dict too; not empty
+        if fp8_on_wire:
+            named_tensors = self._on_the_wire(named_tensors, engine_ids)
         u = Update(named_tensors, version, chunk_bytes,
                    update_id or f"update-{version}-{uuid.uuid4().hex[:8]}", engine_ids, mode,
                    allow_streaming_fallback, verify, base_version)
         return self._sender_for(u).update(u)
+
+    def _on_the_wire(self, pairs, engine_ids):
+        """`pairs` with the tensors that can travel quantised quantised
+        (update(fp8_on_wire=True))."""
+        if isinstance(pairs, HostSource):
+            raise ValueError("fp8_on_wire: the daemon copies a HostSource from its shared "
+                             "memory (nothing travels to quantise); update a list of "
+                             "arrays instead")
+        pairs = list(pairs)
+        if _lazy.is_lazy(pairs):
+            raise ValueError("fp8_on_wire: LazyTensors are made as their chunks go and "
+                             "can't be quantised ahead; make the tensors first")
+        return on_the_wire(pairs, self._wire_plans.plan(self._link, engine_ids, pairs))
 
     def _sender_for(self, u):
         """The sender that carries update `u`."""

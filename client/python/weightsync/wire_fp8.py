@@ -5,6 +5,7 @@ the daemon's), and sends its FP8 elements and scales: a byte per element
 instead of two (bf16) or four (float32). The daemon copies them as they
 are; an engine holds exactly what the daemon quantising the tensor gives.
 
+    trainer.update(named_tensors, version, fp8_on_wire=True)   # all of it, or:
     plan = wire_plan(layouts, shapes)     # {name: Quantization fields}
     pairs = on_the_wire(named_tensors, plan)
 
@@ -21,7 +22,8 @@ from weightsync.planner import wire_payload_bytes
 from weightsync.transfer_plan import view_2d
 from weightsync.receipts.fp8 import CHUNK, block_shape, enum_name, quantize, widened
 
-__all__ = ["WireFp8", "wire_plan", "quantize_on_wire", "on_the_wire", "payload_bytes"]
+__all__ = ["WireFp8", "WirePlans", "wire_plan", "quantize_on_wire", "on_the_wire",
+           "payload_bytes"]
 
 
 def _matrix(shape):
@@ -131,11 +133,12 @@ class WireFp8:
     `shape`, `fields` (its Quantization), `elements` (uint8 FP8 encodings,
     [rows, cols]) and `scales` (float32 stored scales of its blocks)."""
 
-    __slots__ = ("source", "shape", "fields", "elements", "scales")
+    __slots__ = ("source", "shape", "fields", "elements", "scales", "_payload")
 
-    def __init__(self, source, shape, fields, elements, scales):
+    def __init__(self, source, shape, fields, elements, scales, payload=None):
         self.source, self.shape, self.fields = source, tuple(shape), fields
         self.elements, self.scales = elements, scales
+        self._payload = payload   # made with them (the Triton path), or None
 
     @property
     def dtype(self):
@@ -144,6 +147,8 @@ class WireFp8:
     def payload(self):
         """The payload as the daemon reads it: flat uint8 (numpy arrays) or
         a flat torch.uint8 tensor on the elements' device."""
+        if self._payload is not None:
+            return self._payload
         n = self.elements.reshape(-1).shape[0]
         pad = -n % 4
         if isinstance(self.elements, np.ndarray):
@@ -156,10 +161,29 @@ class WireFp8:
         return torch.cat([flat, flat.new_zeros(pad), scales])
 
 
+# Why the Triton kernel failed, once it did: the torch path carries on.
+_TRITON_FAILED = []
+
+
+def _triton_for(raw):
+    """Whether `raw` (a torch tensor) takes fp8_wire_kernel: on a CUDA
+    device, Triton present, neither WEIGHTSYNC_FP8_TRITON nor
+    WEIGHTSYNC_WIRE_TRITON "0", and the kernel never failed here."""
+    import os
+    if (_TRITON_FAILED or not getattr(raw, "is_cuda", False)
+            or os.environ.get("WEIGHTSYNC_WIRE_TRITON", "1") == "0"):
+        return False
+    from weightsync.receipts import fp8_gpu
+    return fp8_gpu.enabled()
+
+
 def quantize_on_wire(name, tensor, fields, ops=None):
     """WireFp8 of `tensor` (a float numpy array, or a torch tensor with
     `ops` = weightsync._xp.TorchOps(), quantised on its device) quantised
-    as `fields` (a wire_plan entry) says, whole, from its top-left block."""
+    as `fields` (a wire_plan entry) says, whole, from its top-left block.
+    A CUDA tensor goes through one Triton launch (fp8_wire_kernel) where
+    Triton is present, else through torch ops; both give
+    weightsync.receipts.fp8.quantize's bytes."""
     from weightsync._xp import NumpyOps
     from weightsync._tensors import describe
     ops = ops or NumpyOps()
@@ -173,11 +197,20 @@ def quantize_on_wire(name, tensor, fields, ops=None):
     if dtype not in ("FLOAT32", "BFLOAT16", "FLOAT16"):
         raise ValueError(f"tensor '{name}': {dtype} can't be quantised on the wire "
                          "(float32, bfloat16 or float16)")
-    x = widened(raw, dtype, ops).reshape(rows, cols)
     per_row = fields.get("scheme") == "QUANT_SCHEME_PER_ROW"
     br = 1 if per_row else fields.get("block_rows") or 128
     bc = cols if per_row else fields.get("block_cols") or 128
     reciprocal = fields.get("scale_form") == "SCALE_FORM_RECIPROCAL"
+    if _triton_for(raw):
+        from weightsync.receipts import fp8_gpu
+        try:
+            payload, enc, stored = fp8_gpu.quantize_gpu(
+                raw.contiguous().reshape(rows, cols), dtype, br, bc, fields["format"],
+                reciprocal)
+            return WireFp8(tensor, shape, dict(fields), enc, stored, payload)
+        except Exception as e:  # noqa: BLE001 - the torch path below is exact too
+            _TRITON_FAILED.append(f"{type(e).__name__}: {e}")
+    x = widened(raw, dtype, ops).reshape(rows, cols)
     # Rows of blocks CHUNK elements at a time (quantize holds several int64
     # temporaries an element).
     step = br * max(1, CHUNK // max(br * cols, 1))
@@ -191,10 +224,50 @@ def quantize_on_wire(name, tensor, fields, ops=None):
     return WireFp8(tensor, shape, dict(fields), enc, stored)
 
 
+def _ops(tensor):
+    """TorchOps for a CUDA tensor (quantised on its device), else NumpyOps
+    (numpy arrays, CPU torch tensors: through numpy)."""
+    from weightsync import _xp
+    return _xp.TorchOps() if getattr(tensor, "is_cuda", False) else _xp.NumpyOps()
+
+
 def on_the_wire(named_tensors, plan, ops=None):
     """(name, tensor or WireFp8) pairs: the tensors `plan` (wire_plan)
-    names quantised, the rest as given."""
+    names quantised (with `ops`, default by where each tensor is), the
+    rest as given (a SparsePatch or a WireFp8 too)."""
     if not plan:
         return list(named_tensors)
-    return [(n, quantize_on_wire(n, t, plan[n], ops) if n in plan else t)
+    from weightsync.sparse import SparsePatch
+    return [(n, quantize_on_wire(n, t, plan[n], ops or _ops(t))
+             if n in plan and not isinstance(t, (SparsePatch, WireFp8)) else t)
             for n, t in named_tensors]
+
+
+class WirePlans:
+    """Trainer.update(fp8_on_wire=True)'s plans, kept by the engines'
+    layout ids and the tensors' names and shapes: an update of the same
+    tensors into the same layouts plans nothing again (one GetStatus
+    without layouts a call). Thread-compatible, like the Trainer."""
+
+    def __init__(self, keep=8):
+        self._plans = {}
+        self._keep = keep
+
+    def plan(self, link, engine_ids, pairs):
+        """The wire_plan of (name, tensor) `pairs` into the engines an
+        update of `engine_ids` writes (weightsync.senders.base.Link)."""
+        wanted = set(engine_ids)
+        statuses = link.each(lambda i, stub: stub.call("GetStatus", include_layouts=False))
+        ids = tuple(sorted(e.layout_id for st in statuses for e in st.engines
+                           if not wanted or e.engine_id in wanted))
+        shapes = tuple((n, tuple(int(d) for d in t.shape)) for n, t in pairs)
+        key = (ids, shapes)
+        found = self._plans.get(key) if all(ids) else None
+        if found is None:
+            _, layouts = link.engine_layouts(engine_ids)
+            found = wire_plan(layouts.values(), dict(shapes))
+            if all(ids):
+                if len(self._plans) >= self._keep:
+                    self._plans.clear()
+                self._plans[key] = found
+        return found

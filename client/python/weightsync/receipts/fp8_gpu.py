@@ -469,3 +469,42 @@ def start_prepared(handle):
     device, launches, (params, nbytes) = handle
     out = _launch(device, launches)
     return lambda: (int(out.item()) & 0xFFFFFFFFFFFFFFFF, params, nbytes)
+
+
+def _pow2(n):
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def quantize_gpu(raw, dtype, block_rows, block_cols, fmt, reciprocal):
+    """(payload, encodings, stored scales) of `raw`, a contiguous 2-D
+    float32 / bfloat16 / float16 CUDA tensor, quantised by fp8_wire_kernel
+    on its device (current stream): weightsync.receipts.fp8.quantize bit
+    for bit, a block a program. Per row: block_rows=1, block_cols=cols.
+    The payload is FP8 on the wire's (docs/protocol.md): the uint8
+    encodings, zeros to a multiple of 4, the float32 scales; the
+    encodings ([rows, cols]) and the scales ([ceil(rows / block_rows),
+    ceil(cols / block_cols)]) are views of it."""
+    import torch
+    from weightsync.receipts import fp8_gpu_kernels
+    rows, cols = (int(d) for d in raw.shape)
+    gr, gc = -(-rows // block_rows), -(-cols // block_cols)
+    n = rows * cols
+    pad = -n % 4
+    payload = torch.empty(n + pad + 4 * gr * gc, dtype=torch.uint8, device=raw.device)
+    payload[n:n + pad] = 0
+    enc = payload[:n].view(rows, cols)
+    scales = payload[n + pad:].view(torch.float32).view(gr, gc)
+    if n == 0:
+        return payload, enc, scales
+    code = _DTYPES[dtype]
+    bits = raw.view(torch.int32 if code == 0 else torch.int16)
+    # Tiles of at most 4096 elements, as wide as the block allows.
+    c = min(1024, _pow2(block_cols))
+    rb = max(1, min(_pow2(block_rows), 4096 // c))
+    mb, bias, max_bits, nan_bits, fmax_bits = fp8.SPEC[fmt]
+    with torch.cuda.device(raw.device):
+        fp8_gpu_kernels.fp8_wire_kernel[(gr * gc,)](
+            bits, enc, scales, rows, cols, block_rows, block_cols, gc, mb, bias, max_bits,
+            nan_bits, fmax_bits, int(bool(reciprocal)), SRC=code, RB=rb, C=c,
+            num_warps=NUM_WARPS)
+    return payload, enc, scales

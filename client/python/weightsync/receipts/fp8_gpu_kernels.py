@@ -1,8 +1,10 @@
 """The Triton kernels of weightsync.receipts.fp8_gpu: the receipt of FP8
 targets quantised as the daemon quantises them (weightsync.receipts.fp8,
 common/fp8.cc), a block a program over its pieces (fp8_receipt_kernel),
-and whole 128 x 128 tiles a program (fp8_tile_kernel). Imported only where
-Triton is present; Triton compiles each at its first launch.
+and whole 128 x 128 tiles a program (fp8_tile_kernel); and FP8 on the
+wire's quantisation, a block of a tensor a program (fp8_wire_kernel).
+Imported only where Triton is present; Triton compiles each at its first
+launch.
 """
 
 import triton
@@ -340,6 +342,63 @@ def _fp8_tile_kernel(tab, out, SRC: tl.constexpr, RAW: tl.constexpr, E5M2: tl.co
                   + tl.sum(tl.sum(st.to(tl.int64), axis=1), axis=0))
 
 
+@triton.jit
+def _fp8_wire_kernel(src, enc, scales, rows, cols, br, bc, n_bc, mb, bias, max_bits,
+                     nan_bits, fmax_bits, rec, SRC: tl.constexpr, RB: tl.constexpr,
+                     C: tl.constexpr):
+    # FP8 on the wire (weightsync.wire_fp8): one block of a contiguous
+    # [rows, cols] tensor a program (block (bi, bj) of a grid n_bc blocks
+    # wide; per row: br = 1, bc = cols), read twice in RB x C tiles as
+    # _fp8_receipt_kernel reads its pieces: the amax of the finite |x|,
+    # d = amax / FMAX (div_rn; 1 where 0), then q = x / d (div_rn; NaN as
+    # it is) encoded by _to_fp8 and stored as a byte, and the stored scale
+    # (d, or 1 / d) at the block's index: weightsync.receipts.fp8.quantize
+    # bit for bit (tests/gpu/check_wire_fp8_gpu.py).
+    pid = tl.program_id(0).to(tl.int64)
+    bi = pid // n_bc
+    r0 = bi * br
+    c0 = (pid - bi * n_bc) * bc
+    pr = tl.minimum(br, rows - r0).to(tl.int32)
+    pc = tl.minimum(bc, cols - c0).to(tl.int32)
+    base = r0 * cols + c0
+    rr0 = tl.arange(0, RB)[:, None]
+    cc0 = tl.arange(0, C)[None, :]
+    am = tl.zeros([RB, C], dtype=tl.int32)
+    for r in range(0, pr, RB):
+        for c in range(0, pc, C):
+            rr = r + rr0
+            cc = c + cc0
+            mask = (rr < pr) & (cc < pc)
+            off = base + rr.to(tl.int64) * cols + cc
+            raw = tl.load(src + off, mask=mask, other=0)
+            raw = raw.to(tl.uint32 if SRC == 0 else tl.uint16, bitcast=True)
+            a = _f32_bits(raw, SRC).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+            am = tl.maximum(am, tl.where(mask & (a < 0x7F800000), a, 0))
+    amb = tl.max(tl.max(am, axis=1), axis=0)
+    fmax = (tl.zeros([RB, C], dtype=tl.int32) + fmax_bits).to(tl.float32, bitcast=True)
+    amv = (tl.zeros([RB, C], dtype=tl.int32) + amb).to(tl.float32, bitcast=True)
+    d = tl.math.div_rn(amv, fmax)
+    d = tl.where(d == 0.0, 1.0, d)
+    for r in range(0, pr, RB):
+        for c in range(0, pc, C):
+            rr = r + rr0
+            cc = c + cc0
+            mask = (rr < pr) & (cc < pc)
+            off = base + rr.to(tl.int64) * cols + cc
+            raw = tl.load(src + off, mask=mask, other=0)
+            raw = raw.to(tl.uint32 if SRC == 0 else tl.uint16, bitcast=True)
+            u = _f32_bits(raw, SRC).to(tl.int32, bitcast=True)
+            q = tl.math.div_rn(u.to(tl.float32, bitcast=True), d)
+            qb = tl.where((u & 0x7FFFFFFF) > 0x7F800000, u, q.to(tl.int32, bitcast=True))
+            e = _to_fp8(qb, mb, bias, max_bits, nan_bits, fmax_bits)
+            tl.store(enc + off, e.to(tl.uint8), mask=mask)
+    one = tl.zeros([RB, C], dtype=tl.float32) + 1.0
+    stored = tl.where(rec != 0, tl.math.div_rn(one, d), d)
+    first = (rr0 == 0) & (cc0 == 0)
+    tl.store(scales + pid + rr0 * 0 + cc0 * 0, stored, mask=first)
+
+
 # The kernels the launcher calls.
 fp8_receipt_kernel = _fp8_receipt_kernel
 fp8_tile_kernel = _fp8_tile_kernel
+fp8_wire_kernel = _fp8_wire_kernel

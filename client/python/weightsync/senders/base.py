@@ -237,13 +237,13 @@ class Link:
                         f"match {checksum:016x} over {nbytes} bytes computed from what was "
                         "sent")
 
-    def lazy_receipts(self, engine_ids, manifest, compute):
-        """(engines, weightsync.lazy.ProgressiveReceipts) for an update with
-        LazyTensors: the layouts of the engines it may write, as registered
-        now (ids from GetStatus, the layouts from the cache or, for one not
-        seen yet, GetStatus(include_layouts))."""
+    def engine_layouts(self, engine_ids=()):
+        """([{engine id: (layout id, key)} per daemon], {key: layout}) of
+        the engines an update of `engine_ids` (empty: every engine) may
+        write, as registered now: ids from GetStatus, the layouts from the
+        cache or, for one not seen yet, GetStatus(include_layouts)."""
         try:
-            engines, layouts = _lazy.engines_and_layouts(
+            return _lazy.engines_and_layouts(
                 self.each(lambda i, stub: stub.call("GetStatus", include_layouts=False)),
                 engine_ids, self.layouts)
         except KeyError:
@@ -251,7 +251,13 @@ class Link:
             for status in statuses:
                 for e in status.engines:
                     self.remember_layout(e.layout_id, list(e.layout))
-            engines, layouts = _lazy.engines_and_layouts(statuses, engine_ids)
+            return _lazy.engines_and_layouts(statuses, engine_ids)
+
+    def lazy_receipts(self, engine_ids, manifest, compute):
+        """(engines, weightsync.lazy.ProgressiveReceipts) for an update with
+        LazyTensors: the layouts of the engines it may write, as registered
+        now (engine_layouts)."""
+        engines, layouts = self.engine_layouts(engine_ids)
         return engines, _lazy.ProgressiveReceipts(layouts, manifest, compute)
 
     def check_lazy_receipts(self, results, engines, progress, stubs=None):

@@ -294,8 +294,9 @@ class IpcSender(Sender):
         request.ipc_source.CopyFrom(gpu.ipc_source(handle, buf.numel()))
         job = Job(request, t0=t0, t_ready=time.perf_counter())
         if u.verify:
+            sent = gpu.receipt_inputs(u.pairs(), manifest, flats)
             job.check = lambda results: self._receipts.check(
-                self.link, results, manifest, flats, timings=gpu.last_timings)
+                self.link, results, *sent, timings=gpu.last_timings)
         return job
 
     # -- ring (LazyTensors) ---------------------------------------------------------

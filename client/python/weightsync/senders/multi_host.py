@@ -10,7 +10,7 @@ from weightsync._errors import WeightSyncError
 from weightsync._proto import v1
 from weightsync.senders.base import Job, Sender, sent_of, specs
 from weightsync.senders.host_source import register_host_memory
-from weightsync.senders.host_stream import describe_host, expect_host
+from weightsync.senders.host_stream import describe_host, expect_host, wire_sources
 
 
 def engines_by_daemon(link, engine_ids):
@@ -68,10 +68,10 @@ class MultiHostSender(Sender):
             return self._describe_memory(u, selected, group)
         data, manifest = describe_host(u.pairs())
         base = u.request((), sparse_base_version=u.base_version, tensors=specs(manifest))
+        sent = sent_of(manifest, data, wire_sources(u.pairs()))
         return Job(per_daemon(base, selected), group=group, manifest=manifest, payloads=data,
                    names=[m["name"] for m in manifest],
-                   check=self.receipts(expect_host(sent_of(manifest, data)), stubs=stubs)
-                   if u.verify else None)
+                   check=self.receipts(expect_host(sent), stubs=stubs) if u.verify else None)
 
     def _describe_memory(self, u, selected, group):
         """A streaming update of a HostSource: each daemon copies the

@@ -145,9 +145,11 @@ class NcclSender(Sender):
         job = Job(request, t0=t0, names=[m["name"] for m in manifest], flats=flats,
                   manifest=manifest, lazy=None, prepacked=prepacked, on_made=None, early=None,
                   timings={})
+        # What the receipts take: a tensor quantised on the wire as its source.
+        job.sent = gpu.receipt_inputs(u.pairs(), manifest, flats)
         if u.verify:
             job.check = lambda results: self._receipts.check(
-                self.link, results, manifest, flats, timings=gpu.last_timings, early=job.early)
+                self.link, results, *job.sent, timings=gpu.last_timings, early=job.early)
         return job
 
     def describe_lazy(self, u):
@@ -211,8 +213,7 @@ class NcclSender(Sender):
         if job.check is not None and feed is None:
             # The expectation of the layouts the engines had last time, while
             # the broadcasts run (it read the tensors after the step, as they do).
-            job.early = self._receipts.early(self.link, job.manifest, job.flats,
-                                             timings=job.timings)
+            job.early = self._receipts.early(self.link, *job.sent, timings=job.timings)
         if feed is not None:
             self.link.last_lazy = {"made": feed.made, "peak_bytes": feed.peak_bytes,
                                    "window_bytes": max(windows, default=0),
