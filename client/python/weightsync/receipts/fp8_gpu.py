@@ -505,6 +505,6 @@ def quantize_gpu(raw, dtype, block_rows, block_cols, fmt, reciprocal):
     with torch.cuda.device(raw.device):
         fp8_gpu_kernels.fp8_wire_kernel[(gr * gc,)](
             bits, enc, scales, rows, cols, block_rows, block_cols, gc, mb, bias, max_bits,
-            nan_bits, fmax_bits, int(bool(reciprocal)), SRC=code, RB=rb, C=c,
+            nan_bits, fmax_bits, SRC=code, REC=bool(reciprocal), RB=rb, C=c,
             num_warps=NUM_WARPS)
     return payload, enc, scales

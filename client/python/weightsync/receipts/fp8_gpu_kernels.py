@@ -343,9 +343,20 @@ def _fp8_tile_kernel(tab, out, SRC: tl.constexpr, RAW: tl.constexpr, E5M2: tl.co
 
 
 @triton.jit
+def _wire_load(src, off, mask, SRC: tl.constexpr):
+    # The raw bits of a float32 (int32 view) or 16-bit (int16 view) source.
+    raw = tl.load(src + off, mask=mask, other=0)
+    if SRC == 0:
+        out = raw.to(tl.uint32, bitcast=True)
+    else:
+        out = raw.to(tl.uint16, bitcast=True)
+    return out
+
+
+@triton.jit
 def _fp8_wire_kernel(src, enc, scales, rows, cols, br, bc, n_bc, mb, bias, max_bits,
-                     nan_bits, fmax_bits, rec, SRC: tl.constexpr, RB: tl.constexpr,
-                     C: tl.constexpr):
+                     nan_bits, fmax_bits, SRC: tl.constexpr, REC: tl.constexpr,
+                     RB: tl.constexpr, C: tl.constexpr):
     # FP8 on the wire (weightsync.wire_fp8): one block of a contiguous
     # [rows, cols] tensor a program (block (bi, bj) of a grid n_bc blocks
     # wide; per row: br = 1, bc = cols), read twice in RB x C tiles as
@@ -370,9 +381,8 @@ def _fp8_wire_kernel(src, enc, scales, rows, cols, br, bc, n_bc, mb, bias, max_b
             cc = c + cc0
             mask = (rr < pr) & (cc < pc)
             off = base + rr.to(tl.int64) * cols + cc
-            raw = tl.load(src + off, mask=mask, other=0)
-            raw = raw.to(tl.uint32 if SRC == 0 else tl.uint16, bitcast=True)
-            a = _f32_bits(raw, SRC).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+            a = _f32_bits(_wire_load(src, off, mask, SRC), SRC).to(tl.int32, bitcast=True)
+            a = a & 0x7FFFFFFF
             am = tl.maximum(am, tl.where(mask & (a < 0x7F800000), a, 0))
     amb = tl.max(tl.max(am, axis=1), axis=0)
     fmax = (tl.zeros([RB, C], dtype=tl.int32) + fmax_bits).to(tl.float32, bitcast=True)
@@ -385,15 +395,15 @@ def _fp8_wire_kernel(src, enc, scales, rows, cols, br, bc, n_bc, mb, bias, max_b
             cc = c + cc0
             mask = (rr < pr) & (cc < pc)
             off = base + rr.to(tl.int64) * cols + cc
-            raw = tl.load(src + off, mask=mask, other=0)
-            raw = raw.to(tl.uint32 if SRC == 0 else tl.uint16, bitcast=True)
-            u = _f32_bits(raw, SRC).to(tl.int32, bitcast=True)
+            u = _f32_bits(_wire_load(src, off, mask, SRC), SRC).to(tl.int32, bitcast=True)
             q = tl.math.div_rn(u.to(tl.float32, bitcast=True), d)
             qb = tl.where((u & 0x7FFFFFFF) > 0x7F800000, u, q.to(tl.int32, bitcast=True))
             e = _to_fp8(qb, mb, bias, max_bits, nan_bits, fmax_bits)
             tl.store(enc + off, e.to(tl.uint8), mask=mask)
-    one = tl.zeros([RB, C], dtype=tl.float32) + 1.0
-    stored = tl.where(rec != 0, tl.math.div_rn(one, d), d)
+    if REC:
+        stored = tl.math.div_rn(tl.zeros([RB, C], dtype=tl.float32) + 1.0, d)
+    else:
+        stored = d
     first = (rr0 == 0) & (cc0 == 0)
     tl.store(scales + pid + rr0 * 0 + cc0 * 0, stored, mask=first)
 
