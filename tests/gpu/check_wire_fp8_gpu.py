@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """FP8 on the wire, quantised on the GPU (weightsync.wire_fp8.quantize_on_wire
-on the tensor's device: the Triton kernel, and torch ops) against the
+on the tensor's device: the Triton kernels, and torch ops) against the
 numpy path (the one CI binds to the daemon: backends/host:
 quant_scatter_test): every payload byte (FP8 elements, padding, stored
-scales) equal, for float32 / bfloat16 / float16 tensors with NaN, +-inf
-and zeros, e4m3fn and e5m2, 128x128 blocks with partial edges, 2x128 and
+scales) equal, for float32 / bfloat16 / float16 tensors with NaN, +-inf,
+zeros, a zero block, subnormal and huge values, e4m3fn and e5m2, 128x128 blocks with partial edges, 2x128 and
 per row (the host path: CPU torch tensors through numpy), DEQUANT and
 RECIPROCAL scales, one tensor larger than a quantisation step (CHUNK
-elements). Then the time of both GPU paths on a 4096 x 12288 bfloat16
+elements). Then the time of each GPU path on a 4096 x 12288 bfloat16
 weight. Prints PASS/FAIL lines; exit 1 on any FAIL. Under a minute.
 
     PYTHONPATH=client/python python3 tests/gpu/check_wire_fp8_gpu.py
@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
 from weightsync import _xp  # noqa: E402
 from weightsync.planner import wire_payload_bytes  # noqa: E402
 from weightsync import wire_fp8  # noqa: E402
+from weightsync.receipts import fp8_gpu  # noqa: E402
 from weightsync.wire_fp8 import quantize_on_wire  # noqa: E402
 
 DEV = torch.device("cuda", 0)
@@ -57,6 +58,9 @@ def main():
             x = torch.randn(shape, generator=g) * 3
             x[0, 0], x[1, 1], x[2, 2], x[3, 3] = float("nan"), float("inf"), -float("inf"), 0.0
             x[-1, :7] = -float("nan")
+            x[:, -3:] *= 1e-30                 # subnormal in float32, zero in 16 bits
+            x[5, 6] = 3e38                     # near FLT_MAX (inf in 16 bits)
+            x[128:256, 128:256] = 0.0          # a zero block: scale 1
             src = x.to(tdt)
             for fields, name in forms:
                 if shape == (4200, 4096) and name != "e4m3 128x128":
@@ -92,21 +96,25 @@ def main():
     return 1 if failures else 0
 
 
-PATHS = ("triton", "torch")
+PATHS = ("triton tile", "triton general", "torch")
 
 
 def on_gpu(path, x, fields):
-    """The payload of `x` quantised on its GPU by `path`: the Triton kernel
-    (the default where Triton is present) or torch ops
+    """The payload of `x` quantised on its GPU by `path`: the Triton
+    kernels (the default where Triton is present: fp8_wire_tile_kernel
+    for blocks of powers of two up to 256 columns, else fp8_wire_kernel;
+    "general": fp8_wire_kernel for every block) or torch ops
     (WEIGHTSYNC_WIRE_TRITON=0)."""
-    os.environ["WEIGHTSYNC_WIRE_TRITON"] = "1" if path == "triton" else "0"
+    os.environ["WEIGHTSYNC_WIRE_TRITON"] = "0" if path == "torch" else "1"
+    fp8_gpu.WIRE_TILE = path == "triton tile"
     try:
         w = quantize_on_wire("w", x, fields, _xp.TorchOps())
-        if path == "triton" and w._payload is None:
+        if path != "torch" and w._payload is None:
             check("the Triton path made the payload", False, "it took the torch path")
         return w.payload()
     finally:
         os.environ.pop("WEIGHTSYNC_WIRE_TRITON", None)
+        fp8_gpu.WIRE_TILE = True
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 # nvidia-h100-x1, one command (binaries packed into .dev elsewhere):
 #   COMMIT=<sha> bash tests/gpu/run_wire_fp8_checks.sh [BIN_DIR=.dev/bin] [LOG_DIR=/tmp/ws-wire]
 # 1. tests/gpu/check_wire_fp8_gpu.py: the trainer's GPU quantisation (the
-#    Triton kernel, and torch ops) byte-equal to the host path, and its time;
+#    Triton kernels, and torch ops) byte-equal to the host path, and their
+#    time; then tests/gpu/check_fp8_triton_gpu.py (the receipts' kernels,
+#    whose encoder the wire's tile kernel shares);
 # 2. tests/gpu/run_fp8_checks.sh: every one-GPU FP8 path bit for bit, now
 #    with update(fp8_on_wire=True) rounds (streaming and staged), and the
 #    FP8 model's greedy generation;
@@ -22,6 +24,9 @@ rc=0
 echo "=== check_wire_fp8_gpu"
 timeout -k 10 240 "$PY" tests/gpu/check_wire_fp8_gpu.py >"$LOG/wire.txt" 2>&1 || rc=1
 grep -E '^(FAIL|TIME)' "$LOG/wire.txt"; echo "$(grep -c '^PASS' "$LOG/wire.txt") PASS"
+echo "=== check_fp8_triton_gpu (the receipt kernels share the wire's encoder)"
+timeout -k 10 300 "$PY" tests/gpu/check_fp8_triton_gpu.py >"$LOG/triton.txt" 2>&1 || rc=1
+grep -E '^FAIL' "$LOG/triton.txt"; tail -n 4 "$LOG/triton.txt"
 echo "=== run_fp8_checks"
 timeout -k 10 600 bash tests/gpu/run_fp8_checks.sh "$BIN" "$LOG/fp8" >"$LOG/fp8_checks.txt" 2>&1 || rc=1
 grep -E 'wire|FAIL|^fp8_' "$LOG/fp8_checks.txt"

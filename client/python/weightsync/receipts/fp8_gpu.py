@@ -498,13 +498,30 @@ def quantize_gpu(raw, dtype, block_rows, block_cols, fmt, reciprocal):
         return payload, enc, scales
     code = _DTYPES[dtype]
     bits = raw.view(torch.int32 if code == 0 else torch.int16)
-    # Tiles of at most 4096 elements, as wide as the block allows.
-    c = min(1024, _pow2(block_cols))
-    rb = max(1, min(_pow2(block_rows), 4096 // c))
     mb, bias, max_bits, nan_bits, fmax_bits = fp8.SPEC[fmt]
     with torch.cuda.device(raw.device):
-        fp8_gpu_kernels.fp8_wire_kernel[(gr * gc,)](
-            bits, enc, scales, rows, cols, block_rows, block_cols, gc, mb, bias, max_bits,
-            nan_bits, fmax_bits, SRC=code, REC=bool(reciprocal), RB=rb, C=c,
-            num_warps=NUM_WARPS)
+        if WIRE_TILE and _tiled(block_rows, block_cols):
+            # Tiles of at most 4096 elements, a block's width.
+            fp8_gpu_kernels.fp8_wire_tile_kernel[(gr * gc,)](
+                bits, enc, scales, rows, cols, gc, SRC=code, E5M2=fmt == "FLOAT8_E5M2",
+                FMAX_BITS=fmax_bits, MAX_BITS=max_bits, NAN_BITS=nan_bits,
+                REC=bool(reciprocal), BR=block_rows, BC=block_cols,
+                RB=min(block_rows, 4096 // block_cols), FAST_DIV=TILE_FAST_DIV and code != 0,
+                num_warps=TILE_WARPS)
+        else:
+            c = min(1024, _pow2(block_cols))
+            fp8_gpu_kernels.fp8_wire_kernel[(gr * gc,)](
+                bits, enc, scales, rows, cols, block_rows, block_cols, gc, mb, bias, max_bits,
+                nan_bits, fmax_bits, SRC=code, REC=bool(reciprocal),
+                RB=max(1, min(_pow2(block_rows), 4096 // c)), C=c, num_warps=NUM_WARPS)
     return payload, enc, scales
+
+
+# FP8 on the wire: blocks of powers of two up to 256 columns take
+# fp8_wire_tile_kernel; False: every block fp8_wire_kernel.
+WIRE_TILE = os.environ.get("WEIGHTSYNC_FP8_TILE", "1") != "0"
+
+
+def _tiled(block_rows, block_cols):
+    return (block_cols <= 256 and block_rows & (block_rows - 1) == 0
+            and block_cols & (block_cols - 1) == 0)

@@ -172,11 +172,11 @@ def _tile_quotient(x, d, FAST_DIV: tl.constexpr):
 
 
 @triton.jit
-def _tile_terms(u, a, d, rows, cc, dest_lo, dstride_lo, salt_hi,
-                FMAX_BITS: tl.constexpr, MAX_BITS: tl.constexpr,
-                NAN_BITS: tl.constexpr, E5M2: tl.constexpr, FAST_DIV: tl.constexpr,
-                SPECIALS: tl.constexpr):
-    # The receipt terms (uint32) of one [rows, cols] tile's FP8 bytes.
+def _tile_encode(u, a, d, FMAX_BITS: tl.constexpr, MAX_BITS: tl.constexpr,
+                 NAN_BITS: tl.constexpr, E5M2: tl.constexpr, FAST_DIV: tl.constexpr,
+                 SPECIALS: tl.constexpr):
+    # The FP8 encodings (int32, 0..255) of a tile's float32 bits `u`
+    # (a = u & 0x7FFFFFFF) with the block's scale d ([1, 1]).
     # SPECIALS false: the block holds no inf or NaN, so every quotient
     # is finite and the hardware's saturating conversion is to_fp8's
     # answer (|q| >= FMAX saturates to the largest finite, as to_fp8).
@@ -193,6 +193,16 @@ def _tile_terms(u, a, d, rows, cc, dest_lo, dstride_lo, salt_hi,
                        tl.where(aq >= FMAX_BITS, sign | MAX_BITS, hw))
     else:
         enc = hw
+    return enc
+
+
+@triton.jit
+def _tile_terms(u, a, d, rows, cc, dest_lo, dstride_lo, salt_hi,
+                FMAX_BITS: tl.constexpr, MAX_BITS: tl.constexpr,
+                NAN_BITS: tl.constexpr, E5M2: tl.constexpr, FAST_DIV: tl.constexpr,
+                SPECIALS: tl.constexpr):
+    # The receipt terms (uint32) of one [rows, cols] tile's FP8 bytes.
+    enc = _tile_encode(u, a, d, FMAX_BITS, MAX_BITS, NAN_BITS, E5M2, FAST_DIV, SPECIALS)
     rowkey = salt_hi + (dest_lo + rows.to(tl.uint32) * dstride_lo) * 0x9E3779B1
     key = rowkey + cc.to(tl.uint32) * 0x9E3779B1
     return _term(enc.to(tl.uint32), key)
@@ -408,7 +418,73 @@ def _fp8_wire_kernel(src, enc, scales, rows, cols, br, bc, n_bc, mb, bias, max_b
     tl.store(scales + pid + rr0 * 0 + cc0 * 0, stored, mask=first)
 
 
+@triton.jit
+def _wire_tile_pass(src, enc, base, cols, pr, pc, rr0, cc, d, SRC: tl.constexpr,
+                    RB: tl.constexpr, FMAX_BITS: tl.constexpr, MAX_BITS: tl.constexpr,
+                    NAN_BITS: tl.constexpr, E5M2: tl.constexpr, FAST_DIV: tl.constexpr,
+                    SPECIALS: tl.constexpr):
+    # The second read of fp8_wire_tile_kernel: the block's encodings stored.
+    for r in range(0, pr, RB):
+        rr = r + rr0
+        mask = (rr < pr) & (cc < pc)
+        off = base + rr.to(tl.int64) * cols + cc
+        u = _f32_bits(_wire_load(src, off, mask, SRC), SRC).to(tl.int32, bitcast=True)
+        e = _tile_encode(u, u & 0x7FFFFFFF, d, FMAX_BITS, MAX_BITS, NAN_BITS, E5M2, FAST_DIV,
+                         SPECIALS)
+        tl.store(enc + off, e.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _fp8_wire_tile_kernel(src, enc, scales, rows, cols, n_bc, SRC: tl.constexpr,
+                          E5M2: tl.constexpr, FMAX_BITS: tl.constexpr,
+                          MAX_BITS: tl.constexpr, NAN_BITS: tl.constexpr,
+                          REC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                          RB: tl.constexpr, FAST_DIV: tl.constexpr):
+    # fp8_wire_kernel for blocks of BR x BC (powers of two, BC <= 256),
+    # the way fp8_tile_kernel encodes: the amax and the top (inf and NaN
+    # included) in the first read, then _tile_encode (Fp8Divider's
+    # quotient for 16-bit sources, the hardware's round-to-nearest-even
+    # conversion, the specials explicitly only in a block that has them).
+    pid = tl.program_id(0).to(tl.int64)
+    bi = pid // n_bc
+    r0 = bi * BR
+    c0 = (pid - bi * n_bc) * BC
+    pr = tl.minimum(rows - r0, BR).to(tl.int32)
+    pc = tl.minimum(cols - c0, BC).to(tl.int32)
+    base = r0 * cols + c0
+    rr0 = tl.arange(0, RB)[:, None]
+    cc = tl.arange(0, BC)[None, :]
+    am = tl.zeros([RB, BC], dtype=tl.int32)
+    top = tl.zeros([RB, BC], dtype=tl.int32)
+    for r in range(0, pr, RB):
+        rr = r + rr0
+        mask = (rr < pr) & (cc < pc)
+        off = base + rr.to(tl.int64) * cols + cc
+        a = _f32_bits(_wire_load(src, off, mask, SRC), SRC).to(tl.int32, bitcast=True)
+        a = a & 0x7FFFFFFF
+        am = tl.maximum(am, tl.where(a < 0x7F800000, a, 0))
+        top = tl.maximum(top, a)
+    amb = tl.max(tl.max(am, axis=1), axis=0)
+    topb = tl.max(tl.max(top, axis=1), axis=0)
+    fmax = (tl.zeros([1, 1], dtype=tl.int32) + FMAX_BITS).to(tl.float32, bitcast=True)
+    amv = (tl.zeros([1, 1], dtype=tl.int32) + amb).to(tl.float32, bitcast=True)
+    d = tl.math.div_rn(amv, fmax)
+    d = tl.where(d == 0.0, 1.0, d)
+    if topb < 0x7F800000:
+        _wire_tile_pass(src, enc, base, cols, pr, pc, rr0, cc, d, SRC, RB, FMAX_BITS,
+                        MAX_BITS, NAN_BITS, E5M2, FAST_DIV, False)
+    else:
+        _wire_tile_pass(src, enc, base, cols, pr, pc, rr0, cc, d, SRC, RB, FMAX_BITS,
+                        MAX_BITS, NAN_BITS, E5M2, FAST_DIV, True)
+    if REC:
+        stored = tl.math.div_rn(tl.zeros([1, 1], dtype=tl.float32) + 1.0, d)
+    else:
+        stored = d
+    tl.store(scales + pid + tl.zeros([1, 1], dtype=tl.int64), stored)
+
+
 # The kernels the launcher calls.
 fp8_receipt_kernel = _fp8_receipt_kernel
 fp8_tile_kernel = _fp8_tile_kernel
 fp8_wire_kernel = _fp8_wire_kernel
+fp8_wire_tile_kernel = _fp8_wire_tile_kernel
