@@ -501,13 +501,14 @@ def quantize_gpu(raw, dtype, block_rows, block_cols, fmt, reciprocal):
     mb, bias, max_bits, nan_bits, fmax_bits = fp8.SPEC[fmt]
     with torch.cuda.device(raw.device):
         if WIRE_TILE and _tiled(block_rows, block_cols):
-            # Tiles of at most 4096 elements, a block's width.
+            # Tiles of WIRE_RB rows at most, a block's width.
             fp8_gpu_kernels.fp8_wire_tile_kernel[(gr * gc,)](
                 bits, enc, scales, rows, cols, gc, SRC=code, E5M2=fmt == "FLOAT8_E5M2",
                 FMAX_BITS=fmax_bits, MAX_BITS=max_bits, NAN_BITS=nan_bits,
                 REC=bool(reciprocal), BR=block_rows, BC=block_cols,
-                RB=min(block_rows, 4096 // block_cols), FAST_DIV=TILE_FAST_DIV and code != 0,
-                num_warps=TILE_WARPS)
+                RB=min(block_rows, WIRE_RB), FAST_DIV=TILE_FAST_DIV and code != 0,
+                PACK4=WIRE_PACK4 and block_cols >= 4 and cols % block_cols == 0,
+                num_warps=WIRE_WARPS)
         else:
             c = min(1024, _pow2(block_cols))
             fp8_gpu_kernels.fp8_wire_kernel[(gr * gc,)](
@@ -520,6 +521,9 @@ def quantize_gpu(raw, dtype, block_rows, block_cols, fmt, reciprocal):
 # FP8 on the wire: blocks of powers of two up to 256 columns take
 # fp8_wire_tile_kernel; False: every block fp8_wire_kernel.
 WIRE_TILE = os.environ.get("WEIGHTSYNC_FP8_TILE", "1") != "0"
+WIRE_RB = 8          # rows of a tile (bench/wire_kernel_tune.py)
+WIRE_WARPS = 4
+WIRE_PACK4 = False   # encodings stored four a 32-bit word
 
 
 def _tiled(block_rows, block_cols):

@@ -422,8 +422,9 @@ def _fp8_wire_kernel(src, enc, scales, rows, cols, br, bc, n_bc, mb, bias, max_b
 def _wire_tile_pass(src, enc, base, cols, pr, pc, rr0, cc, d, SRC: tl.constexpr,
                     RB: tl.constexpr, FMAX_BITS: tl.constexpr, MAX_BITS: tl.constexpr,
                     NAN_BITS: tl.constexpr, E5M2: tl.constexpr, FAST_DIV: tl.constexpr,
-                    SPECIALS: tl.constexpr):
-    # The second read of fp8_wire_tile_kernel: the block's encodings stored.
+                    SPECIALS: tl.constexpr, BC: tl.constexpr, PACK4: tl.constexpr):
+    # The second read of fp8_wire_tile_kernel: the block's encodings stored
+    # (PACK4: four a 32-bit word; every block whole in its columns).
     for r in range(0, pr, RB):
         rr = r + rr0
         mask = (rr < pr) & (cc < pc)
@@ -431,7 +432,14 @@ def _wire_tile_pass(src, enc, base, cols, pr, pc, rr0, cc, d, SRC: tl.constexpr,
         u = _f32_bits(_wire_load(src, off, mask, SRC), SRC).to(tl.int32, bitcast=True)
         e = _tile_encode(u, u & 0x7FFFFFFF, d, FMAX_BITS, MAX_BITS, NAN_BITS, E5M2, FAST_DIV,
                          SPECIALS)
-        tl.store(enc + off, e.to(tl.uint8), mask=mask)
+        if PACK4:
+            w = tl.sum(tl.reshape(e, [RB, BC // 4, 4])
+                       << (tl.arange(0, 4) * 8)[None, None, :], axis=2)
+            c4 = tl.arange(0, BC // 4)[None, :]
+            off4 = (base + rr.to(tl.int64) * cols) // 4 + c4
+            tl.store(enc.to(tl.pointer_type(tl.int32)) + off4, w, mask=(rr < pr) & (c4 >= 0))
+        else:
+            tl.store(enc + off, e.to(tl.uint8), mask=mask)
 
 
 @triton.jit
@@ -439,7 +447,7 @@ def _fp8_wire_tile_kernel(src, enc, scales, rows, cols, n_bc, SRC: tl.constexpr,
                           E5M2: tl.constexpr, FMAX_BITS: tl.constexpr,
                           MAX_BITS: tl.constexpr, NAN_BITS: tl.constexpr,
                           REC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-                          RB: tl.constexpr, FAST_DIV: tl.constexpr):
+                          RB: tl.constexpr, FAST_DIV: tl.constexpr, PACK4: tl.constexpr):
     # fp8_wire_kernel for blocks of BR x BC (powers of two, BC <= 256),
     # the way fp8_tile_kernel encodes: the amax and the top (inf and NaN
     # included) in the first read, then _tile_encode (Fp8Divider's
@@ -472,10 +480,10 @@ def _fp8_wire_tile_kernel(src, enc, scales, rows, cols, n_bc, SRC: tl.constexpr,
     d = tl.where(d == 0.0, 1.0, d)
     if topb < 0x7F800000:
         _wire_tile_pass(src, enc, base, cols, pr, pc, rr0, cc, d, SRC, RB, FMAX_BITS,
-                        MAX_BITS, NAN_BITS, E5M2, FAST_DIV, False)
+                        MAX_BITS, NAN_BITS, E5M2, FAST_DIV, False, BC, PACK4)
     else:
         _wire_tile_pass(src, enc, base, cols, pr, pc, rr0, cc, d, SRC, RB, FMAX_BITS,
-                        MAX_BITS, NAN_BITS, E5M2, FAST_DIV, True)
+                        MAX_BITS, NAN_BITS, E5M2, FAST_DIV, True, BC, PACK4)
     if REC:
         stored = tl.math.div_rn(tl.zeros([1, 1], dtype=tl.float32) + 1.0, d)
     else:
