@@ -15,7 +15,9 @@ rows by bytes, anywhere). Each case sends two versions with receipts on
 (the leader checks each engine's receipt against the ranks' summed
 parts); then every FP8 weight and scale is compared bit for bit with
 weightsync.fp8 applied to the whole checkpoint: a block cut between
-senders is quantised once, whole, as if one sender had sent it.
+senders is quantised once, whole, as if one sender had sent it. Then the
+same cases with fp8_on_wire=True into the TP pair: each rank quantises
+its pieces of the tensors no shard cuts (weightsync.senders.many_wire).
 """
 
 import json
@@ -104,9 +106,10 @@ class ManyFp8HostTest(unittest.TestCase):
     memory = fp8_host_test.Fp8HostTest.memory
     check_engines = fp8_host_test.Fp8HostTest.check_engines
 
-    def job(self, ranks, case, versions):
+    def job(self, ranks, case, versions, engine_ids=None, fp8_on_wire=False):
         """Every version sent by `ranks` rank threads; returns, per rank,
-        [(version, committed responses or the exception)]."""
+        [(version, committed responses or the exception, engines checked,
+        tensors sent quantised)]."""
         room = {"n": ranks, "slots": [None] * ranks, "barrier": threading.Barrier(ranks, timeout=60)}
         out = [[] for _ in range(ranks)]
 
@@ -115,15 +118,17 @@ class ManyFp8HostTest(unittest.TestCase):
             try:
                 if r == 0:
                     trainer.init_host()
-                senders = ManySenders(trainer._link, ThreadCollective(room, r))
+                senders = ManySenders(trainer._link, ThreadCollective(room, r), engine_ids,
+                                      fp8_on_wire=fp8_on_wire)
                 for version in versions:
                     manifest, local = holdings(case, r, ranks, self.sent[version])
                     try:
                         got = senders.update(manifest, local, version, chunk_bytes=24 << 10,
                                              update_id=f"u{version}")
-                        out[r].append((version, got, sorted(senders.last_checked)))
+                        out[r].append((version, got, sorted(senders.last_checked),
+                                       sorted(senders.wire)))
                     except Exception as e:  # reported, asserted below
-                        out[r].append((version, e, []))
+                        out[r].append((version, e, [], []))
             finally:
                 trainer.close()
         run_ranks(ranks, rank_main)
@@ -139,7 +144,7 @@ class ManyFp8HostTest(unittest.TestCase):
                 self.sent[v] = fp8_host_test.checkpoint(v)
             out = self.job(ranks, case, versions)
             for r in range(ranks):
-                for v, got, checked in out[r]:
+                for v, got, checked, _ in out[r]:
                     self.assertIsInstance(got, list, f"{name} v{v} rank {r}: {got}")
                     self.assertEqual([c.version for c in got], [v], name)
                     if r == 0:   # the leader checked every engine's receipt
@@ -151,6 +156,50 @@ class ManyFp8HostTest(unittest.TestCase):
             print(f"{name}: {ranks} ranks, versions {versions} bit-exact, receipts match",
                   flush=True)
             version += 2
+
+    def test_pieces_quantised_on_the_wire_land_as_the_daemon_quantises(self):
+        """FP8 on the wire through the plan (fp8_on_wire=True) into the TP
+        pair (e4m3, 128 x 128 blocks): with row shards on block boundaries
+        every linear weight's pieces travel quantised (fewer bytes than the
+        same job unquantised); where the shards or the replicas' split cut
+        a tensor's blocks that tensor goes as it is; every FP8 weight and
+        scale bit for bit weightsync.fp8 of the whole checkpoint, the
+        receipts checked, in every case."""
+        engines = ["tp0", "tp1"]
+        linear = sorted(n for n in fp8_host_test.checkpoint(1) if n.endswith(
+            tuple(p + "_proj.weight" for p in ("q", "k", "v", "o", "gate", "up", "down"))))
+        self.sent, version = {}, 0
+        for name, (ranks, case) in CASES.items():
+            bytes_of = {}
+            for wire in (False, True):
+                version += 1
+                self.sent[version] = fp8_host_test.checkpoint(version)
+                out = self.job(ranks, case, [version], engine_ids=engines, fp8_on_wire=wire)
+                for r in range(ranks):
+                    v, got, checked, quantised = out[r][0]
+                    self.assertIsInstance(got, list, f"{name} wire={wire} rank {r}: {got}")
+                    self.assertEqual([c.version for c in got], [v], name)
+                    self.assertEqual(quantised, out[0][0][3], f"{name}: the ranks agree")
+                    if r == 0:
+                        self.assertEqual(checked, engines, f"{name} wire={wire}")
+                bytes_of[wire] = out[0][0][1][0].bytes
+                quantised = out[0][0][3]
+                every = self.specs
+                self.specs = [x for x in every if x[0] in engines]
+                try:
+                    self.check_engines(self.sent[version], f"{name} wire={wire}")
+                finally:
+                    self.specs = every
+            if case == "rows" and ranks == 2:
+                self.assertEqual(quantised, linear, name)
+                self.assertLess(bytes_of[True], 0.6 * bytes_of[False], name)
+            elif case in ("rows", "cols"):
+                self.assertEqual(quantised, [], f"{name}: every tensor's blocks are cut")
+                self.assertEqual(bytes_of[True], bytes_of[False], name)
+            self.assertTrue(set(quantised) <= set(linear), name)
+            print(f"{name}, fp8_on_wire: {len(quantised)} of {len(linear)} linear weights "
+                  f"quantised by their senders, {bytes_of[True]} bytes against "
+                  f"{bytes_of[False]}; bit-exact, receipts match", flush=True)
 
 
 if __name__ == "__main__":

@@ -517,12 +517,14 @@ class Coordinator {
       const Source* source, UnusedTensors unused)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(control_mu_);
   // The linked copy plan of a transfer-plan update (PlanFor's cache, for
-  // plans of many senders). Requires control_mu_.
+  // plans of many senders; `wire`: the tensors sent quantised). Requires
+  // control_mu_.
   absl::StatusOr<LinkedCopyPlan> LinkedPlanFor(
       const TransferPlan& plan, const std::vector<int32_t>& receivers,
       int64_t chunk_bytes,
       const std::vector<std::shared_ptr<const EngineLayout>>& layouts,
-      const std::vector<LinkPatch>& patches)
+      const std::vector<LinkPatch>& patches,
+      const std::vector<WireTensor>& wire)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(control_mu_);
   // Start's answer for the plan in `s` (plan_only, or an update begun).
   static v1::StartWeightUpdateResponse StartResponse(

@@ -6,9 +6,11 @@
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
+#include "common/echo.h"
 #include "common/status_macros.h"
 #include "daemon/core/quant_layout.h"
 
@@ -29,10 +31,10 @@ namespace {
 // becomes one segment per piece of t it intersects, whose source is that
 // piece's pseudo tensor of the link manifest. Same regions, so CopyOps of
 // the result write where the engine's own would.
-std::shared_ptr<const EngineLayout> LinkView(const EngineLayout& engine,
-                                             const TransferPlan& plan,
-                                             const std::vector<int32_t>& link,
-                                             const Manifest& link_manifest) {
+std::shared_ptr<const EngineLayout> LinkView(
+    const EngineLayout& engine, const TransferPlan& plan,
+    const std::vector<int32_t>& link, const Manifest& link_manifest,
+    const absl::flat_hash_set<std::string>& wired) {
   absl::flat_hash_map<std::string, std::vector<int>> by_tensor;
   for (size_t k = 0; k < link.size(); ++k) {
     by_tensor[plan.manifest.Get(plan.pieces[link[k]].tensor).name()].push_back(
@@ -48,16 +50,14 @@ std::shared_ptr<const EngineLayout> LinkView(const EngineLayout& engine,
     ParameterLayout q = p;
     q.implicit = false;
     q.segments.clear();
-    // An FP8 target takes its link pieces as QuantPieces of the whole
-    // manifest's target (QuantLinks below), not as copies.
-    if (p.quant.has_value()) {
-      view->parameters.push_back(std::move(q));
-      continue;
-    }
     for (const SegmentLayout& segment : p.segments) {
       const SegmentLayout s = SegmentBlock(p, segment);
       auto it = by_tensor.find(s.source);
       if (it == by_tensor.end()) continue;
+      // An FP8 target takes its link pieces as QuantPieces of the whole
+      // manifest's target (QuantLinks below), not as copies; but those of
+      // a tensor sent quantised are copied as they are (EmitWireOps).
+      if (p.quant.has_value() && !wired.contains(s.source)) continue;
       const int64_t stride =
           s.dest_row_stride == 0 ? s.col_count : s.dest_row_stride;
       for (int k : it->second) {
@@ -361,13 +361,72 @@ PatchesBySender(const TransferPlan& plan, int32_t receiver,
   return out;
 }
 
+// `wire` by manifest index, checked: each names a float tensor of the plan
+// once, and every piece of it (any sender's, to any receiver) lies on
+// whole blocks of the tensor, so its blocks are the tensor's.
+absl::StatusOr<absl::flat_hash_map<int32_t, const v1::Quantization*>>
+WireByTensor(const TransferPlan& plan, const std::vector<WireTensor>& wire) {
+  absl::flat_hash_map<std::string, int32_t> index;
+  for (int32_t i = 0; i < plan.manifest.size(); ++i) {
+    index.emplace(plan.manifest.Get(i).name(), i);
+  }
+  absl::flat_hash_map<int32_t, const v1::Quantization*> out;
+  for (const WireTensor& w : wire) {
+    const std::string entry = absl::StrCat(
+        "transfer plan '", plan.id, "': plan_wire tensor '", w.tensor, "'");
+    auto it = index.find(w.tensor);
+    if (it == index.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(entry, " is not in the plan's manifest"));
+    }
+    if (!IsConvertibleFloat(plan.manifest.Get(it->second).dtype())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          entry, " is ", DTypeName(plan.manifest.Get(it->second).dtype()),
+          ": only float32, bfloat16 and float16 tensors are quantised"));
+    }
+    if (!out.emplace(it->second, &w.quantization).second) {
+      return absl::InvalidArgumentError(absl::StrCat(entry, " is named twice"));
+    }
+  }
+  for (const PlanPiece& p : plan.pieces) {
+    auto it = out.find(p.tensor);
+    if (it == out.end()) continue;
+    const v1::TensorSpec& t = plan.manifest.Get(p.tensor);
+    int64_t rows, cols;
+    SourceMatrix(std::vector<int64_t>(t.shape().begin(), t.shape().end()),
+                 &rows, &cols);
+    const v1::Quantization& q = *it->second;
+    const bool per_row = q.scheme() == v1::QUANT_SCHEME_PER_ROW;
+    const int64_t br =
+        per_row ? 1 : (q.block_rows() > 0 ? q.block_rows() : 128);
+    const int64_t bc =
+        per_row ? cols : (q.block_cols() > 0 ? q.block_cols() : 128);
+    auto on_grid = [](int64_t begin, int64_t count, int64_t block,
+                      int64_t end) {
+      return begin % block == 0 &&
+             ((begin + count) % block == 0 || begin + count == end);
+    };
+    if (!on_grid(p.row_begin, p.row_count, br, rows) ||
+        !on_grid(p.col_begin, p.col_count, bc, cols)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "transfer plan '", plan.id, "': tensor '", t.name(),
+          "' is sent quantised (plan_wire), but sender ", p.sender,
+          "'s piece rows ", HalfOpen(p.row_begin, p.row_count), " x cols ",
+          HalfOpen(p.col_begin, p.col_count), " cuts its ", br, " x ", bc,
+          " blocks; send that tensor unquantised"));
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 absl::StatusOr<LinkedCopyPlan> BuildLinkedCopyPlan(
     const TransferPlan& plan, const std::vector<int32_t>& receivers,
     int64_t chunk_bytes,
     const std::vector<std::shared_ptr<const EngineLayout>>& engines,
-    const std::vector<LinkPatch>& patches) {
+    const std::vector<LinkPatch>& patches,
+    const std::vector<WireTensor>& wire) {
   if (receivers.size() != 1) {
     return absl::FailedPreconditionError(absl::StrCat(
         "transfer plan '", plan.id, "': this daemon is ", receivers.size(),
@@ -380,11 +439,26 @@ absl::StatusOr<LinkedCopyPlan> BuildLinkedCopyPlan(
         absl::StrCat("transfer plan '", plan.id, "' has ", plan.num_receivers,
                      " receivers; this daemon can't be receiver ", receiver));
   }
+  // FP8 on the wire: the tensors sent quantised, in the whole manifest as
+  // in their links' pseudo tensors.
+  WS_ASSIGN_OR_RETURN(const auto wired, WireByTensor(plan, wire));
+  Manifest manifest = plan.manifest;
+  absl::flat_hash_set<std::string> wired_names;
+  auto quantised = [&wired](int32_t tensor, v1::TensorSpec* t) {
+    auto it = wired.find(tensor);
+    if (it == wired.end()) return;
+    t->set_dtype(it->second->format());
+    *t->mutable_quantization() = *it->second;
+  };
+  for (const auto& [i, q] : wired) {
+    quantised(i, manifest.Mutable(i));
+    wired_names.insert(manifest.Get(i).name());
+  }
   // The whole manifest against the engines: names, shapes, dtypes; and
   // what the receipts sum and which engines the update rewrites whole.
   WS_ASSIGN_OR_RETURN(
       std::shared_ptr<const CopyPlan> whole,
-      BuildCopyPlan(plan.manifest, chunk_bytes, engines, UnusedTensors::kSkip));
+      BuildCopyPlan(manifest, chunk_bytes, engines, UnusedTensors::kSkip));
   auto out = std::make_shared<CopyPlan>();
   out->engines = whole->engines;
   out->unused = whole->unused;
@@ -412,8 +486,13 @@ absl::StatusOr<LinkedCopyPlan> BuildLinkedCopyPlan(
     const std::vector<int32_t>& link = plan.links[s][receiver];
     if (link.empty()) continue;
     Manifest m = LinkManifest(plan, s, receiver);
+    for (size_t k = 0; k < link.size(); ++k) {
+      quantised(plan.pieces[link[k]].tensor, m.Mutable(k));
+    }
     std::vector<std::shared_ptr<const EngineLayout>> views;
-    for (const auto& e : engines) views.push_back(LinkView(*e, plan, link, m));
+    for (const auto& e : engines) {
+      views.push_back(LinkView(*e, plan, link, m, wired_names));
+    }
     WS_ASSIGN_OR_RETURN(
         std::shared_ptr<const CopyPlan> l,
         BuildCopyPlan(m, chunk_bytes, views, UnusedTensors::kSkip));

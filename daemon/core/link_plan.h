@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -62,11 +63,24 @@ struct LinkPatch {
 // the plan does not have, a piece named twice, an nnz outside [1, the
 // piece's elements], an index width not 4 or 8); no engine is then
 // rewritten whole (covers_engine).
+//
+// `wire`: tensors of the plan sent quantised (FP8 on the wire,
+// StartWeightUpdateRequest.plan_wire): every piece of each carries the FP8
+// elements and scales of its blocks, copied as they are into FP8 targets
+// of the same form (CheckWireUse, for the whole tensor and for each piece).
+// INVALID_ARGUMENT naming the tensor for one not in the plan, named twice,
+// not float, whose uses can't take it (a plain parameter, another block or
+// scale form), or a piece of it that cuts its blocks.
+struct WireTensor {
+  std::string tensor;
+  v1::Quantization quantization;
+};
 absl::StatusOr<LinkedCopyPlan> BuildLinkedCopyPlan(
     const TransferPlan& plan, const std::vector<int32_t>& receivers,
     int64_t chunk_bytes,
     const std::vector<std::shared_ptr<const EngineLayout>>& engines,
-    const std::vector<LinkPatch>& patches = {});
+    const std::vector<LinkPatch>& patches = {},
+    const std::vector<WireTensor>& wire = {});
 
 // A linked plan's chunks in the order a GPU receiver takes them when every
 // sender sends in rounds (round k = chunk k of every link; issue 32's NCCL

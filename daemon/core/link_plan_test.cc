@@ -4,10 +4,13 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "backends/host/host_data_plane.h"
 #include "backends/host/quant_scatter.h"
 #include "client/host_arena.h"
 #include "common/dtype.h"
+#include "common/fp8.h"
 #include "daemon/core/receipt.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -422,6 +425,252 @@ Engine TinyFp8Engine(testing::HeapMapper& mapper) {
                                       synthetic::Layout::kPlain, 0, 1,
                                       v1::BFLOAT16, v1::FLOAT8_E4M3FN, 16),
       mapper);
+}
+
+// FP8 on the wire through a plan (plan_wire): the FP8 targets' tensors of
+// `wired` are sent quantised, each piece its rectangle's FP8 elements and
+// then the scales of its blocks (the one function, 16 x 16 e4m3 blocks as
+// the engines'); the rest as they are.
+struct Wired {
+  std::vector<WireTensor> tensors;
+  absl::flat_hash_map<std::string, Fp8Blocks> blocks;
+};
+
+Wired WireOf(const std::vector<std::string>& names, int64_t block) {
+  Wired w;
+  for (const std::string& n : names) {
+    WireTensor t;
+    t.tensor = n;
+    t.quantization.set_format(v1::FLOAT8_E4M3FN);
+    t.quantization.set_scheme(v1::QUANT_SCHEME_BLOCK);
+    t.quantization.set_block_rows(block);
+    t.quantization.set_block_cols(block);
+    w.tensors.push_back(t);
+    w.blocks[n] = Fp8Blocks{v1::FLOAT8_E4M3FN, block, block, false};
+  }
+  return w;
+}
+
+// Link `l`'s stream with the pieces of `wired` tensors quantised: its
+// manifest's pseudo tensors carry their quantization, and each such piece
+// is the FP8 of its float32 rectangle, zeros to 4, its blocks' scales.
+std::vector<uint8_t> PackWireLink(const TransferPlan& plan, const LinkChunks& l,
+                                  const Wired& wired,
+                                  const synthetic::CheckpointData& data,
+                                  int64_t chunk_bytes,
+                                  std::vector<Chunk>* chunks) {
+  Manifest m = LinkManifest(plan, l.sender, l.receiver);
+  const std::vector<int32_t>& pieces = plan.links[l.sender][l.receiver];
+  for (size_t k = 0; k < pieces.size(); ++k) {
+    const v1::TensorSpec& t = plan.manifest.Get(plan.pieces[pieces[k]].tensor);
+    for (const WireTensor& w : wired.tensors) {
+      if (w.tensor != t.name()) continue;
+      m.Mutable(k)->set_dtype(w.quantization.format());
+      *m.Mutable(k)->mutable_quantization() = w.quantization;
+    }
+  }
+  absl::StatusOr<ChunkPlan> cp = PlanChunks(m, chunk_bytes);
+  EXPECT_TRUE(cp.ok()) << cp.status();
+  std::vector<uint8_t> stream(cp->total_bytes, 0);
+  for (size_t k = 0; k < pieces.size(); ++k) {
+    const PlanPiece& p = plan.pieces[pieces[k]];
+    const v1::TensorSpec& t = plan.manifest.Get(p.tensor);
+    int64_t rows, cols;
+    View(t, &rows, &cols);
+    const int64_t es = ElementSize(t.dtype());
+    const uint8_t* src = data.at(t.name()).second.data();
+    uint8_t* out = stream.data() + cp->tensor_offsets[k];
+    auto q = wired.blocks.find(t.name());
+    if (q == wired.blocks.end()) {
+      for (int64_t i = 0; i < p.row_count; ++i) {
+        std::memcpy(out + i * p.col_count * es,
+                    src + ((p.row_begin + i) * cols + p.col_begin) * es,
+                    p.col_count * es);
+      }
+      continue;
+    }
+    EXPECT_EQ(t.dtype(), v1::FLOAT32);
+    const int64_t n = p.row_count * p.col_count;
+    const int64_t gc =
+        (p.col_count + q->second.block_cols - 1) / q->second.block_cols;
+    QuantizeBlocks(
+        reinterpret_cast<const float*>(src) + p.row_begin * cols + p.col_begin,
+        p.row_count, p.col_count, cols, q->second, out, p.col_count,
+        out + (n + 3) / 4 * 4, gc);
+  }
+  *chunks = cp->chunks;
+  return stream;
+}
+
+// The FP8 engines of RunFp8AndCompare fed by `senders` ranks holding rows
+// (or replicas), `wired`'s tensors quantised on the wire: every parameter
+// equals the reference quantisation of the whole checkpoint, the links
+// carry a byte an element of what travels quantised, and only the other
+// tensors' targets are left to quantise on the daemon.
+void RunFp8WireAndCompare(int senders, Split split, int64_t chunk_bytes,
+                          bool all) {
+  testing::HeapMapper mapper;
+  const auto model = *synthetic::ModelByName("tiny");
+  auto fp8 = [&](synthetic::Layout layout, int rank, int size) {
+    return *synthetic::Fp8EngineParameters(model, layout, rank, size,
+                                           v1::BFLOAT16, v1::FLOAT8_E4M3FN, 16);
+  };
+  std::vector<Engine> engines = {
+      MakeEngineOf("fp8", fp8(synthetic::Layout::kPlain, 0, 1), mapper),
+      MakeEngineOf("tp0", fp8(synthetic::Layout::kTensorParallel, 0, 2),
+                   mapper),
+      MakeEngineOf("tp1", fp8(synthetic::Layout::kTensorParallel, 1, 2),
+                   mapper)};
+  Manifest manifest;
+  synthetic::CheckpointData data;
+  for (const v1::TensorSpec& t : synthetic::Checkpoint(model, v1::FLOAT32)) {
+    *manifest.Add() = t;
+    data[t.name()] = {t, synthetic::Contents(t, 7)};
+  }
+  std::vector<std::shared_ptr<const EngineLayout>> layouts;
+  for (const Engine& e : engines) layouts.push_back(e.layout);
+  // The FP8 targets' tensors (all, or every other one).
+  absl::StatusOr<std::shared_ptr<const CopyPlan>> whole =
+      BuildCopyPlan(manifest, chunk_bytes, layouts, UnusedTensors::kSkip);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  std::vector<std::string> names;
+  for (const QuantTarget& t : (*whole)->quant) {
+    const std::string& n = manifest.Get(t.tensor).name();
+    if (std::find(names.begin(), names.end(), n) == names.end()) {
+      names.push_back(n);
+    }
+  }
+  ASSERT_GE(names.size(), 4u);
+  absl::StatusOr<TransferPlan> plan =
+      BuildTransferPlan(Spec(manifest, senders, split, engines));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  // As a trainer chooses: a tensor some piece of which cuts a block goes
+  // unquantised (k and v: 16 rows, cut in two by 2 senders' row shards).
+  absl::flat_hash_set<std::string> cut;
+  for (const PlanPiece& p : plan->pieces) {
+    const v1::TensorSpec& t = plan->manifest.Get(p.tensor);
+    int64_t rows, cols;
+    View(t, &rows, &cols);
+    auto off = [](int64_t b, int64_t n, int64_t end) {
+      return b % 16 != 0 || ((b + n) % 16 != 0 && b + n != end);
+    };
+    if (off(p.row_begin, p.row_count, rows) ||
+        off(p.col_begin, p.col_count, cols)) {
+      cut.insert(t.name());
+    }
+  }
+  std::vector<std::string> chosen;
+  for (size_t i = 0; i < names.size(); ++i) {
+    if ((all || i % 2 == 0) && !cut.contains(names[i])) {
+      chosen.push_back(names[i]);
+    }
+  }
+  ASSERT_GE(chosen.size(), 2u);
+  const Wired wired = WireOf(chosen, 16);
+  absl::StatusOr<LinkedCopyPlan> linked =
+      BuildLinkedCopyPlan(*plan, {0}, chunk_bytes, layouts, {}, wired.tensors);
+  ASSERT_TRUE(linked.ok()) << linked.status();
+  const CopyPlan& copy = *linked->copy;
+  // Only the tensors not on the wire feed the daemon's quantisation.
+  for (const QuantTarget& t : copy.quant) {
+    EXPECT_EQ(wired.blocks.count(manifest.Get(t.tensor).name()), 0u)
+        << manifest.Get(t.tensor).name();
+  }
+  EXPECT_EQ(copy.quant.empty(), chosen.size() == names.size());
+  QuantScatter quant;
+  quant.Reset(copy);
+  int64_t wire_bytes = 0, dense_bytes = 0;
+  for (const LinkChunks& l : linked->links) {
+    std::vector<Chunk> chunks;
+    const std::vector<uint8_t> stream =
+        PackWireLink(*plan, l, wired, data, chunk_bytes, &chunks);
+    ASSERT_EQ(chunks.size(), l.num_chunks);
+    EXPECT_EQ(l.bytes, static_cast<int64_t>(stream.size()));
+    wire_bytes += l.bytes;
+    absl::StatusOr<ChunkPlan> dense =
+        PlanChunks(LinkManifest(*plan, l.sender, l.receiver), chunk_bytes);
+    dense_bytes += dense->total_bytes;
+    for (const Chunk& c : chunks) {
+      const int64_t g = l.first_chunk + c.index;
+      ASSERT_EQ(copy.chunks.chunks[g].size, c.size);
+      ScatterChunk(copy, copy.ops_by_chunk[g], stream.data() + c.offset,
+                   nullptr);
+      ASSERT_TRUE(
+          quant.Feed(copy, g, stream.data() + c.offset, nullptr, nullptr).ok());
+    }
+  }
+  EXPECT_EQ(quant.open_bytes(), 0);
+  EXPECT_LT(wire_bytes, dense_bytes);
+  for (const Engine& e : engines) {
+    const uint8_t* base = e.layout->regions[0]->data();
+    const std::vector<std::vector<uint8_t>> want =
+        synthetic::ExpectedFp8Engine(e.params, data);
+    for (size_t i = 0; i < e.params.size(); ++i) {
+      const v1::Parameter& p = e.params[i];
+      EXPECT_EQ(std::memcmp(base + p.offset(), want[i].data(), want[i].size()),
+                0)
+          << e.layout->engine_id << " " << p.name() << " senders " << senders
+          << " chunk " << chunk_bytes << (all ? " all" : " half") << " wired";
+    }
+  }
+  for (size_t i = 0; i < engines.size(); ++i) {
+    EXPECT_TRUE(copy.covers_engine[i]);
+  }
+}
+
+TEST(LinkPlanTest, Fp8OnTheWireThroughAPlanLandsAsTheDaemonQuantises) {
+  for (bool all : {true, false}) {
+    for (int64_t chunk : {256, 1280, 65536}) {
+      RunFp8WireAndCompare(2, Split::kRows, chunk, all);
+    }
+    RunFp8WireAndCompare(4, Split::kRows, 768, all);  // 16 rows each: blocks
+    RunFp8WireAndCompare(2, Split::kCols, 768, all);
+  }
+}
+
+// plan_wire entries the daemon can't take are refused before anything
+// moves, naming the tensor: not in the plan, twice, not float, a use that
+// is not an FP8 target of its blocks, and a piece that cuts a block (3
+// senders cut 64 rows at 22 and 44: send that tensor unquantised).
+TEST(LinkPlanTest, Fp8OnTheWireThroughAPlanRefusesWhatCantCopyAsItIs) {
+  testing::HeapMapper mapper;
+  std::vector<Engine> engines = {TinyFp8Engine(mapper)};
+  const Manifest manifest = TinyManifest();
+  std::vector<std::shared_ptr<const EngineLayout>> layouts = {
+      engines[0].layout};
+  absl::StatusOr<TransferPlan> two =
+      BuildTransferPlan(Spec(manifest, 2, Split::kRows, engines));
+  ASSERT_TRUE(two.ok()) << two.status();
+  const std::string q = "model.layers.0.self_attn.q_proj.weight";
+  auto refused = [&](const TransferPlan& plan, const Wired& w) {
+    absl::StatusOr<LinkedCopyPlan> linked =
+        BuildLinkedCopyPlan(plan, {0}, 4096, layouts, {}, w.tensors);
+    EXPECT_FALSE(linked.ok());
+    return linked.status();
+  };
+  absl::Status s = refused(*two, WireOf({"nope"}, 16));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("'nope' is not in the plan"));
+  s = refused(*two, WireOf({q, q}, 16));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("named twice"));
+  s = refused(*two, WireOf({q}, 32));  // the engine's blocks are 16 x 16
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr(q));
+  EXPECT_THAT(s.message(), HasSubstr("but the target quantises"));
+  s = refused(*two,
+              WireOf({"model.norm.weight"}, 16));  // [64]: its pieces whole
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("is not an FP8 target")) << s;
+  absl::StatusOr<TransferPlan> three =
+      BuildTransferPlan(Spec(manifest, 3, Split::kRows, engines));
+  ASSERT_TRUE(three.ok()) << three.status();
+  s = refused(*three, WireOf({q}, 16));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr(absl::StrCat("tensor '", q, "'")));
+  EXPECT_THAT(s.message(), HasSubstr("cuts its 16 x 16 blocks"));
+  // The same tensor unquantised goes through the daemon's quantisation.
+  EXPECT_TRUE(BuildLinkedCopyPlan(*three, {0}, 4096, layouts).ok());
 }
 
 // One FP8 target w [64, 32] in 16 x 16 blocks, fed whole by one tensor that

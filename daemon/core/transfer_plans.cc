@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "daemon/core/coordinator.h"
@@ -94,13 +95,20 @@ absl::StatusOr<LinkedCopyPlan> Coordinator::LinkedPlanFor(
     const TransferPlan& plan, const std::vector<int32_t>& receivers,
     int64_t chunk_bytes,
     const std::vector<std::shared_ptr<const EngineLayout>>& layouts,
-    const std::vector<LinkPatch>& patches) {
+    const std::vector<LinkPatch>& patches,
+    const std::vector<WireTensor>& wire) {
   // Patches change with every update: planned each time, never cached.
   if (!patches.empty()) {
-    return BuildLinkedCopyPlan(plan, receivers, chunk_bytes, layouts, patches);
+    return BuildLinkedCopyPlan(plan, receivers, chunk_bytes, layouts, patches,
+                               wire);
   }
   std::string key = absl::StrCat(plan.id, "|", chunk_bytes);
   for (int32_t r : receivers) absl::StrAppend(&key, "|", r);
+  // The tensors sent quantised (the same every update, as a rule).
+  for (const WireTensor& w : wire) {
+    absl::StrAppend(&key, "|", w.tensor, "=",
+                    absl::BytesToHexString(w.quantization.SerializeAsString()));
+  }
   {
     absl::MutexLock lock(&mu_);
     if (last_linked_.copy != nullptr && key == last_linked_key_ &&
@@ -110,7 +118,7 @@ absl::StatusOr<LinkedCopyPlan> Coordinator::LinkedPlanFor(
   }
   WS_ASSIGN_OR_RETURN(
       LinkedCopyPlan linked,
-      BuildLinkedCopyPlan(plan, receivers, chunk_bytes, layouts));
+      BuildLinkedCopyPlan(plan, receivers, chunk_bytes, layouts, {}, wire));
   absl::MutexLock lock(&mu_);
   for (const auto& l : layouts) {
     bool registered = false;

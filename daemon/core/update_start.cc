@@ -309,9 +309,22 @@ absl::Status Coordinator::PlanStart(const v1::StartWeightUpdateRequest& request,
       patches.push_back({p.sender(), p.piece(), p.nnz(),
                          p.index_bytes() == 0 ? 8 : p.index_bytes()});
     }
+    // FP8 on the wire: the tensors every sender sends quantised.
+    std::vector<WireTensor> wire;
+    for (const v1::PlanWireTensor& w : request.plan_wire()) {
+      wire.push_back({w.tensor(), w.quantization()});
+    }
+    if (!wire.empty() && !plane.TakesPlanFp8AndPatches()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "update '", request.update_id(), "' sends ", wire.size(),
+          " tensors quantised through a transfer plan (plan_wire): the ",
+          plane.name(),
+          " backend does not take them yet (the host backend does); send "
+          "them unquantised"));
+    }
     WS_ASSIGN_OR_RETURN(LinkedCopyPlan linked,
                         LinkedPlanFor(*s.transfer, s.receivers, s.chunk_bytes,
-                                      s.layouts, patches));
+                                      s.layouts, patches, wire));
     if (!linked.copy->sparse.empty() && !plane.TakesPlanFp8AndPatches()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "update '", request.update_id(), "' sends ", patches.size(),

@@ -367,7 +367,7 @@ class Trainer:
 
     def update_sharded(self, manifest, local, version, collective=None, chunk_bytes=0,
                        update_id=None, engine_ids=None, verify=True, base_version=None,
-                       max_density=0.1, basis_bytes=0):
+                       max_density=0.1, basis_bytes=0, fp8_on_wire=False):
         """Every rank of a sharded or replicated trainer sends its own share
         (issue 32; docs/transfer_plan.md): call on every rank, each with a
         Trainer of every daemon (host backend: init_host() on rank 0 only),
@@ -384,7 +384,12 @@ class Trainer:
         backend): with basis_bytes (None: no bound) each rank keeps what
         it sent, and a later update_sharded(base_version=v) sends each
         piece that changed in at most max_density of its elements since
-        version v as a patch (docs/transfer_plan.md, "Sparse patches")."""
+        version v as a patch (docs/transfer_plan.md, "Sparse patches").
+        fp8_on_wire=True (host backend): each rank quantises its pieces of
+        the tensors that can travel quantised (as update()'s, and every
+        piece on whole blocks; weightsync.senders.many_wire) and sends a
+        byte an element; a tensor a shard cuts goes as it is. Keep it the
+        same on every rank and across updates (it is part of the plan)."""
         from weightsync.senders import many as many_senders
         nccl = None
         if self._sharded_nccl is not None:
@@ -398,12 +403,17 @@ class Trainer:
                 "FAILED_PRECONDITION", f"update_sharded on the {self._backend} backend needs "
                 "every rank in the group: init_nccl(collective=...) on every rank (or "
                 "init_host() on rank 0 for the host backend)")
-        key = (id(collective), tuple(engine_ids) if engine_ids is not None else None)
+        if fp8_on_wire and nccl is not None:
+            raise ValueError("update_sharded(fp8_on_wire=True) sends quantised pieces on "
+                             "the host backend only for now; on nccl the daemons quantise")
+        key = (id(collective), tuple(engine_ids) if engine_ids is not None else None,
+               bool(fp8_on_wire))
         senders = self._many_senders.get(key)
         if senders is None:
             coll = collective if collective is not None else many_senders.TorchCollective()
             senders = many_senders.ManySenders(self._link, coll, engine_ids, nccl=nccl,
-                                               basis_bytes=basis_bytes)
+                                               basis_bytes=basis_bytes,
+                                               fp8_on_wire=fp8_on_wire)
             self._many_senders[key] = senders
         return senders.update(manifest, local, version, chunk_bytes=chunk_bytes,
                               update_id=update_id, verify=verify, base_version=base_version,

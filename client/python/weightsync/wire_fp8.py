@@ -210,18 +210,49 @@ def quantize_on_wire(name, tensor, fields, ops=None):
             return WireFp8(tensor, shape, dict(fields), enc, stored, payload)
         except Exception as e:  # noqa: BLE001 - the torch path below is exact too
             _TRITON_FAILED.append(f"{type(e).__name__}: {e}")
-    x = widened(raw, dtype, ops).reshape(rows, cols)
-    # Rows of blocks CHUNK elements at a time (quantize holds several int64
-    # temporaries an element).
+    enc, stored = _quantized(widened(raw, dtype, ops).reshape(rows, cols), br, bc,
+                             fields["format"], reciprocal, ops)
+    return WireFp8(tensor, shape, dict(fields), enc, stored)
+
+
+def _quantized(x, br, bc, fmt, reciprocal, ops):
+    """quantize(x, ...) of a float32 [rows, cols] matrix, rows of blocks
+    CHUNK elements at a time (quantize holds several int64 temporaries an
+    element)."""
+    rows, cols = x.shape
     step = br * max(1, CHUNK // max(br * cols, 1))
     if step >= rows:
-        enc, stored = quantize(x, br, bc, fields["format"], reciprocal, ops)
-    else:
-        parts = [quantize(x[r0:r0 + step], br, bc, fields["format"], reciprocal, ops)
-                 for r0 in range(0, rows, step)]
-        cat = np.concatenate if isinstance(x, np.ndarray) else __import__("torch").cat
-        enc, stored = cat([e for e, _ in parts]), cat([s for _, s in parts])
-    return WireFp8(tensor, shape, dict(fields), enc, stored)
+        return quantize(x, br, bc, fmt, reciprocal, ops)
+    parts = [quantize(x[r0:r0 + step], br, bc, fmt, reciprocal, ops)
+             for r0 in range(0, rows, step)]
+    cat = np.concatenate if isinstance(x, np.ndarray) else __import__("torch").cat
+    return cat([e for e, _ in parts]), cat([s for _, s in parts])
+
+
+def quantize_raw(raw, dtype, rows, cols, fields):
+    """The payload (bytes) of `raw`, the row-major bytes of a rows x cols
+    float32 / bfloat16 / float16 matrix of `dtype`, quantised as `fields`
+    says (numpy): a transfer plan's piece sent quantised, its blocks
+    counted from its own top-left corner (weightsync.senders.many_wire)."""
+    from weightsync._xp import NumpyOps
+    per_row = fields.get("scheme") == "QUANT_SCHEME_PER_ROW"
+    br = 1 if per_row else fields.get("block_rows") or 128
+    bc = cols if per_row else fields.get("block_cols") or 128
+    ops = NumpyOps()
+    x = widened(np.frombuffer(raw, np.uint8), dtype, ops).reshape(rows, cols)
+    enc, stored = _quantized(x, br, bc, fields["format"],
+                             fields.get("scale_form") == "SCALE_FORM_RECIPROCAL", ops)
+    return WireFp8(None, (rows, cols), dict(fields), enc, stored).payload().tobytes()
+
+
+def quantization_message(fields):
+    """weightsync.v1.Quantization of Quantization `fields` (a wire_plan
+    entry), or None for none."""
+    if not fields:
+        return None
+    from google.protobuf import json_format
+    from weightsync._proto import v1
+    return json_format.ParseDict(dict(fields), v1.Quantization())
 
 
 def _ops(tensor):

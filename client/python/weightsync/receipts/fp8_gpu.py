@@ -521,8 +521,8 @@ def quantize_gpu(raw, dtype, block_rows, block_cols, fmt, reciprocal):
 # FP8 on the wire: blocks of powers of two up to 256 columns take
 # fp8_wire_tile_kernel; False: every block fp8_wire_kernel.
 WIRE_TILE = os.environ.get("WEIGHTSYNC_FP8_TILE", "1") != "0"
-WIRE_RB = 8          # rows of a tile (bench/wire_kernel_tune.py)
-WIRE_WARPS = 4
+WIRE_RB = 16         # rows of a tile (bench/wire_kernel_tune.py, bench/RESULTS.md)
+WIRE_WARPS = 8
 WIRE_PACK4 = False   # encodings stored four a 32-bit word
 
 

@@ -11,6 +11,7 @@ finish -> receipts -> commit that every transport goes through.
 from weightsync import lazy as _lazy
 from weightsync._errors import WeightSyncError
 from weightsync._proto import v1
+from weightsync.wire_fp8 import quantization_message
 
 _MODES = {"streaming": v1.UPDATE_MODE_STREAMING, "staged": v1.UPDATE_MODE_STAGED}
 
@@ -82,17 +83,8 @@ def specs(manifest):
     return [v1.TensorSpec(name=m["name"], dtype=getattr(v1, m["dtype"]), shape=m["shape"],
                           sparse_nnz=m.get("sparse_nnz", 0),
                           sparse_index_bytes=m.get("sparse_index_bytes", 0),
-                          quantization=_quantization(m.get("quantization")))
+                          quantization=quantization_message(m.get("quantization")))
             for m in manifest]
-
-
-def _quantization(fields):
-    """weightsync.v1.Quantization of a manifest dict's "quantization"
-    fields (weightsync.wire_fp8), or None."""
-    if not fields:
-        return None
-    from google.protobuf import json_format
-    return json_format.ParseDict(dict(fields), v1.Quantization())
 
 
 def sent_of(manifest, data, sources=None):

@@ -39,7 +39,7 @@ from weightsync import _multi, planner, transfer_plan
 from weightsync._errors import WeightSyncError
 from weightsync._proto import v1
 from weightsync._tensors import describe
-from weightsync.senders import many_sparse
+from weightsync.senders import many_sparse, many_wire
 from weightsync.senders.many_receipts import (add_partials, exchanged_fp8_partials,
                                               has_fp8_targets, partial_receipts)
 
@@ -136,8 +136,12 @@ class ManySenders:
     """One rank's side of updates of many senders. Not thread-safe; one
     object per rank, every rank calling `update` in step."""
 
-    def __init__(self, link, collective, engine_ids=None, nccl=None, basis_bytes=0):
+    def __init__(self, link, collective, engine_ids=None, nccl=None, basis_bytes=0,
+                 fp8_on_wire=False):
         self._link = link
+        # FP8 on the wire (many_wire): asked for, and the tensors the ranks
+        # agreed to send quantised on the current plan.
+        self.fp8_on_wire, self.wire = fp8_on_wire, {}
         # What this rank sent last, for sparse patches against it
         # (update(base_version=...)): at most basis_bytes (None: no bound;
         # 0: nothing kept, every update dense).
@@ -290,6 +294,8 @@ class ManySenders:
         if registered is not None:
             raise WeightSyncError(*registered)
         self._engines = self._engine_layouts()
+        self.wire = many_wire.agreed(self._coll, plan, self.rank, manifest,
+                                     self._engines) if self.fp8_on_wire else {}
         self._plan, self._plan_key, self.last_plan = plan, key, plan
 
     def _engine_layouts(self):
@@ -354,7 +360,7 @@ class ManySenders:
             if self.nccl is not None:
                 sent = {"partials": self.nccl.push(
                     plan, self.rank, local, started, self._engines, verify,
-                    watch=lambda: self._watch(started["update_id"]),
+                    watch=lambda: _watch(self._link, started["update_id"]),
                     timeout=self._link.timeout)}
             else:
                 sent = {"partials": self._push(plan, local, started, verify, payloads,
@@ -399,18 +405,6 @@ class ManySenders:
         return [v1.FinishWeightUpdateResponse.FromString(bytes.fromhex(h))
                 for h in result["committed"]]
 
-    def _watch(self, update_id):
-        """Raises WeightSyncError when `update_id` is no longer in progress
-        on some daemon (a rank died: its Liveness hold ended it there; or
-        the daemon's watchdog ended it): this rank's sends to it would
-        wait for ever."""
-        for i, stub in enumerate(self._link.stubs):
-            u = stub.call("GetStatus").update
-            if u.update_id != update_id or u.phase == "failed":
-                raise WeightSyncError("ABORTED", f"{self._link.group.name(i)}: update "
-                                      f"'{update_id}' ended there"
-                                      + (f" ({u.error})" if u.error else ""))
-
     def _check_receipts(self, group, update_id, prepared, outcomes):
         """Leader: each daemon's receipts against the ranks' summed parts;
         a mismatch aborts everywhere (DATA_LOSS)."""
@@ -434,7 +428,8 @@ class ManySenders:
             verify=v1.VERIFY_ON if verify else v1.VERIFY_OFF,
             transfer_plan_id=plan.id,
             mode=v1.UPDATE_MODE_STAGED if mode == "staged" else v1.UPDATE_MODE_STREAMING,
-            plan_sparse=many_sparse.plan_sparse_messages(entries))
+            plan_sparse=many_sparse.plan_sparse_messages(entries),
+            plan_wire=many_wire.plan_wire_messages(self.wire))
         if entries:
             request.sparse_base_version = base_version
         if self._engine_ids is not None:
@@ -466,14 +461,14 @@ class ManySenders:
             if i not in payloads:
                 return 0
             mine = patches.get(i, {})
-            chunks = planner.plan_chunks(
-                many_sparse.link_manifest_with_patches(transfer_plan.link_manifest(plan, me, i),
-                                                       mine),
-                started["chunk_bytes"][i])
-            # Patched pieces travel as their patch; receipts sum the pieces
-            # whole (the daemons read back what the engines then hold).
-            wire = [mine[k].payload().tobytes() if k in mine else data
-                    for k, data in enumerate(payloads[i])]
+            pieces = many_wire.link_manifest(plan, me, i, self.wire)
+            chunks = planner.plan_chunks(many_sparse.link_manifest_with_patches(pieces, mine),
+                                         started["chunk_bytes"][i])
+            # Patched pieces travel as their patch, those of self.wire
+            # quantised; receipts sum the pieces whole, as they were (the
+            # daemons read back what the engines then hold).
+            wire = many_wire.payloads(pieces, [mine[k].payload().tobytes() if k in mine
+                                               else d for k, d in enumerate(payloads[i])], mine)
 
             def requests():
                 for c in chunks["chunks"]:
@@ -526,6 +521,18 @@ class ManySenders:
             return {"error": [e.code, e.message]}
         self._link.last_results = committed
         return {"committed": [c.SerializeToString().hex() for c in committed]}
+
+
+def _watch(link, update_id):
+    """Raises WeightSyncError when `update_id` is no longer in progress on
+    some daemon of `link` (a rank died: its Liveness hold ended it there;
+    or the daemon's watchdog ended it): this rank's sends to it would wait
+    for ever."""
+    for i, stub in enumerate(link.stubs):
+        u = stub.call("GetStatus").update
+        if u.update_id != update_id or u.phase == "failed":
+            raise WeightSyncError("ABORTED", f"{link.group.name(i)}: update '{update_id}' "
+                                  "ended there" + (f" ({u.error})" if u.error else ""))
 
 
 def _receipt_mismatch(prepared, outcomes, i):
