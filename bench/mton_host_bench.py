@@ -14,10 +14,12 @@ FSDP row shards (ManySenders, threads of this process, each with its own
 Trainer) dense; the same two ranks with 0.3% of the elements changed per
 version, each piece that changed little sent as a sparse patch against
 the version before (and the same with receipts off, to show what they
-cost: they stay whole, each rank summing its pieces' new values). Each
+cost: they stay whole, each rank summing its pieces' new values); into
+the FP8 pair also one sender and two ranks with fp8_on_wire=True (the
+trainer quantises in numpy, a byte an element travels). Each
 row: the median of --updates updates, its ratio
 to the one-sender row of the same engines, the bytes the ranks put on the
-wire against dense.
+wire against dense, and the bytes the daemon took in (daemon_bytes).
 
 The host backend's ranks here share one machine's cores with the daemon
 and the engines (and one Python process: numpy and gRPC release the GIL,
@@ -129,27 +131,36 @@ class Daemon:
         self.proc.wait(30)
 
 
-def one_sender(target, cks, first_version):
-    """Seconds of each Trainer.update of cks, versions from first_version."""
+# The bytes the daemon took in, per update of the last row (its committed
+# FinishWeightUpdateResponse.bytes).
+LAST_BYTES = []
+
+
+def one_sender(target, cks, first_version, wire=False):
+    """Seconds of each Trainer.update of cks, versions from first_version
+    (wire: fp8_on_wire=True)."""
     t = weightsync.Trainer(target, timeout=120)
+    LAST_BYTES.clear()
     try:
         t.init_host()
         out = []
         for k, ck in enumerate(cks):
             t0 = time.perf_counter()
-            t.update(list(ck.items()), version=first_version + k)
+            got = t.update(list(ck.items()), version=first_version + k, fp8_on_wire=wire)
             out.append(time.perf_counter() - t0)
+            LAST_BYTES.append(got.bytes)
         return out
     finally:
         t.close()
 
 
-def many_senders(target, cks, first_version, sparse, verify=True):
+def many_senders(target, cks, first_version, sparse, verify=True, wire=False):
     """(seconds of rank 0's updates, [wire figures per update]) of RANKS
     rank threads; with `sparse` every update after the first patches
-    the one before."""
+    the one before; `wire`: fp8_on_wire=True."""
     room = {"n": RANKS, "slots": [None] * RANKS, "barrier": threading.Barrier(RANKS, timeout=300)}
     times, phases, wires, errors = [], [], [[] for _ in range(RANKS)], []
+    LAST_BYTES.clear()
 
     def rank_main(r):
         trainer = weightsync.Trainer(target, timeout=120)
@@ -157,15 +168,17 @@ def many_senders(target, cks, first_version, sparse, verify=True):
             if r == 0:
                 trainer.init_host()
             s = ManySenders(trainer._link, ThreadCollective(room, r),
-                            basis_bytes=None if sparse else 0)
+                            basis_bytes=None if sparse else 0, fp8_on_wire=wire)
             for k, ck in enumerate(cks):
                 v = first_version + k
                 base = v - 1 if sparse and k > 0 else None
                 local = local_of(r, ck)
                 t0 = time.perf_counter()
-                s.update(MANIFEST, local, v, base_version=base, max_density=0.05, verify=verify)
+                got = s.update(MANIFEST, local, v, base_version=base, max_density=0.05,
+                               verify=verify)
                 if r == 0:
                     times.append(time.perf_counter() - t0)
+                    LAST_BYTES.append(sum(c.bytes for c in got))
                     phases.append(dict(s.last_timings))
                 wires[r].append(dict(s.last_wire))
         except BaseException as e:  # noqa: BLE001 - raised below
@@ -206,11 +219,16 @@ def main():
             d.engines_up(specs)
             base = None
             for row in ("one sender", "2 ranks dense", "2 ranks sparse 0.3%",
-                        "2 ranks sparse 0.3%, receipts off"):
-                if row == "one sender":
-                    times, wire = one_sender(d.target, cks[:n], version + 1), None
-                elif row == "2 ranks dense":
-                    times, wire = many_senders(d.target, cks[:n], version + 1, False)
+                        "2 ranks sparse 0.3%, receipts off", "one sender, fp8_on_wire",
+                        "2 ranks, fp8_on_wire"):
+                if "fp8_on_wire" in row and "fp8" not in engines:
+                    continue   # nothing to quantise
+                if row.startswith("one sender"):
+                    times, wire = one_sender(d.target, cks[:n], version + 1,
+                                             "fp8_on_wire" in row), None
+                elif row.startswith("2 ranks dense") or "fp8_on_wire" in row:
+                    times, wire = many_senders(d.target, cks[:n], version + 1, False,
+                                               wire="fp8_on_wire" in row)
                 elif "fp8" in engines:
                     continue   # a patch can't go into an FP8 target
                 else:
@@ -224,7 +242,8 @@ def main():
                 if base is None:
                     base = med
                 r = {"engines": engines, "row": row, "median_s": round(med, 4),
-                     "times_s": [round(t, 4) for t in times], "vs_one_sender": round(base / med, 3)}
+                     "times_s": [round(t, 4) for t in times], "vs_one_sender": round(base / med, 3),
+                     "daemon_bytes": LAST_BYTES[-1]}
                 if wire:
                     r["wire_vs_dense"] = round(
                         statistics.median(w["wire_bytes"] / w["dense_bytes"] for w in wire), 4)
