@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """FP8 on the wire's tile kernel (weightsync.receipts.fp8_gpu.quantize_gpu,
 fp8_wire_tile_kernel) over its launch settings, on one GPU: rows a tile
-(WIRE_RB), warps (WIRE_WARPS) and four encodings a 32-bit store
-(WIRE_PACK4), on a 4096 x 12288 weight (bfloat16 and float32, e4m3 128 x
-128) and on Qwen3-8B's 252 linear weights (bfloat16, the whole set one
-after another, as Trainer.update(fp8_on_wire=True) quantises them). Every
+(WIRE_RB) and warps (WIRE_WARPS), on a 4096 x 12288 weight (bfloat16
+and float32, e4m3 128 x 128) and on Qwen3-8B's 252 linear weights
+(bfloat16: one launch a tensor, or batched: the whole set in one launch,
+as Trainer.update(fp8_on_wire=True) quantises them, wire_fp8.on_the_wire). Every
 setting's payload is compared byte for byte with the torch path's (the
 reference's ops on the GPU) before it is timed; a setting that differs is
 a FAIL. Prints a table, best first.
@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
                                 "python"))
 from weightsync import _xp  # noqa: E402
 from weightsync.receipts import fp8_gpu  # noqa: E402
-from weightsync.wire_fp8 import quantize_on_wire  # noqa: E402
+from weightsync.wire_fp8 import on_the_wire, quantize_on_wire  # noqa: E402
 
 DEV = torch.device("cuda", 0)
 FIELDS = {"format": "FLOAT8_E4M3FN", "scheme": "QUANT_SCHEME_BLOCK", "block_rows": 128,
@@ -67,9 +67,9 @@ def main():
             for dt, t in big.items()}
     os.environ.pop("WEIGHTSYNC_WIRE_TRITON")
     rows, failures = [], 0
-    for rb, warps, pack in itertools.product((4, 8, 16, 32), (2, 4, 8), (False, True)):
-        fp8_gpu.WIRE_RB, fp8_gpu.WIRE_WARPS, fp8_gpu.WIRE_PACK4 = rb, warps, pack
-        row = {"rb": rb, "warps": warps, "pack4": pack}
+    for rb, warps, batched in itertools.product((8, 16, 32), (4, 8), (False, True)):
+        fp8_gpu.WIRE_RB, fp8_gpu.WIRE_WARPS = rb, warps
+        row = {"rb": rb, "warps": warps, "batched": batched}
         try:
             for dt, t in big.items():
                 got = quantize_on_wire("w", t, FIELDS, _xp.TorchOps()).payload()
@@ -77,23 +77,29 @@ def main():
                     raise AssertionError(f"{dt}: {int((got != want[dt]).sum())} bytes differ")
                 row[str(dt).split(".")[1] + "_s"] = timed(
                     lambda t=t: quantize_on_wire("w", t, FIELDS, _xp.TorchOps()))
-            row["model_s"] = timed(lambda: [quantize_on_wire("w", t, FIELDS, _xp.TorchOps())
-                                            for t in model], repeats=3)
+            if batched:   # as update(fp8_on_wire=True): one launch for the lot
+                pairs = [(f"w{i}", t) for i, t in enumerate(model)]
+                plan = {n: FIELDS for n, _ in pairs}
+                row["model_s"] = timed(lambda: on_the_wire(pairs, plan), repeats=3)
+            else:
+                row["model_s"] = timed(lambda: [quantize_on_wire("w", t, FIELDS,
+                                                                 _xp.TorchOps())
+                                                for t in model], repeats=3)
         except Exception as e:  # noqa: BLE001 - reported as a FAIL row
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             failures += 1
         rows.append(row)
         print(json.dumps(row), flush=True)
     ok = sorted((r for r in rows if "error" not in r), key=lambda r: r["model_s"])
-    print(f"\n{'rb':>3} {'warps':>5} {'pack4':>5} {'bf16 ms':>8} {'GB/s':>6} {'f32 ms':>7} "
+    print(f"\n{'rb':>3} {'warps':>5} {'batch':>5} {'bf16 ms':>8} {'GB/s':>6} {'f32 ms':>7} "
           f"{'model ms':>9} {'GB/s':>6}")
     for r in ok:
-        print(f"{r['rb']:3d} {r['warps']:5d} {str(r['pack4']):>5} {r['bfloat16_s'] * 1e3:8.3f} "
+        print(f"{r['rb']:3d} {r['warps']:5d} {str(r['batched']):>5} {r['bfloat16_s'] * 1e3:8.3f} "
               f"{4096 * 12288 * 2 / r['bfloat16_s'] / 1e9:6.0f} {r['float32_s'] * 1e3:7.3f} "
               f"{r['model_s'] * 1e3:9.2f} {model_bytes / r['model_s'] / 1e9:6.0f}")
     for r in rows:
         if "error" in r:
-            print(f"FAIL rb={r['rb']} warps={r['warps']} pack4={r['pack4']}: {r['error']}")
+            print(f"FAIL rb={r['rb']} warps={r['warps']} batched={r['batched']}: {r['error']}")
     if out_path:
         with open(out_path, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(DEV), "model_bytes": model_bytes,

@@ -646,6 +646,19 @@ TEST_F(CoordinatorDeviceTest,
               HasSubstr("engine 'f' parameter 'w' is an FP8 target: the nccl "
                         "backend does not quantise"));
   EXPECT_THAT(log_.Get(), IsEmpty());  // nothing paused
+  // Its pieces sent quantised instead (plan_wire): refused as well, before
+  // the plan is made, and nothing paused.
+  v1::PlanWireTensor* wire = req.add_plan_wire();
+  wire->set_tensor("w");
+  wire->mutable_quantization()->set_format(v1::FLOAT8_E4M3FN);
+  wire->mutable_quantization()->set_block_rows(16);
+  wire->mutable_quantization()->set_block_cols(16);
+  started = coordinator_->StartWeightUpdate(req);
+  EXPECT_EQ(started.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(started.status().message(),
+              HasSubstr("sends 1 tensors quantised through a transfer plan "
+                        "(plan_wire): the nccl backend does not take them"));
+  EXPECT_THAT(log_.Get(), IsEmpty());
   const v1::GetStatusResponse status = coordinator_->GetStatus();
   for (const v1::EngineStatus& e : status.engines()) {
     EXPECT_EQ(e.state(), v1::ENGINE_READY) << e.engine_id();

@@ -80,17 +80,12 @@ absl::Status CheckWireUse(const v1::TensorSpec& t, const std::string& where,
   const QuantRect dst = *SegmentRect(q.cols, s);
   // PER_ROW: a block is a whole row of both, so the use must span both.
   const int64_t bc = w.per_row ? w.cols : w.block_cols;
-  // And the target's rectangle on its own blocks (registration checks that
-  // of an engine's segments; a transfer plan's piece of one may not be).
-  auto on_grid = [](int64_t begin, int64_t end, int64_t block, int64_t edge) {
-    return begin % block == 0 && (end % block == 0 || end == edge);
-  };
-  const bool aligned = dst.r1 - dst.r0 == r.rows && dst.c1 - dst.c0 == r.cols &&
-                       on_grid(r.r0, r.r0 + r.rows, w.block_rows, w.rows) &&
-                       on_grid(r.c0, r.c0 + r.cols, bc, w.cols) &&
-                       on_grid(dst.r0, dst.r1, q.block_rows, q.rows) &&
-                       on_grid(dst.c0, dst.c1, q.block_cols, q.cols) &&
-                       (!w.per_row || (dst.c0 == 0 && dst.c1 == q.cols));
+  const bool aligned =
+      dst.r1 - dst.r0 == r.rows && dst.c1 - dst.c0 == r.cols &&
+      r.r0 % w.block_rows == 0 && r.c0 % bc == 0 &&
+      ((r.r0 + r.rows) % w.block_rows == 0 || r.r0 + r.rows == w.rows) &&
+      ((r.c0 + r.cols) % bc == 0 || r.c0 + r.cols == w.cols) &&
+      (!w.per_row || (dst.c0 == 0 && dst.c1 == q.cols));
   if (!aligned) {
     return absl::InvalidArgumentError(absl::StrCat(
         where, ": the segment reads rows ", HalfOpen(r.r0, r.rows), " x cols ",

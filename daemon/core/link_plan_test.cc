@@ -671,6 +671,19 @@ TEST(LinkPlanTest, Fp8OnTheWireThroughAPlanRefusesWhatCantCopyAsItIs) {
   EXPECT_THAT(s.message(), HasSubstr("cuts its 16 x 16 blocks"));
   // The same tensor unquantised goes through the daemon's quantisation.
   EXPECT_TRUE(BuildLinkedCopyPlan(*three, {0}, 4096, layouts).ok());
+  // Only float tensors are quantised: an int32 one in the plan (no engine
+  // uses it) is refused by its dtype.
+  Manifest with_int = manifest;
+  v1::TensorSpec* steps = with_int.Add();
+  steps->set_name("steps");
+  steps->set_dtype(v1::INT32);
+  steps->add_shape(16);
+  absl::StatusOr<TransferPlan> ints =
+      BuildTransferPlan(Spec(with_int, 2, Split::kRows, engines));
+  ASSERT_TRUE(ints.ok()) << ints.status();
+  s = refused(*ints, WireOf({"steps"}, 16));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("'steps' is int32: only float32")) << s;
 }
 
 // One FP8 target w [64, 32] in 16 x 16 blocks, fed whole by one tensor that

@@ -76,6 +76,22 @@ def main():
                           and got.shape[0] == want_len,
                           f"{int((got != host).sum()) if got.shape == host.shape else 'size'}"
                           " differ")
+    # Many tensors of mixed dtypes, shapes and forms at once (on_the_wire:
+    # a launch per form over a table of its tensors), each against the
+    # host path.
+    many, plan = [], {}
+    for k, (shape, (fields, _)) in enumerate(
+            [(s, f) for s in ((300, 260), (130, 512), (256, 256), (1, 128)) for f in forms]):
+        x = torch.randn(shape, generator=g) * (k + 1)
+        x[0, 0] = float("nan")
+        src = x.to(list(TORCH.values())[k % 3])
+        many.append((f"t{k}", src))
+        plan[f"t{k}"] = fields
+    got = wire_fp8.on_the_wire([(n, t.to(DEV)) for n, t in many], plan)
+    differ = [n for (n, w), (_, src) in zip(got, many) if not np.array_equal(
+        w.payload().cpu().numpy(), quantize_on_wire(n, src, plan[n]).payload())]
+    check(f"{len(many)} tensors quantised together (on_the_wire): each payload equals "
+          "the host path's", not differ, f"{differ} differ")
     check("the Triton kernel never fell back to torch", not wire_fp8._TRITON_FAILED,
           "; ".join(wire_fp8._TRITON_FAILED))
     w = torch.randn(4096, 12288, generator=g).to(torch.bfloat16).to(DEV)
@@ -106,7 +122,7 @@ def on_gpu(path, x, fields):
     "general": fp8_wire_kernel for every block) or torch ops
     (WEIGHTSYNC_WIRE_TRITON=0)."""
     os.environ["WEIGHTSYNC_WIRE_TRITON"] = "0" if path == "torch" else "1"
-    fp8_gpu.WIRE_TILE = path == "triton tile"
+    fp8_gpu.WIRE_TILE = path != "triton general"
     try:
         w = quantize_on_wire("w", x, fields, _xp.TorchOps())
         if path != "torch" and w._payload is None:

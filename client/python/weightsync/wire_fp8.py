@@ -197,10 +197,7 @@ def quantize_on_wire(name, tensor, fields, ops=None):
     if dtype not in ("FLOAT32", "BFLOAT16", "FLOAT16"):
         raise ValueError(f"tensor '{name}': {dtype} can't be quantised on the wire "
                          "(float32, bfloat16 or float16)")
-    per_row = fields.get("scheme") == "QUANT_SCHEME_PER_ROW"
-    br = 1 if per_row else fields.get("block_rows") or 128
-    bc = cols if per_row else fields.get("block_cols") or 128
-    reciprocal = fields.get("scale_form") == "SCALE_FORM_RECIPROCAL"
+    br, bc, reciprocal = _blocks(fields, cols)
     if _triton_for(raw):
         from weightsync.receipts import fp8_gpu
         try:
@@ -213,6 +210,15 @@ def quantize_on_wire(name, tensor, fields, ops=None):
     enc, stored = _quantized(widened(raw, dtype, ops).reshape(rows, cols), br, bc,
                              fields["format"], reciprocal, ops)
     return WireFp8(tensor, shape, dict(fields), enc, stored)
+
+
+def _blocks(fields, cols):
+    """(block rows, block cols, reciprocal) of Quantization `fields` for a
+    matrix of `cols` columns (per row: 1 x cols)."""
+    per_row = fields.get("scheme") == "QUANT_SCHEME_PER_ROW"
+    return (1 if per_row else fields.get("block_rows") or 128,
+            cols if per_row else fields.get("block_cols") or 128,
+            fields.get("scale_form") == "SCALE_FORM_RECIPROCAL")
 
 
 def _quantized(x, br, bc, fmt, reciprocal, ops):
@@ -235,13 +241,10 @@ def quantize_raw(raw, dtype, rows, cols, fields):
     says (numpy): a transfer plan's piece sent quantised, its blocks
     counted from its own top-left corner (weightsync.senders.many_wire)."""
     from weightsync._xp import NumpyOps
-    per_row = fields.get("scheme") == "QUANT_SCHEME_PER_ROW"
-    br = 1 if per_row else fields.get("block_rows") or 128
-    bc = cols if per_row else fields.get("block_cols") or 128
+    br, bc, reciprocal = _blocks(fields, cols)
     ops = NumpyOps()
     x = widened(np.frombuffer(raw, np.uint8), dtype, ops).reshape(rows, cols)
-    enc, stored = _quantized(x, br, bc, fields["format"],
-                             fields.get("scale_form") == "SCALE_FORM_RECIPROCAL", ops)
+    enc, stored = _quantized(x, br, bc, fields["format"], reciprocal, ops)
     return WireFp8(None, (rows, cols), dict(fields), enc, stored).payload().tobytes()
 
 
@@ -269,9 +272,50 @@ def on_the_wire(named_tensors, plan, ops=None):
     if not plan:
         return list(named_tensors)
     from weightsync.sparse import SparsePatch
-    return [(n, quantize_on_wire(n, t, plan[n], ops or _ops(t))
-             if n in plan and not isinstance(t, (SparsePatch, WireFp8)) else t)
-            for n, t in named_tensors]
+    out = list(named_tensors)
+    batch = []   # CUDA tensors for one Triton launch per form
+    for i, (n, t) in enumerate(out):
+        if n not in plan or isinstance(t, (SparsePatch, WireFp8)):
+            continue
+        if ops is None and _triton_for(t):
+            batch.append(i)
+        else:
+            out[i] = (n, quantize_on_wire(n, t, plan[n], ops or _ops(t)))
+    if batch:
+        _on_gpu(out, batch, plan)
+    return out
+
+
+def _on_gpu(pairs, batch, plan):
+    """Replaces pairs[i] for i in `batch` (CUDA tensors) by their WireFp8,
+    quantised by fp8_gpu.quantize_gpu_many in a launch per form; one by
+    one (quantize_on_wire) where that fails."""
+    from weightsync._gpu import dtype_name
+    from weightsync.receipts import fp8_gpu
+    items, shapes = [], []
+    for i in batch:
+        n, t = pairs[i]
+        shape = tuple(int(d) for d in t.shape)
+        rows, cols = _matrix(shape)
+        br, bc, reciprocal = _blocks(plan[n], cols)
+        items.append((t.contiguous().reshape(rows, cols), dtype_name(n, t), br, bc,
+                      plan[n]["format"], reciprocal))
+        shapes.append(shape)
+    for i, (_, dt, *_) in zip(batch, items):
+        if dt not in ("FLOAT32", "BFLOAT16", "FLOAT16"):
+            raise ValueError(f"tensor '{pairs[i][0]}': {dt} can't be quantised on the wire "
+                             "(float32, bfloat16 or float16)")
+    try:
+        done = fp8_gpu.quantize_gpu_many(items)
+    except Exception as e:  # noqa: BLE001 - one by one: exact too, or its own error
+        _TRITON_FAILED.append(f"{type(e).__name__}: {e}")
+        for i in batch:
+            n, t = pairs[i]
+            pairs[i] = (n, quantize_on_wire(n, t, plan[n], _ops(t)))
+        return
+    for i, shape, (payload, enc, stored) in zip(batch, shapes, done):
+        n, t = pairs[i]
+        pairs[i] = (n, WireFp8(t, shape, dict(plan[n]), enc, stored, payload))
 
 
 class WirePlans:

@@ -477,45 +477,90 @@ def _pow2(n):
 
 def quantize_gpu(raw, dtype, block_rows, block_cols, fmt, reciprocal):
     """(payload, encodings, stored scales) of `raw`, a contiguous 2-D
-    float32 / bfloat16 / float16 CUDA tensor, quantised by fp8_wire_kernel
-    on its device (current stream): weightsync.receipts.fp8.quantize bit
-    for bit, a block a program. Per row: block_rows=1, block_cols=cols.
-    The payload is FP8 on the wire's (docs/protocol.md): the uint8
-    encodings, zeros to a multiple of 4, the float32 scales; the
-    encodings ([rows, cols]) and the scales ([ceil(rows / block_rows),
-    ceil(cols / block_cols)]) are views of it."""
+    float32 / bfloat16 / float16 CUDA tensor, quantised on its device
+    (current stream): weightsync.receipts.fp8.quantize bit for bit, a
+    block a program. Per row: block_rows=1, block_cols=cols. The payload
+    is FP8 on the wire's (docs/protocol.md): the uint8 encodings, zeros to
+    a multiple of 4, the float32 scales; the encodings ([rows, cols]) and
+    the scales ([ceil(rows / block_rows), ceil(cols / block_cols)]) are
+    views of it."""
+    return quantize_gpu_many([(raw, dtype, block_rows, block_cols, fmt, reciprocal)])[0]
+
+
+def quantize_gpu_many(items):
+    """[quantize_gpu(*item)] of many (raw, dtype, block_rows, block_cols,
+    fmt, reciprocal) at once: the tensors of one device, source dtype and
+    form whose blocks fp8_wire_tile_kernel takes go in one launch over a
+    table of them (one Python launch a tensor cost ~80 us: more than the
+    kernel), their payloads in one allocation, each at a multiple of 256
+    bytes; the others one fp8_wire_kernel launch each."""
     import torch
     from weightsync.receipts import fp8_gpu_kernels
-    rows, cols = (int(d) for d in raw.shape)
-    gr, gc = -(-rows // block_rows), -(-cols // block_cols)
-    n = rows * cols
-    pad = -n % 4
-    payload = torch.empty(n + pad + 4 * gr * gc, dtype=torch.uint8, device=raw.device)
-    payload[n:n + pad] = 0
-    enc = payload[:n].view(rows, cols)
-    scales = payload[n + pad:].view(torch.float32).view(gr, gc)
-    if n == 0:
-        return payload, enc, scales
-    code = _DTYPES[dtype]
-    bits = raw.view(torch.int32 if code == 0 else torch.int16)
-    mb, bias, max_bits, nan_bits, fmax_bits = fp8.SPEC[fmt]
-    with torch.cuda.device(raw.device):
-        if WIRE_TILE and _tiled(block_rows, block_cols):
-            # Tiles of WIRE_RB rows at most, a block's width.
-            fp8_gpu_kernels.fp8_wire_tile_kernel[(gr * gc,)](
-                bits, enc, scales, rows, cols, gc, SRC=code, E5M2=fmt == "FLOAT8_E5M2",
-                FMAX_BITS=fmax_bits, MAX_BITS=max_bits, NAN_BITS=nan_bits,
-                REC=bool(reciprocal), BR=block_rows, BC=block_cols,
-                RB=min(block_rows, WIRE_RB), FAST_DIV=TILE_FAST_DIV and code != 0,
-                PACK4=WIRE_PACK4 and block_cols >= 4 and cols % block_cols == 0,
-                num_warps=WIRE_WARPS)
-        else:
-            c = min(1024, _pow2(block_cols))
-            fp8_gpu_kernels.fp8_wire_kernel[(gr * gc,)](
-                bits, enc, scales, rows, cols, block_rows, block_cols, gc, mb, bias, max_bits,
-                nan_bits, fmax_bits, SRC=code, REC=bool(reciprocal),
-                RB=max(1, min(_pow2(block_rows), 4096 // c)), C=c, num_warps=NUM_WARPS)
-    return payload, enc, scales
+    out = [None] * len(items)
+    groups = collections.OrderedDict()
+    for i, (raw, dtype, br, bc, fmt, rec) in enumerate(items):
+        tiled = WIRE_TILE and _tiled(br, bc)
+        key = (raw.device, dtype, br, bc, fmt, bool(rec)) if tiled else i
+        groups.setdefault(key, []).append(i)
+    for key, members in groups.items():
+        sizes = []
+        for i in members:
+            rows, cols = (int(d) for d in items[i][0].shape)
+            n, br, bc = rows * cols, items[i][2], items[i][3]
+            sizes.append((rows, cols, n, -n % 4, -(-rows // br), -(-cols // bc)))
+        offsets, total = [], 0
+        for rows, cols, n, pad, gr, gc in sizes:
+            offsets.append(total)
+            total += (n + pad + 4 * gr * gc + 255) // 256 * 256
+        raw0, dtype, br, bc, fmt, rec = items[members[0]]
+        buf = torch.empty(max(total, 1), dtype=torch.uint8, device=raw0.device)
+        views = []
+        for i, (rows, cols, n, pad, gr, gc), off in zip(members, sizes, offsets):
+            payload = buf[off:off + n + pad + 4 * gr * gc]
+            if pad:
+                payload[n:n + pad] = 0
+            views.append((payload, payload[:n].view(rows, cols),
+                          payload[n + pad:].view(torch.float32).view(gr, gc)))
+            out[i] = views[-1]
+        code = _DTYPES[dtype]
+        mb, bias, max_bits, nan_bits, fmax_bits = fp8.SPEC[fmt]
+        with torch.cuda.device(raw0.device):
+            if isinstance(key, tuple):
+                _launch_tiles([items[i][0] for i in members], sizes, views, code, fmt, rec, br,
+                              bc, max_bits, nan_bits, fmax_bits)
+            elif sizes[0][2]:
+                rows, cols, n, pad, gr, gc = sizes[0]
+                c = min(1024, _pow2(bc))
+                bits = raw0.view(torch.int32 if code == 0 else torch.int16)
+                fp8_gpu_kernels.fp8_wire_kernel[(gr * gc,)](
+                    bits, views[0][1], views[0][2], rows, cols, br, bc, gc, mb, bias,
+                    max_bits, nan_bits, fmax_bits, SRC=code, REC=bool(rec),
+                    RB=max(1, min(_pow2(br), 4096 // c)), C=c, num_warps=NUM_WARPS)
+    return out
+
+
+def _launch_tiles(raws, sizes, views, code, fmt, rec, br, bc, max_bits, nan_bits,
+                  fmax_bits):
+    """One fp8_wire_tile_kernel launch over the tensors `raws` (sizes and
+    payload views as quantize_gpu_many made them)."""
+    import torch
+    from weightsync.receipts import fp8_gpu_kernels
+    tab, first = [], 0
+    for raw, (rows, cols, n, pad, gr, gc), (_, enc, scales) in zip(raws, sizes, views):
+        if n:
+            tab.append([raw.data_ptr(), rows, cols, gc, enc.data_ptr(), scales.data_ptr(),
+                        first, 0])
+            first += gr * gc
+    if not tab:
+        return
+    table = torch.from_numpy(np.array(tab, dtype=np.int64)).to(raws[0].device)
+    fp8_gpu_kernels.fp8_wire_tile_kernel[(first,)](
+        table, len(tab), SRC=code, E5M2=fmt == "FLOAT8_E5M2", FMAX_BITS=fmax_bits,
+        MAX_BITS=max_bits, NAN_BITS=nan_bits, REC=bool(rec), BR=br, BC=bc,
+        RB=min(br, WIRE_RB), FAST_DIV=TILE_FAST_DIV and code != 0,
+        STEPS=max(0, len(tab) - 1).bit_length(), num_warps=WIRE_WARPS)
+    # `table` may go now: the caching allocator hands its memory only to
+    # work queued after this launch on the same stream.
 
 
 # FP8 on the wire: blocks of powers of two up to 256 columns take
@@ -523,7 +568,6 @@ def quantize_gpu(raw, dtype, block_rows, block_cols, fmt, reciprocal):
 WIRE_TILE = os.environ.get("WEIGHTSYNC_FP8_TILE", "1") != "0"
 WIRE_RB = 16         # rows of a tile (bench/wire_kernel_tune.py, bench/RESULTS.md)
 WIRE_WARPS = 8
-WIRE_PACK4 = False   # encodings stored four a 32-bit word
 
 
 def _tiled(block_rows, block_cols):

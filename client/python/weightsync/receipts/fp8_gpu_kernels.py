@@ -422,9 +422,8 @@ def _fp8_wire_kernel(src, enc, scales, rows, cols, br, bc, n_bc, mb, bias, max_b
 def _wire_tile_pass(src, enc, base, cols, pr, pc, rr0, cc, d, SRC: tl.constexpr,
                     RB: tl.constexpr, FMAX_BITS: tl.constexpr, MAX_BITS: tl.constexpr,
                     NAN_BITS: tl.constexpr, E5M2: tl.constexpr, FAST_DIV: tl.constexpr,
-                    SPECIALS: tl.constexpr, BC: tl.constexpr, PACK4: tl.constexpr):
-    # The second read of fp8_wire_tile_kernel: the block's encodings stored
-    # (PACK4: four a 32-bit word; every block whole in its columns).
+                    SPECIALS: tl.constexpr):
+    # The second read of fp8_wire_tile_kernel: the block's encodings stored.
     for r in range(0, pr, RB):
         rr = r + rr0
         mask = (rr < pr) & (cc < pc)
@@ -432,31 +431,47 @@ def _wire_tile_pass(src, enc, base, cols, pr, pc, rr0, cc, d, SRC: tl.constexpr,
         u = _f32_bits(_wire_load(src, off, mask, SRC), SRC).to(tl.int32, bitcast=True)
         e = _tile_encode(u, u & 0x7FFFFFFF, d, FMAX_BITS, MAX_BITS, NAN_BITS, E5M2, FAST_DIV,
                          SPECIALS)
-        if PACK4:
-            w = tl.sum(tl.reshape(e, [RB, BC // 4, 4])
-                       << (tl.arange(0, 4) * 8)[None, None, :], axis=2)
-            c4 = tl.arange(0, BC // 4)[None, :]
-            off4 = (base + rr.to(tl.int64) * cols) // 4 + c4
-            tl.store(enc.to(tl.pointer_type(tl.int32)) + off4, w, mask=(rr < pr) & (c4 >= 0))
-        else:
-            tl.store(enc + off, e.to(tl.uint8), mask=mask)
+        tl.store(enc + off, e.to(tl.uint8), mask=mask)
 
 
 @triton.jit
-def _fp8_wire_tile_kernel(src, enc, scales, rows, cols, n_bc, SRC: tl.constexpr,
-                          E5M2: tl.constexpr, FMAX_BITS: tl.constexpr,
-                          MAX_BITS: tl.constexpr, NAN_BITS: tl.constexpr,
-                          REC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-                          RB: tl.constexpr, FAST_DIV: tl.constexpr, PACK4: tl.constexpr):
-    # fp8_wire_kernel for blocks of BR x BC (powers of two, BC <= 256),
-    # the way fp8_tile_kernel encodes: the amax and the top (inf and NaN
-    # included) in the first read, then _tile_encode (Fp8Divider's
-    # quotient for 16-bit sources, the hardware's round-to-nearest-even
-    # conversion, the specials explicitly only in a block that has them).
+def _fp8_wire_tile_kernel(tab, ntab, SRC: tl.constexpr, E5M2: tl.constexpr,
+                          FMAX_BITS: tl.constexpr, MAX_BITS: tl.constexpr,
+                          NAN_BITS: tl.constexpr, REC: tl.constexpr, BR: tl.constexpr,
+                          BC: tl.constexpr, RB: tl.constexpr, FAST_DIV: tl.constexpr,
+                          STEPS: tl.constexpr):
+    # fp8_wire_kernel for blocks of BR x BC (powers of two, BC <= 256) of
+    # many tensors at once, the way fp8_tile_kernel encodes: the amax and
+    # the top (inf and NaN included) in the first read, then _tile_encode
+    # (Fp8Divider's quotient for 16-bit sources, the hardware's
+    # round-to-nearest-even conversion, the specials explicitly only in a
+    # block that has them). `tab`: a row per tensor (int64 x 8): its
+    # source's address, rows, cols, blocks a row of blocks, its encodings'
+    # and its scales' addresses, its first block in the launch (the rows
+    # in that order), 0. A program finds its tensor by a binary search of
+    # STEPS (ceil(log2(ntab))) over the first blocks.
     pid = tl.program_id(0).to(tl.int64)
-    bi = pid // n_bc
+    lo = pid * 0
+    hi = lo + ntab - 1
+    for _ in range(STEPS):
+        mid = (lo + hi + 1) // 2
+        up = tl.load(tab + mid * 8 + 6) <= pid
+        lo = tl.where(up, mid, lo)
+        hi = tl.where(up, hi, mid - 1)
+    row = tab + lo * 8
+    if SRC == 0:
+        src = tl.load(row + 0).to(tl.pointer_type(tl.int32))
+    else:
+        src = tl.load(row + 0).to(tl.pointer_type(tl.int16))
+    rows = tl.load(row + 1)
+    cols = tl.load(row + 2)
+    n_bc = tl.load(row + 3)
+    enc = tl.load(row + 4).to(tl.pointer_type(tl.uint8))
+    scales = tl.load(row + 5).to(tl.pointer_type(tl.float32))
+    blk = pid - tl.load(row + 6)
+    bi = blk // n_bc
     r0 = bi * BR
-    c0 = (pid - bi * n_bc) * BC
+    c0 = (blk - bi * n_bc) * BC
     pr = tl.minimum(rows - r0, BR).to(tl.int32)
     pc = tl.minimum(cols - c0, BC).to(tl.int32)
     base = r0 * cols + c0
@@ -480,15 +495,15 @@ def _fp8_wire_tile_kernel(src, enc, scales, rows, cols, n_bc, SRC: tl.constexpr,
     d = tl.where(d == 0.0, 1.0, d)
     if topb < 0x7F800000:
         _wire_tile_pass(src, enc, base, cols, pr, pc, rr0, cc, d, SRC, RB, FMAX_BITS,
-                        MAX_BITS, NAN_BITS, E5M2, FAST_DIV, False, BC, PACK4)
+                        MAX_BITS, NAN_BITS, E5M2, FAST_DIV, False)
     else:
         _wire_tile_pass(src, enc, base, cols, pr, pc, rr0, cc, d, SRC, RB, FMAX_BITS,
-                        MAX_BITS, NAN_BITS, E5M2, FAST_DIV, True, BC, PACK4)
+                        MAX_BITS, NAN_BITS, E5M2, FAST_DIV, True)
     if REC:
         stored = tl.math.div_rn(tl.zeros([1, 1], dtype=tl.float32) + 1.0, d)
     else:
         stored = d
-    tl.store(scales + pid + tl.zeros([1, 1], dtype=tl.int64), stored)
+    tl.store(scales + blk + tl.zeros([1, 1], dtype=tl.int64), stored)
 
 
 # The kernels the launcher calls.
