@@ -566,8 +566,8 @@ def _launch_tiles(raws, sizes, views, code, fmt, rec, br, bc, max_bits, nan_bits
 # FP8 on the wire: blocks of powers of two up to 256 columns take
 # fp8_wire_tile_kernel; False: every block fp8_wire_kernel.
 WIRE_TILE = os.environ.get("WEIGHTSYNC_FP8_TILE", "1") != "0"
-WIRE_RB = 16         # rows of a tile (bench/wire_kernel_tune.py, bench/RESULTS.md)
-WIRE_WARPS = 8
+WIRE_RB = 8          # rows of a tile (bench/wire_kernel_tune.py, bench/RESULTS.md)
+WIRE_WARPS = 4
 
 
 def _tiled(block_rows, block_cols):
