@@ -265,6 +265,31 @@ TEST(LinkPlanTest, ReplicasScatterBitExact) {
 // the last.
 enum class Arrival { kRounds, kLastLinkFirst };
 
+// FP8 engines of the tiny model in e4m3 with 16 x 16 blocks: a plain one
+// ("fp8") and a TP=2 pair ("tp0", "tp1").
+std::vector<Engine> Fp8Engines(testing::HeapMapper& mapper) {
+  const auto model = *synthetic::ModelByName("tiny");
+  auto fp8 = [&](synthetic::Layout layout, int rank, int size) {
+    return *synthetic::Fp8EngineParameters(model, layout, rank, size,
+                                           v1::BFLOAT16, v1::FLOAT8_E4M3FN, 16);
+  };
+  return {MakeEngineOf("fp8", fp8(synthetic::Layout::kPlain, 0, 1), mapper),
+          MakeEngineOf("tp0", fp8(synthetic::Layout::kTensorParallel, 0, 2),
+                       mapper),
+          MakeEngineOf("tp1", fp8(synthetic::Layout::kTensorParallel, 1, 2),
+                       mapper)};
+}
+
+// The tiny model's float32 checkpoint: its manifest and contents (`seed`).
+void TinyCheckpoint(int seed, Manifest* manifest,
+                    synthetic::CheckpointData* data) {
+  const auto model = *synthetic::ModelByName("tiny");
+  for (const v1::TensorSpec& t : synthetic::Checkpoint(model, v1::FLOAT32)) {
+    *manifest->Add() = t;
+    (*data)[t.name()] = {t, synthetic::Contents(t, seed)};
+  }
+}
+
 // FP8 engines (16 x 16 blocks: a plain one and a TP=2 pair) fed by the
 // links of `senders` ranks holding the checkpoint as `split` says, the
 // chunks arriving as `arrival` says: every parameter (FP8 elements and
@@ -276,23 +301,10 @@ std::pair<LinkedCopyPlan, int64_t> RunFp8AndCompare(int senders, Split split,
                                                     int64_t chunk_bytes,
                                                     Arrival arrival) {
   testing::HeapMapper mapper;
-  const auto model = *synthetic::ModelByName("tiny");
-  auto fp8 = [&](synthetic::Layout layout, int rank, int size) {
-    return *synthetic::Fp8EngineParameters(model, layout, rank, size,
-                                           v1::BFLOAT16, v1::FLOAT8_E4M3FN, 16);
-  };
-  std::vector<Engine> engines = {
-      MakeEngineOf("fp8", fp8(synthetic::Layout::kPlain, 0, 1), mapper),
-      MakeEngineOf("tp0", fp8(synthetic::Layout::kTensorParallel, 0, 2),
-                   mapper),
-      MakeEngineOf("tp1", fp8(synthetic::Layout::kTensorParallel, 1, 2),
-                   mapper)};
+  const std::vector<Engine> engines = Fp8Engines(mapper);
   Manifest manifest;
   synthetic::CheckpointData data;
-  for (const v1::TensorSpec& t : synthetic::Checkpoint(model, v1::FLOAT32)) {
-    *manifest.Add() = t;
-    data[t.name()] = {t, synthetic::Contents(t, 5)};
-  }
+  TinyCheckpoint(5, &manifest, &data);
   absl::StatusOr<TransferPlan> plan =
       BuildTransferPlan(Spec(manifest, senders, split, engines));
   EXPECT_TRUE(plan.ok()) << plan.status();
@@ -510,23 +522,10 @@ std::vector<uint8_t> PackWireLink(const TransferPlan& plan, const LinkChunks& l,
 void RunFp8WireAndCompare(int senders, Split split, int64_t chunk_bytes,
                           bool all) {
   testing::HeapMapper mapper;
-  const auto model = *synthetic::ModelByName("tiny");
-  auto fp8 = [&](synthetic::Layout layout, int rank, int size) {
-    return *synthetic::Fp8EngineParameters(model, layout, rank, size,
-                                           v1::BFLOAT16, v1::FLOAT8_E4M3FN, 16);
-  };
-  std::vector<Engine> engines = {
-      MakeEngineOf("fp8", fp8(synthetic::Layout::kPlain, 0, 1), mapper),
-      MakeEngineOf("tp0", fp8(synthetic::Layout::kTensorParallel, 0, 2),
-                   mapper),
-      MakeEngineOf("tp1", fp8(synthetic::Layout::kTensorParallel, 1, 2),
-                   mapper)};
+  const std::vector<Engine> engines = Fp8Engines(mapper);
   Manifest manifest;
   synthetic::CheckpointData data;
-  for (const v1::TensorSpec& t : synthetic::Checkpoint(model, v1::FLOAT32)) {
-    *manifest.Add() = t;
-    data[t.name()] = {t, synthetic::Contents(t, 7)};
-  }
+  TinyCheckpoint(7, &manifest, &data);
   std::vector<std::shared_ptr<const EngineLayout>> layouts;
   for (const Engine& e : engines) layouts.push_back(e.layout);
   // The FP8 targets' tensors (all, or every other one).

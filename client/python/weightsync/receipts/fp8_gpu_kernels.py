@@ -353,14 +353,19 @@ def _fp8_tile_kernel(tab, out, SRC: tl.constexpr, RAW: tl.constexpr, E5M2: tl.co
 
 
 @triton.jit
-def _wire_load(src, off, mask, SRC: tl.constexpr):
-    # The raw bits of a float32 (int32 view) or 16-bit (int16 view) source.
+def _wire_tile(src, base, cols, rr, cc, pr, pc, SRC: tl.constexpr):
+    # Rows rr x cols cc of a block at element `base` of a contiguous
+    # matrix of `cols` columns whose block is pr x pc: (float32 bits as
+    # int32, element offsets, mask) of a float32 (int32 view) or 16-bit
+    # (int16 view) source.
+    mask = (rr < pr) & (cc < pc)
+    off = base + rr.to(tl.int64) * cols + cc
     raw = tl.load(src + off, mask=mask, other=0)
     if SRC == 0:
-        out = raw.to(tl.uint32, bitcast=True)
+        bits = raw.to(tl.uint32, bitcast=True)
     else:
-        out = raw.to(tl.uint16, bitcast=True)
-    return out
+        bits = raw.to(tl.uint16, bitcast=True)
+    return _f32_bits(bits, SRC).to(tl.int32, bitcast=True), off, mask
 
 
 @triton.jit
@@ -387,12 +392,8 @@ def _fp8_wire_kernel(src, enc, scales, rows, cols, br, bc, n_bc, mb, bias, max_b
     am = tl.zeros([RB, C], dtype=tl.int32)
     for r in range(0, pr, RB):
         for c in range(0, pc, C):
-            rr = r + rr0
-            cc = c + cc0
-            mask = (rr < pr) & (cc < pc)
-            off = base + rr.to(tl.int64) * cols + cc
-            a = _f32_bits(_wire_load(src, off, mask, SRC), SRC).to(tl.int32, bitcast=True)
-            a = a & 0x7FFFFFFF
+            u, off, mask = _wire_tile(src, base, cols, r + rr0, c + cc0, pr, pc, SRC)
+            a = u & 0x7FFFFFFF
             am = tl.maximum(am, tl.where(mask & (a < 0x7F800000), a, 0))
     amb = tl.max(tl.max(am, axis=1), axis=0)
     fmax = (tl.zeros([RB, C], dtype=tl.int32) + fmax_bits).to(tl.float32, bitcast=True)
@@ -401,11 +402,7 @@ def _fp8_wire_kernel(src, enc, scales, rows, cols, br, bc, n_bc, mb, bias, max_b
     d = tl.where(d == 0.0, 1.0, d)
     for r in range(0, pr, RB):
         for c in range(0, pc, C):
-            rr = r + rr0
-            cc = c + cc0
-            mask = (rr < pr) & (cc < pc)
-            off = base + rr.to(tl.int64) * cols + cc
-            u = _f32_bits(_wire_load(src, off, mask, SRC), SRC).to(tl.int32, bitcast=True)
+            u, off, mask = _wire_tile(src, base, cols, r + rr0, c + cc0, pr, pc, SRC)
             q = tl.math.div_rn(u.to(tl.float32, bitcast=True), d)
             qb = tl.where((u & 0x7FFFFFFF) > 0x7F800000, u, q.to(tl.int32, bitcast=True))
             e = _to_fp8(qb, mb, bias, max_bits, nan_bits, fmax_bits)
@@ -425,10 +422,7 @@ def _wire_tile_pass(src, enc, base, cols, pr, pc, rr0, cc, d, SRC: tl.constexpr,
                     SPECIALS: tl.constexpr):
     # The second read of fp8_wire_tile_kernel: the block's encodings stored.
     for r in range(0, pr, RB):
-        rr = r + rr0
-        mask = (rr < pr) & (cc < pc)
-        off = base + rr.to(tl.int64) * cols + cc
-        u = _f32_bits(_wire_load(src, off, mask, SRC), SRC).to(tl.int32, bitcast=True)
+        u, off, mask = _wire_tile(src, base, cols, r + rr0, cc, pr, pc, SRC)
         e = _tile_encode(u, u & 0x7FFFFFFF, d, FMAX_BITS, MAX_BITS, NAN_BITS, E5M2, FAST_DIV,
                          SPECIALS)
         tl.store(enc + off, e.to(tl.uint8), mask=mask)
@@ -480,11 +474,8 @@ def _fp8_wire_tile_kernel(tab, ntab, SRC: tl.constexpr, E5M2: tl.constexpr,
     am = tl.zeros([RB, BC], dtype=tl.int32)
     top = tl.zeros([RB, BC], dtype=tl.int32)
     for r in range(0, pr, RB):
-        rr = r + rr0
-        mask = (rr < pr) & (cc < pc)
-        off = base + rr.to(tl.int64) * cols + cc
-        a = _f32_bits(_wire_load(src, off, mask, SRC), SRC).to(tl.int32, bitcast=True)
-        a = a & 0x7FFFFFFF
+        u, off, mask = _wire_tile(src, base, cols, r + rr0, cc, pr, pc, SRC)
+        a = u & 0x7FFFFFFF
         am = tl.maximum(am, tl.where(a < 0x7F800000, a, 0))
         top = tl.maximum(top, a)
     amb = tl.max(tl.max(am, axis=1), axis=0)
