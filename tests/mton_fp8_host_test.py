@@ -18,6 +18,9 @@ weightsync.fp8 applied to the whole checkpoint: a block cut between
 senders is quantised once, whole, as if one sender had sent it. Then the
 same cases with fp8_on_wire=True into the TP pair: each rank quantises
 its pieces of the tensors no shard cuts (weightsync.senders.many_wire).
+Then sparse patches into the FP8 engines: each rank patches only what
+feeds no FP8 target (the daemon refuses the rest), the linear weights
+dense or quantised on the wire.
 """
 
 import json
@@ -106,10 +109,12 @@ class ManyFp8HostTest(unittest.TestCase):
     memory = fp8_host_test.Fp8HostTest.memory
     check_engines = fp8_host_test.Fp8HostTest.check_engines
 
-    def job(self, ranks, case, versions, engine_ids=None, fp8_on_wire=False):
-        """Every version sent by `ranks` rank threads; returns, per rank,
-        [(version, committed responses or the exception, engines checked,
-        tensors sent quantised)]."""
+    def job(self, ranks, case, versions, engine_ids=None, fp8_on_wire=False, sparse=False):
+        """Every version sent by `ranks` rank threads (`sparse`: each rank
+        keeps what it sent and patches each version after the first
+        against the one before); returns, per rank, [(version, committed
+        responses or the exception, engines checked, tensors sent
+        quantised, ManySenders.last_wire)]."""
         room = {"n": ranks, "slots": [None] * ranks, "barrier": threading.Barrier(ranks, timeout=60)}
         out = [[] for _ in range(ranks)]
 
@@ -119,16 +124,19 @@ class ManyFp8HostTest(unittest.TestCase):
                 if r == 0:
                     trainer.init_host()
                 senders = ManySenders(trainer._link, ThreadCollective(room, r), engine_ids,
-                                      fp8_on_wire=fp8_on_wire)
-                for version in versions:
+                                      fp8_on_wire=fp8_on_wire,
+                                      basis_bytes=None if sparse else 0)
+                for k, version in enumerate(versions):
                     manifest, local = holdings(case, r, ranks, self.sent[version])
+                    base = versions[k - 1] if sparse and k else None
                     try:
                         got = senders.update(manifest, local, version, chunk_bytes=24 << 10,
-                                             update_id=f"u{version}")
+                                             update_id=f"u{version}", base_version=base,
+                                             max_density=0.05)
                         out[r].append((version, got, sorted(senders.last_checked),
-                                       sorted(senders.wire)))
+                                       sorted(senders.wire), dict(senders.last_wire)))
                     except Exception as e:  # reported, asserted below
-                        out[r].append((version, e, [], []))
+                        out[r].append((version, e, [], [], None))
             finally:
                 trainer.close()
         run_ranks(ranks, rank_main)
@@ -144,7 +152,7 @@ class ManyFp8HostTest(unittest.TestCase):
                 self.sent[v] = fp8_host_test.checkpoint(v)
             out = self.job(ranks, case, versions)
             for r in range(ranks):
-                for v, got, checked, _ in out[r]:
+                for v, got, checked, _, _ in out[r]:
                     self.assertIsInstance(got, list, f"{name} v{v} rank {r}: {got}")
                     self.assertEqual([c.version for c in got], [v], name)
                     if r == 0:   # the leader checked every engine's receipt
@@ -176,7 +184,7 @@ class ManyFp8HostTest(unittest.TestCase):
                 self.sent[version] = fp8_host_test.checkpoint(version)
                 out = self.job(ranks, case, [version], engine_ids=engines, fp8_on_wire=wire)
                 for r in range(ranks):
-                    v, got, checked, quantised = out[r][0]
+                    v, got, checked, quantised, _ = out[r][0]
                     self.assertIsInstance(got, list, f"{name} wire={wire} rank {r}: {got}")
                     self.assertEqual([c.version for c in got], [v], name)
                     self.assertEqual(quantised, out[0][0][3], f"{name}: the ranks agree")
@@ -200,6 +208,76 @@ class ManyFp8HostTest(unittest.TestCase):
             print(f"{name}, fp8_on_wire: {len(quantised)} of {len(linear)} linear weights "
                   f"quantised by their senders, {bytes_of[True]} bytes against "
                   f"{bytes_of[False]}; bit-exact, receipts match", flush=True)
+
+    def test_sparse_patches_skip_the_tensors_that_feed_fp8_targets(self):
+        """Sparse patches into FP8 engines (base_version): each rank patches
+        only its pieces of tensors that feed no FP8 target of the engines
+        (norms, embeddings, lm_head: the daemon refuses a patch into an
+        FP8-fed tensor, whose blocks' scales it would leave stale); the
+        linear weights go dense, quantised by their senders with
+        fp8_on_wire. Into every engine (5: FP8 TP pair, per-row e5m2,
+        stacked experts, bfloat16), then into the TP pair with
+        fp8_on_wire; v2 changes 0.3% of every tensor's elements; every
+        FP8 weight and scale bit for bit, receipts checked."""
+        linear = sorted(n for n in fp8_host_test.checkpoint(1) if n.endswith(
+            tuple(p + "_proj.weight" for p in ("q", "k", "v", "o", "gate", "up", "down"))))
+        rng = np.random.default_rng(7)
+        self.sent, version = {}, 0
+        for engines, wire in ((None, False), (["tp0", "tp1"], True)):
+            versions = [version + 1, version + 2]
+            base = fp8_host_test.checkpoint(versions[0])
+            after = {n: a.copy() for n, a in base.items()}
+            for a in after.values():
+                flat = a.reshape(-1)
+                at = rng.choice(flat.size, max(2, flat.size * 3 // 1000), replace=False)
+                flat[at] = rng.standard_normal(at.size).astype(np.float32)
+            self.sent.update({versions[0]: base, versions[1]: after})
+            out = self.job(2, "rows", versions, engine_ids=engines, fp8_on_wire=wire,
+                           sparse=True)
+            for r in range(2):
+                for v, got, checked, quantised, _ in out[r]:
+                    self.assertIsInstance(got, list, f"wire={wire} v{v} rank {r}: {got}")
+                    self.assertEqual([c.version for c in got], [v])
+                    self.assertEqual(quantised, linear if wire else [], f"wire={wire}")
+                    if r == 0:
+                        self.assertEqual(checked, engines or sorted(self.shm), f"wire={wire}")
+            # The ranks' blocks of tensors that feed no FP8 target of the
+            # engines (as the fixture registers them): at most those go
+            # as patches, and some do.
+            fed = set()
+            for eid, _, segments, quant in self.specs:
+                if engines is None or eid in engines:
+                    for name in quant:
+                        fed.update([g["source"] for g in segments[name]]
+                                   if segments.get(name) else [name])
+            self.assertEqual(fed, set(linear))
+            plain = sum(1 for r in range(2) for b, _ in holdings("rows", r, 2, after)[1]
+                        if b["tensor"] not in fed)
+            figures = [out[r][1][4] for r in range(2)]
+            patched = sum(f["patched_pieces"] for f in figures)
+            self.assertTrue(0 < patched <= plain, (patched, plain))
+            dense = sum(f["dense_bytes"] for f in figures)
+            sent = sum(f["wire_bytes"] for f in figures)
+            # The linear weights are most of the bytes: dense, they keep
+            # the wire near dense; quantised, near half of it (float32 ->
+            # a byte an element plus scales, the patches a few percent).
+            linear_bytes = sum(self.sent[versions[1]][n].nbytes for n in linear)
+            self.assertLess(sent, dense)
+            if wire:
+                self.assertLess(sent, 0.35 * linear_bytes + 0.1 * (dense - linear_bytes))
+            else:
+                self.assertGreaterEqual(sent, linear_bytes)
+            every = self.specs
+            if engines:
+                self.specs = [x for x in every if x[0] in engines]
+            try:
+                self.check_engines(after, f"sparse wire={wire}")
+            finally:
+                self.specs = every
+            print(f"sparse into FP8 engines, fp8_on_wire={wire}: {patched} pieces patched "
+                  f"(of {plain} that feed no FP8 target), {sent} of {dense} dense bytes on "
+                  "the wire; bit-exact, receipts match", flush=True)
+            version += 2
 
 
 if __name__ == "__main__":

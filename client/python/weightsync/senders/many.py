@@ -237,7 +237,8 @@ class ManySenders:
                 or basis.version != base_version or basis.plan_id != plan.id:
             return None, {}
         payloads = _link_payloads(plan, self.rank, local, len(self._link.stubs))
-        return payloads, basis.link_patches(plan, self.rank, base_version, payloads, max_density)
+        return payloads, basis.link_patches(plan, self.rank, base_version, payloads, max_density,
+                                            self._engines)
 
     def _plan_and_start(self, manifest, local, start, entries):
         """(plan, Start answer or None, whether the plan was reused).
@@ -455,7 +456,8 @@ class ManySenders:
             payloads = _link_payloads(plan, me, local, len(self._link.stubs))
         patches = patches or {}
         self._sent = payloads if self._basis is not None else {}   # held only for a basis
-        self.last_wire = many_sparse.wire_figures(payloads, patches)
+        travels = {}   # {daemon: each piece's bytes as they travel}
+        self.last_wire = many_sparse.wire_figures(payloads, travels, patches)
 
         def push(i, stub):
             if i not in payloads:
@@ -467,8 +469,9 @@ class ManySenders:
             # Patched pieces travel as their patch, those of self.wire
             # quantised; receipts sum the pieces whole, as they were (the
             # daemons read back what the engines then hold).
-            wire = many_wire.payloads(pieces, [mine[k].payload().tobytes() if k in mine
-                                               else d for k, d in enumerate(payloads[i])], mine)
+            wire = travels[i] = many_wire.payloads(
+                pieces, [mine[k].payload().tobytes() if k in mine else d
+                         for k, d in enumerate(payloads[i])], mine)
 
             def requests():
                 for c in chunks["chunks"]:
@@ -489,6 +492,8 @@ class ManySenders:
                 self.last_wire["receipts_from_deltas"] += 1
             return kept or partial_receipts(plan, me, i, self._engines[i], payloads[i])
         results = list(self._link.group.each(push))
+        self.last_wire["wire_bytes"] = many_sparse.wire_figures(payloads, travels,
+                                                                patches)["wire_bytes"]
         for i, r in enumerate(results):
             if isinstance(r, WeightSyncError):
                 if fp8:   # the ranks' exchange stays in step; this error is the one told

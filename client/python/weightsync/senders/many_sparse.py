@@ -19,8 +19,8 @@ from weightsync._proto import v1
 from weightsync.receipts.core import bits32_np, layout_regions, salt32, terms32
 from weightsync.senders.many_receipts import link_views
 
-__all__ = ["Basis", "patch_entries", "link_manifest_with_patches", "receipt_deltas",
-           "wire_figures"]
+__all__ = ["Basis", "fp8_fed", "patch_entries", "link_manifest_with_patches",
+           "receipt_deltas", "wire_figures"]
 
 _M64 = (1 << 64) - 1
 
@@ -62,13 +62,19 @@ class Basis:
         else:
             self.clear()
 
-    def link_patches(self, plan, rank, base_version, payloads, max_density):
+    def link_patches(self, plan, rank, base_version, payloads, max_density, engines):
         """{daemon: {piece index: SparsePatch}} of rank `rank`'s links
-        (payloads: {daemon: [piece bytes]}), the links with none left out."""
+        (payloads: {daemon: [piece bytes]}), the links with none left out.
+        `engines` [{engine id: layout}] of every daemon: a piece of a
+        tensor that feeds an FP8 target of daemon i's engines (fp8_fed)
+        goes dense to it (the daemon refuses its patch: the blocks' scales
+        would go stale), quantised where it travels so."""
+        names = [t["name"] if isinstance(t, dict) else t.name for t in plan.tensors]
         out = {}
         for i, data in payloads.items():
-            found = self.patches(plan.id, base_version, i, plan.link_pieces(rank, i), data,
-                                 max_density)
+            fed = fp8_fed(engines[i].values())
+            pieces = [None if names[p.tensor] in fed else p for p in plan.link_pieces(rank, i)]
+            found = self.patches(plan.id, base_version, i, pieces, data, max_density)
             if found:
                 out[i] = found
         return out
@@ -89,13 +95,14 @@ class Basis:
 
     def patches(self, plan_id, base_version, daemon, pieces, payloads, max_density):
         """{piece index: SparsePatch} of link `daemon` where a piece changed
-        in at most max_density of its elements since base_version."""
+        in at most max_density of its elements since base_version (a piece
+        given as None goes dense)."""
         if plan_id != self.plan_id or base_version != self.version:
             return {}
         out = {}
         for k, (piece, data) in enumerate(zip(pieces, payloads)):
             before = self.pieces.get((daemon, k))
-            if before is None or len(before) != len(data) or not data:
+            if piece is None or before is None or len(before) != len(data) or not data:
                 continue
             width = len(data) // (piece.row_count * piece.col_count)
             view = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[width]
@@ -104,6 +111,18 @@ class Basis:
             if patch is not None and patch.nnz > 0:
                 out[k] = patch
         return out
+
+
+def fp8_fed(layouts):
+    """Names of the tensors that feed an FP8 target of `layouts` (layouts:
+    lists of weightsync.v1.Parameter): a quantised parameter's segments'
+    sources, or its own name where it has none."""
+    out = set()
+    for layout in layouts:
+        for p in layout:
+            if p.HasField("quantization"):
+                out.update([s.source for s in p.segments] if p.segments else [p.name])
+    return out
 
 
 def patch_entries(rank, patches):
@@ -170,13 +189,13 @@ def receipt_deltas(plan, rank, daemon, engines, before, after):
     return out
 
 
-def wire_figures(payloads, patches):
-    """What a rank's pieces ({daemon: [bytes]}) weigh dense and on the wire
-    with `patches` ({daemon: {piece: SparsePatch}}), how many went as
-    patches, and (counted by the sender) how many links' receipts came from
-    deltas: ManySenders.last_wire, for tests and benchmarks."""
-    wire = sum(patches[i][k].payload().nbytes if k in patches.get(i, {}) else len(data)
-               for i, pieces in payloads.items() for k, data in enumerate(pieces))
+def wire_figures(payloads, wire, patches):
+    """What a rank's pieces ({daemon: [bytes]}) weigh dense and as they
+    travel (`wire` {daemon: [bytes]}: patches, FP8 payloads, dense bytes),
+    how many went as patches (`patches` {daemon: {piece: SparsePatch}}),
+    and (counted by the sender) how many links' receipts came from deltas:
+    ManySenders.last_wire, for tests and benchmarks."""
     return {"dense_bytes": sum(len(d) for p in payloads.values() for d in p),
-            "wire_bytes": wire, "patched_pieces": sum(len(p) for p in patches.values()),
+            "wire_bytes": sum(len(d) for p in wire.values() for d in p),
+            "patched_pieces": sum(len(p) for p in patches.values()),
             "receipts_from_deltas": 0}
