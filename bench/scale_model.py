@@ -195,8 +195,16 @@ def measured():
     sp = load("sparse.json")
     sparse = {"diff_s_per_byte_h200": sp["trainer_diff_pack_s_median"] / sp["dense_bytes"],
               "apply_s_per_nnz_h200": sp["sparse_device_s_median"] / sp["steps"][0]["nnz"]}
+    # results/fp8_wire.json (Qwen3-8B, one H200): the trainer's quantisation
+    # of its 252 linear weights in one launch per form (wire_quantize_s), per
+    # bf16 byte it reads. Those weights' bf16 bytes: each went from 2 bytes
+    # an element to 1 on the wire (their scales, 4 bytes a 128 x 128
+    # block, are within 0.03% of it), so twice what the wire saved.
+    fw = load("fp8_wire.json")
+    quantised_bf16 = 2 * (fw["bytes_sent"] - fw["fp8_wire_update_s_bytes"])
+    fp8_wire = {"quantise_s_per_byte_h200": fw["wire_quantize_s"] / quantised_bf16}
     m = {"gpus": {"H200": h200, "H100": h100, "H800": h800}, "rates": rates,
-         "sparse": sparse,
+         "sparse": sparse, "fp8_wire": fp8_wire,
          "control": control, "ipc_control": ipc_control, "nccl_wire_GBps": wire_Bps / GB}
     measured_s, d = many_senders_run("tp2")
     m["control"] = replace(control, many_senders_s=max(0.0, measured_s - predict(d, m).total_s))
@@ -474,7 +482,6 @@ def _predict_p2p(d, m):
     # What a sender reads of its own bf16 shard (1/S of the model), once
     # whatever the number of replicas its bytes go to.
     bf16_share = d.weights.bytes(2.0) / S
-    shard_wire = share * g / engine_gpus          # its shard, once, on the wire's dtype
     n_share = max(1, math.ceil(share / d.chunk_bytes))
     n_gpu = max(1, math.ceil(wire_gpu / d.chunk_bytes))
     first_r = wire_gpu / n_gpu
@@ -495,8 +502,11 @@ def _predict_p2p(d, m):
         stage("sender diff (GPU)", bf16_share * m["sparse"]["diff_s_per_byte_h200"] * h200 / hbm,
               n_share)
     elif d.wire_bytes_per_param < 2.0:
-        # Quantise: read bf16, write the wire's bytes (a copy counts bytes once).
-        stage("sender quantise (GPU)", (bf16_share + shard_wire) / (2 * hbm), n_share)
+        # Quantise its shard once, at the rate measured on an H200 (scaled
+        # by HBM): 0.69 TB/s of bf16 read, where HBM at a copy's rate would
+        # give 2.8 (it read 2 bytes and wrote 1 an element at 2.1 TB/s).
+        stage("sender quantise (GPU)",
+              bf16_share * m["fp8_wire"]["quantise_s_per_byte_h200"] * h200 / hbm, n_share)
     stage(f"sender {kind}", share / link + n_share * per_call, n_share)
     recv_busy = wire_gpu / link + n_gpu * per_call
     if nnz_gpu:
