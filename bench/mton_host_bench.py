@@ -15,9 +15,11 @@ Trainer) dense; the same two ranks with 0.3% of the elements changed per
 version, each piece that changed little sent as a sparse patch against
 the version before (and the same with receipts off, to show what they
 cost: they stay whole, each rank summing its pieces' new values); into
-the FP8 pair also one sender and two ranks with fp8_on_wire=True (the
-trainer quantises in numpy, a byte an element travels). Each
-row: the median of --updates updates, its ratio
+the FP8 pair the sparse rows patch only what feeds no FP8 target (norms,
+embeddings; the daemon refuses a patch into an FP8-fed tensor, whose
+blocks' scales would go stale), the linear weights going dense, and one
+sender and two ranks send with fp8_on_wire=True (the trainer quantises in
+numpy, a byte an element travels), also sparse. Each row: the median of --updates updates, its ratio
 to the one-sender row of the same engines, the bytes the ranks put on the
 wire against dense, and the bytes the daemon took in (daemon_bytes).
 
@@ -220,21 +222,22 @@ def main():
             base = None
             for row in ("one sender", "2 ranks dense", "2 ranks sparse 0.3%",
                         "2 ranks sparse 0.3%, receipts off", "one sender, fp8_on_wire",
-                        "2 ranks, fp8_on_wire"):
-                if "fp8_on_wire" in row and "fp8" not in engines:
+                        "2 ranks, fp8_on_wire", "2 ranks sparse 0.3%, fp8_on_wire"):
+                on_wire = "fp8_on_wire" in row
+                if on_wire and "fp8" not in engines:
                     continue   # nothing to quantise
                 if row.startswith("one sender"):
-                    times, wire = one_sender(d.target, cks[:n], version + 1,
-                                             "fp8_on_wire" in row), None
-                elif row.startswith("2 ranks dense") or "fp8_on_wire" in row:
+                    times, wire = one_sender(d.target, cks[:n], version + 1, on_wire), None
+                elif "sparse" not in row:
                     times, wire = many_senders(d.target, cks[:n], version + 1, False,
-                                               wire="fp8_on_wire" in row)
-                elif "fp8" in engines:
-                    continue   # a patch can't go into an FP8 target
+                                               wire=on_wire)
                 else:
-                    # the first update of the row (dense) is its basis, not timed
+                    # The first update of the row (dense) is its basis, not
+                    # timed. Into FP8 engines only what feeds no FP8 target
+                    # goes as a patch (norms, embeddings); the linear
+                    # weights go dense, quantised with fp8_on_wire.
                     times, wire = many_senders(d.target, cks[:n + 1], version + 1, True,
-                                               verify="off" not in row)
+                                               verify="off" not in row, wire=on_wire)
                     times, wire = times[1:], wire[1:]
                     version += 1
                 version += n
