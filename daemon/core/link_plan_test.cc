@@ -745,6 +745,79 @@ TEST(LinkPlanTest, Fp8BandsThatWaitAreTheOnesACutFallsIn) {
   }
 }
 
+// Two FP8 targets w0, w1 [64, 16] in 16 x 16 blocks, the column halves of
+// one tensor w [64, 32] (a row-parallel weight's TP shards in one daemon),
+// held by as many senders as `halves` says: with two, each target is fed
+// by one sender alone (a sender's rows begin or end exactly where the
+// other target's columns do, and touch none of them), so nothing is
+// gathered and no band waits: each link at one place. Then w, the plan's
+// first tensor, on the wire: both targets take copies, the daemon
+// quantises nothing.
+TEST(LinkPlanTest, Fp8ColumnHalvesOfOneTensorWaitForNothing) {
+  testing::HeapMapper mapper;
+  std::vector<v1::Parameter> params;
+  for (int half = 0; half < 2; ++half) {
+    v1::Parameter& w = params.emplace_back();
+    w.set_name(absl::StrCat("w", half));
+    w.set_dtype(v1::FLOAT8_E4M3FN);
+    w.add_shape(64);
+    w.add_shape(16);
+    v1::Segment* s = w.add_segments();
+    s->set_source("w");
+    s->add_source_shape(64);
+    s->add_source_shape(32);
+    s->set_row_count(64);
+    s->set_col_begin(16 * half);
+    s->set_col_count(16);
+    v1::Quantization* q = w.mutable_quantization();
+    q->set_format(v1::FLOAT8_E4M3FN);
+    q->set_scale_parameter(absl::StrCat("w", half, "_scale"));
+    q->set_block_rows(16);
+    q->set_block_cols(16);
+    v1::Parameter& scale = params.emplace_back();
+    scale.set_name(absl::StrCat("w", half, "_scale"));
+    scale.set_dtype(v1::FLOAT32);
+    scale.add_shape(4);
+    scale.add_shape(1);
+  }
+  Engine e = MakeEngineOf("e", params, mapper);
+  auto linked = [&](int senders, const std::vector<WireTensor>& wire) {
+    v1::TransferPlanSpec spec;
+    v1::TensorSpec* t = spec.add_tensors();
+    t->set_name("w");
+    t->set_dtype(v1::FLOAT32);
+    t->add_shape(64);
+    t->add_shape(32);
+    for (int s = 0; s < senders; ++s) {
+      *spec.add_senders()->add_holds() =
+          Block("w", 0, 64, 32 / senders * s, 32 / senders);
+    }
+    v1::ReceiverLayout* r = spec.add_receivers();
+    r->set_name("daemon");
+    *r->add_needs() = Block("w", 0, 64, 0, 32);
+    absl::StatusOr<TransferPlan> plan = BuildTransferPlan(spec);
+    EXPECT_TRUE(plan.ok()) << plan.status();
+    return BuildLinkedCopyPlan(*plan, {0}, 1024, {e.layout}, {}, wire);
+  };
+  absl::StatusOr<LinkedCopyPlan> one = linked(1, {});
+  ASSERT_TRUE(one.ok()) << one.status();
+  absl::StatusOr<LinkedCopyPlan> two = linked(2, {});
+  ASSERT_TRUE(two.ok()) << two.status();
+  ASSERT_EQ(two->copy->quant.size(), 2u);
+  for (const QuantTarget& t : two->copy->quant) {
+    EXPECT_FALSE(t.gathered) << t.parameter;
+  }
+  EXPECT_GT(one->copy->quant_band_bytes, 0);
+  EXPECT_EQ(two->copy->quant_band_bytes, 2 * one->copy->quant_band_bytes);
+  for (int senders : {1, 2}) {
+    absl::StatusOr<LinkedCopyPlan> wired =
+        linked(senders, WireOf({"w"}, 16).tensors);
+    ASSERT_TRUE(wired.ok()) << wired.status();
+    EXPECT_TRUE(wired->copy->quant.empty()) << senders;
+    EXPECT_TRUE(wired->copy->covers_engine[0]) << senders;
+  }
+}
+
 // An engine's FP8 target whose elements a receiver no longer needs (the
 // plan was made before the layout changed) is refused, naming it.
 TEST(LinkPlanTest, Fp8TargetNotCoveredIsRefused) {
