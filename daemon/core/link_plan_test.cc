@@ -1,5 +1,6 @@
 #include "daemon/core/link_plan.h"
 
+#include <array>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -815,6 +816,109 @@ TEST(LinkPlanTest, Fp8ColumnHalvesOfOneTensorWaitForNothing) {
     ASSERT_TRUE(wired.ok()) << wired.status();
     EXPECT_TRUE(wired->copy->quant.empty()) << senders;
     EXPECT_TRUE(wired->copy->covers_engine[0]) << senders;
+    // Each link's one piece travels quantised: a byte an element (and
+    // the scales of its 16 x 16 blocks), not float32's four.
+    const absl::StatusOr<LinkedCopyPlan>& dense = senders == 1 ? one : two;
+    ASSERT_EQ(wired->links.size(), dense->links.size());
+    for (size_t k = 0; k < wired->links.size(); ++k) {
+      EXPECT_EQ(wired->links[k].bytes,
+                64 * 32 / senders + 64 / 16 * 32 / senders / 16 * 4)
+          << senders;
+      EXPECT_EQ(dense->links[k].bytes, 64 * 32 / senders * 4) << senders;
+    }
+  }
+}
+
+// One FP8 target w [rows, cols] (FLOAT8_E4M3FN) in br x bc blocks (0: the
+// default 128) and its float32 scales.
+Engine OneFp8Engine(int64_t rows, int64_t cols, int64_t br, int64_t bc,
+                    testing::HeapMapper& mapper) {
+  std::vector<v1::Parameter> params(2);
+  params[0].set_name("w");
+  params[0].set_dtype(v1::FLOAT8_E4M3FN);
+  params[0].add_shape(rows);
+  params[0].add_shape(cols);
+  v1::Quantization* q = params[0].mutable_quantization();
+  q->set_format(v1::FLOAT8_E4M3FN);
+  q->set_scale_parameter("w_scale");
+  q->set_block_rows(br);
+  q->set_block_cols(bc);
+  const int64_t r = br ? br : 128, c = bc ? bc : 128;
+  params[1].set_name("w_scale");
+  params[1].set_dtype(v1::FLOAT32);
+  params[1].add_shape((rows + r - 1) / r);
+  params[1].add_shape((cols + c - 1) / c);
+  return MakeEngineOf("e", params, mapper);
+}
+
+// plan_wire's block grid at its edges: the default blocks (0: 128), blocks
+// one row or one column wide (any cut lies on them), and a cut that only
+// a piece's begin or only its end shows; the refusal names the first
+// piece off the grid.
+TEST(LinkPlanTest, Fp8OnTheWireTakesEveryPieceOnItsBlocksAndNoOther) {
+  struct Case {
+    int64_t rows, cols, br, bc;
+    std::vector<std::array<int64_t, 4>> holds;  // each sender's r0 rn c0 cn
+    std::string refused;                        // empty: accepted
+  };
+  const std::vector<Case> cases = {
+      {256, 128, 0, 0, {{0, 128, 0, 128}, {128, 128, 0, 128}}, ""},
+      {256,
+       128,
+       0,
+       0,
+       {{0, 85, 0, 128}, {85, 85, 0, 128}, {170, 86, 0, 128}},
+       "sender 0's piece rows [0, 85) x cols [0, 128) cuts its 128 x 128"},
+      {64, 32, 1, 16, {{0, 21, 0, 32}, {21, 21, 0, 32}, {42, 22, 0, 32}}, ""},
+      {64, 32, 16, 1, {{0, 64, 0, 10}, {0, 64, 10, 11}, {0, 64, 21, 11}}, ""},
+      {64,
+       32,
+       16,
+       16,
+       {{0, 64, 10, 22}, {0, 64, 0, 10}},
+       "sender 0's piece rows [0, 64) x cols [10, 32) cuts its 16 x 16"},
+      {64,
+       32,
+       16,
+       16,
+       {{0, 64, 0, 10}, {0, 64, 10, 22}},
+       "sender 0's piece rows [0, 64) x cols [0, 10) cuts its 16 x 16"},
+  };
+  for (const Case& c : cases) {
+    testing::HeapMapper mapper;
+    Engine e = OneFp8Engine(c.rows, c.cols, c.br, c.bc, mapper);
+    v1::TransferPlanSpec spec;
+    v1::TensorSpec* t = spec.add_tensors();
+    t->set_name("w");
+    t->set_dtype(v1::FLOAT32);
+    t->add_shape(c.rows);
+    t->add_shape(c.cols);
+    for (const auto& h : c.holds) {
+      *spec.add_senders()->add_holds() = Block("w", h[0], h[1], h[2], h[3]);
+    }
+    *spec.add_receivers()->add_needs() = Block("w", 0, c.rows, 0, c.cols);
+    spec.mutable_receivers(0)->set_name("daemon");
+    absl::StatusOr<TransferPlan> plan = BuildTransferPlan(spec);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    WireTensor w;
+    w.tensor = "w";
+    w.quantization.set_format(v1::FLOAT8_E4M3FN);
+    w.quantization.set_scheme(v1::QUANT_SCHEME_BLOCK);
+    w.quantization.set_block_rows(c.br);
+    w.quantization.set_block_cols(c.bc);
+    absl::StatusOr<LinkedCopyPlan> linked =
+        BuildLinkedCopyPlan(*plan, {0}, 4096, {e.layout}, {}, {w});
+    const std::string what = absl::StrCat(c.rows, " x ", c.cols, " in ", c.br,
+                                          " x ", c.bc, " blocks, ",
+                                          c.holds.size(), " senders");
+    if (c.refused.empty()) {
+      ASSERT_TRUE(linked.ok()) << what << ": " << linked.status();
+      EXPECT_TRUE(linked->copy->quant.empty()) << what;
+    } else {
+      EXPECT_EQ(linked.status().code(), absl::StatusCode::kInvalidArgument)
+          << what;
+      EXPECT_THAT(linked.status().message(), HasSubstr(c.refused)) << what;
+    }
   }
 }
 
