@@ -908,9 +908,9 @@ TEST(LinkPlanTest, Fp8OnTheWireTakesEveryPieceOnItsBlocksAndNoOther) {
     w.quantization.set_block_cols(c.bc);
     absl::StatusOr<LinkedCopyPlan> linked =
         BuildLinkedCopyPlan(*plan, {0}, 4096, {e.layout}, {}, {w});
-    const std::string what = absl::StrCat(c.rows, " x ", c.cols, " in ", c.br,
-                                          " x ", c.bc, " blocks, ",
-                                          c.holds.size(), " senders");
+    const std::string what =
+        absl::StrCat(c.rows, " x ", c.cols, " in ", c.br, " x ", c.bc,
+                     " blocks, ", c.holds.size(), " senders");
     if (c.refused.empty()) {
       ASSERT_TRUE(linked.ok()) << what << ": " << linked.status();
       EXPECT_TRUE(linked->copy->quant.empty()) << what;
