@@ -31,8 +31,12 @@ void OnSigbus(int sig, siginfo_t* info, void* context) {
   const Armed* armed = t_armed;
   const auto addr = reinterpret_cast<uintptr_t>(info->si_addr);
   const Window* w = nullptr;
-  for (int i = 0; armed != nullptr && i < armed->n; ++i) {
-    if (addr >= armed->w[i].begin && addr < armed->w[i].end) w = &armed->w[i];
+  if (armed != nullptr) {
+    // Both windows, armed or not: an unarmed one is [0, 0), holding no
+    // address (so no count to read, or misread, here).
+    for (const Window& win : armed->w) {
+      if (addr >= win.begin && addr < win.end) w = &win;
+    }
   }
   if (w != nullptr) {
     // mmap is not on POSIX's async-signal-safe list but is a plain system
