@@ -66,7 +66,7 @@ class FakeDevicePlane : public DataPlane {
   absl::Status Drain(absl::Time) override {
     log_->Add("Drain");
     if (on_drain) on_drain();
-    return absl::OkStatus();
+    return drain_status;
   }
   void Abort() override { log_->Add("Abort"); }
   void MarkEngineLost(int) override {}
@@ -119,6 +119,7 @@ class FakeDevicePlane : public DataPlane {
   std::string plane_name = "nccl";
   absl::Status wait_status;
   absl::Status receipts_status;
+  absl::Status drain_status;
 
  private:
   Log* log_;
@@ -705,10 +706,11 @@ TEST_F(CoordinatorDeviceTest, StagedOverAnIpcRingStagesEachAnnouncedChunk) {
 // Issue 33's sweep of update_commit.cc: Prepare's own checks.
 
 // A staged update over an IPC ring (one 256-byte chunk, "w"), started.
-void StartRingUpdate(Coordinator* c, FakeDevicePlane* plane) {
+void StartRingUpdate(Coordinator* c, FakeDevicePlane* plane,
+                     const std::string& id = "u1") {
   plane->plane_name = "ipc";
   v1::StartWeightUpdateRequest req;
-  req.set_update_id("u1");
+  req.set_update_id(id);
   req.set_target_version(1);
   req.set_mode(v1::UPDATE_MODE_STAGED);
   req.set_verify(v1::VERIFY_OFF);
@@ -794,6 +796,39 @@ TEST_F(CoordinatorDeviceTest, AnUpdateThatFailsWhileDrainingIsNotCommitted) {
   EXPECT_THAT(done.status().message(), HasSubstr("chunk 7 arrived"));
   EXPECT_THAT(log_.Get(), Not(Contains("new_version")));
   EXPECT_EQ(Engine().version(), 0);
+}
+
+// A drain that fails fails the update with its own reason; where the
+// update failed as well while it drained (a bad chunk here; its trainer
+// gone, in production, whose departure is what stops the bytes), the
+// update's reason is the one told: it came first.
+TEST_F(CoordinatorDeviceTest,
+       AFailedDrainTellsTheUpdatesReasonWhereItFailedFirst) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  v1::FinishWeightUpdateRequest f;
+  f.set_timeout_ms(5000);
+  plane_->drain_status = absl::InternalError("the copy engine stopped");
+  for (bool update_fails : {false, true}) {
+    const std::string id = update_fails ? "u2" : "u1";
+    StartRingUpdate(coordinator_.get(), plane_.get(), id);
+    ASSERT_TRUE(coordinator_->PushChunk(id, 0, "", deadline).ok());
+    plane_->on_drain = [&] {
+      if (update_fails) {
+        EXPECT_FALSE(coordinator_->PushChunk(id, 7, "", deadline).ok());
+      }
+    };
+    f.set_update_id(id);
+    auto done = coordinator_->FinishWeightUpdate(f);
+    plane_->on_drain = nullptr;
+    ASSERT_FALSE(done.ok()) << id;
+    EXPECT_EQ(done.status().code(), absl::StatusCode::kAborted) << id;
+    EXPECT_THAT(
+        done.status().message(),
+        HasSubstr(update_fails ? "chunk 7 arrived" : "the copy engine stopped"))
+        << done.status();
+    EXPECT_EQ(Engine().version(), 0) << id;
+  }
+  EXPECT_THAT(log_.Get(), Not(Contains("new_version")));
 }
 
 // A Commit of an update not in progress says why: "already committed" (and

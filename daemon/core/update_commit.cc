@@ -38,10 +38,10 @@ absl::StatusOr<absl::Time> Coordinator::Prepare(
     absl::MutexLock lock(&mu_);
     DropFaultedEnginesLocked();
     // Its trainer left while the bytes drained (trainer_liveness.cc): the
-    // update failed, whatever landed.
-    if (status.ok() && update_->phase == Phase::kFailed) {
-      status = update_->error;
-    }
+    // update failed, whatever landed. Its reason came first, so it is the
+    // one told, also where the drain failed (the departure is what stopped
+    // the bytes: "trainer gone" says more than the transport's abort).
+    if (update_->phase == Phase::kFailed) status = update_->error;
   }
   const absl::Time t_drained = absl::Now();
   std::vector<absl::StatusOr<v1::Receipt>> receipts;
