@@ -5,6 +5,10 @@
 // arithmetic, tools/fp8_vectors.py); the plan's refusals.
 #include "backends/host/quant_scatter.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -16,6 +20,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "backends/host/host_data_plane.h"
 #include "common/dtype.h"
@@ -595,6 +600,122 @@ TEST(QuantScatterTest, OpenBytesAreTheBandBeingFilled) {
   EXPECT_EQ(q.open_bytes(), band);
   for (int64_t k = 257; k < 512; ++k) feed(k);
   EXPECT_EQ(q.open_bytes(), 0);
+}
+
+// A trainer's registered source region shrunk to nothing under the
+// daemon's mapping (its owner's ftruncate): every page raises SIGBUS.
+class ShrunkSource : public MappedRegion {
+ public:
+  explicit ShrunkSource(int64_t bytes) : size_(bytes) {
+    std::random_device r;
+    const std::string name = absl::StrCat("/wsqs-gone-", getpid(), "-", r());
+    const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+    if (fd < 0) return;
+    shm_unlink(name.c_str());
+    void* p = MAP_FAILED;
+    if (ftruncate(fd, bytes) == 0) {
+      p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    }
+    if (p != MAP_FAILED && ftruncate(fd, 0) == 0) {
+      data_ = static_cast<uint8_t*>(p);
+    } else if (p != MAP_FAILED) {
+      munmap(p, bytes);
+    }
+    close(fd);
+  }
+  ~ShrunkSource() override {
+    if (data_ != nullptr) munmap(data_, size_);
+  }
+  uint8_t* data() const override { return data_; }
+  int64_t size() const override { return size_; }
+  v1::MemoryKind kind() const override { return v1::MEMORY_HOST_SHM; }
+  const std::string& device_uuid() const override { return uuid_; }
+
+ private:
+  uint8_t* data_ = nullptr;
+  int64_t size_;
+  std::string uuid_ = "host";
+};
+
+// An FP8 target fed from a registered source whose memory its trainer
+// truncated: the piece is refused (DATA_LOSS, naming the source: "register
+// the source again"), not read as zeros, and nothing reaches the engine.
+TEST(QuantScatterTest, AnFp8PieceFromASourceThatShrankIsRefusedNamingIt) {
+  std::mt19937 rng(9);
+  const std::vector<Tensor> tensors = {
+      RandomTensor("w", v1::BFLOAT16, 256, 256, rng)};
+  Manifest m;
+  *m.Add() = tensors[0].spec;
+  testing::HeapMapper mapper;
+  auto layout = BuildEngineLayout(OneFp8Weight(256, 256, 2, 2), mapper);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  auto plan = BuildCopyPlan(m, 1 << 20, {*layout});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  auto region = std::make_shared<ShrunkSource>(256 * 256 * 2);
+  ASSERT_NE(region->data(), nullptr);
+  Source source;
+  source.id = "trainer-7";
+  source.regions = {region};
+  source.placements = {{0, 0}};
+  QuantScatter q;
+  q.Reset(**plan);
+  const absl::Status s = q.Feed(
+      **plan, 0, reinterpret_cast<const uint8_t*>(tensors[0].bytes.data()),
+      &source, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_THAT(s.message(),
+              ::testing::HasSubstr("of source 'trainer-7' shrank under the "
+                                   "daemon"))
+      << s;
+  EXPECT_TRUE(region->faulted());
+  EXPECT_TRUE(Bytes(**layout, 0) == std::string(256 * 256, '\0'));
+  EXPECT_TRUE(Bytes(**layout, 1) == std::string(2 * 2 * 4, '\0'));
+}
+
+// An FP8 engine whose scales live in an allocation of their own that its
+// owner shrank: writing a band's scales faults in the guard's window (the
+// weight's and the scales' regions both armed), the scale region is marked
+// faulted for Finish to drop the engine, and the daemon lives on.
+TEST(QuantScatterTest, ScalesInAShrunkAllocationOfTheirOwnFailTheEngineOnly) {
+  std::mt19937 rng(11);
+  const std::vector<Tensor> tensors = {
+      RandomTensor("w", v1::BFLOAT16, 256, 256, rng)};
+  Manifest m;
+  *m.Add() = tensors[0].spec;
+  v1::RegisterEngineRequest r = OneFp8Weight(256, 256, 2, 2);
+  r.mutable_parameters(1)->set_allocation(1);
+  r.mutable_parameters(1)->set_offset(0);
+  r.mutable_allocations(0)->set_size(256 * 256);
+  v1::Allocation* scales = r.add_allocations();
+  scales->set_kind(v1::MEMORY_HOST_SHM);
+  scales->set_handle("/scales");
+  scales->set_size(2 * 2 * 4);
+  struct Mapper : MemoryMapper {
+    absl::StatusOr<std::shared_ptr<MappedRegion>> Open(
+        const v1::Allocation& a) override {
+      if (a.handle() == "/scales") {
+        shrunk = std::make_shared<ShrunkSource>(a.size());
+        return std::shared_ptr<MappedRegion>(shrunk);
+      }
+      return std::shared_ptr<MappedRegion>(
+          std::make_shared<testing::HeapRegion>(a.size()));
+    }
+    std::shared_ptr<ShrunkSource> shrunk;
+  } mapper;
+  auto layout = BuildEngineLayout(r, mapper);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  ASSERT_NE(mapper.shrunk, nullptr);
+  ASSERT_NE(mapper.shrunk->data(), nullptr);
+  auto plan = BuildCopyPlan(m, 1 << 20, {*layout});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  QuantScatter q;
+  q.Reset(**plan);
+  EXPECT_TRUE(q.Feed(**plan, 0,
+                     reinterpret_cast<const uint8_t*>(tensors[0].bytes.data()),
+                     nullptr, nullptr)
+                  .ok());
+  EXPECT_TRUE(mapper.shrunk->faulted());
+  EXPECT_FALSE((*layout)->regions[0]->faulted());
 }
 
 TEST(QuantScatterTest, PlanRefusesPatchesAndSourcesThatCantBeQuantised) {
