@@ -117,6 +117,18 @@ TEST(EngineLayoutTest, EveryRegistrationLimitHoldsAtItsEdge) {
     s->set_col_count(4);
     return s;
   };
+  // A second allocation of `size` bytes holding a one-byte parameter.
+  auto byte_allocation = [](v1::RegisterEngineRequest* r, int64_t size) {
+    v1::Allocation* a = r->add_allocations();
+    a->set_kind(v1::MEMORY_HOST_SHM);
+    a->set_handle("/y");
+    a->set_size(size);
+    v1::Parameter* p = r->add_parameters();
+    p->set_name("one_byte");
+    p->set_dtype(v1::UINT8);
+    p->add_shape(1);
+    p->set_allocation(1);
+  };
   const std::vector<Case> cases = {
       {"engine id length",
        [](auto* r) { r->set_engine_id(std::string(128, 'e')); },
@@ -148,6 +160,24 @@ TEST(EngineLayoutTest, EveryRegistrationLimitHoldsAtItsEdge) {
        [](auto* r) { r->mutable_allocations(0)->set_size(4096); },
        [](auto* r) { r->mutable_allocations(0)->set_size(0); },
        "needs a kind, a handle and a positive size"},
+      {"smallest allocation", [&](auto* r) { byte_allocation(r, 1); },
+       [&](auto* r) { byte_allocation(r, 0); },
+       "engine 'e0': allocation 1 needs a kind, a handle and a positive "
+       "size"},
+      {"allocation kind", [](auto*) {},
+       [](auto* r) {
+         r->mutable_allocations(0)->set_kind(v1::MEMORY_KIND_UNSPECIFIED);
+       },
+       "engine 'e0': allocation 0 needs a kind, a handle and a positive "
+       "size"},
+      {"allocation handle", [](auto*) {},
+       [](auto* r) { r->mutable_allocations(0)->set_handle(""); },
+       "engine 'e0': allocation 0 needs a kind, a handle and a positive "
+       "size"},
+      {"segment dest_offset", [&](auto* r) { segment(r)->set_dest_offset(0); },
+       [&](auto* r) { segment(r)->set_dest_offset(-1); },
+       "engine 'e0': parameter 'w' segment 0 (source 'src'): rows [0+2] "
+       "cols [0+4] dest -1 stride 4 is not a valid block"},
       {"allocation index",
        [](auto* r) { r->mutable_parameters(1)->set_allocation(0); },
        [](auto* r) { r->mutable_parameters(1)->set_allocation(1); },
@@ -304,6 +334,53 @@ TEST(EngineLayoutTest, SegmentBlocksAtTheirEdges) {
   }
 }
 
+// A segment's last element, dest + (rows - 1) * stride + cols, is bounded
+// without computing it until it is known to fit in 64 bits: rows * stride
+// and dest each at most 2^62. One row never steps its stride, yet the
+// stride counts: 2^62 is the largest a segment may name. Requests whose
+// extent wraps past 2^63 to a small number are refused, not written.
+TEST(EngineLayoutTest, ASegmentsExtentIsBoundedBeforeItCanOverflow) {
+  constexpr int64_t k2to62 = int64_t{1} << 62;
+  constexpr int64_t k2to32 = int64_t{1} << 32;
+  struct Case {
+    const char* what;
+    int64_t rows, cols, dest, stride;
+    bool ok;
+  };
+  for (const Case& c : {
+           Case{"one row, stride 2^62", 1, 1, 0, k2to62, true},
+           Case{"one row, stride 2^62, dest 1", 1, 1, 1, k2to62, false},
+           Case{"one row, stride 2^62 + 1", 1, 1, 0, k2to62 + 1, false},
+           Case{"2 rows, stride 2^62", 2, 1, 0, k2to62, false},
+           // 2^32 x 2^32 = 2^64 elements: 0 in 64 bits.
+           Case{"2^32 rows of 2^32 columns", k2to32, k2to32, 0, 0, false},
+           // dest + cols = 2^63: negative in 64 bits.
+           Case{"dest 2^63 - 8, 8 columns", 1, 8,
+                std::numeric_limits<int64_t>::max() - 7, 0, false},
+       }) {
+    SCOPED_TRACE(c.what);
+    v1::RegisterEngineRequest r = TwoParams();  // w: float32 [16, 8]
+    v1::Segment* s = r.mutable_parameters(0)->add_segments();
+    s->set_source("ckpt");
+    s->set_row_count(c.rows);
+    s->set_col_count(c.cols);
+    s->set_dest_offset(c.dest);
+    s->set_dest_row_stride(c.stride);
+    testing::HeapMapper mapper;
+    const absl::Status st = Build(r, &mapper);
+    if (c.ok) {
+      EXPECT_TRUE(st.ok()) << st;
+      continue;
+    }
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_THAT(st.message(),
+                HasSubstr("engine 'e0': parameter 'w' segment 0 (source "
+                          "'ckpt'): destination runs past the parameter's "
+                          "128 elements"));
+    EXPECT_TRUE(mapper.opened.empty());
+  }
+}
+
 TEST(EngineLayoutTest, RejectsSegmentsOutsideTheParameterOrSource) {
   v1::RegisterEngineRequest r = TwoParams();
   v1::Segment* s = r.mutable_parameters(0)->add_segments();
@@ -402,6 +479,29 @@ TEST(EngineLayoutTest, NamesRepeatsAndCountLimitsAreRefused) {
       {"strided rows to check", eight_rows, [&](auto* r) { strided(r, 8); },
        [&](auto* r) { strided(r, 9); },
        "too many strided segment rows to check"},
+      // A contiguous segment is one run however many rows it names: only
+      // strided rows are merged one by one, so only they are counted.
+      {"contiguous rows not counted", eight_rows,
+       [](auto* r) {
+         v1::Segment* s = r->mutable_parameters(0)->add_segments();
+         s->set_source("src");
+         s->set_row_count(9);
+         s->set_col_count(8);  // stride 0: the rows' width, contiguous
+       },
+       [&](auto* r) { strided(r, 9); },
+       "engine 'e0': parameter 'w' segment 0 (source 'src'): too many "
+       "strided segment rows to check"},
+      {"overlong segment source", names_of_4,
+       [&](auto* r) {
+         strided(r, 2);
+         r->mutable_parameters(0)->mutable_segments(0)->set_source("srcs");
+       },
+       [&](auto* r) {
+         strided(r, 2);
+         r->mutable_parameters(0)->mutable_segments(0)->set_source("srcs5");
+       },
+       "engine 'e0': parameter 'w' segment 0 (source 'srcs5'): bad source "
+       "name"},
   };
   for (const Case& c : cases) {
     v1::RegisterEngineRequest inside = TwoParams(), outside = TwoParams();
