@@ -92,7 +92,7 @@ TEST(EngineLayoutTest, TheLayoutHoldsEveryParametersSegmentUseAndRegion) {
   for (const ParameterLayout& p : l.parameters) {
     segments.push_back(p.segments.size());
   }
-  EXPECT_EQ(segments, (std::vector<size_t>{1, 1, 1, 0, 1}));
+  ASSERT_EQ(segments, (std::vector<size_t>{1, 1, 1, 0, 1}));
   EXPECT_EQ(l.parameters[2].segments[0].row_count, 1);
   EXPECT_EQ(l.parameters[2].segments[0].col_count, 1);
   std::map<std::string, std::vector<std::pair<int, int>>> uses;
