@@ -2,7 +2,9 @@
 
 #include <functional>
 #include <limits>
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -49,6 +51,89 @@ TEST(EngineLayoutTest, AcceptsAValidRegistration) {
   EXPECT_EQ((*layout)->total_bytes, 512 + 16);
   EXPECT_TRUE((*layout)->uses_by_source.contains("w"));
   EXPECT_EQ(mapper.opened.size(), 1);
+}
+
+// What a registration is laid out as: every allocation opened once, the
+// distinct device uuids in order, each parameter one implicit segment and
+// one use of its own tensor, except an empty one (no segment, no use, no
+// byte: it may sit inside another parameter's bytes), which is listed
+// apart.
+TEST(EngineLayoutTest, TheLayoutHoldsEveryParametersSegmentUseAndRegion) {
+  v1::RegisterEngineRequest r = TwoParams();  // w, b in allocation 0
+  r.mutable_allocations(0)->set_device_uuid("gpu-a");
+  for (const char* uuid : {"gpu-b", "gpu-a"}) {
+    v1::Allocation* a = r.add_allocations();
+    a->set_kind(v1::MEMORY_HOST_SHM);
+    a->set_handle(absl::StrCat("/", uuid, r.allocations_size()));
+    a->set_size(64);
+    a->set_device_uuid(uuid);
+  }
+  auto add = [&r](const char* name, int64_t numel, int allocation,
+                  int64_t offset) {
+    v1::Parameter* p = r.add_parameters();
+    p->set_name(name);
+    p->set_dtype(v1::FLOAT32);
+    p->add_shape(numel);
+    p->set_allocation(allocation);
+    p->set_offset(offset);
+  };
+  add("one", 1, 1, 0);
+  add("empty", 0, 0, 100);  // inside w's bytes [0, 512)
+  add("last", 4, 2, 0);
+  testing::HeapMapper mapper;
+  auto layout = BuildEngineLayout(r, mapper);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  const EngineLayout& l = **layout;
+  EXPECT_EQ(l.regions.size(), 3);
+  EXPECT_EQ(mapper.opened.size(), 3);
+  EXPECT_EQ(l.device_uuids, (std::vector<std::string>{"gpu-a", "gpu-b"}));
+  EXPECT_EQ(l.total_bytes, 512 + 16 + 4 + 0 + 16);
+  std::vector<size_t> segments;
+  for (const ParameterLayout& p : l.parameters) {
+    segments.push_back(p.segments.size());
+  }
+  ASSERT_EQ(segments, (std::vector<size_t>{1, 1, 1, 0, 1}));
+  EXPECT_EQ(l.parameters[2].segments[0].row_count, 1);
+  EXPECT_EQ(l.parameters[2].segments[0].col_count, 1);
+  std::map<std::string, std::vector<std::pair<int, int>>> uses;
+  for (const auto& [source, list] : l.uses_by_source) {
+    for (const SourceUse& u : list) {
+      uses[std::string(source)].push_back({u.parameter, u.segment});
+    }
+  }
+  EXPECT_EQ(uses, (std::map<std::string, std::vector<std::pair<int, int>>>{
+                      {"w", {{0, 0}}},
+                      {"b", {{1, 0}}},
+                      {"one", {{2, 0}}},
+                      {"last", {{4, 0}}}}));
+  EXPECT_EQ(l.empty_parameters.size(), 1);
+  EXPECT_EQ(l.empty_parameters.count("empty"), 1);
+  EXPECT_EQ(l.empty_parameters.at("empty"), 3);
+}
+
+// A mapper that cannot open one allocation: the registration fails with
+// the mapper's code, its words after the engine and the allocation.
+TEST(EngineLayoutTest, AnAllocationThatCannotBeOpenedFailsTheRegistration) {
+  class FailingMapper : public testing::HeapMapper {
+   public:
+    absl::StatusOr<std::shared_ptr<MappedRegion>> Open(
+        const v1::Allocation& allocation) override {
+      if (allocation.handle() == "/y") {
+        return absl::NotFoundError("no shared memory object '/y'");
+      }
+      return HeapMapper::Open(allocation);
+    }
+  };
+  v1::RegisterEngineRequest r = TwoParams();
+  v1::Allocation* a = r.add_allocations();
+  a->set_kind(v1::MEMORY_HOST_SHM);
+  a->set_handle("/y");
+  a->set_size(64);
+  FailingMapper mapper;
+  const absl::Status s = Build(r, &mapper);
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
+  EXPECT_EQ(s.message(),
+            "engine 'e0': allocation 1: no shared memory object '/y'");
 }
 
 TEST(EngineLayoutTest, RejectsOverlappingParametersAndOpensNothing) {
@@ -117,6 +202,32 @@ TEST(EngineLayoutTest, EveryRegistrationLimitHoldsAtItsEdge) {
     s->set_col_count(4);
     return s;
   };
+  // A second allocation of `size` bytes holding a one-byte parameter.
+  auto byte_allocation = [](v1::RegisterEngineRequest* r, int64_t size) {
+    v1::Allocation* a = r->add_allocations();
+    a->set_kind(v1::MEMORY_HOST_SHM);
+    a->set_handle("/y");
+    a->set_size(size);
+    v1::Parameter* p = r->add_parameters();
+    p->set_name("one_byte");
+    p->set_dtype(v1::UINT8);
+    p->add_shape(1);
+    p->set_allocation(1);
+  };
+  auto empty_parameter = [](v1::RegisterEngineRequest* r, int64_t offset) {
+    v1::Parameter* p = r->add_parameters();
+    p->set_name("empty");
+    p->set_dtype(v1::FLOAT32);
+    p->add_shape(0);
+    p->set_offset(offset);
+  };
+  auto one_byte_parameter = [](v1::RegisterEngineRequest* r, int64_t offset) {
+    v1::Parameter* p = r->add_parameters();
+    p->set_name("one_byte");
+    p->set_dtype(v1::UINT8);
+    p->add_shape(1);
+    p->set_offset(offset);
+  };
   const std::vector<Case> cases = {
       {"engine id length",
        [](auto* r) { r->set_engine_id(std::string(128, 'e')); },
@@ -148,6 +259,49 @@ TEST(EngineLayoutTest, EveryRegistrationLimitHoldsAtItsEdge) {
        [](auto* r) { r->mutable_allocations(0)->set_size(4096); },
        [](auto* r) { r->mutable_allocations(0)->set_size(0); },
        "needs a kind, a handle and a positive size"},
+      {"smallest allocation", [&](auto* r) { byte_allocation(r, 1); },
+       [&](auto* r) { byte_allocation(r, 0); },
+       "engine 'e0': allocation 1 needs a kind, a handle and a positive "
+       "size"},
+      {"allocation kind", [](auto*) {},
+       [](auto* r) {
+         r->mutable_allocations(0)->set_kind(v1::MEMORY_KIND_UNSPECIFIED);
+       },
+       "engine 'e0': allocation 0 needs a kind, a handle and a positive "
+       "size"},
+      {"allocation handle", [](auto*) {},
+       [](auto* r) { r->mutable_allocations(0)->set_handle(""); },
+       "engine 'e0': allocation 0 needs a kind, a handle and a positive "
+       "size"},
+      {"negative allocation index", [](auto*) {},
+       [](auto* r) { r->mutable_parameters(1)->set_allocation(-1); },
+       "engine 'e0': parameter 'b' names allocation -1 of 1"},
+      {"no allocations", [](auto*) {}, [](auto* r) { r->clear_allocations(); },
+       "engine 'e0': parameter 'w' names allocation 0 of 0"},
+      {"negative parameter offset", [](auto*) {},
+       [](auto* r) { r->mutable_parameters(0)->set_offset(-1); },
+       "engine 'e0': parameter 'w' bytes [-1, 511) lie outside its "
+       "allocation of 4096 bytes"},
+      {"a parameter's last byte",
+       [](auto* r) { r->mutable_parameters(1)->set_offset(4080); },
+       [](auto* r) { r->mutable_parameters(1)->set_offset(4081); },
+       "engine 'e0': parameter 'b' bytes [4081, 4097) lie outside its "
+       "allocation of 4096 bytes"},
+      // An empty parameter holds no byte: at the allocation's very end it
+      // is inside, one past it is not.
+      {"an empty parameter at the allocation's end",
+       [&](auto* r) { empty_parameter(r, 4096); },
+       [&](auto* r) { empty_parameter(r, 4097); },
+       "engine 'e0': parameter 'empty' bytes [4097, 4097) lie outside its "
+       "allocation of 4096 bytes"},
+      {"parameters meeting at a byte",
+       [&](auto* r) { one_byte_parameter(r, 512); },  // just after w
+       [&](auto* r) { one_byte_parameter(r, 511); },  // w's last byte
+       "engine 'e0': parameters 'w' and 'one_byte' overlap in allocation 0"},
+      {"segment dest_offset", [&](auto* r) { segment(r)->set_dest_offset(0); },
+       [&](auto* r) { segment(r)->set_dest_offset(-1); },
+       "engine 'e0': parameter 'w' segment 0 (source 'src'): rows [0+2] "
+       "cols [0+4] dest -1 stride 4 is not a valid block"},
       {"allocation index",
        [](auto* r) { r->mutable_parameters(1)->set_allocation(0); },
        [](auto* r) { r->mutable_parameters(1)->set_allocation(1); },
@@ -304,6 +458,53 @@ TEST(EngineLayoutTest, SegmentBlocksAtTheirEdges) {
   }
 }
 
+// A segment's last element, dest + (rows - 1) * stride + cols, is bounded
+// without computing it until it is known to fit in 64 bits: rows * stride
+// and dest each at most 2^62. One row never steps its stride, yet the
+// stride counts: 2^62 is the largest a segment may name. Requests whose
+// extent wraps past 2^63 to a small number are refused, not written.
+TEST(EngineLayoutTest, ASegmentsExtentIsBoundedBeforeItCanOverflow) {
+  constexpr int64_t k2to62 = int64_t{1} << 62;
+  constexpr int64_t k2to32 = int64_t{1} << 32;
+  struct Case {
+    const char* what;
+    int64_t rows, cols, dest, stride;
+    bool ok;
+  };
+  for (const Case& c : {
+           Case{"one row, stride 2^62", 1, 1, 0, k2to62, true},
+           Case{"one row, stride 2^62, dest 1", 1, 1, 1, k2to62, false},
+           Case{"one row, stride 2^62 + 1", 1, 1, 0, k2to62 + 1, false},
+           Case{"2 rows, stride 2^62", 2, 1, 0, k2to62, false},
+           // 2^32 x 2^32 = 2^64 elements: 0 in 64 bits.
+           Case{"2^32 rows of 2^32 columns", k2to32, k2to32, 0, 0, false},
+           // dest + cols = 2^63: negative in 64 bits.
+           Case{"dest 2^63 - 8, 8 columns", 1, 8,
+                std::numeric_limits<int64_t>::max() - 7, 0, false},
+       }) {
+    SCOPED_TRACE(c.what);
+    v1::RegisterEngineRequest r = TwoParams();  // w: float32 [16, 8]
+    v1::Segment* s = r.mutable_parameters(0)->add_segments();
+    s->set_source("ckpt");
+    s->set_row_count(c.rows);
+    s->set_col_count(c.cols);
+    s->set_dest_offset(c.dest);
+    s->set_dest_row_stride(c.stride);
+    testing::HeapMapper mapper;
+    const absl::Status st = Build(r, &mapper);
+    if (c.ok) {
+      EXPECT_TRUE(st.ok()) << st;
+      continue;
+    }
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_THAT(st.message(),
+                HasSubstr("engine 'e0': parameter 'w' segment 0 (source "
+                          "'ckpt'): destination runs past the parameter's "
+                          "128 elements"));
+    EXPECT_TRUE(mapper.opened.empty());
+  }
+}
+
 TEST(EngineLayoutTest, RejectsSegmentsOutsideTheParameterOrSource) {
   v1::RegisterEngineRequest r = TwoParams();
   v1::Segment* s = r.mutable_parameters(0)->add_segments();
@@ -402,6 +603,29 @@ TEST(EngineLayoutTest, NamesRepeatsAndCountLimitsAreRefused) {
       {"strided rows to check", eight_rows, [&](auto* r) { strided(r, 8); },
        [&](auto* r) { strided(r, 9); },
        "too many strided segment rows to check"},
+      // A contiguous segment is one run however many rows it names: only
+      // strided rows are merged one by one, so only they are counted.
+      {"contiguous rows not counted", eight_rows,
+       [](auto* r) {
+         v1::Segment* s = r->mutable_parameters(0)->add_segments();
+         s->set_source("src");
+         s->set_row_count(9);
+         s->set_col_count(8);  // stride 0: the rows' width, contiguous
+       },
+       [&](auto* r) { strided(r, 9); },
+       "engine 'e0': parameter 'w' segment 0 (source 'src'): too many "
+       "strided segment rows to check"},
+      {"overlong segment source", names_of_4,
+       [&](auto* r) {
+         strided(r, 2);
+         r->mutable_parameters(0)->mutable_segments(0)->set_source("srcs");
+       },
+       [&](auto* r) {
+         strided(r, 2);
+         r->mutable_parameters(0)->mutable_segments(0)->set_source("srcs5");
+       },
+       "engine 'e0': parameter 'w' segment 0 (source 'srcs5'): bad source "
+       "name"},
   };
   for (const Case& c : cases) {
     v1::RegisterEngineRequest inside = TwoParams(), outside = TwoParams();
