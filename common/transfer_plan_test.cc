@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
 #include "tests/vectors/vectors.pb.h"
@@ -312,6 +313,153 @@ TEST(TransferPlanTest, ABlockStartingBeforeItsTensorIsRefused) {
           << plan.status();
       EXPECT_NE(plan.status().message().find("does not fit"), std::string::npos)
           << plan.status();
+    }
+  }
+}
+
+v1::TensorBlock BlockOf(const std::string& t, int64_t r0, int64_t rn,
+                        int64_t c0, int64_t cn) {
+  v1::TensorBlock b;
+  b.set_tensor(t);
+  b.set_row_begin(r0);
+  b.set_row_count(rn);
+  b.set_col_begin(c0);
+  b.set_col_count(cn);
+  return b;
+}
+
+// One float32 tensor "w" of `shape`, held whole by `senders` senders and
+// needed whole by `receivers` receivers ("d0", "d1", ...).
+v1::TransferPlanSpec OneTensor(std::vector<int64_t> shape, int senders = 1,
+                               int receivers = 1) {
+  v1::TransferPlanSpec spec;
+  v1::TensorSpec* t = spec.add_tensors();
+  t->set_name("w");
+  t->set_dtype(v1::FLOAT32);
+  int64_t cols = 1;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    t->add_shape(shape[i]);
+    if (i > 0) cols *= shape[i];
+  }
+  const int64_t rows = shape.empty() ? 1 : shape[0];
+  for (int s = 0; s < senders; ++s) {
+    *spec.add_senders()->add_holds() = BlockOf("w", 0, rows, 0, cols);
+  }
+  for (int r = 0; r < receivers; ++r) {
+    v1::ReceiverLayout* d = spec.add_receivers();
+    d->set_name(absl::StrCat("d", r));
+    *d->add_needs() = BlockOf("w", 0, rows, 0, cols);
+  }
+  return spec;
+}
+
+// Every limit and declaration check at its edge: the spec just inside is
+// planned, the one just past is refused (INVALID_ARGUMENT) in words that
+// name what is wrong.
+TEST(TransferPlanTest, EveryLimitAndBlockCheckHoldsAtItsEdge) {
+  struct Case {
+    std::string what;
+    v1::TransferPlanSpec spec;
+    TransferPlanLimits limits;
+    std::string refused;  // empty: planned
+  };
+  std::vector<Case> cases;
+  auto add = [&](std::string what, v1::TransferPlanSpec spec,
+                 std::string refused, TransferPlanLimits limits = {}) {
+    cases.push_back(
+        {std::move(what), std::move(spec), limits, std::move(refused)});
+  };
+  TransferPlanLimits two;
+  two.max_senders = two.max_receivers = two.max_tensors = 2;
+  two.max_blocks = 4;
+  two.max_name_length = 4;
+  two.max_rank = 2;
+  add("2 senders", OneTensor({4, 8}, 2, 1), "", two);
+  add("3 senders", OneTensor({4, 8}, 3, 1),
+      "3 senders and 1 receivers exceed the limits (2, 2)", two);
+  add("2 receivers", OneTensor({4, 8}, 1, 2), "", two);
+  add("3 receivers", OneTensor({4, 8}, 1, 3),
+      "1 senders and 3 receivers exceed the limits (2, 2)", two);
+  add("4 blocks", OneTensor({4, 8}, 2, 2), "", two);
+  {
+    v1::TransferPlanSpec spec = OneTensor({4, 8}, 2, 2);
+    *spec.mutable_senders(0)->add_holds() = BlockOf("w", 0, 4, 0, 8);
+    add("5 blocks", spec, "5 blocks exceed the limit 4", two);
+  }
+  {
+    v1::TransferPlanSpec spec = OneTensor({4, 8});
+    v1::TensorSpec* t = spec.add_tensors();
+    t->set_name("v");
+    t->set_dtype(v1::FLOAT32);
+    t->add_shape(0);
+    add("2 tensors", spec, "", two);
+    *spec.add_tensors() = *t;
+    spec.mutable_tensors(2)->set_name("u");
+    add("3 tensors", spec, "3 tensors exceed the limit 2", two);
+  }
+  {
+    v1::TransferPlanSpec spec = OneTensor({4, 8});
+    spec.mutable_receivers(0)->set_name("dddd");
+    spec.mutable_tensors(0)->set_name("wwww");
+    for (auto* b : {spec.mutable_senders(0)->mutable_holds(0),
+                    spec.mutable_receivers(0)->mutable_needs(0)}) {
+      b->set_tensor("wwww");
+    }
+    add("names of 4 bytes", spec, "", two);
+    v1::TransferPlanSpec longer = spec;
+    longer.mutable_receivers(0)->set_name("ddddd");
+    add("a receiver name of 5", longer, "receiver 0: a name of 5 bytes", two);
+    longer = spec;
+    longer.mutable_tensors(0)->set_name("wwwww");
+    add("a tensor name of 5", longer,
+        "a name of 5 bytes and 2 dimensions; the limits are 4 and 2", two);
+  }
+  add("rank 2", OneTensor({4, 8}), "", two);
+  add("rank 3", OneTensor({4, 2, 4}),
+      "a name of 1 bytes and 3 dimensions; the limits are 4 and 2", two);
+  {
+    v1::TransferPlanSpec spec = OneTensor({4, 8});
+    spec.mutable_tensors(0)->set_name("");
+    add("an empty name", spec, "tensor 0: empty name");
+    spec = OneTensor({4, 8});
+    spec.mutable_tensors(0)->set_dtype(v1::DTYPE_UNSPECIFIED);
+    add("no dtype", spec, "tensor 'w'");
+    spec = OneTensor({4, 8});
+    spec.mutable_tensors(0)->set_dtype(v1::FLOAT8_E4M3FN);
+    spec.mutable_tensors(0)->mutable_quantization()->set_format(
+        v1::FLOAT8_E4M3FN);
+    spec.mutable_tensors(0)->mutable_quantization()->set_scheme(
+        v1::QUANT_SCHEME_BLOCK);
+    add("a quantization", spec, "leave quantization unset");
+  }
+  // Blocks: a non-empty tensor's blocks hold at least one element; an
+  // empty tensor's may be empty, never negative, never past its view.
+  const std::string misfit = "does not fit the tensor's 2-D view";
+  auto with_hold = [](std::vector<int64_t> shape, v1::TensorBlock b) {
+    v1::TransferPlanSpec spec = OneTensor(shape);
+    *spec.mutable_senders(0)->mutable_holds(0) = b;
+    return spec;
+  };
+  add("no rows", with_hold({4, 8}, BlockOf("w", 0, 0, 0, 8)), misfit);
+  add("empty: no rows, no cols", with_hold({0, 8}, BlockOf("w", 0, 0, 0, 0)),
+      "");
+  add("empty: at its last column", with_hold({0, 8}, BlockOf("w", 0, 0, 8, 0)),
+      "");
+  add("empty: past its last column",
+      with_hold({0, 8}, BlockOf("w", 0, 0, 9, 0)), misfit);
+  add("empty: -1 rows", with_hold({0, 8}, BlockOf("w", 0, -1, 0, 8)), misfit);
+  add("empty: -1 cols", with_hold({0, 8}, BlockOf("w", 0, 0, 0, -1)), misfit);
+  add("empty: past its last row", with_hold({0, 8}, BlockOf("w", 1, 0, 0, 8)),
+      misfit);
+  for (const Case& c : cases) {
+    absl::StatusOr<TransferPlan> plan = BuildTransferPlan(c.spec, c.limits);
+    if (c.refused.empty()) {
+      EXPECT_TRUE(plan.ok()) << c.what << ": " << plan.status();
+    } else {
+      EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument)
+          << c.what << ": " << plan.status();
+      EXPECT_NE(plan.status().message().find(c.refused), std::string::npos)
+          << c.what << ": " << plan.status();
     }
   }
 }
