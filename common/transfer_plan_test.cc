@@ -451,6 +451,17 @@ TEST(TransferPlanTest, EveryLimitAndBlockCheckHoldsAtItsEdge) {
   add("empty: -1 cols", with_hold({0, 8}, BlockOf("w", 0, 0, 0, -1)), misfit);
   add("empty: past its last row", with_hold({0, 8}, BlockOf("w", 1, 0, 0, 8)),
       misfit);
+  add("no cols", with_hold({4, 8}, BlockOf("w", 0, 4, 0, 0)), misfit);
+  TransferPlanLimits one_cell;
+  one_cell.max_cells_per_tensor = 1;
+  add("1 cell", OneTensor({4, 8}), "", one_cell);
+  {
+    v1::TransferPlanSpec spec = OneTensor({4, 8}, 2, 1);
+    *spec.mutable_senders(0)->mutable_holds(0) = BlockOf("w", 0, 2, 0, 8);
+    *spec.mutable_senders(1)->mutable_holds(0) = BlockOf("w", 2, 2, 0, 8);
+    add("2 cells", spec, "its blocks cut it into 2 x 1 cells, more than 1",
+        one_cell);
+  }
   for (const Case& c : cases) {
     absl::StatusOr<TransferPlan> plan = BuildTransferPlan(c.spec, c.limits);
     if (c.refused.empty()) {
@@ -461,6 +472,27 @@ TEST(TransferPlanTest, EveryLimitAndBlockCheckHoldsAtItsEdge) {
       EXPECT_NE(plan.status().message().find(c.refused), std::string::npos)
           << c.what << ": " << plan.status();
     }
+  }
+}
+
+// Two senders' blocks that start at the same place but differ in extent
+// are not replicas of one block: they overlap, and are refused naming
+// both (only identical blocks may overlap).
+TEST(TransferPlanTest, BlocksThatShareACornerAreNotReplicas) {
+  for (bool rows : {true, false}) {
+    v1::TransferPlanSpec spec = OneTensor({4, 8}, 2, 1);
+    *spec.mutable_senders(0)->mutable_holds(0) =
+        rows ? BlockOf("w", 0, 2, 0, 8) : BlockOf("w", 0, 4, 0, 4);
+    absl::StatusOr<TransferPlan> plan = BuildTransferPlan(spec);
+    ASSERT_FALSE(plan.ok()) << rows;
+    EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+    const std::string want = absl::StrCat(
+        "tensor 'w': the block ",
+        rows ? "rows [0, 2) cols [0, 8)" : "rows [0, 4) cols [0, 4)",
+        " of sender(s) 0 overlaps the block rows [0, 4) cols [0, 8) of "
+        "sender(s) 1; only identical blocks (replicas) may overlap");
+    EXPECT_NE(plan.status().message().find(want), std::string::npos)
+        << plan.status();
   }
 }
 
