@@ -317,17 +317,6 @@ TEST(TransferPlanTest, ABlockStartingBeforeItsTensorIsRefused) {
   }
 }
 
-v1::TensorBlock BlockOf(const std::string& t, int64_t r0, int64_t rn,
-                        int64_t c0, int64_t cn) {
-  v1::TensorBlock b;
-  b.set_tensor(t);
-  b.set_row_begin(r0);
-  b.set_row_count(rn);
-  b.set_col_begin(c0);
-  b.set_col_count(cn);
-  return b;
-}
-
 // One float32 tensor "w" of `shape`, held whole by `senders` senders and
 // needed whole by `receivers` receivers ("d0", "d1", ...).
 v1::TransferPlanSpec OneTensor(std::vector<int64_t> shape, int senders = 1,
@@ -343,12 +332,12 @@ v1::TransferPlanSpec OneTensor(std::vector<int64_t> shape, int senders = 1,
   }
   const int64_t rows = shape.empty() ? 1 : shape[0];
   for (int s = 0; s < senders; ++s) {
-    *spec.add_senders()->add_holds() = BlockOf("w", 0, rows, 0, cols);
+    *spec.add_senders()->add_holds() = Block("w", 0, rows, 0, cols);
   }
   for (int r = 0; r < receivers; ++r) {
     v1::ReceiverLayout* d = spec.add_receivers();
     d->set_name(absl::StrCat("d", r));
-    *d->add_needs() = BlockOf("w", 0, rows, 0, cols);
+    *d->add_needs() = Block("w", 0, rows, 0, cols);
   }
   return spec;
 }
@@ -383,7 +372,7 @@ TEST(TransferPlanTest, EveryLimitAndBlockCheckHoldsAtItsEdge) {
   add("4 blocks", OneTensor({4, 8}, 2, 2), "", two);
   {
     v1::TransferPlanSpec spec = OneTensor({4, 8}, 2, 2);
-    *spec.mutable_senders(0)->add_holds() = BlockOf("w", 0, 4, 0, 8);
+    *spec.mutable_senders(0)->add_holds() = Block("w", 0, 4, 0, 8);
     add("5 blocks", spec, "5 blocks exceed the limit 4", two);
   }
   {
@@ -440,25 +429,24 @@ TEST(TransferPlanTest, EveryLimitAndBlockCheckHoldsAtItsEdge) {
     *spec.mutable_senders(0)->mutable_holds(0) = b;
     return spec;
   };
-  add("no rows", with_hold({4, 8}, BlockOf("w", 0, 0, 0, 8)), misfit);
-  add("empty: no rows, no cols", with_hold({0, 8}, BlockOf("w", 0, 0, 0, 0)),
+  add("no rows", with_hold({4, 8}, Block("w", 0, 0, 0, 8)), misfit);
+  add("empty: no rows, no cols", with_hold({0, 8}, Block("w", 0, 0, 0, 0)), "");
+  add("empty: at its last column", with_hold({0, 8}, Block("w", 0, 0, 8, 0)),
       "");
-  add("empty: at its last column", with_hold({0, 8}, BlockOf("w", 0, 0, 8, 0)),
-      "");
-  add("empty: past its last column",
-      with_hold({0, 8}, BlockOf("w", 0, 0, 9, 0)), misfit);
-  add("empty: -1 rows", with_hold({0, 8}, BlockOf("w", 0, -1, 0, 8)), misfit);
-  add("empty: -1 cols", with_hold({0, 8}, BlockOf("w", 0, 0, 0, -1)), misfit);
-  add("empty: past its last row", with_hold({0, 8}, BlockOf("w", 1, 0, 0, 8)),
+  add("empty: past its last column", with_hold({0, 8}, Block("w", 0, 0, 9, 0)),
       misfit);
-  add("no cols", with_hold({4, 8}, BlockOf("w", 0, 4, 0, 0)), misfit);
+  add("empty: -1 rows", with_hold({0, 8}, Block("w", 0, -1, 0, 8)), misfit);
+  add("empty: -1 cols", with_hold({0, 8}, Block("w", 0, 0, 0, -1)), misfit);
+  add("empty: past its last row", with_hold({0, 8}, Block("w", 1, 0, 0, 8)),
+      misfit);
+  add("no cols", with_hold({4, 8}, Block("w", 0, 4, 0, 0)), misfit);
   TransferPlanLimits one_cell;
   one_cell.max_cells_per_tensor = 1;
   add("1 cell", OneTensor({4, 8}), "", one_cell);
   {
     v1::TransferPlanSpec spec = OneTensor({4, 8}, 2, 1);
-    *spec.mutable_senders(0)->mutable_holds(0) = BlockOf("w", 0, 2, 0, 8);
-    *spec.mutable_senders(1)->mutable_holds(0) = BlockOf("w", 2, 2, 0, 8);
+    *spec.mutable_senders(0)->mutable_holds(0) = Block("w", 0, 2, 0, 8);
+    *spec.mutable_senders(1)->mutable_holds(0) = Block("w", 2, 2, 0, 8);
     add("2 cells", spec, "its blocks cut it into 2 x 1 cells, more than 1",
         one_cell);
   }
@@ -482,7 +470,7 @@ TEST(TransferPlanTest, BlocksThatShareACornerAreNotReplicas) {
   for (bool rows : {true, false}) {
     v1::TransferPlanSpec spec = OneTensor({4, 8}, 2, 1);
     *spec.mutable_senders(0)->mutable_holds(0) =
-        rows ? BlockOf("w", 0, 2, 0, 8) : BlockOf("w", 0, 4, 0, 4);
+        rows ? Block("w", 0, 2, 0, 8) : Block("w", 0, 4, 0, 4);
     absl::StatusOr<TransferPlan> plan = BuildTransferPlan(spec);
     ASSERT_FALSE(plan.ok()) << rows;
     EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
