@@ -163,6 +163,9 @@ class Plan:
                  sender_bytes, receiver_bytes, sender=None):
         self.id = pid
         self.tensors = tensors
+        # Each tensor's name, by index (tensors are manifest dicts or
+        # TensorSpec messages).
+        self.tensor_names = [t["name"] if isinstance(t, dict) else t.name for t in tensors]
         self.num_senders = num_senders
         self.num_receivers = num_receivers
         self.pieces = pieces

@@ -123,7 +123,7 @@ def _link_payloads(plan, rank, local, daemons):
         _, _, raw = describe(b["tensor"], array)
         rows = raw.reshape(b["row_count"], -1) if b["row_count"] else raw.reshape(0, 0)
         held.setdefault(b["tensor"], []).append((b, rows))
-    names = [t["name"] if isinstance(t, dict) else t.name for t in plan.tensors]
+    names = plan.tensor_names
     out = {}
     for i in range(daemons):
         pieces = plan.link_pieces(rank, i)
@@ -238,7 +238,7 @@ class ManySenders:
             return None, {}
         payloads = _link_payloads(plan, self.rank, local, len(self._link.stubs))
         return payloads, basis.link_patches(plan, self.rank, base_version, payloads, max_density,
-                                            self._engines)
+                                            self._fp8_fed)
 
     def _plan_and_start(self, manifest, local, start, entries):
         """(plan, Start answer or None, whether the plan was reused).
@@ -295,6 +295,7 @@ class ManySenders:
         if registered is not None:
             raise WeightSyncError(*registered)
         self._engines = self._engine_layouts()
+        self._fp8_fed = [many_sparse.fp8_fed(e.values()) for e in self._engines]
         self.wire = many_wire.agreed(self._coll, plan, self.rank, manifest,
                                      self._engines) if self.fp8_on_wire else {}
         self._plan, self._plan_key, self.last_plan = plan, key, plan
@@ -457,7 +458,7 @@ class ManySenders:
         patches = patches or {}
         self._sent = payloads if self._basis is not None else {}   # held only for a basis
         travels = {}   # {daemon: each piece's bytes as they travel}
-        self.last_wire = many_sparse.wire_figures(payloads, travels, patches)
+        from_deltas = []   # links whose receipts came from deltas
 
         def push(i, stub):
             if i not in payloads:
@@ -489,11 +490,10 @@ class ManySenders:
             kept = self._basis.receipts_of(plan, me, i, self._engines[i], payloads[i]) \
                 if i in patches else None
             if kept:
-                self.last_wire["receipts_from_deltas"] += 1
+                from_deltas.append(i)
             return kept or partial_receipts(plan, me, i, self._engines[i], payloads[i])
         results = list(self._link.group.each(push))
-        self.last_wire["wire_bytes"] = many_sparse.wire_figures(payloads, travels,
-                                                                patches)["wire_bytes"]
+        self.last_wire = many_sparse.wire_figures(payloads, travels, patches, len(from_deltas))
         for i, r in enumerate(results):
             if isinstance(r, WeightSyncError):
                 if fp8:   # the ranks' exchange stays in step; this error is the one told

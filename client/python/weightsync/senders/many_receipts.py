@@ -80,7 +80,7 @@ def link_views(plan, rank, daemon, engines):
     """{engine id: its layout seen through link (rank, daemon)} for the
     engines `engines` ({engine id: layout}) that take any of its pieces,
     and the link's manifest (the pieces' pseudo tensors)."""
-    names = [t["name"] if isinstance(t, dict) else t.name for t in plan.tensors]
+    names = plan.tensor_names
     manifest = transfer_plan.link_manifest(plan, rank, daemon)
     pieces = [(m["name"], p) for m, p in zip(manifest, plan.link_pieces(rank, daemon))]
     views = {}

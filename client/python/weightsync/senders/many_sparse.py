@@ -62,18 +62,18 @@ class Basis:
         else:
             self.clear()
 
-    def link_patches(self, plan, rank, base_version, payloads, max_density, engines):
+    def link_patches(self, plan, rank, base_version, payloads, max_density, fed):
         """{daemon: {piece index: SparsePatch}} of rank `rank`'s links
         (payloads: {daemon: [piece bytes]}), the links with none left out.
-        `engines` [{engine id: layout}] of every daemon: a piece of a
-        tensor that feeds an FP8 target of daemon i's engines (fp8_fed)
-        goes dense to it (the daemon refuses its patch: the blocks' scales
-        would go stale), quantised where it travels so."""
-        names = [t["name"] if isinstance(t, dict) else t.name for t in plan.tensors]
+        `fed` [the names fp8_fed gives of daemon i's engines]: a piece of a
+        tensor that feeds an FP8 target of daemon i goes dense to it (the
+        daemon refuses its patch: the blocks' scales would go stale),
+        quantised where it travels so."""
+        names = plan.tensor_names
         out = {}
         for i, data in payloads.items():
-            fed = fp8_fed(engines[i].values())
-            pieces = [None if names[p.tensor] in fed else p for p in plan.link_pieces(rank, i)]
+            pieces = [None if names[p.tensor] in fed[i] else p
+                      for p in plan.link_pieces(rank, i)]
             found = self.patches(plan.id, base_version, i, pieces, data, max_density)
             if found:
                 out[i] = found
@@ -189,13 +189,13 @@ def receipt_deltas(plan, rank, daemon, engines, before, after):
     return out
 
 
-def wire_figures(payloads, wire, patches):
+def wire_figures(payloads, wire, patches, from_deltas=0):
     """What a rank's pieces ({daemon: [bytes]}) weigh dense and as they
     travel (`wire` {daemon: [bytes]}: patches, FP8 payloads, dense bytes),
     how many went as patches (`patches` {daemon: {piece: SparsePatch}}),
-    and (counted by the sender) how many links' receipts came from deltas:
-    ManySenders.last_wire, for tests and benchmarks."""
+    and how many links' receipts came from deltas (`from_deltas`, counted
+    by the sender): ManySenders.last_wire, for tests and benchmarks."""
     return {"dense_bytes": sum(len(d) for p in payloads.values() for d in p),
             "wire_bytes": sum(len(d) for p in wire.values() for d in p),
             "patched_pieces": sum(len(p) for p in patches.values()),
-            "receipts_from_deltas": 0}
+            "receipts_from_deltas": from_deltas}

@@ -49,7 +49,7 @@ def agreed(coll, plan, rank, manifest, engines):
     rank gets the same answer."""
     shapes = {_name(t): list(t["shape"]) for t in manifest if t["dtype"] in _FLOAT}
     fit = wire_plan([layout for daemon in engines for layout in daemon.values()], shapes)
-    names = [_name(t) for t in plan.tensors]
+    names = plan.tensor_names
     cut = set()
     for i in range(plan.num_receivers):
         for p in plan.link_pieces(rank, i):
@@ -75,7 +75,7 @@ def link_manifest(plan, rank, daemon, wire):
     manifest = transfer_plan.link_manifest(plan, rank, daemon)
     if not wire:
         return manifest
-    names = [_name(t) for t in plan.tensors]
+    names = plan.tensor_names
     for k, p in enumerate(plan.link_pieces(rank, daemon)):
         fields = wire.get(names[p.tensor])
         if fields is not None:
