@@ -686,6 +686,48 @@ TEST(LinkPlanTest, Fp8OnTheWireThroughAPlanRefusesWhatCantCopyAsItIs) {
   EXPECT_THAT(s.message(), HasSubstr("'steps' is int32: only float32")) << s;
 }
 
+// One FP8 target w [rows, cols] (FLOAT8_E4M3FN) in br x bc blocks (0: the
+// default 128) and its float32 scales.
+Engine OneFp8Engine(int64_t rows, int64_t cols, int64_t br, int64_t bc,
+                    testing::HeapMapper& mapper) {
+  std::vector<v1::Parameter> params(2);
+  params[0].set_name("w");
+  params[0].set_dtype(v1::FLOAT8_E4M3FN);
+  params[0].add_shape(rows);
+  params[0].add_shape(cols);
+  v1::Quantization* q = params[0].mutable_quantization();
+  q->set_format(v1::FLOAT8_E4M3FN);
+  q->set_scale_parameter("w_scale");
+  q->set_block_rows(br);
+  q->set_block_cols(bc);
+  const int64_t r = br ? br : 128, c = bc ? bc : 128;
+  params[1].set_name("w_scale");
+  params[1].set_dtype(v1::FLOAT32);
+  params[1].add_shape((rows + r - 1) / r);
+  params[1].add_shape((cols + c - 1) / c);
+  return MakeEngineOf("e", params, mapper);
+}
+
+// A plan's spec of one float32 tensor w [rows, cols]: each of `holds` (r0
+// rn c0 cn) a sender's block, one receiver "daemon" needing it whole.
+v1::TransferPlanSpec OneTensorSpec(
+    int64_t rows, int64_t cols,
+    const std::vector<std::array<int64_t, 4>>& holds) {
+  v1::TransferPlanSpec spec;
+  v1::TensorSpec* t = spec.add_tensors();
+  t->set_name("w");
+  t->set_dtype(v1::FLOAT32);
+  t->add_shape(rows);
+  t->add_shape(cols);
+  for (const auto& h : holds) {
+    *spec.add_senders()->add_holds() = Block("w", h[0], h[1], h[2], h[3]);
+  }
+  v1::ReceiverLayout* r = spec.add_receivers();
+  r->set_name("daemon");
+  *r->add_needs() = Block("w", 0, rows, 0, cols);
+  return spec;
+}
+
 // One FP8 target w [64, 32] in 16 x 16 blocks, fed whole by one tensor that
 // `cuts` split into row shards of as many senders: the rows of blocks a
 // cut falls in wait for both senders, every other streams by. The plan's
@@ -704,37 +746,15 @@ TEST(LinkPlanTest, Fp8BandsThatWaitAreTheOnesACutFallsIn) {
                          {{20, 44}, 3 * 2048 + 2 * 2048, true},
                          {{1, 63}, 3 * 2048 + 2 * 2048, true}}) {
     testing::HeapMapper mapper;
-    std::vector<v1::Parameter> params(2);
-    params[0].set_name("w");
-    params[0].set_dtype(v1::FLOAT8_E4M3FN);
-    params[0].add_shape(64);
-    params[0].add_shape(32);
-    v1::Quantization* q = params[0].mutable_quantization();
-    q->set_format(v1::FLOAT8_E4M3FN);
-    q->set_scale_parameter("w_scale");
-    q->set_block_rows(16);
-    q->set_block_cols(16);
-    params[1].set_name("w_scale");
-    params[1].set_dtype(v1::FLOAT32);
-    params[1].add_shape(4);
-    params[1].add_shape(2);
-    Engine e = MakeEngineOf("e", params, mapper);
-    v1::TransferPlanSpec spec;
-    v1::TensorSpec* t = spec.add_tensors();
-    t->set_name("w");
-    t->set_dtype(v1::FLOAT32);
-    t->add_shape(64);
-    t->add_shape(32);
+    Engine e = OneFp8Engine(64, 32, 16, 16, mapper);
     std::vector<int64_t> edges = {0};
     edges.insert(edges.end(), c.cuts.begin(), c.cuts.end());
     edges.push_back(64);
+    std::vector<std::array<int64_t, 4>> holds;
     for (size_t i = 0; i + 1 < edges.size(); ++i) {
-      *spec.add_senders()->add_holds() =
-          Block("w", edges[i], edges[i + 1] - edges[i], 0, 32);
+      holds.push_back({edges[i], edges[i + 1] - edges[i], 0, 32});
     }
-    v1::ReceiverLayout* r = spec.add_receivers();
-    r->set_name("daemon");
-    *r->add_needs() = Block("w", 0, 64, 0, 32);
+    const v1::TransferPlanSpec spec = OneTensorSpec(64, 32, holds);
     absl::StatusOr<TransferPlan> plan = BuildTransferPlan(spec);
     ASSERT_TRUE(plan.ok()) << plan.status();
     absl::StatusOr<LinkedCopyPlan> linked =
@@ -783,20 +803,12 @@ TEST(LinkPlanTest, Fp8ColumnHalvesOfOneTensorWaitForNothing) {
   }
   Engine e = MakeEngineOf("e", params, mapper);
   auto linked = [&](int senders, const std::vector<WireTensor>& wire) {
-    v1::TransferPlanSpec spec;
-    v1::TensorSpec* t = spec.add_tensors();
-    t->set_name("w");
-    t->set_dtype(v1::FLOAT32);
-    t->add_shape(64);
-    t->add_shape(32);
+    std::vector<std::array<int64_t, 4>> holds;
     for (int s = 0; s < senders; ++s) {
-      *spec.add_senders()->add_holds() =
-          Block("w", 0, 64, 32 / senders * s, 32 / senders);
+      holds.push_back({0, 64, 32 / senders * s, 32 / senders});
     }
-    v1::ReceiverLayout* r = spec.add_receivers();
-    r->set_name("daemon");
-    *r->add_needs() = Block("w", 0, 64, 0, 32);
-    absl::StatusOr<TransferPlan> plan = BuildTransferPlan(spec);
+    absl::StatusOr<TransferPlan> plan =
+        BuildTransferPlan(OneTensorSpec(64, 32, holds));
     EXPECT_TRUE(plan.ok()) << plan.status();
     return BuildLinkedCopyPlan(*plan, {0}, 1024, {e.layout}, {}, wire);
   };
@@ -827,28 +839,6 @@ TEST(LinkPlanTest, Fp8ColumnHalvesOfOneTensorWaitForNothing) {
       EXPECT_EQ(dense->links[k].bytes, 64 * 32 / senders * 4) << senders;
     }
   }
-}
-
-// One FP8 target w [rows, cols] (FLOAT8_E4M3FN) in br x bc blocks (0: the
-// default 128) and its float32 scales.
-Engine OneFp8Engine(int64_t rows, int64_t cols, int64_t br, int64_t bc,
-                    testing::HeapMapper& mapper) {
-  std::vector<v1::Parameter> params(2);
-  params[0].set_name("w");
-  params[0].set_dtype(v1::FLOAT8_E4M3FN);
-  params[0].add_shape(rows);
-  params[0].add_shape(cols);
-  v1::Quantization* q = params[0].mutable_quantization();
-  q->set_format(v1::FLOAT8_E4M3FN);
-  q->set_scale_parameter("w_scale");
-  q->set_block_rows(br);
-  q->set_block_cols(bc);
-  const int64_t r = br ? br : 128, c = bc ? bc : 128;
-  params[1].set_name("w_scale");
-  params[1].set_dtype(v1::FLOAT32);
-  params[1].add_shape((rows + r - 1) / r);
-  params[1].add_shape((cols + c - 1) / c);
-  return MakeEngineOf("e", params, mapper);
 }
 
 // plan_wire's block grid at its edges: the default blocks (0: 128), blocks
@@ -887,18 +877,8 @@ TEST(LinkPlanTest, Fp8OnTheWireTakesEveryPieceOnItsBlocksAndNoOther) {
   for (const Case& c : cases) {
     testing::HeapMapper mapper;
     Engine e = OneFp8Engine(c.rows, c.cols, c.br, c.bc, mapper);
-    v1::TransferPlanSpec spec;
-    v1::TensorSpec* t = spec.add_tensors();
-    t->set_name("w");
-    t->set_dtype(v1::FLOAT32);
-    t->add_shape(c.rows);
-    t->add_shape(c.cols);
-    for (const auto& h : c.holds) {
-      *spec.add_senders()->add_holds() = Block("w", h[0], h[1], h[2], h[3]);
-    }
-    *spec.add_receivers()->add_needs() = Block("w", 0, c.rows, 0, c.cols);
-    spec.mutable_receivers(0)->set_name("daemon");
-    absl::StatusOr<TransferPlan> plan = BuildTransferPlan(spec);
+    absl::StatusOr<TransferPlan> plan =
+        BuildTransferPlan(OneTensorSpec(c.rows, c.cols, c.holds));
     ASSERT_TRUE(plan.ok()) << plan.status();
     WireTensor w;
     w.tensor = "w";
