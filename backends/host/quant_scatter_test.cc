@@ -469,6 +469,19 @@ TEST(QuantScatterTest, RunsOfOneElementAndRowsOutsideTheSegment) {
   EXPECT_TRUE(Bytes(*layout, 1) == ref.second);
 }
 
+// One random bfloat16 tensor "w" [256, 256] (from `seed`) and its manifest.
+struct Bf16Weight {
+  std::vector<Tensor> tensors;
+  Manifest manifest;
+};
+Bf16Weight RandomBf16Weight(unsigned seed) {
+  std::mt19937 rng(seed);
+  Bf16Weight w;
+  w.tensors = {RandomTensor("w", v1::BFLOAT16, 256, 256, rng)};
+  *w.manifest.Add() = w.tensors[0].spec;
+  return w;
+}
+
 // A fresh QuantScatter fed `chunks` of `plan` in that order from the
 // packed stream `bytes`; the first failure, or OK.
 absl::Status FeedChunks(const CopyPlan& plan, const std::string& bytes,
@@ -570,11 +583,9 @@ TEST(QuantScatterTest, ABrokenPlanIsRefusedNotWrittenOutsideItsBand) {
 // its first element (band 0 too) until its last; nothing once it is
 // written, though its memory is kept for the next band.
 TEST(QuantScatterTest, OpenBytesAreTheBandBeingFilled) {
-  std::mt19937 rng(7);
-  const std::vector<Tensor> tensors = {
-      RandomTensor("w", v1::BFLOAT16, 256, 256, rng)};
-  Manifest m;
-  *m.Add() = tensors[0].spec;
+  const Bf16Weight w = RandomBf16Weight(7);
+  const std::vector<Tensor>& tensors = w.tensors;
+  const Manifest& m = w.manifest;
   testing::HeapMapper mapper;
   auto layout = BuildEngineLayout(OneFp8Weight(256, 256, 2, 2), mapper);
   ASSERT_TRUE(layout.ok()) << layout.status();
@@ -641,11 +652,9 @@ class ShrunkSource : public MappedRegion {
 // truncated: the piece is refused (DATA_LOSS, naming the source: "register
 // the source again"), not read as zeros, and nothing reaches the engine.
 TEST(QuantScatterTest, AnFp8PieceFromASourceThatShrankIsRefusedNamingIt) {
-  std::mt19937 rng(9);
-  const std::vector<Tensor> tensors = {
-      RandomTensor("w", v1::BFLOAT16, 256, 256, rng)};
-  Manifest m;
-  *m.Add() = tensors[0].spec;
+  const Bf16Weight w = RandomBf16Weight(9);
+  const std::vector<Tensor>& tensors = w.tensors;
+  const Manifest& m = w.manifest;
   testing::HeapMapper mapper;
   auto layout = BuildEngineLayout(OneFp8Weight(256, 256, 2, 2), mapper);
   ASSERT_TRUE(layout.ok()) << layout.status();
@@ -677,11 +686,9 @@ TEST(QuantScatterTest, AnFp8PieceFromASourceThatShrankIsRefusedNamingIt) {
 // weight's and the scales' regions both armed), the scale region is marked
 // faulted for Finish to drop the engine, and the daemon lives on.
 TEST(QuantScatterTest, ScalesInAShrunkAllocationOfTheirOwnFailTheEngineOnly) {
-  std::mt19937 rng(11);
-  const std::vector<Tensor> tensors = {
-      RandomTensor("w", v1::BFLOAT16, 256, 256, rng)};
-  Manifest m;
-  *m.Add() = tensors[0].spec;
+  const Bf16Weight w = RandomBf16Weight(11);
+  const std::vector<Tensor>& tensors = w.tensors;
+  const Manifest& m = w.manifest;
   v1::RegisterEngineRequest r = OneFp8Weight(256, 256, 2, 2);
   r.mutable_parameters(1)->set_allocation(1);
   r.mutable_parameters(1)->set_offset(0);
