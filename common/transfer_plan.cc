@@ -252,11 +252,9 @@ absl::Status PlanTensor(const v1::TransferPlanSpec& spec, int32_t ti,
     }
   }
   std::vector<std::vector<int>> need(nr * nc);
-  std::vector<std::pair<Rect, int>> needed = t.needed;
-  std::stable_sort(
-      needed.begin(), needed.end(),
-      [](const auto& a, const auto& b) { return a.second < b.second; });
-  for (const auto& [r, who] : needed) {
+  // t.needed is in receiver order (Collect adds receiver 0's blocks first),
+  // so each cell's list of receivers comes out ascending, each once.
+  for (const auto& [r, who] : t.needed) {
     for (int64_t i = CutIndex(rc, r.r0); rc[i] < r.r0 + r.rn; ++i) {
       for (int64_t j = CutIndex(cc, r.c0); cc[j] < r.c0 + r.cn; ++j) {
         std::vector<int>& n = need[i * nc + j];
@@ -457,17 +455,16 @@ absl::StatusOr<TransferPlan> BuildTransferPlan(
   }
   std::vector<int64_t> load(plan.num_senders, 0);
   for (const PlanPiece& p : plan.pieces) load[p.sender] += p.bytes;
-  // Largest shared cells first, so the small ones even out what is left.
+  // Largest shared cells first, so the small ones even out what is left;
+  // cells of one size keep the order PlanTensor listed them in (tensor,
+  // then row, then column), as the plan's canonical order requires.
   auto cell_bytes = [&](const SharedCell& c) {
     return static_cast<__int128>(c.rect.rn) * c.rect.cn *
            tensors[c.tensor].esize * c.receivers.size();
   };
   std::stable_sort(shared.begin(), shared.end(),
                    [&](const SharedCell& a, const SharedCell& b) {
-                     const __int128 x = cell_bytes(a), y = cell_bytes(b);
-                     if (x != y) return x > y;
-                     return std::tie(a.tensor, a.rect.r0, a.rect.c0) <
-                            std::tie(b.tensor, b.rect.r0, b.rect.c0);
+                     return cell_bytes(a) > cell_bytes(b);
                    });
   for (const SharedCell& c : shared) {
     WaterFill(c, tensors[c.tensor].esize, &load, &plan.pieces);

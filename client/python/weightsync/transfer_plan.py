@@ -22,6 +22,7 @@ rank holds. Standard library only; `build_plan` is a pure function.
 import fnmatch
 import hashlib
 import json
+import random
 import sys
 
 try:
@@ -584,11 +585,64 @@ def vector_specs():
                                       [[shard("w", [4, 6, 8], 1, i, 3)] for i in range(3)],
                                       [("r0", [block("w", 0, 2, 0, 48)]),
                                        ("r1", [block("w", 1, 3, 10, 20)])])),
+        # Sender 0's own tensor counts before the replicas' cell is split:
+        # the shared rows go mostly to sender 1.
+        ("sole_holder_then_replicas", _spec([_t("a", [4, 8]), _t("b", [32, 8])],
+                                            [[whole("a", [4, 8]), whole("b", [32, 8])],
+                                             [whole("b", [32, 8])]],
+                                            [("r", [whole("a", [4, 8]), whole("b", [32, 8])])])),
+        ("first_tensor_unused", _spec([_t("unused", [4, 4]), _t("a", [4, 4])],
+                                      [[whole("unused", [4, 4]), whole("a", [4, 4])]],
+                                      [("r", [whole("a", [4, 4]), block("a", 0, 2, 0, 4)])])),
         ("unused_and_empty", _spec([_t("a", [4, 4]), _t("unused", [4, 4]), _t("empty", [0, 4])],
                                    [[whole("a", [4, 4]), whole("unused", [4, 4]),
                                      block("empty", 0, 0, 0, 4)]],
                                    [("r", [whole("a", [4, 4]), block("empty", 0, 0, 0, 4)])])),
     ]
+
+
+def _random_cuts(rng, n):
+    """0 = c_0 < c_1 < ... < c_k = n, a few random cuts of [0, n)."""
+    inner = sorted(rng.sample(range(1, n), min(n - 1, rng.randint(0, 3)))) if n > 1 else []
+    return [0] + inner + [n]
+
+
+def _random_spec(rng):
+    """A layout no one wrote by hand: each tensor's 2-D view tiled at random
+    cuts, each tile held by a random set of senders (one holder, or
+    replicas whose prior loads differ), receivers needing random
+    rectangles (overlapping each other and themselves), 1-, 2- and 4-byte
+    dtypes so that cells of a byte's difference exist, some tensors needed
+    by no one."""
+    senders, receivers = rng.randint(1, 4), rng.randint(1, 3)
+    tensors, holds, needs = [], [[] for _ in range(senders)], [[] for _ in range(receivers)]
+    for i in range(rng.randint(1, 5)):
+        shape = rng.choice([[rng.randint(1, 9), rng.randint(1, 7)], [rng.randint(1, 12)], [],
+                            [rng.randint(1, 4), rng.randint(1, 3), rng.randint(1, 3)]])
+        t = _t(f"t{i}", shape, rng.choice(["BFLOAT16", "FLOAT32", "UINT8", "FLOAT8_E4M3FN"]))
+        tensors.append(t)
+        rows, cols = view_2d(shape)
+        rc, cc = _random_cuts(rng, rows), _random_cuts(rng, cols)
+        for a, b in zip(rc, rc[1:]):
+            for c, d in zip(cc, cc[1:]):
+                for s in rng.sample(range(senders), rng.randint(1, senders)):
+                    holds[s].append(block(t["name"], a, b - a, c, d - c))
+        if rng.random() < 0.2:
+            continue  # needed by no one
+        for r in range(receivers):
+            for _ in range(rng.choice([0, 1, 1, 2])):
+                r0 = rng.randrange(rows)
+                c0 = rng.randrange(cols)
+                needs[r].append(block(t["name"], r0, rng.randint(1, rows - r0),
+                                      c0, rng.randint(1, cols - c0)))
+    if not any(needs):
+        needs[0].append(whole(tensors[0]["name"], tensors[0]["shape"]))
+    return _spec(tensors, holds, [(f"r{r}", n) for r, n in enumerate(needs)])
+
+
+def random_vector_specs(seed=32, count=40):
+    rng = random.Random(seed)
+    return [(f"random_{k}", _random_spec(rng)) for k in range(count)]
 
 
 def vector_errors():
@@ -601,6 +655,11 @@ def vector_errors():
                                          [block("w", 4, 4, 0, 4)]], rcv),
          "tensor 'w': the block rows [0, 5) cols [0, 4) of sender(s) 0 overlaps the block "
          "rows [4, 8) cols [0, 4) of sender(s) 1"),
+        ("replicas_overlapped", _spec(m, [[block("w", 0, 5, 0, 4), whole("b", [8])],
+                                          [block("w", 0, 5, 0, 4)], [block("w", 4, 4, 0, 4)]],
+                                      rcv),
+         "tensor 'w': the block rows [0, 5) cols [0, 4) of sender(s) 0,1 overlaps the block "
+         "rows [4, 8) cols [0, 4) of sender(s) 2"),
         ("byte_held_by_no_one", _spec(m, [[block("w", 0, 4, 0, 4), whole("b", [8])],
                                           [block("w", 5, 3, 0, 4)]], rcv),
          "tensor 'w': rows [4, 5) cols [0, 4) needed by receiver 0 ('r') are held by no sender"),
@@ -646,7 +705,7 @@ def _spec_json(spec):
 
 def build_vectors():
     cases = []
-    for name, spec in vector_specs():
+    for name, spec in vector_specs() + random_vector_specs():
         plan = build_plan(spec)
         cases.append({"name": name, "spec": _spec_json(spec), "planId": plan.id,
                       "pieces": [dict(zip(("tensor", "rowBegin", "rowCount", "colBegin",
