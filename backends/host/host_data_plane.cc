@@ -238,8 +238,8 @@ absl::Status HostDataPlane::Begin(std::shared_ptr<const CopyPlan> plan,
     return absl::FailedPreconditionError("host data plane is still busy");
   }
   lost_size_ = plan->engines.size();
+  // Value-initialised (new T[n]()): no engine lost.
   lost_ = std::make_unique<std::atomic<bool>[]>(lost_size_);
-  for (int i = 0; i < lost_size_; ++i) lost_[i] = false;
   assembly_.assign(plan->sparse.size(), std::string());
   assembled_.assign(plan->sparse.size(), 0);
   quant_.Reset(*plan);

@@ -6,14 +6,21 @@
 // memory is never touched; a block use writes only its own rows and columns.
 #include "backends/host/host_data_plane.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "daemon/core/copy_plan.h"
 #include "daemon/core/engine_layout.h"
 #include "daemon/core/source_registry.h"
@@ -276,6 +283,120 @@ TEST(ScatterFromSourceTest, ALostEngineIsNotTouched) {
   EXPECT_THAT(t.engines.Floats(0), Each(kOld));
 }
 
+// A source whose tensors live in two allocations (a in the first, b in the
+// second): one pass per allocation, each copying what lives there, until
+// no piece of a later one is left.
+TEST(ScatterFromSourceTest, ATensorInALaterAllocationIsCopiedFromIt) {
+  for (int regions : {2, 3}) {
+    TwoTensorSource t;
+    auto second = std::make_shared<testing::HeapRegion>(64);
+    std::memcpy(second->data() + 8, t.b.data(), 4);
+    t.source.regions.push_back(second);
+    if (regions == 3) {  // b in the third, the second unused
+      t.source.regions.push_back(second);
+      t.source.placements[1] = {2, 8};
+    } else {
+      t.source.placements[1] = {1, 8};
+    }
+    ASSERT_TRUE(t.Scatter(TwoTensorSource::Op(0, 1, 65, 0, 0)).ok());
+    std::vector<float> want = t.a;
+    want.push_back(999);
+    want.resize(80, kOld);
+    EXPECT_EQ(t.engines.Floats(0), want) << regions << " allocations";
+  }
+}
+
+// The SIGBUS handler flags an allocation the trainer truncated
+// (bus_guard.h): the chunk fails as DATA_LOSS, naming the source.
+TEST(ScatterFromSourceTest, AnAllocationThatFaultedFailsTheChunk) {
+  TwoTensorSource t;
+  t.source.regions[0]->faulted_flag()->store(true);
+  absl::Status s = t.Scatter(TwoTensorSource::Op(0, 1, 65, 0, 0));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(s.message(), HasSubstr("allocation 0 of source 's' shrank "
+                                     "under the daemon"));
+}
+
+// Ops of several engines in one chunk: a lost engine's are skipped, and
+// only those, whichever engine comes first.
+TEST(ScatterFromSourceTest, ALostEngineSkipsOnlyItsOwnCopies) {
+  for (int lost_engine : {0, 1}) {
+    TwoTensorSource t;
+    t.engines = Engines(2, 80);
+    t.engines.plan.chunks.tensor_offsets = {0, 256};
+    t.engines.plan.chunks.payload_bytes = {256, 4};
+    t.engines.plan.chunks.chunks.resize(1);
+    t.engines.plan.chunks.chunks[0].size = 260;
+    std::vector<CopyOp> ops;
+    for (int e : {0, 0, 1, 1}) {
+      const bool second = ops.size() % 2;
+      CopyOp op = TwoTensorSource::Op(second ? 128 : 0, 1, 32, 0, 0);
+      op.engine = e;
+      op.dst_offset = second ? 128 : 0;
+      ops.push_back(op);
+    }
+    t.engines.plan.ops_by_chunk = {ops};
+    std::atomic<bool> lost[2] = {lost_engine == 0, lost_engine == 1};
+    ASSERT_TRUE(ScatterFromSource(t.engines.plan, 0, t.source, lost).ok());
+    std::vector<float> want = t.a;
+    want.resize(80, kOld);
+    EXPECT_THAT(t.engines.Floats(lost_engine), Each(kOld)) << lost_engine;
+    EXPECT_EQ(t.engines.Floats(1 - lost_engine), want) << lost_engine;
+  }
+}
+
+// Engine memory the engine truncated under the daemon (a memfd shrunk to
+// nothing under its mapping: every page raises SIGBUS).
+class TruncatedRegion : public MappedRegion {
+ public:
+  TruncatedRegion() {
+    const int fd = memfd_create("ws-truncated", 0);
+    if (fd >= 0 && ftruncate(fd, kBytes) == 0) {
+      void* p =
+          mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      if (p != MAP_FAILED && ftruncate(fd, 0) == 0) {
+        data_ = static_cast<uint8_t*>(p);
+      }
+    }
+    if (fd >= 0) close(fd);
+  }
+  ~TruncatedRegion() override {
+    if (data_ != nullptr) munmap(data_, kBytes);
+  }
+  uint8_t* data() const override { return data_; }
+  int64_t size() const override { return kBytes; }
+  v1::MemoryKind kind() const override { return v1::MEMORY_HOST_SHM; }
+  const std::string& device_uuid() const override { return uuid_; }
+
+ private:
+  static constexpr int64_t kBytes = 4096;
+  uint8_t* data_ = nullptr;
+  std::string uuid_ = "host";
+};
+
+// Copies into two regions of one engine, the second truncated: each run of
+// copies is guarded on the region it writes, so the fault fails that
+// region (dropped at Finish) instead of killing the daemon, and the first
+// region is written.
+TEST(ScatterFromSourceTest, ATruncatedEngineRegionFaultsAloneAndKillsNothing) {
+  TwoTensorSource t;
+  auto truncated = std::make_shared<TruncatedRegion>();
+  ASSERT_NE(truncated->data(), nullptr);
+  auto layout = std::make_shared<EngineLayout>(*t.engines.plan.engines[0]);
+  layout->regions.push_back(truncated);
+  t.engines.plan.engines[0] = layout;
+  CopyOp first = TwoTensorSource::Op(0, 1, 32, 0, 0);
+  CopyOp second = TwoTensorSource::Op(128, 1, 32, 0, 0);
+  second.region = 1;
+  t.engines.plan.ops_by_chunk = {{first, second}};
+  EXPECT_TRUE(ScatterFromSource(t.engines.plan, 0, t.source, nullptr).ok());
+  EXPECT_TRUE(truncated->faulted());
+  EXPECT_FALSE(t.engines.heap[0]->faulted());
+  std::vector<float> want(t.a.begin(), t.a.begin() + 32);
+  want.resize(80, kOld);
+  EXPECT_EQ(t.engines.Floats(0), want);
+}
+
 // Byte-sized elements: a copy may read a tensor's very last byte, and a
 // strided copy one byte past it is refused (a 16-byte UINT8 tensor "c").
 TEST(ScatterFromSourceTest, ByteElementsToTheLastByteAndNotOnePast) {
@@ -318,6 +439,389 @@ TEST(ScatterFromSourceTest, ACopyOfBytesNoTensorHoldsIsRefused) {
                           "source 's' holds"));
     EXPECT_THAT(t.engines.Floats(0), Each(kOld)) << at;
   }
+}
+
+// ---- HostDataPlane: the life of an update on the host backend ----------
+
+// Engine memory whose data() holds any thread but the test's (the plane's
+// worker, in the middle of a chunk) until the test opens the gate: the
+// plane is then busy with one chunk for as long as the test needs.
+class GatedRegion : public MappedRegion {
+ public:
+  explicit GatedRegion(int64_t floats) : bytes_(floats * 4, 0) {}
+  uint8_t* data() const override {
+    if (std::this_thread::get_id() != test_thread_) {
+      if (!told_.exchange(true)) entered_.Notify();
+      gate_.WaitForNotification();
+    }
+    return const_cast<uint8_t*>(bytes_.data());
+  }
+  int64_t size() const override { return bytes_.size(); }
+  v1::MemoryKind kind() const override { return v1::MEMORY_HOST_SHM; }
+  const std::string& device_uuid() const override { return uuid_; }
+  void WaitEntered() const { entered_.WaitForNotification(); }
+  void Open() const {
+    if (!gate_.HasBeenNotified()) gate_.Notify();
+  }
+  std::vector<float> Floats() const {
+    std::vector<float> out(bytes_.size() / 4);
+    std::memcpy(out.data(), bytes_.data(), bytes_.size());
+    return out;
+  }
+
+ private:
+  std::vector<uint8_t> bytes_;
+  std::string uuid_ = "host";
+  const std::thread::id test_thread_ = std::this_thread::get_id();
+  mutable std::atomic<bool> told_{false};
+  mutable absl::Notification entered_, gate_;
+};
+
+// GPU memory as the host backend sees it: no host pointer.
+class GpuRegion : public MappedRegion {
+ public:
+  uint8_t* data() const override { return nullptr; }
+  int64_t size() const override { return 1024; }
+  v1::MemoryKind kind() const override { return v1::MEMORY_CUDA_IPC; }
+  const std::string& device_uuid() const override { return uuid_; }
+
+ private:
+  std::string uuid_ = "GPU-7";
+};
+
+// A plan of `chunks` chunks of `floats` float32 elements each: chunk k
+// copies its elements to floats [k * floats, (k + 1) * floats) of every
+// engine of `engines` (each of chunks * floats elements).
+std::shared_ptr<CopyPlan> ChunkedPlan(const Engines& engines, int chunks,
+                                      int64_t floats) {
+  auto plan = std::make_shared<CopyPlan>(engines.plan);
+  plan->chunks.chunk_bytes = floats * 4;
+  for (int k = 0; k < chunks; ++k) {
+    Chunk c;
+    c.index = k;
+    c.offset = k * floats * 4;
+    c.size = floats * 4;
+    plan->chunks.chunks.push_back(c);
+    std::vector<CopyOp> ops;
+    for (int e = 0; e < static_cast<int>(engines.plan.engines.size()); ++e) {
+      CopyOp op;
+      op.engine = e;
+      op.dst_offset = c.offset;
+      op.rows = 1;
+      op.cols = floats;
+      op.src_dtype = op.dst_dtype = v1::FLOAT32;
+      ops.push_back(op);
+    }
+    plan->ops_by_chunk.push_back(ops);
+  }
+  plan->sparse_pieces_by_chunk.resize(chunks);
+  return plan;
+}
+
+// Chunk k's bytes: `floats` elements 100 k + 1, 100 k + 2, ...
+std::string ChunkData(int k, int64_t floats) {
+  std::vector<float> v(floats);
+  for (int64_t i = 0; i < floats; ++i) v[i] = 100.0f * k + 1 + i;
+  return std::string(reinterpret_cast<const char*>(v.data()), floats * 4);
+}
+
+std::vector<float> Expected(int chunks, int64_t floats) {
+  std::vector<float> out;
+  for (int k = 0; k < chunks; ++k) {
+    const std::string d = ChunkData(k, floats);
+    const float* f = reinterpret_cast<const float*>(d.data());
+    out.insert(out.end(), f, f + floats);
+  }
+  return out;
+}
+
+absl::Time Soon() { return absl::Now() + absl::Milliseconds(100); }
+absl::Time Later() { return absl::Now() + absl::Seconds(20); }
+
+TEST(HostDataPlaneTest, StagingIsRefusedPastTheBudgetNotAtIt) {
+  Engines engines(1, 256);
+  std::shared_ptr<CopyPlan> plan = ChunkedPlan(engines, 1, 256);  // 1 KiB
+  struct Case {
+    int buffers;
+    int64_t budget, band;
+    bool ok;
+    std::string words;
+  };
+  for (const Case& c : std::vector<Case>{
+           {2, 2048, 0, true, ""},
+           {2, 2047, 0, false, "2 x 1024 bytes exceeds the budget of 2047"},
+           {1, 2048, 0, true, ""},  // fewer than 2 buffers count as 2
+           {1, 2047, 0, false, "2 x 1024 bytes exceeds the budget of 2047"},
+           {3, 3071, 0, false, "3 x 1024 bytes exceeds the budget of 3071"},
+           {2, 2148, 100, true, ""},
+           {2, 2147, 100, false,
+            "host staging of 2048 bytes and 100 bytes of FP8 targets' rows "
+            "of blocks (float32) exceed the budget of 2147"}}) {
+    HostDataPlane plane({c.buffers, c.budget});
+    plan->quant_band_bytes = c.band;
+    absl::Status s = plane.Begin(plan, {});
+    const std::string what = absl::StrCat(c.buffers, " buffers, budget ",
+                                          c.budget, ", band ", c.band);
+    if (c.ok) {
+      EXPECT_TRUE(s.ok()) << what << ": " << s;
+      EXPECT_TRUE(plane.Drain(Later()).ok()) << what;
+    } else {
+      EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << what;
+      EXPECT_THAT(s.message(), HasSubstr(c.words)) << what;
+      // Refused before anything began: no update to feed.
+      EXPECT_EQ(plane.SubmitChunk(0, ChunkData(0, 256), Soon()).code(),
+                absl::StatusCode::kFailedPrecondition)
+          << what;
+    }
+  }
+}
+
+TEST(HostDataPlaneTest, GpuMemoryIsRefusedNamingWhoseItIs) {
+  Engines engines(2, 4);
+  auto layout = std::make_shared<EngineLayout>(*engines.plan.engines[1]);
+  layout->regions.push_back(std::make_shared<GpuRegion>());
+  engines.plan.engines[1] = layout;  // engine e1's second region
+  HostDataPlane plane({});
+  absl::Status s = plane.Begin(ChunkedPlan(engines, 1, 4), {});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("engine 'e1' registered GPU memory "
+                                     "(GPU-7); the host backend writes host "
+                                     "shared memory only"));
+  // A source of GPU memory, first or last of its allocations.
+  Engines host(1, 4);
+  for (int at : {0, 1}) {
+    Source source;
+    source.id = "s";
+    source.regions = {std::make_shared<testing::HeapRegion>(16),
+                      std::make_shared<testing::HeapRegion>(16)};
+    source.regions[at] = std::make_shared<GpuRegion>();
+    absl::Status g = plane.BeginFromSource(ChunkedPlan(host, 1, 4), {}, source);
+    EXPECT_EQ(g.code(), absl::StatusCode::kInvalidArgument) << at;
+    EXPECT_THAT(g.message(), HasSubstr(absl::StrCat("source allocation ", at,
+                                                    " of 's' is GPU memory")));
+  }
+  EXPECT_EQ(plane.SubmitChunk(0, ChunkData(0, 4), Soon()).code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(HostDataPlaneTest, EveryChunkIsWrittenBeforeDrainReturns) {
+  Engines engines(2, 3 * 8);
+  HostDataPlane plane({});
+  ASSERT_TRUE(plane.Begin(ChunkedPlan(engines, 3, 8), {}).ok());
+  for (int k = 0; k < 3; ++k) {
+    ASSERT_TRUE(plane.SubmitChunk(k, ChunkData(k, 8), Later()).ok()) << k;
+  }
+  ASSERT_TRUE(plane.Drain(Later()).ok());
+  EXPECT_EQ(plane.chunks_written(), 3);
+  EXPECT_EQ(engines.Floats(0), Expected(3, 8));
+  EXPECT_EQ(engines.Floats(1), Expected(3, 8));
+  // The update is over: a late chunk is refused and writes nothing.
+  absl::Status late = plane.SubmitChunk(0, ChunkData(5, 8), Soon());
+  EXPECT_EQ(late.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(late.message(), HasSubstr("no update in progress"));
+  EXPECT_EQ(engines.Floats(0), Expected(3, 8));
+}
+
+TEST(HostDataPlaneTest, ALostEngineIsLeftAloneForThatUpdateOnly) {
+  Engines engines(2, 8);
+  HostDataPlane plane({});
+  plane.MarkEngineLost(0);  // no update yet: nothing to mark
+  ASSERT_TRUE(plane.Begin(ChunkedPlan(engines, 1, 8), {}).ok());
+  for (int bad : {-1, 2, 1 << 20}) plane.MarkEngineLost(bad);  // ignored
+  plane.MarkEngineLost(0);
+  ASSERT_TRUE(plane.SubmitChunk(0, ChunkData(0, 8), Later()).ok());
+  ASSERT_TRUE(plane.Drain(Later()).ok());
+  EXPECT_THAT(engines.Floats(0), Each(kOld));
+  EXPECT_EQ(engines.Floats(1), Expected(1, 8));
+  // The next update starts with every engine whole again; now the last
+  // engine is the lost one.
+  ASSERT_TRUE(plane.Begin(ChunkedPlan(engines, 1, 8), {}).ok());
+  plane.MarkEngineLost(1);
+  ASSERT_TRUE(plane.SubmitChunk(0, ChunkData(7, 8), Later()).ok());
+  ASSERT_TRUE(plane.Drain(Later()).ok());
+  const std::string seven = ChunkData(7, 8);
+  EXPECT_EQ(
+      engines.Floats(0),
+      std::vector<float>(reinterpret_cast<const float*>(seven.data()),
+                         reinterpret_cast<const float*>(seven.data()) + 8));
+  EXPECT_EQ(engines.Floats(1), Expected(1, 8));
+}
+
+// One engine of gated memory: the worker holds chunk 0 until the gate
+// opens.
+struct GatedPlane {
+  Engines none{0, 0};
+  std::shared_ptr<GatedRegion> memory = std::make_shared<GatedRegion>(3 * 4);
+  std::shared_ptr<CopyPlan> plan;
+  HostDataPlane plane{{2, int64_t{1} << 20}};  // two chunks in flight
+
+  GatedPlane() {
+    auto layout = std::make_shared<EngineLayout>();
+    layout->engine_id = "gated";
+    layout->regions.push_back(memory);
+    none.plan.engines.push_back(layout);
+    plan = ChunkedPlan(none, 3, 4);
+  }
+  ~GatedPlane() { memory->Open(); }
+};
+
+TEST(HostDataPlaneTest, NoMoreChunksThanBuffersAreHeldAndDrainWaitsForAll) {
+  GatedPlane g;
+  ASSERT_TRUE(g.plane.Begin(g.plan, {}).ok());
+  ASSERT_TRUE(g.plane.SubmitChunk(0, ChunkData(0, 4), Later()).ok());
+  g.memory->WaitEntered();  // the worker is in chunk 0
+  // Busy with a chunk, even with nothing queued: no new update.
+  absl::Status busy = g.plane.Begin(g.plan, {});
+  EXPECT_EQ(busy.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(busy.message(), HasSubstr("still busy"));
+  // Two buffers: chunk 1 waits in the second, chunk 2 finds none.
+  ASSERT_TRUE(g.plane.SubmitChunk(1, ChunkData(1, 4), Soon()).ok());
+  absl::Status full = g.plane.SubmitChunk(2, ChunkData(2, 4), Soon());
+  EXPECT_EQ(full.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(full.message(),
+              HasSubstr("chunk 2: no free staging buffer before the deadline"));
+  EXPECT_EQ(g.plane.Begin(g.plan, {}).code(),
+            absl::StatusCode::kFailedPrecondition);
+  absl::Status slow = g.plane.Drain(Soon());
+  EXPECT_EQ(slow.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(slow.message(), HasSubstr("wrote 0 of 2 chunks"));
+  g.memory->Open();
+  ASSERT_TRUE(g.plane.Drain(Later()).ok());
+  EXPECT_EQ(g.plane.chunks_written(), 2);
+  std::vector<float> want = Expected(2, 4);
+  want.resize(12, 0);  // chunk 2 was refused: its floats untouched
+  EXPECT_EQ(g.memory->Floats(), want);
+}
+
+// A chunk queued and not yet taken by the worker is an update in progress
+// too: Begin right after a SubmitChunk is refused whether the worker took
+// it yet or not (tried many times to meet both).
+TEST(HostDataPlaneTest, AQueuedChunkIsAnUpdateInProgress) {
+  for (int i = 0; i < 100; ++i) {
+    GatedPlane g;
+    ASSERT_TRUE(g.plane.Begin(g.plan, {}).ok());
+    ASSERT_TRUE(g.plane.SubmitChunk(0, ChunkData(0, 4), Later()).ok());
+    ASSERT_EQ(g.plane.Begin(g.plan, {}).code(),
+              absl::StatusCode::kFailedPrecondition)
+        << i;
+  }
+}
+
+TEST(HostDataPlaneTest, AbortWakesAChunkWaitingForABuffer) {
+  // A sender that comes after the Abort is told "no update in progress"
+  // instead: the case is tried again until the sender was there first.
+  for (int attempt = 0;; ++attempt) {
+    ASSERT_LT(attempt, 20) << "the sender never waited before the Abort";
+    GatedPlane g;
+    ASSERT_TRUE(g.plane.Begin(g.plan, {}).ok());
+    ASSERT_TRUE(g.plane.SubmitChunk(0, ChunkData(0, 4), Later()).ok());
+    g.memory->WaitEntered();
+    ASSERT_TRUE(g.plane.SubmitChunk(1, ChunkData(1, 4), Later()).ok());
+    absl::Status waited;
+    absl::Notification returned;
+    std::thread sender([&] {
+      waited = g.plane.SubmitChunk(2, ChunkData(2, 4), Later());
+      returned.Notify();
+    });
+    absl::SleepFor(absl::Milliseconds(20 * (attempt + 1)));
+    // Abort returns once the worker leaves chunk 0; the waiting chunk is
+    // told at once, not at its deadline.
+    std::thread aborter([&] { g.plane.Abort(); });
+    EXPECT_TRUE(returned.WaitForNotificationWithTimeout(absl::Seconds(10)));
+    g.memory->Open();
+    sender.join();
+    aborter.join();
+    if (waited.code() == absl::StatusCode::kFailedPrecondition) continue;
+    EXPECT_EQ(waited.code(), absl::StatusCode::kAborted) << waited;
+    EXPECT_THAT(waited.message(), HasSubstr("update aborted"));
+    // Chunk 1 was dropped with the queue: only chunk 0 reached the engine.
+    std::vector<float> want = Expected(1, 4);
+    want.resize(12, 0);
+    EXPECT_EQ(g.memory->Floats(), want);
+    // The plane takes the next update.
+    EXPECT_TRUE(g.plane.Begin(g.plan, {}).ok());
+    break;
+  }
+}
+
+TEST(HostDataPlaneTest, AnUpdateFromASourceReadsEveryChunkFromIt) {
+  TwoTensorSource t;
+  auto plan = std::make_shared<CopyPlan>(t.engines.plan);
+  plan->ops_by_chunk = {{TwoTensorSource::Op(0, 1, 65, 0, 0)}};
+  plan->sparse_pieces_by_chunk.resize(1);
+  HostDataPlane plane({});
+  ASSERT_TRUE(plane.BeginFromSource(plan, {}, t.source).ok());
+  ASSERT_TRUE(plane.Drain(Later()).ok());
+  EXPECT_EQ(plane.chunks_written(), 1);
+  std::vector<float> want = t.a;
+  want.push_back(999);
+  want.resize(80, kOld);
+  EXPECT_EQ(t.engines.Floats(0), want);
+}
+
+// Sparse patches ride the chunks as pieces of their payload: a patch is
+// applied once all of it arrived (split over two chunks here), and Drain
+// reports the update's first bad patch, not a later one.
+TEST(HostDataPlaneTest, APatchIsAppliedWholeAndTheFirstBadOneReported) {
+  Engines engines(1, 16);
+  Patch good(16, 16, {3, 9}, 8);
+  good.UseWhole(0, 0);
+  auto plan = std::make_shared<CopyPlan>(engines.plan);
+  plan->sparse = {good.patch};
+  const int64_t half = good.payload.size() / 2;
+  plan->chunks.chunk_bytes = half;
+  plan->ops_by_chunk.resize(2);
+  plan->sparse_pieces_by_chunk = {{{0, Piece{0, 0, 0, half}}},
+                                  {{0, Piece{0, half, 0, half}}}};
+  for (int k = 0; k < 2; ++k) {
+    Chunk c;
+    c.index = k;
+    plan->chunks.chunks.push_back(c);
+  }
+  HostDataPlane plane({});
+  ASSERT_TRUE(plane.Begin(plan, {}).ok());
+  for (int k = 0; k < 2; ++k) {
+    ASSERT_TRUE(
+        plane.SubmitChunk(k, good.payload.substr(k * half, half), Later())
+            .ok());
+  }
+  ASSERT_TRUE(plane.Drain(Later()).ok());
+  std::vector<float> want(16, kOld);
+  want[3] = 1;
+  want[9] = 2;
+  EXPECT_EQ(engines.Floats(0), want);
+
+  // Patches 'a' and 'b' (an index past the tensor each) in chunk 0 and
+  // 'c' in chunk 1: 'a' is what the update reports.
+  std::vector<Patch> bad;
+  for (const char* name : {"a", "b", "c"}) {
+    bad.emplace_back(16, 16, std::vector<int64_t>{1, 16}, 8);
+    bad.back().UseWhole(0, 0);
+    bad.back().patch.name = name;
+  }
+  const int64_t size = bad[0].payload.size();
+  auto plan2 = std::make_shared<CopyPlan>(*plan);
+  plan2->sparse = {bad[0].patch, bad[1].patch, bad[2].patch};
+  plan2->chunks.chunk_bytes = 2 * size;
+  plan2->sparse_pieces_by_chunk = {
+      {{0, Piece{0, 0, 0, size}}, {1, Piece{0, 0, size, size}}},
+      {{2, Piece{0, 0, 0, size}}}};
+  ASSERT_TRUE(plane.Begin(plan2, {}).ok());
+  ASSERT_TRUE(
+      plane.SubmitChunk(0, bad[0].payload + bad[1].payload, Later()).ok());
+  ASSERT_TRUE(plane.SubmitChunk(1, bad[2].payload, Later()).ok());
+  absl::Status s = plane.Drain(Later());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("tensor 'a': sparse index 16"));
+  EXPECT_EQ(engines.Floats(0), want);  // no bad patch wrote anything
+  // The next update starts clean.
+  ASSERT_TRUE(plane.Begin(plan, {}).ok());
+  for (int k = 0; k < 2; ++k) {
+    ASSERT_TRUE(
+        plane.SubmitChunk(k, good.payload.substr(k * half, half), Later())
+            .ok());
+  }
+  EXPECT_TRUE(plane.Drain(Later()).ok());
 }
 
 }  // namespace

@@ -681,6 +681,48 @@ TEST(QuantScatterTest, AnFp8PieceFromASourceThatShrankIsRefusedNamingIt) {
   EXPECT_TRUE(Bytes(**layout, 1) == std::string(2 * 2 * 4, '\0'));
 }
 
+// The same through the host data plane: the update ends DATA_LOSS at
+// Drain. And when the chunk's copies failed first (a broken plan: a copy
+// of bytes no tensor holds), that first error is the one reported, not
+// the FP8 piece's after it.
+TEST(QuantScatterTest, ThePlaneReportsAnFp8PiecesLossAfterItsChunksFirstError) {
+  const Bf16Weight w = RandomBf16Weight(9);
+  testing::HeapMapper mapper;
+  auto layout = BuildEngineLayout(OneFp8Weight(256, 256, 2, 2), mapper);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  auto plan = BuildCopyPlan(w.manifest, 1 << 20, {*layout});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  for (bool broken_copy : {false, true}) {
+    auto region = std::make_shared<ShrunkSource>(256 * 256 * 2);
+    ASSERT_NE(region->data(), nullptr);
+    Source source;
+    source.id = "trainer-7";
+    source.regions = {region};
+    source.placements = {{0, 0}};
+    auto p = std::make_shared<CopyPlan>(**plan);
+    if (broken_copy) {
+      CopyOp op;
+      op.src_offset = 256 * 256 * 2;  // past the only tensor
+      op.rows = op.cols = 1;
+      op.src_dtype = op.dst_dtype = v1::UINT8;
+      p->ops_by_chunk[0].push_back(op);
+    }
+    HostDataPlane plane({});
+    ASSERT_TRUE(plane.BeginFromSource(p, {}, source).ok());
+    const absl::Status s = plane.Drain(absl::Now() + absl::Seconds(20));
+    if (broken_copy) {
+      EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+      EXPECT_THAT(s.message(), HasSubstr("that no tensor of the registered "
+                                         "source 'trainer-7' holds"));
+    } else {
+      EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+      EXPECT_THAT(s.message(), HasSubstr("of source 'trainer-7' shrank under "
+                                         "the daemon"));
+    }
+    EXPECT_TRUE(Bytes(**layout, 0) == std::string(256 * 256, '\0'));
+  }
+}
+
 // An FP8 engine whose scales live in an allocation of their own that its
 // owner shrank: writing a band's scales faults in the guard's window (the
 // weight's and the scales' regions both armed), the scale region is marked
