@@ -4,6 +4,8 @@
 #include <functional>
 #include <sstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
@@ -176,6 +178,18 @@ TEST(ChunkPlannerTest, QuantisedOnTheWireIsElementsThenScales) {
   EXPECT_TRUE(w->per_row);
   EXPECT_EQ(w->block_cols, 260);
   EXPECT_EQ(w->scales_offset, 78000);
+  // Both FP8 formats, and block sides up to 2^24 either way.
+  t = spec({300, 260});
+  t.set_dtype(v1::FLOAT8_E5M2);
+  t.mutable_quantization()->set_format(v1::FLOAT8_E5M2);
+  EXPECT_EQ(*PayloadBytes(t), 78000 + 3 * 3 * 4);
+  for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{
+           {int64_t{1} << 24, 1}, {1, int64_t{1} << 24}}) {
+    t = spec({300, 260});
+    t.mutable_quantization()->set_block_rows(rows);
+    t.mutable_quantization()->set_block_cols(cols);
+    EXPECT_TRUE(PayloadBytes(t).ok()) << rows << " x " << cols;
+  }
 
   struct Bad {
     std::function<void(v1::TensorSpec&)> make;
@@ -196,8 +210,19 @@ TEST(ChunkPlannerTest, QuantisedOnTheWireIsElementsThenScales) {
          t.mutable_quantization()->set_scheme(static_cast<v1::QuantScheme>(9));
        },
        "quantization.scheme 9"},
+      {[](v1::TensorSpec& t) {
+         t.mutable_quantization()->set_scale_form(
+             static_cast<v1::ScaleForm>(7));
+       },
+       "or scale_form 7 is not a value this daemon knows"},
       {[](v1::TensorSpec& t) { t.mutable_quantization()->set_block_rows(-1); },
        "block -1 x 0 must be 0 (128) or 1 to 16777216"},
+      {[](v1::TensorSpec& t) { t.mutable_quantization()->set_block_cols(-1); },
+       "block 0 x -1 must be 0 (128) or 1 to 16777216"},
+      {[](v1::TensorSpec& t) {
+         t.mutable_quantization()->set_block_rows((int64_t{1} << 24) + 1);
+       },
+       "block 16777217 x 0"},
       {[](v1::TensorSpec& t) {
          t.mutable_quantization()->set_block_cols((int64_t{1} << 24) + 1);
        },

@@ -88,6 +88,14 @@ TEST(CallLimitsTest, AllPeersTogetherStayUnderTheThreads) {
   auto a = uncapped.Enter(CallLimits::Kind::kCall, "uid 1");
   auto b = uncapped.Enter(CallLimits::Kind::kCall, "uid 2");
   EXPECT_TRUE(a.ok() && b.ok());
+  // The smallest cap said, --max_threads=1: still one place, never none.
+  CallLimitOptions one;
+  one.max_threads = 1;
+  CallLimits single(one);
+  auto first = single.Enter(CallLimits::Kind::kCall, "uid 1");
+  ASSERT_TRUE(first.ok());
+  EXPECT_EQ(single.Enter(CallLimits::Kind::kCall, "uid 2").status().code(),
+            absl::StatusCode::kResourceExhausted);
 }
 
 // A peer's count goes down by one per place given back, to zero and no
