@@ -971,5 +971,76 @@ TEST_F(CoordinatorDeviceTest, ReceiptsThatCantBeComputedFailTheUpdate) {
   EXPECT_EQ(Engine().version(), 0);
 }
 
+// The core checks a Start itself (an in-process caller has no gRPC front
+// to check it first), each limit at its edge: refused with its words
+// before anything pauses or begins, and accepted at the limit.
+TEST_F(CoordinatorDeviceTest, TheCoreRefusesABadStartItselfAtEachLimitsEdge) {
+  CoordinatorOptions o;
+  o.max_manifest_tensors = 2;
+  o.limits.max_name_length = 8;
+  o.max_chunk_bytes = 1 << 20;
+  Make(o);
+  auto add = [](v1::StartWeightUpdateRequest& r, const std::string& name,
+                int rank) {
+    v1::TensorSpec* t = r.add_tensors();
+    t->set_name(name);
+    t->set_dtype(v1::FLOAT32);
+    for (int d = 0; d < rank; ++d) t->add_shape(1);
+  };
+  using Edit = std::function<void(v1::StartWeightUpdateRequest&)>;
+  const std::vector<std::pair<Edit, std::string>> refused = {
+      {[](auto& r) { r.set_update_id(""); },
+       "update_id must be 1-256 characters"},
+      {[](auto& r) { r.set_update_id(std::string(257, 'u')); },
+       "update_id must be 1-256 characters"},
+      {[](auto& r) { r.set_target_version(0); },
+       "target_version 0 is outside [1, 4611686018427387903]"},
+      {[](auto& r) { r.set_target_version(kMaxVersion + 1); },
+       "target_version 4611686018427387904 is outside"},
+      {[&](auto& r) {
+         add(r, "a", 1);
+         add(r, "b", 1);
+       },
+       "manifest has 3 tensors; the limit is 2"},
+      {[](auto& r) { r.mutable_tensors(0)->set_name("wwwwwwwww"); },
+       "tensor 0 ('wwwwwwwww'): a name of 9 bytes and 1 dimensions; the "
+       "limits are 8 and 16"},
+      {[&](auto& r) { add(r, "x", 17); },
+       "tensor 1 ('x'): a name of 1 bytes and 17 dimensions"},
+      {[](auto& r) { r.set_chunk_bytes((1 << 20) + 1); },
+       "chunk_bytes 1048577 is above the daemon's limit of 1048576"},
+      {[](auto& r) { r.clear_tensors(); }, "' sends no tensors"},
+  };
+  for (const auto& [edit, words] : refused) {
+    v1::StartWeightUpdateRequest r =
+        Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF);
+    r.set_chunk_bytes(4096);  // NCCL's default is past this daemon's limit
+    edit(r);
+    absl::Status s = coordinator_->StartWeightUpdate(r).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << words;
+    EXPECT_THAT(s.message(), HasSubstr(words));
+  }
+  EXPECT_THAT(log_.Get(), Not(Contains("Begin")));
+  EXPECT_EQ(Engine().state(), v1::ENGINE_READY);
+  // At the limits: a second tensor of an 8-byte name and 16 dimensions
+  // passes these checks (then is refused as unused, in other words).
+  v1::StartWeightUpdateRequest at_limits =
+      Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF);
+  at_limits.set_chunk_bytes(4096);
+  add(at_limits, "x2345678", CoordinatorOptions::kMaxTensorRank);
+  absl::Status unused = coordinator_->StartWeightUpdate(at_limits).status();
+  EXPECT_FALSE(unused.ok());
+  EXPECT_THAT(unused.message(), Not(HasSubstr("the limits are")));
+  EXPECT_THAT(unused.message(), Not(HasSubstr("the limit is")));
+  // And an update at every edge at once goes through.
+  v1::StartWeightUpdateRequest edge =
+      Request(kMaxVersion, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF);
+  edge.set_update_id(std::string(256, 'u'));
+  edge.set_chunk_bytes(1 << 20);
+  ASSERT_TRUE(coordinator_->StartWeightUpdate(edge).ok());
+  ASSERT_TRUE(Finish(std::string(256, 'u')).ok());
+  EXPECT_EQ(Engine().version(), kMaxVersion);
+}
+
 }  // namespace
 }  // namespace weightsync
