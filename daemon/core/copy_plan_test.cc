@@ -5,8 +5,10 @@
 #include <limits>
 
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
 #include "backends/host/host_data_plane.h"
 #include "client/host_arena.h"
+#include "common/dtype.h"
 #include "daemon/core/receipt.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -118,7 +120,7 @@ TEST(CopyPlanTest, TensorParallelSegmentsMatchReferenceAtEveryChunkSize) {
 // `segment` from it.
 absl::StatusOr<std::shared_ptr<const CopyPlan>> PlanOneSegment(
     const v1::Segment& segment, const std::vector<int64_t>& param_shape,
-    const std::vector<int64_t>& tensor_shape) {
+    const std::vector<int64_t>& tensor_shape, int64_t chunk_bytes = 4096) {
   v1::RegisterEngineRequest r;
   r.set_engine_id("e0");
   v1::Allocation* a = r.add_allocations();
@@ -138,7 +140,7 @@ absl::StatusOr<std::shared_ptr<const CopyPlan>> PlanOneSegment(
   t->set_name("t");
   t->set_dtype(v1::FLOAT32);
   for (int64_t d : tensor_shape) t->add_shape(d);
-  return BuildCopyPlan(manifest, 4096, {*layout});
+  return BuildCopyPlan(manifest, chunk_bytes, {*layout});
 }
 
 // A segment registered without source_shape is checked against the
@@ -166,6 +168,10 @@ TEST(CopyPlanTest, ASegmentsBlockMustLieInTheTensorSent) {
   refused = PlanOneSegment(s, {2, 4}, {3, 4});
   EXPECT_THAT(refused.status().message(),
               HasSubstr("cols [2, 6) lie outside the tensor's 3x4 matrix"));
+  s.set_col_count(3);  // one column past
+  refused = PlanOneSegment(s, {2, 3}, {3, 4});
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("cols [2, 5) lie outside the tensor's 3x4 matrix"));
   // A begin near INT64_MAX: begin + count does not fit in 64 bits, and
   // neither the check nor its message may add them (UBSan runs this).
   const int64_t huge = std::numeric_limits<int64_t>::max() - 1;
@@ -180,6 +186,42 @@ TEST(CopyPlanTest, ASegmentsBlockMustLieInTheTensorSent) {
   refused = PlanOneSegment(s, {2, 2}, {3, 4});
   EXPECT_THAT(refused.status().message(),
               HasSubstr(absl::StrCat("rows [", huge, ", +2) cols [0, 2)")));
+}
+
+// The copies of a block use, chunk by chunk, as the plan's comment says:
+// at most a partial first row, one strided copy of the whole rows, and a
+// partial last row. Rows [1, 14) x cols [2, 9) of a 16 x 12 float32
+// tensor in chunks of 64 elements (256 bytes), each cutting rows.
+TEST(CopyPlanTest, ABlockUseIsAtMostThreeCopiesAChunk) {
+  v1::Segment s;
+  s.set_source("t");
+  s.set_row_begin(1);
+  s.set_row_count(13);
+  s.set_col_begin(2);
+  s.set_col_count(7);
+  auto plan = PlanOneSegment(s, {13, 7}, {16, 12}, 256);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  // (rows, cols, src_offset, dst_offset): strides are a source row (48
+  // bytes) and a parameter row (28) throughout.
+  using Op = std::tuple<int64_t, int64_t, int64_t, int64_t>;
+  const std::vector<std::vector<Op>> want = {
+      // [0, 64): rows 1-4 whole, row 5's first two columns.
+      {{4, 7, 14 * 4, 0}, {1, 2, 62 * 4, 28 * 4}},
+      // [64, 128): row 5's other five, rows 6-9, row 10's first six.
+      {{1, 5, 0, 30 * 4}, {4, 7, 10 * 4, 35 * 4}, {1, 6, 58 * 4, 63 * 4}},
+      // [128, 192): row 10's last column, rows 11-13.
+      {{1, 1, 0, 69 * 4}, {3, 7, 6 * 4, 70 * 4}},
+  };
+  ASSERT_EQ((*plan)->ops_by_chunk.size(), want.size());
+  for (size_t c = 0; c < want.size(); ++c) {
+    std::vector<Op> got;
+    for (const CopyOp& op : (*plan)->ops_by_chunk[c]) {
+      got.emplace_back(op.rows, op.cols, op.src_offset, op.dst_offset);
+      EXPECT_EQ(op.src_stride, 48) << "chunk " << c;
+      EXPECT_EQ(op.dst_stride, 28) << "chunk " << c;
+    }
+    EXPECT_EQ(got, want[c]) << "chunk " << c;
+  }
 }
 
 // A segment registered with source_shape takes only a tensor of that
@@ -227,6 +269,84 @@ TEST(CopyPlanTest, AdjoiningTensorsCoalesceIntoOneCopy) {
         << "chunk " << chunk;
     if (chunk == 1 << 24) {
       EXPECT_LT(ops, manifest.size() / 2);
+    }
+  }
+}
+
+// Two tensors of 128 two-byte elements, contiguous in the stream and in
+// each engine: their copies join into one only where both convert alike
+// (same source and engine dtype) into the same engine and allocation.
+// Each case has exactly one of those differ; the bytes must still be
+// each tensor's, converted as its own dtypes say.
+TEST(CopyPlanTest, CopiesJoinOnlyWithinOneEngineAllocationAndConversion) {
+  struct Case {
+    std::string what;
+    v1::DType a_src, a_dst, b_src, b_dst;
+    int engines;
+    bool b_in_second_allocation;
+  };
+  const v1::DType f16 = v1::FLOAT16, bf16 = v1::BFLOAT16;
+  for (const Case& c : std::vector<Case>{
+           {"source dtypes differ", f16, f16, bf16, f16, 1, false},
+           {"engine dtypes differ", f16, f16, f16, bf16, 1, false},
+           {"two engines", f16, f16, f16, f16, 2, false},
+           {"two allocations", f16, f16, f16, f16, 1, true}}) {
+    testing::HeapMapper mapper;
+    std::vector<std::shared_ptr<const EngineLayout>> layouts;
+    for (int e = 0; e < c.engines; ++e) {
+      v1::RegisterEngineRequest r;
+      r.set_engine_id(absl::StrCat("e", e));
+      for (int k = 0; k < 2; ++k) {
+        v1::Allocation* a = r.add_allocations();
+        a->set_kind(v1::MEMORY_HOST_SHM);
+        a->set_handle(absl::StrCat("/a", k));
+        a->set_size(512);
+      }
+      for (const auto& [name, dtype, offset] :
+           std::vector<std::tuple<std::string, v1::DType, int>>{
+               {"a", c.a_dst, 0}, {"b", c.b_dst, 256}}) {
+        v1::Parameter* p = r.add_parameters();
+        p->set_name(name);
+        p->set_dtype(dtype);
+        p->add_shape(128);
+        p->set_offset(offset);
+        if (name == "b" && c.b_in_second_allocation) p->set_allocation(1);
+      }
+      auto layout = BuildEngineLayout(r, mapper);
+      ASSERT_TRUE(layout.ok()) << c.what << ": " << layout.status();
+      layouts.push_back(*layout);
+    }
+    Manifest manifest;
+    for (const auto& [name, dtype] :
+         std::vector<std::pair<std::string, v1::DType>>{{"a", c.a_src},
+                                                        {"b", c.b_src}}) {
+      v1::TensorSpec* t = manifest.Add();
+      t->set_name(name);
+      t->set_dtype(dtype);
+      t->add_shape(128);
+    }
+    auto plan = BuildCopyPlan(manifest, 4096, layouts);
+    ASSERT_TRUE(plan.ok()) << c.what << ": " << plan.status();
+    // Elements 1.0 + k / 8 (a) and -1.0 - k / 8 (b), exact in both
+    // formats, in each tensor's own dtype.
+    std::vector<uint8_t> chunk(512);
+    std::vector<float> a(128), b(128);
+    for (int k = 0; k < 128; ++k) {
+      a[k] = 1.0f + k / 8.0f;
+      b[k] = -1.0f - k / 8.0f;
+    }
+    ConvertElements(a.data(), v1::FLOAT32, chunk.data(), c.a_src, 128);
+    ConvertElements(b.data(), v1::FLOAT32, chunk.data() + 256, c.b_src, 128);
+    ScatterChunk(**plan, (*plan)->ops_by_chunk[0], chunk.data(), nullptr);
+    for (int e = 0; e < c.engines; ++e) {
+      const EngineLayout& l = *layouts[e];
+      std::vector<float> got_a(128), got_b(128);
+      ConvertElements(l.regions[0]->data(), c.a_dst, got_a.data(), v1::FLOAT32,
+                      128);
+      ConvertElements(l.regions[c.b_in_second_allocation ? 1 : 0]->data() + 256,
+                      c.b_dst, got_b.data(), v1::FLOAT32, 128);
+      EXPECT_EQ(got_a, a) << c.what << ", engine " << e;
+      EXPECT_EQ(got_b, b) << c.what << ", engine " << e;
     }
   }
 }
