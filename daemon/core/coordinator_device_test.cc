@@ -7,6 +7,7 @@
 // receipts' defaults and failures, and transfer plans (registration, the
 // plans kept, the linked-plan cache).
 #include <algorithm>
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -14,7 +15,9 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "common/transfer_plan.h"
 #include "daemon/core/coordinator.h"
 #include "gmock/gmock.h"
@@ -139,30 +142,36 @@ class Factory : public DataPlaneFactory {
   std::shared_ptr<DataPlane> plane_;
 };
 
-// An engine that acknowledges every notice, from its own thread.
+// An engine that acknowledges every notice, from its own thread (a pause
+// with ok = false while refuse_pause is set).
 class AckingEngine : public ControlChannel {
  public:
-  AckingEngine(Coordinator* c, Log* log) : c_(c), log_(log) {}
+  AckingEngine(Coordinator* c, Log* log, std::string id = "e")
+      : c_(c), log_(log), id_(std::move(id)) {}
+  std::atomic<bool> refuse_pause{false};
   ~AckingEngine() override {
     absl::MutexLock lock(&mu_);
     for (std::thread& t : threads_) t.join();
   }
   bool Send(const v1::DaemonMessage& m) override {
-    log_->Add(m.has_pause()         ? "pause"
-              : m.has_resume()      ? "resume"
-              : m.has_new_version() ? "new_version"
-                                    : "dirty");
+    const std::string kind = m.has_pause()         ? "pause"
+                             : m.has_resume()      ? "resume"
+                             : m.has_new_version() ? "new_version"
+                                                   : "dirty";
+    log_->Add(id_ == "e" ? kind : absl::StrCat(kind, " ", id_));
     v1::EngineMessage::Ack ack;
     ack.set_notice_id(m.notice_id());
-    ack.set_ok(true);
+    ack.set_ok(!(m.has_pause() && refuse_pause));
+    if (!ack.ok()) ack.set_message("the engine is mid-request");
     absl::MutexLock lock(&mu_);
-    threads_.emplace_back([this, ack] { c_->OnAck("e", ack); });
+    threads_.emplace_back([this, ack] { c_->OnAck(id_, ack); });
     return true;
   }
 
  private:
   Coordinator* c_;
   Log* log_;
+  const std::string id_;
   absl::Mutex mu_;
   std::vector<std::thread> threads_;
 };
@@ -186,11 +195,11 @@ class CoordinatorDeviceTest : public ::testing::Test {
     ASSERT_TRUE(coordinator_->InitWeightTransfer(init).ok());
   }
 
-  // Engine "e": "w" (float32 [16], or [16, cols]) at `offset` of its one
-  // allocation of 4 KiB per column.
-  void RegisterE(int64_t offset, int cols = 1) {
+  // Engine `id` ("e"): "w" (float32 [16], or [16, cols]) at `offset` of
+  // its one allocation of 4 KiB per column.
+  void RegisterE(int64_t offset, int cols = 1, const std::string& id = "e") {
     v1::RegisterEngineRequest r;
-    r.set_engine_id("e");
+    r.set_engine_id(id);
     v1::Allocation* a = r.add_allocations();
     a->set_kind(v1::MEMORY_HOST_SHM);
     a->set_handle("/x");
@@ -1040,6 +1049,147 @@ TEST_F(CoordinatorDeviceTest, TheCoreRefusesABadStartItselfAtEachLimitsEdge) {
   ASSERT_TRUE(coordinator_->StartWeightUpdate(edge).ok());
   ASSERT_TRUE(Finish(std::string(256, 'u')).ok());
   EXPECT_EQ(Engine().version(), kMaxVersion);
+}
+
+// Pause and Resume in the core: a pause of several engines is all or
+// nothing (one refuses: the others are resumed, and the error says so),
+// an engine already paused gets no second notice and one not paused no
+// resume, the time paused is counted, and Resume refuses an engine that
+// is receiving an update or is dirty (unless allow_dirty).
+TEST_F(CoordinatorDeviceTest, PauseIsAllOrNothingAndResumeRefusesWhatItMust) {
+  RegisterE(0, 1, "f");
+  auto f = std::make_shared<AckingEngine>(coordinator_.get(), &log_, "f");
+  ASSERT_TRUE(coordinator_->AttachControl("f", f).ok());
+  auto state = [&](const std::string& id) {
+    const v1::GetStatusResponse status = coordinator_->GetStatus(false);
+    for (const v1::EngineStatus& e : status.engines()) {
+      if (e.engine_id() == id) return e.state();
+    }
+    return v1::ENGINE_STATE_UNSPECIFIED;
+  };
+  auto count = [&](const std::string& event) {
+    const std::vector<std::string> all = log_.Get();
+    return std::count(all.begin(), all.end(), event);
+  };
+  f->refuse_pause = true;
+  v1::PauseRequest pause;
+  pause.set_timeout_ms(5000);
+  absl::Status refused = coordinator_->Pause(pause).status();
+  EXPECT_FALSE(refused.ok());
+  EXPECT_THAT(refused.message(),
+              HasSubstr("Pause: pause failed for engine(s) f: "));
+  EXPECT_THAT(refused.message(), HasSubstr("the engine is mid-request"));
+  EXPECT_THAT(refused.message(), HasSubstr("; no engine was left paused"));
+  EXPECT_EQ(count("resume"), 1);  // e, which had acknowledged
+  EXPECT_EQ(state("e"), v1::ENGINE_READY);
+  EXPECT_EQ(state("f"), v1::ENGINE_READY);
+
+  f->refuse_pause = false;
+  auto paused = coordinator_->Pause(pause);
+  ASSERT_TRUE(paused.ok()) << paused.status();
+  EXPECT_EQ(paused->engines_size(), 2);
+  EXPECT_EQ(state("e"), v1::ENGINE_PAUSED);
+  EXPECT_EQ(state("f"), v1::ENGINE_PAUSED);
+  const int64_t pauses = count("pause");
+  ASSERT_TRUE(coordinator_->Pause(pause).ok());  // already paused
+  EXPECT_EQ(count("pause"), pauses);
+  absl::SleepFor(absl::Milliseconds(20));
+  v1::ResumeRequest resume;
+  resume.set_timeout_ms(5000);
+  resume.add_engine_ids("e");
+  ASSERT_TRUE(coordinator_->Resume(resume).ok());
+  EXPECT_EQ(state("e"), v1::ENGINE_READY);
+  EXPECT_EQ(state("f"), v1::ENGINE_PAUSED);
+  EXPECT_GE(Engine().paused_seconds(), 0.02);
+  const double after = Engine().paused_seconds();
+  const int64_t resumes = count("resume");
+  ASSERT_TRUE(coordinator_->Resume(resume).ok());  // not paused: no notice
+  EXPECT_EQ(count("resume"), resumes);
+  EXPECT_EQ(Engine().paused_seconds(), after);  // no longer counting
+
+  // Receiving an update: Resume is refused, naming it.
+  ASSERT_TRUE(coordinator_
+                  ->StartWeightUpdate(
+                      Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_ON))
+                  .ok());
+  absl::Status updating = coordinator_->Resume(resume).status();
+  EXPECT_EQ(updating.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(updating.message(),
+              HasSubstr("engine 'e' is receiving update 'u1'; finish or abort "
+                        "it before Resume"));
+  // Failed after its bytes landed: dirty, and resumed only with
+  // allow_dirty.
+  plane_->receipts_status = absl::InternalError("kernel failed");
+  ASSERT_FALSE(Finish("u1").ok());
+  ASSERT_EQ(Engine().state(), v1::ENGINE_DIRTY);
+  absl::Status dirty = coordinator_->Resume(resume).status();
+  EXPECT_EQ(dirty.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(dirty.message(),
+              HasSubstr("engine 'e' is dirty (an update failed half way)"));
+  resume.set_allow_dirty(true);
+  EXPECT_TRUE(coordinator_->Resume(resume).ok());
+}
+
+// Engines registered without a control stream (issue 30) in the core: a
+// pause of all leaves them out, one that names one is refused at once
+// saying why (and when it expires, if it does), and with no engine
+// reachable at all the refusal counts the others.
+TEST_F(CoordinatorDeviceTest, EnginesWithoutAStreamAreLeftOutOrRefusedByName) {
+  RegisterE(0, 1, "g");  // never attaches a stream
+  v1::PauseRequest all;
+  all.set_timeout_ms(5000);
+  auto paused = coordinator_->Pause(all);
+  ASSERT_TRUE(paused.ok()) << paused.status();
+  ASSERT_EQ(paused->engines_size(), 1);
+  EXPECT_EQ(paused->engines(0).engine_id(), "e");
+  v1::PauseRequest named = all;
+  named.add_engine_ids("g");
+  absl::Status g = coordinator_->Pause(named).status();
+  EXPECT_EQ(g.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(g.message(), HasSubstr("engine 'g' is registered but has no "
+                                     "open control stream"));
+  EXPECT_THAT(g.message(), HasSubstr("; it is unregistered 5s after "
+                                     "registering without one "
+                                     "(--engine_start_grace_ms)"));
+  // No expiry (a grace of 0): the refusal does not promise one.
+  CoordinatorOptions never;
+  never.engine_start_grace = absl::ZeroDuration();
+  Make(never);
+  RegisterE(0, 1, "g");
+  g = coordinator_->Pause(named).status();
+  EXPECT_EQ(g.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(g.message(), Not(HasSubstr("it is unregistered")));
+  // Nothing reachable: one engine's reason and how many more.
+  Coordinator alone(CoordinatorOptions(), mapper_,
+                    std::make_shared<Factory>(plane_));
+  for (const char* id : {"g", "h", "i"}) {
+    v1::RegisterEngineRequest r;
+    r.set_engine_id(id);
+    v1::Allocation* a = r.add_allocations();
+    a->set_kind(v1::MEMORY_HOST_SHM);
+    a->set_handle("/x");
+    a->set_size(4096);
+    v1::Parameter* w = r.add_parameters();
+    w->set_name("w");
+    w->set_dtype(v1::FLOAT32);
+    w->add_shape(16);
+    ASSERT_TRUE(alone.RegisterEngine(r).ok()) << id;
+    absl::Status none = alone.Pause(all).status();
+    EXPECT_EQ(none.code(), absl::StatusCode::kFailedPrecondition) << id;
+    EXPECT_THAT(none.message(), HasSubstr("engine 'g' is registered but has "
+                                          "no open control stream"));
+    if (std::string(id) == "g") {
+      EXPECT_THAT(none.message(), Not(HasSubstr("no registered engine")));
+    } else {
+      EXPECT_THAT(none.message(),
+                  HasSubstr(absl::StrCat(
+                      "no registered engine has an open control stream; ")));
+      EXPECT_THAT(none.message(),
+                  HasSubstr(std::string(id) == "h" ? " (and 1 more)"
+                                                   : " (and 2 more)"));
+    }
+  }
+  alone.Shutdown();
 }
 
 }  // namespace
