@@ -148,7 +148,8 @@ class AckingEngine : public ControlChannel {
  public:
   AckingEngine(Coordinator* c, Log* log, std::string id = "e")
       : c_(c), log_(log), id_(std::move(id)) {}
-  std::atomic<bool> refuse_pause{false};
+  std::atomic<bool> refuse_pause{false}, refuse_resume{false};
+  std::atomic<bool> leave_on_pause{false};  // its stream closes instead
   ~AckingEngine() override {
     absl::MutexLock lock(&mu_);
     for (std::thread& t : threads_) t.join();
@@ -161,10 +162,15 @@ class AckingEngine : public ControlChannel {
     log_->Add(id_ == "e" ? kind : absl::StrCat(kind, " ", id_));
     v1::EngineMessage::Ack ack;
     ack.set_notice_id(m.notice_id());
-    ack.set_ok(!(m.has_pause() && refuse_pause));
+    ack.set_ok(!(m.has_pause() && refuse_pause) &&
+               !(m.has_resume() && refuse_resume));
     if (!ack.ok()) ack.set_message("the engine is mid-request");
     absl::MutexLock lock(&mu_);
-    threads_.emplace_back([this, ack] { c_->OnAck(id_, ack); });
+    if (m.has_pause() && leave_on_pause) {
+      threads_.emplace_back([this] { c_->DetachControl(id_, this); });
+    } else {
+      threads_.emplace_back([this, ack] { c_->OnAck(id_, ack); });
+    }
     return true;
   }
 
@@ -1091,11 +1097,21 @@ TEST_F(CoordinatorDeviceTest, PauseIsAllOrNothingAndResumeRefusesWhatItMust) {
   EXPECT_EQ(state("e"), v1::ENGINE_PAUSED);
   EXPECT_EQ(state("f"), v1::ENGINE_PAUSED);
   const int64_t pauses = count("pause");
+  absl::SleepFor(absl::Milliseconds(20));
   ASSERT_TRUE(coordinator_->Pause(pause).ok());  // already paused
   EXPECT_EQ(count("pause"), pauses);
-  absl::SleepFor(absl::Milliseconds(20));
   v1::ResumeRequest resume;
   resume.set_timeout_ms(5000);
+  // f refuses to resume: the error is the caller's, f stays paused, and e,
+  // which resumed, is not.
+  f->refuse_resume = true;
+  absl::Status stuck = coordinator_->Resume(resume).status();
+  EXPECT_FALSE(stuck.ok());
+  EXPECT_THAT(stuck.message(), HasSubstr("the engine is mid-request"));
+  EXPECT_EQ(state("f"), v1::ENGINE_PAUSED);
+  EXPECT_EQ(state("e"), v1::ENGINE_READY);
+  f->refuse_resume = false;
+  ASSERT_TRUE(coordinator_->Pause(pause).ok());
   resume.add_engine_ids("e");
   ASSERT_TRUE(coordinator_->Resume(resume).ok());
   EXPECT_EQ(state("e"), v1::ENGINE_READY);
@@ -1128,6 +1144,26 @@ TEST_F(CoordinatorDeviceTest, PauseIsAllOrNothingAndResumeRefusesWhatItMust) {
               HasSubstr("engine 'e' is dirty (an update failed half way)"));
   resume.set_allow_dirty(true);
   EXPECT_TRUE(coordinator_->Resume(resume).ok());
+
+  // An engine whose stream closes while it is being paused has left: the
+  // pause succeeds without it, and does not list it, even before the
+  // engine's removal (which follows its stream's close) has happened.
+  RegisterE(0, 1, "h");
+  auto h = std::make_shared<AckingEngine>(coordinator_.get(), &log_, "h");
+  h->leave_on_pause = true;
+  ASSERT_TRUE(coordinator_->AttachControl("h", h).ok());
+  v1::PauseRequest others = pause;
+  others.add_engine_ids("f");
+  others.add_engine_ids("h");
+  auto without_h = coordinator_->Pause(others);
+  ASSERT_TRUE(without_h.ok()) << without_h.status();
+  ASSERT_EQ(without_h->engines_size(), 1);
+  EXPECT_EQ(without_h->engines(0).engine_id(), "f");
+  v1::ResumeRequest resume_f;
+  resume_f.set_timeout_ms(5000);
+  resume_f.add_engine_ids("f");
+  resume_f.set_allow_dirty(true);  // f took part in the failed u1
+  EXPECT_TRUE(coordinator_->Resume(resume_f).ok());
 }
 
 // Engines registered without a control stream (issue 30) in the core: a

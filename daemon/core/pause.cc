@@ -4,6 +4,7 @@
 // SetPaused keeps the record and its paused time. The locking rules are
 // coordinator.h's.
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -107,16 +108,21 @@ absl::StatusOr<v1::PauseResponse> Coordinator::Pause(
       }
     }
   }
-  WS_RETURN_IF_ERROR(
+  WS_ASSIGN_OR_RETURN(
+      const std::vector<std::string> newly,
       PauseAll(to_pause, request.mode(),
                DeadlineFrom(request.timeout_ms(), options_.notice_timeout),
-               "Pause")
-          .status());
+               "Pause"));
+  // An engine that left while being paused may not be unregistered yet
+  // (its stream's close reaches the hub first): it is neither paused nor
+  // listed.
+  std::set<std::string> left(to_pause.begin(), to_pause.end());
+  for (const std::string& id : newly) left.erase(id);
   absl::MutexLock lock(&mu_);
   v1::PauseResponse response;
   for (const std::string& id : ids) {
     auto it = engines_.find(id);
-    if (it == engines_.end()) continue;
+    if (it == engines_.end() || left.count(id) > 0) continue;
     SetPaused(it->second, true);
     *response.add_engines() = EngineStatusLocked(id, it->second);
   }
