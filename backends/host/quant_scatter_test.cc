@@ -778,12 +778,15 @@ TEST(QuantScatterTest, PlanRefusesPatchesAndSourcesThatCantBeQuantised) {
   t->set_dtype(v1::BFLOAT16);
   t->add_shape(4);
   t->add_shape(8);
-  t->set_sparse_nnz(3);
-  auto plan = BuildCopyPlan(m, 256, {*layout});
-  EXPECT_EQ(plan.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(plan.status().message(),
-              HasSubstr("tensor 'w' -> engine 'fp8' parameter 'w': a sparse "
-                        "patch can't update an FP8 target"));
+  absl::StatusOr<std::shared_ptr<const CopyPlan>> plan;
+  for (int64_t nnz : {1, 3}) {  // one changed element is a patch too
+    t->set_sparse_nnz(nnz);
+    plan = BuildCopyPlan(m, 256, {*layout});
+    EXPECT_EQ(plan.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(plan.status().message(),
+                HasSubstr("tensor 'w' -> engine 'fp8' parameter 'w': a sparse "
+                          "patch can't update an FP8 target"));
+  }
   for (v1::DType d : {v1::INT32, v1::FLOAT8_E4M3FN, v1::FLOAT64}) {
     t->set_sparse_nnz(0);
     t->set_dtype(d);

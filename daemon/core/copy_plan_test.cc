@@ -3,6 +3,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <random>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
@@ -224,6 +225,92 @@ TEST(CopyPlanTest, ABlockUseIsAtMostThreeCopiesAChunk) {
   }
 }
 
+// Block uses drawn at random (a rows x cols float32 tensor, a segment of
+// it, chunks of 256 to 1024 bytes that cut rows anywhere, the segment's
+// first or last row among them): the parameter must hold exactly the
+// tensor's block, and nothing past it may be written.
+TEST(CopyPlanTest, RandomBlockUsesLandExactlyAtEveryChunkSize) {
+  std::mt19937 rng(33);
+  auto draw = [&](int64_t lo, int64_t hi) {  // [lo, hi]
+    return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+  };
+  for (int k = 0; k < 300; ++k) {
+    const int64_t rows = draw(1, 12), cols = draw(1, 80);
+    const int64_t r0 = draw(0, rows - 1), rn = draw(1, rows - r0);
+    const int64_t c0 = draw(0, cols - 1), cn = draw(1, cols - c0);
+    const int64_t chunk_bytes = 256 * draw(1, 4);
+    v1::Segment s;
+    s.set_source("t");
+    s.set_row_begin(r0);
+    s.set_row_count(rn);
+    s.set_col_begin(c0);
+    s.set_col_count(cn);
+    auto plan = PlanOneSegment(s, {rn, cn}, {rows, cols}, chunk_bytes);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    std::vector<float> tensor(rows * cols);
+    for (size_t i = 0; i < tensor.size(); ++i) tensor[i] = 1 + i;
+    for (const Chunk& c : (*plan)->chunks.chunks) {
+      std::vector<uint8_t> buf(c.size, 0);
+      for (const Piece& piece : c.pieces) {
+        std::memcpy(buf.data() + piece.chunk_offset,
+                    reinterpret_cast<const uint8_t*>(tensor.data()) +
+                        piece.tensor_offset,
+                    piece.length);
+      }
+      ScatterChunk(**plan, (*plan)->ops_by_chunk[c.index], buf.data(), nullptr);
+    }
+    std::vector<float> want(1024, 0.0f);  // the whole 4 KiB allocation
+    for (int64_t r = 0; r < rn; ++r) {
+      for (int64_t j = 0; j < cn; ++j) {
+        want[r * cn + j] = tensor[(r0 + r) * cols + c0 + j];
+      }
+    }
+    std::vector<float> got(1024);
+    std::memcpy(got.data(), (*plan)->engines[0]->regions[0]->data(), 4096);
+    ASSERT_EQ(got, want) << "tensor " << rows << "x" << cols << ", rows [" << r0
+                         << ", +" << rn << ") cols [" << c0 << ", +" << cn
+                         << "), chunks of " << chunk_bytes;
+  }
+}
+
+// A sparse patch rewrites only some of its tensor, even one of a single
+// element: it is not one of the dense uses a receipt sums, nor does it
+// make the update cover the engine; the dense tensor beside it is both.
+TEST(CopyPlanTest, APatchOfOneElementIsNoDenseUse) {
+  v1::RegisterEngineRequest r;
+  r.set_engine_id("e0");
+  v1::Allocation* a = r.add_allocations();
+  a->set_kind(v1::MEMORY_HOST_SHM);
+  a->set_handle("/x");
+  a->set_size(4096);
+  for (const char* name : {"patched", "dense"}) {
+    v1::Parameter* p = r.add_parameters();
+    p->set_name(name);
+    p->set_dtype(v1::FLOAT32);
+    p->add_shape(16);
+    p->set_offset(std::string(name) == "dense" ? 1024 : 0);
+  }
+  testing::HeapMapper mapper;
+  auto layout = BuildEngineLayout(r, mapper);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  Manifest m;
+  for (const char* name : {"patched", "dense"}) {
+    v1::TensorSpec* t = m.Add();
+    t->set_name(name);
+    t->set_dtype(v1::FLOAT32);
+    t->add_shape(16);
+    if (std::string(name) == "patched") t->set_sparse_nnz(1);
+  }
+  auto plan = BuildCopyPlan(m, 4096, {*layout});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ((*plan)->dense_uses[0].size(), 1);
+  EXPECT_EQ((*plan)->dense_uses[0][0].parameter, 1);  // "dense"
+  EXPECT_EQ((*plan)->bytes_by_engine[0], 64);
+  EXPECT_FALSE((*plan)->covers_engine[0]);
+  ASSERT_EQ((*plan)->sparse.size(), 1);
+  EXPECT_EQ((*plan)->sparse[0].name, "patched");
+}
+
 // A segment registered with source_shape takes only a tensor of that
 // shape: the same bytes as [2, 8] instead of [4, 4] are refused.
 TEST(CopyPlanTest, ASegmentsSourceShapeMustMatchTheTensorSent) {
@@ -271,6 +358,31 @@ TEST(CopyPlanTest, AdjoiningTensorsCoalesceIntoOneCopy) {
       EXPECT_LT(ops, manifest.size() / 2);
     }
   }
+  // Eight replicas of that engine: each piece's copies go to the eight in
+  // turn, and each still joins its own engine's previous copy (the last
+  // eight copies are searched), so eight times as many copies, no more.
+  std::vector<Engine> eight;
+  for (int e = 0; e < 8; ++e) {
+    eight.push_back(MakeEngine(absl::StrCat("plain", e),
+                               synthetic::Layout::kPlain, 0, 1, v1::BFLOAT16,
+                               mapper));
+  }
+  RunAndCompare(eight, v1::BFLOAT16, 1 << 24);
+  const auto model = *synthetic::ModelByName("tiny");
+  Manifest manifest;
+  for (const v1::TensorSpec& t : synthetic::Checkpoint(model, v1::BFLOAT16)) {
+    *manifest.Add() = t;
+  }
+  std::vector<std::shared_ptr<const EngineLayout>> one, layouts;
+  one.push_back(engines[0].layout);
+  for (const Engine& e : eight) layouts.push_back(e.layout);
+  auto alone = BuildCopyPlan(manifest, 1 << 24, one);
+  auto all = BuildCopyPlan(manifest, 1 << 24, layouts);
+  ASSERT_TRUE(alone.ok() && all.ok());
+  int64_t ops_alone = 0, ops_all = 0;
+  for (const auto& c : (*alone)->ops_by_chunk) ops_alone += c.size();
+  for (const auto& c : (*all)->ops_by_chunk) ops_all += c.size();
+  EXPECT_EQ(ops_all, 8 * ops_alone);
 }
 
 // Two tensors of 128 two-byte elements, contiguous in the stream and in
@@ -462,6 +574,19 @@ TEST(CopyPlanTest, UnusedTensorsAreRefusedSkippedOrOmitted) {
     EXPECT_TRUE(p.covers_engine[0]);
     EXPECT_EQ(p.dense_uses[0].size(), stage.params.size());
   }
+  // With kOmit, a stage that uses every tensor but one in the middle keeps
+  // the first and the last in its manifest, in order.
+  const std::string middle = manifest[manifest.size() / 2].name();
+  const Engine most = MakeStage(
+      "most", [&](const std::string& n) { return n != middle; }, mapper);
+  auto omitted =
+      BuildCopyPlan(manifest, 4096, {most.layout}, UnusedTensors::kOmit);
+  ASSERT_TRUE(omitted.ok()) << omitted.status();
+  ASSERT_EQ((*omitted)->manifest.size(), manifest.size() - 1);
+  EXPECT_EQ((*omitted)->manifest[0].name(), manifest[0].name());
+  EXPECT_EQ((*omitted)->manifest[manifest.size() - 2].name(),
+            manifest[manifest.size() - 1].name());
+  EXPECT_THAT((*omitted)->unused, ::testing::ElementsAre(middle));
   // A stage that uses nothing of this update: an empty stream, no copies.
   const Engine other = MakeStage(
       "stage9", [](const std::string& n) { return n == "model.norm.weight"; },
