@@ -309,6 +309,32 @@ TEST(CopyPlanTest, APatchOfOneElementIsNoDenseUse) {
   EXPECT_FALSE((*plan)->covers_engine[0]);
   ASSERT_EQ((*plan)->sparse.size(), 1);
   EXPECT_EQ((*plan)->sparse[0].name, "patched");
+  // The receipt of the tensors named sums their uses only: "dense" alone
+  // is the plan's dense uses, and both are two parameters.
+  auto by_plan = ComputeReceipt(**layout, (*plan)->dense_uses[0]);
+  auto dense =
+      ComputeReceipt(**layout, absl::flat_hash_set<std::string>{"dense"});
+  auto both = ComputeReceipt(
+      **layout, absl::flat_hash_set<std::string>{"dense", "patched"});
+  ASSERT_TRUE(by_plan.ok() && dense.ok() && both.ok());
+  EXPECT_EQ(dense->parameters(), 1);
+  EXPECT_EQ(dense->checksum(), by_plan->checksum());
+  EXPECT_EQ(both->parameters(), 2);
+  // Memory the daemon can't read (GPU, no host pointer): no receipt.
+  class GpuRegion : public MappedRegion {
+   public:
+    uint8_t* data() const override { return nullptr; }
+    int64_t size() const override { return 4096; }
+    v1::MemoryKind kind() const override { return v1::MEMORY_CUDA_IPC; }
+    const std::string& device_uuid() const override { return uuid_; }
+
+   private:
+    std::string uuid_ = "GPU-1";
+  };
+  auto gpu = std::make_shared<EngineLayout>(**layout);
+  gpu->regions[0] = std::make_shared<GpuRegion>();
+  EXPECT_EQ(ComputeReceipt(*gpu, (*plan)->dense_uses[0]).status().code(),
+            absl::StatusCode::kUnimplemented);
 }
 
 // A segment registered with source_shape takes only a tensor of that
