@@ -573,6 +573,9 @@ def main():
     mode.add_argument("--patch", nargs=3, action="append",
                       metavar=("FILE", "FROM", "TO"),
                       help="run a hand-made mutant (FROM once in FILE)")
+    mode.add_argument("--table", metavar="RESULTS",
+                      help="print the sweep recorded in RESULTS as a markdown "
+                           "table, per file and in all (docs/reliability.md)")
     ap.add_argument("--only", default="",
                     help="keep the mutants whose file contains this")
     ap.add_argument("--seed", default="0")
@@ -596,6 +599,9 @@ def main():
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--bazel-args", nargs=argparse.REMAINDER, default=[])
     args = ap.parse_args()
+    if args.table:
+        print_table(args.table)
+        return 0
 
     TARGETS_OVERRIDE.extend(args.targets)
     mutants = [mu for mu in collect(args.files) if args.only in mu.file]
@@ -673,6 +679,35 @@ def main():
                   f"fewer than --min_judged {args.min_judged}", flush=True)
         return 0
     return 1 if rate < args.floor else 0
+
+
+def print_table(path):
+    """The sweep in `path` as docs/reliability.md shows it."""
+    with open(path) as f:
+        data = json.load(f)
+    keys = ("generated", "swept", "equivalent", "killed", "survived", "broken")
+    print("| file | generated | swept | equivalent | killed | survived | "
+          "broken | kill rate | at |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+
+    def rate(killed, survived):
+        judged = killed + survived
+        return (f"**{killed:,}/{judged:,} ({100.0 * killed / judged:.1f}%)**"
+                if judged else "-")
+
+    total = dict.fromkeys(keys, 0)
+    for f, v in sorted(data["files"].items()):
+        print(f"| {f} | " + " | ".join(f"{v[k]:,}" for k in keys) +
+              f" | {rate(v['killed'], v['survived'])} | {v['commit']} |")
+        for k in keys:
+            total[k] += v[k]
+    print(f"| **{len(data['files'])} files** | " +
+          " | ".join(f"{total[k]:,}" for k in keys) +
+          f" | {rate(total['killed'], total['survived'])} | |")
+    now = data.get("generated_now", {})
+    if now:
+        print(f"\n{now['mutants']:,} mutants are generated now over "
+              f"{now['files']} files; {len(data['files'])} of them swept.")
 
 
 def record(path, globs, mutants, equivalent, rows):

@@ -477,18 +477,6 @@ class GatedRegion : public MappedRegion {
   mutable absl::Notification entered_, gate_;
 };
 
-// GPU memory as the host backend sees it: no host pointer.
-class GpuRegion : public MappedRegion {
- public:
-  uint8_t* data() const override { return nullptr; }
-  int64_t size() const override { return 1024; }
-  v1::MemoryKind kind() const override { return v1::MEMORY_CUDA_IPC; }
-  const std::string& device_uuid() const override { return uuid_; }
-
- private:
-  std::string uuid_ = "GPU-7";
-};
-
 // A plan of `chunks` chunks of `floats` float32 elements each: chunk k
 // copies its elements to floats [k * floats, (k + 1) * floats) of every
 // engine of `engines` (each of chunks * floats elements).
@@ -579,7 +567,7 @@ TEST(HostDataPlaneTest, StagingIsRefusedPastTheBudgetNotAtIt) {
 TEST(HostDataPlaneTest, GpuMemoryIsRefusedNamingWhoseItIs) {
   Engines engines(2, 4);
   auto layout = std::make_shared<EngineLayout>(*engines.plan.engines[1]);
-  layout->regions.push_back(std::make_shared<GpuRegion>());
+  layout->regions.push_back(std::make_shared<testing::GpuRegion>());
   engines.plan.engines[1] = layout;  // engine e1's second region
   HostDataPlane plane({});
   absl::Status s = plane.Begin(ChunkedPlan(engines, 1, 4), {});
@@ -594,7 +582,7 @@ TEST(HostDataPlaneTest, GpuMemoryIsRefusedNamingWhoseItIs) {
     source.id = "s";
     source.regions = {std::make_shared<testing::HeapRegion>(16),
                       std::make_shared<testing::HeapRegion>(16)};
-    source.regions[at] = std::make_shared<GpuRegion>();
+    source.regions[at] = std::make_shared<testing::GpuRegion>();
     absl::Status g = plane.BeginFromSource(ChunkedPlan(host, 1, 4), {}, source);
     EXPECT_EQ(g.code(), absl::StatusCode::kInvalidArgument) << at;
     EXPECT_THAT(g.message(), HasSubstr(absl::StrCat("source allocation ", at,

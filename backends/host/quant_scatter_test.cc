@@ -648,6 +648,19 @@ class ShrunkSource : public MappedRegion {
   std::string uuid_ = "host";
 };
 
+// Trainer "trainer-7"'s registered source: one 256 x 256 bfloat16 tensor
+// in an allocation the trainer truncated (every read faults).
+struct ShrunkTrainer {
+  std::shared_ptr<ShrunkSource> region =
+      std::make_shared<ShrunkSource>(256 * 256 * 2);
+  Source source;
+  ShrunkTrainer() {
+    source.id = "trainer-7";
+    source.regions = {region};
+    source.placements = {{0, 0}};
+  }
+};
+
 // An FP8 target fed from a registered source whose memory its trainer
 // truncated: the piece is refused (DATA_LOSS, naming the source: "register
 // the source again"), not read as zeros, and nothing reaches the engine.
@@ -660,23 +673,19 @@ TEST(QuantScatterTest, AnFp8PieceFromASourceThatShrankIsRefusedNamingIt) {
   ASSERT_TRUE(layout.ok()) << layout.status();
   auto plan = BuildCopyPlan(m, 1 << 20, {*layout});
   ASSERT_TRUE(plan.ok()) << plan.status();
-  auto region = std::make_shared<ShrunkSource>(256 * 256 * 2);
-  ASSERT_NE(region->data(), nullptr);
-  Source source;
-  source.id = "trainer-7";
-  source.regions = {region};
-  source.placements = {{0, 0}};
+  ShrunkTrainer trainer;
+  ASSERT_NE(trainer.region->data(), nullptr);
   QuantScatter q;
   q.Reset(**plan);
   const absl::Status s = q.Feed(
       **plan, 0, reinterpret_cast<const uint8_t*>(tensors[0].bytes.data()),
-      &source, nullptr);
+      &trainer.source, nullptr);
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
   EXPECT_THAT(s.message(),
               ::testing::HasSubstr("of source 'trainer-7' shrank under the "
                                    "daemon"))
       << s;
-  EXPECT_TRUE(region->faulted());
+  EXPECT_TRUE(trainer.region->faulted());
   EXPECT_TRUE(Bytes(**layout, 0) == std::string(256 * 256, '\0'));
   EXPECT_TRUE(Bytes(**layout, 1) == std::string(2 * 2 * 4, '\0'));
 }
@@ -693,12 +702,8 @@ TEST(QuantScatterTest, ThePlaneReportsAnFp8PiecesLossAfterItsChunksFirstError) {
   auto plan = BuildCopyPlan(w.manifest, 1 << 20, {*layout});
   ASSERT_TRUE(plan.ok()) << plan.status();
   for (bool broken_copy : {false, true}) {
-    auto region = std::make_shared<ShrunkSource>(256 * 256 * 2);
-    ASSERT_NE(region->data(), nullptr);
-    Source source;
-    source.id = "trainer-7";
-    source.regions = {region};
-    source.placements = {{0, 0}};
+    ShrunkTrainer trainer;
+    ASSERT_NE(trainer.region->data(), nullptr);
     auto p = std::make_shared<CopyPlan>(**plan);
     if (broken_copy) {
       CopyOp op;
@@ -708,7 +713,7 @@ TEST(QuantScatterTest, ThePlaneReportsAnFp8PiecesLossAfterItsChunksFirstError) {
       p->ops_by_chunk[0].push_back(op);
     }
     HostDataPlane plane({});
-    ASSERT_TRUE(plane.BeginFromSource(p, {}, source).ok());
+    ASSERT_TRUE(plane.BeginFromSource(p, {}, trainer.source).ok());
     const absl::Status s = plane.Drain(absl::Now() + absl::Seconds(20));
     if (broken_copy) {
       EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;

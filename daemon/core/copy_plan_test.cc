@@ -321,18 +321,8 @@ TEST(CopyPlanTest, APatchOfOneElementIsNoDenseUse) {
   EXPECT_EQ(dense->checksum(), by_plan->checksum());
   EXPECT_EQ(both->parameters(), 2);
   // Memory the daemon can't read (GPU, no host pointer): no receipt.
-  class GpuRegion : public MappedRegion {
-   public:
-    uint8_t* data() const override { return nullptr; }
-    int64_t size() const override { return 4096; }
-    v1::MemoryKind kind() const override { return v1::MEMORY_CUDA_IPC; }
-    const std::string& device_uuid() const override { return uuid_; }
-
-   private:
-    std::string uuid_ = "GPU-1";
-  };
   auto gpu = std::make_shared<EngineLayout>(**layout);
-  gpu->regions[0] = std::make_shared<GpuRegion>();
+  gpu->regions[0] = std::make_shared<testing::GpuRegion>("GPU-1");
   EXPECT_EQ(ComputeReceipt(*gpu, (*plan)->dense_uses[0]).status().code(),
             absl::StatusCode::kUnimplemented);
 }

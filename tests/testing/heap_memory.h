@@ -5,6 +5,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
@@ -23,6 +24,20 @@ class HeapRegion : public MappedRegion {
  private:
   std::vector<uint8_t> bytes_;
   std::string uuid_ = "host";
+};
+
+// GPU memory as the host backend and the daemon's own reads see it: no
+// host pointer (data() is null).
+class GpuRegion : public MappedRegion {
+ public:
+  explicit GpuRegion(std::string uuid = "GPU-7") : uuid_(std::move(uuid)) {}
+  uint8_t* data() const override { return nullptr; }
+  int64_t size() const override { return 4096; }
+  v1::MemoryKind kind() const override { return v1::MEMORY_CUDA_IPC; }
+  const std::string& device_uuid() const override { return uuid_; }
+
+ private:
+  std::string uuid_;
 };
 
 class HeapMapper : public MemoryMapper {
