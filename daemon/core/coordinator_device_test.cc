@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -74,7 +75,7 @@ class FakeDevicePlane : public DataPlane {
   void Abort() override { log_->Add("Abort"); }
   void MarkEngineLost(int) override {}
   int64_t chunks_written() const override { return 0; }
-  bool ReceivesOwnBytes() const override { return true; }
+  bool ReceivesOwnBytes() const override { return receives_own_bytes; }
   std::string name() const override { return plane_name; }
   absl::StatusOr<std::vector<v1::Receipt>> DeviceReceipts(
       const CopyPlan& plan, const std::vector<bool>& skip,
@@ -120,6 +121,9 @@ class FakeDevicePlane : public DataPlane {
   absl::Duration submit_takes;  // how long each SubmitChunk writes
   int64_t budget = int64_t{1} << 30;
   std::string plane_name = "nccl";
+  // As NCCL's: bytes may land from Begin on, so a failed update is dirty
+  // even before its first chunk (false: only once a chunk was written).
+  bool receives_own_bytes = true;
   absl::Status wait_status;
   absl::Status receipts_status;
   absl::Status drain_status;
@@ -1226,6 +1230,71 @@ TEST_F(CoordinatorDeviceTest, EnginesWithoutAStreamAreLeftOutOrRefusedByName) {
     }
   }
   alone.Shutdown();
+}
+
+// An update that ends failed resumes only the engines it paused itself,
+// leaves an engine the trainer had paused paused, tells a dirty engine
+// why (and leaves it paused), and reports an engine gone meanwhile lost.
+TEST_F(CoordinatorDeviceTest, AFailedUpdateResumesOnlyWhatItPaused) {
+  auto results = [&](const v1::AbortWeightUpdateResponse& r) {
+    std::map<std::string, v1::EngineResult> out;
+    for (const v1::EngineResult& e : r.engines()) out[e.engine_id()] = e;
+    return out;
+  };
+  auto last = [&]() { return log_.Get().back(); };
+  RegisterE(0, 1, "f");
+  auto f = std::make_shared<AckingEngine>(coordinator_.get(), &log_, "f");
+  ASSERT_TRUE(coordinator_->AttachControl("f", f).ok());
+  // e paused by the trainer, f by the update, and no byte written yet (a
+  // plane whose chunks come to it): the Abort resumes f alone.
+  plane_->receives_own_bytes = false;
+  v1::PauseRequest pause;
+  pause.set_timeout_ms(5000);
+  pause.add_engine_ids("e");
+  ASSERT_TRUE(coordinator_->Pause(pause).ok());
+  ASSERT_TRUE(coordinator_
+                  ->StartWeightUpdate(
+                      Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF))
+                  .ok());
+  v1::AbortWeightUpdateRequest abort;
+  abort.set_update_id("u1");
+  auto aborted = coordinator_->AbortWeightUpdate(abort);
+  ASSERT_TRUE(aborted.ok()) << aborted.status();
+  auto by_id = results(*aborted);
+  EXPECT_EQ(by_id["e"].state(), v1::ENGINE_PAUSED);
+  EXPECT_EQ(by_id["f"].state(), v1::ENGINE_READY);
+  EXPECT_FALSE(by_id["e"].lost() || by_id["f"].lost());
+  EXPECT_EQ(last(), "resume f");
+  EXPECT_EQ(Engine().state(), v1::ENGINE_PAUSED);
+  // Failed after its bytes landed (receipts that can't be computed): both
+  // dirty, told so, and neither resumed.
+  plane_->receives_own_bytes = true;
+  ASSERT_TRUE(coordinator_
+                  ->StartWeightUpdate(
+                      Request(2, v1::UPDATE_MODE_STREAMING, v1::VERIFY_ON))
+                  .ok());
+  plane_->receipts_status = absl::InternalError("kernel failed");
+  const size_t before = log_.Get().size();
+  ASSERT_FALSE(Finish("u2").ok());
+  std::vector<std::string> after = log_.Get();
+  after.erase(after.begin(), after.begin() + before);
+  EXPECT_THAT(after, Contains("dirty"));
+  EXPECT_THAT(after, Contains("dirty f"));
+  EXPECT_THAT(after, Not(Contains("resume")));
+  EXPECT_THAT(after, Not(Contains("resume f")));
+  // An engine gone while its update runs is reported lost by the Abort.
+  plane_->receipts_status = absl::OkStatus();
+  v1::StartWeightUpdateRequest third =
+      Request(3, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF);
+  auto started = coordinator_->StartWeightUpdate(third);
+  ASSERT_TRUE(started.ok()) << started.status();
+  ASSERT_TRUE(coordinator_->UnregisterEngine("f").ok());
+  abort.set_update_id("u3");
+  aborted = coordinator_->AbortWeightUpdate(abort);
+  ASSERT_TRUE(aborted.ok()) << aborted.status();
+  by_id = results(*aborted);
+  EXPECT_TRUE(by_id["f"].lost());
+  EXPECT_FALSE(by_id["e"].lost());
 }
 
 }  // namespace
