@@ -359,6 +359,19 @@ TEST(QuantScatterTest, OnTheWireOnlyWhatCopiesAsItIs) {
     ASSERT_NE(got, nullptr);
     EXPECT_TRUE(Bytes(*got, 0) == Bytes(*want, 0));
     EXPECT_TRUE(Bytes(*got, 1) == Bytes(*want, 1));
+    // Blocks of one row but not the whole row (1 x 128) are not per row:
+    // the per-row target refuses them, whatever their scales' count.
+    Manifest m;
+    *m.Add() = OnTheWire(rows, v1::FLOAT8_E4M3FN, 1, 128, false).spec;
+    testing::HeapMapper m3;
+    auto per_row = BuildEngineLayout(r, m3);
+    ASSERT_TRUE(per_row.ok()) << per_row.status();
+    const absl::Status s = BuildCopyPlan(m, 4096, {*per_row}).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(std::string(s.message()),
+                HasSubstr("the tensor is quantised to float8_e4m3fn (1 x 128) "
+                          "but the target quantises to float8_e4m3fn (1 x "
+                          "256)"));
   }
 
   const std::vector<Tensor> plain = MixedTensors();
@@ -403,6 +416,10 @@ TEST(QuantScatterTest, OnTheWireOnlyWhatCopiesAsItIs) {
       {4, OnTheWire(plain[4], v1::FLOAT8_E4M3FN, 0, 0, false, true),
        "parameter 'o': the segment reads rows [0, 130) x cols [256, 512) of "
        "the tensor's 130x512 matrix, which are not whole blocks of it"},
+      // Per row on the wire into a target of 128 x 128 blocks.
+      {1, OnTheWire(plain[1], v1::FLOAT8_E5M2, 0, 0, true, true),
+       "(per row, reciprocal scales) but the target quantises to float8_e5m2 "
+       "(128 x 128, reciprocal scales)"},
       {1, e4m3_payload_e5m2,
        "tensor 'q' (quantised on the wire): dtype float8_e4m3fn and "
        "quantization.format float8_e5m2 must be one FP8 format"},
