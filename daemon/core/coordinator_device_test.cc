@@ -1297,5 +1297,29 @@ TEST_F(CoordinatorDeviceTest, AFailedUpdateResumesOnlyWhatItPaused) {
   EXPECT_FALSE(by_id["e"].lost());
 }
 
+// Finish names the update it ends: another id, or no update at all, is
+// refused and leaves the update in progress as it was; a Finish before
+// every chunk arrived (chunks that come to the plane) fails the update,
+// counting what arrived.
+TEST_F(CoordinatorDeviceTest, FinishEndsOnlyTheUpdateItNamesAndOnlyWhole) {
+  absl::Status none = Finish("u1").status();
+  EXPECT_EQ(none.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(none.message(), HasSubstr("no update 'u1' in progress"));
+  plane_->receives_own_bytes = false;
+  ASSERT_TRUE(coordinator_
+                  ->StartWeightUpdate(
+                      Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF))
+                  .ok());
+  absl::Status other = Finish("u7").status();
+  EXPECT_EQ(other.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(other.message(), HasSubstr("no update 'u7' in progress"));
+  EXPECT_EQ(Engine().state(), v1::ENGINE_UPDATING);  // u1 goes on
+  absl::Status early = Finish("u1").status();
+  EXPECT_FALSE(early.ok());
+  EXPECT_THAT(early.message(), HasSubstr("finish after 0 of 1 chunks (0 of "
+                                         "64 bytes)"));
+  EXPECT_EQ(Engine().version(), 0);
+}
+
 }  // namespace
 }  // namespace weightsync
