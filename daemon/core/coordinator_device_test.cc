@@ -206,8 +206,10 @@ class CoordinatorDeviceTest : public ::testing::Test {
   }
 
   // Engine `id` ("e"): "w" (float32 [16], or [16, cols]) at `offset` of
-  // its one allocation of 4 KiB per column.
-  void RegisterE(int64_t offset, int cols = 1, const std::string& id = "e") {
+  // its one allocation of 4 KiB per column, registered with `c` (the
+  // fixture's coordinator).
+  void RegisterE(int64_t offset, int cols = 1, const std::string& id = "e",
+                 Coordinator* c = nullptr) {
     v1::RegisterEngineRequest r;
     r.set_engine_id(id);
     v1::Allocation* a = r.add_allocations();
@@ -220,7 +222,8 @@ class CoordinatorDeviceTest : public ::testing::Test {
     p->add_shape(16);
     if (cols > 1) p->add_shape(cols);
     p->set_offset(offset);
-    ASSERT_TRUE(coordinator_->RegisterEngine(r).ok());
+    ASSERT_TRUE(
+        (c != nullptr ? c : coordinator_.get())->RegisterEngine(r).ok());
   }
 
   void TearDown() override {
@@ -1203,17 +1206,7 @@ TEST_F(CoordinatorDeviceTest, EnginesWithoutAStreamAreLeftOutOrRefusedByName) {
   Coordinator alone(CoordinatorOptions(), mapper_,
                     std::make_shared<Factory>(plane_));
   for (const char* id : {"g", "h", "i"}) {
-    v1::RegisterEngineRequest r;
-    r.set_engine_id(id);
-    v1::Allocation* a = r.add_allocations();
-    a->set_kind(v1::MEMORY_HOST_SHM);
-    a->set_handle("/x");
-    a->set_size(4096);
-    v1::Parameter* w = r.add_parameters();
-    w->set_name("w");
-    w->set_dtype(v1::FLOAT32);
-    w->add_shape(16);
-    ASSERT_TRUE(alone.RegisterEngine(r).ok()) << id;
+    RegisterE(0, 1, id, &alone);
     absl::Status none = alone.Pause(all).status();
     EXPECT_EQ(none.code(), absl::StatusCode::kFailedPrecondition) << id;
     EXPECT_THAT(none.message(), HasSubstr("engine 'g' is registered but has "

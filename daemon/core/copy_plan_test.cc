@@ -116,18 +116,24 @@ TEST(CopyPlanTest, TensorParallelSegmentsMatchReferenceAtEveryChunkSize) {
   RunAndCompare(engines, v1::BFLOAT16, 1280);
 }
 
-// The plan of one update sending tensor "t" of `tensor_shape` (float32)
-// to an engine whose float32 parameter "p" of `param_shape` is filled by
-// `segment` from it.
-absl::StatusOr<std::shared_ptr<const CopyPlan>> PlanOneSegment(
-    const v1::Segment& segment, const std::vector<int64_t>& param_shape,
-    const std::vector<int64_t>& tensor_shape, int64_t chunk_bytes = 4096) {
+// Engine "e0" with one 4 KiB host allocation and no parameters yet.
+v1::RegisterEngineRequest OneAllocationEngine() {
   v1::RegisterEngineRequest r;
   r.set_engine_id("e0");
   v1::Allocation* a = r.add_allocations();
   a->set_kind(v1::MEMORY_HOST_SHM);
   a->set_handle("/x");
   a->set_size(4096);
+  return r;
+}
+
+// The plan of one update sending tensor "t" of `tensor_shape` (float32)
+// to an engine whose float32 parameter "p" of `param_shape` is filled by
+// `segment` from it.
+absl::StatusOr<std::shared_ptr<const CopyPlan>> PlanOneSegment(
+    const v1::Segment& segment, const std::vector<int64_t>& param_shape,
+    const std::vector<int64_t>& tensor_shape, int64_t chunk_bytes = 4096) {
+  v1::RegisterEngineRequest r = OneAllocationEngine();
   v1::Parameter* p = r.add_parameters();
   p->set_name("p");
   p->set_dtype(v1::FLOAT32);
@@ -277,12 +283,7 @@ TEST(CopyPlanTest, RandomBlockUsesLandExactlyAtEveryChunkSize) {
 // element: it is not one of the dense uses a receipt sums, nor does it
 // make the update cover the engine; the dense tensor beside it is both.
 TEST(CopyPlanTest, APatchOfOneElementIsNoDenseUse) {
-  v1::RegisterEngineRequest r;
-  r.set_engine_id("e0");
-  v1::Allocation* a = r.add_allocations();
-  a->set_kind(v1::MEMORY_HOST_SHM);
-  a->set_handle("/x");
-  a->set_size(4096);
+  v1::RegisterEngineRequest r = OneAllocationEngine();
   for (const char* name : {"patched", "dense"}) {
     v1::Parameter* p = r.add_parameters();
     p->set_name(name);
