@@ -74,6 +74,7 @@ TEST_POOL = [
     "//daemon/server:engine_owners_test", "//daemon/server:shm_reaper_test",
     "//daemon/server:shutdown_deadline_test",
     "//backends/host:quant_scatter_test", "//backends/host:host_data_plane_test",
+    "//backends/host:shm_memory_test",
     "//tests:refusals_test", "//tests:server_test", "//tests:commit_test",
     "//tests:hostile_test", "//tests:source_test",
     "//tests:state_machine_test", "//tests:multi_trainer_test",
