@@ -345,42 +345,13 @@ TEST(ScatterFromSourceTest, ALostEngineSkipsOnlyItsOwnCopies) {
   }
 }
 
-// Engine memory the engine truncated under the daemon (a memfd shrunk to
-// nothing under its mapping: every page raises SIGBUS).
-class TruncatedRegion : public MappedRegion {
- public:
-  TruncatedRegion() {
-    const int fd = memfd_create("ws-truncated", 0);
-    if (fd >= 0 && ftruncate(fd, kBytes) == 0) {
-      void* p =
-          mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-      if (p != MAP_FAILED && ftruncate(fd, 0) == 0) {
-        data_ = static_cast<uint8_t*>(p);
-      }
-    }
-    if (fd >= 0) close(fd);
-  }
-  ~TruncatedRegion() override {
-    if (data_ != nullptr) munmap(data_, kBytes);
-  }
-  uint8_t* data() const override { return data_; }
-  int64_t size() const override { return kBytes; }
-  v1::MemoryKind kind() const override { return v1::MEMORY_HOST_SHM; }
-  const std::string& device_uuid() const override { return uuid_; }
-
- private:
-  static constexpr int64_t kBytes = 4096;
-  uint8_t* data_ = nullptr;
-  std::string uuid_ = "host";
-};
-
 // Copies into two regions of one engine, the second truncated: each run of
 // copies is guarded on the region it writes, so the fault fails that
 // region (dropped at Finish) instead of killing the daemon, and the first
 // region is written.
 TEST(ScatterFromSourceTest, ATruncatedEngineRegionFaultsAloneAndKillsNothing) {
   TwoTensorSource t;
-  auto truncated = std::make_shared<TruncatedRegion>();
+  auto truncated = std::make_shared<testing::ShrunkRegion>(4096);
   ASSERT_NE(truncated->data(), nullptr);
   auto layout = std::make_shared<EngineLayout>(*t.engines.plan.engines[0]);
   layout->regions.push_back(truncated);
@@ -767,12 +738,18 @@ TEST(HostDataPlaneTest, APatchIsAppliedWholeAndTheFirstBadOneReported) {
     plan->chunks.chunks.push_back(c);
   }
   HostDataPlane plane({});
+  // The good patch's two halves, one a chunk.
+  auto send_good = [&] {
+    for (int k = 0; k < 2; ++k) {
+      if (!plane.SubmitChunk(k, good.payload.substr(k * half, half), Later())
+               .ok()) {
+        return false;
+      }
+    }
+    return true;
+  };
   ASSERT_TRUE(plane.Begin(plan, {}).ok());
-  for (int k = 0; k < 2; ++k) {
-    ASSERT_TRUE(
-        plane.SubmitChunk(k, good.payload.substr(k * half, half), Later())
-            .ok());
-  }
+  ASSERT_TRUE(send_good());
   ASSERT_TRUE(plane.Drain(Later()).ok());
   std::vector<float> want(16, kOld);
   want[3] = 1;
@@ -804,11 +781,7 @@ TEST(HostDataPlaneTest, APatchIsAppliedWholeAndTheFirstBadOneReported) {
   EXPECT_EQ(engines.Floats(0), want);  // no bad patch wrote anything
   // The next update starts clean.
   ASSERT_TRUE(plane.Begin(plan, {}).ok());
-  for (int k = 0; k < 2; ++k) {
-    ASSERT_TRUE(
-        plane.SubmitChunk(k, good.payload.substr(k * half, half), Later())
-            .ok());
-  }
+  ASSERT_TRUE(send_good());
   EXPECT_TRUE(plane.Drain(Later()).ok());
 }
 

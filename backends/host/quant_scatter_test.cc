@@ -630,46 +630,11 @@ TEST(QuantScatterTest, OpenBytesAreTheBandBeingFilled) {
   EXPECT_EQ(q.open_bytes(), 0);
 }
 
-// A trainer's registered source region shrunk to nothing under the
-// daemon's mapping (its owner's ftruncate): every page raises SIGBUS.
-class ShrunkSource : public MappedRegion {
- public:
-  explicit ShrunkSource(int64_t bytes) : size_(bytes) {
-    std::random_device r;
-    const std::string name = absl::StrCat("/wsqs-gone-", getpid(), "-", r());
-    const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
-    if (fd < 0) return;
-    shm_unlink(name.c_str());
-    void* p = MAP_FAILED;
-    if (ftruncate(fd, bytes) == 0) {
-      p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    }
-    if (p != MAP_FAILED && ftruncate(fd, 0) == 0) {
-      data_ = static_cast<uint8_t*>(p);
-    } else if (p != MAP_FAILED) {
-      munmap(p, bytes);
-    }
-    close(fd);
-  }
-  ~ShrunkSource() override {
-    if (data_ != nullptr) munmap(data_, size_);
-  }
-  uint8_t* data() const override { return data_; }
-  int64_t size() const override { return size_; }
-  v1::MemoryKind kind() const override { return v1::MEMORY_HOST_SHM; }
-  const std::string& device_uuid() const override { return uuid_; }
-
- private:
-  uint8_t* data_ = nullptr;
-  int64_t size_;
-  std::string uuid_ = "host";
-};
-
 // Trainer "trainer-7"'s registered source: one 256 x 256 bfloat16 tensor
 // in an allocation the trainer truncated (every read faults).
 struct ShrunkTrainer {
-  std::shared_ptr<ShrunkSource> region =
-      std::make_shared<ShrunkSource>(256 * 256 * 2);
+  std::shared_ptr<testing::ShrunkRegion> region =
+      std::make_shared<testing::ShrunkRegion>(256 * 256 * 2);
   Source source;
   ShrunkTrainer() {
     source.id = "trainer-7";
@@ -765,13 +730,13 @@ TEST(QuantScatterTest, ScalesInAShrunkAllocationOfTheirOwnFailTheEngineOnly) {
     absl::StatusOr<std::shared_ptr<MappedRegion>> Open(
         const v1::Allocation& a) override {
       if (a.handle() == "/scales") {
-        shrunk = std::make_shared<ShrunkSource>(a.size());
+        shrunk = std::make_shared<testing::ShrunkRegion>(a.size());
         return std::shared_ptr<MappedRegion>(shrunk);
       }
       return std::shared_ptr<MappedRegion>(
           std::make_shared<testing::HeapRegion>(a.size()));
     }
-    std::shared_ptr<ShrunkSource> shrunk;
+    std::shared_ptr<testing::ShrunkRegion> shrunk;
   } mapper;
   auto layout = BuildEngineLayout(r, mapper);
   ASSERT_TRUE(layout.ok()) << layout.status();
