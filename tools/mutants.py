@@ -78,7 +78,7 @@ TEST_POOL = [
     "//tests:refusals_test", "//tests:server_test", "//tests:commit_test",
     "//tests:hostile_test", "//tests:source_test",
     "//tests:state_machine_test", "//tests:multi_trainer_test",
-    "//tests:systemd_notify_test",
+    "//tests:systemd_notify_test", "//tests:liveness_test",
 ]
 PER_MUTANT_TIMEOUT = 900  # the whole mutant, build included, seconds
 
