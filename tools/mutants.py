@@ -45,6 +45,7 @@ the links of its targets and the tests up to the first failure.
 """
 
 import argparse
+import fcntl
 import fnmatch
 import hashlib
 import json
@@ -712,7 +713,15 @@ def print_table(path):
 
 
 def record(path, globs, mutants, equivalent, rows):
-    """Merges this sweep into the JSON at `path`, per file."""
+    """Merges this sweep into the JSON at `path`, per file, under a lock
+    (sweeps in several worktrees of one checkout merge into one file)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        merge(path, mutants, equivalent, rows)
+
+
+def merge(path, mutants, equivalent, rows):
     data = {}
     if os.path.exists(path):
         with open(path) as f:
@@ -780,10 +789,10 @@ def record(path, globs, mutants, equivalent, rows):
                     "mutant's verdict; kill_rate = killed / (killed + "
                     "survived): equivalent and broken (does not compile) "
                     "left out")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
+    with open(path + ".tmp", "w") as f:
         json.dump(data, f, indent=1)
         f.write("\n")
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":
