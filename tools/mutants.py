@@ -460,7 +460,8 @@ def bazel(cmd, timeout):
     interrupted (SIGINT), not killed: a killed client leaves its command
     running in the bazel server, which then blocks the next one."""
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
+                         stderr=subprocess.STDOUT, text=True,
+                         errors="replace")
     _CHILD[:] = [p]
     try:
         out, _ = p.communicate(timeout=timeout)

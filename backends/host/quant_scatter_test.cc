@@ -435,6 +435,208 @@ TEST(QuantScatterTest, OnTheWireOnlyWhatCopiesAsItIs) {
   }
 }
 
+// Each edge of "whole blocks of both": an FP8 target of one weight (and
+// its scales) fed one tensor quantised on the wire, refused or planned as
+// the use lies on the tensor's blocks and the target's. `shape` is the
+// target's; `segment` (source rows, row count, cols, col count, stride)
+// none for the whole tensor.
+struct WireUse {
+  std::vector<int64_t> target_shape;
+  int64_t block_rows, block_cols;  // the target's blocks
+  int64_t scale_rows, scale_cols;
+  std::vector<int64_t> segment;  // empty: the tensor is the parameter
+  std::vector<int64_t> tensor_shape;
+  int64_t wire_rows, wire_cols;  // the tensor's blocks; 0, 0: per row
+  std::string says;              // "": planned
+};
+
+absl::Status PlanWireUse(const WireUse& u) {
+  v1::RegisterEngineRequest r;
+  r.set_engine_id("fp8");
+  v1::Parameter* p = r.add_parameters();
+  p->set_name("w");
+  p->set_dtype(v1::FLOAT8_E4M3FN);
+  int64_t numel = 1;
+  for (int64_t d : u.target_shape) {
+    p->add_shape(d);
+    numel *= d;
+  }
+  Quantize(p, v1::FLOAT8_E4M3FN, "w_scale", v1::QUANT_SCHEME_BLOCK,
+           v1::SCALE_FORM_DEQUANT, u.block_rows, u.block_cols);
+  if (!u.segment.empty()) {
+    AddSegment(p, "t", u.segment[0], u.segment[1], u.segment[2], u.segment[3],
+               0, u.segment[4]);
+  }
+  int64_t offset = (numel + 255) / 256 * 256;
+  Add(r, "w_scale", v1::FLOAT32, u.scale_rows, u.scale_cols, &offset);
+  v1::Allocation* a = r.add_allocations();
+  a->set_kind(v1::MEMORY_HOST_SHM);
+  a->set_handle("/fp8");
+  a->set_size(offset);
+  testing::HeapMapper mapper;
+  auto layout = BuildEngineLayout(r, mapper);
+  EXPECT_TRUE(layout.ok()) << layout.status();
+  if (!layout.ok()) return layout.status();
+  std::mt19937 rng(5);
+  int64_t rows = u.tensor_shape[0], cols = 1;
+  for (size_t i = 1; i < u.tensor_shape.size(); ++i) cols *= u.tensor_shape[i];
+  Tensor t = RandomTensor(u.segment.empty() ? "w" : "t", v1::BFLOAT16, rows,
+                          cols, rng);
+  t = OnTheWire(t, v1::FLOAT8_E4M3FN, u.wire_rows, u.wire_cols, false,
+                u.wire_rows == 0);
+  t.spec.clear_shape();
+  for (int64_t d : u.tensor_shape) t.spec.add_shape(d);
+  Manifest m;
+  *m.Add() = t.spec;
+  return BuildCopyPlan(m, 4096, {*layout}).status();
+}
+
+TEST(QuantScatterTest, OnTheWireAUseIsWholeBlocksOfBothAtEachEdge) {
+  const std::string cut = "which are not whole blocks of it";
+  const std::vector<WireUse> uses = {
+      // The whole tensor, the same blocks: planned.
+      {{256, 128}, 128, 128, 2, 1, {}, {256, 128}, 128, 128, ""},
+      // Per row into blocks of 128 rows as wide as the target: refused
+      // (one scale a row is not one a block).
+      {{256, 128},
+       128,
+       128,
+       2,
+       1,
+       {},
+       {256, 128},
+       0,
+       0,
+       "(per row) but the target quantises to float8_e4m3fn (128 x 128)"},
+      // A stacked target [2, 128, 128] is quantised as its 256 x 128
+      // matrix, the tensor of the same shape as its 2 x 16384 view.
+      {{2, 128, 128},
+       128,
+       128,
+       2,
+       1,
+       {},
+       {2, 128, 128},
+       128,
+       128,
+       "the parameter's blocks are of its 256 x 128 matrix, the tensor's of "
+       "its 2 x 16384 view"},
+      // The second block row of the tensor, whole: planned.
+      {{128, 128},
+       128,
+       128,
+       1,
+       1,
+       {128, 128, 0, 128, 128},
+       {256, 128},
+       128,
+       128,
+       ""},
+      // Rows from the middle of a block to the tensor's end: the target's
+      // blocks start where the tensor's don't.
+      {{192, 128},
+       128,
+       128,
+       2,
+       1,
+       {64, 192, 0, 128, 128},
+       {256, 128},
+       128,
+       128,
+       "the segment reads rows [64, 256) x cols [0, 128) of the tensor's "
+       "256x128 matrix, " +
+           cut},
+      // Rows that end inside a block, short of the tensor's end.
+      {{64, 128},
+       128,
+       128,
+       1,
+       1,
+       {0, 64, 0, 128, 128},
+       {256, 128},
+       128,
+       128,
+       "rows [0, 64) x cols [0, 128) of the tensor's 256x128 matrix, " + cut},
+      // Columns that end inside a block, short of the tensor's end.
+      {{128, 64},
+       128,
+       128,
+       1,
+       1,
+       {0, 128, 0, 64, 64},
+       {128, 256},
+       128,
+       128,
+       "rows [0, 128) x cols [0, 64) of the tensor's 128x256 matrix, " + cut},
+      // Two rows of 64 laid into one row of 128 (a contiguous run): the
+      // tensor's 1 x 128 blocks are its rows, the target's is both.
+      {{1, 128},
+       1,
+       128,
+       1,
+       1,
+       {0, 2, 0, 64, 64},
+       {2, 64},
+       1,
+       128,
+       "rows [0, 2) x cols [0, 64) of the tensor's 2x64 matrix, " + cut},
+  };
+  for (const WireUse& u : uses) {
+    SCOPED_TRACE(u.says.empty() ? "planned" : u.says);
+    const absl::Status s = PlanWireUse(u);
+    if (u.says.empty()) {
+      EXPECT_TRUE(s.ok()) << s;
+      continue;
+    }
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr(u.says));
+    EXPECT_THAT(
+        std::string(s.message()),
+        HasSubstr("tensor '" + std::string(u.segment.empty() ? "w" : "t") +
+                  "' -> engine 'fp8' parameter 'w'"));
+  }
+}
+
+// A tensor quantised on the wire is checked as such before its shape: into
+// a plain parameter it is refused as FP8 whatever its shape; into an FP8
+// target of another shape the shape is what is wrong.
+TEST(QuantScatterTest, OnTheWireTheFormIsCheckedWhereItDecides) {
+  std::mt19937 rng(3);
+  Tensor t = OnTheWire(RandomTensor("w", v1::BFLOAT16, 128, 256, rng),
+                       v1::FLOAT8_E4M3FN, 128, 128, false);
+  Manifest m;
+  *m.Add() = t.spec;
+  {
+    v1::RegisterEngineRequest r;
+    r.set_engine_id("plain");
+    int64_t offset = 0;
+    Add(r, "w", v1::BFLOAT16, 256, 128, &offset);
+    v1::Allocation* a = r.add_allocations();
+    a->set_kind(v1::MEMORY_HOST_SHM);
+    a->set_handle("/plain");
+    a->set_size(offset);
+    testing::HeapMapper mapper;
+    auto layout = BuildEngineLayout(r, mapper);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    const absl::Status s = BuildCopyPlan(m, 4096, {*layout}).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(std::string(s.message()),
+                HasSubstr("arrives quantised to float8_e4m3fn but the "
+                          "parameter (bfloat16) is not an FP8 target"));
+  }
+  {
+    const v1::RegisterEngineRequest r = OneFp8Weight(256, 128, 2, 1);
+    testing::HeapMapper mapper;
+    auto layout = BuildEngineLayout(r, mapper);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    const absl::Status s = BuildCopyPlan(m, 4096, {*layout}).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(std::string(s.message()),
+                HasSubstr("shape [128, 256] does not match the registered "
+                          "[256, 128]"));
+  }
+}
+
 // An engine marked lost during an update (it died, or was unregistered)
 // is not written any more: neither its FP8 values nor its scales. The
 // same update without the mark writes both (the test can tell).
