@@ -376,6 +376,7 @@ class Coordinator {
     std::vector<std::string> ids;  // the engines, in plan order
     std::vector<std::shared_ptr<const EngineLayout>> layouts;  // as ids
     std::vector<std::string> to_pause;                         // not paused yet
+    std::vector<std::string> paused;  // of to_pause, those that acknowledged
     std::vector<std::pair<std::string, std::string>> left_out;  // Update's
     std::shared_ptr<DataPlane> plane;
     std::shared_ptr<const CopyPlan> plan;
@@ -478,10 +479,16 @@ class Coordinator {
   void ReportCommitted(const Committed& c, const DataPlane& plane, bool staged,
                        absl::Time t_commit,
                        v1::FinishWeightUpdateResponse& response);
-  // CommitStaged's pause: engines that left while being paused are lost to
-  // the update and the others paused again. Requires control_mu_.
+  // CommitStaged's pause, all or nothing: engines that left while being
+  // paused are lost to the update, the others paused. Requires control_mu_.
   absl::StatusOr<std::vector<std::string>> PauseForCommit(
       const std::vector<std::string>& to_pause);
+  // Marks lost to update_ each engine of `to_pause` that PauseAll left out
+  // of `paused` (it left while being paused; its removal may come later).
+  void MarkLeftWhilePausedLocked(const std::vector<std::string>& to_pause,
+                                 const std::vector<std::string>& paused,
+                                 absl::string_view what)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Records `paused` as paused by the update, its engines as updating;
   // returns the staged chunks (host staging).
   std::vector<std::string> StartCommitLocked(

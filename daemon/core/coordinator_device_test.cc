@@ -73,7 +73,14 @@ class FakeDevicePlane : public DataPlane {
     return drain_status;
   }
   void Abort() override { log_->Add("Abort"); }
-  void MarkEngineLost(int) override {}
+  void MarkEngineLost(int engine) override {
+    absl::MutexLock lock(&lost_mu_);
+    lost_.push_back(engine);
+  }
+  std::vector<int> marked_lost() {
+    absl::MutexLock lock(&lost_mu_);
+    return lost_;
+  }
   int64_t chunks_written() const override { return 0; }
   bool ReceivesOwnBytes() const override { return receives_own_bytes; }
   std::string name() const override { return plane_name; }
@@ -130,6 +137,8 @@ class FakeDevicePlane : public DataPlane {
 
  private:
   Log* log_;
+  absl::Mutex lost_mu_;
+  std::vector<int> lost_ ABSL_GUARDED_BY(lost_mu_);
 };
 
 class Factory : public DataPlaneFactory {
@@ -154,6 +163,7 @@ class AckingEngine : public ControlChannel {
       : c_(c), log_(log), id_(std::move(id)) {}
   std::atomic<bool> refuse_pause{false}, refuse_resume{false};
   std::atomic<bool> leave_on_pause{false};  // its stream closes instead
+  std::atomic<int> refuse_pauses{0};  // refuses this many pauses, then acks
   ~AckingEngine() override {
     absl::MutexLock lock(&mu_);
     for (std::thread& t : threads_) t.join();
@@ -166,7 +176,8 @@ class AckingEngine : public ControlChannel {
     log_->Add(id_ == "e" ? kind : absl::StrCat(kind, " ", id_));
     v1::EngineMessage::Ack ack;
     ack.set_notice_id(m.notice_id());
-    ack.set_ok(!(m.has_pause() && refuse_pause) &&
+    const bool refused_once = m.has_pause() && refuse_pauses.fetch_sub(1) > 0;
+    ack.set_ok(!(m.has_pause() && refuse_pause) && !refused_once &&
                !(m.has_resume() && refuse_resume));
     if (!ack.ok()) ack.set_message("the engine is mid-request");
     absl::MutexLock lock(&mu_);
@@ -1312,6 +1323,92 @@ TEST_F(CoordinatorDeviceTest, FinishEndsOnlyTheUpdateItNamesAndOnlyWhole) {
   EXPECT_THAT(early.message(), HasSubstr("finish after 0 of 1 chunks (0 of "
                                          "64 bytes)"));
   EXPECT_EQ(Engine().version(), 0);
+}
+
+}  // namespace
+}  // namespace weightsync
+
+namespace weightsync {
+namespace {
+
+// A staged update's commit pauses its engines only for the copy: one that
+// leaves while being paused for it (its stream closes) is lost to the
+// update, as in a streaming one, and the others are paused again and
+// committed under their pause; the one that left is neither written nor
+// left marked as receiving.
+TEST_F(CoordinatorDeviceTest, AStagedCommitGoesOnWithoutAnEngineThatLeft) {
+  RegisterE(0, 1, "f");
+  auto f = std::make_shared<AckingEngine>(coordinator_.get(), &log_, "f");
+  ASSERT_TRUE(coordinator_->AttachControl("f", f).ok());
+  // g, paused by its trainer beforehand, is not paused again, and stays.
+  RegisterE(0, 1, "g");
+  auto g = std::make_shared<AckingEngine>(coordinator_.get(), &log_, "g");
+  ASSERT_TRUE(coordinator_->AttachControl("g", g).ok());
+  v1::PauseRequest pause;
+  pause.set_timeout_ms(5000);
+  pause.add_engine_ids("g");
+  ASSERT_TRUE(coordinator_->Pause(pause).ok());
+  ASSERT_TRUE(coordinator_
+                  ->StartWeightUpdate(
+                      Request(1, v1::UPDATE_MODE_STAGED, v1::VERIFY_OFF))
+                  .ok());
+  f->leave_on_pause = true;
+  const size_t before = log_.Get().size();
+  auto done = Finish("u1");
+  ASSERT_TRUE(done.ok()) << done.status();
+  std::vector<std::string> events = log_.Get();
+  events.erase(events.begin(), events.begin() + before);
+  // e paused once, with f, and not resumed before the copy: the copy runs
+  // under that pause (f's leaving is no failed pause).
+  const auto commit = std::find(events.begin(), events.end(), "CommitStaged");
+  ASSERT_NE(commit, events.end());
+  EXPECT_EQ(std::count(events.begin(), commit, "pause"), 1);
+  EXPECT_EQ(std::count(events.begin(), commit, "resume"), 0);
+  EXPECT_THAT(std::vector<std::string>(events.begin(), commit),
+              Not(Contains("pause g")));
+  std::map<std::string, v1::EngineResult> by_id;
+  for (const v1::EngineResult& r : done->engines()) by_id[r.engine_id()] = r;
+  EXPECT_TRUE(by_id["f"].lost());
+  EXPECT_FALSE(by_id["e"].lost());
+  EXPECT_FALSE(by_id["g"].lost());
+  // The data plane was told which engine not to write: f's index.
+  const v1::GetStatusResponse status = coordinator_->GetStatus(false);
+  std::map<std::string, v1::EngineStatus> engines;
+  for (const v1::EngineStatus& e : status.engines()) engines[e.engine_id()] = e;
+  EXPECT_THAT(plane_->marked_lost(), ElementsAre(1));
+  EXPECT_EQ(engines["e"].version(), 1);
+  EXPECT_EQ(engines["e"].state(), v1::ENGINE_READY);
+  EXPECT_EQ(engines["g"].version(), 1);
+  EXPECT_EQ(engines["g"].state(), v1::ENGINE_PAUSED);  // its trainer's pause
+  if (engines.count("f") > 0) {
+    EXPECT_EQ(engines["f"].version(), 0);
+    EXPECT_NE(engines["f"].state(), v1::ENGINE_UPDATING);
+  }
+}
+
+// An engine that refuses the commit's pause fails the update before any
+// byte moves from staging: nothing copied, every engine serving its old
+// version, even though a second pause would have been acknowledged.
+TEST_F(CoordinatorDeviceTest, AStagedCommitAnEngineRefusesCopiesNothing) {
+  RegisterE(0, 1, "f");
+  auto f = std::make_shared<AckingEngine>(coordinator_.get(), &log_, "f");
+  ASSERT_TRUE(coordinator_->AttachControl("f", f).ok());
+  ASSERT_TRUE(coordinator_
+                  ->StartWeightUpdate(
+                      Request(1, v1::UPDATE_MODE_STAGED, v1::VERIFY_OFF))
+                  .ok());
+  f->refuse_pauses = 1;
+  auto done = Finish("u1");
+  ASSERT_FALSE(done.ok());
+  EXPECT_THAT(done.status().message(),
+              HasSubstr("could not pause for the commit"));
+  EXPECT_THAT(log_.Get(), Not(Contains("CommitStaged")));
+  EXPECT_THAT(plane_->marked_lost(), IsEmpty());
+  const v1::GetStatusResponse status = coordinator_->GetStatus(false);
+  for (const v1::EngineStatus& e : status.engines()) {
+    EXPECT_EQ(e.version(), 0) << e.engine_id();
+    EXPECT_EQ(e.state(), v1::ENGINE_READY) << e.engine_id();
+  }
 }
 
 }  // namespace

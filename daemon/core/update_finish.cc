@@ -128,37 +128,38 @@ absl::StatusOr<std::vector<std::string>> Coordinator::PauseForCommit(
     const std::vector<std::string>& to_pause) {
   // The engines generated on the old weights all along; they stop only for
   // the copy from staging into their memory.
-  absl::StatusOr<std::vector<std::string>> pause = PauseAll(
-      to_pause, v1::PAUSE_MODE_KEEP, absl::Now() + options_.notice_timeout,
-      "could not pause for the commit");
-  if (pause.ok()) return pause;
-  // Engines that left (died, unregistered) while being paused are lost to
-  // this update, as in a streaming one: commit the others. PauseAll
-  // resumed them; pause them again.
-  std::vector<std::string> staying;
-  {
-    absl::MutexLock lock(&mu_);
-    for (size_t i = 0; i < update_->engine_ids.size(); ++i) {
-      const std::string& id = update_->engine_ids[i];
-      if (std::find(to_pause.begin(), to_pause.end(), id) == to_pause.end())
-        continue;
-      if (engines_.contains(id) && hub_.Connected(id)) {
-        staying.push_back(id);
-      } else if (!update_->lost[i]) {
-        update_->lost[i] = true;
-        update_->data_plane->MarkEngineLost(i);
-        LOG(WARNING) << Event("engine.lost", update_->id,
-                              update_->target_version, id)
-                     << "left while the commit paused it";
-      }
+  // An engine that refuses fails the update before any byte moves. One
+  // that leaves (dies, unregisters) while being paused is no failed pause:
+  // PauseAll leaves it out, and it is lost to this update, as in a
+  // streaming one, while the others are committed.
+  WS_ASSIGN_OR_RETURN(std::vector<std::string> paused,
+                      PauseAll(to_pause, v1::PAUSE_MODE_KEEP,
+                               absl::Now() + options_.notice_timeout,
+                               "could not pause for the commit"));
+  absl::MutexLock lock(&mu_);
+  MarkLeftWhilePausedLocked(to_pause, paused, "the commit");
+  return paused;
+}
+
+void Coordinator::MarkLeftWhilePausedLocked(
+    const std::vector<std::string>& to_pause,
+    const std::vector<std::string>& paused, absl::string_view what) {
+  // Its stream's close reaches the pause before its removal does: mark it
+  // now, or the update would write it and count it committed.
+  for (size_t i = 0; i < update_->engine_ids.size(); ++i) {
+    const std::string& id = update_->engine_ids[i];
+    if (update_->lost[i] ||
+        std::find(to_pause.begin(), to_pause.end(), id) == to_pause.end() ||
+        std::find(paused.begin(), paused.end(), id) != paused.end()) {
+      continue;
     }
+    update_->lost[i] = true;
+    update_->lost_why[i] = "left while being paused";
+    update_->data_plane->MarkEngineLost(i);
+    LOG(WARNING) << Event("engine.lost", update_->id, update_->target_version,
+                          id)
+                 << "left while " << what << " paused it";
   }
-  if (staying.size() < to_pause.size()) {
-    pause = PauseAll(staying, v1::PAUSE_MODE_KEEP,
-                     absl::Now() + options_.notice_timeout,
-                     "could not pause for the commit");
-  }
-  return pause;
 }
 
 std::vector<std::string> Coordinator::StartCommitLocked(

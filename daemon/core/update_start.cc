@@ -415,7 +415,7 @@ absl::Status Coordinator::PauseAndBegin(
   // only for their commit.
   if (s.staged) s.to_pause.clear();
   s.t_planned = absl::Now();
-  WS_ASSIGN_OR_RETURN(const std::vector<std::string> paused,
+  WS_ASSIGN_OR_RETURN(s.paused,
                       PauseAll(s.to_pause, v1::PAUSE_MODE_KEEP,
                                absl::Now() + options_.notice_timeout,
                                absl::StrCat("could not pause for update '",
@@ -431,7 +431,7 @@ absl::Status Coordinator::PauseAndBegin(
                          : absl::OkStatus();
   s.t_begun = absl::Now();
   if (!begun.ok()) {
-    hub_.Broadcast(paused, ResumeNotice(),
+    hub_.Broadcast(s.paused, ResumeNotice(),
                    absl::Now() + options_.notice_timeout);
     return begun;
   }
@@ -494,6 +494,7 @@ void Coordinator::InstallUpdateLocked(
     }
   }
   update_ = std::move(update);
+  MarkLeftWhilePausedLocked(s.to_pause, s.paused, "the update");
   RecordUpdateStatusLocked("receiving");
 }
 
