@@ -213,7 +213,9 @@ class CoordinatorDeviceTest : public ::testing::Test {
     ASSERT_TRUE(coordinator_->AttachControl("e", engine_).ok());
     v1::InitWeightTransferRequest init;
     init.set_backend(v1::BACKEND_NCCL);
-    ASSERT_TRUE(coordinator_->InitWeightTransfer(init).ok());
+    auto group = coordinator_->InitWeightTransfer(init);
+    ASSERT_TRUE(group.ok()) << group.status();
+    group_ = group->group_id();
   }
 
   // Engine `id` ("e"): "w" (float32 [16], or [16, cols]) at `offset` of
@@ -277,6 +279,7 @@ class CoordinatorDeviceTest : public ::testing::Test {
   }
 
   Log log_;
+  std::string group_;  // the transfer group Make formed
   std::shared_ptr<FakeDevicePlane> plane_;
   std::shared_ptr<testing::HeapMapper> mapper_;
   std::unique_ptr<Coordinator> coordinator_;
@@ -1409,6 +1412,218 @@ TEST_F(CoordinatorDeviceTest, AStagedCommitAnEngineRefusesCopiesNothing) {
     EXPECT_EQ(e.version(), 0) << e.engine_id();
     EXPECT_EQ(e.state(), v1::ENGINE_READY) << e.engine_id();
   }
+}
+
+}  // namespace
+}  // namespace weightsync
+
+namespace weightsync {
+namespace {
+
+// Trainer liveness on the coordinator itself (docs/protocol.md, "Trainer
+// liveness"): which holds may be opened, and what a hold's end does.
+TEST_F(CoordinatorDeviceTest, OnlyTheGroupFormedNowOrNoneCanBeHeld) {
+  auto other = coordinator_->HoldGroup("g-old");
+  EXPECT_EQ(other.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(other.status().message(),
+              HasSubstr("group 'g-old' is not the transfer group formed now "
+                        "('" +
+                        group_ + "')"));
+  std::vector<int64_t> holds;
+  auto held = coordinator_->HoldGroup(group_);
+  ASSERT_TRUE(held.ok()) << held.status();
+  holds.push_back(*held);
+  auto pauses = coordinator_->HoldGroup("");  // a trainer without a group
+  ASSERT_TRUE(pauses.ok()) << pauses.status();
+  holds.push_back(*pauses);
+  EXPECT_NE(holds[0], holds[1]);
+  // kMaxHolds at once, the next refused; one closed, one more may open.
+  while (holds.size() < Coordinator::kMaxHolds) {
+    auto h = coordinator_->HoldGroup(group_);
+    ASSERT_TRUE(h.ok()) << holds.size() << ": " << h.status();
+    holds.push_back(*h);
+  }
+  auto past = coordinator_->HoldGroup(group_);
+  EXPECT_EQ(past.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(past.status().message(), HasSubstr("64 streams are open"));
+  coordinator_->ReleaseGroup(holds.back(), "closed", /*trainer_gone=*/false);
+  holds.pop_back();
+  EXPECT_TRUE(coordinator_->HoldGroup(group_).ok());
+  // A stopping daemon opens none.
+  coordinator_->Shutdown();
+  EXPECT_EQ(coordinator_->HoldGroup(group_).status().code(),
+            absl::StatusCode::kUnavailable);
+}
+
+TEST_F(CoordinatorDeviceTest, NoGroupFormedYetIsSaid) {
+  auto plane = std::make_shared<FakeDevicePlane>(&log_);
+  Coordinator fresh(CoordinatorOptions(), mapper_,
+                    std::make_shared<Factory>(plane));
+  auto h = fresh.HoldGroup("g1");
+  EXPECT_EQ(h.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(h.status().message(), HasSubstr("(none is formed)"));
+  EXPECT_TRUE(fresh.HoldGroup("").ok());
+  fresh.Shutdown();
+}
+
+// The trainer holding the group goes: its update fails and ends at once,
+// and the engine it paused is resumed (no byte had landed). A hold that
+// ends because the server stops, a hold unknown or of an earlier group,
+// end nothing.
+TEST_F(CoordinatorDeviceTest, ATrainerGoneEndsItsUpdateOnlyItsOwnHold) {
+  plane_->receives_own_bytes = false;
+  auto hold = coordinator_->HoldGroup(group_);
+  ASSERT_TRUE(hold.ok());
+  ASSERT_TRUE(coordinator_
+                  ->StartWeightUpdate(
+                      Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF))
+                  .ok());
+  auto phase = [&] { return coordinator_->GetStatus(false).update().phase(); };
+  ASSERT_EQ(phase(), "receiving");
+  coordinator_->ReleaseGroup(*hold + 1000, "no such hold");
+  coordinator_->ReleaseGroup(*hold, "server stopping", /*trainer_gone=*/false);
+  EXPECT_EQ(phase(), "receiving");
+  EXPECT_EQ(Engine().state(), v1::ENGINE_UPDATING);
+  // The same trainer holds again (a new stream), and goes.
+  hold = coordinator_->HoldGroup(group_);
+  ASSERT_TRUE(hold.ok());
+  coordinator_->ReleaseGroup(*hold, "stream reset");
+  const v1::GetStatusResponse status = coordinator_->GetStatus(false);
+  EXPECT_EQ(status.update().phase(), "failed");
+  EXPECT_THAT(status.update().error(),
+              HasSubstr("the trainer of update 'u1' is gone (its Liveness "
+                        "stream ended: stream reset)"));
+  EXPECT_THAT(log_.Get(), Contains("Abort"));
+  EXPECT_EQ(log_.Get().back(), "resume");
+  EXPECT_EQ(Engine().state(), v1::ENGINE_READY);
+  EXPECT_EQ(Engine().version(), 0);
+  // The update is over: a new one may start without taking it over.
+  ASSERT_TRUE(coordinator_
+                  ->StartWeightUpdate(
+                      Request(2, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF))
+                  .ok());
+  // A hold of the group before a re-Init is of an earlier group: its end
+  // fails nothing of the new one.
+  auto old_hold = coordinator_->HoldGroup(group_);
+  ASSERT_TRUE(old_hold.ok());
+  v1::AbortWeightUpdateRequest abort;
+  abort.set_update_id("u2");
+  ASSERT_TRUE(coordinator_->AbortWeightUpdate(abort).ok());
+  v1::InitWeightTransferRequest init;
+  init.set_backend(v1::BACKEND_NCCL);
+  ASSERT_TRUE(coordinator_->InitWeightTransfer(init).ok());
+  ASSERT_TRUE(coordinator_
+                  ->StartWeightUpdate(
+                      Request(3, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF))
+                  .ok());
+  coordinator_->ReleaseGroup(*old_hold, "old trainer gone");
+  EXPECT_EQ(phase(), "receiving");
+  EXPECT_EQ(coordinator_->GetStatus(false).update().update_id(), "u3");
+}
+
+// A prepared update whose trainer goes is never committed: it ends, its
+// engines paused and DIRTY, and the reason says so.
+TEST_F(CoordinatorDeviceTest, ATrainerGoneAfterPrepareLeavesItDirty) {
+  auto hold = coordinator_->HoldGroup(group_);
+  ASSERT_TRUE(hold.ok());
+  ASSERT_TRUE(coordinator_
+                  ->StartWeightUpdate(
+                      Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF))
+                  .ok());
+  ASSERT_TRUE(Prepare("u1").ok());
+  coordinator_->ReleaseGroup(*hold, "killed");
+  const v1::GetStatusResponse status = coordinator_->GetStatus(false);
+  EXPECT_EQ(status.update().phase(), "failed");
+  EXPECT_THAT(status.update().error(),
+              HasSubstr("prepared, never committed: its engines stay paused "
+                        "and DIRTY"));
+  EXPECT_EQ(Engine().state(), v1::ENGINE_DIRTY);
+}
+
+// A trainer that paused engines without a group holds its pauses: when it
+// goes, and no other trainer holds anything, the engines it paused are
+// resumed; a dirty engine and one paused while a hold is still open stay.
+TEST_F(CoordinatorDeviceTest, ATrainerGoneResumesOnlyItsPausesWhenAlone) {
+  RegisterE(0, 1, "f");
+  auto f = std::make_shared<AckingEngine>(coordinator_.get(), &log_, "f");
+  ASSERT_TRUE(coordinator_->AttachControl("f", f).ok());
+  auto pauses = coordinator_->HoldGroup("");
+  auto other = coordinator_->HoldGroup("");
+  ASSERT_TRUE(pauses.ok() && other.ok());
+  v1::PauseRequest pause;
+  pause.set_timeout_ms(5000);
+  pause.add_engine_ids("e");
+  ASSERT_TRUE(coordinator_->Pause(pause).ok());
+  // Another trainer still holds its pauses: nothing is resumed.
+  coordinator_->ReleaseGroup(*pauses, "first gone");
+  EXPECT_EQ(Engine().state(), v1::ENGINE_PAUSED);
+  // A clean end of the last hold (the server stopping) resumes nothing.
+  coordinator_->ReleaseGroup(*other, "server stopping", false);
+  EXPECT_EQ(Engine().state(), v1::ENGINE_PAUSED);
+  // The last trainer goes: e resumes; f, never paused, is not told.
+  auto last = coordinator_->HoldGroup("");
+  ASSERT_TRUE(last.ok());
+  const size_t before = log_.Get().size();
+  coordinator_->ReleaseGroup(*last, "gone");
+  EXPECT_EQ(Engine().state(), v1::ENGINE_READY);
+  std::vector<std::string> after = log_.Get();
+  after.erase(after.begin(), after.begin() + before);
+  EXPECT_THAT(after, ElementsAre("resume"));
+  // A group trainer that goes resumes the pauses of trainers too, but not
+  // a dirty engine's (it waits for an update to clean it).
+  auto hold = coordinator_->HoldGroup(group_);
+  ASSERT_TRUE(hold.ok());
+  ASSERT_TRUE(coordinator_
+                  ->StartWeightUpdate(
+                      Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF))
+                  .ok());
+  v1::AbortWeightUpdateRequest abort;
+  abort.set_update_id("u1");
+  ASSERT_TRUE(coordinator_->AbortWeightUpdate(abort).ok());  // both dirty
+  pause.clear_engine_ids();
+  ASSERT_EQ(Engine().state(), v1::ENGINE_DIRTY);
+  const size_t before_gone = log_.Get().size();
+  coordinator_->ReleaseGroup(*hold, "gone");
+  after = log_.Get();
+  after.erase(after.begin(), after.begin() + before_gone);
+  EXPECT_THAT(after, Not(Contains("resume")));
+  EXPECT_EQ(Engine().state(), v1::ENGINE_DIRTY);
+}
+
+// Start's take_over_update_id ends an update whose trainer holds no
+// Liveness stream of the group, never one whose trainer does; an id of no
+// update in progress takes nothing over.
+TEST_F(CoordinatorDeviceTest, TakeOverOnlyOfAnUpdateNobodyHolds) {
+  plane_->receives_own_bytes = false;
+  auto hold = coordinator_->HoldGroup(group_);
+  auto pauses = coordinator_->HoldGroup("");  // holds no group
+  ASSERT_TRUE(hold.ok() && pauses.ok());
+  ASSERT_TRUE(coordinator_
+                  ->StartWeightUpdate(
+                      Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF))
+                  .ok());
+  v1::StartWeightUpdateRequest next =
+      Request(2, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF);
+  next.set_take_over_update_id("u1");
+  auto refused = coordinator_->StartWeightUpdate(next);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("update 'u1' belongs to a live trainer (it holds "
+                        "group " +
+                        group_));
+  EXPECT_EQ(coordinator_->GetStatus(false).update().update_id(), "u1");
+  // Another id takes nothing over: u1 goes on, and u2 can't start beside it.
+  next.set_take_over_update_id("u0");
+  EXPECT_EQ(coordinator_->StartWeightUpdate(next).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(coordinator_->GetStatus(false).update().phase(), "receiving");
+  // Its trainer's stream ended as the server stopped (not gone): now nobody
+  // holds the group, and u1 is taken over.
+  coordinator_->ReleaseGroup(*hold, "server stopping", false);
+  next.set_take_over_update_id("u1");
+  auto taken = coordinator_->StartWeightUpdate(next);
+  ASSERT_TRUE(taken.ok()) << taken.status();
+  EXPECT_EQ(coordinator_->GetStatus(false).update().update_id(), "u2");
 }
 
 }  // namespace
