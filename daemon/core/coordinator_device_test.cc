@@ -1628,3 +1628,110 @@ TEST_F(CoordinatorDeviceTest, TakeOverOnlyOfAnUpdateNobodyHolds) {
 
 }  // namespace
 }  // namespace weightsync
+
+namespace weightsync {
+namespace {
+
+// A Start that names a transfer plan takes its tensors from the plan and
+// nothing else; its sparse pieces name receivers of the plan, apply only
+// against the engines' version, and only this daemon's are its own (the
+// fake plane, as NCCL's today, then refuses patches of many senders).
+TEST_F(CoordinatorDeviceTest, AStartNamingATransferPlanIsCheckedWhole) {
+  InitGroup(coordinator_.get(), 2);
+  auto registered =
+      coordinator_->RegisterTransferPlan(TwoSendersRequest({0}, 8, 2));
+  ASSERT_TRUE(registered.ok()) << registered.status();
+  const std::string id = registered->plan_id();
+  const std::string unset =
+      "its tensors are the plan's; leave tensors, source_id, ipc_source and "
+      "finish unset";
+  std::vector<v1::StartWeightUpdateRequest> extra(4, PlanUpdate(id));
+  *extra[0].add_tensors() =
+      Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF).tensors(0);
+  extra[1].set_source_id("src-1");
+  extra[2].mutable_ipc_source();
+  extra[3].set_finish(true);
+  for (const v1::StartWeightUpdateRequest& req : extra) {
+    auto s = coordinator_->StartWeightUpdate(req).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(s.message(), HasSubstr("names transfer plan '" + id + "'"));
+    EXPECT_THAT(s.message(), HasSubstr(unset));
+  }
+  auto sparse = [&](int32_t receiver, int64_t base) {
+    v1::StartWeightUpdateRequest req = PlanUpdate(id);
+    req.set_chunk_bytes(256);
+    req.set_sparse_base_version(base);
+    v1::PlanSparsePiece* p = req.add_plan_sparse();
+    p->set_sender(0);
+    p->set_receiver(receiver);
+    p->set_piece(0);
+    p->set_nnz(1);
+    return coordinator_->StartWeightUpdate(req).status();
+  };
+  for (int32_t r : {-1, 2, 3}) {
+    const absl::Status s = sparse(r, 0);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << r << ": " << s;
+    EXPECT_THAT(s.message(),
+                HasSubstr(absl::StrCat("a plan_sparse entry names receiver ", r,
+                                       "; transfer plan '", id, "' has 2")));
+  }
+  // One piece is a sparse update: it applies only at its base version.
+  absl::Status s = sparse(0, 5);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(s.message(),
+              HasSubstr("holds sparse patches against version 5, but engine "
+                        "'e' is at version 0"));
+  // Receiver 0 is this daemon's: its patch is planned, and refused by a
+  // plane that can't apply it; receiver 1's is another daemon's.
+  s = sparse(0, 0);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(s.message(), HasSubstr("1 pieces as sparse patches"));
+  EXPECT_TRUE(sparse(1, 0).ok());
+  ASSERT_TRUE(Finish("u1").ok());
+}
+
+// plan_only opens no update: it can't finish one, and it takes no update
+// over (the update in progress goes on).
+TEST_F(CoordinatorDeviceTest, PlanOnlyNeitherFinishesNorTakesOver) {
+  v1::StartWeightUpdateRequest both =
+      Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF);
+  both.set_plan_only(true);
+  both.set_finish(true);
+  both.clear_tensors();
+  both.set_source_id("src-1");
+  auto s = coordinator_->StartWeightUpdate(both).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("plan_only opens no update, so it can't "
+                                     "finish one"));
+  ASSERT_TRUE(coordinator_
+                  ->StartWeightUpdate(
+                      Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF))
+                  .ok());
+  v1::StartWeightUpdateRequest plan =
+      Request(2, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF);
+  plan.set_plan_only(true);
+  plan.set_take_over_update_id("u1");
+  coordinator_->StartWeightUpdate(plan).IgnoreError();
+  EXPECT_EQ(coordinator_->GetStatus(false).update().update_id(), "u1");
+  EXPECT_EQ(coordinator_->GetStatus(false).update().phase(), "receiving");
+}
+
+// An engine its trainer paused is not paused again by an update.
+TEST_F(CoordinatorDeviceTest, AnUpdateDoesNotPauseAPausedEngineAgain) {
+  v1::PauseRequest pause;
+  pause.set_timeout_ms(5000);
+  ASSERT_TRUE(coordinator_->Pause(pause).ok());
+  const size_t before = log_.Get().size();
+  ASSERT_TRUE(coordinator_
+                  ->StartWeightUpdate(
+                      Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF))
+                  .ok());
+  std::vector<std::string> after = log_.Get();
+  after.erase(after.begin(), after.begin() + before);
+  EXPECT_THAT(after, ElementsAre("Begin"));
+  ASSERT_TRUE(Finish("u1").ok());
+  EXPECT_EQ(Engine().state(), v1::ENGINE_PAUSED);  // still its trainer's
+}
+
+}  // namespace
+}  // namespace weightsync
