@@ -77,6 +77,15 @@ v1::Parameter* Add(v1::RegisterEngineRequest& r, const std::string& name,
 }
 
 using testing::AddSegment;
+
+// `r`'s one allocation: host shared memory `handle` of `size` bytes.
+void AddHostShm(v1::RegisterEngineRequest& r, const std::string& handle,
+                int64_t size) {
+  v1::Allocation* a = r.add_allocations();
+  a->set_kind(v1::MEMORY_HOST_SHM);
+  a->set_handle(handle);
+  a->set_size(size);
+}
 using testing::Quantize;
 
 // Engine "fp8": one e4m3 weight "w" [rows, cols] in 128 x 128 blocks and
@@ -90,10 +99,7 @@ v1::RegisterEngineRequest OneFp8Weight(int64_t rows, int64_t cols,
            v1::FLOAT8_E4M3FN, "w_scale_inv", v1::QUANT_SCHEME_BLOCK,
            v1::SCALE_FORM_DEQUANT);
   Add(r, "w_scale_inv", v1::FLOAT32, scale_rows, scale_cols, &offset);
-  v1::Allocation* a = r.add_allocations();
-  a->set_kind(v1::MEMORY_HOST_SHM);
-  a->set_handle("/fp8");
-  a->set_size(offset);
+  AddHostShm(r, "/fp8", offset);
   return r;
 }
 
@@ -212,10 +218,7 @@ v1::RegisterEngineRequest MixedFp8Engine() {
   AddSegment(side, "w", 0, 130, 0, 256, 0, 384);
   AddSegment(side, "o_proj", 0, 130, 0, 128, 256, 384);
   Add(r, "side_scale", v1::FLOAT32, 65, 3, &offset);
-  v1::Allocation* a = r.add_allocations();
-  a->set_kind(v1::MEMORY_HOST_SHM);
-  a->set_handle("/fp8");
-  a->set_size(offset);
+  AddHostShm(r, "/fp8", offset);
   return r;
 }
 
@@ -346,10 +349,7 @@ TEST(QuantScatterTest, OnTheWireOnlyWhatCopiesAsItIs) {
            v1::FLOAT8_E4M3FN, "rows_scale", v1::QUANT_SCHEME_PER_ROW,
            v1::SCALE_FORM_DEQUANT);
   Add(r, "rows_scale", v1::FLOAT32, 130, 0, &offset);
-  v1::Allocation* a = r.add_allocations();
-  a->set_kind(v1::MEMORY_HOST_SHM);
-  a->set_handle("/fp8");
-  a->set_size(offset);
+  AddHostShm(r, "/fp8", offset);
   {
     testing::HeapMapper m1, m2;
     auto want = Install(r, {rows}, 4096, m1);
@@ -469,10 +469,7 @@ absl::Status PlanWireUse(const WireUse& u) {
   }
   int64_t offset = (numel + 255) / 256 * 256;
   Add(r, "w_scale", v1::FLOAT32, u.scale_rows, u.scale_cols, &offset);
-  v1::Allocation* a = r.add_allocations();
-  a->set_kind(v1::MEMORY_HOST_SHM);
-  a->set_handle("/fp8");
-  a->set_size(offset);
+  AddHostShm(r, "/fp8", offset);
   testing::HeapMapper mapper;
   auto layout = BuildEngineLayout(r, mapper);
   EXPECT_TRUE(layout.ok()) << layout.status();
@@ -611,10 +608,7 @@ TEST(QuantScatterTest, OnTheWireTheFormIsCheckedWhereItDecides) {
     r.set_engine_id("plain");
     int64_t offset = 0;
     Add(r, "w", v1::BFLOAT16, 256, 128, &offset);
-    v1::Allocation* a = r.add_allocations();
-    a->set_kind(v1::MEMORY_HOST_SHM);
-    a->set_handle("/plain");
-    a->set_size(offset);
+    AddHostShm(r, "/plain", offset);
     testing::HeapMapper mapper;
     auto layout = BuildEngineLayout(r, mapper);
     ASSERT_TRUE(layout.ok()) << layout.status();
@@ -675,10 +669,7 @@ TEST(QuantScatterTest, RunsOfOneElementAndRowsOutsideTheSegment) {
            v1::SCALE_FORM_DEQUANT);
   AddSegment(w, "w", 0, 4, 0, 128, 0, 128);
   Add(r, "w_scale_inv", v1::FLOAT32, 1, 1, &offset);
-  v1::Allocation* a = r.add_allocations();
-  a->set_kind(v1::MEMORY_HOST_SHM);
-  a->set_handle("/fp8");
-  a->set_size(offset);
+  AddHostShm(r, "/fp8", offset);
   const auto ref = Reference(Widen(tensors[0], 129, 0, 4, 0, 128), 4, 128,
                              {v1::FLOAT8_E4M3FN, 128, 128, false});
   testing::HeapMapper mapper;
@@ -732,10 +723,7 @@ TEST(QuantScatterTest, ABrokenPlanIsRefusedNotWrittenOutsideItsBand) {
     plain.set_engine_id("bf16");
     int64_t offset = 0;
     Add(plain, "w", v1::BFLOAT16, 256, 256, &offset);
-    v1::Allocation* a = plain.add_allocations();
-    a->set_kind(v1::MEMORY_HOST_SHM);
-    a->set_handle("/bf16");
-    a->set_size(offset);
+    AddHostShm(plain, "/bf16", offset);
     auto layout = BuildEngineLayout(plain, mapper);
     ASSERT_TRUE(layout.ok()) << layout.status();
     auto plan = BuildCopyPlan(m, 4096, {*layout});
@@ -1006,10 +994,7 @@ TEST(QuantScatterTest, RowsOfBlocksCountAgainstTheStagingBudget) {
     AddSegment(p, "w", 0, 300, 0, 260, 0, 0);
     Add(r, name + "_scale", v1::FLOAT32, 3, 3, &offset);
   }
-  v1::Allocation* a = r.add_allocations();
-  a->set_kind(v1::MEMORY_HOST_SHM);
-  a->set_handle("/fp8");
-  a->set_size(offset);
+  AddHostShm(r, "/fp8", offset);
   testing::HeapMapper mapper;
   auto layout = BuildEngineLayout(r, mapper);
   ASSERT_TRUE(layout.ok()) << layout.status();
@@ -1062,10 +1047,7 @@ TEST(QuantScatterTest, ReceiptsOfInstalledFp8EnginesMatchTheVectors) {
       for (int64_t d : param->shape()) numel *= d;
       offset += (numel * ElementSize(param->dtype()) + 255) / 256 * 256;
     }
-    v1::Allocation* a = r.add_allocations();
-    a->set_kind(v1::MEMORY_HOST_SHM);
-    a->set_handle("/v");
-    a->set_size(offset);
+    AddHostShm(r, "/v", offset);
     std::vector<Tensor> tensors;
     for (const auto& t : f.at("tensors").list_value().values()) {
       std::string json;

@@ -239,6 +239,14 @@ class CoordinatorDeviceTest : public ::testing::Test {
         (c != nullptr ? c : coordinator_.get())->RegisterEngine(r).ok());
   }
 
+  // Engine `id` registered as RegisterE(0, 1, id) and attached, acking.
+  std::shared_ptr<AckingEngine> AddEngine(const std::string& id) {
+    RegisterE(0, 1, id);
+    auto engine = std::make_shared<AckingEngine>(coordinator_.get(), &log_, id);
+    EXPECT_TRUE(coordinator_->AttachControl(id, engine).ok());
+    return engine;
+  }
+
   void TearDown() override {
     coordinator_->Shutdown();
     coordinator_.reset();
@@ -1084,9 +1092,7 @@ TEST_F(CoordinatorDeviceTest, TheCoreRefusesABadStartItselfAtEachLimitsEdge) {
 // resume, the time paused is counted, and Resume refuses an engine that
 // is receiving an update or is dirty (unless allow_dirty).
 TEST_F(CoordinatorDeviceTest, PauseIsAllOrNothingAndResumeRefusesWhatItMust) {
-  RegisterE(0, 1, "f");
-  auto f = std::make_shared<AckingEngine>(coordinator_.get(), &log_, "f");
-  ASSERT_TRUE(coordinator_->AttachControl("f", f).ok());
+  auto f = AddEngine("f");
   auto state = [&](const std::string& id) {
     const v1::GetStatusResponse status = coordinator_->GetStatus(false);
     for (const v1::EngineStatus& e : status.engines()) {
@@ -1249,9 +1255,7 @@ TEST_F(CoordinatorDeviceTest, AFailedUpdateResumesOnlyWhatItPaused) {
     return out;
   };
   auto last = [&]() { return log_.Get().back(); };
-  RegisterE(0, 1, "f");
-  auto f = std::make_shared<AckingEngine>(coordinator_.get(), &log_, "f");
-  ASSERT_TRUE(coordinator_->AttachControl("f", f).ok());
+  auto f = AddEngine("f");
   // e paused by the trainer, f by the update, and no byte written yet (a
   // plane whose chunks come to it): the Abort resumes f alone.
   plane_->receives_own_bytes = false;
@@ -1340,13 +1344,9 @@ namespace {
 // committed under their pause; the one that left is neither written nor
 // left marked as receiving.
 TEST_F(CoordinatorDeviceTest, AStagedCommitGoesOnWithoutAnEngineThatLeft) {
-  RegisterE(0, 1, "f");
-  auto f = std::make_shared<AckingEngine>(coordinator_.get(), &log_, "f");
-  ASSERT_TRUE(coordinator_->AttachControl("f", f).ok());
+  auto f = AddEngine("f");
   // g, paused by its trainer beforehand, is not paused again, and stays.
-  RegisterE(0, 1, "g");
-  auto g = std::make_shared<AckingEngine>(coordinator_.get(), &log_, "g");
-  ASSERT_TRUE(coordinator_->AttachControl("g", g).ok());
+  auto g = AddEngine("g");
   v1::PauseRequest pause;
   pause.set_timeout_ms(5000);
   pause.add_engine_ids("g");
@@ -1393,9 +1393,7 @@ TEST_F(CoordinatorDeviceTest, AStagedCommitGoesOnWithoutAnEngineThatLeft) {
 // byte moves from staging: nothing copied, every engine serving its old
 // version, even though a second pause would have been acknowledged.
 TEST_F(CoordinatorDeviceTest, AStagedCommitAnEngineRefusesCopiesNothing) {
-  RegisterE(0, 1, "f");
-  auto f = std::make_shared<AckingEngine>(coordinator_.get(), &log_, "f");
-  ASSERT_TRUE(coordinator_->AttachControl("f", f).ok());
+  auto f = AddEngine("f");
   ASSERT_TRUE(coordinator_
                   ->StartWeightUpdate(
                       Request(1, v1::UPDATE_MODE_STAGED, v1::VERIFY_OFF))
@@ -1544,9 +1542,7 @@ TEST_F(CoordinatorDeviceTest, ATrainerGoneAfterPrepareLeavesItDirty) {
 // goes, and no other trainer holds anything, the engines it paused are
 // resumed; a dirty engine and one paused while a hold is still open stay.
 TEST_F(CoordinatorDeviceTest, ATrainerGoneResumesOnlyItsPausesWhenAlone) {
-  RegisterE(0, 1, "f");
-  auto f = std::make_shared<AckingEngine>(coordinator_.get(), &log_, "f");
-  ASSERT_TRUE(coordinator_->AttachControl("f", f).ok());
+  auto f = AddEngine("f");
   auto pauses = coordinator_->HoldGroup("");
   auto other = coordinator_->HoldGroup("");
   ASSERT_TRUE(pauses.ok() && other.ok());

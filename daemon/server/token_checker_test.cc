@@ -16,6 +16,7 @@
 #include "glog/logging.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/log_lines.h"
 
 namespace weightsync {
 namespace {
@@ -26,27 +27,7 @@ using ::testing::Not;
 using ::testing::SizeIs;
 
 // Warnings the checker logs, as lines.
-class Lines : public google::LogSink {
- public:
-  Lines() { google::AddLogSink(this); }
-  ~Lines() override { google::RemoveLogSink(this); }
-  using google::LogSink::send;
-  void send(google::LogSeverity severity, const char*, const char*, int,
-            const google::LogMessageTime&, const char* message,
-            size_t length) override {
-    if (severity < google::GLOG_WARNING) return;
-    absl::MutexLock lock(&mu_);
-    lines_.emplace_back(message, length);
-  }
-  std::vector<std::string> Take() {
-    absl::MutexLock lock(&mu_);
-    return std::move(lines_);
-  }
-
- private:
-  absl::Mutex mu_;
-  std::vector<std::string> lines_ ABSL_GUARDED_BY(mu_);
-};
+using Lines = testing::LogLines;
 
 struct Call {
   grpc::Status status;
