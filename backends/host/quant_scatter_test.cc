@@ -594,6 +594,14 @@ TEST(QuantScatterTest, OnTheWireAUseIsWholeBlocksOfBothAtEachEdge) {
   }
 }
 
+// What planning `m` for an engine registered as `r` (heap memory) says.
+absl::Status PlanOf(const v1::RegisterEngineRequest& r, const Manifest& m) {
+  testing::HeapMapper mapper;
+  auto layout = BuildEngineLayout(r, mapper);
+  if (!layout.ok()) return layout.status();
+  return BuildCopyPlan(m, 4096, {*layout}).status();
+}
+
 // A tensor quantised on the wire is checked as such before its shape: into
 // a plain parameter it is refused as FP8 whatever its shape; into an FP8
 // target of another shape the shape is what is wrong.
@@ -609,10 +617,7 @@ TEST(QuantScatterTest, OnTheWireTheFormIsCheckedWhereItDecides) {
     int64_t offset = 0;
     Add(r, "w", v1::BFLOAT16, 256, 128, &offset);
     AddHostShm(r, "/plain", offset);
-    testing::HeapMapper mapper;
-    auto layout = BuildEngineLayout(r, mapper);
-    ASSERT_TRUE(layout.ok()) << layout.status();
-    const absl::Status s = BuildCopyPlan(m, 4096, {*layout}).status();
+    const absl::Status s = PlanOf(r, m);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_THAT(std::string(s.message()),
                 HasSubstr("arrives quantised to float8_e4m3fn but the "
@@ -620,10 +625,7 @@ TEST(QuantScatterTest, OnTheWireTheFormIsCheckedWhereItDecides) {
   }
   {
     const v1::RegisterEngineRequest r = OneFp8Weight(256, 128, 2, 1);
-    testing::HeapMapper mapper;
-    auto layout = BuildEngineLayout(r, mapper);
-    ASSERT_TRUE(layout.ok()) << layout.status();
-    const absl::Status s = BuildCopyPlan(m, 4096, {*layout}).status();
+    const absl::Status s = PlanOf(r, m);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_THAT(std::string(s.message()),
                 HasSubstr("shape [128, 256] does not match the registered "

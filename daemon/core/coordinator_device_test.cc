@@ -239,6 +239,20 @@ class CoordinatorDeviceTest : public ::testing::Test {
         (c != nullptr ? c : coordinator_.get())->RegisterEngine(r).ok());
   }
 
+  // StartWeightUpdate of Request(version, mode, VERIFY_OFF).
+  absl::Status Start(int64_t version, v1::UpdateMode mode) {
+    return coordinator_
+        ->StartWeightUpdate(Request(version, mode, v1::VERIFY_OFF))
+        .status();
+  }
+  // The trainer pauses `ids` (all engines if none).
+  void PauseByTrainer(const std::vector<std::string>& ids) {
+    v1::PauseRequest pause;
+    pause.set_timeout_ms(5000);
+    for (const std::string& id : ids) pause.add_engine_ids(id);
+    ASSERT_TRUE(coordinator_->Pause(pause).ok());
+  }
+
   // Engine `id` registered as RegisterE(0, 1, id) and attached, acking.
   std::shared_ptr<AckingEngine> AddEngine(const std::string& id) {
     RegisterE(0, 1, id);
@@ -316,10 +330,7 @@ TEST_F(CoordinatorDeviceTest, StagedCommitsUnderThePauseOnlyOnceAllIsStaged) {
 }
 
 TEST_F(CoordinatorDeviceTest, StagedThatFailsBeforeItsCommitLeavesEngines) {
-  ASSERT_TRUE(coordinator_
-                  ->StartWeightUpdate(
-                      Request(1, v1::UPDATE_MODE_STAGED, v1::VERIFY_OFF))
-                  .ok());
+  ASSERT_TRUE(Start(1, v1::UPDATE_MODE_STAGED).ok());
   plane_->wait_status = absl::DeadlineExceededError("trainer gone");
   auto done = Finish("u1");
   ASSERT_FALSE(done.ok());
@@ -886,17 +897,11 @@ TEST_F(CoordinatorDeviceTest, ACommitOfNoUpdateInProgressSaysWhy) {
     EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << id;
     return std::string(s.message());
   };
-  ASSERT_TRUE(coordinator_
-                  ->StartWeightUpdate(
-                      Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF))
-                  .ok());
+  ASSERT_TRUE(Start(1, v1::UPDATE_MODE_STREAMING).ok());
   ASSERT_TRUE(Finish("u1").ok());
   EXPECT_THAT(commit("u1"), HasSubstr("already committed (version 1)"));
   EXPECT_THAT(commit("u7"), HasSubstr("never prepared here"));
-  ASSERT_TRUE(coordinator_
-                  ->StartWeightUpdate(
-                      Request(2, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF))
-                  .ok());
+  ASSERT_TRUE(Start(2, v1::UPDATE_MODE_STREAMING).ok());
   v1::AbortWeightUpdateRequest abort;
   abort.set_update_id("u2");
   ASSERT_TRUE(coordinator_->AbortWeightUpdate(abort).ok());
@@ -906,10 +911,7 @@ TEST_F(CoordinatorDeviceTest, ACommitOfNoUpdateInProgressSaysWhy) {
 
 // An update without receipts (verify off) prepares and answers none.
 TEST_F(CoordinatorDeviceTest, APrepareWithoutReceiptsAnswersNone) {
-  ASSERT_TRUE(coordinator_
-                  ->StartWeightUpdate(
-                      Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF))
-                  .ok());
+  ASSERT_TRUE(Start(1, v1::UPDATE_MODE_STREAMING).ok());
   auto prepared = Prepare("u1");
   ASSERT_TRUE(prepared.ok()) << prepared.status();
   ASSERT_EQ(prepared->engines_size(), 1);
@@ -990,10 +992,7 @@ TEST_F(CoordinatorDeviceTest, NcclUpdatesDefaultToTheirOwnChunkSize) {
 }
 
 TEST_F(CoordinatorDeviceTest, ReceiptsCanBeTurnedOff) {
-  ASSERT_TRUE(coordinator_
-                  ->StartWeightUpdate(
-                      Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF))
-                  .ok());
+  ASSERT_TRUE(Start(1, v1::UPDATE_MODE_STREAMING).ok());
   auto done = Finish("u1");
   ASSERT_TRUE(done.ok()) << done.status();
   EXPECT_FALSE(done->engines(0).has_receipt());
@@ -1259,14 +1258,8 @@ TEST_F(CoordinatorDeviceTest, AFailedUpdateResumesOnlyWhatItPaused) {
   // e paused by the trainer, f by the update, and no byte written yet (a
   // plane whose chunks come to it): the Abort resumes f alone.
   plane_->receives_own_bytes = false;
-  v1::PauseRequest pause;
-  pause.set_timeout_ms(5000);
-  pause.add_engine_ids("e");
-  ASSERT_TRUE(coordinator_->Pause(pause).ok());
-  ASSERT_TRUE(coordinator_
-                  ->StartWeightUpdate(
-                      Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF))
-                  .ok());
+  PauseByTrainer({"e"});
+  ASSERT_TRUE(Start(1, v1::UPDATE_MODE_STREAMING).ok());
   v1::AbortWeightUpdateRequest abort;
   abort.set_update_id("u1");
   auto aborted = coordinator_->AbortWeightUpdate(abort);
@@ -1317,10 +1310,7 @@ TEST_F(CoordinatorDeviceTest, FinishEndsOnlyTheUpdateItNamesAndOnlyWhole) {
   EXPECT_EQ(none.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(none.message(), HasSubstr("no update 'u1' in progress"));
   plane_->receives_own_bytes = false;
-  ASSERT_TRUE(coordinator_
-                  ->StartWeightUpdate(
-                      Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF))
-                  .ok());
+  ASSERT_TRUE(Start(1, v1::UPDATE_MODE_STREAMING).ok());
   absl::Status other = Finish("u7").status();
   EXPECT_EQ(other.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(other.message(), HasSubstr("no update 'u7' in progress"));
@@ -1351,10 +1341,7 @@ TEST_F(CoordinatorDeviceTest, AStagedCommitGoesOnWithoutAnEngineThatLeft) {
   pause.set_timeout_ms(5000);
   pause.add_engine_ids("g");
   ASSERT_TRUE(coordinator_->Pause(pause).ok());
-  ASSERT_TRUE(coordinator_
-                  ->StartWeightUpdate(
-                      Request(1, v1::UPDATE_MODE_STAGED, v1::VERIFY_OFF))
-                  .ok());
+  ASSERT_TRUE(Start(1, v1::UPDATE_MODE_STAGED).ok());
   f->leave_on_pause = true;
   const size_t before = log_.Get().size();
   auto done = Finish("u1");
@@ -1394,10 +1381,7 @@ TEST_F(CoordinatorDeviceTest, AStagedCommitGoesOnWithoutAnEngineThatLeft) {
 // version, even though a second pause would have been acknowledged.
 TEST_F(CoordinatorDeviceTest, AStagedCommitAnEngineRefusesCopiesNothing) {
   auto f = AddEngine("f");
-  ASSERT_TRUE(coordinator_
-                  ->StartWeightUpdate(
-                      Request(1, v1::UPDATE_MODE_STAGED, v1::VERIFY_OFF))
-                  .ok());
+  ASSERT_TRUE(Start(1, v1::UPDATE_MODE_STAGED).ok());
   f->refuse_pauses = 1;
   auto done = Finish("u1");
   ASSERT_FALSE(done.ok());
@@ -1472,10 +1456,7 @@ TEST_F(CoordinatorDeviceTest, ATrainerGoneEndsItsUpdateOnlyItsOwnHold) {
   plane_->receives_own_bytes = false;
   auto hold = coordinator_->HoldGroup(group_);
   ASSERT_TRUE(hold.ok());
-  ASSERT_TRUE(coordinator_
-                  ->StartWeightUpdate(
-                      Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF))
-                  .ok());
+  ASSERT_TRUE(Start(1, v1::UPDATE_MODE_STREAMING).ok());
   auto phase = [&] { return coordinator_->GetStatus(false).update().phase(); };
   ASSERT_EQ(phase(), "receiving");
   coordinator_->ReleaseGroup(*hold + 1000, "no such hold");
@@ -1496,10 +1477,7 @@ TEST_F(CoordinatorDeviceTest, ATrainerGoneEndsItsUpdateOnlyItsOwnHold) {
   EXPECT_EQ(Engine().state(), v1::ENGINE_READY);
   EXPECT_EQ(Engine().version(), 0);
   // The update is over: a new one may start without taking it over.
-  ASSERT_TRUE(coordinator_
-                  ->StartWeightUpdate(
-                      Request(2, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF))
-                  .ok());
+  ASSERT_TRUE(Start(2, v1::UPDATE_MODE_STREAMING).ok());
   // A hold of the group before a re-Init is of an earlier group: its end
   // fails nothing of the new one.
   auto old_hold = coordinator_->HoldGroup(group_);
@@ -1510,10 +1488,7 @@ TEST_F(CoordinatorDeviceTest, ATrainerGoneEndsItsUpdateOnlyItsOwnHold) {
   v1::InitWeightTransferRequest init;
   init.set_backend(v1::BACKEND_NCCL);
   ASSERT_TRUE(coordinator_->InitWeightTransfer(init).ok());
-  ASSERT_TRUE(coordinator_
-                  ->StartWeightUpdate(
-                      Request(3, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF))
-                  .ok());
+  ASSERT_TRUE(Start(3, v1::UPDATE_MODE_STREAMING).ok());
   coordinator_->ReleaseGroup(*old_hold, "old trainer gone");
   EXPECT_EQ(phase(), "receiving");
   EXPECT_EQ(coordinator_->GetStatus(false).update().update_id(), "u3");
@@ -1524,10 +1499,7 @@ TEST_F(CoordinatorDeviceTest, ATrainerGoneEndsItsUpdateOnlyItsOwnHold) {
 TEST_F(CoordinatorDeviceTest, ATrainerGoneAfterPrepareLeavesItDirty) {
   auto hold = coordinator_->HoldGroup(group_);
   ASSERT_TRUE(hold.ok());
-  ASSERT_TRUE(coordinator_
-                  ->StartWeightUpdate(
-                      Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF))
-                  .ok());
+  ASSERT_TRUE(Start(1, v1::UPDATE_MODE_STREAMING).ok());
   ASSERT_TRUE(Prepare("u1").ok());
   coordinator_->ReleaseGroup(*hold, "killed");
   const v1::GetStatusResponse status = coordinator_->GetStatus(false);
@@ -1569,10 +1541,7 @@ TEST_F(CoordinatorDeviceTest, ATrainerGoneResumesOnlyItsPausesWhenAlone) {
   // a dirty engine's (it waits for an update to clean it).
   auto hold = coordinator_->HoldGroup(group_);
   ASSERT_TRUE(hold.ok());
-  ASSERT_TRUE(coordinator_
-                  ->StartWeightUpdate(
-                      Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF))
-                  .ok());
+  ASSERT_TRUE(Start(1, v1::UPDATE_MODE_STREAMING).ok());
   v1::AbortWeightUpdateRequest abort;
   abort.set_update_id("u1");
   ASSERT_TRUE(coordinator_->AbortWeightUpdate(abort).ok());  // both dirty
@@ -1594,10 +1563,7 @@ TEST_F(CoordinatorDeviceTest, TakeOverOnlyOfAnUpdateNobodyHolds) {
   auto hold = coordinator_->HoldGroup(group_);
   auto pauses = coordinator_->HoldGroup("");  // holds no group
   ASSERT_TRUE(hold.ok() && pauses.ok());
-  ASSERT_TRUE(coordinator_
-                  ->StartWeightUpdate(
-                      Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF))
-                  .ok());
+  ASSERT_TRUE(Start(1, v1::UPDATE_MODE_STREAMING).ok());
   v1::StartWeightUpdateRequest next =
       Request(2, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF);
   next.set_take_over_update_id("u1");
@@ -1699,10 +1665,7 @@ TEST_F(CoordinatorDeviceTest, PlanOnlyNeitherFinishesNorTakesOver) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_THAT(s.message(), HasSubstr("plan_only opens no update, so it can't "
                                      "finish one"));
-  ASSERT_TRUE(coordinator_
-                  ->StartWeightUpdate(
-                      Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF))
-                  .ok());
+  ASSERT_TRUE(Start(1, v1::UPDATE_MODE_STREAMING).ok());
   v1::StartWeightUpdateRequest plan =
       Request(2, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF);
   plan.set_plan_only(true);
@@ -1718,10 +1681,7 @@ TEST_F(CoordinatorDeviceTest, AnUpdateDoesNotPauseAPausedEngineAgain) {
   pause.set_timeout_ms(5000);
   ASSERT_TRUE(coordinator_->Pause(pause).ok());
   const size_t before = log_.Get().size();
-  ASSERT_TRUE(coordinator_
-                  ->StartWeightUpdate(
-                      Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF))
-                  .ok());
+  ASSERT_TRUE(Start(1, v1::UPDATE_MODE_STREAMING).ok());
   std::vector<std::string> after = log_.Get();
   after.erase(after.begin(), after.begin() + before);
   EXPECT_THAT(after, ElementsAre("Begin"));
