@@ -483,9 +483,10 @@ class Coordinator {
   // paused are lost to the update, the others paused. Requires control_mu_.
   absl::StatusOr<std::vector<std::string>> PauseForCommit(
       const std::vector<std::string>& to_pause);
-  // Marks lost to update_ each engine of `to_pause` that PauseAll left out
+  // Marks lost to `update` each engine of `to_pause` that PauseAll left out
   // of `paused` (it left while being paused; its removal may come later).
-  void MarkLeftWhilePausedLocked(const std::vector<std::string>& to_pause,
+  void MarkLeftWhilePausedLocked(Update& update,
+                                 const std::vector<std::string>& to_pause,
                                  const std::vector<std::string>& paused,
                                  absl::string_view what)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -137,27 +137,26 @@ absl::StatusOr<std::vector<std::string>> Coordinator::PauseForCommit(
                                absl::Now() + options_.notice_timeout,
                                "could not pause for the commit"));
   absl::MutexLock lock(&mu_);
-  MarkLeftWhilePausedLocked(to_pause, paused, "the commit");
+  MarkLeftWhilePausedLocked(*update_, to_pause, paused, "the commit");
   return paused;
 }
 
 void Coordinator::MarkLeftWhilePausedLocked(
-    const std::vector<std::string>& to_pause,
+    Update& update, const std::vector<std::string>& to_pause,
     const std::vector<std::string>& paused, absl::string_view what) {
   // Its stream's close reaches the pause before its removal does: mark it
   // now, or the update would write it and count it committed.
-  for (size_t i = 0; i < update_->engine_ids.size(); ++i) {
-    const std::string& id = update_->engine_ids[i];
-    if (update_->lost[i] ||
+  for (size_t i = 0; i < update.engine_ids.size(); ++i) {
+    const std::string& id = update.engine_ids[i];
+    if (update.lost[i] ||
         std::find(to_pause.begin(), to_pause.end(), id) == to_pause.end() ||
         std::find(paused.begin(), paused.end(), id) != paused.end()) {
       continue;
     }
-    update_->lost[i] = true;
-    update_->lost_why[i] = "left while being paused";
-    update_->data_plane->MarkEngineLost(i);
-    LOG(WARNING) << Event("engine.lost", update_->id, update_->target_version,
-                          id)
+    update.lost[i] = true;
+    update.lost_why[i] = "left while being paused";
+    update.data_plane->MarkEngineLost(i);
+    LOG(WARNING) << Event("engine.lost", update.id, update.target_version, id)
                  << "left while " << what << " paused it";
   }
 }

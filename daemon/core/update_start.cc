@@ -474,7 +474,11 @@ void Coordinator::InstallUpdateLocked(
   } else {
     update->paused_at = s.t_paused;
   }
+  // Lost before it is marked as receiving: an engine that left while the
+  // pause reached it (its removal may come later).
+  MarkLeftWhilePausedLocked(*update, s.to_pause, s.paused, "the update");
   for (size_t i = 0; i < s.ids.size(); ++i) {
+    if (update->lost[i]) continue;
     auto it = engines_.find(s.ids[i]);
     // Gone since the snapshot (or replaced by a new registration).
     if (it == engines_.end() || it->second.layout != s.layouts[i]) {
@@ -494,7 +498,6 @@ void Coordinator::InstallUpdateLocked(
     }
   }
   update_ = std::move(update);
-  MarkLeftWhilePausedLocked(s.to_pause, s.paused, "the update");
   RecordUpdateStatusLocked("receiving");
 }
 
