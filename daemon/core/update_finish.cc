@@ -154,7 +154,10 @@ void Coordinator::MarkLeftWhilePausedLocked(
       continue;
     }
     update.lost[i] = true;
-    update.lost_why[i] = "left while being paused";
+    // Removed already (unregistered, its memory gone): that is why.
+    const auto why = removed_why_.find(id);
+    update.lost_why[i] =
+        why != removed_why_.end() ? why->second : "left while being paused";
     update.data_plane->MarkEngineLost(i);
     LOG(WARNING) << Event("engine.lost", update.id, update.target_version, id)
                  << "left while " << what << " paused it";
