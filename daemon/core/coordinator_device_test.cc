@@ -6,6 +6,8 @@
 // a staged update that fails before its commit (engines untouched), the
 // receipts' defaults and failures, and transfer plans (registration, the
 // plans kept, the linked-plan cache).
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <atomic>
 #include <functional>
@@ -181,12 +183,18 @@ class AckingEngine : public ControlChannel {
                !(m.has_resume() && refuse_resume));
     if (!ack.ok()) ack.set_message("the engine is mid-request");
     absl::MutexLock lock(&mu_);
+    if (m.has_dirty()) dirty_reasons_.push_back(m.dirty().reason());
     if (m.has_pause() && leave_on_pause) {
       threads_.emplace_back([this] { c_->DetachControl(id_, this); });
     } else {
       threads_.emplace_back([this, ack] { c_->OnAck(id_, ack); });
     }
     return true;
+  }
+  // The reasons of the dirty notices it was sent, in order.
+  std::vector<std::string> dirty_reasons() {
+    absl::MutexLock lock(&mu_);
+    return dirty_reasons_;
   }
 
  private:
@@ -195,6 +203,7 @@ class AckingEngine : public ControlChannel {
   const std::string id_;
   absl::Mutex mu_;
   std::vector<std::thread> threads_;
+  std::vector<std::string> dirty_reasons_;
 };
 
 class CoordinatorDeviceTest : public ::testing::Test {
@@ -244,6 +253,13 @@ class CoordinatorDeviceTest : public ::testing::Test {
     return coordinator_
         ->StartWeightUpdate(Request(version, mode, v1::VERIFY_OFF))
         .status();
+  }
+  // Start(version, STREAMING) of engine `id` only.
+  absl::Status StartOn(int64_t version, const std::string& id) {
+    v1::StartWeightUpdateRequest r =
+        Request(version, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF);
+    r.add_engine_ids(id);
+    return coordinator_->StartWeightUpdate(r).status();
   }
   // The trainer pauses `ids` (all engines if none).
   void PauseByTrainer(const std::vector<std::string>& ids) {
@@ -298,6 +314,15 @@ class CoordinatorDeviceTest : public ::testing::Test {
 
   v1::EngineStatus Engine() {
     return coordinator_->GetStatus(false).engines(0);
+  }
+  // Every engine's state, by id.
+  std::map<std::string, v1::EngineState> States() {
+    const v1::GetStatusResponse status = coordinator_->GetStatus(false);
+    std::map<std::string, v1::EngineState> out;
+    for (const v1::EngineStatus& e : status.engines()) {
+      out[e.engine_id()] = e.state();
+    }
+    return out;
   }
 
   Log log_;
@@ -1687,6 +1712,240 @@ TEST_F(CoordinatorDeviceTest, AnUpdateDoesNotPauseAPausedEngineAgain) {
   EXPECT_THAT(after, ElementsAre("Begin"));
   ASSERT_TRUE(Finish("u1").ok());
   EXPECT_EQ(Engine().state(), v1::ENGINE_PAUSED);  // still its trainer's
+}
+
+}  // namespace
+}  // namespace weightsync
+
+namespace weightsync {
+namespace {
+
+// Starts update `version` over an IPC ring (its chunks are announced), and
+// fails it with a chunk the plan does not have: the update is left failed,
+// its engines dirty (bytes may have landed), for somebody to end.
+void FailOverARing(Coordinator* c, FakeDevicePlane* plane, int64_t version) {
+  plane->plane_name = "ipc";
+  v1::StartWeightUpdateRequest req;
+  req.set_update_id(absl::StrCat("u", version));
+  req.set_target_version(version);
+  req.set_mode(v1::UPDATE_MODE_STREAMING);
+  req.set_verify(v1::VERIFY_OFF);
+  req.set_ipc_ring_slots(2);
+  req.set_chunk_bytes(256);
+  v1::TensorSpec* t = req.add_tensors();
+  t->set_name("w");
+  t->set_dtype(v1::FLOAT32);
+  t->add_shape(16);
+  auto started = c->StartWeightUpdate(req);
+  ASSERT_TRUE(started.ok()) << started.status();
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  ASSERT_TRUE(c->PushChunk(req.update_id(), 0, "", deadline).ok());
+  ASSERT_FALSE(c->PushChunk(req.update_id(), 7, "", deadline).ok());
+  ASSERT_EQ(c->GetStatus(false).update().phase(), "failed");
+  plane->plane_name = "nccl";
+}
+
+// The next Start ends an update its trainer left failed, or prepared and
+// never committed, and the dirty engines hear which of the two it was:
+// the failure's own reason, or that the prepared update was superseded.
+TEST_F(CoordinatorDeviceTest, AStartEndsAnUpdateLeftBehindAndSaysWhatItWas) {
+  FailOverARing(coordinator_.get(), plane_.get(), 1);
+  ASSERT_TRUE(Start(2, v1::UPDATE_MODE_STREAMING).ok());
+  ASSERT_EQ(engine_->dirty_reasons().size(), 1u);
+  EXPECT_THAT(engine_->dirty_reasons()[0],
+              HasSubstr("update 'u1' failed: update 'u1': chunk 7 arrived, "
+                        "but the plan has 1 chunks; StartWeightUpdate ended it "
+                        "(its trainer did not)"));
+  ASSERT_TRUE(Prepare("u2").ok());
+  ASSERT_TRUE(Start(3, v1::UPDATE_MODE_STREAMING).ok());
+  ASSERT_EQ(engine_->dirty_reasons().size(), 2u);
+  EXPECT_EQ(engine_->dirty_reasons()[1],
+            "prepared update 'u2' was never committed; StartWeightUpdate "
+            "superseded it");
+  EXPECT_EQ(coordinator_->GetStatus(false).update().update_id(), "u3");
+  EXPECT_EQ(Engine().version(), 0);
+}
+
+// Engines in each state a pause can be in when the trainer goes quiet:
+// e paused by its trainer and then made DIRTY by an update that failed
+// after its bytes landed; f paused by its trainer; g never paused; h paused
+// by an update that committed it but whose resume it refused. Only f's
+// pause is the trainer's and clean: it alone may be resumed for it.
+class PauseStatesTest : public CoordinatorDeviceTest {
+ protected:
+  void SetUpStates() {
+    f_ = AddEngine("f");
+    g_ = AddEngine("g");
+    h_ = AddEngine("h");
+    PauseByTrainer({"e"});
+    ASSERT_TRUE(StartOn(1, "e").ok());
+    v1::AbortWeightUpdateRequest abort;
+    abort.set_update_id("u1");
+    ASSERT_TRUE(coordinator_->AbortWeightUpdate(abort).ok());
+    h_->refuse_resume = true;
+    ASSERT_TRUE(StartOn(2, "h").ok());
+    ASSERT_TRUE(Finish("u2").ok());
+    PauseByTrainer({"f"});
+  }
+  // The notices sent from log entry `from` on.
+  std::vector<std::string> Since(size_t from) {
+    std::vector<std::string> after = log_.Get();
+    after.erase(after.begin(), after.begin() + from);
+    return after;
+  }
+  void ExpectOnlyFResumed(size_t from) {
+    EXPECT_THAT(Since(from), ElementsAre("resume f"));
+    const auto states = States();
+    EXPECT_EQ(states.at("e"), v1::ENGINE_DIRTY);
+    EXPECT_EQ(states.at("f"), v1::ENGINE_READY);
+    EXPECT_EQ(states.at("g"), v1::ENGINE_READY);
+    EXPECT_EQ(states.at("h"), v1::ENGINE_PAUSED);
+  }
+  std::shared_ptr<AckingEngine> f_, g_, h_;
+};
+
+// A trainer that went quiet past --update_idle_timeout_ms has its pauses
+// resumed by the watchdog, and only those.
+TEST_F(PauseStatesTest, TheWatchdogResumesOnlyTheQuietTrainersCleanPauses) {
+  CoordinatorOptions options;
+  options.update_idle_timeout = absl::Seconds(1);
+  Make(options);
+  SetUpStates();
+  const size_t before = log_.Get().size();
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  while (States().at("f") != v1::ENGINE_READY && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  absl::SleepFor(absl::Milliseconds(300));  // anything else it would resume
+  ExpectOnlyFResumed(before);
+}
+
+// A trainer gone (its pause hold ended, no other hold) has its pauses
+// resumed at once, and only those.
+TEST_F(PauseStatesTest, ATrainerGoneResumesOnlyItsCleanPauses) {
+  auto hold = coordinator_->HoldGroup("");
+  ASSERT_TRUE(hold.ok());
+  SetUpStates();
+  const size_t before = log_.Get().size();
+  coordinator_->ReleaseGroup(*hold, "gone");
+  ExpectOnlyFResumed(before);
+}
+
+// An update its trainer abandoned is ended by the watchdog, saying how it
+// was left: prepared and never committed, or failed and never ended (after
+// a short grace). An engine the same trainer paused outside the update
+// does not keep the update from ending (it is resumed after).
+TEST_F(CoordinatorDeviceTest, TheWatchdogEndsAnAbandonedUpdateSayingHow) {
+  CoordinatorOptions options;
+  options.update_idle_timeout = absl::Seconds(1);
+  Make(options);
+  auto f = AddEngine("f");
+  PauseByTrainer({"f"});
+  auto ended = [&](const std::string& id) {
+    const absl::Time give_up = absl::Now() + absl::Seconds(10);
+    v1::UpdateStatus u;
+    do {
+      absl::SleepFor(absl::Milliseconds(20));
+      u = coordinator_->GetStatus(false).update();
+    } while (u.phase() != "failed" && absl::Now() < give_up);
+    EXPECT_EQ(u.update_id(), id);
+    return u;
+  };
+  ASSERT_TRUE(StartOn(1, "e").ok());
+  ASSERT_TRUE(Prepare("u1").ok());
+  v1::UpdateStatus u = ended("u1");
+  EXPECT_THAT(u.error(), HasSubstr("update 'u1' abandoned: prepared but not "
+                                   "committed, no call from its trainer for"));
+  EXPECT_EQ(Engine().state(), v1::ENGINE_DIRTY);
+  ASSERT_EQ(engine_->dirty_reasons().size(), 1u);
+  EXPECT_EQ(engine_->dirty_reasons()[0], u.error());
+  FailOverARing(coordinator_.get(), plane_.get(), 2);
+  const absl::Time failed = absl::Now();
+  absl::SleepFor(absl::Milliseconds(100));
+  // Failed, not yet ended: its trainer may still call Finish or Abort.
+  EXPECT_EQ(coordinator_->GetStatus(false).update().update_id(), "u2");
+  while (engine_->dirty_reasons().size() < 2 &&
+         absl::Now() < failed + absl::Seconds(10)) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_EQ(engine_->dirty_reasons().size(), 2u);
+  EXPECT_THAT(engine_->dirty_reasons()[1],
+              HasSubstr("update 'u2' failed: update 'u2': chunk 7 arrived, "
+                        "but the plan has 1 chunks; its trainer did not end "
+                        "it, so the daemon did"));
+  // A new update starts without anything to take over.
+  ASSERT_TRUE(Start(3, v1::UPDATE_MODE_STREAMING).ok());
+}
+
+// take_over_update_id ends only the update it names, when no trainer
+// holds the group formed now: a hold of an earlier group holds nothing,
+// and an id of no update (none in progress, or another one) takes nothing
+// over.
+TEST_F(CoordinatorDeviceTest, TakeOverEndsOnlyTheUpdateItNamesUnheldNow) {
+  auto take_over = [&](int64_t version, const std::string& id) {
+    v1::StartWeightUpdateRequest r =
+        Request(version, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF);
+    r.set_take_over_update_id(id);
+    return coordinator_->StartWeightUpdate(r).status();
+  };
+  auto update = [&] { return coordinator_->GetStatus(false).update(); };
+  ASSERT_TRUE(take_over(1, "u0").ok());  // nothing in progress to take
+  EXPECT_EQ(update().update_id(), "u1");
+  // Another id than the update's: u1 goes on, and u2 can't start beside it.
+  absl::Status other = take_over(2, "u0");
+  EXPECT_EQ(other.code(), absl::StatusCode::kFailedPrecondition) << other;
+  EXPECT_THAT(other.message(), Not(HasSubstr("belongs to a live trainer")));
+  EXPECT_EQ(update().update_id(), "u1");
+  EXPECT_EQ(update().phase(), "receiving");
+  // A hold of the group before a re-Init does not hold the one formed now.
+  auto old_hold = coordinator_->HoldGroup(group_);
+  ASSERT_TRUE(old_hold.ok());
+  v1::AbortWeightUpdateRequest abort;
+  abort.set_update_id("u1");
+  ASSERT_TRUE(coordinator_->AbortWeightUpdate(abort).ok());
+  v1::InitWeightTransferRequest init;
+  init.set_backend(v1::BACKEND_NCCL);
+  ASSERT_TRUE(coordinator_->InitWeightTransfer(init).ok());
+  ASSERT_TRUE(Start(3, v1::UPDATE_MODE_STREAMING).ok());
+  absl::Status taken = take_over(4, "u3");
+  ASSERT_TRUE(taken.ok()) << taken;
+  EXPECT_EQ(update().update_id(), "u4");
+}
+
+// A trainer holding only its pauses that goes while another's update runs
+// (a trainer without a Liveness stream) resumes nothing then: the update's
+// end decides its engines' pauses.
+TEST_F(CoordinatorDeviceTest, ATrainerGoneMidUpdateResumesNothingYet) {
+  auto f = AddEngine("f");
+  auto pauses = coordinator_->HoldGroup("");
+  ASSERT_TRUE(pauses.ok());
+  PauseByTrainer({"f"});
+  ASSERT_TRUE(StartOn(1, "e").ok());
+  const size_t before = log_.Get().size();
+  coordinator_->ReleaseGroup(*pauses, "gone");
+  std::vector<std::string> after = log_.Get();
+  after.erase(after.begin(), after.begin() + before);
+  EXPECT_THAT(after, Not(Contains("resume f")));
+  EXPECT_EQ(coordinator_->GetStatus(false).update().phase(), "receiving");
+  EXPECT_EQ(States().at("f"), v1::ENGINE_PAUSED);
+}
+
+// With --update_idle_timeout_ms=0 the watchdog still expires engines that
+// never opened their stream, at a quarter of the grace or 200 ms: it does
+// not spin.
+TEST_F(CoordinatorDeviceTest, AWatchdogWithNoIdleTimeoutDoesNotSpin) {
+  CoordinatorOptions options;
+  options.update_idle_timeout = absl::ZeroDuration();
+  Make(options);
+  auto cpu = [] {
+    rusage u;
+    getrusage(RUSAGE_SELF, &u);
+    return absl::DurationFromTimeval(u.ru_utime) +
+           absl::DurationFromTimeval(u.ru_stime);
+  };
+  const absl::Duration before = cpu();
+  absl::SleepFor(absl::Milliseconds(500));
+  EXPECT_LT(cpu() - before, absl::Milliseconds(150));
 }
 
 }  // namespace
