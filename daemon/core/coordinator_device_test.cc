@@ -1930,6 +1930,88 @@ TEST_F(CoordinatorDeviceTest, ATrainerGoneMidUpdateResumesNothingYet) {
   EXPECT_EQ(States().at("f"), v1::ENGINE_PAUSED);
 }
 
+// An engine whose stream closes mid-update (so it is unregistered) and
+// that registers again is lost to the update: its new registration is
+// neither paused, written, versioned nor left marked as receiving by it,
+// whether the update commits (streaming or staged) or is aborted.
+TEST_F(CoordinatorDeviceTest, AnEngineRegisteredAgainMidUpdateIsNotItsAnymore) {
+  auto f = AddEngine("f");
+  int64_t version = 0;
+  for (const char* how : {"streaming", "staged", "aborted"}) {
+    SCOPED_TRACE(how);
+    const std::string id = absl::StrCat("u", ++version);
+    const bool staged = std::string(how) == "staged";
+    ASSERT_TRUE(Start(version, staged ? v1::UPDATE_MODE_STAGED
+                                      : v1::UPDATE_MODE_STREAMING)
+                    .ok());
+    ASSERT_TRUE(coordinator_->DetachControl("f", f.get()));
+    RegisterE(0, 1, "f");
+    f = std::make_shared<AckingEngine>(coordinator_.get(), &log_, "f");
+    ASSERT_TRUE(coordinator_->AttachControl("f", f).ok());
+    const size_t before = log_.Get().size();
+    std::map<std::string, v1::EngineResult> results;
+    if (std::string(how) == "aborted") {
+      v1::AbortWeightUpdateRequest abort;
+      abort.set_update_id(id);
+      auto aborted = coordinator_->AbortWeightUpdate(abort);
+      ASSERT_TRUE(aborted.ok()) << aborted.status();
+      for (const v1::EngineResult& r : aborted->engines()) {
+        results[r.engine_id()] = r;
+      }
+    } else {
+      auto done = Finish(id);
+      ASSERT_TRUE(done.ok()) << done.status();
+      for (const v1::EngineResult& r : done->engines()) {
+        results[r.engine_id()] = r;
+      }
+    }
+    EXPECT_TRUE(results["f"].lost());
+    EXPECT_FALSE(results["e"].lost());
+    std::vector<std::string> after = log_.Get();
+    after.erase(after.begin(), after.begin() + before);
+    for (const char* notice : {"pause f", "new_version f",
+                                      "resume f", "dirty f"}) {
+      EXPECT_THAT(after, Not(Contains(std::string(notice))));
+    }
+    const v1::GetStatusResponse status = coordinator_->GetStatus(false);
+    for (const v1::EngineStatus& e : status.engines()) {
+      if (e.engine_id() != "f") continue;
+      EXPECT_EQ(e.version(), 0);
+      EXPECT_EQ(e.state(), v1::ENGINE_READY);
+    }
+  }
+}
+
+// Abort names the update it ends: another id is refused and the update
+// in progress goes on.
+TEST_F(CoordinatorDeviceTest, AbortEndsOnlyTheUpdateItNames) {
+  ASSERT_TRUE(Start(1, v1::UPDATE_MODE_STREAMING).ok());
+  v1::AbortWeightUpdateRequest abort;
+  abort.set_update_id("u7");
+  absl::Status other = coordinator_->AbortWeightUpdate(abort).status();
+  EXPECT_EQ(other.code(), absl::StatusCode::kFailedPrecondition) << other;
+  EXPECT_THAT(other.message(), HasSubstr("no update 'u7' in progress"));
+  EXPECT_EQ(coordinator_->GetStatus(false).update().phase(), "receiving");
+  EXPECT_EQ(Engine().state(), v1::ENGINE_UPDATING);
+  ASSERT_TRUE(Finish("u1").ok());
+  EXPECT_EQ(Engine().version(), 1);
+}
+
+// A committed update is told to the update listener (the daemon's
+// metrics): its id, version and bytes.
+TEST_F(CoordinatorDeviceTest, ACommitIsToldToTheUpdateListener) {
+  std::vector<UpdateOutcome> outcomes;
+  coordinator_->set_update_listener(
+      [&](const UpdateOutcome& o) { outcomes.push_back(o); });
+  ASSERT_TRUE(Start(1, v1::UPDATE_MODE_STREAMING).ok());
+  ASSERT_TRUE(Finish("u1").ok());
+  ASSERT_EQ(outcomes.size(), 1u);
+  EXPECT_EQ(outcomes[0].update_id, "u1");
+  EXPECT_EQ(outcomes[0].code, absl::StatusCode::kOk);
+  EXPECT_EQ(outcomes[0].version, 1);
+  EXPECT_EQ(outcomes[0].bytes, 64);
+}
+
 // With --update_idle_timeout_ms=0 the watchdog still expires engines that
 // never opened their stream, at a quarter of the grace or 200 ms: it does
 // not spin.
