@@ -1246,6 +1246,9 @@ TEST_F(CoordinatorDeviceTest, EnginesWithoutAStreamAreLeftOutOrRefusedByName) {
   g = coordinator_->Pause(named).status();
   EXPECT_EQ(g.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(g.message(), Not(HasSubstr("it is unregistered")));
+  // ... and none comes: g outlives the watchdog's ticks (200 ms apart).
+  absl::SleepFor(absl::Milliseconds(500));
+  EXPECT_EQ(States().count("g"), 1u);
   // Nothing reachable: one engine's reason and how many more.
   Coordinator alone(CoordinatorOptions(), mapper_,
                     std::make_shared<Factory>(plane_));
@@ -2010,6 +2013,63 @@ TEST_F(CoordinatorDeviceTest, ACommitIsToldToTheUpdateListener) {
   EXPECT_EQ(outcomes[0].code, absl::StatusCode::kOk);
   EXPECT_EQ(outcomes[0].version, 1);
   EXPECT_EQ(outcomes[0].bytes, 64);
+}
+
+// An update that names an engine without a control stream is refused
+// saying why. Past the grace the engine is unregistered, and the daemon's
+// listener (its metrics), where there is one, hears which.
+TEST_F(CoordinatorDeviceTest, AStreamlessEngineIsRefusedByNameThenExpires) {
+  CoordinatorOptions options;
+  options.engine_start_grace = absl::Milliseconds(400);
+  absl::Mutex mu;
+  std::vector<std::string> expired;
+  for (bool listen : {false, true}) {
+    SCOPED_TRACE(listen ? "a listener" : "no listener");
+    Make(options);
+    if (listen) {
+      coordinator_->set_engine_expired_listener([&](const std::string& id) {
+        absl::MutexLock lock(&mu);
+        expired.push_back(id);
+      });
+    }
+    RegisterE(0, 1, "g");  // never attaches a stream
+    const absl::Status named = StartOn(1, "g");
+    EXPECT_EQ(named.code(), absl::StatusCode::kFailedPrecondition) << named;
+    EXPECT_THAT(named.message(), HasSubstr("engine 'g' is registered but has "
+                                           "no open control stream"));
+    const absl::Time give_up = absl::Now() + absl::Seconds(10);
+    while (States().count("g") > 0 && absl::Now() < give_up) {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    EXPECT_EQ(States().count("g"), 0u);
+    EXPECT_EQ(States().count("e"), 1u);  // its stream is open
+  }
+  absl::MutexLock lock(&mu);
+  EXPECT_THAT(expired, ElementsAre("g"));
+}
+
+// Pause and Resume answer with the engines they name, in their new state.
+TEST_F(CoordinatorDeviceTest, PauseAndResumeAnswerWithTheEnginesNewState) {
+  auto f = AddEngine("f");
+  v1::PauseRequest pause;
+  pause.set_timeout_ms(5000);
+  pause.add_engine_ids("f");
+  auto paused = coordinator_->Pause(pause);
+  ASSERT_TRUE(paused.ok()) << paused.status();
+  ASSERT_EQ(paused->engines_size(), 1);
+  EXPECT_EQ(paused->engines(0).engine_id(), "f");
+  EXPECT_EQ(paused->engines(0).state(), v1::ENGINE_PAUSED);
+  v1::ResumeRequest resume;
+  resume.set_timeout_ms(5000);
+  auto resumed = coordinator_->Resume(resume);  // all: e was not paused
+  ASSERT_TRUE(resumed.ok()) << resumed.status();
+  std::map<std::string, v1::EngineState> states;
+  for (const v1::EngineStatus& e : resumed->engines()) {
+    states[e.engine_id()] = e.state();
+  }
+  EXPECT_THAT(states, ElementsAre(std::make_pair("e", v1::ENGINE_READY),
+                                  std::make_pair("f", v1::ENGINE_READY)));
+  EXPECT_EQ(log_.Get().back(), "resume f");
 }
 
 // With --update_idle_timeout_ms=0 the watchdog still expires engines that
