@@ -85,6 +85,7 @@ class FakeDevicePlane : public DataPlane {
   }
   int64_t chunks_written() const override { return 0; }
   bool ReceivesOwnBytes() const override { return receives_own_bytes; }
+  bool TakesPlanFp8AndPatches() const override { return takes_patches; }
   std::string name() const override { return plane_name; }
   absl::StatusOr<std::vector<v1::Receipt>> DeviceReceipts(
       const CopyPlan& plan, const std::vector<bool>& skip,
@@ -133,6 +134,8 @@ class FakeDevicePlane : public DataPlane {
   // As NCCL's: bytes may land from Begin on, so a failed update is dirty
   // even before its first chunk (false: only once a chunk was written).
   bool receives_own_bytes = true;
+  // As the host backend's: applies the sparse patches of many senders.
+  bool takes_patches = false;
   absl::Status wait_status;
   absl::Status receipts_status;
   absl::Status drain_status;
@@ -515,7 +518,8 @@ TEST_F(CoordinatorDeviceTest, TransferPlanRefusedWhereTheDaemonIsASendersRank) {
   auto started = coordinator_->StartWeightUpdate(req);
   EXPECT_EQ(started.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(started.status().message(),
-              HasSubstr("rank_offset is 1: InitWeightTransfer with "
+              HasSubstr("has 2 senders, NCCL ranks 0..1; this daemon's "
+                        "rank_offset is 1: InitWeightTransfer with "
                         "rank_offset >= 2"));
   // Planned (the sources handed over, bound to that plan), nothing paused.
   EXPECT_THAT(log_.Get(), ElementsAre("SetChunkSources 2"));
@@ -761,6 +765,31 @@ TEST_F(CoordinatorDeviceTest, StagedOverTheDeviceBudget) {
   EXPECT_EQ(started->mode(), v1::UPDATE_MODE_STREAMING);
   EXPECT_THAT(log_.Get(), ElementsAre("pause", "Begin"));
   ASSERT_TRUE(Finish("u1").ok());
+}
+
+// The device staging budget is inclusive: an update that needs exactly
+// the budget (one 256-byte chunk) stages; one byte less refuses it, as does
+// a budget of none (0, not a backend without staging: that is -1).
+TEST_F(CoordinatorDeviceTest, StagedAtTheDeviceBudgetsEdge) {
+  v1::StartWeightUpdateRequest req =
+      Request(1, v1::UPDATE_MODE_STAGED, v1::VERIFY_OFF);
+  req.set_chunk_bytes(256);
+  for (int64_t budget : {int64_t{0}, int64_t{255}}) {
+    plane_->budget = budget;
+    const absl::Status s = coordinator_->StartWeightUpdate(req).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << budget << s;
+    EXPECT_THAT(s.message(),
+                HasSubstr(absl::StrCat("needs 256 bytes of GPU staging; the "
+                                       "budget is ",
+                                       budget)));
+  }
+  EXPECT_THAT(log_.Get(), IsEmpty());
+  plane_->budget = 256;
+  auto started = coordinator_->StartWeightUpdate(req);
+  ASSERT_TRUE(started.ok()) << started.status();
+  EXPECT_EQ(started->mode(), v1::UPDATE_MODE_STAGED);
+  ASSERT_TRUE(Finish("u1").ok());
+  EXPECT_EQ(Engine().version(), 1);
 }
 
 TEST_F(CoordinatorDeviceTest, StagedOverAnIpcRingStagesEachAnnouncedChunk) {
@@ -1678,6 +1707,20 @@ TEST_F(CoordinatorDeviceTest, AStartNamingATransferPlanIsCheckedWhole) {
   EXPECT_THAT(s.message(), HasSubstr("1 pieces as sparse patches"));
   EXPECT_TRUE(sparse(1, 0).ok());
   ASSERT_TRUE(Finish("u1").ok());
+  // A plane that applies the patches of many senders (the host backend's)
+  // plans this daemon's patch against the engines' version, now 1.
+  plane_->takes_patches = true;
+  v1::StartWeightUpdateRequest patched = PlanUpdate(id);
+  patched.set_update_id("u2");
+  patched.set_target_version(2);
+  patched.set_chunk_bytes(256);
+  patched.set_sparse_base_version(1);
+  patched.set_plan_only(true);
+  v1::PlanSparsePiece* p = patched.add_plan_sparse();
+  p->set_receiver(0);
+  p->set_nnz(1);
+  auto planned = coordinator_->StartWeightUpdate(patched);
+  EXPECT_TRUE(planned.ok()) << planned.status();
 }
 
 // plan_only opens no update: it can't finish one, and it takes no update
