@@ -58,9 +58,10 @@ class FakeDevicePlane : public DataPlane {
   void Warm() override {
     if (on_warm) on_warm();
   }
-  absl::Status Begin(std::shared_ptr<const CopyPlan>,
+  absl::Status Begin(std::shared_ptr<const CopyPlan> plan,
                      const v1::StartWeightUpdateRequest&) override {
     log_->Add("Begin");
+    begun = std::move(plan);
     return absl::OkStatus();
   }
   // Only an IPC ring's chunks come this way (announced, not carried).
@@ -124,6 +125,7 @@ class FakeDevicePlane : public DataPlane {
     return absl::OkStatus();
   }
 
+  std::shared_ptr<const CopyPlan> begun;  // the last Begin's plan
   ChunkSources chunk_sources;
   std::shared_ptr<const CopyPlan> sources_plan;  // of the last chunk_sources
   std::function<void()> on_warm;
@@ -2113,6 +2115,36 @@ TEST_F(CoordinatorDeviceTest, PauseAndResumeAnswerWithTheEnginesNewState) {
   EXPECT_THAT(states, ElementsAre(std::make_pair("e", v1::ENGINE_READY),
                                   std::make_pair("f", v1::ENGINE_READY)));
   EXPECT_EQ(log_.Get().back(), "resume f");
+}
+
+// An RL loop sends the same manifest to the same engines every step: the
+// copy plan is made once and reused by every update, until an engine
+// registers again (a new layout) or the manifest changes.
+TEST_F(CoordinatorDeviceTest, OnePlanServesEveryUpdateUntilSomethingChanges) {
+  ASSERT_TRUE(Start(1, v1::UPDATE_MODE_STREAMING).ok());
+  ASSERT_TRUE(Finish("u1").ok());
+  const std::shared_ptr<const CopyPlan> first = plane_->begun;
+  ASSERT_NE(first, nullptr);
+  ASSERT_TRUE(Start(2, v1::UPDATE_MODE_STREAMING).ok());
+  ASSERT_TRUE(Finish("u2").ok());
+  EXPECT_EQ(plane_->begun, first);
+  v1::StartWeightUpdateRequest other =
+      Request(3, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF);
+  other.set_chunk_bytes(256);
+  ASSERT_TRUE(coordinator_->StartWeightUpdate(other).ok());
+  ASSERT_TRUE(Finish("u3").ok());
+  EXPECT_NE(plane_->begun, first);
+  const std::shared_ptr<const CopyPlan> third = plane_->begun;
+  ASSERT_TRUE(coordinator_->DetachControl("e", engine_.get()));
+  RegisterE(0);
+  engine_ = std::make_shared<AckingEngine>(coordinator_.get(), &log_);
+  ASSERT_TRUE(coordinator_->AttachControl("e", engine_).ok());
+  other.set_update_id("u4");
+  other.set_target_version(4);
+  ASSERT_TRUE(coordinator_->StartWeightUpdate(other).ok());
+  ASSERT_TRUE(Finish("u4").ok());
+  EXPECT_NE(plane_->begun, third);
+  EXPECT_EQ(Engine().version(), 4);
 }
 
 // With --update_idle_timeout_ms=0 the watchdog still expires engines that
