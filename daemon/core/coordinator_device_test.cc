@@ -2147,6 +2147,27 @@ TEST_F(CoordinatorDeviceTest, OnePlanServesEveryUpdateUntilSomethingChanges) {
   EXPECT_EQ(Engine().version(), 4);
 }
 
+// Over an IPC ring the chunks are announced, even where the plane receives
+// its own bytes: a Finish before the last one was announced fails the
+// update, counting them, whatever the ring's size.
+TEST_F(CoordinatorDeviceTest, AFinishBeforeARingsLastChunkFails) {
+  plane_->plane_name = "ipc";
+  for (int slots : {1, 2}) {
+    const int64_t version = slots;
+    v1::StartWeightUpdateRequest req =
+        Request(version, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF);
+    req.set_ipc_ring_slots(slots);
+    req.set_chunk_bytes(256);
+    auto started = coordinator_->StartWeightUpdate(req);
+    ASSERT_TRUE(started.ok()) << started.status();
+    auto early = Finish(req.update_id());
+    EXPECT_FALSE(early.ok()) << slots;
+    EXPECT_THAT(early.status().message(),
+                HasSubstr("finish after 0 of 1 chunks (0 of 64 bytes)"));
+    EXPECT_EQ(Engine().version(), 0);
+  }
+}
+
 // With --update_idle_timeout_ms=0 the watchdog still expires engines that
 // never opened their stream, at a quarter of the grace or 200 ms: it does
 // not spin.
