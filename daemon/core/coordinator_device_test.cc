@@ -2168,6 +2168,70 @@ TEST_F(CoordinatorDeviceTest, AFinishBeforeARingsLastChunkFails) {
   }
 }
 
+// skip_unused: a tensor no engine uses is planned but copied nowhere where
+// the bytes reach the daemon anyway (NCCL broadcasts: the stream keeps
+// it), and left out of the stream only where the daemon is sent chunks.
+TEST_F(CoordinatorDeviceTest, SkipUnusedOmitsATensorOnlyFromAChunkStream) {
+  for (bool chunks : {false, true}) {
+    SCOPED_TRACE(chunks ? "chunks" : "nccl");
+    plane_->receives_own_bytes = !chunks;
+    const int64_t version = chunks ? 2 : 1;
+    v1::StartWeightUpdateRequest req =
+        Request(version, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF);
+    req.set_chunk_bytes(256);
+    req.set_skip_unused(true);
+    v1::TensorSpec* x = req.add_tensors();
+    x->set_name("x");
+    x->set_dtype(v1::FLOAT32);
+    x->add_shape(64);  // 256 bytes no engine has
+    auto started = coordinator_->StartWeightUpdate(req);
+    ASSERT_TRUE(started.ok()) << started.status();
+    EXPECT_THAT(started->unused_tensors(), ElementsAre("x"));
+    EXPECT_EQ(started->stream_omits_unused(), chunks);
+    // x starts a chunk of its own: two chunks where it is kept.
+    EXPECT_EQ(started->num_chunks(), chunks ? 1 : 2);
+    EXPECT_EQ(started->total_bytes(), chunks ? 64 : 256 + 256);
+    v1::AbortWeightUpdateRequest abort;
+    abort.set_update_id(req.update_id());
+    ASSERT_TRUE(coordinator_->AbortWeightUpdate(abort).ok());
+  }
+}
+
+// A source registered as a manifest only (no memory) serves updates of
+// its manifest however their bytes come: staged, or over an IPC ring.
+TEST_F(CoordinatorDeviceTest, AManifestOnlySourceServesStagedAndRingUpdates) {
+  v1::RegisterSourceRequest src;
+  *src.add_tensors() =
+      Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF).tensors(0);
+  auto registered = coordinator_->RegisterSource(src);
+  ASSERT_TRUE(registered.ok()) << registered.status();
+  EXPECT_FALSE(registered->memory());
+  auto from_source = [&](int64_t version, v1::UpdateMode mode) {
+    v1::StartWeightUpdateRequest req = Request(version, mode, v1::VERIFY_OFF);
+    req.clear_tensors();
+    req.set_source_id(registered->source_id());
+    req.set_chunk_bytes(256);
+    return req;
+  };
+  auto staged = coordinator_->StartWeightUpdate(
+      from_source(1, v1::UPDATE_MODE_STAGED));
+  ASSERT_TRUE(staged.ok()) << staged.status();
+  EXPECT_EQ(staged->mode(), v1::UPDATE_MODE_STAGED);
+  ASSERT_TRUE(Finish("u1").ok());
+  EXPECT_EQ(Engine().version(), 1);
+  plane_->plane_name = "ipc";
+  v1::StartWeightUpdateRequest ring =
+      from_source(2, v1::UPDATE_MODE_STREAMING);
+  ring.set_ipc_ring_slots(2);
+  auto started = coordinator_->StartWeightUpdate(ring);
+  ASSERT_TRUE(started.ok()) << started.status();
+  ASSERT_TRUE(
+      coordinator_->PushChunk("u2", 0, "", absl::Now() + absl::Seconds(5))
+          .ok());
+  ASSERT_TRUE(Finish("u2").ok());
+  EXPECT_EQ(Engine().version(), 2);
+}
+
 // With --update_idle_timeout_ms=0 the watchdog still expires engines that
 // never opened their stream, at a quarter of the grace or 200 ms: it does
 // not spin.
