@@ -2232,6 +2232,39 @@ TEST_F(CoordinatorDeviceTest, AManifestOnlySourceServesStagedAndRingUpdates) {
   EXPECT_EQ(Engine().version(), 2);
 }
 
+// A receiver's staging holds two rounds of chunks from each sender with a
+// link to it, not from every sender of the plan: a sender that sends this
+// daemon nothing takes none of its budget (2 buffers of 6000 bytes: 2816-byte
+// chunks, where counting both senders would make 4 buffers of 1280).
+TEST_F(CoordinatorDeviceTest, OnlySendersLinkedToThisDaemonShareItsStaging) {
+  CoordinatorOptions o;
+  o.device_staging_buffers = 2;
+  o.device_staging_budget_bytes = 6000;
+  Make(o);
+  InitGroup(coordinator_.get(), 2);
+  // Sender 0 holds all of "w", which this daemon (receiver 0) needs; sender
+  // 1 holds "y", which only receiver 1 (another daemon) needs.
+  v1::RegisterTransferPlanRequest r = TwoSendersRequest({0}, 8, 2);
+  v1::TransferPlanSpec* spec = r.mutable_spec();
+  v1::TensorSpec* y = spec->add_tensors();
+  y->set_name("y");
+  y->set_dtype(v1::FLOAT32);
+  y->add_shape(16);
+  spec->mutable_senders(0)->mutable_holds(0)->set_row_count(16);
+  v1::TensorBlock* held = spec->mutable_senders(1)->mutable_holds(0);
+  held->set_tensor("y");
+  held->set_row_begin(0);
+  held->set_row_count(16);
+  spec->mutable_receivers(1)->mutable_needs(0)->set_tensor("y");
+  auto registered = coordinator_->RegisterTransferPlan(r);
+  ASSERT_TRUE(registered.ok()) << registered.status();
+  auto started =
+      coordinator_->StartWeightUpdate(PlanUpdate(registered->plan_id()));
+  ASSERT_TRUE(started.ok()) << started.status();
+  EXPECT_EQ(started->chunk_bytes(), 2816);
+  ASSERT_TRUE(Finish("u1").ok());
+}
+
 // With --update_idle_timeout_ms=0 the watchdog still expires engines that
 // never opened their stream, at a quarter of the grace or 200 ms: it does
 // not spin.
