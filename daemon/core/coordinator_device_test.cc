@@ -2265,6 +2265,33 @@ TEST_F(CoordinatorDeviceTest, OnlySendersLinkedToThisDaemonShareItsStaging) {
   ASSERT_TRUE(Finish("u1").ok());
 }
 
+// On a plane that is sent its chunks (the host backend's), a transfer-plan
+// update takes each link's chunks through its own stream: the plane is
+// handed no chunk sources and the daemon's NCCL rank does not matter.
+TEST_F(CoordinatorDeviceTest, TransferPlanOverChunksTakesEachLinksStream) {
+  plane_->plane_name = "host";
+  plane_->receives_own_bytes = false;
+  InitGroup(coordinator_.get(), 0);
+  absl::StatusOr<std::string> id = RegisterTwoSenders(coordinator_.get());
+  ASSERT_TRUE(id.ok()) << id.status();
+  v1::StartWeightUpdateRequest req = PlanUpdate(*id);
+  req.set_chunk_bytes(256);
+  auto started = coordinator_->StartWeightUpdate(req);
+  ASSERT_TRUE(started.ok()) << started.status();
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  for (int32_t sender : {0, 1}) {
+    const StreamLink link{sender, 0};
+    ASSERT_TRUE(coordinator_->BeginPushStream("u1", link).ok());
+    const absl::Status pushed = coordinator_->PushChunk(
+        "u1", 0, std::string(32, 'w'), deadline, link);  // 8 rows of 4 bytes
+    ASSERT_TRUE(pushed.ok()) << sender << ": " << pushed;
+  }
+  auto done = Finish("u1");
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ(Engine().version(), 1);
+  EXPECT_THAT(log_.Get(), Not(Contains("SetChunkSources 2")));
+}
+
 // With --update_idle_timeout_ms=0 the watchdog still expires engines that
 // never opened their stream, at a quarter of the grace or 200 ms: it does
 // not spin.
