@@ -2292,6 +2292,35 @@ TEST_F(CoordinatorDeviceTest, TransferPlanOverChunksTakesEachLinksStream) {
   EXPECT_THAT(log_.Get(), Not(Contains("SetChunkSources 2")));
 }
 
+// An engine that registers again while a Start plans (its old layout is
+// in the plan) is lost to that update: neither written, versioned nor left
+// receiving, and not left paused by it.
+TEST_F(CoordinatorDeviceTest, AnEngineRegisteredAgainWhileAStartPlansIsLost) {
+  auto f = AddEngine("f");
+  std::shared_ptr<AckingEngine> again;
+  plane_->on_warm = [&] {
+    EXPECT_TRUE(coordinator_->DetachControl("f", f.get()));
+    RegisterE(0, 1, "f");
+    again = std::make_shared<AckingEngine>(coordinator_.get(), &log_, "f");
+    EXPECT_TRUE(coordinator_->AttachControl("f", again).ok());
+  };
+  ASSERT_TRUE(Start(1, v1::UPDATE_MODE_STREAMING).ok());
+  plane_->on_warm = nullptr;
+  auto done = Finish("u1");
+  ASSERT_TRUE(done.ok()) << done.status();
+  std::map<std::string, v1::EngineResult> results;
+  for (const v1::EngineResult& r : done->engines()) results[r.engine_id()] = r;
+  EXPECT_TRUE(results["f"].lost());
+  EXPECT_FALSE(results["e"].lost());
+  EXPECT_EQ(Engine().version(), 1);
+  const v1::GetStatusResponse status = coordinator_->GetStatus(false);
+  for (const v1::EngineStatus& e : status.engines()) {
+    if (e.engine_id() != "f") continue;
+    EXPECT_EQ(e.version(), 0);
+    EXPECT_EQ(e.state(), v1::ENGINE_READY);
+  }
+}
+
 // With --update_idle_timeout_ms=0 the watchdog still expires engines that
 // never opened their stream, at a quarter of the grace or 200 ms: it does
 // not spin.
