@@ -84,7 +84,7 @@ class FakeDevicePlane : public DataPlane {
     absl::MutexLock lock(&lost_mu_);
     return lost_;
   }
-  int64_t chunks_written() const override { return 0; }
+  int64_t chunks_written() const override { return written; }
   bool ReceivesOwnBytes() const override { return receives_own_bytes; }
   bool TakesPlanFp8AndPatches() const override { return takes_patches; }
   std::string name() const override { return plane_name; }
@@ -126,6 +126,7 @@ class FakeDevicePlane : public DataPlane {
   }
 
   std::shared_ptr<const CopyPlan> begun;  // the last Begin's plan
+  std::atomic<int64_t> written{0};        // chunks it wrote by itself
   ChunkSources chunk_sources;
   std::shared_ptr<const CopyPlan> sources_plan;  // of the last chunk_sources
   std::function<void()> on_warm;
@@ -2319,6 +2320,30 @@ TEST_F(CoordinatorDeviceTest, AnEngineRegisteredAgainWhileAStartPlansIsLost) {
     EXPECT_EQ(e.version(), 0);
     EXPECT_EQ(e.state(), v1::ENGINE_READY);
   }
+}
+
+// An update whose bytes keep landing (NCCL writes them itself; the plane
+// counts them) is not idle, however long its trainer says nothing; once
+// they stop, it is ended past the idle timeout, saying so.
+TEST_F(CoordinatorDeviceTest, AnUpdateWhoseBytesKeepLandingIsNotIdle) {
+  CoordinatorOptions options;
+  options.update_idle_timeout = absl::Seconds(1);
+  Make(options);
+  ASSERT_TRUE(Start(1, v1::UPDATE_MODE_STREAMING).ok());
+  for (int i = 0; i < 12; ++i) {  // 2.4 s of progress, no call
+    ++plane_->written;
+    absl::SleepFor(absl::Milliseconds(200));
+    ASSERT_EQ(coordinator_->GetStatus(false).update().phase(), "receiving")
+        << "after " << (i + 1) * 200 << " ms";
+  }
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  v1::UpdateStatus u;
+  do {
+    absl::SleepFor(absl::Milliseconds(20));
+    u = coordinator_->GetStatus(false).update();
+  } while (u.phase() != "failed" && absl::Now() < give_up);
+  EXPECT_THAT(u.error(), HasSubstr("update 'u1' abandoned: no chunk, call or "
+                                   "progress from its trainer for"));
 }
 
 // With --update_idle_timeout_ms=0 the watchdog still expires engines that
