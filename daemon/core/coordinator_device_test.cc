@@ -321,6 +321,34 @@ class CoordinatorDeviceTest : public ::testing::Test {
   v1::EngineStatus Engine() {
     return coordinator_->GetStatus(false).engines(0);
   }
+  // Engine `id`'s status (empty if it is not registered).
+  v1::EngineStatus StatusOf(const std::string& id) {
+    const v1::GetStatusResponse status = coordinator_->GetStatus(false);
+    for (const v1::EngineStatus& e : status.engines()) {
+      if (e.engine_id() == id) return e;
+    }
+    return v1::EngineStatus();
+  }
+  // The engine results of an update's end (Finish, Abort), by engine id.
+  template <typename Response>
+  static std::map<std::string, v1::EngineResult> ResultsById(
+      const Response& response) {
+    std::map<std::string, v1::EngineResult> out;
+    for (const v1::EngineResult& r : response.engines()) out[r.engine_id()] = r;
+    return out;
+  }
+  // A hold of the group formed now; then update `abort_id` is aborted and
+  // a new group formed, so the hold returned is of an earlier group.
+  absl::StatusOr<int64_t> HoldThenFormAnother(const std::string& abort_id) {
+    auto hold = coordinator_->HoldGroup(group_);
+    v1::AbortWeightUpdateRequest abort;
+    abort.set_update_id(abort_id);
+    EXPECT_TRUE(coordinator_->AbortWeightUpdate(abort).ok());
+    v1::InitWeightTransferRequest init;
+    init.set_backend(v1::BACKEND_NCCL);
+    EXPECT_TRUE(coordinator_->InitWeightTransfer(init).ok());
+    return hold;
+  }
   // Every engine's state, by id.
   std::map<std::string, v1::EngineState> States() {
     const v1::GetStatusResponse status = coordinator_->GetStatus(false);
@@ -817,14 +845,17 @@ TEST_F(CoordinatorDeviceTest, StagedOverAnIpcRingStagesEachAnnouncedChunk) {
 
 // Issue 33's sweep of update_commit.cc: Prepare's own checks.
 
-// A staged update over an IPC ring (one 256-byte chunk, "w"), started.
+// An update (staged unless `mode` says otherwise, to `version`) over an
+// IPC ring (one 256-byte chunk, "w"), started.
 void StartRingUpdate(Coordinator* c, FakeDevicePlane* plane,
-                     const std::string& id = "u1") {
+                     const std::string& id = "u1",
+                     v1::UpdateMode mode = v1::UPDATE_MODE_STAGED,
+                     int64_t version = 1) {
   plane->plane_name = "ipc";
   v1::StartWeightUpdateRequest req;
   req.set_update_id(id);
-  req.set_target_version(1);
-  req.set_mode(v1::UPDATE_MODE_STAGED);
+  req.set_target_version(version);
+  req.set_mode(mode);
   req.set_verify(v1::VERIFY_OFF);
   req.set_ipc_ring_slots(2);
   req.set_chunk_bytes(256);
@@ -1540,14 +1571,8 @@ TEST_F(CoordinatorDeviceTest, ATrainerGoneEndsItsUpdateOnlyItsOwnHold) {
   ASSERT_TRUE(Start(2, v1::UPDATE_MODE_STREAMING).ok());
   // A hold of the group before a re-Init is of an earlier group: its end
   // fails nothing of the new one.
-  auto old_hold = coordinator_->HoldGroup(group_);
+  auto old_hold = HoldThenFormAnother("u2");
   ASSERT_TRUE(old_hold.ok());
-  v1::AbortWeightUpdateRequest abort;
-  abort.set_update_id("u2");
-  ASSERT_TRUE(coordinator_->AbortWeightUpdate(abort).ok());
-  v1::InitWeightTransferRequest init;
-  init.set_backend(v1::BACKEND_NCCL);
-  ASSERT_TRUE(coordinator_->InitWeightTransfer(init).ok());
   ASSERT_TRUE(Start(3, v1::UPDATE_MODE_STREAMING).ok());
   coordinator_->ReleaseGroup(*old_hold, "old trainer gone");
   EXPECT_EQ(phase(), "receiving");
@@ -1773,23 +1798,11 @@ namespace {
 // fails it with a chunk the plan does not have: the update is left failed,
 // its engines dirty (bytes may have landed), for somebody to end.
 void FailOverARing(Coordinator* c, FakeDevicePlane* plane, int64_t version) {
-  plane->plane_name = "ipc";
-  v1::StartWeightUpdateRequest req;
-  req.set_update_id(absl::StrCat("u", version));
-  req.set_target_version(version);
-  req.set_mode(v1::UPDATE_MODE_STREAMING);
-  req.set_verify(v1::VERIFY_OFF);
-  req.set_ipc_ring_slots(2);
-  req.set_chunk_bytes(256);
-  v1::TensorSpec* t = req.add_tensors();
-  t->set_name("w");
-  t->set_dtype(v1::FLOAT32);
-  t->add_shape(16);
-  auto started = c->StartWeightUpdate(req);
-  ASSERT_TRUE(started.ok()) << started.status();
+  const std::string id = absl::StrCat("u", version);
+  StartRingUpdate(c, plane, id, v1::UPDATE_MODE_STREAMING, version);
   const absl::Time deadline = absl::Now() + absl::Seconds(5);
-  ASSERT_TRUE(c->PushChunk(req.update_id(), 0, "", deadline).ok());
-  ASSERT_FALSE(c->PushChunk(req.update_id(), 7, "", deadline).ok());
+  ASSERT_TRUE(c->PushChunk(id, 0, "", deadline).ok());
+  ASSERT_FALSE(c->PushChunk(id, 7, "", deadline).ok());
   ASSERT_EQ(c->GetStatus(false).update().phase(), "failed");
   plane->plane_name = "nccl";
 }
@@ -1947,14 +1960,7 @@ TEST_F(CoordinatorDeviceTest, TakeOverEndsOnlyTheUpdateItNamesUnheldNow) {
   EXPECT_EQ(update().update_id(), "u1");
   EXPECT_EQ(update().phase(), "receiving");
   // A hold of the group before a re-Init does not hold the one formed now.
-  auto old_hold = coordinator_->HoldGroup(group_);
-  ASSERT_TRUE(old_hold.ok());
-  v1::AbortWeightUpdateRequest abort;
-  abort.set_update_id("u1");
-  ASSERT_TRUE(coordinator_->AbortWeightUpdate(abort).ok());
-  v1::InitWeightTransferRequest init;
-  init.set_backend(v1::BACKEND_NCCL);
-  ASSERT_TRUE(coordinator_->InitWeightTransfer(init).ok());
+  ASSERT_TRUE(HoldThenFormAnother("u1").ok());
   ASSERT_TRUE(Start(3, v1::UPDATE_MODE_STREAMING).ok());
   absl::Status taken = take_over(4, "u3");
   ASSERT_TRUE(taken.ok()) << taken;
@@ -2004,15 +2010,11 @@ TEST_F(CoordinatorDeviceTest, AnEngineRegisteredAgainMidUpdateIsNotItsAnymore) {
       abort.set_update_id(id);
       auto aborted = coordinator_->AbortWeightUpdate(abort);
       ASSERT_TRUE(aborted.ok()) << aborted.status();
-      for (const v1::EngineResult& r : aborted->engines()) {
-        results[r.engine_id()] = r;
-      }
+      results = ResultsById(*aborted);
     } else {
       auto done = Finish(id);
       ASSERT_TRUE(done.ok()) << done.status();
-      for (const v1::EngineResult& r : done->engines()) {
-        results[r.engine_id()] = r;
-      }
+      results = ResultsById(*done);
     }
     EXPECT_TRUE(results["f"].lost());
     EXPECT_FALSE(results["e"].lost());
@@ -2022,12 +2024,8 @@ TEST_F(CoordinatorDeviceTest, AnEngineRegisteredAgainMidUpdateIsNotItsAnymore) {
                                       "resume f", "dirty f"}) {
       EXPECT_THAT(after, Not(Contains(std::string(notice))));
     }
-    const v1::GetStatusResponse status = coordinator_->GetStatus(false);
-    for (const v1::EngineStatus& e : status.engines()) {
-      if (e.engine_id() != "f") continue;
-      EXPECT_EQ(e.version(), 0);
-      EXPECT_EQ(e.state(), v1::ENGINE_READY);
-    }
+    EXPECT_EQ(StatusOf("f").version(), 0);
+    EXPECT_EQ(StatusOf("f").state(), v1::ENGINE_READY);
   }
 }
 
@@ -2309,17 +2307,12 @@ TEST_F(CoordinatorDeviceTest, AnEngineRegisteredAgainWhileAStartPlansIsLost) {
   plane_->on_warm = nullptr;
   auto done = Finish("u1");
   ASSERT_TRUE(done.ok()) << done.status();
-  std::map<std::string, v1::EngineResult> results;
-  for (const v1::EngineResult& r : done->engines()) results[r.engine_id()] = r;
+  auto results = ResultsById(*done);
   EXPECT_TRUE(results["f"].lost());
   EXPECT_FALSE(results["e"].lost());
   EXPECT_EQ(Engine().version(), 1);
-  const v1::GetStatusResponse status = coordinator_->GetStatus(false);
-  for (const v1::EngineStatus& e : status.engines()) {
-    if (e.engine_id() != "f") continue;
-    EXPECT_EQ(e.version(), 0);
-    EXPECT_EQ(e.state(), v1::ENGINE_READY);
-  }
+  EXPECT_EQ(StatusOf("f").version(), 0);
+  EXPECT_EQ(StatusOf("f").state(), v1::ENGINE_READY);
 }
 
 // An update whose bytes keep landing (NCCL writes them itself; the plane
