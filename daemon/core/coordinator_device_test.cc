@@ -2077,10 +2077,20 @@ TEST_F(CoordinatorDeviceTest, AStreamlessEngineIsRefusedByNameThenExpires) {
       });
     }
     RegisterE(0, 1, "g");  // never attaches a stream
-    const absl::Status named = StartOn(1, "g");
-    EXPECT_EQ(named.code(), absl::StatusCode::kFailedPrecondition) << named;
-    EXPECT_THAT(named.message(), HasSubstr("engine 'g' is registered but has "
-                                           "no open control stream"));
+    // Named alone or beside an engine that has its stream: refused, and
+    // nothing starts (the other engine is not updated without it).
+    v1::StartWeightUpdateRequest both =
+        Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF);
+    both.add_engine_ids("e");
+    both.add_engine_ids("g");
+    for (const absl::Status& named :
+         {StartOn(1, "g"), coordinator_->StartWeightUpdate(both).status()}) {
+      EXPECT_EQ(named.code(), absl::StatusCode::kFailedPrecondition) << named;
+      EXPECT_THAT(named.message(), HasSubstr("engine 'g' is registered but "
+                                             "has no open control stream"));
+    }
+    EXPECT_EQ(Engine().state(), v1::ENGINE_READY);
+    EXPECT_THAT(log_.Get(), Not(Contains("Begin")));
     const absl::Time give_up = absl::Now() + absl::Seconds(10);
     while (States().count("g") > 0 && absl::Now() < give_up) {
       absl::SleepFor(absl::Milliseconds(20));
