@@ -2349,6 +2349,23 @@ TEST_F(CoordinatorDeviceTest, AnUpdateWhoseBytesKeepLandingIsNotIdle) {
                                    "progress from its trainer for"));
 }
 
+// A Finish that outlasts the idle timeout (a long drain) is not cut short:
+// the watchdog, finding the update idle, waits for the Finish in progress
+// and then finds it committed.
+TEST_F(CoordinatorDeviceTest, AFinishLongerThanTheIdleTimeoutCommits) {
+  CoordinatorOptions options;
+  options.update_idle_timeout = absl::Seconds(1);
+  Make(options);
+  ASSERT_TRUE(Start(1, v1::UPDATE_MODE_STREAMING).ok());
+  plane_->on_drain = [] { absl::SleepFor(absl::Milliseconds(1600)); };
+  auto done = Finish("u1");
+  plane_->on_drain = nullptr;
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ(Engine().version(), 1);
+  absl::SleepFor(absl::Milliseconds(300));  // the watchdog's next ticks
+  EXPECT_EQ(coordinator_->GetStatus(false).update().phase(), "committed");
+}
+
 // With --update_idle_timeout_ms=0 the watchdog still expires engines that
 // never opened their stream, at a quarter of the grace or 200 ms: it does
 // not spin.
