@@ -2366,6 +2366,25 @@ TEST_F(CoordinatorDeviceTest, AFinishLongerThanTheIdleTimeoutCommits) {
   EXPECT_EQ(coordinator_->GetStatus(false).update().phase(), "committed");
 }
 
+// An engine whose shared memory went away under the update (its owner
+// shrank it: a SIGBUS the bus guard caught and marked) is dropped at the
+// Finish, the first engine as any other: lost to the update and
+// unregistered, saying why; the others commit.
+TEST_F(CoordinatorDeviceTest, AnEngineWhoseMemoryFaultedIsDroppedAtFinish) {
+  auto f = AddEngine("f");
+  ASSERT_EQ(mapper_->opened.size(), 2u);
+  ASSERT_TRUE(Start(1, v1::UPDATE_MODE_STREAMING).ok());
+  mapper_->opened[0]->faulted_flag()->store(true);  // e's allocation
+  auto done = Finish("u1");
+  ASSERT_TRUE(done.ok()) << done.status();
+  auto results = ResultsById(*done);
+  EXPECT_TRUE(results["e"].lost());
+  EXPECT_THAT(results["e"].message(), HasSubstr("its shared memory is gone"));
+  EXPECT_EQ(StatusOf("e").engine_id(), "");  // unregistered
+  EXPECT_FALSE(results["f"].lost());
+  EXPECT_EQ(StatusOf("f").version(), 1);
+}
+
 // With --update_idle_timeout_ms=0 the watchdog still expires engines that
 // never opened their stream, at a quarter of the grace or 200 ms: it does
 // not spin.
