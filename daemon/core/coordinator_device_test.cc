@@ -2287,10 +2287,21 @@ TEST_F(CoordinatorDeviceTest, TransferPlanOverChunksTakesEachLinksStream) {
   req.set_chunk_bytes(256);
   auto started = coordinator_->StartWeightUpdate(req);
   ASSERT_TRUE(started.ok()) << started.status();
+  // A link the plan does not have, or one already streaming, is refused.
+  const absl::Status stranger = coordinator_->BeginPushStream("u1", {5, 0});
+  EXPECT_EQ(stranger.code(), absl::StatusCode::kInvalidArgument) << stranger;
+  EXPECT_THAT(stranger.message(),
+              HasSubstr("the transfer plan has no link from sender 5 to "
+                        "receiver 0 on this daemon"));
   const absl::Time deadline = absl::Now() + absl::Seconds(5);
   for (int32_t sender : {0, 1}) {
     const StreamLink link{sender, 0};
     ASSERT_TRUE(coordinator_->BeginPushStream("u1", link).ok());
+    const absl::Status twice = coordinator_->BeginPushStream("u1", link);
+    EXPECT_EQ(twice.code(), absl::StatusCode::kFailedPrecondition) << twice;
+    EXPECT_THAT(twice.message(),
+                HasSubstr(absl::StrCat("already has the stream of sender ",
+                                       sender, " to receiver 0 open")));
     const absl::Status pushed = coordinator_->PushChunk(
         "u1", 0, std::string(32, 'w'), deadline, link);  // 8 rows of 4 bytes
     ASSERT_TRUE(pushed.ok()) << sender << ": " << pushed;
@@ -2383,6 +2394,30 @@ TEST_F(CoordinatorDeviceTest, AnEngineWhoseMemoryFaultedIsDroppedAtFinish) {
   EXPECT_EQ(StatusOf("e").engine_id(), "");  // unregistered
   EXPECT_FALSE(results["f"].lost());
   EXPECT_EQ(StatusOf("f").version(), 1);
+}
+
+// A chunk stream opens only for the update in progress it names, once.
+TEST_F(CoordinatorDeviceTest, AChunkStreamOpensOnlyForItsUpdateOnce) {
+  plane_->receives_own_bytes = false;
+  const absl::Status none = coordinator_->BeginPushStream("u1");
+  EXPECT_EQ(none.code(), absl::StatusCode::kFailedPrecondition) << none;
+  EXPECT_THAT(none.message(), HasSubstr("no update 'u1' in progress; call "
+                                        "StartWeightUpdate before PushChunks"));
+  ASSERT_TRUE(Start(1, v1::UPDATE_MODE_STREAMING).ok());
+  const absl::Status other = coordinator_->BeginPushStream("u7");
+  EXPECT_EQ(other.code(), absl::StatusCode::kFailedPrecondition) << other;
+  EXPECT_THAT(other.message(), HasSubstr("no update 'u7' in progress"));
+  ASSERT_TRUE(coordinator_->BeginPushStream("u1").ok());
+  const absl::Status twice = coordinator_->BeginPushStream("u1");
+  EXPECT_EQ(twice.code(), absl::StatusCode::kFailedPrecondition) << twice;
+  EXPECT_THAT(twice.message(),
+              HasSubstr("update 'u1' already has a PushChunks stream open"));
+  ASSERT_TRUE(coordinator_
+                  ->PushChunk("u1", 0, std::string(64, 'w'),
+                              absl::Now() + absl::Seconds(5))
+                  .ok());
+  ASSERT_TRUE(Finish("u1").ok());
+  EXPECT_EQ(Engine().version(), 1);
 }
 
 // With --update_idle_timeout_ms=0 the watchdog still expires engines that
