@@ -172,6 +172,7 @@ class AckingEngine : public ControlChannel {
   std::atomic<bool> refuse_pause{false}, refuse_resume{false};
   std::atomic<bool> leave_on_pause{false};  // its stream closes instead
   std::atomic<int> refuse_pauses{0};  // refuses this many pauses, then acks
+  std::atomic<int> ack_delay_ms{0};   // how long each ack takes
   ~AckingEngine() override {
     absl::MutexLock lock(&mu_);
     for (std::thread& t : threads_) t.join();
@@ -193,7 +194,10 @@ class AckingEngine : public ControlChannel {
     if (m.has_pause() && leave_on_pause) {
       threads_.emplace_back([this] { c_->DetachControl(id_, this); });
     } else {
-      threads_.emplace_back([this, ack] { c_->OnAck(id_, ack); });
+      threads_.emplace_back([this, ack] {
+        absl::SleepFor(absl::Milliseconds(ack_delay_ms.load()));
+        c_->OnAck(id_, ack);
+      });
     }
     return true;
   }
@@ -1900,6 +1904,7 @@ TEST_F(PauseStatesTest, ATrainerGoneResumesOnlyItsCleanPauses) {
 TEST_F(CoordinatorDeviceTest, TheWatchdogEndsAnAbandonedUpdateSayingHow) {
   CoordinatorOptions options;
   options.update_idle_timeout = absl::Seconds(1);
+  options.engine_start_grace = absl::ZeroDuration();  // the idle timeout alone
   Make(options);
   auto f = AddEngine("f");
   PauseByTrainer({"f"});
@@ -2418,6 +2423,24 @@ TEST_F(CoordinatorDeviceTest, AChunkStreamOpensOnlyForItsUpdateOnce) {
                   .ok());
   ASSERT_TRUE(Finish("u1").ok());
   EXPECT_EQ(Engine().version(), 1);
+}
+
+// A call's timeout_ms bounds its wait for the engines, to the millisecond:
+// a pause that its engine acknowledges later fails (and leaves nothing
+// paused), one given the time succeeds.
+TEST_F(CoordinatorDeviceTest, APausesTimeoutBoundsItsWaitForTheEngines) {
+  auto f = AddEngine("f");
+  f->ack_delay_ms = 300;
+  v1::PauseRequest pause;
+  pause.add_engine_ids("f");
+  pause.set_timeout_ms(1);
+  const absl::Status late = coordinator_->Pause(pause).status();
+  EXPECT_EQ(late.code(), absl::StatusCode::kDeadlineExceeded) << late;
+  EXPECT_EQ(StatusOf("f").state(), v1::ENGINE_READY);
+  pause.set_timeout_ms(5000);
+  auto paused = coordinator_->Pause(pause);
+  ASSERT_TRUE(paused.ok()) << paused.status();
+  EXPECT_EQ(StatusOf("f").state(), v1::ENGINE_PAUSED);
 }
 
 // With --update_idle_timeout_ms=0 the watchdog still expires engines that
