@@ -2070,6 +2070,7 @@ TEST_F(CoordinatorDeviceTest, ACommitIsToldToTheUpdateListener) {
 TEST_F(CoordinatorDeviceTest, AStreamlessEngineIsRefusedByNameThenExpires) {
   CoordinatorOptions options;
   options.engine_start_grace = absl::Milliseconds(400);
+  options.update_idle_timeout = absl::ZeroDuration();  // the grace alone
   absl::Mutex mu;
   std::vector<std::string> expired;
   for (bool listen : {false, true}) {
