@@ -2444,6 +2444,40 @@ TEST_F(CoordinatorDeviceTest, APausesTimeoutBoundsItsWaitForTheEngines) {
   EXPECT_EQ(StatusOf("f").state(), v1::ENGINE_PAUSED);
 }
 
+// Any call of its trainer's keeps an update from idling, not only its
+// chunks: here RegisterSource calls while the bytes are on their way.
+TEST_F(CoordinatorDeviceTest, ATrainersCallsKeepItsUpdateFromIdling) {
+  CoordinatorOptions options;
+  options.update_idle_timeout = absl::Seconds(1);
+  Make(options);
+  ASSERT_TRUE(Start(1, v1::UPDATE_MODE_STREAMING).ok());
+  v1::RegisterSourceRequest src;
+  *src.add_tensors() =
+      Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF).tensors(0);
+  for (int i = 0; i < 3; ++i) {  // 1.8 s in all, a call every 0.6 s
+    absl::SleepFor(absl::Milliseconds(600));
+    ASSERT_TRUE(coordinator_->RegisterSource(src).ok());
+    ASSERT_EQ(coordinator_->GetStatus(false).update().phase(), "receiving")
+        << "after " << (i + 1) * 600 << " ms";
+  }
+  ASSERT_TRUE(Finish("u1").ok());
+  EXPECT_EQ(Engine().version(), 1);
+}
+
+// With neither an idle timeout nor an engine grace there is no watchdog:
+// updates run, and the daemon stops cleanly.
+TEST_F(CoordinatorDeviceTest, WithoutTimeoutsThereIsNoWatchdogToStop) {
+  CoordinatorOptions options;
+  options.update_idle_timeout = absl::ZeroDuration();
+  options.engine_start_grace = absl::ZeroDuration();
+  Make(options);
+  ASSERT_TRUE(Start(1, v1::UPDATE_MODE_STREAMING).ok());
+  ASSERT_TRUE(Finish("u1").ok());
+  EXPECT_EQ(Engine().version(), 1);
+  TearDown();  // joins no thread
+  Make(CoordinatorOptions());
+}
+
 // With --update_idle_timeout_ms=0 the watchdog still expires engines that
 // never opened their stream, at a quarter of the grace or 200 ms: it does
 // not spin.
