@@ -2025,8 +2025,8 @@ TEST_F(CoordinatorDeviceTest, AnEngineRegisteredAgainMidUpdateIsNotItsAnymore) {
     EXPECT_FALSE(results["e"].lost());
     std::vector<std::string> after = log_.Get();
     after.erase(after.begin(), after.begin() + before);
-    for (const char* notice : {"pause f", "new_version f",
-                                      "resume f", "dirty f"}) {
+    for (const char* notice :
+         {"pause f", "new_version f", "resume f", "dirty f"}) {
       EXPECT_THAT(after, Not(Contains(std::string(notice))));
     }
     EXPECT_EQ(StatusOf("f").version(), 0);
@@ -2228,15 +2228,14 @@ TEST_F(CoordinatorDeviceTest, AManifestOnlySourceServesStagedAndRingUpdates) {
     req.set_chunk_bytes(256);
     return req;
   };
-  auto staged = coordinator_->StartWeightUpdate(
-      from_source(1, v1::UPDATE_MODE_STAGED));
+  auto staged =
+      coordinator_->StartWeightUpdate(from_source(1, v1::UPDATE_MODE_STAGED));
   ASSERT_TRUE(staged.ok()) << staged.status();
   EXPECT_EQ(staged->mode(), v1::UPDATE_MODE_STAGED);
   ASSERT_TRUE(Finish("u1").ok());
   EXPECT_EQ(Engine().version(), 1);
   plane_->plane_name = "ipc";
-  v1::StartWeightUpdateRequest ring =
-      from_source(2, v1::UPDATE_MODE_STREAMING);
+  v1::StartWeightUpdateRequest ring = from_source(2, v1::UPDATE_MODE_STREAMING);
   ring.set_ipc_ring_slots(2);
   auto started = coordinator_->StartWeightUpdate(ring);
   ASSERT_TRUE(started.ok()) << started.status();
