@@ -242,6 +242,13 @@ class CoordinatorDeviceTest : public ::testing::Test {
   // fixture's coordinator).
   void RegisterE(int64_t offset, int cols = 1, const std::string& id = "e",
                  Coordinator* c = nullptr) {
+    ASSERT_TRUE((c != nullptr ? c : coordinator_.get())
+                    ->RegisterEngine(RegisterRequest(offset, cols, id))
+                    .ok());
+  }
+  // RegisterE's request.
+  static v1::RegisterEngineRequest RegisterRequest(int64_t offset, int cols,
+                                                   const std::string& id) {
     v1::RegisterEngineRequest r;
     r.set_engine_id(id);
     v1::Allocation* a = r.add_allocations();
@@ -254,8 +261,7 @@ class CoordinatorDeviceTest : public ::testing::Test {
     p->add_shape(16);
     if (cols > 1) p->add_shape(cols);
     p->set_offset(offset);
-    ASSERT_TRUE(
-        (c != nullptr ? c : coordinator_.get())->RegisterEngine(r).ok());
+    return r;
   }
 
   // StartWeightUpdate of Request(version, mode, VERIFY_OFF).
@@ -2475,6 +2481,25 @@ TEST_F(CoordinatorDeviceTest, WithoutTimeoutsThereIsNoWatchdogToStop) {
   EXPECT_EQ(Engine().version(), 1);
   TearDown();  // joins no thread
   Make(CoordinatorOptions());
+}
+
+// An engine registers again in place only while no control stream speaks
+// for it (its old process gone); an engine unknown can't be unregistered.
+TEST_F(CoordinatorDeviceTest, ReRegisteringAndUnregisteringSayWhatTheyCant) {
+  RegisterE(0, 1, "g");  // no stream yet
+  RegisterE(0, 1, "g");  // again: replaces it
+  EXPECT_EQ(StatusOf("g").engine_id(), "g");
+  const absl::Status open =
+      coordinator_->RegisterEngine(RegisterRequest(0, 1, "e")).status();
+  EXPECT_EQ(open.code(), absl::StatusCode::kAlreadyExists) << open;
+  EXPECT_THAT(open.message(), HasSubstr("engine 'e' is registered and its "
+                                        "control stream is open; unregister "
+                                        "it first"));
+  const absl::Status unknown = coordinator_->UnregisterEngine("nope");
+  EXPECT_EQ(unknown.code(), absl::StatusCode::kNotFound) << unknown;
+  EXPECT_THAT(unknown.message(), HasSubstr("engine 'nope' is not registered"));
+  EXPECT_TRUE(coordinator_->UnregisterEngine("g").ok());
+  EXPECT_EQ(StatusOf("g").engine_id(), "");
 }
 
 // With --update_idle_timeout_ms=0 the watchdog still expires engines that
