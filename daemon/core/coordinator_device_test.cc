@@ -2169,23 +2169,32 @@ TEST_F(CoordinatorDeviceTest, OnePlanServesEveryUpdateUntilSomethingChanges) {
 }
 
 // Over an IPC ring the chunks are announced, even where the plane receives
-// its own bytes: a Finish before the last one was announced fails the
-// update, counting them, whatever the ring's size.
+// its own bytes, whatever the ring's size: a Finish before the last one was
+// announced fails the update, counting them; one after it commits.
 TEST_F(CoordinatorDeviceTest, AFinishBeforeARingsLastChunkFails) {
   plane_->plane_name = "ipc";
+  int64_t version = 0;
   for (int slots : {1, 2}) {
-    const int64_t version = slots;
-    v1::StartWeightUpdateRequest req =
-        Request(version, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF);
-    req.set_ipc_ring_slots(slots);
-    req.set_chunk_bytes(256);
-    auto started = coordinator_->StartWeightUpdate(req);
-    ASSERT_TRUE(started.ok()) << started.status();
-    auto early = Finish(req.update_id());
-    EXPECT_FALSE(early.ok()) << slots;
-    EXPECT_THAT(early.status().message(),
-                HasSubstr("finish after 0 of 1 chunks (0 of 64 bytes)"));
-    EXPECT_EQ(Engine().version(), 0);
+    for (bool announced : {false, true}) {
+      v1::StartWeightUpdateRequest req =
+          Request(++version, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF);
+      req.set_ipc_ring_slots(slots);
+      req.set_chunk_bytes(256);
+      auto started = coordinator_->StartWeightUpdate(req);
+      ASSERT_TRUE(started.ok()) << started.status();
+      if (announced) {
+        const absl::Status pushed = coordinator_->PushChunk(
+            req.update_id(), 0, "", absl::Now() + absl::Seconds(5));
+        ASSERT_TRUE(pushed.ok()) << slots << ": " << pushed;
+        ASSERT_TRUE(Finish(req.update_id()).ok());
+        EXPECT_EQ(Engine().version(), version);
+        continue;
+      }
+      auto early = Finish(req.update_id());
+      EXPECT_FALSE(early.ok()) << slots;
+      EXPECT_THAT(early.status().message(),
+                  HasSubstr("finish after 0 of 1 chunks (0 of 64 bytes)"));
+    }
   }
 }
 
@@ -2419,6 +2428,10 @@ TEST_F(CoordinatorDeviceTest, AChunkStreamOpensOnlyForItsUpdateOnce) {
   EXPECT_EQ(other.code(), absl::StatusCode::kFailedPrecondition) << other;
   EXPECT_THAT(other.message(), HasSubstr("no update 'u7' in progress"));
   ASSERT_TRUE(coordinator_->BeginPushStream("u1").ok());
+  const absl::Status stray = coordinator_->PushChunk(
+      "u7", 0, std::string(64, 'x'), absl::Now() + absl::Seconds(5));
+  EXPECT_EQ(stray.code(), absl::StatusCode::kFailedPrecondition) << stray;
+  EXPECT_THAT(stray.message(), HasSubstr("no update 'u7' in progress"));
   const absl::Status twice = coordinator_->BeginPushStream("u1");
   EXPECT_EQ(twice.code(), absl::StatusCode::kFailedPrecondition) << twice;
   EXPECT_THAT(twice.message(),
