@@ -66,7 +66,7 @@ EQUIVALENT = os.path.join(ROOT, "tools", "mutants_equivalent.txt")
 # take minutes and run in CI's `bazel test //...` anyway.
 TEST_POOL = [
     "//common:dtype_test", "//common:fp8_test", "//common:chunk_planner_test",
-    "//common:transfer_plan_test",
+    "//common:transfer_plan_test", "//common:echo_test",
     "//daemon/core:engine_layout_test", "//daemon/core:quant_layout_test",
     "//daemon/core:copy_plan_test", "//daemon/core:parameter_table_test",
     "//daemon/core:source_registry_test", "//daemon/core:bus_guard_test",
