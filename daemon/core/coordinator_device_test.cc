@@ -2329,7 +2329,26 @@ TEST_F(CoordinatorDeviceTest, TransferPlanOverChunksTakesEachLinksStream) {
   auto done = Finish("u1");
   ASSERT_TRUE(done.ok()) << done.status();
   EXPECT_EQ(Engine().version(), 1);
+  // Each link's chunk 0 is its own plan chunk: sender 0's is chunk 0,
+  // sender 1's chunk 1.
+  EXPECT_THAT(log_.Get(), Contains("SubmitChunk 0"));
+  EXPECT_THAT(log_.Get(), Contains("SubmitChunk 1"));
   EXPECT_THAT(log_.Get(), Not(Contains("SetChunkSources 2")));
+  // A chunk on a link the plan does not have fails the update, written
+  // nowhere.
+  req.set_update_id("u2");
+  req.set_target_version(2);
+  ASSERT_TRUE(coordinator_->StartWeightUpdate(req).ok());
+  const size_t before = log_.Get().size();
+  const absl::Status stray =
+      coordinator_->PushChunk("u2", 0, std::string(32, 'w'), deadline, {5, 0});
+  EXPECT_EQ(stray.code(), absl::StatusCode::kInvalidArgument) << stray;
+  EXPECT_THAT(stray.message(),
+              HasSubstr("update 'u2': no link from sender 5 to receiver 0"));
+  std::vector<std::string> after = log_.Get();
+  after.erase(after.begin(), after.begin() + before);
+  EXPECT_THAT(after, Not(Contains(::testing::StartsWith("SubmitChunk"))));
+  EXPECT_EQ(coordinator_->GetStatus(false).update().phase(), "failed");
 }
 
 // An engine that registers again while a Start plans (its old layout is
