@@ -2534,6 +2534,73 @@ TEST_F(CoordinatorDeviceTest, ReRegisteringAndUnregisteringSayWhatTheyCant) {
   EXPECT_EQ(StatusOf("g").engine_id(), "");
 }
 
+// An engine lost to an update keeps the reason it was lost for: a later
+// removal of the same id (its new registration unregistered) neither marks
+// it lost again nor rewrites why.
+TEST_F(CoordinatorDeviceTest, ALostEngineKeepsTheReasonItWasLostFor) {
+  auto f = AddEngine("f");
+  ASSERT_TRUE(Start(1, v1::UPDATE_MODE_STREAMING).ok());
+  ASSERT_TRUE(coordinator_->DetachControl("f", f.get()));
+  RegisterE(0, 1, "f");
+  ASSERT_TRUE(coordinator_->UnregisterEngine("f").ok());
+  auto done = Finish("u1");
+  ASSERT_TRUE(done.ok()) << done.status();
+  auto results = ResultsById(*done);
+  EXPECT_TRUE(results["f"].lost());
+  EXPECT_EQ(results["f"].message(), "control stream closed");
+  EXPECT_THAT(plane_->marked_lost(), ElementsAre(1));
+}
+
+// A chunk index outside the plan is refused saying so, before anything is
+// written, and fails the update.
+TEST_F(CoordinatorDeviceTest, AChunkOutsideThePlanIsRefusedByItsIndex) {
+  plane_->receives_own_bytes = false;
+  for (int64_t index : {int64_t{-1}, int64_t{1}}) {
+    const int64_t version = index < 0 ? 1 : 2;
+    ASSERT_TRUE(Start(version, v1::UPDATE_MODE_STREAMING).ok());
+    const std::string id = absl::StrCat("u", version);
+    const absl::Status s = coordinator_->PushChunk(
+        id, index, std::string(64, 'w'), absl::Now() + absl::Seconds(5));
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(s.message(),
+                HasSubstr(absl::StrCat("update '", id, "': chunk ", index,
+                                       " arrived, but the plan has 1 chunks")));
+    EXPECT_THAT(log_.Get(),
+                Not(Contains(::testing::StartsWith("SubmitChunk"))));
+    EXPECT_EQ(coordinator_->GetStatus(false).update().phase(), "failed");
+    v1::AbortWeightUpdateRequest abort;
+    abort.set_update_id(id);
+    ASSERT_TRUE(coordinator_->AbortWeightUpdate(abort).ok());
+  }
+}
+
+// InitWeightTransfer's ranks lie inside its world: a negative world or
+// rank, or a rank at the world's size, is refused, and the group formed
+// before stays.
+TEST_F(CoordinatorDeviceTest, InitRefusesRanksOutsideItsWorld) {
+  struct Case {
+    int32_t world, rank;
+  };
+  for (const Case& c : std::vector<Case>{{-1, 0}, {2, -1}, {2, 2}}) {
+    v1::InitWeightTransferRequest init;
+    init.set_backend(v1::BACKEND_NCCL);
+    init.set_world_size(c.world);
+    init.set_rank_offset(c.rank);
+    const absl::Status s = coordinator_->InitWeightTransfer(init).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(s.message(), HasSubstr(absl::StrCat(
+                                 "rank_offset ", c.rank,
+                                 " must lie inside world_size ", c.world)));
+  }
+  ASSERT_TRUE(Start(1, v1::UPDATE_MODE_STREAMING).ok());
+  ASSERT_TRUE(Finish("u1").ok());
+  v1::InitWeightTransferRequest inside;
+  inside.set_backend(v1::BACKEND_NCCL);
+  inside.set_world_size(2);
+  inside.set_rank_offset(1);
+  EXPECT_TRUE(coordinator_->InitWeightTransfer(inside).ok());
+}
+
 // With --update_idle_timeout_ms=0 the watchdog still expires engines that
 // never opened their stream, at a quarter of the grace or 200 ms: it does
 // not spin.
