@@ -2349,6 +2349,32 @@ TEST_F(CoordinatorDeviceTest, TransferPlanOverChunksTakesEachLinksStream) {
   after.erase(after.begin(), after.begin() + before);
   EXPECT_THAT(after, Not(Contains(::testing::StartsWith("SubmitChunk"))));
   EXPECT_EQ(coordinator_->GetStatus(false).update().phase(), "failed");
+  // On a link of the plan, its chunks count from 0, in order, up to its own
+  // number of chunks (one each here).
+  struct Bad {
+    std::vector<int64_t> pushes;  // the last one is refused
+    std::string says;
+  };
+  int64_t version = 2;
+  for (const Bad& b : std::vector<Bad>{
+           {{-1}, "chunk -1 of sender 0 arrived, but its link has 1 chunks"},
+           {{1}, "chunk 1 of sender 0 arrived, but its link has 1 chunks"},
+           {{0, 0}, "chunk 0 of sender 0 arrived, expected 1"}}) {
+    req.set_update_id(absl::StrCat("u", ++version));
+    req.set_target_version(version);
+    ASSERT_TRUE(coordinator_->StartWeightUpdate(req).ok()) << b.says;
+    for (size_t i = 0; i < b.pushes.size(); ++i) {
+      const absl::Status pushed = coordinator_->PushChunk(
+          req.update_id(), b.pushes[i], std::string(32, 'w'), deadline, {0, 0});
+      if (i + 1 < b.pushes.size()) {
+        ASSERT_TRUE(pushed.ok()) << pushed;
+        continue;
+      }
+      EXPECT_EQ(pushed.code(), absl::StatusCode::kInvalidArgument) << pushed;
+      EXPECT_THAT(pushed.message(), HasSubstr(b.says));
+    }
+    EXPECT_EQ(coordinator_->GetStatus(false).update().phase(), "failed");
+  }
 }
 
 // An engine that registers again while a Start plans (its old layout is
@@ -2581,7 +2607,7 @@ TEST_F(CoordinatorDeviceTest, InitRefusesRanksOutsideItsWorld) {
   struct Case {
     int32_t world, rank;
   };
-  for (const Case& c : std::vector<Case>{{-1, 0}, {2, -1}, {2, 2}}) {
+  for (const Case& c : std::vector<Case>{{-1, 0}, {2, -1}, {2, 2}, {1, 1}}) {
     v1::InitWeightTransferRequest init;
     init.set_backend(v1::BACKEND_NCCL);
     init.set_world_size(c.world);
@@ -2599,6 +2625,28 @@ TEST_F(CoordinatorDeviceTest, InitRefusesRanksOutsideItsWorld) {
   inside.set_world_size(2);
   inside.set_rank_offset(1);
   EXPECT_TRUE(coordinator_->InitWeightTransfer(inside).ok());
+}
+
+// NCCL versions are compared for an NCCL group alone: a trainer whose NCCL
+// differs in major.minor is refused there (unless the daemon allows it),
+// and a host group does not look at the field.
+TEST_F(CoordinatorDeviceTest, NcclVersionsAreComparedForNcclGroupsAlone) {
+  CoordinatorOptions options;
+  options.nccl_version = 22809;  // 2.28.9
+  Make(options);
+  v1::InitWeightTransferRequest init;
+  init.set_backend(v1::BACKEND_NCCL);
+  init.set_nccl_version(22703);  // 2.27.3
+  const absl::Status s = coordinator_->InitWeightTransfer(init).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(s.message(), HasSubstr("the trainer's NCCL is 2.27.3, this "
+                                     "daemon's is 2.28.9"));
+  init.set_backend(v1::BACKEND_HOST);
+  EXPECT_TRUE(coordinator_->InitWeightTransfer(init).ok());
+  options.allow_nccl_version_mismatch = true;
+  Make(options);
+  init.set_backend(v1::BACKEND_NCCL);
+  EXPECT_TRUE(coordinator_->InitWeightTransfer(init).ok());
 }
 
 // With --update_idle_timeout_ms=0 the watchdog still expires engines that
