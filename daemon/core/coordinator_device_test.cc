@@ -2125,6 +2125,9 @@ TEST_F(CoordinatorDeviceTest, PauseAndResumeAnswerWithTheEnginesNewState) {
   ASSERT_EQ(paused->engines_size(), 1);
   EXPECT_EQ(paused->engines(0).engine_id(), "f");
   EXPECT_EQ(paused->engines(0).state(), v1::ENGINE_PAUSED);
+  // Its paused time counts the pause in progress, and stops with it.
+  absl::SleepFor(absl::Milliseconds(60));
+  EXPECT_GE(StatusOf("f").paused_seconds(), 0.05);
   v1::ResumeRequest resume;
   resume.set_timeout_ms(5000);
   auto resumed = coordinator_->Resume(resume);  // all: e was not paused
@@ -2136,6 +2139,11 @@ TEST_F(CoordinatorDeviceTest, PauseAndResumeAnswerWithTheEnginesNewState) {
   EXPECT_THAT(states, ElementsAre(std::make_pair("e", v1::ENGINE_READY),
                                   std::make_pair("f", v1::ENGINE_READY)));
   EXPECT_EQ(log_.Get().back(), "resume f");
+  const double total = StatusOf("f").paused_seconds();
+  EXPECT_GE(total, 0.05);
+  absl::SleepFor(absl::Milliseconds(30));
+  EXPECT_EQ(StatusOf("f").paused_seconds(), total);
+  EXPECT_EQ(StatusOf("e").paused_seconds(), 0);
 }
 
 // An RL loop sends the same manifest to the same engines every step: the
