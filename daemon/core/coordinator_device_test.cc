@@ -2657,6 +2657,24 @@ TEST_F(CoordinatorDeviceTest, NcclVersionsAreComparedForNcclGroupsAlone) {
   EXPECT_TRUE(coordinator_->InitWeightTransfer(init).ok());
 }
 
+// An engine gone while a Start plans a manifest leaves no memory held once
+// the update ends: the plan that names it is not kept for reuse.
+TEST_F(CoordinatorDeviceTest, AnEngineGoneWhileAStartPlansLeavesNoMemoryHeld) {
+  auto f = AddEngine("f");
+  plane_->on_warm = [this] {
+    EXPECT_TRUE(coordinator_->UnregisterEngine("f").ok());
+  };
+  ASSERT_TRUE(Start(1, v1::UPDATE_MODE_STREAMING).ok());
+  plane_->on_warm = nullptr;
+  auto done = Finish("u1");
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_TRUE(ResultsById(*done)["f"].lost());
+  plane_->begun.reset();  // the fake's own reference
+  ASSERT_EQ(mapper_->opened.size(), 2u);
+  EXPECT_EQ(mapper_->opened[1].use_count(), 1)
+      << "the gone engine's memory is still mapped";
+}
+
 // With --update_idle_timeout_ms=0 the watchdog still expires engines that
 // never opened their stream, at a quarter of the grace or 200 ms: it does
 // not spin.
