@@ -68,7 +68,12 @@ class FakeDevicePlane : public DataPlane {
   absl::Status SubmitChunk(int64_t index, std::string, absl::Time) override {
     log_->Add(absl::StrCat("SubmitChunk ", index));
     absl::SleepFor(submit_takes);
-    return absl::OkStatus();
+    return submit_status;
+  }
+  // An IPC ring's pacing: chunks [0, n) are in engine memory.
+  absl::Status WaitChunks(int64_t n, absl::Time) override {
+    log_->Add(absl::StrCat("WaitChunks ", n));
+    return wait_chunks_status;
   }
   absl::Status Drain(absl::Time) override {
     log_->Add("Drain");
@@ -140,6 +145,8 @@ class FakeDevicePlane : public DataPlane {
   // As the host backend's: applies the sparse patches of many senders.
   bool takes_patches = false;
   absl::Status wait_status;
+  absl::Status wait_chunks_status;
+  absl::Status submit_status;
   absl::Status receipts_status;
   absl::Status drain_status;
 
@@ -856,18 +863,18 @@ TEST_F(CoordinatorDeviceTest, StagedOverAnIpcRingStagesEachAnnouncedChunk) {
 // Issue 33's sweep of update_commit.cc: Prepare's own checks.
 
 // An update (staged unless `mode` says otherwise, to `version`) over an
-// IPC ring (one 256-byte chunk, "w"), started.
+// IPC ring of `slots` (one 256-byte chunk, "w"), started.
 void StartRingUpdate(Coordinator* c, FakeDevicePlane* plane,
                      const std::string& id = "u1",
                      v1::UpdateMode mode = v1::UPDATE_MODE_STAGED,
-                     int64_t version = 1) {
+                     int64_t version = 1, int slots = 2) {
   plane->plane_name = "ipc";
   v1::StartWeightUpdateRequest req;
   req.set_update_id(id);
   req.set_target_version(version);
   req.set_mode(mode);
   req.set_verify(v1::VERIFY_OFF);
-  req.set_ipc_ring_slots(2);
+  req.set_ipc_ring_slots(slots);
   req.set_chunk_bytes(256);
   v1::TensorSpec* t = req.add_tensors();
   t->set_name("w");
@@ -2673,6 +2680,80 @@ TEST_F(CoordinatorDeviceTest, AnEngineGoneWhileAStartPlansLeavesNoMemoryHeld) {
   ASSERT_EQ(mapper_->opened.size(), 2u);
   EXPECT_EQ(mapper_->opened[1].use_count(), 1)
       << "the gone engine's memory is still mapped";
+}
+
+// IpcChunkAck paces an IPC ring by its slots: before packing chunk i+1
+// into a slot the trainer needs chunk i+1-slots out of it, so with one
+// slot the ack of chunk 0 waits for chunk 1 (1 done), with two it waits
+// for nothing. It answers only the update in progress, and a wait or a
+// copy that fails fails the update.
+TEST_F(CoordinatorDeviceTest, IpcChunkAckPacesTheRingBySlots) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  int64_t version = 0;
+  for (int slots : {1, 2}) {
+    SCOPED_TRACE(slots);
+    const std::string id = absl::StrCat("u", ++version);
+    StartRingUpdate(coordinator_.get(), plane_.get(), id,
+                    v1::UPDATE_MODE_STREAMING, version, slots);
+    const absl::Status other =
+        coordinator_->IpcChunkAck("u7", 0, deadline).status();
+    EXPECT_EQ(other.code(), absl::StatusCode::kFailedPrecondition) << other;
+    ASSERT_TRUE(coordinator_->PushChunk(id, 0, "", deadline).ok());
+    const size_t before = log_.Get().size();
+    auto done = coordinator_->IpcChunkAck(id, 0, deadline);
+    ASSERT_TRUE(done.ok()) << done.status();
+    std::vector<std::string> after = log_.Get();
+    after.erase(after.begin(), after.begin() + before);
+    if (slots == 1) {
+      EXPECT_EQ(*done, 1);
+      EXPECT_THAT(after, ElementsAre("WaitChunks 1"));
+    } else {
+      EXPECT_EQ(*done, 0);
+      EXPECT_THAT(after, IsEmpty());
+    }
+    ASSERT_TRUE(Finish(id).ok());
+  }
+  // A wait that fails, then a copy that fails: each fails its update.
+  for (bool wait : {true, false}) {
+    const std::string id = absl::StrCat("u", ++version);
+    StartRingUpdate(coordinator_.get(), plane_.get(), id,
+                    v1::UPDATE_MODE_STREAMING, version);
+    (wait ? plane_->wait_chunks_status : plane_->submit_status) =
+        absl::InternalError("the copy engine stopped");
+    absl::Status s = coordinator_->PushChunk(id, 0, "", deadline);
+    if (wait) {
+      ASSERT_TRUE(s.ok()) << s;
+      // StartRingUpdate's ring has two slots: chunk 1 would need chunk 0.
+      s = coordinator_->IpcChunkAck(id, 1, deadline).status();
+    }
+    EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+    EXPECT_EQ(coordinator_->GetStatus(false).update().phase(), "failed");
+    EXPECT_THAT(coordinator_->GetStatus(false).update().error(),
+                HasSubstr("the copy engine stopped"));
+    plane_->wait_chunks_status = plane_->submit_status = absl::OkStatus();
+    plane_->plane_name = "ipc";
+    v1::AbortWeightUpdateRequest abort;
+    abort.set_update_id(id);
+    ASSERT_TRUE(coordinator_->AbortWeightUpdate(abort).ok());
+  }
+}
+
+// An engine that says its registered memory is no longer its weights is
+// unregistered, with its words; one unknown is not.
+TEST_F(CoordinatorDeviceTest, AnEngineThatLostItsMemoryIsUnregistered) {
+  EXPECT_FALSE(coordinator_->EngineLost("nope", "freed"));
+  EXPECT_TRUE(coordinator_->EngineLost("e", "freed by the engine"));
+  EXPECT_EQ(StatusOf("e").engine_id(), "");
+  const absl::Status start = Start(1, v1::UPDATE_MODE_STREAMING);
+  EXPECT_FALSE(start.ok());
+}
+
+// GetStatus carries the engines' layouts only when asked.
+TEST_F(CoordinatorDeviceTest, StatusCarriesLayoutsOnlyWhenAsked) {
+  EXPECT_EQ(coordinator_->GetStatus(false).engines(0).layout_size(), 0);
+  const v1::GetStatusResponse with = coordinator_->GetStatus(true);
+  ASSERT_EQ(with.engines(0).layout_size(), 1);
+  EXPECT_EQ(with.engines(0).layout(0).name(), "w");
 }
 
 // With --update_idle_timeout_ms=0 the watchdog still expires engines that
