@@ -2329,7 +2329,7 @@ TEST_F(CoordinatorDeviceTest, TransferPlanOverChunksTakesEachLinksStream) {
               HasSubstr("the transfer plan has no link from sender 5 to "
                         "receiver 0 on this daemon"));
   const absl::Time deadline = absl::Now() + absl::Seconds(5);
-  for (int32_t sender : {0, 1}) {
+  for (int32_t sender : {1, 0}) {  // links in any order: each has its own
     const StreamLink link{sender, 0};
     ASSERT_TRUE(coordinator_->BeginPushStream("u1", link).ok());
     const absl::Status twice = coordinator_->BeginPushStream("u1", link);
