@@ -2127,6 +2127,7 @@ TEST_F(CoordinatorDeviceTest, PauseAndResumeAnswerWithTheEnginesNewState) {
   v1::PauseRequest pause;
   pause.set_timeout_ms(5000);
   pause.add_engine_ids("f");
+  pause.add_engine_ids("f");  // named twice: one engine
   auto paused = coordinator_->Pause(pause);
   ASSERT_TRUE(paused.ok()) << paused.status();
   ASSERT_EQ(paused->engines_size(), 1);
@@ -2754,6 +2755,21 @@ TEST_F(CoordinatorDeviceTest, StatusCarriesLayoutsOnlyWhenAsked) {
   const v1::GetStatusResponse with = coordinator_->GetStatus(true);
   ASSERT_EQ(with.engines(0).layout_size(), 1);
   EXPECT_EQ(with.engines(0).layout(0).name(), "w");
+}
+
+// An update that names an engine twice updates it once.
+TEST_F(CoordinatorDeviceTest, AnEngineNamedTwiceIsUpdatedOnce) {
+  v1::StartWeightUpdateRequest req =
+      Request(1, v1::UPDATE_MODE_STREAMING, v1::VERIFY_OFF);
+  req.add_engine_ids("e");
+  req.add_engine_ids("e");
+  auto started = coordinator_->StartWeightUpdate(req);
+  ASSERT_TRUE(started.ok()) << started.status();
+  EXPECT_THAT(started->engine_ids(), ElementsAre("e"));
+  auto done = Finish("u1");
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ(done->engines_size(), 1);
+  EXPECT_EQ(Engine().version(), 1);
 }
 
 // With --update_idle_timeout_ms=0 the watchdog still expires engines that
