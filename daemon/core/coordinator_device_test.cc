@@ -2613,7 +2613,38 @@ TEST_F(CoordinatorDeviceTest, AChunkOutsideThePlanIsRefusedByItsIndex) {
     v1::AbortWeightUpdateRequest abort;
     abort.set_update_id(id);
     ASSERT_TRUE(coordinator_->AbortWeightUpdate(abort).ok());
+    // Its status counts what arrived: nothing.
+    EXPECT_EQ(coordinator_->GetStatus(false).update().received_bytes(), 0);
   }
+  ASSERT_TRUE(Start(3, v1::UPDATE_MODE_STREAMING).ok());
+  ASSERT_TRUE(coordinator_
+                  ->PushChunk("u3", 0, std::string(64, 'w'),
+                              absl::Now() + absl::Seconds(5))
+                  .ok());
+  ASSERT_TRUE(Finish("u3").ok());
+  EXPECT_EQ(coordinator_->GetStatus(false).update().received_bytes(), 64);
+}
+
+// An engine registered with trainer uids takes updates only from those
+// trainers and root; one registered without takes them from anyone.
+TEST_F(CoordinatorDeviceTest, TrainerUidsAdmitOnlyThoseTrainersAndRoot) {
+  v1::RegisterEngineRequest r = RegisterRequest(0, 1, "f");
+  r.add_trainer_uids(1000);
+  ASSERT_TRUE(coordinator_->RegisterEngine(r).ok());
+  google::protobuf::RepeatedPtrField<std::string> f, e;
+  f.Add("f");
+  e.Add("e");
+  EXPECT_TRUE(coordinator_->CheckTrainerUid(f, 1000).ok());
+  EXPECT_TRUE(coordinator_->CheckTrainerUid(f, 0).ok());  // root
+  EXPECT_TRUE(coordinator_->CheckTrainerUid(e, 1234).ok());
+  const absl::Status other = coordinator_->CheckTrainerUid(f, 1001);
+  EXPECT_EQ(other.code(), absl::StatusCode::kPermissionDenied) << other;
+  EXPECT_THAT(other.message(),
+              HasSubstr("engine 'f' accepts updates only from trainers of uid "
+                        "1000 (and root), not uid 1001"));
+  const absl::Status all = coordinator_->CheckTrainerUid(
+      google::protobuf::RepeatedPtrField<std::string>(), 1001);
+  EXPECT_EQ(all.code(), absl::StatusCode::kPermissionDenied) << all;
 }
 
 // InitWeightTransfer's ranks lie inside its world: a negative world or
