@@ -2803,6 +2803,71 @@ TEST_F(CoordinatorDeviceTest, AnEngineNamedTwiceIsUpdatedOnce) {
   EXPECT_EQ(Engine().version(), 1);
 }
 
+// A link's stream that ends: complete, nothing happens; short of its
+// chunks, the whole update fails naming the sender and what arrived (a
+// cancelled stream fails it too, and answers nobody). An end of another
+// update's stream, of a link the plan lacks, or of an update failed
+// already, changes nothing.
+TEST_F(CoordinatorDeviceTest, ALinksStreamEndingShortFailsTheUpdate) {
+  plane_->plane_name = "host";
+  plane_->receives_own_bytes = false;
+  InitGroup(coordinator_.get(), 0);
+  absl::StatusOr<std::string> id = RegisterTwoSenders(coordinator_.get());
+  ASSERT_TRUE(id.ok()) << id.status();
+  v1::StartWeightUpdateRequest req = PlanUpdate(*id);
+  req.set_chunk_bytes(256);
+  ASSERT_TRUE(coordinator_->StartWeightUpdate(req).ok());
+  auto phase = [&] { return coordinator_->GetStatus(false).update().phase(); };
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  EXPECT_TRUE(coordinator_->PushStreamEnded("u7", false, {0, 0}).ok());
+  EXPECT_TRUE(coordinator_->PushStreamEnded("u1", false, {5, 0}).ok());
+  ASSERT_TRUE(coordinator_->BeginPushStream("u1", {0, 0}).ok());
+  ASSERT_TRUE(
+      coordinator_->PushChunk("u1", 0, std::string(32, 'w'), deadline, {0, 0})
+          .ok());
+  EXPECT_TRUE(coordinator_->PushStreamEnded("u1", false, {0, 0}).ok());
+  EXPECT_EQ(phase(), "receiving");
+  ASSERT_TRUE(coordinator_->BeginPushStream("u1", {1, 0}).ok());
+  const absl::Status short_end =
+      coordinator_->PushStreamEnded("u1", false, {1, 0});
+  EXPECT_EQ(short_end.code(), absl::StatusCode::kAborted) << short_end;
+  EXPECT_THAT(short_end.message(),
+              HasSubstr("sender 1 ended its stream mid-update after 0 of 1 "
+                        "chunks of its link to receiver 0 (update 'u1' "
+                        "failed; start it again)"));
+  EXPECT_EQ(phase(), "failed");
+  // Failed already: a later end says nothing more.
+  EXPECT_TRUE(coordinator_->PushStreamEnded("u1", false, {0, 0}).ok());
+  v1::AbortWeightUpdateRequest abort;
+  abort.set_update_id("u1");
+  ASSERT_TRUE(coordinator_->AbortWeightUpdate(abort).ok());
+  // A sender that disconnects: the update fails, and the call answers OK
+  // (nobody is left to hear it).
+  req.set_update_id("u2");
+  req.set_target_version(2);
+  ASSERT_TRUE(coordinator_->StartWeightUpdate(req).ok());
+  ASSERT_TRUE(coordinator_->BeginPushStream("u2", {0, 0}).ok());
+  EXPECT_TRUE(coordinator_->PushStreamEnded("u2", true, {0, 0}).ok());
+  EXPECT_EQ(phase(), "failed");
+  EXPECT_THAT(coordinator_->GetStatus(false).update().error(),
+              HasSubstr("sender 0 disconnected mid-update after 0 of 1 "
+                        "chunks"));
+}
+
+// Over an IPC ring the chunks are announced on a stream too: one that ends
+// before the last announcement fails the update, naming what is missing.
+TEST_F(CoordinatorDeviceTest, ARingsStreamEndingShortFailsTheUpdate) {
+  StartRingUpdate(coordinator_.get(), plane_.get(), "u1",
+                  v1::UPDATE_MODE_STREAMING);
+  ASSERT_TRUE(coordinator_->BeginPushStream("u1").ok());
+  const absl::Status s = coordinator_->PushStreamEnded("u1", false);
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+  EXPECT_THAT(s.message(), HasSubstr("the chunk stream of update 'u1' ended "
+                                     "after 0 of 1 chunks (chunks 0..0 "
+                                     "missing)"));
+  EXPECT_EQ(coordinator_->GetStatus(false).update().phase(), "failed");
+}
+
 // With --update_idle_timeout_ms=0 the watchdog still expires engines that
 // never opened their stream, at a quarter of the grace or 200 ms: it does
 // not spin.
