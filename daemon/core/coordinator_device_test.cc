@@ -2852,6 +2852,11 @@ TEST_F(CoordinatorDeviceTest, ALinksStreamEndingShortFailsTheUpdate) {
   EXPECT_THAT(coordinator_->GetStatus(false).update().error(),
               HasSubstr("sender 0 disconnected mid-update after 0 of 1 "
                         "chunks"));
+  // The other sender's stream, short too, ends on the failed update: it
+  // hears nothing more (the update's reason stays the first).
+  EXPECT_TRUE(coordinator_->PushStreamEnded("u2", false, {1, 0}).ok());
+  EXPECT_THAT(coordinator_->GetStatus(false).update().error(),
+              HasSubstr("sender 0 disconnected"));
 }
 
 // Over an IPC ring the chunks are announced on a stream too: one that ends
