@@ -2873,6 +2873,27 @@ TEST_F(CoordinatorDeviceTest, ARingsStreamEndingShortFailsTheUpdate) {
   EXPECT_EQ(coordinator_->GetStatus(false).update().phase(), "failed");
 }
 
+// CheckEngine of an engine being written refuses, saying whether its
+// update is still receiving or failed and waits to be ended.
+TEST_F(CoordinatorDeviceTest, CheckEngineOfAnEngineBeingWrittenSaysWhy) {
+  v1::CheckEngineRequest check;
+  check.set_engine_id("e");
+  ASSERT_TRUE(Start(1, v1::UPDATE_MODE_STREAMING).ok());
+  absl::Status s = coordinator_->CheckEngine(check).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(s.message(), HasSubstr("engine 'e' is being written by update "
+                                     "'u1'; check it after Finish"));
+  v1::AbortWeightUpdateRequest abort;
+  abort.set_update_id("u1");
+  ASSERT_TRUE(coordinator_->AbortWeightUpdate(abort).ok());
+  FailOverARing(coordinator_.get(), plane_.get(), 2);
+  s = coordinator_->CheckEngine(check).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(s.message(), HasSubstr("engine 'e' was being written by update "
+                                     "'u2', which failed and is not ended "
+                                     "yet"));
+}
+
 // With --update_idle_timeout_ms=0 the watchdog still expires engines that
 // never opened their stream, at a quarter of the grace or 200 ms: it does
 // not spin.
