@@ -5,7 +5,11 @@
 // chunk is staged; the commit copy under the pause), the staging budget,
 // a staged update that fails before its commit (engines untouched), the
 // receipts' defaults and failures, and transfer plans (registration, the
-// plans kept, the linked-plan cache).
+// plans kept, the linked-plan cache). Since issue 33's sweeps also the
+// rest of the core a peer or a clock meets: the idle watchdog and a
+// trainer's going (short update_idle_timeout), chunk streams and IPC
+// rings, engines lost, re-registered or faulted mid-update, Init, Pause,
+// Resume, CheckEngine and trainer uids.
 #include <sys/resource.h>
 
 #include <algorithm>
