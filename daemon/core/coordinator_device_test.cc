@@ -370,6 +370,27 @@ class CoordinatorDeviceTest : public ::testing::Test {
     EXPECT_TRUE(coordinator_->InitWeightTransfer(init).ok());
     return hold;
   }
+  // On a plane sent its chunks (the host backend's), update "u1" of two
+  // senders' plan (RegisterTwoSenders, 256-byte chunks: one per link),
+  // started; `req` is its request.
+  void StartPlanOverChunks(v1::StartWeightUpdateRequest* req);
+  // The update's status once it failed (the watchdog ended it), or after
+  // 10 s.
+  v1::UpdateStatus WaitUntilFailed() {
+    const absl::Time give_up = absl::Now() + absl::Seconds(10);
+    v1::UpdateStatus u;
+    do {
+      absl::SleepFor(absl::Milliseconds(20));
+      u = coordinator_->GetStatus(false).update();
+    } while (u.phase() != "failed" && absl::Now() < give_up);
+    return u;
+  }
+  // Options of a watchdog that ends what is idle for 1 s.
+  static CoordinatorOptions IdleOptions() {
+    CoordinatorOptions options;
+    options.update_idle_timeout = absl::Seconds(1);
+    return options;
+  }
   // Every engine's state, by id.
   std::map<std::string, v1::EngineState> States() {
     const v1::GetStatusResponse status = coordinator_->GetStatus(false);
@@ -506,6 +527,19 @@ void InitGroup(Coordinator* c, int rank_offset, bool senders_local = false) {
   init.set_rank_offset(rank_offset);
   init.set_senders_on_this_host(senders_local);
   ASSERT_TRUE(c->InitWeightTransfer(init).ok());
+}
+
+void CoordinatorDeviceTest::StartPlanOverChunks(
+    v1::StartWeightUpdateRequest* req) {
+  plane_->plane_name = "host";
+  plane_->receives_own_bytes = false;
+  InitGroup(coordinator_.get(), 0);
+  absl::StatusOr<std::string> id = RegisterTwoSenders(coordinator_.get());
+  ASSERT_TRUE(id.ok()) << id.status();
+  *req = PlanUpdate(*id);
+  req->set_chunk_bytes(256);
+  auto started = coordinator_->StartWeightUpdate(*req);
+  ASSERT_TRUE(started.ok()) << started.status();
 }
 
 TEST_F(CoordinatorDeviceTest, TransferPlanOnNcclTakesEachChunkFromItsSender) {
@@ -1890,9 +1924,7 @@ class PauseStatesTest : public CoordinatorDeviceTest {
 // A trainer that went quiet past --update_idle_timeout_ms has its pauses
 // resumed by the watchdog, and only those.
 TEST_F(PauseStatesTest, TheWatchdogResumesOnlyTheQuietTrainersCleanPauses) {
-  CoordinatorOptions options;
-  options.update_idle_timeout = absl::Seconds(1);
-  Make(options);
+  Make(IdleOptions());
   SetUpStates();
   const size_t before = log_.Get().size();
   const absl::Time give_up = absl::Now() + absl::Seconds(10);
@@ -1919,19 +1951,13 @@ TEST_F(PauseStatesTest, ATrainerGoneResumesOnlyItsCleanPauses) {
 // a short grace). An engine the same trainer paused outside the update
 // does not keep the update from ending (it is resumed after).
 TEST_F(CoordinatorDeviceTest, TheWatchdogEndsAnAbandonedUpdateSayingHow) {
-  CoordinatorOptions options;
-  options.update_idle_timeout = absl::Seconds(1);
+  CoordinatorOptions options = IdleOptions();
   options.engine_start_grace = absl::ZeroDuration();  // the idle timeout alone
   Make(options);
   auto f = AddEngine("f");
   PauseByTrainer({"f"});
   auto ended = [&](const std::string& id) {
-    const absl::Time give_up = absl::Now() + absl::Seconds(10);
-    v1::UpdateStatus u;
-    do {
-      absl::SleepFor(absl::Milliseconds(20));
-      u = coordinator_->GetStatus(false).update();
-    } while (u.phase() != "failed" && absl::Now() < give_up);
+    const v1::UpdateStatus u = WaitUntilFailed();
     EXPECT_EQ(u.update_id(), id);
     return u;
   };
@@ -2318,15 +2344,8 @@ TEST_F(CoordinatorDeviceTest, OnlySendersLinkedToThisDaemonShareItsStaging) {
 // update takes each link's chunks through its own stream: the plane is
 // handed no chunk sources and the daemon's NCCL rank does not matter.
 TEST_F(CoordinatorDeviceTest, TransferPlanOverChunksTakesEachLinksStream) {
-  plane_->plane_name = "host";
-  plane_->receives_own_bytes = false;
-  InitGroup(coordinator_.get(), 0);
-  absl::StatusOr<std::string> id = RegisterTwoSenders(coordinator_.get());
-  ASSERT_TRUE(id.ok()) << id.status();
-  v1::StartWeightUpdateRequest req = PlanUpdate(*id);
-  req.set_chunk_bytes(256);
-  auto started = coordinator_->StartWeightUpdate(req);
-  ASSERT_TRUE(started.ok()) << started.status();
+  v1::StartWeightUpdateRequest req;
+  ASSERT_NO_FATAL_FAILURE(StartPlanOverChunks(&req));
   // A link the plan does not have, or one already streaming, is refused.
   const absl::Status stranger = coordinator_->BeginPushStream("u1", {5, 0});
   EXPECT_EQ(stranger.code(), absl::StatusCode::kInvalidArgument) << stranger;
@@ -2425,9 +2444,7 @@ TEST_F(CoordinatorDeviceTest, AnEngineRegisteredAgainWhileAStartPlansIsLost) {
 // counts them) is not idle, however long its trainer says nothing; once
 // they stop, it is ended past the idle timeout, saying so.
 TEST_F(CoordinatorDeviceTest, AnUpdateWhoseBytesKeepLandingIsNotIdle) {
-  CoordinatorOptions options;
-  options.update_idle_timeout = absl::Seconds(1);
-  Make(options);
+  Make(IdleOptions());
   ASSERT_TRUE(Start(1, v1::UPDATE_MODE_STREAMING).ok());
   for (int i = 0; i < 12; ++i) {  // 2.4 s of progress, no call
     ++plane_->written;
@@ -2435,12 +2452,7 @@ TEST_F(CoordinatorDeviceTest, AnUpdateWhoseBytesKeepLandingIsNotIdle) {
     ASSERT_EQ(coordinator_->GetStatus(false).update().phase(), "receiving")
         << "after " << (i + 1) * 200 << " ms";
   }
-  const absl::Time give_up = absl::Now() + absl::Seconds(10);
-  v1::UpdateStatus u;
-  do {
-    absl::SleepFor(absl::Milliseconds(20));
-    u = coordinator_->GetStatus(false).update();
-  } while (u.phase() != "failed" && absl::Now() < give_up);
+  const v1::UpdateStatus u = WaitUntilFailed();
   EXPECT_THAT(u.error(), HasSubstr("update 'u1' abandoned: no chunk, call or "
                                    "progress from its trainer for"));
 }
@@ -2449,9 +2461,7 @@ TEST_F(CoordinatorDeviceTest, AnUpdateWhoseBytesKeepLandingIsNotIdle) {
 // the watchdog, finding the update idle, waits for the Finish in progress
 // and then finds it committed.
 TEST_F(CoordinatorDeviceTest, AFinishLongerThanTheIdleTimeoutCommits) {
-  CoordinatorOptions options;
-  options.update_idle_timeout = absl::Seconds(1);
-  Make(options);
+  Make(IdleOptions());
   ASSERT_TRUE(Start(1, v1::UPDATE_MODE_STREAMING).ok());
   plane_->on_drain = [] { absl::SleepFor(absl::Milliseconds(1600)); };
   auto done = Finish("u1");
@@ -2530,9 +2540,7 @@ TEST_F(CoordinatorDeviceTest, APausesTimeoutBoundsItsWaitForTheEngines) {
 // Any call of its trainer's keeps an update from idling, not only its
 // chunks: here RegisterSource calls while the bytes are on their way.
 TEST_F(CoordinatorDeviceTest, ATrainersCallsKeepItsUpdateFromIdling) {
-  CoordinatorOptions options;
-  options.update_idle_timeout = absl::Seconds(1);
-  Make(options);
+  Make(IdleOptions());
   ASSERT_TRUE(Start(1, v1::UPDATE_MODE_STREAMING).ok());
   v1::RegisterSourceRequest src;
   *src.add_tensors() =
@@ -2813,14 +2821,8 @@ TEST_F(CoordinatorDeviceTest, AnEngineNamedTwiceIsUpdatedOnce) {
 // update's stream, of a link the plan lacks, or of an update failed
 // already, changes nothing.
 TEST_F(CoordinatorDeviceTest, ALinksStreamEndingShortFailsTheUpdate) {
-  plane_->plane_name = "host";
-  plane_->receives_own_bytes = false;
-  InitGroup(coordinator_.get(), 0);
-  absl::StatusOr<std::string> id = RegisterTwoSenders(coordinator_.get());
-  ASSERT_TRUE(id.ok()) << id.status();
-  v1::StartWeightUpdateRequest req = PlanUpdate(*id);
-  req.set_chunk_bytes(256);
-  ASSERT_TRUE(coordinator_->StartWeightUpdate(req).ok());
+  v1::StartWeightUpdateRequest req;
+  ASSERT_NO_FATAL_FAILURE(StartPlanOverChunks(&req));
   auto phase = [&] { return coordinator_->GetStatus(false).update().phase(); };
   const absl::Time deadline = absl::Now() + absl::Seconds(5);
   EXPECT_TRUE(coordinator_->PushStreamEnded("u7", false, {0, 0}).ok());
