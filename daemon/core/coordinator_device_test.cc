@@ -2879,6 +2879,32 @@ TEST_F(CoordinatorDeviceTest, ARingsStreamEndingShortFailsTheUpdate) {
   EXPECT_EQ(coordinator_->GetStatus(false).update().phase(), "failed");
 }
 
+// An update fails once, for its first reason: a stream that then ends short
+// says nothing more, and the Abort that ends it reports (and tells the
+// metrics) that reason, once.
+TEST_F(CoordinatorDeviceTest, AnUpdateFailsOnceForItsFirstReason) {
+  std::vector<UpdateOutcome> outcomes;
+  coordinator_->set_update_listener(
+      [&](const UpdateOutcome& o) { outcomes.push_back(o); });
+  StartRingUpdate(coordinator_.get(), plane_.get(), "u1",
+                  v1::UPDATE_MODE_STREAMING);
+  ASSERT_TRUE(coordinator_->BeginPushStream("u1").ok());
+  ASSERT_FALSE(
+      coordinator_->PushChunk("u1", 7, "", absl::Now() + absl::Seconds(5))
+          .ok());
+  EXPECT_TRUE(coordinator_->PushStreamEnded("u1", false).ok());
+  v1::AbortWeightUpdateRequest abort;
+  abort.set_update_id("u1");
+  auto aborted = coordinator_->AbortWeightUpdate(abort);
+  ASSERT_TRUE(aborted.ok()) << aborted.status();
+  EXPECT_THAT(ResultsById(*aborted)["e"].message(),
+              HasSubstr("chunk 7 arrived, but the plan has 1 chunks"));
+  EXPECT_THAT(coordinator_->GetStatus(false).update().error(),
+              HasSubstr("chunk 7 arrived"));
+  ASSERT_EQ(outcomes.size(), 1u);
+  EXPECT_EQ(outcomes[0].code, absl::StatusCode::kInvalidArgument);
+}
+
 // CheckEngine of an engine being written refuses, saying whether its
 // update is still receiving or failed and waits to be ended.
 TEST_F(CoordinatorDeviceTest, CheckEngineOfAnEngineBeingWrittenSaysWhy) {
